@@ -1,0 +1,1 @@
+"""TensorIR kernels and schedule templates (installed as stof_tvm.schedules)."""

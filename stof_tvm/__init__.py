@@ -1,0 +1,1 @@
+"""stof-tvm: sparse-attention transformer inference on NVIDIA GPUs through Apache TVM."""

@@ -1,0 +1,1 @@
+"""Subcommands of the stof-tvm command line, one module each."""
