@@ -154,6 +154,8 @@ def _to_4d(array: np.ndarray, batch: int, heads: int, seq_q: int, seq_k: int) ->
         raise ValueError(f"mask must have rank 2 [S, S], 3 [B, S, S] or 4 [B, H, S, S], got shape {array.shape}")
     if array.shape[-2:] != (seq_q, seq_k):
         raise ValueError(f"mask's last two dimensions must be ({seq_q}, {seq_k}), got {array.shape[-2:]}")
+    if array.ndim == 3:                                  # [B, Sq, Sk]: one mask per batch, shared by heads
+        array = array[:, None]
     array = array.reshape((1,) * (4 - array.ndim) + array.shape)
     for axis, (name, want) in enumerate((("batch", batch), ("heads", heads))):
         if array.shape[axis] not in (1, want):
