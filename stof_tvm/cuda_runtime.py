@@ -1,0 +1,41 @@
+"""Make TVM's CUDA runtime usable when ``tvm`` was imported without its compiler library.
+
+Modules built for CUDA on a machine without a GPU carry CUDA source, compiled when they are loaded on the GPU
+machine. A runtime-only ``import tvm`` (no ``libtvm_compiler.so``, or ``TVM_USE_RUNTIME_LIB=1``) breaks that
+path twice: TVM's backend autoload is skipped, so ``libtvm_runtime_cuda.so`` (the CUDA module loader) is never
+loaded, and TVM's compile callback asks ``Target.current()``, which the runtime library does not provide.
+:func:`ensure_cuda_runtime` loads the library and, in runtime-only mode, registers a compile callback that takes
+the architecture from the GPU itself. With the full compiler present it only confirms the library is loaded.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def ensure_cuda_runtime() -> bool:
+    """Load TVM's CUDA runtime library if needed; return True when CUDA modules can be loaded."""
+    import tvm
+    import tvm.base
+    from tvm_ffi.libinfo import load_lib_ctypes
+
+    if "tvm_runtime_cuda" not in tvm.base._LOADED_LIBS:
+        runtime_dir = Path(tvm.base._LOADED_LIBS["tvm_runtime"]._name).resolve().parent
+        try:
+            tvm.base._LOADED_LIBS["tvm_runtime_cuda"] = load_lib_ctypes(
+                package="tvm", target_name="tvm_runtime_cuda", extra_lib_paths=[runtime_dir], mode="RTLD_LOCAL")
+        except (OSError, FileNotFoundError, RuntimeError):
+            return False
+    if tvm.base._RUNTIME_ONLY:
+        import tvm_ffi
+
+        tvm_ffi.register_global_func("tvm_callback_cuda_compile", _compile_for_this_gpu, override=True)
+    return True
+
+
+def _compile_for_this_gpu(code: str) -> bytes:
+    """Compile CUDA source to a cubin for GPU 0's architecture with NVRTC (TVM's nvcc path needs the compiler)."""
+    import tvm
+    from tvm.support import nvcc
+
+    arch = "sm_" + tvm.cuda(0).compute_version.replace(".", "")
+    return nvcc.compile_cuda(code, target_format="cubin", arch=arch, compiler="nvrtc")
