@@ -1,0 +1,53 @@
+"""A compiled model: the TVM executable, a JSON manifest, and the mask arrays the runtime needs.
+
+On disk (``Artifact.save(dir)``)::
+
+    dir/module.so        the Relax VM executable (export_library; CUDA kernels travel as source and are
+                         compiled by NVRTC/nvcc when loaded on a GPU machine)
+    dir/manifest.json    inputs/outputs (names, shapes, dtypes), mask inputs, the mask and its format,
+                         the kernel choice, target, tuning provenance, TVM version
+    dir/*.npy            the default mask when it was given as an array, the model's constant masks
+
+No pickle anywhere: ``.npy`` files are written and read with ``allow_pickle=False``.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+LIBRARY = "module.so"
+MANIFEST = "manifest.json"
+
+
+class Artifact:
+    """The result of :func:`stof_tvm.compile`."""
+
+    def __init__(self, executable, manifest: dict, arrays: dict[str, np.ndarray]):
+        self.executable = executable
+        self.manifest = manifest
+        self.arrays = arrays
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write the library, manifest and arrays into directory ``path`` (created if needed); return it."""
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+        self.executable.export_library(os.path.join(path, LIBRARY))
+        for name, array in self.arrays.items():
+            np.save(os.path.join(path, name), array, allow_pickle=False)
+        with open(os.path.join(path, MANIFEST), "w") as f:
+            json.dump(self.manifest, f, indent=2)
+            f.write("\n")
+        return path
+
+    def load(self, device=None):
+        """A callable :class:`~stof_tvm.runtime.CompiledModel` of this artifact, without saving it."""
+        from stof_tvm.runtime import CompiledModel, device_for
+
+        return CompiledModel(self.executable, self.manifest, self.arrays, device or device_for(self.manifest))
+
+    def __repr__(self) -> str:
+        att = self.manifest["attention"]
+        return (f"Artifact(kernel={att['kernel']['kind']!r}, target={self.manifest['target']['kind']!r}, "
+                f"batch={att['batch']}, seq_len={att['seq_q']}, dtype={self.manifest['dtype']!r})")

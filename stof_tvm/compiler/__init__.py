@@ -1,0 +1,155 @@
+"""ONNX transformer + sparse attention mask -> compiled TVM module (:func:`compile`).
+
+Steps, data flowing one way:
+
+1. load the ONNX model, refuse unsupported operators by name, import it to Relax with static shapes
+   (:mod:`.onnx_import`); float16 runs through Relax's mixed-precision pass (float32 accumulation);
+2. find every attention site with Relax dataflow patterns (:mod:`.attention_match`) and work out what the
+   model's own masking means (:mod:`.mask_sources`);
+3. normalise the user's mask, combine it with the model's constant masks, and choose the kernel and its
+   configuration from the combined mask (:mod:`.kernels`);
+4. rewrite the sites into calls of that kernel, the mask's format arrays becoming module inputs
+   (:mod:`.rewrite`);
+5. fuse, apply tuning records, schedule the rest with dlight, build (:mod:`.pipeline`).
+
+The result is an :class:`~stof_tvm.artifact.Artifact`: the executable plus a JSON manifest.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from stof_tvm.sparse_formats.masks import normalize_mask
+
+from .attention_match import find_attention_sites
+from .kernels import KERNELS, choose_kernel, kernel_primfunc
+from .mask_sources import plan_masks
+from .onnx_import import TensorSpec, import_onnx, load_model, output_names
+from .pipeline import build, make_target, optimize, target_dict
+from .rewrite import rewrite_attention
+
+DTYPES = ("float32", "float16")
+
+
+def _check_positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return int(value)
+
+
+def _output_specs(func: relax.Function, names: list[str]) -> list[TensorSpec]:
+    fields = list(func.ret_ty.fields) if isinstance(func.ret_ty, relax.TupleType) else [func.ret_ty]
+    if len(fields) != len(names):
+        raise ValueError(f"model: {len(names)} graph outputs but the imported function returns {len(fields)}")
+    specs = []
+    for name, ty in zip(names, fields):
+        shape = tuple(int(d) for d in ty.shape.values)
+        specs.append(TensorSpec(name, shape, str(ty.dtype)))
+    return specs
+
+
+def _mask_entry(mask) -> dict:
+    """Manifest entry for the user's mask: a spec string is kept as is, any other form as mask.npy."""
+    if isinstance(mask, str):
+        return {"spec": mask}
+    return {"spec": None, "array": "mask.npy", "from": "callable" if callable(mask) else "array"}
+
+
+def _mask_groups(user_mask: np.ndarray, const_keep, runtime) -> tuple[int, int]:
+    """(batch, head) groups of the combined mask: per batch/head wherever any of its parts varies."""
+    shapes = [user_mask.shape] + ([const_keep.shape] if const_keep is not None else [])
+    for source in runtime:
+        dims = tuple(int(d) for d in source.function.ret_ty.shape.values)
+        shapes.append((1,) * (4 - len(dims)) + dims)
+    return max(s[0] for s in shapes), max(s[1] for s in shapes)
+
+
+def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
+            kernel: str = "auto", tune_trials: int = 0, database: str | None = None):
+    """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
+
+    ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
+    ``normalize_mask`` accept (it becomes the module's default mask; any mask of the same kind can be passed
+    at run time). ``target``: ``"cuda"`` (sm_90), ``"llvm"`` or a TVM target dict. ``dtype``: compute dtype of
+    the model (``"float16"`` or ``"float32"``). ``kernel``: ``"auto"``, ``"block"``, ``"row"`` or ``"dense"``.
+    ``tune_trials``: MetaSchedule trials spent before building (records go to ``database``).
+    ``database``: a MetaSchedule work dir whose records are applied.
+    """
+    from stof_tvm.artifact import Artifact
+
+    batch, seq_len = _check_positive("batch", batch), _check_positive("seq_len", seq_len)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    if isinstance(tune_trials, bool) or not isinstance(tune_trials, int) or tune_trials < 0:
+        raise ValueError(f"tune_trials: expected an integer >= 0, got {tune_trials!r}")
+    if tune_trials and database is None:
+        raise ValueError("database: tuning (tune_trials > 0) needs a MetaSchedule work dir to write records to")
+    tspec = target_dict(target)
+    tvm_target = make_target(tspec)
+
+    onnx_model = load_model(model)
+    mod, inputs = import_onnx(onnx_model, batch, seq_len)
+    outputs = _output_specs(mod["main"], output_names(onnx_model))
+    mod = relax.transform.FoldConstant()(mod)
+    if dtype == "float16":
+        mod = relax.transform.FoldConstant()(relax.transform.ToMixedPrecision(out_dtype="float32")(mod))
+
+    sites = find_attention_sites(mod["main"])
+    if not sites:
+        raise ValueError("model: no attention subgraph (matmul -> softmax -> matmul over [B, H, S, D]) was found")
+    site = sites[0]
+    if len({s.scale for s in sites}) != 1:
+        raise ValueError("model: attention sites use different score scales")
+    plan = plan_masks(mod["main"], sites)
+
+    user_mask = normalize_mask(mask, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k)
+    combined = user_mask if plan.const_keep is None else user_mask & plan.const_keep
+    mask_batch, mask_heads = _mask_groups(user_mask, plan.const_keep, plan.runtime)
+    choice = choose_kernel(kernel, combined, batch=batch, heads=site.heads, head_dim=site.head_dim,
+                           dtype=site.dtype, target_kind=tspec["kind"], has_bias=plan.has_bias,
+                           mask_batch=mask_batch, mask_heads=mask_heads)
+    primfunc = None
+    if choice.kind != "dense":
+        primfunc = kernel_primfunc(choice, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k,
+                                   head_dim=site.head_dim, dtype=site.dtype, scale=site.scale,
+                                   target_kind=tspec["kind"])
+    for source in plan.runtime if choice.kind != "dense" else []:
+        mod[source.name] = source.function
+    mod, format_inputs = rewrite_attention(mod, sites, choice, primfunc)
+
+    if tune_trials:
+        from stof_tvm import tuning
+
+        tuning.tune_module(mod, target=tvm_target, work_dir=database, max_trials=tune_trials)
+    executable = build(optimize(mod, tvm_target, database), tvm_target)
+
+    mask_entry = _mask_entry(mask)
+    arrays = {}
+    if mask_entry.get("array"):
+        arrays["mask.npy"] = np.ascontiguousarray(user_mask)
+    if plan.const_keep is not None and choice.kind != "dense":
+        arrays["model_keep.npy"] = np.ascontiguousarray(plan.const_keep)
+    manifest = {
+        "format_version": 1,
+        "inputs": [s.to_json() for s in inputs],
+        "outputs": [s.to_json() for s in outputs],
+        "mask_inputs": [f.to_json() for f in format_inputs],
+        "mask": {**mask_entry, "batch": int(user_mask.shape[0]), "heads": int(user_mask.shape[1]),
+                 "seq_q": site.seq_q, "seq_k": site.seq_k,
+                 "model_keep": "model_keep.npy" if "model_keep.npy" in arrays else None,
+                 "model_terms": [s.to_json() for s in plan.runtime] if choice.kind != "dense" else []},
+        "attention": {"sites": len(sites), "batch": batch, "heads": site.heads, "seq_q": site.seq_q,
+                      "seq_k": site.seq_k, "head_dim": site.head_dim, "dtype": site.dtype, "scale": site.scale,
+                      "kernel": choice.to_json()},
+        "target": tspec,
+        "dtype": dtype,
+        "tuning": {"database": database, "trials": tune_trials},
+        "tvm_version": tvm.__version__,
+    }
+    return Artifact(executable, manifest, arrays)
+
+
+__all__ = ["compile", "DTYPES"]

@@ -1,0 +1,184 @@
+"""Find multi-head attention subgraphs in an imported Relax function.
+
+An attention site is anchored with a Relax dataflow pattern (``tvm.relax.dpl``):
+``matmul(softmax(scores, axis=-1) [-> astype], V)`` with 4-D ``[B, H, S, D]`` operands. From the softmax
+input we walk back through the forms exporters emit until the ``matmul(Q, K^T)`` that made the scores:
+
+- scaling: ``divide(s, c)`` or ``multiply(s, c)`` by a scalar constant (the scale may also sit on Q or K
+  upstream; it is then part of Q/K and the kernel scale is 1),
+- masking: ``add(s, bias)`` (Hugging Face's additive mask, a causal constant, or a position bias) and
+  ``where(cond, s, fill)`` / ``where(cond, fill, s)`` with a very negative scalar ``fill``,
+- ``astype`` casts (mixed precision puts the softmax in float32).
+
+The result lists, for each site, Q, K^T and V, the scale, and every mask term found on the way. What each
+term means (a mask or a real bias) is decided later by :mod:`stof_tvm.compiler.mask_sources`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import tvm
+from tvm import relax
+from tvm.relax.dpl import is_op, wildcard
+
+# A fill value at or below this marks a masked score (HF uses -10000 or finfo.min; fp16 may make it -inf).
+MASKED_FILL = -1.0e4
+
+_Q, _KT, _V, _SCORES = wildcard(), wildcard(), wildcard(), wildcard()
+_SOFTMAX = is_op("relax.nn.softmax")(_SCORES)
+ATTENTION_PATTERN = is_op("relax.matmul")(_SOFTMAX | is_op("relax.astype")(_SOFTMAX), _V)
+QK_PATTERN = is_op("relax.matmul")(_Q, _KT)
+
+
+@dataclasses.dataclass
+class MaskTerm:
+    """One masking step on the scores: ``kind`` is "add" (``expr`` is the added tensor) or "where"
+    (``expr`` is the boolean condition; ``keep_if_true`` says which branch holds the scores)."""
+
+    kind: str
+    expr: relax.Expr
+    keep_if_true: bool = True
+
+
+@dataclasses.dataclass
+class AttentionSite:
+    """One attention subgraph: ``var`` is bound to the weighted sum ``softmax(scores) @ V``."""
+
+    var: relax.Var
+    q: relax.Expr
+    k_t: relax.Expr
+    v: relax.Expr
+    scale: float
+    terms: list[MaskTerm]
+    batch: int
+    heads: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def shape_key(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.heads, self.seq_q, self.seq_k)
+
+
+def static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
+    """The static shape of a tensor-typed expression, or None if it is unknown or symbolic."""
+    values = getattr(getattr(expr.ty, "shape", None), "values", None)
+    if values is None or not all(isinstance(v, tvm.tirx.IntImm) for v in values):
+        return None
+    return tuple(int(v) for v in values)
+
+
+def _dtype(expr: relax.Expr) -> str:
+    return str(expr.ty.dtype)
+
+
+def scalar_value(expr: relax.Expr, var2val) -> float | None:
+    """The value of a scalar (or all-size-1) constant, looking through bindings and casts; None if not one."""
+    expr = resolve(expr, var2val)
+    while _op_name(expr) == "relax.astype":
+        expr = resolve(expr.args[0], var2val)
+    if isinstance(expr, tvm.ir.expr.Constant):
+        data = expr.value.numpy()
+        if data.size == 1:
+            return float(data.reshape(()))
+    return None
+
+
+def resolve(expr: relax.Expr, var2val) -> relax.Expr:
+    while isinstance(expr, relax.Var) and expr in var2val:
+        expr = var2val[expr]
+    return expr
+
+
+def _op_name(expr: relax.Expr) -> str | None:
+    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+        return expr.op.name
+    return None
+
+
+@dataclasses.dataclass
+class _Chain:
+    qk: relax.Call
+    scale: float
+    terms: list[MaskTerm]
+
+
+def _walk_scores(expr: relax.Expr, var2val, depth: int = 0) -> _Chain | None:
+    """Walk from the softmax input back to ``matmul(Q, K^T)``; None if the chain has another form."""
+    if depth > 32:
+        return None
+    call = resolve(expr, var2val)
+    name = _op_name(call)
+    if name is None:
+        return None
+    if name == "relax.matmul":
+        shape = static_shape(call)
+        return _Chain(call, 1.0, []) if shape is not None and len(shape) == 4 else None
+    if name == "relax.astype":
+        return _walk_scores(call.args[0], var2val, depth + 1)
+    if name in ("relax.divide", "relax.multiply"):
+        for score_side, other in ((0, 1), (1, 0)) if name == "relax.multiply" else ((0, 1),):
+            factor = scalar_value(call.args[other], var2val)
+            if factor is None or factor == 0.0:
+                continue
+            chain = _walk_scores(call.args[score_side], var2val, depth + 1)
+            if chain is not None:
+                chain.scale *= factor if name == "relax.multiply" else 1.0 / factor
+                return chain
+        return None
+    if name == "relax.add":
+        for score_side, other in ((0, 1), (1, 0)):
+            chain = _walk_scores(call.args[score_side], var2val, depth + 1)
+            if chain is not None:
+                chain.terms.append(MaskTerm("add", call.args[other]))
+                return chain
+        return None
+    if name == "relax.where":
+        cond, on_true, on_false = call.args
+        for score_side, fill, keep_if_true in ((on_true, on_false, True), (on_false, on_true, False)):
+            fill_value = scalar_value(fill, var2val)
+            if fill_value is None or fill_value > MASKED_FILL:
+                continue
+            chain = _walk_scores(score_side, var2val, depth + 1)
+            if chain is not None:
+                chain.terms.append(MaskTerm("where", cond, keep_if_true))
+                return chain
+        return None
+    return None
+
+
+def _softmax_is_last_axis(call: relax.Call) -> bool:
+    axis = int(call.attrs.axis)
+    return axis in (-1, 3)
+
+
+def find_attention_sites(func: relax.Function) -> list[AttentionSite]:
+    """All attention sites of ``func`` (bindings in program order)."""
+    var2val = relax.analysis.get_var2val(func)
+    sites = []
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            if not isinstance(binding, relax.VarBinding):
+                continue
+            matched = ATTENTION_PATTERN.extract_matched_expr(binding.value, var2val)
+            if matched is None:
+                continue
+            probs = resolve(matched[_SOFTMAX], var2val)
+            if not _softmax_is_last_axis(probs):
+                continue
+            chain = _walk_scores(matched[_SCORES], var2val)
+            if chain is None:
+                continue
+            qk = QK_PATTERN.extract_matched_expr(chain.qk, var2val)
+            q, k_t, v = qk[_Q], qk[_KT], matched[_V]
+            shapes = [static_shape(e) for e in (q, k_t, v)]
+            if any(s is None or len(s) != 4 for s in shapes):
+                continue
+            (b, h, sq, d), (_, _, dk, sk), (_, _, sv, dv) = shapes
+            if dk != d or sv != sk or dv != d or shapes[1][:2] != (b, h) or shapes[2][:2] != (b, h):
+                continue
+            sites.append(AttentionSite(binding.var, q, k_t, v, chain.scale, chain.terms, b, h, sq, sk, d,
+                                       _dtype(q)))
+    return sites

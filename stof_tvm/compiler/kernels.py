@@ -1,0 +1,107 @@
+"""Attention kernel choice and the module inputs each kernel reads.
+
+Three kernels can replace an attention site:
+
+- ``block``: the block-wise sparse kernel (schedules/attention_blockwise.py) reading the tiled format;
+- ``row``: the row-wise sparse kernel (schedules/attention_rowwise.py) reading the row-compressed format;
+- ``dense``: the site stays a dense matrix product with the mask applied as a boolean module input
+  (``where`` before and after the softmax; TVM's own schedules). It is the fallback for sites whose scores
+  carry a real bias (T5 position bias), and the "TVM default" baseline of the benchmarks.
+
+The sparse-format arrays (or the dense keep-mask) are module inputs, so one compiled module serves any mask of
+the same kind: the runtime builds the format of the mask it is given and passes the arrays.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import numpy as np
+
+KERNELS = ("auto", "block", "row", "dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatInput:
+    """A module input carrying mask data: ``shape`` entries are ints or names of symbolic sizes."""
+
+    name: str
+    shape: tuple
+    dtype: str
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+
+@dataclasses.dataclass
+class KernelChoice:
+    """The kernel used for every attention site, its configuration, and the mask inputs it reads."""
+
+    kind: str
+    config: dict
+    mask_batch: int
+    mask_heads: int
+    reason: str
+
+    def format_inputs(self, seq_q: int, seq_k: int) -> list[FormatInput]:
+        groups = self.mask_batch * self.mask_heads
+        if self.kind == "dense":
+            return [FormatInput("stof_keep", (self.mask_batch, self.mask_heads, seq_q, seq_k), "bool")]
+        if self.kind == "row":
+            return [FormatInput("stof_indptr", (groups * seq_q + 1,), "int32"),
+                    FormatInput("stof_indices", ("nnz",), "int32")]
+        bm, bn = self.config["block_m"], self.config["block_n"]
+        rows = groups * (-(-seq_q // bm)) + 1
+        return [FormatInput("stof_full_indptr", (rows,), "int32"),
+                FormatInput("stof_full_indices", ("n_full",), "int32"),
+                FormatInput("stof_part_indptr", (rows,), "int32"),
+                FormatInput("stof_part_indices", ("n_part",), "int32"),
+                FormatInput("stof_part_bitmaps", ("n_part", bm // 8, bn // 8), "uint64")]
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "config": self.config, "mask_batch": self.mask_batch,
+                "mask_heads": self.mask_heads, "reason": self.reason}
+
+
+_SPARSE_MODULES = {"row": "stof_tvm.schedules.attention_rowwise", "block": "stof_tvm.schedules.attention_blockwise"}
+_SPARSE_BUILDERS = {"row": "rowwise_attention_primfunc", "block": "blockwise_attention_primfunc"}
+
+
+def sparse_kernel_available(kind: str) -> bool:
+    """Whether the sparse kernel ``kind`` ("row" or "block") is importable in this installation."""
+    try:
+        importlib.import_module(_SPARSE_MODULES[kind])
+    except ImportError:
+        return False
+    return True
+
+
+def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int, head_dim: int, dtype: str,
+                  target_kind: str, has_bias: bool, mask_batch: int, mask_heads: int) -> KernelChoice:
+    """Pick the kernel and its configuration for sites of this shape under the (combined) mask ``mask4d``."""
+    if requested not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {requested!r}")
+    if has_bias:
+        if requested not in ("auto", "dense"):
+            raise ValueError(f"kernel: {requested!r} cannot apply the model's additive attention bias (it is not a "
+                             "mask); use kernel='dense' or 'auto'")
+        return KernelChoice("dense", {}, mask_batch, mask_heads, "scores carry a real bias (not a mask)")
+    if requested == "dense":
+        return KernelChoice("dense", {}, mask_batch, mask_heads, "requested")
+    from stof_tvm import attention
+
+    choice = attention.choose_kernel(mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
+                                     target_kind=target_kind,
+                                     kernel=None if requested == "auto" else requested)
+    return KernelChoice(choice.kind, dict(choice.config), mask_batch, mask_heads,
+                        "requested" if requested != "auto" else choice.reason)
+
+
+def kernel_primfunc(choice: KernelChoice, *, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int,
+                    dtype: str, scale: float, target_kind: str):
+    """The TensorIR PrimFunc of a sparse ``choice`` for one site shape (params: q, k, v, format arrays, out)."""
+    module = importlib.import_module(_SPARSE_MODULES[choice.kind])
+    build = getattr(module, _SPARSE_BUILDERS[choice.kind])
+    return build(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim, dtype=dtype,
+                 mask_batch=choice.mask_batch, mask_heads=choice.mask_heads, scale=scale, config=choice.config,
+                 target_kind=target_kind)

@@ -1,0 +1,136 @@
+"""Decide what each masking term found on the attention scores means, and where its values come from.
+
+A term is either a *mask* (every added value is 0 or at most ``MASKED_FILL``; a ``where`` with a very negative
+fill) or a real *bias* (a T5-style position bias: any other values). Masks are folded into the sparse mask:
+
+- a term that depends on no model input (a causal constant, a sliced causal buffer) is evaluated now and
+  stored in the artifact as a boolean "keep" array;
+- a term computed from model inputs (Hugging Face's ``attention_mask`` padding) is extracted into its own
+  Relax function of those inputs. The runtime calls it, checks that its values are a mask, and ANDs the result
+  into the user's mask before building the sparse format (see :mod:`stof_tvm.runtime`).
+
+A real bias cannot be expressed as a mask: such sites keep the dense masked form (kernel "dense").
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm import relax
+
+from .attention_match import MASKED_FILL, AttentionSite, MaskTerm, resolve
+
+
+@dataclasses.dataclass
+class RuntimeSource:
+    """A mask term computed from model inputs: Relax function ``name`` maps ``inputs`` to the term."""
+
+    name: str
+    inputs: list[str]
+    kind: str
+    keep_if_true: bool
+    function: relax.Function
+
+    def to_json(self) -> dict:
+        return {"function": self.name, "inputs": self.inputs, "kind": self.kind, "keep_if_true": self.keep_if_true}
+
+
+@dataclasses.dataclass
+class MaskPlan:
+    """The model's own masking, common to every attention site.
+
+    ``const_keep``: boolean array broadcastable to ``[B, H, Sq, Sk]`` (4-D) or None; ``runtime``: sources
+    evaluated at run time; ``has_bias``: some term is a real bias, so the sites must stay dense.
+    """
+
+    const_keep: np.ndarray | None
+    runtime: list[RuntimeSource]
+    has_bias: bool
+
+
+def _upstream_vars(expr: relax.Expr, var2val) -> set:
+    """Every variable ``expr`` reads, directly or through bindings (bound variables and parameters)."""
+    found, stack = set(), [expr]
+    while stack:
+        node = stack.pop()
+        for var in [node] if isinstance(node, relax.Var) else relax.analysis.free_vars(node):
+            if var not in found:
+                found.add(var)
+                if var in var2val:
+                    stack.append(var2val[var])
+    return found
+
+
+def _constant_value(expr: relax.Expr, var2val) -> np.ndarray | None:
+    value = resolve(expr, var2val)
+    if isinstance(value, tvm.ir.expr.Constant):
+        return value.value.numpy()
+    return None
+
+
+def _as_4d(array: np.ndarray) -> np.ndarray:
+    if array.ndim > 4:
+        raise ValueError(f"attention mask term has rank {array.ndim}; expected at most 4")
+    return array.reshape((1,) * (4 - array.ndim) + array.shape)
+
+
+def additive_keep(values: np.ndarray) -> np.ndarray | None:
+    """Keep-mask of an additive term whose values are all 0 or <= MASKED_FILL; None if it is a real bias."""
+    kept, masked = values == 0, values <= MASKED_FILL
+    if not np.all(kept | masked):
+        return None
+    return kept
+
+
+def _extract_function(func: relax.Function, expr: relax.Expr, upstream: set, name: str) -> relax.Function:
+    """A new Relax function computing ``expr`` (reading the variables ``upstream``) from ``func``'s parameters."""
+    bindings = [b for block in func.body.blocks for b in block.bindings if b.var in upstream]
+    out = relax.Var(name + "_out", expr.ty)
+    bindings.append(relax.VarBinding(out, expr))
+    params = [p for p in func.params if p in upstream]
+    body = relax.SeqExpr([relax.DataflowBlock(bindings)], out)
+    extracted = relax.Function(params, body, expr.ty, is_pure=True)
+    return relax.utils.copy_with_new_vars(extracted).with_attr("global_symbol", name)
+
+
+def _same_terms(a: list[MaskTerm], b: list[MaskTerm], var2val) -> bool:
+    """True when two sites mask their scores identically (the same variables, or equal constants)."""
+    return len(a) == len(b) and all(
+        x.kind == y.kind and x.keep_if_true == y.keep_if_true
+        and (x.expr.same_as(y.expr) or tvm_ffi.structural_equal(resolve(x.expr, var2val), resolve(y.expr, var2val)))
+        for x, y in zip(a, b))
+
+
+def plan_masks(func: relax.Function, sites: list[AttentionSite]) -> MaskPlan:
+    """Classify the masking terms of ``sites`` (which must all share them) into a :class:`MaskPlan`."""
+    var2val = relax.analysis.get_var2val(func)
+    first = sites[0]
+    for site in sites[1:]:
+        if site.shape_key != first.shape_key or not _same_terms(site.terms, first.terms, var2val):
+            raise ValueError("model: attention sites differ in shape or in their own masking; stof-tvm supports "
+                             "one mask shared by every attention layer (encoders and decoder-only models)")
+    const_keep, runtime, has_bias = None, [], False
+    for index, term in enumerate(first.terms):
+        upstream = _upstream_vars(term.expr, var2val)
+        inputs = [p.name for p in func.params if p in upstream]
+        if inputs:
+            name = f"stof_mask_term{index}"
+            runtime.append(RuntimeSource(name, inputs, term.kind, term.keep_if_true,
+                                         _extract_function(func, term.expr, upstream, name)))
+            continue
+        values = _constant_value(term.expr, var2val)
+        if values is None:
+            raise ValueError(f"model: the attention mask term {term.expr} depends on no input but did not fold to "
+                             "a constant")
+        if term.kind == "where":
+            keep = values.astype(bool) if term.keep_if_true else ~values.astype(bool)
+        else:
+            keep = additive_keep(values)
+            if keep is None:
+                has_bias = True
+                continue
+        keep = _as_4d(keep)
+        const_keep = keep if const_keep is None else const_keep & keep
+    return MaskPlan(const_keep, runtime, has_bias)

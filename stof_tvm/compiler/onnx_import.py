@@ -1,0 +1,113 @@
+"""Load an ONNX model, check its operators, fix its symbolic dims, and import it into Relax.
+
+Symbolic input dims are resolved by name: a dim called like a batch (``batch``, ``batch_size``, ``N``...)
+becomes ``batch``; one called like a sequence (``sequence``, ``seq_len``, ``tokens``...) becomes ``seq_len``.
+Inputs whose dims are already static must agree with the requested sizes where a dim is named so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+_BATCH_NAMES = {"batch", "batch_size", "batchsize", "n", "b", "bs"}
+_SEQ_NAMES = {"sequence", "sequence_length", "seq", "seq_len", "seqlen", "tokens", "s", "length"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """Name, static shape and dtype of a model input or output."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "TensorSpec":
+        return cls(obj["name"], tuple(int(d) for d in obj["shape"]), obj["dtype"])
+
+
+def load_model(model) -> onnx.ModelProto:
+    """Accept a path (str or os.PathLike) or an ``onnx.ModelProto``; return the ModelProto."""
+    if isinstance(model, onnx.ModelProto):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        if not os.path.isfile(model):
+            raise FileNotFoundError(f"model: no ONNX file at {os.fspath(model)!r}")
+        return onnx.load(os.fspath(model))
+    raise TypeError(f"model: expected a path to an .onnx file or an onnx.ModelProto, got {type(model).__name__}")
+
+
+def check_supported_ops(model: onnx.ModelProto) -> None:
+    """Raise ValueError naming every operator of ``model`` that TVM's ONNX frontend cannot convert."""
+    from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
+
+    known = set(_get_convert_map()) | {"Constant", "If"}
+    unsupported: dict[str, str] = {}
+    for node in model.graph.node:
+        if node.op_type not in known and node.domain in ("", "ai.onnx"):
+            unsupported.setdefault(node.op_type, node.name or node.output[0])
+        elif node.domain not in ("", "ai.onnx"):
+            unsupported.setdefault(f"{node.domain}::{node.op_type}", node.name or node.output[0])
+    if unsupported:
+        listing = ", ".join(f"{op} (first at node {where!r})" for op, where in sorted(unsupported.items()))
+        raise ValueError(f"model: unsupported ONNX operator(s): {listing}")
+
+
+def _dtype_name(elem_type: int) -> str:
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)).name
+
+
+def _graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    initializers = {t.name for t in model.graph.initializer}
+    return [vi for vi in model.graph.input if vi.name not in initializers]
+
+
+def _resolve_dim(dim, tensor: str, axis: int, batch: int, seq_len: int) -> int:
+    if dim.HasField("dim_value"):
+        return int(dim.dim_value)
+    name = dim.dim_param.strip().lower()
+    if name in _BATCH_NAMES:
+        return batch
+    if name in _SEQ_NAMES:
+        return seq_len
+    if not name and axis == 0:
+        return batch
+    if not name and axis == 1:
+        return seq_len
+    raise ValueError(f"model: cannot resolve dim {axis} ({dim.dim_param!r}) of input {tensor!r} from "
+                     f"batch/seq_len; name it like 'batch' or 'sequence'")
+
+
+def input_specs(model: onnx.ModelProto, batch: int, seq_len: int) -> list[TensorSpec]:
+    """The model's real inputs (initializers excluded) with static shapes for ``batch`` and ``seq_len``."""
+    specs = []
+    for vi in _graph_inputs(model):
+        ttype = vi.type.tensor_type
+        shape = tuple(_resolve_dim(d, vi.name, i, batch, seq_len) for i, d in enumerate(ttype.shape.dim))
+        specs.append(TensorSpec(vi.name, shape, _dtype_name(ttype.elem_type)))
+    return specs
+
+
+def import_onnx(model: onnx.ModelProto, batch: int, seq_len: int):
+    """Check operators and import to Relax with static shapes. Returns ``(IRModule, [TensorSpec])``."""
+    from tvm.relax.frontend.onnx import from_onnx
+
+    check_supported_ops(model)
+    specs = input_specs(model, batch, seq_len)
+    mod = from_onnx(model, shape_dict={s.name: list(s.shape) for s in specs},
+                    dtype_dict={s.name: s.dtype for s in specs}, sanitize_input_names=False)
+    return mod, specs
+
+
+def output_names(model: onnx.ModelProto) -> list[str]:
+    return [o.name for o in model.graph.output]
+
+
+FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}

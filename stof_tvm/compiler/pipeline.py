@@ -1,0 +1,74 @@
+"""Targets and the build pipeline that turns the rewritten Relax module into an executable.
+
+Everything that is not attention goes through TVM's own Relax pipeline: legalization, operator fusion
+(``FuseOps``/``FuseTIR``), tuning records from a MetaSchedule database where given, then dlight's default GPU
+schedules for the functions no record covered (CUDA only; on the CPU TVM's default lowering is used). Our
+attention kernels arrive already scheduled (``tirx.is_scheduled``), so dlight leaves them alone.
+"""
+from __future__ import annotations
+
+import os
+
+import tvm
+from tvm import relax
+
+CUDA_DEFAULTS = {"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024,
+                 "max_shared_memory_per_block": 232448}
+
+
+def target_dict(target) -> dict:
+    """Normalise ``"cuda"``, ``"llvm"`` or a TVM target dict into a plain dict (kept in the manifest)."""
+    if isinstance(target, str):
+        if target == "cuda":
+            return dict(CUDA_DEFAULTS)
+        if target == "llvm":
+            return {"kind": "llvm"}
+        raise ValueError(f"target: expected 'cuda', 'llvm' or a TVM target dict, got {target!r}")
+    if isinstance(target, dict):
+        if target.get("kind") not in ("cuda", "llvm"):
+            raise ValueError(f"target: the dict's 'kind' must be 'cuda' or 'llvm', got {target.get('kind')!r}")
+        merged = {**CUDA_DEFAULTS, **target} if target["kind"] == "cuda" else dict(target)
+        return {k: v for k, v in merged.items() if k != "host"}
+    raise TypeError(f"target: expected a string or a dict, got {type(target).__name__}")
+
+
+def make_target(spec: dict) -> tvm.target.Target:
+    if spec["kind"] == "cuda":
+        return tvm.target.Target(spec, host={"kind": "llvm"})
+    return tvm.target.Target(spec)
+
+
+def optimize(mod: tvm.IRModule, target: tvm.target.Target, database: str | None) -> tvm.IRModule:
+    """Legalize and fuse; apply MetaSchedule records from ``database``; dlight for the rest on CUDA."""
+    passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+              relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
+              relax.transform.DeadCodeElimination()]
+    if database is not None:
+        if not os.path.isdir(database):
+            raise FileNotFoundError(f"database: no MetaSchedule work dir at {database!r}")
+        passes.append(relax.transform.MetaScheduleApplyDatabase(work_dir=database))
+    if target.kind.name == "cuda":
+        from tvm.s_tir import dlight as dl
+
+        passes.append(dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                              dl.gpu.GeneralReduction(), dl.gpu.Fallback()))
+    with target, tvm.transform.PassContext(opt_level=3):
+        return tvm.transform.Sequential(passes)(mod)
+
+
+def build(mod: tvm.IRModule, target: tvm.target.Target):
+    """Compile the optimised module into a Relax VM executable; CUDA builds must contain device code."""
+    with tvm.transform.PassContext(opt_level=3):
+        executable = tvm.compile(mod, target=target)
+    if target.kind.name == "cuda" and "cuda" not in _import_kinds(executable.mod):
+        raise RuntimeError("build produced no CUDA device code (a kernel without thread bindings?)")
+    return executable
+
+
+def _import_kinds(module) -> set[str]:
+    kinds, stack = set(), [module]
+    while stack:
+        current = stack.pop()
+        kinds.add(current.kind)
+        stack.extend(current.imports)
+    return kinds

@@ -1,0 +1,83 @@
+"""Replace the attention sites of ``main`` with the chosen kernel, adding the mask inputs as parameters.
+
+The mask inputs (sparse-format arrays, or the dense keep-mask) are appended to ``main``'s parameters after the
+model's own inputs, with symbolic sizes where the format's length depends on the mask (``nnz``, ``n_full``,
+``n_part``). Each site is found again with the same dataflow pattern that located it
+(:data:`~stof_tvm.compiler.attention_match.ATTENTION_PATTERN`, applied with ``rewrite_call``) and becomes:
+
+- sparse kernels: ``call_tir(kernel, [Q, K, V, *format arrays])`` with ``K = permute_dims(K^T)`` (fused by
+  TVM into the producer's layout transform);
+- dense: ``matmul(where(keep, softmax(where(keep, scores, lowest)), 0), V)``, so rows with no kept key
+  give zeros exactly like the sparse kernels.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm.relax.dpl import rewrite_call
+
+from .attention_match import _SCORES, _SOFTMAX, _V, ATTENTION_PATTERN, AttentionSite
+from .kernels import FormatInput, KernelChoice
+
+
+def _relax_param(spec: FormatInput, sizes: dict) -> relax.Var:
+    dims = []
+    for dim in spec.shape:
+        if isinstance(dim, str):
+            sizes.setdefault(dim, tvm.tirx.Var(dim, "int64"))
+            dims.append(sizes[dim])
+        else:
+            dims.append(int(dim))
+    return relax.Var(spec.name, relax.TensorType(dims, spec.dtype))
+
+
+def _lowest(dtype: str) -> relax.Expr:
+    return relax.const(float(tvm.tirx.min_value(dtype).value), dtype)
+
+
+def _dense_replacement(expr: relax.Call, matches, keep: relax.Var) -> relax.Expr:
+    scores = matches[_SCORES]
+    softmax = matches[_SOFTMAX]
+    masked = relax.op.where(keep, scores, _lowest(str(scores.ty.dtype)))
+    probs = relax.op.nn.softmax(masked, axis=int(softmax.attrs.axis))
+    probs = relax.op.where(keep, probs, relax.const(0.0, str(softmax.ty.dtype)))
+    probs = relax.op.astype(probs, str(matches[_V].ty.dtype))
+    return relax.op.matmul(probs, matches[_V], out_dtype=str(expr.ty.dtype))
+
+
+def rewrite_attention(mod: tvm.IRModule, sites: list[AttentionSite], choice: KernelChoice, kernel) -> tuple:
+    """Rewrite ``mod["main"]`` in place; ``kernel`` is the sparse PrimFunc (None for dense), added to ``mod``.
+
+    Returns ``(new module, [FormatInput])`` with the format inputs in parameter order.
+    """
+    func = mod["main"]
+    first = sites[0]
+    specs = choice.format_inputs(first.seq_q, first.seq_k)
+    sizes: dict = {}
+    params = [_relax_param(spec, sizes) for spec in specs]
+    var2val = relax.analysis.get_var2val(func)
+    site_values = [var2val[site.var] for site in sites]
+
+    if kernel is not None:
+        kernel_gv = tvm.ir.GlobalVar("stof_attention_" + choice.kind)
+        mod[kernel_gv] = kernel.with_attr("global_symbol", kernel_gv.name_hint)
+
+    def rewriter(expr: relax.Call, matches) -> relax.Expr:
+        if not any(expr.same_as(value) for value in site_values):
+            return expr
+        site = sites[next(i for i, value in enumerate(site_values) if expr.same_as(value))]
+        if kernel is None:
+            return _dense_replacement(expr, matches, params[0])
+        k = relax.op.permute_dims(site.k_t, [0, 1, 3, 2])
+        out_ty = relax.TensorType([site.batch, site.heads, site.seq_q, site.head_dim], site.dtype)
+        out = relax.call_tir(kernel_gv, [site.q, k, site.v, *params], out_ty=out_ty)
+        if str(expr.ty.dtype) != site.dtype:
+            out = relax.op.astype(out, str(expr.ty.dtype))
+        return out
+
+    num_input = len(func.params)
+    extended = relax.Function(list(func.params) + params, func.body, func.ret_ty, func.is_pure, func.attrs)
+    extended = extended.with_attr("num_input", num_input + len(params))
+    rewritten = rewrite_call(ATTENTION_PATTERN, rewriter, extended)
+    mod["main"] = rewritten
+    return mod, specs

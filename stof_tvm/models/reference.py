@@ -1,0 +1,106 @@
+"""Reference outputs for a compiled model: the ONNX model itself, with the sparse mask applied, evaluated
+by ``onnx.reference.ReferenceEvaluator`` (numpy, float32).
+
+The mask is imposed where stof-tvm imposes it: on the input and output of every attention Softmax (a
+Softmax over the last axis of a rank-4 ``[B, H, Sq, Sk]`` tensor). Before it, masked scores are replaced by
+the lowest float; after it, masked probabilities are zeroed, so rows with no kept key give zero output.
+The model's own masking (padding, causal constants) stays as it is in the graph.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper, shape_inference
+
+
+def _static_copy(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """A copy of ``model`` whose graph inputs have the static shapes of ``feeds``, shapes inferred."""
+    static = onnx.ModelProto()
+    static.CopyFrom(model)
+    for vi in static.graph.input:
+        if vi.name in feeds:
+            dims = vi.type.tensor_type.shape.dim
+            for dim, size in zip(dims, feeds[vi.name].shape):
+                dim.Clear()
+                dim.dim_value = int(size)
+    return shape_inference.infer_shapes(static)
+
+
+def _rank4_softmax_inputs(model: onnx.ModelProto) -> set[str]:
+    ranks = {}
+    for vi in list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output):
+        if vi.type.tensor_type.HasField("shape"):
+            ranks[vi.name] = len(vi.type.tensor_type.shape.dim)
+    found = set()
+    for node in model.graph.node:
+        if node.op_type != "Softmax":
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
+        if ranks.get(node.input[0]) == 4 and axis in (-1, 3):
+            found.add(node.output[0])
+    return found
+
+
+def masked_model(model: onnx.ModelProto, keep: np.ndarray, feeds: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """``model`` with the boolean ``keep`` mask (broadcastable to [B, H, Sq, Sk]) applied at every attention
+    Softmax; raises ValueError if the model has none."""
+    static = _static_copy(model, feeds)
+    targets = _rank4_softmax_inputs(static)
+    if not targets:
+        raise ValueError("model: no attention Softmax over a rank-4 tensor found for the reference")
+    keep_name, low_name, zero_name = "stof_ref_keep", "stof_ref_lowest", "stof_ref_zero"
+    nodes = []
+    for node in static.graph.node:
+        if node.op_type == "Softmax" and node.output[0] in targets:
+            masked_in, raw_out = node.input[0] + "_stof_masked", node.output[0] + "_stof_raw"
+            nodes.append(helper.make_node("Where", [keep_name, node.input[0], low_name], [masked_in]))
+            softmax = onnx.NodeProto()
+            softmax.CopyFrom(node)
+            softmax.input[0], softmax.output[0] = masked_in, raw_out
+            nodes.append(softmax)
+            nodes.append(helper.make_node("Where", [keep_name, raw_out, zero_name], [node.output[0]]))
+        else:
+            nodes.append(node)
+    del static.graph.node[:]
+    static.graph.node.extend(nodes)
+    static.graph.initializer.extend([
+        numpy_helper.from_array(np.ascontiguousarray(keep, dtype=bool), keep_name),
+        numpy_helper.from_array(np.array(np.finfo(np.float32).min, np.float32), low_name),
+        numpy_helper.from_array(np.array(0.0, np.float32), zero_name)])
+    return static
+
+
+def reference_outputs(model: onnx.ModelProto, keep: np.ndarray, feeds: dict[str, np.ndarray]) -> dict:
+    """Outputs of ``model`` under ``keep`` for ``feeds``, from onnx's reference evaluator."""
+    from onnx.reference import ReferenceEvaluator
+
+    masked = masked_model(model, keep, feeds)
+    names = [o.name for o in masked.graph.output]
+    values = ReferenceEvaluator(masked).run(None, feeds)
+    return dict(zip(names, values))
+
+
+def _embedding_rows(model: onnx.ModelProto, name: str) -> int | None:
+    """Rows of the embedding table that input ``name`` indexes (a Gather of an initializer), if any."""
+    dims = {t.name: list(t.dims) for t in model.graph.initializer}
+    sizes = [dims[n.input[0]][0] for n in model.graph.node
+             if n.op_type == "Gather" and n.input[1] == name and n.input[0] in dims]
+    return min(sizes) if sizes else None
+
+
+def random_inputs(model: onnx.ModelProto, shapes: dict[str, tuple], *, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random feeds for ``model``: valid token ids for integer inputs that index an embedding, all ones for
+    other integer inputs (attention masks), normal floats otherwise."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for vi in model.graph.input:
+        if vi.name not in shapes:
+            continue
+        shape, elem = shapes[vi.name], vi.type.tensor_type.elem_type
+        dtype = helper.tensor_dtype_to_np_dtype(elem)
+        if np.issubdtype(dtype, np.integer):
+            rows = _embedding_rows(model, vi.name)
+            feeds[vi.name] = (rng.integers(0, rows, shape) if rows else np.ones(shape)).astype(dtype)
+        else:
+            feeds[vi.name] = rng.standard_normal(shape).astype(dtype)
+    return feeds
