@@ -1,0 +1,353 @@
+"""Sparse multi-head attention as a Python API: ``sparse_attention`` and the plan-once/run-many ``AttentionPlan``.
+
+The data flow is design.md's: mask (any form :func:`stof_tvm.make_mask` / :func:`normalize_mask` accepts) ->
+normalised ``[Bm, Hm, Sq, Sk]`` mask -> kernel choice (:func:`choose_kernel`) -> sparse format (row-compressed
+or tiled) -> compiled TensorIR kernel (cached per problem, kernel, configuration and target) -> run.
+
+Inputs are ``[B, H, S, D]`` numpy arrays or torch tensors (float16 or bfloat16; float32 too on the CPU). A torch
+CUDA tensor goes to the kernel through DLPack with no copy, on torch's current stream, and the output is a torch
+tensor on the same device; numpy inputs are copied to the target's device and the output comes back as numpy.
+
+A plan can be saved (:meth:`AttentionPlan.save`) and loaded (:meth:`AttentionPlan.load`) with TVM's runtime
+alone, e.g. built on a CPU machine for CUDA and run on the GPU machine. This module imports TVM's compiler
+(``tvm.target``, the TensorIR kernels) only when it compiles.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import tvm
+
+from stof_tvm.sparse_formats.masks import normalize_mask
+from stof_tvm.sparse_formats.rows import build_rows
+from stof_tvm.sparse_formats.stats import mask_stats, stof_rule
+from stof_tvm.sparse_formats.tiled import build_tiled
+
+__all__ = ["sparse_attention", "AttentionPlan", "choose_kernel", "resolve_target", "KERNELS", "clear_kernel_cache"]
+
+KERNELS = ("auto", "row", "block")
+_SYMBOLS = {"row": "rowwise_attention", "block": "blockwise_attention"}
+_CUDA_DTYPES = ("float16", "bfloat16")
+_CPU_DTYPES = ("float16", "bfloat16", "float32")
+_HEAD_DIMS = (64, 128)
+_LIBRARY, _PLAN_FILE = "kernel.so", "plan.json"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything a compiled kernel is specialised to, apart from the mask's contents."""
+
+    batch: int
+    heads: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    dtype: str
+    mask_batch: int
+    mask_heads: int
+    scale: float
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel choice and targets
+
+def choose_kernel(mask: np.ndarray, *, batch: int, heads: int, head_dim: int, dtype: str, target_kind: str) -> str:
+    """Pick ``"row"`` or ``"block"`` for a normalised ``[Bm, Hm, Sq, Sk]`` mask.
+
+    Today this is STOF's rule (design.md 1A: block-wise iff the share of non-empty 16x16 blocks rho >=
+    1/log2(S/16)^2). It is the single place the analytical model plugs in, hence the problem arguments the
+    rule itself ignores. float32 (CPU only) has only the row-wise kernel.
+    """
+    if dtype not in _CUDA_DTYPES:
+        return "row"
+    return stof_rule(mask_stats(mask, tile_shapes=((16, 16),)))
+
+
+def resolve_target(target=None):
+    """A ``tvm.target.Target`` from None (cuda when a GPU is present, else llvm), a kind, a dict or a Target.
+
+    CUDA targets without an ``arch`` get the present GPU's; with no GPU present that is an error.
+    """
+    from tvm.target import Target
+
+    if target is None:
+        target = "cuda" if tvm.cuda(0).exist else "llvm"
+    if isinstance(target, Target):
+        target = json.loads(str(target))
+    if isinstance(target, str):
+        target = {"kind": target}
+    if not isinstance(target, dict) or "kind" not in target:
+        raise TypeError(f"target must be None, 'cuda', 'llvm', a target dict or a tvm Target, got {target!r}")
+    target = dict(target)
+    target.pop("host", None)
+    if target["kind"] == "llvm":
+        return Target(target)
+    if target["kind"] != "cuda":
+        raise ValueError(f"target kind must be 'cuda' or 'llvm', got {target['kind']!r}")
+    if "arch" not in target:
+        if not tvm.cuda(0).exist:
+            raise ValueError("target: a CUDA target without 'arch' needs a GPU to read it from, and none is "
+                             "present (give {'kind': 'cuda', 'arch': 'sm_90'} to build for another machine)")
+        target["arch"] = "sm_" + tvm.cuda(0).compute_version.replace(".", "")
+    target.setdefault("max_threads_per_block", 1024)
+    target.setdefault("max_shared_memory_per_block", 232448 if target["arch"].startswith("sm_9") else 166912)
+    return Target(target, host={"kind": "llvm"})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compiled-kernel cache
+
+_KERNEL_CACHE: dict[tuple, object] = {}
+
+
+def clear_kernel_cache() -> None:
+    """Forget every compiled kernel (the next plan of each kind compiles again)."""
+    _KERNEL_CACHE.clear()
+
+
+def _default_config(kernel: str, problem: Problem, target_kind: str):
+    if kernel == "row":
+        from stof_tvm.schedules.attention_rowwise import default_row_config
+        return default_row_config(problem.head_dim, problem.dtype, target_kind)
+    from stof_tvm.schedules.attention_blockwise import default_block_config
+    return default_block_config(problem.head_dim, problem.dtype, problem.seq_q)
+
+
+def _compiled_kernel(kernel: str, problem: Problem, config, target):
+    """The compiled module of ``kernel`` for this problem, config and target: built once, then reused."""
+    key = (kernel, problem, config, str(target))
+    if key not in _KERNEL_CACHE:
+        if kernel == "row":
+            from stof_tvm.schedules.attention_rowwise import rowwise_attention_primfunc as make_primfunc
+        else:
+            from stof_tvm.schedules.attention_blockwise import blockwise_attention_primfunc as make_primfunc
+        func = make_primfunc(**asdict(problem), config=config, target_kind=target.kind.name)
+        _KERNEL_CACHE[key] = tvm.compile(func, target=target)
+    return _KERNEL_CACHE[key]
+
+
+def _format_arrays(kernel: str, mask: np.ndarray, config) -> list[np.ndarray]:
+    """The kernel's format arguments (between v and out), in parameter order; empty lists get one dummy entry
+    (never read: the row pointers say the lists are empty)."""
+    if kernel == "row":
+        fmt = build_rows(mask)
+        arrays = [fmt.indptr, fmt.indices]
+    else:
+        fmt = build_tiled(mask, config.block_m, config.block_n)
+        arrays = [fmt.full_indptr, fmt.full_indices, fmt.part_indptr, fmt.part_indices, fmt.part_bitmaps]
+    return [a if a.shape[0] else np.zeros((1,) + a.shape[1:], a.dtype) for a in arrays]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tensors in and out
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def _dtype_name(x) -> str:
+    return str(x.dtype).removeprefix("torch.")
+
+
+def _check_inputs(q, k, v, problem: Problem) -> None:
+    kinds = {_is_torch(t) for t in (q, k, v)}
+    if len(kinds) != 1 or not (_is_torch(q) or all(isinstance(t, np.ndarray) for t in (q, k, v))):
+        raise TypeError("q, k and v must all be numpy arrays or all be torch tensors, got "
+                        f"{type(q).__name__}, {type(k).__name__}, {type(v).__name__}")
+    p = problem
+    want = {"q": (p.batch, p.heads, p.seq_q, p.head_dim), "k": (p.batch, p.heads, p.seq_k, p.head_dim),
+            "v": (p.batch, p.heads, p.seq_k, p.head_dim)}
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        if tuple(tensor.shape) != want[name]:
+            raise ValueError(f"{name} must have shape {want[name]} ([B, H, S, D]), got {tuple(tensor.shape)}")
+        if _dtype_name(tensor) != p.dtype:
+            raise TypeError(f"{name} must have dtype {p.dtype} like the plan, got {_dtype_name(tensor)}")
+    if _is_torch(q) and len({str(t.device) for t in (q, k, v)}) != 1:
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
+def _torch_to_tvm(t):
+    """Share a torch tensor's memory with TVM (DLPack); copy only when it is not contiguous or 64-byte aligned."""
+    if not t.is_contiguous() or t.data_ptr() % 64:
+        t = t.contiguous().clone()
+    return tvm.runtime.from_dlpack(t), t
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan
+
+class AttentionPlan:
+    """Sparse attention planned once for a mask and a problem shape, run many times (FlashInfer style).
+
+    Construction normalises the mask, chooses the kernel, builds its sparse format and compiles the kernel
+    (or takes it from the cache); :meth:`run` only moves tensors and launches.
+
+    Args:
+        mask: any form :func:`stof_tvm.normalize_mask` accepts (spec string, bool array [S,S]/[B,S,S]/
+            [B,H,S,S], callable f(b,h,i,j), per-batch valid lengths).
+        shape: the shape of q, ``(B, H, Sq, D)``.
+        dtype: "float16" or "bfloat16" ("float32" too on the CPU); q, k, v and the output share it.
+        seq_k: key/value length (default Sq).
+        kernel: "auto" (:func:`choose_kernel`), "row" or "block".
+        target: None (cuda if a GPU is present, else llvm), "cuda", "llvm", a target dict or a tvm Target.
+            A CUDA plan can be built without a GPU (to :meth:`save` it), but not run.
+        scale: softmax scale, default 1/sqrt(D).
+        config: kernel configuration (``RowConfig`` / ``BlockConfig``), default the kernel's own.
+
+    Attributes: ``kernel`` ("row"/"block"), ``problem`` (:class:`Problem`), ``target`` (the target as a dict),
+    ``config`` (a dict in loaded plans).
+    """
+
+    def __init__(self, mask, shape, dtype, *, seq_k=None, kernel="auto", target=None, scale=None, config=None):
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        if not isinstance(shape, (tuple, list)) or len(shape) != 4:
+            raise ValueError(f"shape must be q's shape (B, H, Sq, D), got {shape!r}")
+        batch, heads, seq_q, head_dim = (int(s) for s in shape)
+        seq_k = seq_q if seq_k is None else int(seq_k)
+        dtype = str(dtype).removeprefix("torch.")
+        resolved = resolve_target(target)
+        kind = resolved.kind.name
+        allowed = _CUDA_DTYPES if kind == "cuda" else _CPU_DTYPES
+        if dtype not in allowed:
+            raise TypeError(f"dtype must be one of {allowed} on {kind}, got {dtype!r}")
+        if head_dim not in _HEAD_DIMS:
+            raise ValueError(f"head dimension D must be one of {_HEAD_DIMS}, got {head_dim} (shape {tuple(shape)})")
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+        if _is_torch(mask):
+            mask = mask.detach().cpu().numpy()
+        mask4 = np.ascontiguousarray(normalize_mask(mask, batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k))
+        self.problem = Problem(batch, heads, seq_q, seq_k, head_dim, dtype, mask4.shape[0], mask4.shape[1],
+                               float(scale))
+        if kernel == "auto":
+            kernel = choose_kernel(mask4, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype, target_kind=kind)
+        if kernel == "block" and dtype == "float32":
+            raise TypeError("the block-wise kernel supports float16 and bfloat16, not float32")
+        self.kernel = kernel
+        self.config = _default_config(kernel, self.problem, kind) if config is None else config
+        self.target = json.loads(str(resolved))
+        self._module = _compiled_kernel(kernel, self.problem, self.config, resolved)
+        self._formats = _format_arrays(kernel, mask4, self.config)
+        self._target_kind = kind
+        self._device_formats = {}
+
+    # -- running -----------------------------------------------------------------------------------------------
+
+    def run(self, q, k, v):
+        """Attention of q, k, v ([B, H, S, D], numpy or torch) under the plan's mask; same kind as the input."""
+        _check_inputs(q, k, v, self.problem)
+        if _is_torch(q):
+            return self._run_torch(q, k, v)
+        dev = self._device()
+        args = [tvm.runtime.tensor(np.ascontiguousarray(t), dev) for t in (q, k, v)]
+        out = tvm.runtime.empty(tuple(q.shape), self.problem.dtype, dev)
+        self._launch(dev, args, out)
+        return out.numpy()
+
+    def _run_torch(self, q, k, v):
+        import torch
+
+        want = "cuda" if self._target_kind == "cuda" else "cpu"
+        if q.device.type != want:
+            raise ValueError(f"this plan runs on {want} ({self._target_kind} target) but q, k, v are on {q.device}")
+        dev = tvm.cuda(q.device.index or 0) if want == "cuda" else tvm.cpu(0)
+        if want == "cuda" and not dev.exist:
+            raise ValueError(f"no CUDA device {q.device} is visible to TVM")
+        keep = []                            # torch tensors that must outlive the launch
+        args = []
+        for t in (q, k, v):
+            shared, owner = _torch_to_tvm(t)
+            args.append(shared)
+            keep.append(owner)
+        out_torch = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out, _ = _torch_to_tvm(out_torch)
+        if want == "cuda":
+            import tvm_ffi
+
+            with tvm_ffi.use_raw_stream(dev, torch.cuda.current_stream(q.device).cuda_stream):
+                self._launch(dev, args, out)
+        else:
+            self._launch(dev, args, out)
+        return out_torch
+
+    def _device(self):
+        if self._target_kind == "llvm":
+            return tvm.cpu(0)
+        dev = tvm.cuda(0)
+        if not dev.exist:
+            raise ValueError("target is CUDA but no GPU is present on this machine (plans built here can be "
+                             "saved and run elsewhere)")
+        return dev
+
+    def _launch(self, dev, args, out) -> None:
+        key = (dev.dlpack_device_type(), dev.index)
+        if key not in self._device_formats:
+            self._device_formats[key] = [tvm.runtime.tensor(a, dev) for a in self._formats]
+        self._module[_SYMBOLS[self.kernel]](*args, *self._device_formats[key], out)
+
+    # -- saving and loading ------------------------------------------------------------------------------------
+
+    def save(self, path) -> str:
+        """Write the compiled kernel, its format arrays and a description into directory ``path``."""
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+        self._module.export_library(os.path.join(path, _LIBRARY))
+        for index, array in enumerate(self._formats):
+            np.save(os.path.join(path, f"format{index}.npy"), array, allow_pickle=False)
+        description = {"kernel": self.kernel, "problem": asdict(self.problem), "target": self.target,
+                       "config": asdict(self.config), "formats": len(self._formats)}
+        with open(os.path.join(path, _PLAN_FILE), "w") as f:
+            json.dump(description, f, indent=2, default=str)
+        return path
+
+    @classmethod
+    def load(cls, path) -> "AttentionPlan":
+        """Load a saved plan; needs TVM's runtime only (on a GPU machine, CUDA source is compiled at load)."""
+        path = os.fspath(path)
+        plan_file = os.path.join(path, _PLAN_FILE)
+        if not os.path.isfile(plan_file):
+            raise FileNotFoundError(f"path: {path!r} holds no saved AttentionPlan (no {_PLAN_FILE})")
+        with open(plan_file) as f:
+            description = json.load(f)
+        plan = cls.__new__(cls)
+        plan.problem = Problem(**description["problem"])
+        plan.kernel = description["kernel"]
+        plan.target = description["target"]
+        plan.config = description["config"]
+        plan._target_kind = description["target"]["kind"]
+        if plan._target_kind == "cuda":
+            from stof_tvm.cuda_runtime import ensure_cuda_runtime
+            ensure_cuda_runtime()
+        plan._module = tvm.runtime.load_module(os.path.join(path, _LIBRARY))
+        plan._formats = [np.load(os.path.join(path, f"format{i}.npy"), allow_pickle=False)
+                         for i in range(description["formats"])]
+        plan._device_formats = {}
+        return plan
+
+
+def sparse_attention(q, k, v, mask, *, kernel="auto", target=None, scale=None):
+    """Multi-head attention of ``q, k, v`` ``[B, H, S, D]`` where only the pairs kept by ``mask`` are computed.
+
+    ``softmax(scale * q k^T restricted to kept pairs) v``; rows with no kept key are 0. ``mask`` takes any form
+    :func:`stof_tvm.normalize_mask` accepts. numpy in, numpy out; torch in, torch out (CUDA tensors without a
+    copy). Kernels are compiled once per problem and cached; use :class:`AttentionPlan` to also reuse the
+    sparse format across calls with the same mask.
+    """
+    if not hasattr(q, "shape") or len(q.shape) != 4:
+        raise ValueError(f"q must be a [B, H, S, D] array or tensor, got {getattr(q, 'shape', type(q).__name__)}")
+    if not hasattr(k, "shape") or len(k.shape) != 4:
+        raise ValueError(f"k must be a [B, H, S, D] array or tensor, got {getattr(k, 'shape', type(k).__name__)}")
+    if target is None and _is_torch(q):
+        target = "cuda" if q.device.type == "cuda" else "llvm"
+    resolved = resolve_target(target)
+    if resolved.kind.name == "cuda" and not tvm.cuda(0).exist:
+        raise ValueError(f"target: {resolved.kind.name} was asked for but no GPU is present on this machine")
+    plan = AttentionPlan(mask, tuple(q.shape), _dtype_name(q), seq_k=int(k.shape[2]), kernel=kernel,
+                         target=resolved, scale=scale)
+    return plan.run(q, k, v)
