@@ -39,8 +39,10 @@ def device_for(manifest: dict):
     target = manifest["target"]
     if target["kind"] == "llvm":
         return tvm.cpu(0)
+    from stof_tvm.cuda_runtime import ensure_cuda_runtime
+
     dev = tvm.cuda(0)
-    if not dev.exist:
+    if not ensure_cuda_runtime() or not dev.exist:
         raise RuntimeError(f"artifact was built for CUDA ({target.get('arch')}) but this machine has no CUDA device")
     want = str(target.get("arch", "")).removeprefix("sm_").rstrip("a")
     have = str(dev.compute_version).replace(".", "")
@@ -68,6 +70,10 @@ def load(path: str | os.PathLike, device=None) -> "CompiledModel":
             arrays[name] = np.load(os.path.join(path, name), allow_pickle=False)
     module = tvm.runtime.load_module(os.path.join(path, LIBRARY))
     return CompiledModel(module, manifest, arrays, device)
+
+
+def _at_least_one(array: np.ndarray) -> np.ndarray:
+    return array if array.shape[0] else np.zeros((1,) + array.shape[1:], array.dtype)
 
 
 def _is_torch(value) -> bool:
@@ -184,14 +190,17 @@ class CompiledModel:
         return arrays
 
     def _format(self, mask4d: np.ndarray) -> list[np.ndarray]:
+        """The kernel's format arrays; empty index lists get one dummy entry (never visited: the row pointers
+        stay as they are) because the kernels' symbolic lengths must be at least 1."""
         if self.kernel == "dense":
             return [mask4d]
         if self.kernel == "row":
             fmt = build_rows(mask4d)
-            return [fmt.indptr, fmt.indices]
+            return [fmt.indptr, _at_least_one(fmt.indices)]
         config = self.manifest["attention"]["kernel"]["config"]
         fmt = build_tiled(mask4d, config["block_m"], config["block_n"])
-        return [fmt.full_indptr, fmt.full_indices, fmt.part_indptr, fmt.part_indices, fmt.part_bitmaps]
+        return [fmt.full_indptr, _at_least_one(fmt.full_indices), fmt.part_indptr,
+                _at_least_one(fmt.part_indices), _at_least_one(fmt.part_bitmaps)]
 
     # -- running --------------------------------------------------------------------------------------------
     def prepare(self, inputs: dict, mask=None) -> list:

@@ -108,8 +108,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     user_mask = normalize_mask(mask, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k)
     combined = user_mask if plan.const_keep is None else user_mask & plan.const_keep
     mask_batch, mask_heads = _mask_groups(user_mask, plan.const_keep, plan.runtime)
-    choice = choose_kernel(kernel, combined, batch=batch, heads=site.heads, head_dim=site.head_dim,
-                           dtype=site.dtype, target_kind=tspec["kind"], has_bias=plan.has_bias,
+    choice = choose_kernel(kernel, combined, head_dim=site.head_dim, dtype=site.dtype, seq_q=site.seq_q,
+                           target_kind=tspec["kind"], has_bias=plan.has_bias,
                            mask_batch=mask_batch, mask_heads=mask_heads)
     primfunc = None
     if choice.kind != "dense":

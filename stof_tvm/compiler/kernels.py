@@ -64,21 +64,38 @@ class KernelChoice:
 
 
 _SPARSE_MODULES = {"row": "stof_tvm.schedules.attention_rowwise", "block": "stof_tvm.schedules.attention_blockwise"}
-_SPARSE_BUILDERS = {"row": "rowwise_attention_primfunc", "block": "blockwise_attention_primfunc"}
 
 
-def sparse_kernel_available(kind: str) -> bool:
-    """Whether the sparse kernel ``kind`` ("row" or "block") is importable in this installation."""
-    try:
-        importlib.import_module(_SPARSE_MODULES[kind])
-    except ImportError:
-        return False
-    return True
+def _schedule_module(kind: str):
+    return importlib.import_module(_SPARSE_MODULES[kind])
 
 
-def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int, head_dim: int, dtype: str,
+def _supports(kind: str, dtype: str, target_kind: str) -> bool:
+    supported = _schedule_module(kind).SUPPORTED_DTYPES
+    return dtype in (supported[target_kind] if isinstance(supported, dict) else supported)
+
+
+def _default_config(kind: str, head_dim: int, dtype: str, seq_q: int, target_kind: str):
+    module = _schedule_module(kind)
+    if kind == "row":
+        return module.default_row_config(head_dim, dtype, target_kind)
+    return module.default_block_config(head_dim, dtype, seq_q)
+
+
+def config_object(kind: str, config: dict):
+    """The schedule's config dataclass (RowConfig / BlockConfig) from its manifest dict."""
+    module = _schedule_module(kind)
+    return (module.RowConfig if kind == "row" else module.BlockConfig)(**config)
+
+
+def choose_kernel(requested: str, mask4d: np.ndarray, *, head_dim: int, dtype: str, seq_q: int,
                   target_kind: str, has_bias: bool, mask_batch: int, mask_heads: int) -> KernelChoice:
-    """Pick the kernel and its configuration for sites of this shape under the (combined) mask ``mask4d``."""
+    """Pick the kernel and its configuration for sites of this shape under the (combined) mask ``mask4d``.
+
+    "auto" applies STOF's selection rule to the mask statistics (block-wise when the share of non-empty
+    16x16 blocks is at least 1 / log2(S/16)^2, row-wise otherwise), then the schedule's default
+    configuration; a kernel that does not support ``dtype`` on this target is replaced by the other one.
+    """
     if requested not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS}, got {requested!r}")
     if has_bias:
@@ -88,20 +105,27 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
         return KernelChoice("dense", {}, mask_batch, mask_heads, "scores carry a real bias (not a mask)")
     if requested == "dense":
         return KernelChoice("dense", {}, mask_batch, mask_heads, "requested")
-    from stof_tvm import attention
+    if requested == "auto":
+        from stof_tvm.sparse_formats.stats import mask_stats, stof_rule
 
-    choice = attention.choose_kernel(mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
-                                     target_kind=target_kind,
-                                     kernel=None if requested == "auto" else requested)
-    return KernelChoice(choice.kind, dict(choice.config), mask_batch, mask_heads,
-                        "requested" if requested != "auto" else choice.reason)
+        stats = mask_stats(mask4d, tile_shapes=((16, 16),))
+        kind = stof_rule(stats)
+        reason = f"STOF rule: non-empty 16x16 block share {stats.tiles[(16, 16)].nonempty_ratio:.3f}"
+        if not _supports(kind, dtype, target_kind):
+            kind, reason = ("row" if kind == "block" else "block"), reason + f"; {kind} lacks {dtype} here"
+    else:
+        kind, reason = requested, "requested"
+    if not _supports(kind, dtype, target_kind):
+        raise ValueError(f"kernel: {kind!r} does not support dtype {dtype} on {target_kind}")
+    config = _default_config(kind, head_dim, dtype, seq_q, target_kind)
+    return KernelChoice(kind, dataclasses.asdict(config), mask_batch, mask_heads, reason)
 
 
 def kernel_primfunc(choice: KernelChoice, *, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int,
                     dtype: str, scale: float, target_kind: str):
-    """The TensorIR PrimFunc of a sparse ``choice`` for one site shape (params: q, k, v, format arrays, out)."""
-    module = importlib.import_module(_SPARSE_MODULES[choice.kind])
-    build = getattr(module, _SPARSE_BUILDERS[choice.kind])
+    """The scheduled PrimFunc of a sparse ``choice`` for one site shape (params: q, k, v, format arrays, out)."""
+    module = _schedule_module(choice.kind)
+    build = module.rowwise_attention_primfunc if choice.kind == "row" else module.blockwise_attention_primfunc
     return build(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim, dtype=dtype,
-                 mask_batch=choice.mask_batch, mask_heads=choice.mask_heads, scale=scale, config=choice.config,
-                 target_kind=target_kind)
+                 mask_batch=choice.mask_batch, mask_heads=choice.mask_heads, scale=scale,
+                 config=config_object(choice.kind, choice.config), target_kind=target_kind)

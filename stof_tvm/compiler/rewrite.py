@@ -46,7 +46,7 @@ def _dense_replacement(expr: relax.Call, matches, keep: relax.Var) -> relax.Expr
 
 
 def rewrite_attention(mod: tvm.IRModule, sites: list[AttentionSite], choice: KernelChoice, kernel) -> tuple:
-    """Rewrite ``mod["main"]`` in place; ``kernel`` is the sparse PrimFunc (None for dense), added to ``mod``.
+    """Rewrite ``mod["main"]``; ``kernel`` is the sparse PrimFunc (None for dense), added to the module.
 
     Returns ``(new module, [FormatInput])`` with the format inputs in parameter order.
     """
@@ -59,8 +59,10 @@ def rewrite_attention(mod: tvm.IRModule, sites: list[AttentionSite], choice: Ker
     site_values = [var2val[site.var] for site in sites]
 
     if kernel is not None:
-        kernel_gv = tvm.ir.GlobalVar("stof_attention_" + choice.kind)
-        mod[kernel_gv] = kernel.with_attr("global_symbol", kernel_gv.name_hint)
+        builder = relax.BlockBuilder(mod)
+        name = "stof_attention_" + choice.kind
+        kernel_gv = builder.add_func(kernel.with_attr("global_symbol", name), name)
+        mod = builder.get()
 
     def rewriter(expr: relax.Call, matches) -> relax.Expr:
         if not any(expr.same_as(value) for value in site_values):
