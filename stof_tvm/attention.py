@@ -170,6 +170,14 @@ def _check_inputs(q, k, v, problem: Problem) -> None:
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
+def _check_output(out, q) -> None:
+    if _is_torch(out) != _is_torch(q) or (_is_torch(q) and out.device != q.device):
+        raise TypeError(f"out must be the same kind of tensor as q, on q's device; got {type(out).__name__}")
+    if tuple(out.shape) != tuple(q.shape) or _dtype_name(out) != _dtype_name(q):
+        raise ValueError(f"out must have q's shape {tuple(q.shape)} and dtype {_dtype_name(q)}, got "
+                         f"{tuple(out.shape)} {_dtype_name(out)}")
+
+
 def _torch_to_tvm(t):
     """Share a torch tensor's memory with TVM (DLPack); copy only when it is not contiguous or 64-byte aligned."""
     if not t.is_contiguous() or t.data_ptr() % 64:
@@ -237,20 +245,34 @@ class AttentionPlan:
         self._target_kind = kind
         self._device_formats = {}
 
+    @property
+    def formats(self) -> list[np.ndarray]:
+        """The sparse-format arrays the kernel reads, in parameter order (row: indptr, indices; block:
+        full_indptr, full_indices, part_indptr, part_indices, part_bitmaps)."""
+        return list(self._formats)
+
     # -- running -----------------------------------------------------------------------------------------------
 
-    def run(self, q, k, v):
-        """Attention of q, k, v ([B, H, S, D], numpy or torch) under the plan's mask; same kind as the input."""
+    def run(self, q, k, v, out=None):
+        """Attention of q, k, v ([B, H, S, D], numpy or torch) under the plan's mask; same kind as the input.
+
+        ``out``: optional preallocated output (same kind, shape and dtype as q), written and returned.
+        """
         _check_inputs(q, k, v, self.problem)
+        if out is not None:
+            _check_output(out, q)
         if _is_torch(q):
-            return self._run_torch(q, k, v)
+            return self._run_torch(q, k, v, out)
         dev = self._device()
         args = [tvm.runtime.tensor(np.ascontiguousarray(t), dev) for t in (q, k, v)]
-        out = tvm.runtime.empty(tuple(q.shape), self.problem.dtype, dev)
-        self._launch(dev, args, out)
-        return out.numpy()
+        result = tvm.runtime.empty(tuple(q.shape), self.problem.dtype, dev)
+        self._launch(dev, args, result)
+        if out is None:
+            return result.numpy()
+        out[...] = result.numpy()
+        return out
 
-    def _run_torch(self, q, k, v):
+    def _run_torch(self, q, k, v, out_torch):
         import torch
 
         want = "cuda" if self._target_kind == "cuda" else "cpu"
@@ -265,8 +287,9 @@ class AttentionPlan:
             shared, owner = _torch_to_tvm(t)
             args.append(shared)
             keep.append(owner)
-        out_torch = torch.empty_like(q, memory_format=torch.contiguous_format)
-        out, _ = _torch_to_tvm(out_torch)
+        if out_torch is None:
+            out_torch = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out, written = _torch_to_tvm(out_torch)
         if want == "cuda":
             import tvm_ffi
 
@@ -274,6 +297,8 @@ class AttentionPlan:
                 self._launch(dev, args, out)
         else:
             self._launch(dev, args, out)
+        if written is not out_torch:                 # out was not shareable: the kernel wrote a copy
+            out_torch.copy_(written)
         return out_torch
 
     def _device(self):
