@@ -2,4 +2,14 @@
 from stof_tvm.attention import AttentionPlan, sparse_attention
 from stof_tvm.sparse_formats import make_mask, normalize_mask
 
-__all__ = ["AttentionPlan", "sparse_attention", "make_mask", "normalize_mask"]
+__all__ = ["AttentionPlan", "sparse_attention", "make_mask", "normalize_mask", "compile"]
+
+
+def __getattr__(name):
+    # stof_tvm.compile imports TVM's compiler (tvm.relax); load it on first use so that processes running
+    # with TVM's runtime alone (stof_tvm.runtime) can still import stof_tvm.
+    if name == "compile":
+        from stof_tvm.compiler import compile
+
+        return compile
+    raise AttributeError(f"module 'stof_tvm' has no attribute {name!r}")

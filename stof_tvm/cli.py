@@ -9,6 +9,9 @@ import sys
 # sets ``func`` (a callable taking the parsed args and returning an exit code).
 COMMANDS = [
     "masks",
+    "compile",
+    "run",
+    "bench",
 ]
 
 

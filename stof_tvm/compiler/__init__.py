@@ -16,6 +16,8 @@ The result is an :class:`~stof_tvm.artifact.Artifact`: the executable plus a JSO
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import tvm
 from tvm import relax
@@ -25,7 +27,7 @@ from stof_tvm.sparse_formats.masks import normalize_mask
 from .attention_match import find_attention_sites
 from .kernels import KERNELS, choose_kernel, kernel_primfunc
 from .mask_sources import plan_masks
-from .onnx_import import TensorSpec, import_onnx, load_model, output_names
+from .onnx_import import TensorSpec, embedding_rows, import_onnx, load_model, output_names
 from .pipeline import build, make_target, optimize, target_dict
 from .rewrite import rewrite_attention
 
@@ -47,6 +49,15 @@ def _output_specs(func: relax.Function, names: list[str]) -> list[TensorSpec]:
         shape = tuple(int(d) for d in ty.shape.values)
         specs.append(TensorSpec(name, shape, str(ty.dtype)))
     return specs
+
+
+def _input_entry(spec: TensorSpec, model) -> dict:
+    """Manifest entry of a model input; integer inputs that index an embedding record its row count."""
+    entry = spec.to_json()
+    rows = embedding_rows(model, spec.name)
+    if rows is not None:
+        entry["index_range"] = rows
+    return entry
 
 
 def _mask_entry(mask) -> dict:
@@ -108,7 +119,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     user_mask = normalize_mask(mask, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k)
     combined = user_mask if plan.const_keep is None else user_mask & plan.const_keep
     mask_batch, mask_heads = _mask_groups(user_mask, plan.const_keep, plan.runtime)
-    choice = choose_kernel(kernel, combined, head_dim=site.head_dim, dtype=site.dtype, seq_q=site.seq_q,
+    choice = choose_kernel(kernel, combined, batch=batch, heads=site.heads, head_dim=site.head_dim, dtype=site.dtype, seq_q=site.seq_q,
                            target_kind=tspec["kind"], has_bias=plan.has_bias,
                            mask_batch=mask_batch, mask_heads=mask_heads)
     primfunc = None
@@ -134,7 +145,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         arrays["model_keep.npy"] = np.ascontiguousarray(plan.const_keep)
     manifest = {
         "format_version": 1,
-        "inputs": [s.to_json() for s in inputs],
+        "source": {"path": os.path.abspath(os.fspath(model))} if isinstance(model, (str, os.PathLike)) else {},
+        "inputs": [_input_entry(s, onnx_model) for s in inputs],
         "outputs": [s.to_json() for s in outputs],
         "mask_inputs": [f.to_json() for f in format_inputs],
         "mask": {**mask_entry, "batch": int(user_mask.shape[0]), "heads": int(user_mask.shape[1]),

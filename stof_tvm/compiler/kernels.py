@@ -88,13 +88,12 @@ def config_object(kind: str, config: dict):
     return (module.RowConfig if kind == "row" else module.BlockConfig)(**config)
 
 
-def choose_kernel(requested: str, mask4d: np.ndarray, *, head_dim: int, dtype: str, seq_q: int,
-                  target_kind: str, has_bias: bool, mask_batch: int, mask_heads: int) -> KernelChoice:
+def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int, head_dim: int, dtype: str,
+                  seq_q: int, target_kind: str, has_bias: bool, mask_batch: int, mask_heads: int) -> KernelChoice:
     """Pick the kernel and its configuration for sites of this shape under the (combined) mask ``mask4d``.
 
-    "auto" applies STOF's selection rule to the mask statistics (block-wise when the share of non-empty
-    16x16 blocks is at least 1 / log2(S/16)^2, row-wise otherwise), then the schedule's default
-    configuration; a kernel that does not support ``dtype`` on this target is replaced by the other one.
+    "auto" asks :func:`stof_tvm.attention.choose_kernel` (the one place the kernel-selection model lives),
+    then takes the schedule's default configuration.
     """
     if requested not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS}, got {requested!r}")
@@ -106,13 +105,11 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, head_dim: int, dtype: s
     if requested == "dense":
         return KernelChoice("dense", {}, mask_batch, mask_heads, "requested")
     if requested == "auto":
-        from stof_tvm.sparse_formats.stats import mask_stats, stof_rule
+        from stof_tvm.attention import choose_kernel as choose_attention_kernel
 
-        stats = mask_stats(mask4d, tile_shapes=((16, 16),))
-        kind = stof_rule(stats)
-        reason = f"STOF rule: non-empty 16x16 block share {stats.tiles[(16, 16)].nonempty_ratio:.3f}"
-        if not _supports(kind, dtype, target_kind):
-            kind, reason = ("row" if kind == "block" else "block"), reason + f"; {kind} lacks {dtype} here"
+        kind = choose_attention_kernel(mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
+                                       target_kind=target_kind)
+        reason = "chosen from the mask by stof_tvm.attention.choose_kernel"
     else:
         kind, reason = requested, "requested"
     if not _supports(kind, dtype, target_kind):

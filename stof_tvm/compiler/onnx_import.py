@@ -11,7 +11,6 @@ import os
 
 import numpy as np
 import onnx
-from onnx import TensorProto
 
 _BATCH_NAMES = {"batch", "batch_size", "batchsize", "n", "b", "bs"}
 _SEQ_NAMES = {"sequence", "sequence_length", "seq", "seq_len", "seqlen", "tokens", "s", "length"}
@@ -110,4 +109,10 @@ def output_names(model: onnx.ModelProto) -> list[str]:
     return [o.name for o in model.graph.output]
 
 
-FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
+def embedding_rows(model: onnx.ModelProto, name: str) -> int | None:
+    """Rows of the embedding table(s) that input ``name`` indexes through a Gather of an initializer, if any
+    (the valid range of token ids)."""
+    dims = {t.name: list(t.dims) for t in model.graph.initializer}
+    sizes = [dims[n.input[0]][0] for n in model.graph.node
+             if n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == name and n.input[0] in dims]
+    return min(sizes) if sizes else None

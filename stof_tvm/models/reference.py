@@ -12,6 +12,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper, shape_inference
 
+from stof_tvm.compiler.onnx_import import embedding_rows
+
 
 def _static_copy(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> onnx.ModelProto:
     """A copy of ``model`` whose graph inputs have the static shapes of ``feeds``, shapes inferred."""
@@ -80,14 +82,6 @@ def reference_outputs(model: onnx.ModelProto, keep: np.ndarray, feeds: dict[str,
     return dict(zip(names, values))
 
 
-def _embedding_rows(model: onnx.ModelProto, name: str) -> int | None:
-    """Rows of the embedding table that input ``name`` indexes (a Gather of an initializer), if any."""
-    dims = {t.name: list(t.dims) for t in model.graph.initializer}
-    sizes = [dims[n.input[0]][0] for n in model.graph.node
-             if n.op_type == "Gather" and n.input[1] == name and n.input[0] in dims]
-    return min(sizes) if sizes else None
-
-
 def random_inputs(model: onnx.ModelProto, shapes: dict[str, tuple], *, seed: int = 0) -> dict[str, np.ndarray]:
     """Random feeds for ``model``: valid token ids for integer inputs that index an embedding, all ones for
     other integer inputs (attention masks), normal floats otherwise."""
@@ -99,7 +93,7 @@ def random_inputs(model: onnx.ModelProto, shapes: dict[str, tuple], *, seed: int
         shape, elem = shapes[vi.name], vi.type.tensor_type.elem_type
         dtype = helper.tensor_dtype_to_np_dtype(elem)
         if np.issubdtype(dtype, np.integer):
-            rows = _embedding_rows(model, vi.name)
+            rows = embedding_rows(model, vi.name)
             feeds[vi.name] = (rng.integers(0, rows, shape) if rows else np.ones(shape)).astype(dtype)
         else:
             feeds[vi.name] = rng.standard_normal(shape).astype(dtype)

@@ -1,0 +1,69 @@
+"""``stof-tvm compile``: ONNX model (or a built-in one) + mask -> artifact directory."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from stof_tvm.models import BUILTIN
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "compile", help="compile an ONNX transformer with a sparse attention mask into an artifact",
+        description="Import an ONNX transformer, replace its attention with stof-tvm's sparse kernels for the "
+                    "given mask, build it for the target and write the artifact (module.so + manifest.json) "
+                    "to OUT. The mask becomes a run-time input: 'stof-tvm run' accepts any mask of the same kind.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("model", nargs="?", metavar="MODEL.onnx", help="path to the ONNX model")
+    source.add_argument("--builtin", choices=sorted(BUILTIN), help="compile a built-in model instead")
+    parser.add_argument("--mask", required=True, metavar="SPEC",
+                        help="mask spec (e.g. bigbird, sliding:window=64) or a .npy boolean array")
+    parser.add_argument("--batch", type=int, required=True, help="batch size B")
+    parser.add_argument("--seq-len", type=int, required=True, help="sequence length S")
+    parser.add_argument("--target", default="cuda", choices=["cuda", "llvm"], help="target (default cuda)")
+    parser.add_argument("--arch", default="sm_90", help="CUDA architecture (default sm_90)")
+    parser.add_argument("--dtype", choices=["float16", "float32"],
+                        help="compute dtype (default float16 on cuda, float32 on llvm)")
+    parser.add_argument("--kernel", default="auto", choices=["auto", "block", "row", "dense"],
+                        help="attention kernel (default: chosen from the mask)")
+    parser.add_argument("--tune-trials", type=int, default=0, help="MetaSchedule trials (needs --database)")
+    parser.add_argument("--database", help="MetaSchedule work dir whose tuning records are applied")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed of a built-in model (default 0)")
+    parser.add_argument("-o", "--output", required=True, metavar="OUT", help="artifact directory to write")
+    parser.set_defaults(func=run)
+
+
+def load_mask_arg(text: str):
+    """A --mask argument: a spec string, or a path to a .npy boolean array."""
+    if text.endswith(".npy"):
+        if not os.path.isfile(text):
+            raise FileNotFoundError(f"--mask: no such file {text!r}")
+        return np.load(text, allow_pickle=False)
+    return text
+
+
+def run(args) -> int:
+    from stof_tvm.compiler import compile as compile_model
+
+    if args.builtin:
+        from stof_tvm.models import builtin_model
+
+        model = builtin_model(args.builtin, seed=args.seed)
+    else:
+        model = args.model
+    target = {"kind": "cuda", "arch": args.arch} if args.target == "cuda" else "llvm"
+    dtype = args.dtype or ("float16" if args.target == "cuda" else "float32")
+    artifact = compile_model(model, mask=load_mask_arg(args.mask), batch=args.batch, seq_len=args.seq_len,
+                             target=target, dtype=dtype, kernel=args.kernel, tune_trials=args.tune_trials,
+                             database=args.database)
+    if args.builtin:
+        artifact.manifest["source"] = {"builtin": args.builtin, "seed": args.seed}
+    path = artifact.save(args.output)
+    att = artifact.manifest["attention"]
+    kernel = att["kernel"]
+    print(f"compiled {args.builtin or args.model} -> {path}")
+    print(f"  {att['sites']} attention sites [B={att['batch']}, H={att['heads']}, S={att['seq_q']}, "
+          f"D={att['head_dim']}] {att['dtype']} on {artifact.manifest['target']['kind']}")
+    print(f"  kernel: {kernel['kind']} {kernel['config'] or ''} ({kernel['reason']})")
+    return 0

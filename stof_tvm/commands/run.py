@@ -1,0 +1,107 @@
+"""``stof-tvm run``: load an artifact, run it once (or a few times), print outputs and timing; ``--check``
+compares with onnx's reference evaluator on the same inputs and mask."""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "run", help="run a compiled artifact (optionally checking it against onnx's reference evaluator)",
+        description="Load an artifact directory with TVM's runtime, run it on inputs from --inputs (an .npz "
+                    "with one array per model input) or on random valid inputs, and print each output's shape "
+                    "and the time per call.")
+    parser.add_argument("artifact", metavar="OUT", help="artifact directory written by 'stof-tvm compile'")
+    parser.add_argument("--inputs", metavar="X.npz", help="model inputs by name (default: random)")
+    parser.add_argument("--mask", metavar="SPEC", help="mask to use instead of the compiled default")
+    parser.add_argument("--repeat", type=int, default=3, help="calls to time (default 3)")
+    parser.add_argument("--check", action="store_true",
+                        help="compare the outputs with onnx.reference on the original model under the same mask")
+    parser.add_argument("--save", metavar="Y.npz", help="write the outputs to this .npz")
+    parser.set_defaults(func=run)
+
+
+def model_inputs(model, path: str | None, seed: int = 0) -> dict[str, np.ndarray]:
+    """Inputs from an .npz file, or random ones valid for the model (token ids inside the embedding range,
+    all-ones attention masks)."""
+    if path:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--inputs: no such file {path!r}")
+        with np.load(path, allow_pickle=False) as data:
+            return {name: data[name] for name in data.files}
+    rng = np.random.default_rng(seed)
+    inputs = {}
+    for spec in model.inputs:
+        dtype = np.dtype(spec["dtype"])
+        if dtype.kind in "iu":
+            high = spec.get("index_range")
+            inputs[spec["name"]] = (rng.integers(0, high, spec["shape"]) if high else np.ones(spec["shape"])).astype(dtype)
+        else:
+            inputs[spec["name"]] = rng.standard_normal(spec["shape"]).astype(dtype)
+    return inputs
+
+
+def source_model(manifest: dict):
+    """The ONNX model an artifact was compiled from (regenerated for built-ins)."""
+    source = manifest.get("source", {})
+    if "builtin" in source:
+        from stof_tvm.models import builtin_model
+
+        return builtin_model(source["builtin"], seed=source.get("seed", 0))
+    if "path" in source and os.path.isfile(source["path"]):
+        import onnx
+
+        return onnx.load(source["path"])
+    raise ValueError("--check: the artifact does not record where its ONNX model is (compiled from a ModelProto?)")
+
+
+def check_against_reference(manifest: dict, inputs: dict, outputs: dict, mask) -> bool:
+    """Print the error of each output against onnx.reference; True when all are within tolerance."""
+    from stof_tvm.models.reference import reference_outputs
+    from stof_tvm.sparse_formats.masks import normalize_mask
+
+    info, att = manifest["mask"], manifest["attention"]
+    if mask is None:
+        mask = info["spec"] if info.get("spec") else None
+        if mask is None:
+            raise ValueError("--check: pass --mask; the compiled default mask was an array")
+    keep = normalize_mask(mask, batch=att["batch"], heads=att["heads"], seq_q=att["seq_q"], seq_k=att["seq_k"])
+    reference = reference_outputs(source_model(manifest), keep, inputs)
+    tolerance = 2e-2 if manifest["dtype"] == "float16" else 1e-4
+    ok = True
+    for name, value in outputs.items():
+        ref = reference[name].astype(np.float64)
+        err = np.linalg.norm(value.astype(np.float64) - ref) / max(np.linalg.norm(ref), 1e-30)
+        passed = bool(np.isfinite(err) and err <= tolerance)
+        ok &= passed
+        print(f"check {name}: relative error {err:.2e} (tolerance {tolerance:g}, max abs "
+              f"{np.abs(value - ref).max():.2e}) {'PASS' if passed else 'FAIL'}")
+    return ok
+
+
+def run(args) -> int:
+    from stof_tvm import runtime
+
+    if args.repeat < 1:
+        raise ValueError(f"--repeat: expected a positive integer, got {args.repeat}")
+    model = runtime.load(args.artifact)
+    inputs = model_inputs(model, args.inputs)
+    outputs = model(inputs, mask=args.mask)
+    times = []
+    for _ in range(args.repeat):
+        start = time.perf_counter()
+        outputs = model(inputs, mask=args.mask)
+        times.append(time.perf_counter() - start)
+    kernel = model.manifest["attention"]["kernel"]["kind"]
+    for name, value in outputs.items():
+        print(f"output {name}: shape {list(value.shape)} {value.dtype}")
+    print(f"kernel {kernel} on {model.manifest['target']['kind']}: {np.median(times) * 1e3:.3f} ms per call "
+          f"(median of {args.repeat}, including host-side input and mask preparation)")
+    if args.save:
+        np.savez(args.save, **outputs)
+    if args.check:
+        return 0 if check_against_reference(model.manifest, inputs, outputs, args.mask) else 1
+    return 0
