@@ -90,8 +90,8 @@ def resolve_target(target=None):
         raise ValueError(f"target kind must be 'cuda' or 'llvm', got {target['kind']!r}")
     if "arch" not in target:
         if not tvm.cuda(0).exist:
-            raise ValueError("target: a CUDA target without 'arch' needs a GPU to read it from, and none is "
-                             "present (give {'kind': 'cuda', 'arch': 'sm_90'} to build for another machine)")
+            raise ValueError("target: a CUDA target without 'arch' takes it from the GPU, but no GPU is present "
+                             "(give {'kind': 'cuda', 'arch': 'sm_90'} to build for another machine)")
         target["arch"] = "sm_" + tvm.cuda(0).compute_version.replace(".", "")
     target.setdefault("max_threads_per_block", 1024)
     target.setdefault("max_shared_memory_per_block", 232448 if target["arch"].startswith("sm_9") else 166912)
