@@ -100,8 +100,13 @@ def import_onnx(model: onnx.ModelProto, batch: int, seq_len: int):
 
     check_supported_ops(model)
     specs = input_specs(model, batch, seq_len)
-    mod = from_onnx(model, shape_dict={s.name: list(s.shape) for s in specs},
-                    dtype_dict={s.name: s.dtype for s in specs}, sanitize_input_names=False)
+    try:
+        mod = from_onnx(model, shape_dict={s.name: list(s.shape) for s in specs},
+                        dtype_dict={s.name: s.dtype for s in specs}, sanitize_input_names=False)
+    except Exception as err:        # TVM raises several error types; all mean the graph does not fit the shapes
+        first_line = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise ValueError(f"model: import failed for batch={batch}, seq_len={seq_len} ({type(err).__name__}: "
+                         f"{first_line[:300]}); check that the model supports this sequence length") from err
     return mod, specs
 
 

@@ -1,0 +1,132 @@
+"""stof_tvm.compile on the CPU: built-in BERT models against onnx's reference evaluator, every kernel,
+the model's padding folded in, masks changed at run time, and bad input."""
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import stof_tvm
+from stof_tvm import make_mask
+from stof_tvm.models import builtin_model
+from stof_tvm.models.reference import random_inputs, reference_outputs
+
+B, S = 2, 128
+
+
+def _rel_err(out, ref):
+    return float(np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return builtin_model("tiny-bert")
+
+
+@pytest.fixture(scope="module")
+def feeds(tiny):
+    data = random_inputs(tiny, {"input_ids": (B, S), "attention_mask": (B, S)}, seed=1)
+    data["attention_mask"][1, 97:] = 0          # batch 1 is padded: the model's own mask must keep working
+    return data
+
+
+@pytest.fixture(scope="module")
+def row_fp32(tiny):
+    return stof_tvm.compile(tiny, mask="bigbird", batch=B, seq_len=S, target="llvm", dtype="float32")
+
+
+def test_auto_picks_row_for_fp32_and_matches_reference(tiny, feeds, row_fp32):
+    assert row_fp32.manifest["attention"]["kernel"]["kind"] == "row"
+    assert row_fp32.manifest["attention"]["sites"] == 2
+    out = row_fp32.load()(feeds)["last_hidden_state"]
+    ref = reference_outputs(tiny, make_mask("bigbird", S)[None, None], feeds)["last_hidden_state"]
+    assert out.shape == (B, S, 128)
+    assert _rel_err(out, ref) < 1e-5
+
+
+def test_padding_changes_the_padded_batch_only(row_fp32, feeds):
+    model = row_fp32.load()
+    padded = model(feeds)["last_hidden_state"]
+    unpadded = model({**feeds, "attention_mask": np.ones((B, S), np.int64)})["last_hidden_state"]
+    np.testing.assert_allclose(padded[0], unpadded[0], rtol=1e-6, atol=1e-6)
+    assert np.abs(padded[1] - unpadded[1]).max() > 1e-3
+
+
+def test_one_compile_serves_other_masks(tiny, feeds, row_fp32):
+    model = row_fp32.load()
+    for spec in ("sliding", "longformer", make_mask("causal", S)):
+        out = model(feeds, mask=spec)["last_hidden_state"]
+        keep = make_mask(spec, S) if isinstance(spec, str) else spec
+        ref = reference_outputs(tiny, keep[None, None], feeds)["last_hidden_state"]
+        assert _rel_err(out, ref) < 1e-5, spec
+
+
+@pytest.mark.parametrize("kernel", ["block", "dense"])
+def test_float16_kernels_match_reference(tiny, feeds, kernel):
+    art = stof_tvm.compile(tiny, mask="longformer", batch=B, seq_len=S, target="llvm", dtype="float16",
+                           kernel=kernel)
+    assert art.manifest["attention"]["kernel"]["kind"] == kernel
+    assert art.manifest["attention"]["dtype"] == "float16"
+    out = art.load()(feeds)["last_hidden_state"]
+    ref = reference_outputs(tiny, make_mask("longformer", S)[None, None], feeds)["last_hidden_state"]
+    assert _rel_err(out, ref) < 2e-2
+
+
+def test_per_head_mask_array(tiny, feeds):
+    rng = np.random.default_rng(3)
+    mask = rng.random((1, 2, S, S)) < 0.3
+    art = stof_tvm.compile(tiny, mask=mask, batch=B, seq_len=S, target="llvm", dtype="float32", kernel="row")
+    assert art.manifest["attention"]["kernel"]["mask_heads"] == 2
+    assert "mask.npy" in art.arrays
+    out = art.load()(feeds)["last_hidden_state"]
+    ref = reference_outputs(tiny, mask, feeds)["last_hidden_state"]
+    assert _rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.slow
+def test_bert_base_small_sequence():
+    model = builtin_model("bert-base")
+    art = stof_tvm.compile(model, mask="bigbird", batch=1, seq_len=64, target="llvm", dtype="float32")
+    assert art.manifest["attention"]["sites"] == 12
+    assert art.manifest["attention"]["heads"] == 12
+    data = random_inputs(model, {"input_ids": (1, 64), "attention_mask": (1, 64)}, seed=2)
+    out = art.load()(data)["last_hidden_state"]
+    ref = reference_outputs(model, make_mask("bigbird", 64)[None, None], data)["last_hidden_state"]
+    assert _rel_err(out, ref) < 1e-4
+
+
+def _with_node(model, node):
+    bad = onnx.ModelProto()
+    bad.CopyFrom(model)
+    bad.graph.node.append(node)
+    return bad
+
+
+def test_unsupported_operator_is_named(tiny):
+    bad = _with_node(tiny, helper.make_node("Celu", ["last_hidden_state"], ["celu_out"], name="my_celu"))
+    with pytest.raises(ValueError, match=r"Celu .*my_celu"):
+        stof_tvm.compile(bad, mask="bigbird", batch=1, seq_len=S, target="llvm", dtype="float32")
+
+
+def test_model_without_attention_is_refused():
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "sequence", 8])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(ValueError, match="no attention subgraph"):
+        stof_tvm.compile(model, mask="causal", batch=1, seq_len=16, target="llvm", dtype="float32")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"batch": 0}, "batch"), ({"seq_len": -1}, "seq_len"), ({"dtype": "int8"}, "dtype"),
+    ({"kernel": "fast"}, "kernel"), ({"target": "rocm"}, "target"), ({"mask": "nosuchmask"}, "nosuchmask"),
+    ({"tune_trials": 4}, "database"), ({"seq_len": 8192}, "seq_len"),
+])
+def test_bad_arguments(tiny, kwargs, match):
+    args = {"mask": "bigbird", "batch": 1, "seq_len": S, "target": "llvm", "dtype": "float32", **kwargs}
+    with pytest.raises((ValueError, TypeError), match=match):
+        stof_tvm.compile(tiny, **args)
+
+
+def test_missing_model_file():
+    with pytest.raises(FileNotFoundError, match="no ONNX file"):
+        stof_tvm.compile("/nonexistent/model.onnx", mask="causal", batch=1, seq_len=16, target="llvm")
