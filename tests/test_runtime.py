@@ -1,0 +1,119 @@
+"""Artifacts on disk and the runtime-only loader: round trip in a TVM_USE_RUNTIME_LIB=1 subprocess, the CLI's
+main job, and clear errors for bad inputs, wrong masks and artifacts built for another device."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import stof_tvm
+from stof_tvm import runtime
+from stof_tvm.cli import main as cli_main
+from stof_tvm.models import builtin_model
+from stof_tvm.models.reference import random_inputs
+
+B, S = 2, 128
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(artifact dir, inputs, in-process outputs) of tiny BERT compiled with a sliding mask (row kernel)."""
+    model = builtin_model("tiny-bert")
+    art = stof_tvm.compile(model, mask="sliding", batch=B, seq_len=S, target="llvm", dtype="float32")
+    path = art.save(tmp_path_factory.mktemp("art") / "tiny")
+    feeds = random_inputs(model, {"input_ids": (B, S), "attention_mask": (B, S)}, seed=5)
+    feeds["attention_mask"][0, 64:] = 0
+    return path, feeds, art.load()(feeds)["last_hidden_state"]
+
+
+_LOADER = """
+import sys, numpy as np, tvm
+from stof_tvm import runtime
+model = runtime.load(sys.argv[1])
+with np.load(sys.argv[2]) as data:
+    out = model({name: data[name] for name in data.files})["last_hidden_state"]
+np.save(sys.argv[3], out)
+print("runtime_only", tvm.base._RUNTIME_ONLY, "tvm.relax" in sys.modules, "tvm_compiler" in tvm.base._LOADED_LIBS)
+"""
+
+
+def test_round_trip_with_runtime_only(saved, tmp_path):
+    path, feeds, expected = saved
+    manifest = json.loads(open(os.path.join(path, "manifest.json")).read())
+    assert [i["name"] for i in manifest["inputs"]] == ["input_ids", "attention_mask"]
+    assert manifest["outputs"] == [{"name": "last_hidden_state", "shape": [B, S, 128], "dtype": "float32"}]
+    assert manifest["mask"]["spec"] == "sliding" and manifest["tvm_version"]
+    assert not [f for f in os.listdir(path) if f.endswith((".pkl", ".pickle"))]
+    np.savez(tmp_path / "x.npz", **feeds)
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1")
+    proc = subprocess.run([sys.executable, "-c", _LOADER, path, str(tmp_path / "x.npz"), str(tmp_path / "y.npy")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "runtime_only True False False" in proc.stdout
+    np.testing.assert_array_equal(np.load(tmp_path / "y.npy"), expected)
+
+
+def test_wrong_input_shape(saved):
+    path, feeds, _ = saved
+    model = runtime.load(path)
+    with pytest.raises(ValueError, match=r"input 'input_ids': expected shape \[2, 128\], got \[2, 64\]"):
+        model({**feeds, "input_ids": feeds["input_ids"][:, :64]})
+
+
+def test_missing_and_unknown_inputs(saved):
+    path, feeds, _ = saved
+    model = runtime.load(path)
+    with pytest.raises(ValueError, match=r"missing \['attention_mask'\]"):
+        model(input_ids=feeds["input_ids"])
+    with pytest.raises(ValueError, match=r"unknown \['token_type_ids'\]"):
+        model({**feeds, "token_type_ids": feeds["input_ids"]})
+    with pytest.raises(TypeError, match="expected dtype int64"):
+        model({**feeds, "input_ids": feeds["input_ids"].astype(np.float32)})
+
+
+def test_mask_of_wrong_length_or_kind(saved):
+    path, feeds, _ = saved
+    model = runtime.load(path)
+    with pytest.raises(ValueError, match=r"mask: .*\(128, 128\)"):
+        model(feeds, mask=np.ones((64, 64), bool))
+    with pytest.raises(ValueError, match="mask: .*unknown mask name"):
+        model(feeds, mask="nosuch")
+    with pytest.raises(ValueError, match="compiled for a mask of 2 batch x 1 head groups"):
+        model(feeds, mask=np.ones((B, 2, S, S), bool))
+
+
+def test_artifact_for_another_device(saved, tmp_path):
+    path, _, _ = saved
+    copy = shutil.copytree(path, tmp_path / "cuda_copy")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["target"] = {"kind": "cuda", "arch": "sm_90"}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RuntimeError, match="built for CUDA"):
+        runtime.load(copy)
+
+
+def test_not_an_artifact(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a stof-tvm artifact"):
+        runtime.load(tmp_path)
+
+
+def test_cli_main_job(tmp_path, capsys):
+    """README's main job: compile the built-in tiny BERT with a BigBird mask for llvm, run it with --check."""
+    out = str(tmp_path / "tiny")
+    assert cli_main(["compile", "--builtin", "tiny-bert", "--mask", "bigbird", "--batch", "1", "--seq-len", "128",
+                     "--target", "llvm", "-o", out]) == 0
+    assert cli_main(["run", out, "--check"]) == 0
+    printed = capsys.readouterr().out
+    assert "output last_hidden_state: shape [1, 128, 128] float32" in printed
+    assert "PASS" in printed
+    assert cli_main(["bench", out, "--repeat", "2", "--number", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["median_ms"] > 0 and report["seq_len"] == 128
+
+
+def test_cli_errors_are_reported(tmp_path, capsys):
+    assert cli_main(["run", str(tmp_path)]) == 2
+    assert "not a stof-tvm artifact" in capsys.readouterr().err
