@@ -13,7 +13,9 @@ masking before building the sparse format it passes to the module:
   ANDed in per batch.
 
 Formats for the default mask are cached per distinct padding, so repeated calls with the same inputs build
-nothing.
+nothing. A query row left with no kept key (under causal or sliding masks this happens only at padded query
+positions, whose outputs models ignore) gets output 0, stof-tvm's defined behaviour; the model's additive mask
+would instead spread such a row's weight over masked keys.
 """
 from __future__ import annotations
 
