@@ -1,0 +1,564 @@
+"""Block-wise sparse attention (STOF's FlashAttention-style kernel) as TensorIR.
+
+One thread block owns one (batch, head, tile row of ``BM`` queries). It walks the tile row's *partial* tiles,
+applying their 8x8-sub-tile bitmaps exactly (masked scores become -inf before the online softmax), then its
+*full* tiles (no mask work), with an online softmax in float32 and both products on tensor cores. Empty tiles
+are never loaded. Inputs follow the tiled-format contract of :mod:`stof_tvm.sparse_formats.tiled`.
+
+Two PrimFuncs with the same signature and semantics are built here:
+
+- ``target_kind="cuda"`` (sm_80+, tuned for sm_90): a **thread-level** TVMScript kernel. Each warp owns
+  ``16 * MT`` query rows; ``QK^T`` and ``PV`` run on ``mma.sync.m16n8k16`` (fp32 accumulate) fed by ``ldmatrix``
+  from XOR-swizzled shared memory; K/V tiles (and the bitmaps of partial tiles) stream in through a
+  ``stages``-deep ``cp.async`` ring; the probabilities stay in registers and are repacked as the A operand of
+  the ``PV`` product (FlashAttention-2's trick); the output is staged through shared memory and written with
+  16-byte stores. It is written at thread level because TensorIR's schedule primitives cannot express this
+  kernel: the tile walk is data dependent (two CSR lists per tile row), the softmax state must live in the
+  registers of the very threads that hold the ``mma`` accumulators (a layout ``tensorize`` does not expose),
+  and the mask is applied per accumulator register. TVM 0.27's ``T.ptx`` dialect provides every instruction
+  used (see :mod:`stof_tvm.schedules.mma`).
+- ``target_kind="llvm"``: a plain loop nest (parallel over tile rows, scalar online softmax per query row) that
+  computes the same function, so correctness of the format walk and of the masking semantics is tested on the
+  CPU. The CUDA kernel itself is checked against a float reference on the GPU (``scripts/bench_attention.py``)
+  and its generated source is compiled for sm_90 with nvcc in the CPU tests.
+
+Semantics (both targets): ``out[b, h, i] = sum_j softmax_j(scale * q_i . k_j over kept j) v_j``, where kept
+pairs come from mask group ``g = (b if mask_batch > 1 else 0) * mask_heads + (h if mask_heads > 1 else 0)``;
+rows with no kept key give exactly 0. Format arrays must have at least one element: pass a dummy entry
+(e.g. ``[0]`` and one all-zero bitmap) when a mask has no full or no partial tile; ``n_full`` / ``n_part`` are
+symbolic, so one compiled kernel serves every mask of the same shape and group layout.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import tvm
+from tvm.script import tirx as T
+
+from .mma import (CP_ASYNC_16, EX2, LD_SHARED_V4, LDMATRIX_X4, LDMATRIX_X4_TRANS, ST_GLOBAL_V4, mma_m16n8k16,
+                  pack_f32x2, swizzle_offset)
+
+__all__ = ["BlockConfig", "default_block_config", "blockwise_attention_primfunc", "SUPPORTED_DTYPES",
+           "SUPPORTED_HEAD_DIMS"]
+
+SUPPORTED_DTYPES = ("float16", "bfloat16")
+SUPPORTED_HEAD_DIMS = (64, 128)
+_LOG2E = 1.4426950408889634
+_FULL_MASK = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    """Tile shape and parallelism of the block-wise kernel.
+
+    ``block_m`` queries per thread block (a tile row), ``block_n`` keys per tile, ``num_warps`` warps per
+    block (each owns ``block_m / num_warps`` query rows, 16 or 32), ``stages`` K/V tiles in flight
+    (``cp.async`` ring depth, >= 2). The tiled format must be built with the same ``block_m`` x ``block_n``.
+
+    ``heavy_first`` changes the launch order. By default each (batch, head) launches its tile rows last to
+    first (right for causal-like masks, whose last rows carry the most tiles). With ``heavy_first`` the grid
+    launches, across all heads, the tile rows holding more than twice their group's mean tile count first
+    (the global rows of Longformer/BigBird), then the others last to first; each thread block finds its row
+    from the format's row pointers (two extra barriers), so one long row no longer starts at the very end.
+    """
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 4
+    stages: int = 2
+    heavy_first: bool = False
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def m_tiles_per_warp(self) -> int:
+        return self.block_m // (16 * self.num_warps)
+
+    def validate(self, head_dim: int) -> None:
+        """Raise ValueError unless this configuration can be compiled for ``head_dim``."""
+        if not isinstance(self.heavy_first, bool):
+            raise ValueError(f"BlockConfig.heavy_first must be a bool, got {self.heavy_first!r}")
+        for name in ("block_m", "block_n", "num_warps", "stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"BlockConfig.{name} must be a positive int, got {value!r}")
+        if self.block_n % 16:
+            raise ValueError(f"BlockConfig.block_n must be a multiple of 16, got {self.block_n}")
+        if self.block_m % (16 * self.num_warps) or self.m_tiles_per_warp not in (1, 2):
+            raise ValueError(f"BlockConfig.block_m ({self.block_m}) must be 16 or 32 rows per warp "
+                             f"times num_warps ({self.num_warps})")
+        if self.stages < 2:
+            raise ValueError(f"BlockConfig.stages must be >= 2, got {self.stages}")
+        if (self.block_n * head_dim // 8) % self.threads:
+            raise ValueError(f"a {self.block_n}x{head_dim} K/V tile must split evenly into 16-byte copies over "
+                             f"{self.threads} threads")
+        if self.shared_bytes(head_dim) > 227 * 1024:
+            raise ValueError(f"BlockConfig {self} needs {self.shared_bytes(head_dim)} bytes of shared memory, "
+                             f"more than the 227 KiB of sm_90")
+
+    def shared_bytes(self, head_dim: int) -> int:
+        """Shared memory of the CUDA kernel: the Q tile plus ``stages`` K, V and bitmap tiles (16-bit data);
+        ``heavy_first`` adds a few words for the row selection."""
+        kv = self.block_n * head_dim * 2
+        return self.block_m * head_dim * 2 + self.stages * (2 * kv + self.block_m * self.block_n // 8)
+
+
+def default_block_config(head_dim: int, dtype: str, seq_q: int) -> BlockConfig:
+    """A good starting configuration for the H200 (fp16 and bf16 run at the same rate)."""
+    _check_dtype(dtype)
+    _check_head_dim(head_dim)
+    if head_dim == 128:
+        return BlockConfig(block_m=128, block_n=64, num_warps=8, stages=2)
+    if seq_q <= 64:
+        return BlockConfig(block_m=64, block_n=64, num_warps=4, stages=2)
+    return BlockConfig(block_m=128, block_n=64, num_warps=4, stages=2)
+
+
+def _check_dtype(dtype) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
+
+
+def _check_head_dim(head_dim) -> None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim!r}")
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def blockwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: str,
+                                 mask_batch: int, mask_heads: int, scale: float | None = None,
+                                 config: BlockConfig | None = None, target_kind: str = "cuda") -> tvm.tirx.PrimFunc:
+    """The block-wise attention PrimFunc for one problem shape.
+
+    Parameters (in order): ``q[B,H,Sq,D], k[B,H,Sk,D], v[B,H,Sk,D], full_indptr[G*TR+1] int32,
+    full_indices[n_full] int32, part_indptr[G*TR+1] int32, part_indices[n_part] int32,
+    part_bitmaps[n_part, BM/8, BN/8] uint64, out[B,H,Sq,D]`` with ``G = mask_batch * mask_heads``,
+    ``TR = ceil(Sq / BM)``; ``n_full`` and ``n_part`` are symbolic (>= 1: pad empty lists with one dummy entry).
+    ``scale`` defaults to ``1/sqrt(head_dim)`` and must be positive. ``target_kind`` is ``"cuda"`` (tensor-core
+    kernel, thread bindings included) or ``"llvm"`` (CPU loop nest).
+    """
+    for name, value in (("batch", batch), ("heads", heads), ("seq_q", seq_q), ("seq_k", seq_k)):
+        _check_positive(name, value)
+    _check_head_dim(head_dim)
+    _check_dtype(dtype)
+    if mask_batch not in (1, batch):
+        raise ValueError(f"mask_batch must be 1 or batch ({batch}), got {mask_batch!r}")
+    if mask_heads not in (1, heads):
+        raise ValueError(f"mask_heads must be 1 or heads ({heads}), got {mask_heads!r}")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if not (scale > 0.0 and math.isfinite(scale)):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    config = default_block_config(head_dim, dtype, seq_q) if config is None else config
+    if not isinstance(config, BlockConfig):
+        raise TypeError(f"config must be a BlockConfig, got {type(config).__name__}")
+    config.validate(head_dim)
+    shape = _Shape(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, scale, config)
+    if target_kind == "cuda":
+        return _cuda_kernel(shape)
+    if target_kind == "llvm":
+        return _cpu_kernel(shape)
+    raise ValueError(f"target_kind must be 'cuda' or 'llvm', got {target_kind!r}")
+
+
+@dataclass(frozen=True)
+class _Shape:
+    batch: int
+    heads: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    dtype: str
+    mask_batch: int
+    mask_heads: int
+    scale: float
+    config: BlockConfig
+
+    @property
+    def tile_rows(self) -> int:
+        return -(-self.seq_q // self.config.block_m)
+
+    @property
+    def groups(self) -> int:
+        return self.mask_batch * self.mask_heads
+
+    @property
+    def group_strides(self) -> tuple[int, int]:
+        """(batch, head) multipliers of the mask group id: ``g = b * gb + h * gh``."""
+        return (self.mask_heads if self.mask_batch > 1 else 0), (1 if self.mask_heads > 1 else 0)
+
+
+def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
+    cfg = p.config
+    B, H, SQ, SK, D, DT = p.batch, p.heads, p.seq_q, p.seq_k, p.head_dim, p.dtype
+    BM, BN, ST, NT, MT = cfg.block_m, cfg.block_n, cfg.stages, cfg.threads, cfg.m_tiles_per_warp
+    TR, NROWS = p.tile_rows, p.groups * p.tile_rows + 1
+    GB, GH = p.group_strides
+    NJ, KD, ND = BN // 8, D // 16, D // 8         # n8 tiles of S, k16 steps of QK^T, n8 tiles of O
+    CPR, ROW_BYTES = D // 8, D * 2                # 16-byte chunks and bytes per Q/K/V row
+    KV_BYTES = BN * ROW_BYTES                     # one K (or V) tile in shared memory
+    MW_BYTES = BM * BN // 8                       # one bitmap tile (BM/8 x BN/8 uint64 words)
+    MW_CHUNKS = MW_BYTES // 16
+    Q_OFF, K_OFF = 0, BM * ROW_BYTES
+    V_OFF = K_OFF + ST * KV_BYTES
+    M_OFF = V_OFF + ST * KV_BYTES
+    KV_ITERS, Q_ITERS = BN * CPR // NT, BM * CPR // NT
+    M_ITERS = -(-MW_CHUNKS // NT)
+    OUT_ITERS = MT * 16 * CPR // 32
+    NW = cfg.num_warps
+    HF = 1 if cfg.heavy_first else 0              # heavy_first: grid (B*H, TR) and in-kernel row selection
+    GX, GY = (B * H, TR) if HF else (TR, B * H)
+    RI = -(-TR // NT)                             # row-selection passes: each thread rates rows tx, tx+NT, ..
+    SEL_W = (M_OFF + ST * MW_BYTES) // 4          # shared word of the selected row, then RI*NW warp counts
+    SMEM_WORDS = SEL_W + (1 + RI * NW) * HF
+    SL = p.scale * _LOG2E                         # softmax in base 2: exp(s*scale - m) = 2^(s*SL - m*SL)
+    NEG_INF = T.float32(float("-inf"))
+    MMA, PACK = mma_m16n8k16(DT), pack_f32x2(DT)
+
+    def swz(row, chunk):
+        return swizzle_offset(row, chunk, ROW_BYTES)
+
+    def mask_word(smem, t, warp, g, qd, mt, hh, j):
+        # Bits (e=0, e=1) of the thread's two score columns in n8 tile j, rows hh*8+g of m-tile mt: the 32-bit
+        # half g//4 of the sub-tile's uint64 word, shifted by (g%4)*8 + 2*qd (bit r*8+c holds row r, column c).
+        return T.shift_right(smem[(M_OFF + (t % ST) * MW_BYTES) // 4
+                                  + ((warp * (MT * 2) + mt * 2 + hh) * NJ + j) * 2 + g // 4],
+                             T.Cast("uint32", (g % 4) * 8 + qd * 2))
+
+    def tile_row(smem, bx):    # the tile row this thread block owns (heavy_first: chosen in shared memory)
+        return T.Cast("int32", smem[SEL_W]) if HF else TR - 1 - bx
+
+    def s_at(mt, j, e):        # score accumulator: m-tile mt, n8 tile j, register e
+        return (mt * NJ + j) * 4 + e
+
+    def o_at(mt, dn, e):       # output accumulator: m-tile mt, n8 tile dn of the head dim, register e
+        return (mt * ND + dn) * 4 + e
+
+    def q_at(mt, kk):          # first register of Q's A fragment for m-tile mt, k16 step kk
+        return (mt * KD + kk) * 4
+
+    @T.macro
+    def issue_tile(tt, n_tiles, n_part_row, p0, f0, tx, b, h, k_base, v_base, m_base, k, v, part_indices,
+                   full_indices, part_bitmaps):
+        # cp.async of tile tt's K, V (rows >= Sk zero-filled) and, for a partial tile, its bitmap words.
+        if tt < n_tiles:
+            slot: T.let = tt % ST
+            col: T.let = T.if_then_else(tt < n_part_row, part_indices[p0 + tt], full_indices[f0 + tt - n_part_row])
+            for it in T.unroll(KV_ITERS):
+                row: T.let = (it * NT + tx) // CPR
+                key: T.let = col * BN + row
+                dst: T.let = T.Cast("uint32", slot * KV_BYTES + swz(row, (it * NT + tx) % CPR))
+                fill: T.let = T.Cast("uint32", T.Select(key < SK, 16, 0))
+                CP_ASYNC_16(k_base + dst, T.address_of(k[b, h, T.min(key, SK - 1), ((it * NT + tx) % CPR) * 8]),
+                            16, fill)
+                CP_ASYNC_16(v_base + dst, T.address_of(v[b, h, T.min(key, SK - 1), ((it * NT + tx) % CPR) * 8]),
+                            16, fill)
+            if tt < n_part_row:
+                for it in T.unroll(M_ITERS):
+                    if it * NT + tx < MW_CHUNKS:
+                        CP_ASYNC_16(m_base + T.Cast("uint32", slot * MW_BYTES + (it * NT + tx) * 16),
+                                    T.address_of(part_bitmaps[p0 + tt, ((it * NT + tx) * 2) // NJ,
+                                                              ((it * NT + tx) * 2) % NJ]),
+                                    16, T.uint32(16))
+        T.ptx.cp.async_.commit_group()
+
+    @T.prim_func
+    def blockwise_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, full_indptr_h: T.handle,
+                            full_indices_h: T.handle, part_indptr_h: T.handle, part_indices_h: T.handle,
+                            part_bitmaps_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "global_symbol": "blockwise_attention"})
+        n_full = T.int32()
+        n_part = T.int32()
+        q = T.match_buffer(q_h, (B, H, SQ, D), DT)
+        k = T.match_buffer(k_h, (B, H, SK, D), DT)
+        v = T.match_buffer(v_h, (B, H, SK, D), DT)
+        full_indptr = T.match_buffer(full_indptr_h, (NROWS,), "int32")
+        full_indices = T.match_buffer(full_indices_h, (n_full,), "int32")
+        part_indptr = T.match_buffer(part_indptr_h, (NROWS,), "int32")
+        part_indices = T.match_buffer(part_indices_h, (n_part,), "int32")
+        part_bitmaps = T.match_buffer(part_bitmaps_h, (n_part, BM // 8, BN // 8), "uint64")
+        out = T.match_buffer(out_h, (B, H, SQ, D), DT)
+        for bx in T.thread_binding(GX, thread="blockIdx.x"):
+            for by in T.thread_binding(GY, thread="blockIdx.y"):
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    smem = T.alloc_buffer((SMEM_WORDS,), "uint32", scope="shared.dyn")
+                    q_frag = T.alloc_buffer((MT * KD * 4,), "uint32", scope="local")
+                    b_frag = T.alloc_buffer((4,), "uint32", scope="local")
+                    p_frag = T.alloc_buffer((MT * 4,), "uint32", scope="local")
+                    s_acc = T.alloc_buffer((MT * NJ * 4,), "float32", scope="local")
+                    o_acc = T.alloc_buffer((MT * ND * 4,), "float32", scope="local")
+                    m_run = T.alloc_buffer((MT * 2,), "float32", scope="local")
+                    l_run = T.alloc_buffer((MT * 2,), "float32", scope="local")
+                    red = T.alloc_buffer((5,), "float32", scope="local")
+                    word = T.alloc_buffer((2,), "uint32", scope="local")
+                    rank = T.alloc_buffer((RI * 2,), "uint32", scope="local")
+                    live = T.alloc_buffer((1,), "int32", scope="local")
+                    before = T.alloc_buffer((1,), "int32", scope="local")
+                    bh: T.let = bx * HF + by * (1 - HF)
+                    b: T.let = bh // H
+                    h: T.let = bh % H
+                    warp: T.let = tx // 32
+                    lane: T.let = tx % 32
+                    gbase: T.let = (b * GB + h * GH) * TR
+                    if HF == 1:
+                        # Heavy-first: position `by` in the order [rows with > 2x the group's mean tile count,
+                        # ascending] + [other rows, descending]. rank[2i] = heavy flag of row i*NT+tx,
+                        # rank[2i+1] = its warp ballot; warp counts go through shared memory.
+                        tot: T.let = (full_indptr[gbase + TR] - full_indptr[gbase]
+                                      + part_indptr[gbase + TR] - part_indptr[gbase])
+                        for it in T.unroll(RI):
+                            rr: T.let = T.min(it * NT + tx, TR - 1)
+                            rank[it * 2] = T.Cast("uint32", T.Select(
+                                it * NT + tx < TR and (full_indptr[gbase + rr + 1] - full_indptr[gbase + rr]
+                                                       + part_indptr[gbase + rr + 1] - part_indptr[gbase + rr])
+                                * TR > 2 * tot, 1, 0))
+                            rank[it * 2 + 1] = T.cuda.ballot_sync(T.uint32(_FULL_MASK),
+                                                                  T.Cast("int32", rank[it * 2]))
+                            if lane == 0:
+                                smem[SEL_W + 1 + it * NW + warp] = T.Cast("uint32", T.popcount(rank[it * 2 + 1]))
+                        T.tvm_storage_sync("shared")
+                        for it in T.unroll(RI):
+                            # before[0] = heavy rows with a lower index; a heavy row's position is that count, a
+                            # light row's is TR-1-row+count (light rows go last to first after the heavy ones).
+                            before[0] = T.Cast("int32", T.popcount(T.bitwise_and(
+                                rank[it * 2 + 1], T.shift_left(T.uint32(1), T.Cast("uint32", lane)) - T.uint32(1))))
+                            for j in T.unroll(RI * NW):
+                                before[0] = before[0] + T.Select(j < it * NW + warp,
+                                                                 T.Cast("int32", smem[SEL_W + 1 + j]), 0)
+                            if it * NT + tx < TR:
+                                if T.Select(rank[it * 2] == T.uint32(1), before[0],
+                                            TR - 1 - (it * NT + tx) + before[0]) == by:
+                                    smem[SEL_W] = T.Cast("uint32", it * NT + tx)
+                        T.tvm_storage_sync("shared")
+                    # Default order: last tile row first (causal-like masks put the most tiles there).
+                    tr: T.let = tile_row(smem, bx)
+                    r: T.let = gbase + tr
+                    f0: T.let = full_indptr[r]
+                    p0: T.let = part_indptr[r]
+                    n_part_row: T.let = part_indptr[r + 1] - p0
+                    n_tiles: T.let = n_part_row + full_indptr[r + 1] - f0
+                    g: T.let = lane // 4
+                    qd: T.let = lane % 4
+                    q_base: T.let = T.cuda.cvta_generic_to_shared(T.address_of(smem[0]))
+                    k_base: T.let = q_base + T.uint32(K_OFF)
+                    v_base: T.let = q_base + T.uint32(V_OFF)
+                    m_base: T.let = q_base + T.uint32(M_OFF)
+                    # Q tile (its own commit group, rows >= Sq zero-filled), then the first STAGES-1 tiles.
+                    for it in T.unroll(Q_ITERS):
+                        qrow: T.let = tr * BM + (it * NT + tx) // CPR
+                        CP_ASYNC_16(q_base + T.Cast("uint32", swz((it * NT + tx) // CPR, (it * NT + tx) % CPR)),
+                                    T.address_of(q[b, h, T.min(qrow, SQ - 1), ((it * NT + tx) % CPR) * 8]),
+                                    16, T.Cast("uint32", T.Select(qrow < SQ, 16, 0)))
+                    T.ptx.cp.async_.commit_group()
+                    for s in T.unroll(ST - 1):
+                        issue_tile(s, n_tiles, n_part_row, p0, f0, tx, b, h, k_base, v_base, m_base, k, v,
+                                   part_indices, full_indices, part_bitmaps)
+                    for i in T.unroll(MT * ND * 4):
+                        o_acc[i] = T.float32(0)
+                    for i in T.unroll(MT * 2):
+                        m_run[i] = NEG_INF
+                        l_run[i] = T.float32(0)
+                    T.ptx.cp.async_.wait_group(ST - 1)
+                    T.tvm_storage_sync("shared")
+                    for mt in T.unroll(MT):
+                        for kk in T.unroll(KD):
+                            LDMATRIX_X4(q_frag[q_at(mt, kk)], q_frag[q_at(mt, kk) + 1], q_frag[q_at(mt, kk) + 2],
+                                        q_frag[q_at(mt, kk) + 3],
+                                        q_base + T.Cast("uint32", swz(warp * (MT * 16) + mt * 16 + lane % 16,
+                                                                      kk * 2 + lane // 16)))
+                    for t in range(n_tiles):
+                        # Tile t has landed for every thread, and every thread is done with tile t-1's slot,
+                        # which the copy of tile t+STAGES-1 now refills.
+                        T.ptx.cp.async_.wait_group(ST - 2)
+                        T.tvm_storage_sync("shared")
+                        issue_tile(t + ST - 1, n_tiles, n_part_row, p0, f0, tx, b, h, k_base, v_base, m_base,
+                                   k, v, part_indices, full_indices, part_bitmaps)
+                        kv_off: T.let = T.Cast("uint32", (t % ST) * KV_BYTES)
+                        # A partial tile whose bitmap keeps nothing in this warp's rows is skipped by the warp.
+                        live[0] = 1
+                        if t < n_part_row:
+                            word[0] = T.uint32(0)
+                            for mt in T.unroll(MT):
+                                for hh in T.unroll(2):
+                                    for j in T.unroll(NJ):
+                                        word[0] = T.bitwise_or(word[0], mask_word(smem, t, warp, g, qd, mt, hh, j))
+                            live[0] = T.cuda.any_sync(T.uint32(_FULL_MASK),
+                                                      T.Cast("int32", T.bitwise_and(word[0], T.uint32(3))))
+                        if live[0] != 0:
+                            # S = Q K^T (fp32 accumulators in registers).
+                            for i in T.unroll(MT * NJ * 4):
+                                s_acc[i] = T.float32(0)
+                            for kk in T.unroll(KD):
+                                for jp in T.unroll(NJ // 2):
+                                    LDMATRIX_X4(b_frag[0], b_frag[1], b_frag[2], b_frag[3],
+                                                k_base + kv_off + T.Cast("uint32", swz(
+                                                    jp * 16 + (lane // 16) * 8 + lane % 8, kk * 2 + (lane // 8) % 2)))
+                                    for mt in T.unroll(MT):
+                                        for half in T.unroll(2):
+                                            MMA(s_acc[s_at(mt, 2 * jp + half, 0)], s_acc[s_at(mt, 2 * jp + half, 1)],
+                                                s_acc[s_at(mt, 2 * jp + half, 2)], s_acc[s_at(mt, 2 * jp + half, 3)],
+                                                q_frag[q_at(mt, kk)], q_frag[q_at(mt, kk) + 1],
+                                                q_frag[q_at(mt, kk) + 2], q_frag[q_at(mt, kk) + 3],
+                                                b_frag[half * 2], b_frag[half * 2 + 1],
+                                                s_acc[s_at(mt, 2 * jp + half, 0)], s_acc[s_at(mt, 2 * jp + half, 1)],
+                                                s_acc[s_at(mt, 2 * jp + half, 2)], s_acc[s_at(mt, 2 * jp + half, 3)])
+                            # Partial tile: register e of n8 tile j covers sub-tile (row block, j); the thread's two
+                            # columns are bits (g%4)*8 + 2*qd (+1) of the 32-bit half g//4 of that sub-tile's word.
+                            if t < n_part_row:
+                                for mt in T.unroll(MT):
+                                    for hh in T.unroll(2):
+                                        for j in T.unroll(NJ):
+                                            word[0] = mask_word(smem, t, warp, g, qd, mt, hh, j)
+                                            s_acc[s_at(mt, j, hh * 2)] = T.Select(
+                                                T.bitwise_and(word[0], T.uint32(1)) != T.uint32(0),
+                                                s_acc[s_at(mt, j, hh * 2)], NEG_INF)
+                                            s_acc[s_at(mt, j, hh * 2 + 1)] = T.Select(
+                                                T.bitwise_and(word[0], T.uint32(2)) != T.uint32(0),
+                                                s_acc[s_at(mt, j, hh * 2 + 1)], NEG_INF)
+                            # Online softmax, one pass per query row the thread holds (rows g and g+8 of each m-tile);
+                            # the four lanes of a quad share a row. red = [tile max, new max, base, correction, sum].
+                            for mt in T.unroll(MT):
+                                for hh in T.unroll(2):
+                                    red[0] = T.max(s_acc[s_at(mt, 0, hh * 2)], s_acc[s_at(mt, 0, hh * 2 + 1)])
+                                    for j in T.unroll(1, NJ):
+                                        red[0] = T.max(red[0], T.max(s_acc[s_at(mt, j, hh * 2)],
+                                                                     s_acc[s_at(mt, j, hh * 2 + 1)]))
+                                    red[0] = T.max(red[0], T.tvm_warp_shuffle_xor(T.uint32(_FULL_MASK), red[0], 1, 32, 32))
+                                    red[0] = T.max(red[0], T.tvm_warp_shuffle_xor(T.uint32(_FULL_MASK), red[0], 2, 32, 32))
+                                    red[1] = T.max(m_run[mt * 2 + hh], red[0])
+                                    red[2] = T.Select(red[1] == NEG_INF, T.float32(0), red[1] * T.float32(SL))
+                                    EX2(red[3], m_run[mt * 2 + hh] * T.float32(SL) - red[2])
+                                    m_run[mt * 2 + hh] = red[1]
+                                    red[4] = T.float32(0)
+                                    for j in T.unroll(NJ):
+                                        for e in T.unroll(2):
+                                            EX2(s_acc[s_at(mt, j, hh * 2 + e)],
+                                                s_acc[s_at(mt, j, hh * 2 + e)] * T.float32(SL) - red[2])
+                                            red[4] = red[4] + s_acc[s_at(mt, j, hh * 2 + e)]
+                                    l_run[mt * 2 + hh] = l_run[mt * 2 + hh] * red[3] + red[4]
+                                    for dn in T.unroll(ND):
+                                        for e in T.unroll(2):
+                                            o_acc[o_at(mt, dn, hh * 2 + e)] = o_acc[o_at(mt, dn, hh * 2 + e)] * red[3]
+                            # O += P V: P (fp32 C fragments) repacked pairwise as the A fragment of each k16 step.
+                            for kk in T.unroll(NJ // 2):
+                                for mt in T.unroll(MT):
+                                    for a in T.unroll(4):
+                                        PACK(p_frag[mt * 4 + a], s_acc[s_at(mt, 2 * kk + a // 2, (a % 2) * 2 + 1)],
+                                             s_acc[s_at(mt, 2 * kk + a // 2, (a % 2) * 2)])
+                                for dp in T.unroll(ND // 2):
+                                    LDMATRIX_X4_TRANS(b_frag[0], b_frag[1], b_frag[2], b_frag[3],
+                                                      v_base + kv_off + T.Cast("uint32", swz(
+                                                          kk * 16 + ((lane // 8) % 2) * 8 + lane % 8,
+                                                          dp * 2 + lane // 16)))
+                                    for mt in T.unroll(MT):
+                                        for half in T.unroll(2):
+                                            MMA(o_acc[o_at(mt, 2 * dp + half, 0)], o_acc[o_at(mt, 2 * dp + half, 1)],
+                                                o_acc[o_at(mt, 2 * dp + half, 2)], o_acc[o_at(mt, 2 * dp + half, 3)],
+                                                p_frag[mt * 4], p_frag[mt * 4 + 1], p_frag[mt * 4 + 2],
+                                                p_frag[mt * 4 + 3], b_frag[half * 2], b_frag[half * 2 + 1],
+                                                o_acc[o_at(mt, 2 * dp + half, 0)], o_acc[o_at(mt, 2 * dp + half, 1)],
+                                                o_acc[o_at(mt, 2 * dp + half, 2)], o_acc[o_at(mt, 2 * dp + half, 3)])
+                    T.ptx.cp.async_.wait_group(0)
+                    # Epilogue: O / l (0 for rows with no kept key), staged through this warp's own Q rows.
+                    for mt in T.unroll(MT):
+                        for hh in T.unroll(2):
+                            red[0] = l_run[mt * 2 + hh]
+                            red[0] = red[0] + T.tvm_warp_shuffle_xor(T.uint32(_FULL_MASK), red[0], 1, 32, 32)
+                            red[0] = red[0] + T.tvm_warp_shuffle_xor(T.uint32(_FULL_MASK), red[0], 2, 32, 32)
+                            red[1] = T.Select(red[0] > T.float32(0), T.float32(1) / red[0], T.float32(0))
+                            for dn in T.unroll(ND):
+                                PACK(word[1], o_acc[o_at(mt, dn, hh * 2 + 1)] * red[1],
+                                     o_acc[o_at(mt, dn, hh * 2)] * red[1])
+                                smem[(Q_OFF + swz(warp * (MT * 16) + mt * 16 + hh * 8 + g, dn)) // 4 + qd] = word[1]
+                    T.cuda.warp_sync()
+                    for it in T.unroll(OUT_ITERS):
+                        orow: T.let = warp * (MT * 16) + (it * 32 + lane) // CPR
+                        if tr * BM + orow < SQ:
+                            LD_SHARED_V4(b_frag[0], b_frag[1], b_frag[2], b_frag[3],
+                                         q_base + T.Cast("uint32", swz(orow, (it * 32 + lane) % CPR)))
+                            ST_GLOBAL_V4(T.address_of(out[b, h, tr * BM + orow, ((it * 32 + lane) % CPR) * 8]),
+                                         b_frag[0], b_frag[1], b_frag[2], b_frag[3])
+
+    return blockwise_attention
+
+
+def _cpu_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
+    cfg = p.config
+    B, H, SQ, SK, D, DT = p.batch, p.heads, p.seq_q, p.seq_k, p.head_dim, p.dtype
+    BM, BN = cfg.block_m, cfg.block_n
+    TR, NROWS = p.tile_rows, p.groups * p.tile_rows + 1
+    GB, GH = p.group_strides
+    SCALE = p.scale
+    NEG_INF = T.float32(float("-inf"))
+
+    @T.prim_func
+    def blockwise_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, full_indptr_h: T.handle,
+                            full_indices_h: T.handle, part_indptr_h: T.handle, part_indices_h: T.handle,
+                            part_bitmaps_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "global_symbol": "blockwise_attention"})
+        n_full = T.int32()
+        n_part = T.int32()
+        q = T.match_buffer(q_h, (B, H, SQ, D), DT)
+        k = T.match_buffer(k_h, (B, H, SK, D), DT)
+        v = T.match_buffer(v_h, (B, H, SK, D), DT)
+        full_indptr = T.match_buffer(full_indptr_h, (NROWS,), "int32")
+        full_indices = T.match_buffer(full_indices_h, (n_full,), "int32")
+        part_indptr = T.match_buffer(part_indptr_h, (NROWS,), "int32")
+        part_indices = T.match_buffer(part_indices_h, (n_part,), "int32")
+        part_bitmaps = T.match_buffer(part_bitmaps_h, (n_part, BM // 8, BN // 8), "uint64")
+        out = T.match_buffer(out_h, (B, H, SQ, D), DT)
+        for task in T.parallel(B * H * TR):
+            q_row = T.alloc_buffer((D,), "float32", scope="local")
+            acc = T.alloc_buffer((D,), "float32", scope="local")
+            # st = [running max, running sum, score, rescale factor, probability]
+            st = T.alloc_buffer((5,), "float32", scope="local")
+            kept = T.alloc_buffer((1,), "int32", scope="local")
+            b: T.let = task // (H * TR)
+            h: T.let = task // TR % H
+            tr: T.let = task % TR
+            r: T.let = (b * GB + h * GH) * TR + tr
+            f0: T.let = full_indptr[r]
+            p0: T.let = part_indptr[r]
+            n_part_row: T.let = part_indptr[r + 1] - p0
+            n_tiles: T.let = n_part_row + full_indptr[r + 1] - f0
+            for a in range(BM):
+                if tr * BM + a < SQ:
+                    st[0] = NEG_INF
+                    st[1] = T.float32(0)
+                    for d in range(D):
+                        q_row[d] = T.Cast("float32", q[b, h, tr * BM + a, d]) * T.float32(SCALE)
+                        acc[d] = T.float32(0)
+                    for t in range(n_tiles):
+                        col: T.let = T.if_then_else(t < n_part_row, part_indices[p0 + t],
+                                                    full_indices[f0 + t - n_part_row])
+                        for c in range(BN):
+                            kept[0] = T.int32(1)
+                            if t < n_part_row:
+                                kept[0] = T.Cast("int32", T.bitwise_and(T.shift_right(
+                                    part_bitmaps[p0 + t, a // 8, c // 8], T.Cast("uint64", (a % 8) * 8 + c % 8)),
+                                    T.uint64(1)))
+                            if kept[0] != 0 and col * BN + c < SK:
+                                st[2] = T.float32(0)
+                                for d in range(D):
+                                    st[2] = st[2] + q_row[d] * T.Cast("float32", k[b, h, col * BN + c, d])
+                                if st[2] > st[0]:
+                                    st[3] = T.exp(st[0] - st[2])
+                                    st[1] = st[1] * st[3]
+                                    for d in range(D):
+                                        acc[d] = acc[d] * st[3]
+                                    st[0] = st[2]
+                                st[4] = T.exp(st[2] - st[0])
+                                st[1] = st[1] + st[4]
+                                for d in range(D):
+                                    acc[d] = acc[d] + st[4] * T.Cast("float32", v[b, h, col * BN + c, d])
+                    for d in range(D):
+                        out[b, h, tr * BM + a, d] = T.Cast(
+                            DT, T.Select(st[1] > T.float32(0), acc[d] / st[1], T.float32(0)))
+
+    return blockwise_attention

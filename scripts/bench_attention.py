@@ -1,0 +1,480 @@
+"""Sparse attention on the H200: our block-wise (and row-wise) TensorIR kernels against the baselines, same mask.
+
+Two steps, because the GPU machine has TVM's runtime but builds nothing:
+
+1. ``build`` (here, with the TVM compiler): compile every kernel a plan needs for CUDA sm_90, export each as a
+   shared library under ``--out`` and write ``manifest.json`` (cases, modules, ptxas register/spill reports, and
+   one cubin per kernel configuration for a SASS check on the GPU machine).
+2. ``run`` (GPU machine: torch, triton, TVM runtime from ``.devkit``): for every case build the mask and its
+   format with numpy, draw fresh random inputs, poison the output, run our kernel and check it against a torch
+   float32 reference; for timed cases also run FlexAttention (``torch.compile``'d ``flex_attention`` with a
+   BlockMask from the *same* boolean mask), SDPA with that boolean mask, and SDPA causal / dense (the speed of
+   ignoring sparsity), each checked against the same reference and timed with ``triton.testing.do_bench``
+   (median, after warm-up). Prints a table and writes JSON (rewritten after every case).
+
+Plans: ``check`` (small shapes: every config, fp16/bf16, D 64/128, shared / per-batch / per-head masks,
+padding, empty rows, S not a multiple of the tile), ``tune`` (tile configurations at B=16, S=4096 and S=16384),
+``grid`` (issue 3's grid: causal/sliding/longformer/bigbird x B {1,8,16} x S {128..4096}, H=12, D=64, fp16; plus
+S 8192/16384 with D=128). Effective TFLOP/s counts kept pairs only: ``4 * kept * D`` per head.
+
+    python scripts/bench_attention.py build --plan check,tune --out out/attn
+    python3 scripts/bench_attention.py run --out out/attn --json $OUT/attn.json      # on the GPU machine
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+H_BENCH = 12
+NAMED_MASKS = ("causal", "sliding", "longformer", "bigbird")
+GRID_SEQS = (128, 256, 512, 1024, 2048, 4096)
+GRID_BATCHES = (1, 8, 16)
+LONG_SEQS = (8192, 16384)
+LONG_BATCHES = (1, 4)
+TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
+CUDA_TARGET = {"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024,
+               "max_shared_memory_per_block": 232448}
+
+# Block configurations (block_m, block_n, num_warps, stages) the grid uses, per (mask, head_dim); chosen from
+# the ``tune`` plan's measurements (scripts/NOTES_attention.md).
+GRID_CONFIG = {
+    ("causal", 64): (128, 64, 4, 2), ("sliding", 64): (64, 64, 4, 2),
+    ("longformer", 64): (64, 64, 4, 2), ("bigbird", 64): (64, 64, 4, 2),
+    ("causal", 128): (128, 64, 8, 2), ("sliding", 128): (64, 64, 4, 2),
+    ("longformer", 128): (64, 64, 4, 2), ("bigbird", 128): (64, 64, 4, 2),
+}
+TUNE_CONFIGS = {64: [(128, 64, 4, 2), (128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 2, 2), (64, 128, 4, 2),
+                     (64, 32, 4, 2), (32, 64, 2, 2)],
+                128: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)]}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Masks (numpy only: used on both machines)
+# ----------------------------------------------------------------------------------------------------------
+
+def mask_groups(recipe: str, batch: int, heads: int) -> tuple[int, int]:
+    """(mask_batch, mask_heads) of a mask recipe: named masks are shared, random ones per (batch, head)."""
+    kind = recipe.split(":")[0]
+    if kind in ("random", "random_empty"):
+        return batch, heads
+    if kind == "padding":
+        return batch, 1
+    return 1, 1
+
+
+def build_mask(recipe: str, batch: int, heads: int, seq: int, seed: int) -> np.ndarray:
+    """Normalised boolean mask [Bm, Hm, S, S] of a recipe: a mask spec name, ``random:<density>``,
+    ``random_empty:<density>`` (random plus whole empty query rows) or ``padding`` (random valid lengths per
+    batch, one batch of length 0)."""
+    from stof_tvm.sparse_formats import normalize_mask
+
+    rng = np.random.default_rng(seed)
+    kind, _, arg = recipe.partition(":")
+    if kind in ("random", "random_empty"):
+        mask = rng.random((batch, heads, seq, seq)) < float(arg)
+        if kind == "random_empty":
+            mask[:, :, rng.random(seq) < 0.2, :] = False
+        return normalize_mask(mask, batch=batch, heads=heads, seq_q=seq)
+    if kind == "padding":
+        lengths = rng.integers(1, seq + 1, size=batch)
+        lengths[0] = 0
+        return normalize_mask(lengths.astype(np.int64), batch=batch, heads=heads, seq_q=seq)
+    return normalize_mask(recipe, batch=batch, heads=heads, seq_q=seq)
+
+
+def tiled_arrays(mask4: np.ndarray, block_m: int, block_n: int) -> list[np.ndarray]:
+    """The five format arrays of the block-wise kernel, empty lists padded with one dummy entry."""
+    from stof_tvm.sparse_formats import build_tiled
+
+    fmt = build_tiled(mask4, block_m, block_n)
+    full_idx = fmt.full_indices if fmt.full_indices.size else np.zeros(1, np.int32)
+    part_idx = fmt.part_indices if fmt.part_indices.size else np.zeros(1, np.int32)
+    bitmaps = fmt.part_bitmaps if fmt.part_bitmaps.size else np.zeros((1, block_m // 8, block_n // 8), np.uint64)
+    return [fmt.full_indptr, full_idx, fmt.part_indptr, part_idx, np.ascontiguousarray(bitmaps)]
+
+
+def row_arrays(mask4: np.ndarray) -> list[np.ndarray]:
+    from stof_tvm.sparse_formats import build_rows
+
+    fmt = build_rows(mask4)
+    return [fmt.indptr, fmt.indices if fmt.indices.size else np.zeros(1, np.int32)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Plans
+# ----------------------------------------------------------------------------------------------------------
+
+def _case(kind, family, recipe, batch, heads, seq, head_dim, dtype, config, seed=0):
+    return {"kind": kind, "family": family, "mask": recipe, "batch": batch, "heads": heads, "seq": seq,
+            "head_dim": head_dim, "dtype": dtype, "config": list(config) if config else None, "seed": seed}
+
+
+def plan_check() -> list[dict]:
+    cases = []
+    seq, batch, heads = 200, 2, 3
+    masks = ["causal", "sliding", "bigbird", "longformer", "random:0.3", "random_empty:0.05", "padding", "dense"]
+    for head_dim, configs in TUNE_CONFIGS.items():
+        for config in configs:
+            for recipe in (masks if config == configs[0] else ["sliding", "random:0.3", "padding"]):
+                cases.append(_case("check", "block", recipe, batch, heads, seq, head_dim, "float16", config))
+        for recipe in ("bigbird", "random_empty:0.05"):
+            cases.append(_case("check", "block", recipe, batch, heads, seq, head_dim, "bfloat16", configs[0]))
+    for recipe in ("causal", "random:0.5", "padding"):      # tile-aligned S and a single tile row
+        cases.append(_case("check", "block", recipe, 2, 2, 1024, 64, "float16", (128, 64, 4, 2)))
+        cases.append(_case("check", "block", recipe, 2, 2, 7, 64, "float16", (64, 64, 4, 2)))
+    for recipe in ("sliding", "random_empty:0.05", "padding"):
+        cases.append(_case("check", "row", recipe, batch, heads, seq, 64, "float16", None))
+    return cases
+
+
+def plan_tune() -> list[dict]:
+    cases = []
+    for head_dim, seq, batch in ((64, 4096, 16), (128, 16384, 1)):
+        for config in TUNE_CONFIGS[head_dim]:
+            for recipe in NAMED_MASKS:
+                cases.append(_case("time", "block", recipe, batch, H_BENCH, seq, head_dim, "float16", config))
+    return cases
+
+
+def plan_grid() -> list[dict]:
+    cases = []
+    shapes = [(b, s, 64) for s in GRID_SEQS for b in GRID_BATCHES]
+    shapes += [(b, s, 128) for s in LONG_SEQS for b in LONG_BATCHES]
+    for batch, seq, head_dim in shapes:
+        for recipe in NAMED_MASKS:
+            config = GRID_CONFIG[(recipe, head_dim)]
+            cases.append(_case("time", "block", recipe, batch, H_BENCH, seq, head_dim, "float16", config))
+            cases.append(_case("time", "row", recipe, batch, H_BENCH, seq, head_dim, "float16", None))
+    return cases
+
+
+PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# build (TVM compiler side)
+# ----------------------------------------------------------------------------------------------------------
+
+def _module_key(case: dict) -> str:
+    mb, mh = mask_groups(case["mask"], case["batch"], case["heads"])
+    cfg = "x".join(map(str, case["config"])) if case["config"] else "default"
+    return (f"{case['family']}_b{case['batch']}h{case['heads']}s{case['seq']}d{case['head_dim']}_"
+            f"{case['dtype']}_g{mb}x{mh}_{cfg}")
+
+
+def _primfunc(case: dict):
+    mb, mh = mask_groups(case["mask"], case["batch"], case["heads"])
+    common = dict(batch=case["batch"], heads=case["heads"], seq_q=case["seq"], seq_k=case["seq"],
+                  head_dim=case["head_dim"], dtype=case["dtype"], mask_batch=mb, mask_heads=mh, scale=None,
+                  target_kind="cuda")
+    if case["family"] == "block":
+        from stof_tvm.schedules.attention_blockwise import BlockConfig, blockwise_attention_primfunc
+        return blockwise_attention_primfunc(config=BlockConfig(*case["config"]), **common)
+    from stof_tvm.schedules.attention_rowwise import rowwise_attention_primfunc
+    return rowwise_attention_primfunc(config=None, **common)
+
+
+def _ptxas_report(src: str, cubin_path: Path) -> dict:
+    """Compile ``src`` for sm_90 with nvcc -Xptxas -v; keep the cubin; return registers / spill figures."""
+    cu = cubin_path.with_suffix(".cu")
+    cu.write_text(src)
+    proc = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-O3", "--use_fast_math", "-Xptxas", "-v",
+                           "-o", str(cubin_path), str(cu)], capture_output=True, text=True)
+    cu.unlink()
+    text = proc.stdout + proc.stderr
+    if proc.returncode:
+        raise RuntimeError(f"nvcc failed for {cubin_path.name}:\n{text}")
+    import re
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    stack = re.search(r"(\d+) bytes stack frame", text)
+    return {"registers": int(regs.group(1)), "spill_stores": int(spill.group(1)),
+            "spill_loads": int(spill.group(2)), "stack_frame": int(stack.group(1))}
+
+
+def build(args) -> None:
+    import tvm
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cases = [c for name in args.plan.split(",") for c in PLANS[name]()]
+    have_rowwise = (Path(__file__).resolve().parents[1] / "schedules" / "attention_rowwise.py").exists()
+    cases = [c for c in cases if c["family"] == "block" or have_rowwise]
+    target = tvm.target.Target(CUDA_TARGET, host={"kind": "llvm"})
+    modules, sass = {}, {}
+    t0 = time.time()
+    for case in cases:
+        key = _module_key(case)
+        case["module"] = key
+        if key in modules:
+            continue
+        ex = tvm.compile(_primfunc(case), target=target)
+        kinds = [m.kind for m in ex.mod.imports]
+        if "cuda" not in kinds:
+            raise RuntimeError(f"{key}: no CUDA module in the build (imports: {kinds})")
+        ex.export_library(str(out / f"{key}.so"))
+        modules[key] = f"{key}.so"
+        cfg_key = f"{case['family']}_d{case['head_dim']}_{case['dtype']}_" + (
+            "x".join(map(str, case["config"])) if case["config"] else "default")
+        if cfg_key not in sass:
+            sass[cfg_key] = _ptxas_report(ex.mod.imports[0].inspect_source(), out / f"{cfg_key}.cubin")
+            sass[cfg_key]["cubin"] = f"{cfg_key}.cubin"
+        print(f"built {key} ({time.time() - t0:.0f} s)", flush=True)
+    manifest = {"cases": cases, "modules": modules, "sass": sass,
+                "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                         text=True).stdout.strip()}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    print(f"{len(cases)} cases, {len(modules)} modules, {len(sass)} cubins in {out}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# run (GPU side)
+# ----------------------------------------------------------------------------------------------------------
+
+class Runner:
+    """Holds loaded modules, compiled baselines and the results of one ``run``."""
+
+    def __init__(self, out: Path, json_path: Path | None, budget_s: float):
+        import torch
+        import tvm
+        from stof_tvm.cuda_runtime import ensure_cuda_runtime
+
+        if not ensure_cuda_runtime():
+            raise RuntimeError("TVM's CUDA runtime could not be loaded")
+        torch._dynamo.config.cache_size_limit = 1024
+        torch._dynamo.config.accumulated_cache_size_limit = 4096
+        self.torch, self.tvm = torch, tvm
+        self.out, self.json_path, self.deadline = out, json_path, time.time() + budget_s
+        self.manifest = json.loads((out / "manifest.json").read_text())
+        self.loaded, self.results, self.baselines = {}, [], {}
+        self.load_seconds = 0.0
+        from torch.nn.attention.flex_attention import flex_attention
+        self.flex = torch.compile(flex_attention, dynamic=False)
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    def kernel(self, key: str):
+        if key not in self.loaded:
+            t0 = time.time()
+            mod = self.tvm.runtime.load_module(str(self.out / self.manifest["modules"][key]))
+            name = "blockwise_attention" if key.startswith("block") else "rowwise_attention"
+            self.loaded[key] = mod[name]
+            self.load_seconds += time.time() - t0
+        return self.loaded[key]
+
+    def to_tvm(self, tensor):
+        return self.tvm.runtime.from_dlpack(tensor)
+
+    def reference(self, q, k, v, mask_t, scale):
+        """float32 attention on the GPU, one (batch) at a time; rows with no kept key give 0."""
+        torch = self.torch
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        for b in range(q.shape[0]):
+            m = mask_t[b if mask_t.shape[0] > 1 else 0]
+            for h0 in range(0, q.shape[1], 4):
+                hs = slice(h0, h0 + 4)
+                s = torch.matmul(q[b, hs].float(), k[b, hs].float().transpose(-1, -2)) * scale
+                mh = m[hs] if m.shape[0] > 1 else m
+                s = s.masked_fill(~mh, float("-inf"))
+                p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+                out[b, hs] = torch.matmul(p, v[b, hs].float())
+        return out
+
+    @staticmethod
+    def rel_err(x, ref) -> float:
+        x = x.float()
+        if not bool(x.isfinite().all()):
+            return float("inf")
+        return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+    def bench(self, fn) -> float:
+        import triton.testing
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+    # -- one case --------------------------------------------------------------------------------------
+    def run_case(self, case: dict) -> dict:
+        torch = self.torch
+        B, H, S, D, dtype = case["batch"], case["heads"], case["seq"], case["head_dim"], case["dtype"]
+        tdt = getattr(torch, dtype)
+        mask4 = build_mask(case["mask"], B, H, S, case["seed"])
+        kept = int(mask4.sum(dtype=np.int64)) * (B // mask4.shape[0]) * (H // mask4.shape[1])
+        flops = 4.0 * kept * D
+        gen = torch.Generator(device="cuda").manual_seed(1234 + len(self.results))
+        q, k, v = (torch.randn((B, H, S, D), generator=gen, device="cuda", dtype=tdt) for _ in range(3))
+        out = torch.full_like(q, float("nan"))
+        if case["family"] == "block":
+            fmt = tiled_arrays(mask4, case["config"][0], case["config"][1])
+        else:
+            fmt = row_arrays(mask4)
+        fmt_t = [torch.from_numpy(a).cuda() for a in fmt]
+        fn = self.kernel(case["module"])
+        args = [self.to_tvm(t) for t in (q, k, v, *fmt_t, out)]
+        fn(*args)
+        torch.cuda.synchronize()
+        mask_t = torch.from_numpy(np.ascontiguousarray(mask4)).cuda()
+        scale = 1.0 / math.sqrt(D)
+        ref = self.reference(q, k, v, mask_t, scale)
+        err = self.rel_err(out, ref)
+        row = dict(case, kept=kept, rel_err=err, ok=err <= TOLERANCE[dtype])
+        if case["kind"] == "time":
+            ms = self.bench(lambda: fn(*args))
+            out.fill_(float("nan"))          # the timed runs must have rewritten every element, too
+            fn(*args)
+            torch.cuda.synchronize()
+            row["rel_err_after_timing"] = self.rel_err(out, ref)
+            row["ok"] = row["ok"] and row["rel_err_after_timing"] <= TOLERANCE[dtype]
+            row.update(ms=ms, tflops=flops / ms / 1e9)
+            row["baselines"] = self.baselines_for(case, q, k, v, mask_t, ref, flops)
+        del q, k, v, out, ref
+        return row
+
+    def baselines_for(self, case, q, k, v, mask_t, ref, flops) -> dict:
+        key = (case["mask"], case["batch"], case["seq"], case["head_dim"], case["dtype"])
+        if key in self.baselines:
+            return self.baselines[key]
+        torch = self.torch
+        import torch.nn.functional as F
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        dense_mask = mask_t[0, 0]
+        S = case["seq"]
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return dense_mask[q_idx, kv_idx]
+
+        result = {}
+        block_mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=S, KV_LEN=S, device="cuda")
+        candidates = {
+            "flex": (lambda: self.flex(q, k, v, block_mask=block_mask), True),
+            "sdpa_mask": (lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask), True),
+            "sdpa_causal": (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                            case["mask"] == "causal"),
+            "sdpa_dense": (lambda: F.scaled_dot_product_attention(q, k, v), False),
+        }
+        for name, (fn, exact) in candidates.items():
+            try:
+                err = self.rel_err(fn(), ref) if exact else None
+                ms = self.bench(fn)
+                result[name] = {"ms": ms, "tflops": flops / ms / 1e9, "exact": exact, "rel_err": err}
+            except Exception as exc:  # a baseline that cannot run this shape is reported, not fatal
+                result[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+        self.baselines[key] = result
+        return result
+
+    def save(self, extra: dict) -> None:
+        if self.json_path:
+            self.json_path.write_text(json.dumps({"results": self.results, **extra}, indent=1))
+
+
+def sass_summary(out: Path, manifest: dict) -> dict:
+    """HMMA / local-memory instruction counts per kernel configuration (cuobjdump on the GPU machine)."""
+    summary = {}
+    tool = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
+    for key, info in manifest["sass"].items():
+        proc = subprocess.run([tool, "-sass", str(out / info["cubin"])], capture_output=True, text=True)
+        text = proc.stdout
+        summary[key] = dict(info, HMMA=text.count("HMMA"), LDL=text.count("LDL"), STL=text.count("STL"),
+                            LDSM=text.count("LDSM"), LDGSTS=text.count("LDGSTS"), MUFU_EX2=text.count("MUFU.EX2"))
+    return summary
+
+
+def print_tables(results: list[dict]) -> None:
+    checks = [r for r in results if r["kind"] == "check"]
+    if checks:
+        bad = [r for r in results if not r["ok"]]
+        print(f"\ncorrectness: {len(checks) - len(bad)}/{len(checks)} cases within tolerance; "
+              f"max rel err fp16 {max([r['rel_err'] for r in checks if r['dtype'] == 'float16'] or [0]):.2e}, "
+              f"bf16 {max([r['rel_err'] for r in checks if r['dtype'] == 'bfloat16'] or [0]):.2e}")
+        for r in bad:
+            print(f"  FAIL {r['kind']} {r['family']} {r['mask']} B{r['batch']} H{r['heads']} S{r['seq']} "
+                  f"D{r['head_dim']} {r['dtype']} cfg={r['config']}: rel err {r['rel_err']:.3e} {r.get('error', '')}")
+    timed = [r for r in results if r["kind"] == "time" and "ms" in r]
+    if not timed:
+        return
+    print("\nmask        B     S    D  kernel cfg            ms   TFLOP/s  flex_ms sdpaM_ms sdpaC_ms sdpaD_ms  "
+          "vs_best  err")
+    for r in timed:
+        base = r["baselines"]
+
+        def ms_of(name):
+            return base.get(name, {}).get("ms", float("nan"))
+
+        exact = [b["ms"] for b in base.values() if b.get("exact") and "ms" in b]
+        ratio = min(exact) / r["ms"] if exact else float("nan")
+        cfg = "x".join(map(str, r["config"])) if r["config"] else "default"
+        print(f"{r['mask']:<10} {r['batch']:>2} {r['seq']:>5} {r['head_dim']:>4}  {r['family']:<5} {cfg:<12} "
+              f"{r['ms']:8.3f} {r['tflops']:8.1f} {ms_of('flex'):8.3f} {ms_of('sdpa_mask'):8.3f} "
+              f"{ms_of('sdpa_causal'):8.3f} {ms_of('sdpa_dense'):8.3f} {ratio:7.2f}x "
+              f"{'ok' if r['ok'] else 'FAIL'} {r['rel_err']:.1e}")
+
+
+def run(args) -> None:
+    out = Path(args.out)
+    runner = Runner(out, Path(args.json) if args.json else None, args.budget)
+    import torch
+    info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "commit": runner.manifest.get("commit"), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        info["sass"] = sass_summary(out, runner.manifest)
+    except FileNotFoundError:
+        info["sass"] = "cuobjdump not found"
+    cases = runner.manifest["cases"]
+    if args.only:
+        cases = [c for c in cases if c["kind"] in args.only.split(",")]
+    skipped = 0
+    for case in cases:
+        if time.time() > runner.deadline:
+            skipped += 1
+            continue
+        try:
+            t0 = time.time()
+            runner.results.append(runner.run_case(case))
+            r = runner.results[-1]
+            print(f"{case['kind']} {case['module']} {case['mask']}: err {r['rel_err']:.1e}"
+                  + (f" {r['ms']:.3f} ms" if "ms" in r else "") + f" ({time.time() - t0:.1f} s)", flush=True)
+        except Exception as exc:
+            runner.results.append(dict(case, kind=case["kind"], ok=False, rel_err=float("inf"),
+                                       error=f"{type(exc).__name__}: {exc}"[:400]))
+            print("ERROR", case["module"], runner.results[-1]["error"], flush=True)
+        info["module_load_s"] = round(runner.load_seconds, 1)
+        info["skipped_for_budget"] = skipped
+        runner.save(info)
+    if isinstance(info["sass"], dict):
+        print("\nSASS (per kernel configuration): registers, spills, instruction counts")
+        for key, s in info["sass"].items():
+            print(f"  {key:<40} regs {s['registers']:>3} spill {s['spill_stores']}/{s['spill_loads']} "
+                  f"stack {s['stack_frame']} HMMA {s['HMMA']} LDSM {s['LDSM']} LDGSTS {s['LDGSTS']} "
+                  f"LDL {s['LDL']} STL {s['STL']}")
+    print(f"\nmodule load+JIT {runner.load_seconds:.1f} s; {skipped} cases skipped for the time budget; "
+          f"{info['device']}, torch {info['torch']}, commit {info['commit']}")
+    print_tables(runner.results)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="compile the plan's kernels for sm_90 (needs the TVM compiler and nvcc)")
+    b.add_argument("--plan", default="check,tune", help=f"comma-separated plans from {sorted(PLANS)}")
+    b.add_argument("--out", default="out/attn")
+    r = sub.add_parser("run", help="check and time on the GPU (needs torch, triton and the TVM runtime)")
+    r.add_argument("--out", default="out/attn")
+    r.add_argument("--json", default=None, help="write results here (rewritten after every case)")
+    r.add_argument("--budget", type=float, default=480.0, help="seconds after which no new case starts")
+    r.add_argument("--only", default=None, help="run only these case kinds (check,time)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    build(args) if args.command == "build" else run(args)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    main()

@@ -1,0 +1,252 @@
+"""Block-wise sparse attention kernel: CPU (llvm) correctness against a float64 reference, CUDA code generation
+compiled to sm_90 cubin with nvcc, argument checking, and (on a GPU) the tensor-core kernel itself."""
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import tvm
+
+from stof_tvm.schedules.attention_blockwise import (BlockConfig, blockwise_attention_primfunc,
+                                                    default_block_config)
+from stof_tvm.sparse_formats import build_tiled, normalize_mask
+
+LLVM = tvm.target.Target({"kind": "llvm"})
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024,
+                          "max_shared_memory_per_block": 232448}, host={"kind": "llvm"})
+SMALL = BlockConfig(block_m=32, block_n=32, num_warps=2, stages=2)
+TOL = {"float16": 2e-3, "bfloat16": 1e-2}
+
+
+def np_dtype(dtype: str):
+    if dtype == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        return ml_dtypes.bfloat16
+    return np.dtype(dtype)
+
+
+def reference(q, k, v, mask4, scale):
+    """Dense masked attention in float64; rows with no kept key give 0."""
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    s = np.einsum("bhid,bhjd->bhij", q, k) * scale
+    s = np.where(mask4, s, -np.inf)
+    peak = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(peak), peak, 0.0))
+    total = p.sum(axis=-1, keepdims=True)
+    return np.einsum("bhij,bhjd->bhid", p, v) / np.where(total > 0, total, 1.0)
+
+
+def format_args(mask4, config):
+    """The five format arrays of the kernel; an empty tile list is padded with one dummy entry."""
+    fmt = build_tiled(mask4, config.block_m, config.block_n)
+    dummy_bitmap = np.zeros((1, config.block_m // 8, config.block_n // 8), np.uint64)
+    return [fmt.full_indptr, fmt.full_indices if fmt.full_indices.size else np.zeros(1, np.int32),
+            fmt.part_indptr, fmt.part_indices if fmt.part_indices.size else np.zeros(1, np.int32),
+            fmt.part_bitmaps if fmt.part_bitmaps.size else dummy_bitmap]
+
+
+_BUILT = {}
+
+
+def build_cpu(batch, heads, seq, head_dim, dtype, mask_batch, mask_heads, config, scale=None):
+    key = (batch, heads, seq, head_dim, dtype, mask_batch, mask_heads, config, scale)
+    if key not in _BUILT:
+        func = blockwise_attention_primfunc(batch=batch, heads=heads, seq_q=seq, seq_k=seq, head_dim=head_dim,
+                                            dtype=dtype, mask_batch=mask_batch, mask_heads=mask_heads,
+                                            scale=scale, config=config, target_kind="llvm")
+        _BUILT[key] = tvm.compile(func, target=LLVM)["blockwise_attention"]
+    return _BUILT[key]
+
+
+def run_and_check(mask, *, batch=2, heads=3, seq=100, head_dim=64, dtype="float16", config=SMALL, scale=None,
+                  seed=0):
+    mask4 = normalize_mask(mask, batch=batch, heads=heads, seq_q=seq)
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((batch, heads, seq, head_dim)).astype(np_dtype(dtype)) for _ in range(3))
+    out = np.full(q.shape, np.nan, dtype=np_dtype(dtype))            # poisoned: every element must be written
+    fn = build_cpu(batch, heads, seq, head_dim, dtype, mask4.shape[0], mask4.shape[1], config, scale)
+    dev = tvm.cpu()
+    args = [tvm.runtime.tensor(np.ascontiguousarray(a), dev) for a in (q, k, v, *format_args(mask4, config), out)]
+    fn(*args)
+    got = args[-1].numpy().astype(np.float64)
+    ref = reference(q, k, v, mask4, 1 / math.sqrt(head_dim) if scale is None else scale)
+    assert np.isfinite(got).all(), "kernel left unwritten (NaN) or non-finite outputs"
+    err = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
+    assert err <= TOL[dtype], f"relative Frobenius error {err:.3e} > {TOL[dtype]}"
+    empty_rows = ~np.broadcast_to(mask4, (batch, heads, seq, seq)).any(axis=-1)
+    assert (got[empty_rows] == 0).all(), "rows with no kept key must be exactly 0"
+    return got
+
+
+@pytest.mark.parametrize("mask", ["causal", "sliding", "longformer", "bigbird", "dense", "dilated"])
+def test_named_masks(mask):
+    run_and_check(mask, seq=130)                      # 130: not a multiple of the 32x32 tile
+
+
+def test_random_masks_of_several_densities():
+    rng = np.random.default_rng(7)
+    for density in (0.01, 0.3, 0.9):
+        run_and_check(rng.random((100, 100)) < density, seed=int(density * 100))
+
+
+def test_per_batch_and_per_head_masks_with_empty_rows():
+    rng = np.random.default_rng(3)
+    mask = rng.random((2, 3, 100, 100)) < 0.2
+    mask[0, 1, 10:40] = False                          # whole empty query rows
+    mask[1, :, :, 50:] = False
+    run_and_check(mask)
+    run_and_check(mask[:, :1], seed=1)                 # per batch: mask_batch=2, mask_heads=1
+    run_and_check(mask[:1], seed=2)                    # per head: mask_batch=1, mask_heads=3
+
+
+def test_padding_lengths_and_fully_masked_batch():
+    run_and_check(np.array([0, 37]), seq=64)
+
+
+def test_one_build_serves_masks_with_different_tile_counts():
+    """n_full / n_part are symbolic: a second mask with other list lengths reuses the same compiled kernel."""
+    run_and_check("sliding", seq=96)
+    before = len(_BUILT)
+    run_and_check("bigbird", seq=96)
+    run_and_check(np.zeros((96, 96), bool), seq=96)  # no tile at all: every output row is 0
+    assert len(_BUILT) == before
+
+
+@pytest.mark.parametrize("config", [BlockConfig(64, 64, 4, 2), BlockConfig(128, 64, 4, 2),
+                                    BlockConfig(16, 16, 1, 2), BlockConfig(64, 32, 2, 3, heavy_first=True)])
+def test_tile_shapes(config):
+    run_and_check("bigbird", seq=200, heads=2, config=config)
+
+
+def test_head_dim_128_and_custom_scale():
+    run_and_check("longformer", head_dim=128, heads=2, seq=72)
+    run_and_check("causal", scale=0.05, seq=72, heads=1)
+
+
+def test_bfloat16():
+    run_and_check("bigbird", dtype="bfloat16", seq=90)
+    run_and_check(np.array([5, 90]), dtype="bfloat16", seq=90, head_dim=128)
+
+
+def test_single_row_and_tiny_sequences():
+    run_and_check("causal", seq=1, batch=1, heads=1)
+    run_and_check("sliding", seq=7, batch=1, heads=2)
+
+
+def test_default_config():
+    assert default_block_config(64, "float16", 4096) == BlockConfig(128, 64, 4, 2)
+    assert default_block_config(128, "bfloat16", 4096).num_warps == 8
+    for head_dim in (64, 128):
+        for seq in (7, 64, 4096):
+            default_block_config(head_dim, "float16", seq).validate(head_dim)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(head_dim=96), ValueError),
+    (dict(dtype="float32"), ValueError),
+    (dict(mask_batch=3), ValueError),
+    (dict(mask_heads=2), ValueError),
+    (dict(scale=-1.0), ValueError),
+    (dict(seq_q=0), ValueError),
+    (dict(target_kind="rocm"), ValueError),
+    (dict(config=(64, 64, 4, 2)), TypeError),
+    (dict(config=BlockConfig(block_m=48, block_n=64, num_warps=4)), ValueError),
+    (dict(config=BlockConfig(block_m=64, block_n=24, num_warps=2)), ValueError),
+    (dict(config=BlockConfig(block_m=64, block_n=64, num_warps=4, stages=1)), ValueError),
+])
+def test_bad_arguments(kwargs, error):
+    args = dict(batch=2, heads=4, seq_q=64, seq_k=64, head_dim=64, dtype="float16", mask_batch=1, mask_heads=1,
+                scale=None, config=None, target_kind="llvm")
+    args.update(kwargs)
+    with pytest.raises(error):
+        blockwise_attention_primfunc(**args)
+
+
+@pytest.mark.parametrize("target_kind", ["cuda", "llvm"])
+def test_signature_and_symbolic_tile_counts(target_kind):
+    func = blockwise_attention_primfunc(batch=2, heads=3, seq_q=100, seq_k=100, head_dim=64, dtype="float16",
+                                        mask_batch=2, mask_heads=1, scale=None, config=SMALL,
+                                        target_kind=target_kind)
+    got = [(p.name, [str(x) for x in p.shape], p.dtype) for p in func.params]
+    assert got == [("q", ["2", "3", "100", "64"], "float16"), ("k", ["2", "3", "100", "64"], "float16"),
+                   ("v", ["2", "3", "100", "64"], "float16"), ("full_indptr", ["9"], "int32"),
+                   ("full_indices", ["n_full"], "int32"), ("part_indptr", ["9"], "int32"),
+                   ("part_indices", ["n_part"], "int32"), ("part_bitmaps", ["n_part", "4", "4"], "uint64"),
+                   ("out", ["2", "3", "100", "64"], "float16")]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CUDA code generation (no GPU needed): the tensor-core kernel compiles for sm_90 without local-memory spills
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype, head_dim, config", [
+    ("float16", 64, BlockConfig(128, 64, 4, 2)),
+    ("bfloat16", 128, BlockConfig(128, 64, 8, 3)),
+    ("float16", 64, BlockConfig(64, 32, 4, 2, heavy_first=True)),
+])
+def test_cuda_source_compiles_for_sm90(dtype, head_dim, config, tmp_path):
+    func = blockwise_attention_primfunc(batch=2, heads=4, seq_q=1000, seq_k=1000, head_dim=head_dim, dtype=dtype,
+                                        mask_batch=2, mask_heads=4, scale=None, config=config, target_kind="cuda")
+    ex = tvm.compile(func, target=CUDA)
+    assert [m.kind for m in ex.mod.imports] == ["cuda"]
+    src = ex.mod.imports[0].inspect_source()
+    ab = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    for needle in (f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32", "ldmatrix.sync.aligned.m8n8.x4.shared",
+                   "ldmatrix.sync.aligned.m8n8.x4.trans.shared", "cp.async.cg.shared.global", "cp.async.wait_group",
+                   "ex2.approx.ftz.f32", "st.global.v4.b32"):
+        assert needle in src, needle
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not available")
+    cu = tmp_path / "kernel.cu"
+    cu.write_text(src)
+    proc = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "-o",
+                           str(tmp_path / "kernel.cubin"), str(cu)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "kernel.cubin").stat().st_size > 0
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stderr)
+    assert spills and spills.groups() == ("0", "0"), proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GPU (skipped without one): the tensor-core kernel against the same float64 reference
+# ------------------------------------------------------------------------------------------------------------
+
+def _has_gpu() -> bool:
+    try:
+        return tvm.cuda(0).exist
+    except Exception:  # a TVM build without the CUDA runtime
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype, head_dim, config", [
+    ("float16", 64, BlockConfig(128, 64, 4, 2)), ("bfloat16", 128, BlockConfig(128, 64, 8, 2)),
+    ("float16", 64, BlockConfig(64, 32, 4, 2, heavy_first=True)),
+])
+@pytest.mark.parametrize("mask", ["causal", "bigbird", "per_head_random"])
+def test_cuda_kernel_matches_reference(dtype, head_dim, config, mask):
+    batch, heads, seq = 2, 3, 300
+    if mask == "per_head_random":
+        rng = np.random.default_rng(5)
+        mask = rng.random((batch, heads, seq, seq)) < 0.1
+        mask[:, :, 7:19] = False
+    mask4 = normalize_mask(mask, batch=batch, heads=heads, seq_q=seq)
+    func = blockwise_attention_primfunc(batch=batch, heads=heads, seq_q=seq, seq_k=seq, head_dim=head_dim,
+                                        dtype=dtype, mask_batch=mask4.shape[0], mask_heads=mask4.shape[1],
+                                        scale=None, config=config, target_kind="cuda")
+    fn = tvm.compile(func, target=CUDA)["blockwise_attention"]
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((batch, heads, seq, head_dim)).astype(np_dtype(dtype)) for _ in range(3))
+    dev = tvm.cuda(0)
+    out = np.full(q.shape, np.nan, dtype=np_dtype(dtype))
+    args = [tvm.runtime.tensor(np.ascontiguousarray(a), dev) for a in (q, k, v, *format_args(mask4, config), out)]
+    fn(*args)
+    got = args[-1].numpy().astype(np.float64)
+    ref = reference(q, k, v, mask4, 1 / math.sqrt(head_dim))
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) <= TOL[dtype]
