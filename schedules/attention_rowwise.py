@@ -11,8 +11,8 @@ GPU runs:
 
 - ``key_groups`` (KG) groups share a row's keys round-robin; each group keeps its own running max, sum and
   accumulator (a split-K online softmax) and a final ``merge`` combines the KG partial states exactly.
-- Per step a group takes ``keys_per_step`` (U) keys: U index loads, then the U key and value rows (all loads
-  issued before any arithmetic waits on them), U dot products, one rescale.
+- Per step a group takes ``keys_per_step`` (U) keys: U index loads, U key-row loads, U dot products, one rescale,
+  U value-row loads. (Issuing the value loads together with the key loads measured no faster on the H200.)
 - On CUDA a group is ``lanes`` = D / 8 threads (threadIdx.x), each owning 8 of the D channels, so every K/V row is
   read as one 16-byte vector per lane; the dot product is a cross-thread reduction that TVM lowers to warp
   shuffles within the group. KG groups (threadIdx.y) fill one or more whole warps, so every shuffle runs with the
@@ -184,10 +184,6 @@ def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int
                                     vu, vd = T.axis.remap("SS", [u, d])
                                     kk[vu, vd] = k[vb, vh, key[vu], vd]
                             for u, d in T.grid(U, D):
-                                with T.sblock("load_v"):
-                                    vu, vd = T.axis.remap("SS", [u, d])
-                                    vv[vu, vd] = v[vb, vh, key[vu], vd]
-                            for u, d in T.grid(U, D):
                                 with T.sblock("dot"):
                                     vu, vd = T.axis.remap("SR", [u, d])
                                     with T.init():
@@ -204,6 +200,10 @@ def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int
                             state[1] = state[1] * state[3]
                             for u in range(U):
                                 state[1] = state[1] + prob[u]
+                            for u, d in T.grid(U, D):
+                                with T.sblock("load_v"):
+                                    vu, vd = T.axis.remap("SS", [u, d])
+                                    vv[vu, vd] = v[vb, vh, key[vu], vd]
                             for d, u in T.grid(D, U):
                                 with T.sblock("update"):
                                     vd, vu = T.axis.remap("SR", [d, u])
