@@ -1,0 +1,287 @@
+"""The attention part of the analytical model: the work of each kernel kind and configuration, and the choice.
+
+For one attention problem (shapes, dtype, mask) every candidate ``(kind, config)`` becomes a
+:class:`~stof_tvm.cost_model.core.KernelWork` priced by :func:`~stof_tvm.cost_model.core.predict`:
+
+- **block-wise** (:class:`~stof_tvm.schedules.attention_blockwise.BlockConfig`): one thread block per
+  (batch, head, tile row). A block's work is what its tile row visits: ``4*BM*BN*D`` tensor-core flops and
+  ``BM*BN`` softmax element operations per full or partial tile, bitmap work on partial tiles only, a fixed
+  latency per tile (shorter with deeper ``cp.async`` pipelines) and per block. K and V tiles stream through
+  L2 once per visiting tile row. Shared memory comes from the kernel's own formula; registers from the
+  fragments each thread holds (score and output accumulators, Q and P operands), so configurations that
+  would spill are infeasible.
+- **row-wise** (:class:`~stof_tvm.schedules.attention_rowwise.RowConfig`): ``rows_per_block`` query rows per
+  thread block, ``key_groups * keys_per_step`` key slots per loop step. Work counts key *slots* (padding of
+  the last step included) at CUDA-core rates, latency counts the block's longest row in steps, and L2
+  traffic counts the distinct keys of the block's rows (neighbouring rows share keys in L1).
+
+:func:`rank_attention` prices the whole candidate space and sorts it; :func:`choose_attention` returns the
+best. STOF's rule (:func:`stof_tvm.sparse_formats.stof_rule`) only picks a kind; this picks kind and
+configuration from the work really done.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..hardware import H200, HardwareProfile
+from ..schedules.attention_blockwise import SUPPORTED_HEAD_DIMS, BlockConfig
+from ..schedules.attention_rowwise import RowConfig
+from .core import DEFAULT_CALIBRATION, Calibration, KernelWork, Prediction, predict
+from .mask_profile import MaskProfile
+
+__all__ = ["AttentionProblem", "AttentionCandidate", "RankedCandidate", "block_candidates", "row_candidates",
+           "attention_candidates", "attention_work", "rank_attention", "choose_attention"]
+
+_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+_BLOCK_M = (16, 32, 64, 128, 256)
+_BLOCK_N = (16, 32, 64, 128)
+_WARPS = (1, 2, 4, 8)
+_STAGES = (2, 3, 4)
+_KEY_GROUPS = (1, 2, 4, 8, 16)
+_KEYS_PER_STEP = (1, 2, 4)
+_ROWS_PER_BLOCK = (1, 2, 4, 8)
+_BASE_REGISTERS = 40        # addresses, loop counters, softmax row state beyond the fragments
+_WARP = 32
+_VECTOR_BYTES = 16
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """One multi-head attention call: ``[batch, heads, seq_q|seq_k, head_dim]`` tensors and a profiled mask."""
+
+    batch: int
+    heads: int
+    head_dim: int
+    dtype: str
+    mask: MaskProfile
+
+    def __post_init__(self):
+        for name in ("batch", "heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"AttentionProblem.{name} must be a positive int, got {value!r}")
+        if self.dtype not in _DTYPE_BYTES:
+            raise ValueError(f"AttentionProblem.dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")
+        if not isinstance(self.mask, MaskProfile):
+            raise TypeError(f"AttentionProblem.mask must be a MaskProfile, got {type(self.mask).__name__}")
+        if self.mask.mask_batch not in (1, self.batch) or self.mask.mask_heads not in (1, self.heads):
+            raise ValueError(f"mask groups [{self.mask.mask_batch}, {self.mask.mask_heads}] do not broadcast to "
+                             f"batch={self.batch}, heads={self.heads}")
+
+    @classmethod
+    def build(cls, mask, *, batch: int, heads: int, seq_len: int, head_dim: int = 64,
+              dtype: str = "float16") -> "AttentionProblem":
+        """Problem from any mask form (spec string, array, lengths, callable) at ``seq_len`` queries and keys."""
+        profile = mask if isinstance(mask, MaskProfile) else MaskProfile.from_spec(
+            mask, seq_q=seq_len, batch=batch, heads=heads)
+        return cls(batch=batch, heads=heads, head_dim=head_dim, dtype=dtype, mask=profile)
+
+    @property
+    def seq_q(self) -> int:
+        return self.mask.seq_q
+
+    @property
+    def seq_k(self) -> int:
+        return self.mask.seq_k
+
+    @property
+    def replicas(self) -> int:
+        """(batch, head) pairs that read each mask group."""
+        return self.batch * self.heads // self.mask.groups
+
+    @property
+    def element_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+    @property
+    def useful_flops(self) -> float:
+        """Flops of the kept pairs only (``4 * kept * D`` per head), the measure design.md reports."""
+        return 4.0 * self.mask.kept * self.replicas * self.head_dim
+
+    def dram_floor_bytes(self) -> float:
+        """Q, K, V read once and O written once."""
+        return float(self.batch * self.heads * self.head_dim * self.element_bytes * 2 * (self.seq_q + self.seq_k))
+
+
+@dataclass(frozen=True)
+class AttentionCandidate:
+    """A kernel kind (``"block"`` or ``"row"``) and its configuration."""
+
+    kind: str
+    config: object
+
+    def __str__(self) -> str:
+        c = self.config
+        if self.kind == "block":
+            return f"block BM={c.block_m} BN={c.block_n} warps={c.num_warps} stages={c.stages}"
+        return f"row KG={c.key_groups} U={c.keys_per_step} rows/block={c.rows_per_block}"
+
+
+@dataclass(frozen=True)
+class RankedCandidate:
+    candidate: AttentionCandidate
+    prediction: Prediction
+
+    @property
+    def time_s(self) -> float:
+        return self.prediction.time_s
+
+
+def block_candidates(head_dim: int, hw: HardwareProfile = H200) -> list[AttentionCandidate]:
+    """Every block-wise configuration the kernel accepts for ``head_dim`` within ``hw``'s shared memory."""
+    out = []
+    for bm in _BLOCK_M:
+        for bn in _BLOCK_N:
+            for warps in _WARPS:
+                for stages in _STAGES:
+                    config = BlockConfig(block_m=bm, block_n=bn, num_warps=warps, stages=stages)
+                    try:
+                        config.validate(head_dim)
+                    except ValueError:
+                        continue
+                    if config.shared_bytes(head_dim) <= hw.smem_per_block:
+                        out.append(AttentionCandidate("block", config))
+    return out
+
+
+def _lanes(head_dim: int, dtype: str) -> int:
+    """Threads per key of the row-wise kernel: each lane moves one 16-byte vector of a K or V row."""
+    return max(1, head_dim * _DTYPE_BYTES[dtype] // _VECTOR_BYTES)
+
+
+def row_candidates(head_dim: int, dtype: str, hw: HardwareProfile = H200) -> list[AttentionCandidate]:
+    """Every row-wise configuration that the CUDA schedule accepts: lanes x key_groups threads per row fill
+    whole warps and divide the head dim (each finishes a slice of it in the merge), at most a full block."""
+    lanes = _lanes(head_dim, dtype)
+    out = []
+    for groups in _KEY_GROUPS:
+        per_row = lanes * groups
+        if per_row % _WARP or head_dim % per_row:
+            continue
+        for step in _KEYS_PER_STEP:
+            for rows in _ROWS_PER_BLOCK:
+                if per_row * rows <= hw.threads_per_block:
+                    out.append(AttentionCandidate("row", RowConfig(key_groups=groups, keys_per_step=step,
+                                                                   rows_per_block=rows)))
+    return out
+
+
+def attention_candidates(problem: AttentionProblem, hw: HardwareProfile = H200,
+                         kinds=("block", "row")) -> list[AttentionCandidate]:
+    """The candidate space of ``problem``: block-wise and/or row-wise configurations."""
+    unknown = set(kinds) - {"block", "row"}
+    if unknown:
+        raise ValueError(f"kinds must be 'block' and/or 'row', got {sorted(unknown)}")
+    out = []
+    if "block" in kinds and problem.head_dim in SUPPORTED_HEAD_DIMS and problem.dtype != "float32":
+        out += block_candidates(problem.head_dim, hw)
+    if "row" in kinds:
+        out += row_candidates(problem.head_dim, problem.dtype, hw)
+    return out
+
+
+def _block_registers(config: BlockConfig, head_dim: int) -> int:
+    """Per-thread registers of the block-wise kernel's fragments (mma.m16n8k16 layouts) plus a fixed base."""
+    m_tiles = config.block_m // (16 * config.num_warps)
+    scores = m_tiles * (config.block_n // 8) * 4          # fp32 S accumulators
+    output = m_tiles * (head_dim // 8) * 4                # fp32 O accumulators
+    q_frag = m_tiles * (head_dim // 16) * 4               # Q kept as A operands (packed halves)
+    p_frag = m_tiles * (config.block_n // 16) * 4         # P repacked as A operands
+    return scores + output + q_frag + p_frag + 4 * m_tiles + _BASE_REGISTERS
+
+
+def _block_work(problem: AttentionProblem, config: BlockConfig, cal: Calibration) -> KernelWork:
+    bm, bn, d, eb = config.block_m, config.block_n, problem.head_dim, problem.element_bytes
+    full, part = (a.ravel().astype(np.float64) for a in problem.mask.tile_counts(bm, bn))
+    tiles = full + part
+    count = np.full(tiles.shape, float(problem.replicas))
+    pipeline = 0.5 * (1.0 + 1.0 / (config.stages - 1))   # deeper cp.async rings hide more of each tile's wait
+    bitmap_bytes = bm * bn / 8
+    per_block_l2 = tiles * 2 * bn * d * eb + part * bitmap_bytes + 2 * bm * d * eb
+    format_bytes = (part.sum() * (bitmap_bytes + 4) + full.sum() * 4 + 8 * (tiles.size + 1))
+    return KernelWork(
+        name=str(AttentionCandidate("block", config)), threads=config.threads,
+        smem_bytes=config.shared_bytes(d), regs_per_thread=_block_registers(config, d), count=count,
+        tc_flops=tiles * 4.0 * bm * bn * d,
+        cuda_ops=(tiles * cal.softmax_ops + part * cal.mask_ops) * bm * bn,
+        latency_cycles=tiles * cal.tile_cycles * pipeline + cal.block_cycles,
+        dram_bytes=problem.dram_floor_bytes() + format_bytes,
+        l2_bytes=float((count * per_block_l2).sum()), useful_flops=problem.useful_flops)
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def _row_work(problem: AttentionProblem, config: RowConfig, cal: Calibration) -> KernelWork:
+    d, eb, mask = problem.head_dim, problem.element_bytes, problem.mask
+    lanes = _lanes(d, problem.dtype)
+    rows = _largest_divisor_at_most(problem.seq_q, config.rows_per_block)   # as the schedule does
+    per_step = config.key_groups * config.keys_per_step
+    steps = -(-mask.keys_per_row // per_step)                               # [G, Sq]
+    runs = steps.reshape(mask.groups, -1, rows)
+    slots = runs.sum(axis=-1).ravel().astype(np.float64) * per_step
+    longest = runs.max(axis=-1).ravel().astype(np.float64)
+    union = mask.block_union(rows).ravel()
+    count = np.full(slots.shape, float(problem.replicas))
+    vec = d // lanes
+    registers = 2 * vec + config.keys_per_step * vec + 3 * config.keys_per_step + _BASE_REGISTERS
+    kept_keys = mask.keys_per_row.reshape(mask.groups, -1, rows).sum(axis=-1).ravel()
+    per_block_l2 = union * 2 * d * eb + kept_keys * 4 + 2 * rows * d * eb
+    merge_ops = rows * d * config.key_groups * 6.0
+    return KernelWork(
+        name=str(AttentionCandidate("row", config)), threads=lanes * config.key_groups * rows,
+        smem_bytes=rows * config.key_groups * (d + 2) * 4, regs_per_thread=int(registers), count=count,
+        tc_flops=np.zeros_like(slots),
+        cuda_ops=slots * (cal.pair_ops_per_dim * d + cal.pair_ops_fixed * lanes) + merge_ops,
+        latency_cycles=longest * cal.step_cycles + cal.row_cycles,
+        dram_bytes=problem.dram_floor_bytes() + mask.kept * 4.0 + 4.0 * (mask.groups * problem.seq_q + 1),
+        l2_bytes=float((count * per_block_l2).sum()), useful_flops=problem.useful_flops)
+
+
+def attention_work(problem: AttentionProblem, candidate: AttentionCandidate,
+                   cal: Calibration = DEFAULT_CALIBRATION) -> KernelWork:
+    """The :class:`KernelWork` of ``candidate`` on ``problem``."""
+    if candidate.kind == "block":
+        return _block_work(problem, candidate.config, cal)
+    if candidate.kind == "row":
+        return _row_work(problem, candidate.config, cal)
+    raise ValueError(f"candidate kind must be 'block' or 'row', got {candidate.kind!r}")
+
+
+def rank_attention(problem: AttentionProblem, hw: HardwareProfile = H200, cal: Calibration = DEFAULT_CALIBRATION,
+                   candidates=None, *, keep_infeasible: bool = False) -> list[RankedCandidate]:
+    """Predict every candidate (default: :func:`attention_candidates`) and sort fastest first.
+
+    Infeasible candidates (over a shared-memory, register or thread limit) are dropped unless
+    ``keep_infeasible``, in which case they come last with an infinite time and the reason.
+    """
+    candidates = attention_candidates(problem, hw) if candidates is None else list(candidates)
+    ranked = [RankedCandidate(c, predict(attention_work(problem, c, cal), hw, cal)) for c in candidates]
+    if not keep_infeasible:
+        ranked = [r for r in ranked if r.prediction.feasible]
+    ranked.sort(key=lambda r: r.time_s)
+    return ranked
+
+
+def choose_attention(problem: AttentionProblem, hw: HardwareProfile = H200,
+                     cal: Calibration = DEFAULT_CALIBRATION, kinds=("block", "row")) -> RankedCandidate:
+    """The fastest predicted candidate of ``kinds`` for ``problem``."""
+    ranked = rank_attention(problem, hw, cal, attention_candidates(problem, hw, kinds))
+    if not ranked:
+        raise ValueError(f"no feasible attention kernel for head_dim={problem.head_dim}, dtype={problem.dtype} "
+                         f"on {hw.name}")
+    return ranked[0]
+
+
+def predicted_speedup(ranked: list[RankedCandidate]) -> float:
+    """How much faster the best candidate is predicted to be than the best of the other kind (>= 1 means the
+    winner's kind is predicted faster; ``math.inf`` when only one kind is feasible)."""
+    if not ranked:
+        return math.nan
+    best = ranked[0]
+    other = next((r for r in ranked if r.candidate.kind != best.candidate.kind), None)
+    return math.inf if other is None else other.time_s / best.time_s

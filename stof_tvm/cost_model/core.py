@@ -1,0 +1,214 @@
+"""The kernel-level analytical model: occupancy, waves and the three limits (SMs, L2, DRAM).
+
+Every kernel we generate is described the same way, by a :class:`KernelWork`: its launch (threads, shared
+memory and registers per thread block) and the work of its thread blocks, grouped into *classes* of identical
+blocks (a dense GEMM has one class; block-wise attention has one per mask group and tile row, since tile rows
+visit different numbers of tiles). :func:`predict` turns that into a time:
+
+- **occupancy**: resident blocks per SM from the shared-memory, register, thread and block limits; a
+  configuration that exceeds a per-block limit (or spills registers) is *infeasible* and gets no time;
+- **SM time**: each block's duration from its tensor-core flops, CUDA-core operations and fixed latencies
+  (per loop iteration and per block), with the SM's issue rate scaled by how many warps are resident (latency
+  hiding); blocks are spread over ``SMs x occupancy`` slots in waves, with the partly idle last wave counted;
+- **L2 and DRAM time**: bytes moved over calibrated bandwidths;
+- ``time = launch + max(SM, L2, DRAM)``.
+
+The few constants (efficiencies, fixed latencies, the wave tail) live in :class:`Calibration`; defaults were
+fitted on the H200 by ``scripts/calibrate_model.py``. Everything is numpy over block classes, so a prediction
+costs microseconds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..hardware import HardwareProfile
+
+__all__ = ["Calibration", "DEFAULT_CALIBRATION", "KernelWork", "Prediction", "occupancy", "predict"]
+
+# Hopper and Ampere reserve 1 KiB of shared memory per resident block; registers are allocated per warp in
+# units of 256 (8 per thread).
+_SMEM_RESERVED_PER_BLOCK = 1024
+_REG_UNIT_PER_WARP = 256
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Fitted constants of the model (dimensionless shares, cycles, seconds).
+
+    Generic: ``tc_eff``/``cc_eff`` achieved share of the tensor-core / CUDA-core peak at full issue rate;
+    ``warps_to_saturate`` resident warps per SM at which the issue rate saturates; ``dram_eff``/``l2_eff``
+    achieved share of the bandwidths; ``launch_s`` per-kernel launch cost; ``tail`` how much of the last
+    wave's idle slots are really lost (1 for identical blocks).
+    Block-wise attention: ``softmax_ops`` CUDA-core operations per score element, ``mask_ops`` extra per element
+    of a partial tile, ``tile_cycles`` fixed latency per visited tile, ``block_cycles`` per thread block.
+    Row-wise attention: ``pair_ops_per_dim`` operations per kept pair and head-dim element, ``pair_ops_fixed``
+    per kept pair and lane, ``step_cycles`` latency per loop step (dependent index -> K -> V loads), ``row_cycles``
+    per thread block.
+    GEMM-like templates: ``gemm_iter_cycles`` per K-loop iteration, ``epilogue_ops`` per output element.
+    """
+
+    tc_eff: float = 0.75
+    cc_eff: float = 0.6
+    warps_to_saturate: float = 8.0
+    dram_eff: float = 0.85
+    l2_eff: float = 0.6
+    launch_s: float = 4e-6
+    tail: float = 0.6
+    softmax_ops: float = 10.0
+    mask_ops: float = 4.0
+    tile_cycles: float = 250.0
+    block_cycles: float = 2500.0
+    pair_ops_per_dim: float = 6.0
+    pair_ops_fixed: float = 14.0
+    step_cycles: float = 1200.0
+    row_cycles: float = 3000.0
+    gemm_iter_cycles: float = 200.0
+    epilogue_ops: float = 4.0
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"Calibration.{f.name} must be a finite number >= 0, got {value!r}")
+
+    def replace(self, **changes) -> "Calibration":
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def load(cls, path: str) -> "Calibration":
+        """Read constants written by ``scripts/calibrate_model.py`` (a JSON object; unknown keys rejected)."""
+        with open(path) as handle:
+            data = json.load(handle)
+        data = data.get("constants", data)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"calibration file {path}: unknown constants {unknown}")
+        return cls(**data)
+
+
+DEFAULT_CALIBRATION = Calibration()
+
+
+@dataclass(frozen=True)
+class KernelWork:
+    """What one kernel launch does, in units the model prices.
+
+    Per block class (1-D arrays of equal length): ``count`` blocks, each with ``tc_flops`` tensor-core flops,
+    ``cuda_ops`` CUDA-core operations and ``latency_cycles`` of fixed latency (loop trips x cycles per trip
+    plus per-block cost). Whole-kernel: ``dram_bytes`` (unique bytes to and from device memory) and
+    ``l2_bytes`` (bytes the SMs read and write through L2, re-reads included).
+    """
+
+    name: str
+    threads: int
+    smem_bytes: int
+    regs_per_thread: int
+    count: np.ndarray
+    tc_flops: np.ndarray
+    cuda_ops: np.ndarray
+    latency_cycles: np.ndarray
+    dram_bytes: float
+    l2_bytes: float
+    useful_flops: float = 0.0
+
+    def __post_init__(self):
+        arrays = [np.atleast_1d(np.asarray(getattr(self, n), dtype=np.float64))
+                  for n in ("count", "tc_flops", "cuda_ops", "latency_cycles")]
+        if len({a.shape for a in arrays}) != 1:
+            raise ValueError(f"KernelWork {self.name}: per-class arrays must have one shape, got "
+                             f"{[a.shape for a in arrays]}")
+        for name, array in zip(("count", "tc_flops", "cuda_ops", "latency_cycles"), arrays):
+            object.__setattr__(self, name, array)
+
+    @property
+    def blocks(self) -> int:
+        return int(self.count.sum())
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A predicted time (seconds) with the terms that produced it; ``feasible`` False means ``time_s`` is inf
+    and ``reason`` says which limit the configuration breaks."""
+
+    name: str
+    time_s: float
+    feasible: bool
+    reason: str = ""
+    terms: dict = field(default_factory=dict)
+
+    @property
+    def bound(self) -> str:
+        """The dominating term: ``sm``, ``l2`` or ``dram``."""
+        if not self.feasible:
+            return "infeasible"
+        return max(("sm", "l2", "dram"), key=lambda k: self.terms.get(f"{k}_s", 0.0))
+
+
+def occupancy(threads: int, smem_bytes: int, regs_per_thread: int, hw: HardwareProfile) -> tuple[int, str]:
+    """Resident thread blocks per SM and the limit that sets it; (0, reason) if the block cannot run at all."""
+    if threads < 1 or threads > hw.threads_per_block:
+        return 0, f"{threads} threads per block (limit {hw.threads_per_block})"
+    if smem_bytes > hw.smem_per_block:
+        return 0, f"{smem_bytes} B shared memory per block (limit {hw.smem_per_block})"
+    if regs_per_thread > hw.regs_per_thread:
+        return 0, f"{regs_per_thread} registers per thread (limit {hw.regs_per_thread}: spills)"
+    warps = -(-threads // hw.warp_size)
+    regs_per_warp = -(-regs_per_thread * hw.warp_size // _REG_UNIT_PER_WARP) * _REG_UNIT_PER_WARP
+    limits = {
+        "blocks": hw.blocks_per_sm,
+        "threads": hw.threads_per_sm // (warps * hw.warp_size),
+        "registers": hw.regs_per_sm // (regs_per_warp * warps) if regs_per_thread else hw.blocks_per_sm,
+        "shared memory": hw.smem_per_sm // (smem_bytes + _SMEM_RESERVED_PER_BLOCK),
+    }
+    which = min(limits, key=limits.get)
+    if limits[which] < 1:
+        return 0, f"no block fits on an SM ({which})"
+    return limits[which], which
+
+
+def predict(work: KernelWork, hw: HardwareProfile, cal: Calibration = DEFAULT_CALIBRATION) -> Prediction:
+    """Predicted time of one launch of ``work`` on ``hw`` (see the module docstring for the model)."""
+    occ, limit = occupancy(work.threads, work.smem_bytes, work.regs_per_thread, hw)
+    if occ == 0:
+        return Prediction(work.name, math.inf, False, limit, {})
+    blocks = work.blocks
+    if blocks == 0:
+        return Prediction(work.name, cal.launch_s, True, "", {"launch_s": cal.launch_s, "sm_s": 0.0,
+                                                              "l2_s": 0.0, "dram_s": 0.0})
+    warps = -(-work.threads // hw.warp_size)
+    resident = min(occ, -(-blocks // hw.sm_count))                 # blocks really co-resident on an SM
+    issue = min(1.0, resident * warps / cal.warps_to_saturate)     # latency hiding by resident warps
+    tc_rate = hw.per_sm(hw.tensor_flops) * cal.tc_eff * issue
+    cc_rate = hw.per_sm(hw.cuda_flops) * cal.cc_eff * issue
+    throughput_s = work.tc_flops / tc_rate + work.cuda_ops / cc_rate   # SM-seconds of one block
+    latency_s = work.latency_cycles / hw.clock_hz
+    duration = resident * throughput_s + latency_s                     # a block sharing its SM with others
+    slots = hw.sm_count * resident
+    waves = blocks / slots
+    mean = float((work.count * duration).sum() / blocks)
+    sm_s = max(float((work.count * duration).sum()) / slots + cal.tail * (math.ceil(waves) - waves) * mean,
+               float(duration[work.count > 0].max()))
+    l2_s = work.l2_bytes / (hw.l2_bw * cal.l2_eff)
+    dram_s = work.dram_bytes / (hw.dram_bw * cal.dram_eff)
+    time_s = cal.launch_s + max(sm_s, l2_s, dram_s)
+    terms = {
+        "launch_s": cal.launch_s, "sm_s": sm_s, "l2_s": l2_s, "dram_s": dram_s,
+        "tensor_s": float((work.count * work.tc_flops).sum()) / (tc_rate * slots / resident),
+        "cuda_core_s": float((work.count * work.cuda_ops).sum()) / (cc_rate * slots / resident),
+        "latency_s": float((work.count * latency_s).sum()) / slots,
+        "blocks": blocks, "occupancy": occ, "occupancy_limit": limit, "resident": resident, "waves": waves,
+        "issue_rate": issue, "threads": work.threads, "smem_bytes": work.smem_bytes,
+        "regs_per_thread": work.regs_per_thread, "dram_bytes": work.dram_bytes, "l2_bytes": work.l2_bytes,
+    }
+    if work.useful_flops:
+        terms["useful_tflops"] = work.useful_flops / time_s / 1e12
+    return Prediction(work.name, time_s, True, "", terms)

@@ -1,0 +1,18 @@
+"""Two-stage tuning: the analytical model's survivors (stage 1) measured by MetaSchedule (stage 2).
+
+- :mod:`.task`: :class:`TuningTask`, a workload plus its stage-1 survivors;
+- :mod:`.space`: survivor design spaces for MetaSchedule;
+- :mod:`.runners`: builders, local/RPC runners, valid sparse-format inputs;
+- :mod:`.database`: the work directory (MetaSchedule JSON database + per-task status);
+- :mod:`.progress`: progress bar, time budget, Ctrl-C;
+- :mod:`.tuner`: :func:`tune_tasks`, stage 2 over many tasks, resumable.
+"""
+from .database import TuningDatabase
+from .progress import StopFlag
+from .runners import ArgumentFactory, make_builder, make_runner, parse_tracker
+from .task import TuningTask, normalize_workload, workload_key
+from .tuner import TaskResult, TuningReport, tune_tasks, tuning_target
+
+__all__ = ["TuningDatabase", "StopFlag", "ArgumentFactory", "make_builder", "make_runner", "parse_tracker",
+           "TuningTask", "normalize_workload", "workload_key", "TaskResult", "TuningReport", "tune_tasks",
+           "tuning_target"]

@@ -1,0 +1,123 @@
+"""Builders and runners for stage 2: local measurement or a TVM RPC tracker, with valid sparse-format inputs.
+
+MetaSchedule's runners fill every kernel argument with random data. Our sparse kernels read index arrays
+(row pointers, column indices, bitmaps) that must describe a real mask, or they read out of bounds.
+:class:`ArgumentFactory` is the runners' ``f_alloc_argument``: it allocates as the default does, then copies
+the registered arrays into the arguments that need them. It is looked up by the argument signature (dtype and
+shape of every parameter), the only thing a runner knows about the kernel it measures. The factory is a plain
+picklable object: MetaSchedule ships it to its worker processes with cloudpickle.
+
+:func:`make_runner` is the one place that picks local or RPC measurement (the docker and multi-GPU tooling
+reuses it); :func:`parse_tracker` reads ``HOST:PORT``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm.s_tir import meta_schedule as ms
+
+from .task import TuningTask
+
+__all__ = ["ArgumentFactory", "make_builder", "make_runner", "parse_tracker", "evaluator_config"]
+
+
+class ArgumentFactory:
+    """``f_alloc_argument`` for MetaSchedule runners: random arguments, except registered fixed arrays.
+
+    ``rpc=False`` gives the LocalRunner signature ``(device, args_info, alloc_repeat)``, ``rpc=True`` the
+    RPCRunner one ``(session, device, args_info, alloc_repeat)``.
+    """
+
+    def __init__(self, rpc: bool = False):
+        self.rpc = rpc
+        self.fixed: dict[tuple, dict[int, np.ndarray]] = {}
+
+    def register(self, task: TuningTask) -> bool:
+        """Add ``task``'s fixed arrays; False when another task with the same signature needs other arrays
+        (then the two must be measured in separate runs)."""
+        if not task.fixed_args:
+            return True
+        signature = task.signature()
+        arrays = {int(i): np.ascontiguousarray(a) for i, a in task.fixed_args.items()}
+        for index, array in arrays.items():
+            dtype, shape = signature[index]
+            if array.dtype != np.dtype(dtype) or array.shape != shape:
+                raise ValueError(f"task {task.name}: fixed argument {index} is {array.dtype}{list(array.shape)}, "
+                                 f"the kernel expects {dtype}{list(shape)}")
+        known = self.fixed.get(signature)
+        if known is not None:
+            same = known.keys() == arrays.keys() and all(np.array_equal(known[i], arrays[i]) for i in arrays)
+            return same
+        self.fixed[signature] = arrays
+        return True
+
+    def __call__(self, *args):
+        if self.rpc:
+            session, device, args_info, alloc_repeat = args
+            repeated = ms.runner.rpc_runner.default_alloc_argument(session, device, args_info, alloc_repeat)
+        else:
+            device, args_info, alloc_repeat = args
+            repeated = ms.runner.local_runner.default_alloc_argument(device, args_info, alloc_repeat)
+        signature = tuple((str(info[1]), tuple(int(s) for s in info[2])) for info in args_info)
+        for index, array in self.fixed.get(signature, {}).items():
+            for arguments in repeated:
+                arguments[index].copyfrom(array)
+        return repeated
+
+
+def evaluator_config(target_kind: str) -> ms.runner.EvaluatorConfig:
+    """Timing settings: on a GPU, enough repeats of >= 20 ms for a stable median; on a CPU, quicker."""
+    if target_kind == "cuda":
+        return ms.runner.EvaluatorConfig(number=5, repeat=5, min_repeat_ms=20, enable_cpu_cache_flush=False)
+    return ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=10, enable_cpu_cache_flush=False)
+
+
+def build_candidate(mod, target, _params):
+    """The builder's ``f_build``: lower and compile one scheduled candidate.
+
+    MetaSchedule's default build first imports every tensor intrinsic TVM ships (``tvm.s_tir.tensor_intrin``),
+    which costs 30 s of CPU per batch here, in a fresh worker process each batch. Our candidates are complete
+    schedules (any tensorization already applied in the main process), so plain compilation is enough.
+    """
+    return tvm.tirx.build(mod, target=target)
+
+
+def make_builder(max_workers: int | None = None, timeout_sec: float = 120.0) -> ms.builder.LocalBuilder:
+    """Local parallel builder (candidates always build on this machine) with :func:`build_candidate`; a
+    generous timeout because CPUs are shared."""
+    return ms.builder.LocalBuilder(max_workers=max_workers, timeout_sec=timeout_sec, f_build=build_candidate)
+
+
+def parse_tracker(text: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` -> (host, port)."""
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--rpc-tracker must look like HOST:PORT (e.g. 127.0.0.1:9190), got {text!r}")
+    return host, int(port)
+
+
+def make_runner(target_kind: str, *, arguments: ArgumentFactory | None = None, rpc_tracker: str | None = None,
+                rpc_key: str | None = None, timeout_sec: float = 60.0, max_workers: int | None = None,
+                session_timeout_sec: float = 120.0):
+    """A LocalRunner, or an RPCRunner on every device registered under ``rpc_key`` with ``rpc_tracker``.
+
+    ``arguments`` supplies valid sparse-format inputs (see :class:`ArgumentFactory`); its ``rpc`` flag is set
+    to match the runner. ``max_workers`` bounds concurrent RPC sessions (default: one per device the tracker
+    lists is up to the tracker; MetaSchedule uses one per CPU core).
+    """
+    config = evaluator_config(target_kind)
+    if rpc_tracker is None:
+        if rpc_key is not None:
+            raise ValueError("--rpc-key needs --rpc-tracker")
+        if arguments is not None:
+            arguments.rpc = False
+        return ms.runner.LocalRunner(timeout_sec=timeout_sec, evaluator_config=config, f_alloc_argument=arguments)
+    if not rpc_key:
+        raise ValueError("--rpc-tracker needs --rpc-key (the key the RPC servers registered with)")
+    host, port = parse_tracker(rpc_tracker)
+    if arguments is not None:
+        arguments.rpc = True
+    rpc_config = ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=rpc_key,
+                                     session_timeout_sec=session_timeout_sec)
+    return ms.runner.RPCRunner(rpc_config=rpc_config, evaluator_config=config, f_alloc_argument=arguments,
+                               max_workers=max_workers)

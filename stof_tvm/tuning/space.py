@@ -1,0 +1,57 @@
+"""Design spaces for stage 2: exactly the stage-1 survivors of a task, or MetaSchedule's generic space.
+
+A survivor space is a :class:`~tvm.s_tir.meta_schedule.space_generator.ScheduleFn` that returns one complete
+schedule per surviving knob set (``task.apply(copy_of_sch, knobs)``), with no schedule rules and no mutators:
+MetaSchedule's search then only chooses *which* survivors to measure, in the order its XGBoost model predicts
+best. Postprocessors: the GPU's code verifier for CUDA (the last guard on shared memory and thread limits) and
+nothing else, because our schedules are complete and our sparse kernels have data-dependent loops that the
+default ``DisallowDynamicLoop`` would reject (tvm-0.27-notes 4c).
+"""
+from __future__ import annotations
+
+import logging
+
+import tvm
+from tvm.s_tir import meta_schedule as ms
+
+from .task import TuningTask
+
+__all__ = ["survivor_space", "generic_space", "postprocs_for"]
+
+_LOG = logging.getLogger(__name__)
+
+
+def postprocs_for(target: tvm.target.Target, task: TuningTask) -> list:
+    """Postprocessors for a task's candidates on ``target`` (none for pre-scheduled kernels)."""
+    if target.kind.name == "cuda" and task.candidates:
+        return [ms.postproc.VerifyGPUCode()]
+    return []
+
+
+def survivor_space(task: TuningTask, target: tvm.target.Target) -> ms.space_generator.ScheduleFn:
+    """The design space of ``task``: one schedule per survivor (or the pre-scheduled function as it is)."""
+
+    def schedules(sch):
+        if not task.candidates:
+            return [sch]
+        out = []
+        for knobs in task.candidates:
+            copy = sch.copy()
+            try:
+                task.apply(copy, knobs)
+            except (tvm.s_tir.ScheduleError, ValueError) as err:
+                _LOG.warning("task %s: candidate %s cannot be applied: %s", task.name, knobs,
+                             str(err).splitlines()[-1] if str(err) else type(err).__name__)
+                continue
+            out.append(copy)
+        if not out:
+            raise ValueError(f"task {task.name}: none of the {len(task.candidates)} candidates could be applied")
+        return out
+
+    return ms.space_generator.ScheduleFn(schedules, sch_rules=[], postprocs=postprocs_for(target, task),
+                                         mutator_probs={})
+
+
+def generic_space() -> ms.space_generator.PostOrderApply:
+    """MetaSchedule's own auto-scheduling space with the target's default rules (the no-prefilter baseline)."""
+    return ms.space_generator.PostOrderApply()
