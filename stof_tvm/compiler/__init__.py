@@ -28,7 +28,7 @@ from .attention_match import find_attention_sites
 from .kernels import KERNELS, choose_kernel, kernel_primfunc
 from .mask_sources import plan_masks
 from .onnx_import import TensorSpec, embedding_rows, import_onnx, load_model, output_names
-from .pipeline import build, make_target, optimize, target_dict
+from .pipeline import build, fold_constant_casts, make_target, optimize, target_dict
 from .rewrite import rewrite_attention
 
 DTYPES = ("float32", "float16")
@@ -106,7 +106,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     outputs = _output_specs(mod["main"], output_names(onnx_model))
     mod = relax.transform.FoldConstant()(mod)
     if dtype == "float16":
-        mod = relax.transform.FoldConstant()(relax.transform.ToMixedPrecision(out_dtype="float32")(mod))
+        mod = fold_constant_casts(relax.transform.ToMixedPrecision(out_dtype="float32")(mod))
 
     sites = find_attention_sites(mod["main"])
     if not sites:
@@ -119,8 +119,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     user_mask = normalize_mask(mask, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k)
     combined = user_mask if plan.const_keep is None else user_mask & plan.const_keep
     mask_batch, mask_heads = _mask_groups(user_mask, plan.const_keep, plan.runtime)
-    choice = choose_kernel(kernel, combined, batch=batch, heads=site.heads, head_dim=site.head_dim, dtype=site.dtype, seq_q=site.seq_q,
-                           target_kind=tspec["kind"], has_bias=plan.has_bias,
+    choice = choose_kernel(kernel, combined, batch=batch, heads=site.heads, head_dim=site.head_dim,
+                           dtype=site.dtype, seq_q=site.seq_q, target_kind=tspec["kind"], has_bias=plan.has_bias,
                            mask_batch=mask_batch, mask_heads=mask_heads)
     primfunc = None
     if choice.kind != "dense":

@@ -38,6 +38,24 @@ def make_target(spec: dict) -> tvm.target.Target:
     return tvm.target.Target(spec)
 
 
+def fold_constant_casts(mod: tvm.IRModule) -> tvm.IRModule:
+    """Cast constant tensors in numpy (``astype(const)`` -> const): mixed precision leaves one cast per weight,
+    and folding them with ``FoldConstant`` after legalization would build and run one CPU kernel each."""
+    from tvm.relax.dpl import is_const, is_op, rewrite_call
+
+    const = is_const()
+    pattern = is_op("relax.astype")(const)
+
+    def cast(expr, matches):
+        value = matches[const].value.numpy()
+        return relax.const(value.astype(str(expr.attrs.dtype)), str(expr.attrs.dtype))
+
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, relax.Function):
+            mod[gv] = rewrite_call(pattern, cast, func)
+    return mod
+
+
 def optimize(mod: tvm.IRModule, target: tvm.target.Target, database: str | None) -> tvm.IRModule:
     """Legalize and fuse; apply MetaSchedule records from ``database``; dlight for the rest on CUDA."""
     passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),

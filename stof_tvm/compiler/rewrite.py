@@ -61,7 +61,9 @@ def rewrite_attention(mod: tvm.IRModule, sites: list[AttentionSite], choice: Ker
     if kernel is not None:
         builder = relax.BlockBuilder(mod)
         name = "stof_attention_" + choice.kind
-        kernel_gv = builder.add_func(kernel.with_attr("global_symbol", name), name)
+        # Marked scheduled so that dlight and MetaSchedule leave the hand-scheduled kernel as it is.
+        kernel = kernel.with_attr("global_symbol", name).with_attr("tirx.is_scheduled", True)
+        kernel_gv = builder.add_func(kernel, name)
         mod = builder.get()
 
     def rewriter(expr: relax.Call, matches) -> relax.Expr:
