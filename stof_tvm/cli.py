@@ -12,6 +12,7 @@ COMMANDS = [
     "compile",
     "run",
     "bench",
+    "rpc",
 ]
 
 
