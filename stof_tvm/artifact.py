@@ -7,8 +7,10 @@ On disk (``Artifact.save(dir)``)::
     dir/manifest.json    inputs/outputs (names, shapes, dtypes), mask inputs, the mask and its format,
                          the kernel choice, target, tuning provenance, TVM version
     dir/*.npy            the default mask when it was given as an array, the model's constant masks
+    dir/weights.npz      the model's weights (its large float initializers, as in the ONNX file); the module
+                         takes them as parameters and prepares them once at load (main_transform_params)
 
-No pickle anywhere: ``.npy`` files are written and read with ``allow_pickle=False``.
+No pickle anywhere: ``.npy``/``.npz`` files are written and read with ``allow_pickle=False``.
 """
 from __future__ import annotations
 
@@ -19,23 +21,30 @@ import numpy as np
 
 LIBRARY = "module.so"
 MANIFEST = "manifest.json"
+WEIGHTS = "weights.npz"
 
 
 class Artifact:
     """The result of :func:`stof_tvm.compile`."""
 
-    def __init__(self, executable, manifest: dict, arrays: dict[str, np.ndarray]):
+    def __init__(self, executable, manifest: dict, arrays: dict[str, np.ndarray], weights: dict[str, np.ndarray]):
         self.executable = executable
         self.manifest = manifest
         self.arrays = arrays
+        self.weights = weights
 
-    def save(self, path: str | os.PathLike) -> str:
-        """Write the library, manifest and arrays into directory ``path`` (created if needed); return it."""
+    def save(self, path: str | os.PathLike, *, weights: bool = True) -> str:
+        """Write the library, manifest and arrays into directory ``path`` (created if needed); return it.
+
+        ``weights=False`` leaves out weights.npz (for shipping code to a machine that has the weights; pass
+        them to :func:`stof_tvm.runtime.load` there)."""
         path = os.fspath(path)
         os.makedirs(path, exist_ok=True)
         self.executable.export_library(os.path.join(path, LIBRARY))
         for name, array in self.arrays.items():
             np.save(os.path.join(path, name), array, allow_pickle=False)
+        if weights and self.weights:
+            np.savez(os.path.join(path, WEIGHTS), **self.weights)
         with open(os.path.join(path, MANIFEST), "w") as f:
             json.dump(self.manifest, f, indent=2)
             f.write("\n")
@@ -45,7 +54,8 @@ class Artifact:
         """A callable :class:`~stof_tvm.runtime.CompiledModel` of this artifact, without saving it."""
         from stof_tvm.runtime import CompiledModel, device_for
 
-        return CompiledModel(self.executable, self.manifest, self.arrays, device or device_for(self.manifest))
+        return CompiledModel(self.executable, self.manifest, self.arrays, device or device_for(self.manifest),
+                             self.weights)
 
     def __repr__(self) -> str:
         att = self.manifest["attention"]

@@ -32,6 +32,7 @@ from stof_tvm.sparse_formats.tiled import build_tiled
 
 LIBRARY = "module.so"
 MANIFEST = "manifest.json"
+WEIGHTS = "weights.npz"
 FORMAT_VERSION = 1
 MASKED_FILL = -1.0e4
 
@@ -54,8 +55,11 @@ def device_for(manifest: dict):
     return dev
 
 
-def load(path: str | os.PathLike, device=None) -> "CompiledModel":
-    """Load an artifact directory written by :meth:`stof_tvm.artifact.Artifact.save`."""
+def load(path: str | os.PathLike, device=None, weights: dict | None = None) -> "CompiledModel":
+    """Load an artifact directory written by :meth:`stof_tvm.artifact.Artifact.save`.
+
+    ``weights``: the model's weights by name (numpy arrays) when the artifact was saved without weights.npz.
+    """
     path = os.fspath(path)
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
@@ -70,8 +74,14 @@ def load(path: str | os.PathLike, device=None) -> "CompiledModel":
     for name in sorted(os.listdir(path)):
         if name.endswith(".npy"):
             arrays[name] = np.load(os.path.join(path, name), allow_pickle=False)
+    if weights is None and manifest.get("weights"):
+        weights_path = os.path.join(path, WEIGHTS)
+        if not os.path.isfile(weights_path):
+            raise FileNotFoundError(f"weights: {path!r} was saved without {WEIGHTS}; pass weights={{name: array}}")
+        with np.load(weights_path, allow_pickle=False) as data:
+            weights = {name: data[name] for name in data.files}
     module = tvm.runtime.load_module(os.path.join(path, LIBRARY))
-    return CompiledModel(module, manifest, arrays, device)
+    return CompiledModel(module, manifest, arrays, device, weights or {})
 
 
 def _at_least_one(array: np.ndarray) -> np.ndarray:
@@ -89,10 +99,11 @@ class CompiledModel:
     on the module's device); outputs come back as the same kind (torch if any input was torch).
     """
 
-    def __init__(self, module, manifest: dict, arrays: dict[str, np.ndarray], device):
+    def __init__(self, module, manifest: dict, arrays: dict[str, np.ndarray], device, weights: dict):
         self.manifest = manifest
         self.device = device
         self.vm = VirtualMachine(module, device)
+        self._params = self._prepare_weights(weights)
         self._arrays = arrays
         self._format_cache: dict = {}
         att = manifest["attention"]
@@ -101,12 +112,34 @@ class CompiledModel:
         self._default_mask = None
 
     @property
+    def params(self) -> list:
+        """The prepared weight tensors every call passes after the inputs (for timing the module directly)."""
+        return self._params
+
+    @property
     def inputs(self) -> list[dict]:
         return self.manifest["inputs"]
 
     @property
     def outputs(self) -> list[dict]:
         return self.manifest["outputs"]
+
+    def _prepare_weights(self, weights: dict) -> list:
+        """Check the weights against the manifest, move them to the device and run the module's one-time
+        weight transform (casts, layout changes); returns the parameters every call passes after the inputs."""
+        specs = self.manifest.get("weights", [])
+        missing = [w["name"] for w in specs if w["name"] not in weights]
+        if missing:
+            raise ValueError(f"weights: missing {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        tensors = []
+        for spec in specs:
+            value = np.asarray(weights[spec["name"]])
+            if value.shape != tuple(spec["shape"]):
+                raise ValueError(f"weight {spec['name']!r}: expected shape {spec['shape']}, got {list(value.shape)}")
+            tensors.append(tvm.runtime.tensor(np.ascontiguousarray(value, dtype=spec["dtype"]), self.device))
+        if not self.manifest.get("transform_params"):
+            return tensors
+        return list(self.vm[self.manifest["transform_params"]](tensors))
 
     # -- inputs ---------------------------------------------------------------------------------------------
     def _check_names(self, given: dict) -> None:
@@ -215,7 +248,7 @@ class CompiledModel:
 
     def run(self, args: list) -> list:
         """Run the module on prepared device tensors; returns the output tensors (TVM)."""
-        out = self.vm["main"](*args)
+        out = self.vm["main"](*args, *self._params)
         return list(out) if isinstance(out, (tuple, list)) or type(out).__name__ == "Array" else [out]
 
     def __call__(self, inputs: dict | None = None, *, mask=None, **kwargs) -> dict:

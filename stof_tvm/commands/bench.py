@@ -33,7 +33,7 @@ def run(args) -> int:
     model.run(prepared)                                     # warm-up (and CUDA JIT at first call)
     timer = model.vm.time_evaluator("main", model.device, number=args.number, repeat=args.repeat,
                                     min_repeat_ms=0)
-    result = timer(*prepared)
+    result = timer(*prepared, *model.params)
     samples = np.array(result.results) * 1e3
     att = model.manifest["attention"]
     report = {"artifact": args.artifact, "kernel": att["kernel"]["kind"], "batch": att["batch"],

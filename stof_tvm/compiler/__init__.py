@@ -20,6 +20,7 @@ import os
 
 import numpy as np
 import tvm
+from onnx import numpy_helper
 from tvm import relax
 
 from stof_tvm.sparse_formats.masks import normalize_mask
@@ -32,6 +33,7 @@ from .pipeline import build, fold_constant_casts, make_target, optimize, target_
 from .rewrite import rewrite_attention
 
 DTYPES = ("float32", "float16")
+TRANSFORM_PARAMS = "main_transform_params"
 
 
 def _check_positive(name: str, value) -> int:
@@ -102,7 +104,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     tvm_target = make_target(tspec)
 
     onnx_model = load_model(model)
-    mod, inputs = import_onnx(onnx_model, batch, seq_len)
+    mod, inputs, weights = import_onnx(onnx_model, batch, seq_len)
     outputs = _output_specs(mod["main"], output_names(onnx_model))
     mod = relax.transform.FoldConstant()(mod)
     if dtype == "float16":
@@ -130,6 +132,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     for source in plan.runtime if choice.kind != "dense" else []:
         mod[source.name] = source.function
     mod, format_inputs = rewrite_attention(mod, sites, choice, primfunc)
+    # Weight casts and other weight-only work move to main_transform_params, which the runtime runs once.
+    mod = relax.transform.LiftTransformParams()(mod)
 
     if tune_trials:
         from stof_tvm import tuning
@@ -147,6 +151,9 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         "format_version": 1,
         "source": {"path": os.path.abspath(os.fspath(model))} if isinstance(model, (str, os.PathLike)) else {},
         "inputs": [_input_entry(s, onnx_model) for s in inputs],
+        "weights": [w.to_json() for w in weights],
+        "transform_params": TRANSFORM_PARAMS if any(gv.name_hint == TRANSFORM_PARAMS
+                                                    for gv, _ in mod.functions_items()) else None,
         "outputs": [s.to_json() for s in outputs],
         "mask_inputs": [f.to_json() for f in format_inputs],
         "mask": {**mask_entry, "batch": int(user_mask.shape[0]), "heads": int(user_mask.shape[1]),
@@ -161,7 +168,9 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         "tuning": {"database": database, "trials": tune_trials},
         "tvm_version": tvm.__version__,
     }
-    return Artifact(executable, manifest, arrays)
+    wanted = {w.name for w in weights}
+    values = {t.name: numpy_helper.to_array(t) for t in onnx_model.graph.initializer if t.name in wanted}
+    return Artifact(executable, manifest, arrays, values)
 
 
 __all__ = ["compile", "DTYPES"]

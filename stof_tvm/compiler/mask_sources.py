@@ -92,7 +92,8 @@ def _extract_function(func: relax.Function, expr: relax.Expr, upstream: set, nam
     params = [p for p in func.params if p in upstream]
     body = relax.SeqExpr([relax.DataflowBlock(bindings)], out)
     extracted = relax.Function(params, body, expr.ty, is_pure=True)
-    return relax.utils.copy_with_new_vars(extracted).with_attr("global_symbol", name)
+    extracted = relax.utils.copy_with_new_vars(extracted).with_attr("global_symbol", name)
+    return extracted.with_attr("num_input", len(params))     # all runtime inputs: nothing to lift
 
 
 def _same_terms(a: list[MaskTerm], b: list[MaskTerm], var2val) -> bool:

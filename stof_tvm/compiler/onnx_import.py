@@ -94,20 +94,58 @@ def input_specs(model: onnx.ModelProto, batch: int, seq_len: int) -> list[Tensor
     return specs
 
 
+# Float initializers with at least this many elements stay weights (module parameters); smaller ones and all
+# integer/bool initializers (shapes, ids, constant masks) are embedded as constants so that they fold.
+WEIGHT_MIN_ELEMENTS = 1 << 16
+_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
+                onnx.TensorProto.DOUBLE}
+
+
+def split_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[TensorSpec]]:
+    """A copy of ``model`` whose large float initializers remain initializers (imported as parameters) and all
+    others become Constant nodes; returns it with the weights' specs in initializer order."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    weights, constants = [], []
+    for tensor in out.graph.initializer:
+        size = int(np.prod(tensor.dims)) if len(tensor.dims) else 1
+        if tensor.data_type in _FLOAT_TYPES and size >= WEIGHT_MIN_ELEMENTS:
+            weights.append(tensor)
+        else:
+            constants.append(onnx.helper.make_node("Constant", [], [tensor.name], value=tensor,
+                                                   name=f"stof_const_{tensor.name}"))
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(weights)
+    nodes = constants + list(out.graph.node)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    specs = [TensorSpec(t.name, tuple(int(d) for d in t.dims), _dtype_name(t.data_type)) for t in weights]
+    return out, specs
+
+
 def import_onnx(model: onnx.ModelProto, batch: int, seq_len: int):
-    """Check operators and import to Relax with static shapes. Returns ``(IRModule, [TensorSpec])``."""
+    """Check operators and import to Relax with static shapes.
+
+    Returns ``(IRModule, input specs, weight specs)``; ``main`` takes the inputs, then the weights (its
+    ``num_input`` attribute counts the inputs).
+    """
     from tvm.relax.frontend.onnx import from_onnx
 
     check_supported_ops(model)
     specs = input_specs(model, batch, seq_len)
+    split, weights = split_weights(model)
     try:
-        mod = from_onnx(model, shape_dict={s.name: list(s.shape) for s in specs},
-                        dtype_dict={s.name: s.dtype for s in specs}, sanitize_input_names=False)
+        mod = from_onnx(split, shape_dict={s.name: list(s.shape) for s in specs},
+                        dtype_dict={s.name: s.dtype for s in specs}, keep_params_in_input=True,
+                        sanitize_input_names=False)
     except Exception as err:        # TVM raises several error types; all mean the graph does not fit the shapes
         first_line = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise ValueError(f"model: import failed for batch={batch}, seq_len={seq_len} ({type(err).__name__}: "
                          f"{first_line[:300]}); check that the model supports this sequence length") from err
-    return mod, specs
+    names = [p.name for p in mod["main"].params[len(specs):]]
+    if names != [w.name for w in weights]:
+        raise ValueError(f"model: imported parameters {names[:4]}... do not match the weights' initializer names")
+    return mod, specs, weights
 
 
 def output_names(model: onnx.ModelProto) -> list[str]:

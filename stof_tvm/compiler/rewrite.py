@@ -1,7 +1,7 @@
 """Replace the attention sites of ``main`` with the chosen kernel, adding the mask inputs as parameters.
 
-The mask inputs (sparse-format arrays, or the dense keep-mask) are appended to ``main``'s parameters after the
-model's own inputs, with symbolic sizes where the format's length depends on the mask (``nnz``, ``n_full``,
+The mask inputs (sparse-format arrays, or the dense keep-mask) are inserted into ``main``'s parameters after the
+model's own inputs (before its weights, and counted in ``num_input``), with symbolic sizes where the format's length depends on the mask (``nnz``, ``n_full``,
 ``n_part``). Each site is found again with the same dataflow pattern that located it
 (:data:`~stof_tvm.compiler.attention_match.ATTENTION_PATTERN`, applied with ``rewrite_call``) and becomes:
 
@@ -79,8 +79,9 @@ def rewrite_attention(mod: tvm.IRModule, sites: list[AttentionSite], choice: Ker
             out = relax.op.astype(out, str(expr.ty.dtype))
         return out
 
-    num_input = len(func.params)
-    extended = relax.Function(list(func.params) + params, func.body, func.ret_ty, func.is_pure, func.attrs)
+    num_input = int(func.attrs["num_input"])
+    ordered = list(func.params[:num_input]) + params + list(func.params[num_input:])
+    extended = relax.Function(ordered, func.body, func.ret_ty, func.is_pure, func.attrs)
     extended = extended.with_attr("num_input", num_input + len(params))
     rewritten = rewrite_call(ATTENTION_PATTERN, rewriter, extended)
     mod["main"] = rewritten
