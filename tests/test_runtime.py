@@ -117,3 +117,20 @@ def test_cli_main_job(tmp_path, capsys):
 def test_cli_errors_are_reported(tmp_path, capsys):
     assert cli_main(["run", str(tmp_path)]) == 2
     assert "not a stof-tvm artifact" in capsys.readouterr().err
+
+
+def test_weights_shipped_separately(saved, tmp_path):
+    path, feeds, expected = saved
+    manifest = json.loads(open(os.path.join(path, "manifest.json")).read())
+    assert manifest["weights"] and manifest["transform_params"] == "main_transform_params"
+    code_only = shutil.copytree(path, tmp_path / "code_only", ignore=shutil.ignore_patterns("weights.npz"))
+    with pytest.raises(FileNotFoundError, match="saved without weights.npz"):
+        runtime.load(code_only)
+    with np.load(os.path.join(path, "weights.npz")) as data:
+        weights = {name: data[name] for name in data.files}
+    np.testing.assert_array_equal(runtime.load(code_only, weights=weights)(feeds)["last_hidden_state"], expected)
+    name = manifest["weights"][0]["name"]
+    with pytest.raises(ValueError, match=f"weight '{name}': expected shape"):
+        runtime.load(code_only, weights={**weights, name: weights[name][:1]})
+    with pytest.raises(ValueError, match="weights: missing"):
+        runtime.load(code_only, weights={})

@@ -1,0 +1,247 @@
+"""End-to-end benchmark: stof-tvm vs PyTorch and TVM's default pipeline on whole models, same mask.
+
+Two steps, because the GPU machine has TVM's runtime but builds are cheaper here:
+
+    # here (CPU, TVM compiler): build CUDA artifacts without weights into out/e2e/
+    python scripts/bench_e2e.py build --models bert-base --shapes 1x128 8x512 16x2048
+
+    # on the GPU machine (TVM runtime + torch): load, check, time; prints a table and writes JSON
+    python scripts/bench_e2e.py run --models bert-base --json out/e2e/results.json
+
+For each model and (B, S), ``build`` compiles two artifacts from the same ONNX graph with the BigBird mask:
+``ours`` (kernel chosen from the mask, fp16) and ``dense`` (TVM's default pipeline: dense attention with the
+mask applied as a boolean input, dlight schedules, fp16). ``run`` regenerates the model's weights (seeded, the
+same numpy generator as the build) and times, with fresh random token ids and CUDA-event / time_evaluator
+medians after warm-up:
+
+- ``ours`` and ``tvm-dense`` (module time, time_evaluator);
+- ``torch-eager``: a PyTorch BERT with the same weights, fp16, SDPA with the boolean mask;
+- ``torch-flex``: the same model with FlexAttention (compiled, BlockMask built from the same mask).
+
+Every output is checked against the PyTorch model in float32 (relative Frobenius error) in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+OUT = os.path.join("out", "e2e")
+MASK = "bigbird"
+
+
+def _shape_arg(text: str) -> tuple[int, int]:
+    b, s = text.lower().split("x")
+    return int(b), int(s)
+
+
+def _artifact_dir(model: str, batch: int, seq_len: int, variant: str) -> str:
+    return os.path.join(OUT, f"{model}_{batch}x{seq_len}_{variant}")
+
+
+# ------------------------------------------------------------------------------------------------ build (CPU)
+def build(args) -> None:
+    import stof_tvm
+    from stof_tvm.models import builtin_model
+
+    for name in args.models:
+        model = builtin_model(name)
+        for batch, seq_len in args.shapes:
+            for variant, kernel in (("ours", args.kernel), ("dense", "dense")):
+                start = time.time()
+                art = stof_tvm.compile(model, mask=MASK, batch=batch, seq_len=seq_len, target="cuda",
+                                       dtype="float16", kernel=kernel)
+                art.manifest["source"] = {"builtin": name, "seed": 0}
+                path = art.save(_artifact_dir(name, batch, seq_len, variant), weights=False)
+                kernel_info = art.manifest["attention"]["kernel"]
+                print(f"{path}: kernel {kernel_info['kind']} {kernel_info['config']} "
+                      f"({time.time() - start:.0f} s)", flush=True)
+
+
+# ------------------------------------------------------------------------------------------- torch reference
+def torch_bert(weights: dict, cfg, mask_bool, dtype, attention: str):
+    """A PyTorch BERT encoder computing what stof_tvm.models.bert builds, from the same weights.
+
+    ``mask_bool``: [B or 1, 1, S, S] boolean (sparse mask AND padding); ``attention``: "sdpa" or "flex".
+    """
+    import torch
+    import torch.nn.functional as F
+
+    dev = "cuda"
+    w = {k: torch.tensor(v, device=dev, dtype=dtype) for k, v in weights.items()}
+    heads, head_dim = cfg.heads, cfg.head_dim
+    block_mask = None
+    if attention == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        dense = mask_bool.to(dev)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return dense[b if dense.shape[0] > 1 else 0, 0, q_idx, kv_idx]
+
+        seq = mask_bool.shape[-1]
+        block_mask = create_block_mask(mask_mod, B=dense.shape[0] if dense.shape[0] > 1 else None, H=None,
+                                       Q_LEN=seq, KV_LEN=seq, device=dev)
+        flex = torch.compile(flex_attention, dynamic=False)
+
+    def attend(q, k, v):
+        if attention == "flex":
+            return flex(q, k, v, block_mask=block_mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_bool.to(dev))
+
+    def forward(ids, names):
+        hidden = F.embedding(ids, w[names["word"]]) + w[names["pos"]][: ids.shape[1]][None]
+        hidden = F.layer_norm(hidden, (cfg.hidden,), w[names["emb_ln"][0]], w[names["emb_ln"][1]], cfg.eps)
+        bsz, seq = ids.shape
+        for layer in names["layers"]:
+            def split(x):
+                return x.view(bsz, seq, heads, head_dim).transpose(1, 2)
+
+            q, k, v = (split(hidden @ w[layer[t][0]] + w[layer[t][1]]) for t in ("q", "k", "v"))
+            ctx = attend(q, k, v).transpose(1, 2).reshape(bsz, seq, cfg.hidden)
+            hidden = F.layer_norm(ctx @ w[layer["out"][0]] + w[layer["out"][1]] + hidden, (cfg.hidden,),
+                                  w[layer["ln1"][0]], w[layer["ln1"][1]], cfg.eps)
+            ff = F.gelu(hidden @ w[layer["ffn1"][0]] + w[layer["ffn1"][1]])
+            hidden = F.layer_norm(ff @ w[layer["ffn2"][0]] + w[layer["ffn2"][1]] + hidden, (cfg.hidden,),
+                                  w[layer["ln2"][0]], w[layer["ln2"][1]], cfg.eps)
+        return hidden
+
+    return forward
+
+
+def weight_names(initializers: list[str], layers: int) -> dict:
+    """Map the built-in BERT's initializer names (``<hint>_<counter>``) to their roles."""
+    def find(prefix):
+        return next(n for n in initializers if n.rsplit("_", 1)[0] == prefix)
+
+    names = {"word": find("word_embeddings"), "pos": find("position_embeddings"),
+             "emb_ln": (find("embeddings.LayerNorm.gamma"), find("embeddings.LayerNorm.beta")), "layers": []}
+    for i in range(layers):
+        p = f"layer{i}"
+        layer = {t: (find(f"{p}.{t}.weight"), find(f"{p}.{t}.bias")) for t in ("q", "k", "v", "out", "ffn1", "ffn2")}
+        layer["ln1"] = (find(f"{p}.ln1.gamma"), find(f"{p}.ln1.beta"))
+        layer["ln2"] = (find(f"{p}.ln2.gamma"), find(f"{p}.ln2.beta"))
+        names["layers"].append(layer)
+    return names
+
+
+# --------------------------------------------------------------------------------------------------- run (GPU)
+def _cuda_time(fn, warmup: int, iters: int) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
+def _rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def run(args) -> None:
+    import torch
+    from onnx import numpy_helper
+
+    from stof_tvm import make_mask, runtime
+    from stof_tvm.models import BERT_CONFIGS, builtin_model
+
+    torch._dynamo.config.cache_size_limit = 64
+    results = []
+    for name in args.models:
+        cfg = BERT_CONFIGS[name]
+        start = time.time()
+        model = builtin_model(name)
+        all_weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+        names = weight_names(list(all_weights), cfg.layers)
+        float_weights = {k: v for k, v in all_weights.items() if v.dtype == np.float32}
+        print(f"{name}: weights regenerated in {time.time() - start:.1f} s", flush=True)
+        for batch, seq_len in args.shapes:
+            rng = np.random.default_rng(batch * 100003 + seq_len)
+            ids = rng.integers(0, cfg.vocab, (batch, seq_len)).astype(np.int64)
+            pad = np.ones((batch, seq_len), np.int64)
+            keep = torch.from_numpy(make_mask(MASK, seq_len)[None, None].copy())
+            ids_t = torch.from_numpy(ids).cuda()
+            row = {"model": name, "batch": batch, "seq_len": seq_len, "mask": MASK}
+            with torch.no_grad():
+                ref = torch_bert(float_weights, cfg, keep, torch.float32, "sdpa")(ids_t, names).cpu().numpy()
+                for label, attention in (("torch-eager", "sdpa"), ("torch-flex", "flex")):
+                    fwd = torch_bert(float_weights, cfg, keep, torch.float16, attention)
+                    out = fwd(ids_t, names)
+                    row[label + "_err"] = _rel_err(out.float().cpu().numpy(), ref)
+                    row[label + "_ms"] = _cuda_time(lambda: fwd(ids_t, names), args.warmup, args.iters)
+                    del fwd, out
+            for label, variant in (("ours", "ours"), ("tvm-dense", "dense")):
+                path = _artifact_dir(name, batch, seq_len, variant)
+                if not os.path.isdir(path):
+                    print(f"  skip {label}: no artifact at {path}", flush=True)
+                    continue
+                t0 = time.time()
+                compiled = runtime.load(path, weights={w["name"]: all_weights[w["name"]]
+                                                       for w in json.load(open(os.path.join(path, "manifest.json")))["weights"]})
+                prepared = compiled.prepare({"input_ids": ids, "attention_mask": pad})
+                outs = compiled.run(prepared)
+                row[label + "_err"] = _rel_err(outs[0].numpy(), ref)
+                row[label + "_kernel"] = compiled.kernel
+                timer = compiled.vm.time_evaluator("main", compiled.device, number=args.iters, repeat=5,
+                                                   min_repeat_ms=0)
+                compiled.run(prepared)
+                row[label + "_ms"] = float(np.median(timer(*prepared, *compiled.params).results) * 1e3)
+                row[label + "_load_s"] = time.time() - t0
+                del compiled, prepared, outs
+            torch_best = min(row["torch-eager_ms"], row["torch-flex_ms"])
+            if "ours_ms" in row:
+                row["speedup_vs_best_torch"] = torch_best / row["ours_ms"]
+                if "tvm-dense_ms" in row:
+                    row["speedup_vs_tvm_dense"] = row["tvm-dense_ms"] / row["ours_ms"]
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    _print_table(results)
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=2)
+
+
+def _print_table(results: list[dict]) -> None:
+    cols = ["ours", "tvm-dense", "torch-eager", "torch-flex"]
+    print("\nmodel       B     S  " + "".join(f"{c + ' ms':>14}" for c in cols) + "  vs torch  vs tvm   max err")
+    for row in results:
+        cells = "".join(f"{row.get(c + '_ms', float('nan')):14.3f}" for c in cols)
+        err = max(row.get(c + "_err", 0.0) for c in cols)
+        print(f"{row['model']:<10}{row['batch']:>3}{row['seq_len']:>6}  {cells}"
+              f"  {row.get('speedup_vs_best_torch', float('nan')):7.2f}x {row.get('speedup_vs_tvm_dense', float('nan')):6.2f}x"
+              f"  {err:.1e}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="step", required=True)
+    for step in ("build", "run"):
+        p = sub.add_parser(step)
+        p.add_argument("--models", nargs="+", default=["bert-base"])
+        p.add_argument("--shapes", nargs="+", type=_shape_arg, default=[(1, 128), (8, 512), (16, 2048)])
+    sub.choices["build"].add_argument("--kernel", default="auto", choices=["auto", "block", "row"])
+    sub.choices["run"].add_argument("--warmup", type=int, default=5)
+    sub.choices["run"].add_argument("--iters", type=int, default=20)
+    sub.choices["run"].add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    build(args) if args.step == "build" else run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
