@@ -106,10 +106,19 @@ class BlockConfig:
         return self.block_m * head_dim * 2 + self.stages * (2 * kv + self.block_m * self.block_n // 8)
 
 
-def default_block_config(head_dim: int, dtype: str, seq_q: int) -> BlockConfig:
-    """A good starting configuration for the H200 (fp16 and bf16 run at the same rate)."""
+def default_block_config(head_dim: int, dtype: str, seq_q: int, *, sparse: bool = False) -> BlockConfig:
+    """A good starting configuration for the H200 (fp16 and bf16 run at the same rate).
+
+    Measured there (scripts/NOTES_attention.md, BENCHMARKS.md): masks made mostly of full tiles (dense, causal)
+    run best with 128-row tiles and two m16 tiles per warp; sparse masks (``sparse=True``: sliding windows,
+    Longformer, BigBird, random) with 64x32 tiles, four warps and the heavy-first launch order, which starts
+    the long global rows first.
+    """
     _check_dtype(dtype)
     _check_head_dim(head_dim)
+    _check_positive("seq_q", seq_q)
+    if sparse:
+        return BlockConfig(block_m=64, block_n=32, num_warps=4, stages=2, heavy_first=True)
     if head_dim == 128:
         return BlockConfig(block_m=128, block_n=64, num_warps=8, stages=2)
     if seq_q <= 64:
@@ -230,6 +239,9 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
         return T.shift_right(smem[(M_OFF + (t % ST) * MW_BYTES) // 4
                                   + ((warp * (MT * 2) + mt * 2 + hh) * NJ + j) * 2 + g // 4],
                              T.Cast("uint32", (g % 4) * 8 + qd * 2))
+
+    def quad_xor(value, lane_mask):    # value of lane ^ lane_mask (1, 2: the four lanes sharing a score row)
+        return T.tvm_warp_shuffle_xor(T.uint32(_FULL_MASK), value, lane_mask, 32, 32)
 
     def tile_row(smem, bx):    # the tile row this thread block owns (heavy_first: chosen in shared memory)
         return T.Cast("int32", smem[SEL_W]) if HF else TR - 1 - bx
@@ -429,8 +441,8 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                     for j in T.unroll(1, NJ):
                                         red[0] = T.max(red[0], T.max(s_acc[s_at(mt, j, hh * 2)],
                                                                      s_acc[s_at(mt, j, hh * 2 + 1)]))
-                                    red[0] = T.max(red[0], T.tvm_warp_shuffle_xor(T.uint32(_FULL_MASK), red[0], 1, 32, 32))
-                                    red[0] = T.max(red[0], T.tvm_warp_shuffle_xor(T.uint32(_FULL_MASK), red[0], 2, 32, 32))
+                                    red[0] = T.max(red[0], quad_xor(red[0], 1))
+                                    red[0] = T.max(red[0], quad_xor(red[0], 2))
                                     red[1] = T.max(m_run[mt * 2 + hh], red[0])
                                     red[2] = T.Select(red[1] == NEG_INF, T.float32(0), red[1] * T.float32(SL))
                                     EX2(red[3], m_run[mt * 2 + hh] * T.float32(SL) - red[2])
@@ -469,8 +481,8 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     for mt in T.unroll(MT):
                         for hh in T.unroll(2):
                             red[0] = l_run[mt * 2 + hh]
-                            red[0] = red[0] + T.tvm_warp_shuffle_xor(T.uint32(_FULL_MASK), red[0], 1, 32, 32)
-                            red[0] = red[0] + T.tvm_warp_shuffle_xor(T.uint32(_FULL_MASK), red[0], 2, 32, 32)
+                            red[0] = red[0] + quad_xor(red[0], 1)
+                            red[0] = red[0] + quad_xor(red[0], 2)
                             red[1] = T.Select(red[0] > T.float32(0), T.float32(1) / red[0], T.float32(0))
                             for dn in T.unroll(ND):
                                 PACK(word[1], o_acc[o_at(mt, dn, hh * 2 + 1)] * red[1],

@@ -140,9 +140,11 @@ def test_single_row_and_tiny_sequences():
 def test_default_config():
     assert default_block_config(64, "float16", 4096) == BlockConfig(128, 64, 4, 2)
     assert default_block_config(128, "bfloat16", 4096).num_warps == 8
+    assert default_block_config(64, "float16", 4096, sparse=True) == BlockConfig(64, 32, 4, 2, heavy_first=True)
     for head_dim in (64, 128):
         for seq in (7, 64, 4096):
-            default_block_config(head_dim, "float16", seq).validate(head_dim)
+            for sparse in (False, True):
+                default_block_config(head_dim, "float16", seq, sparse=sparse).validate(head_dim)
 
 
 @pytest.mark.parametrize("kwargs, error", [
