@@ -14,7 +14,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.script import tirx as T
 
 from stof_tvm.tuning import rpc
-from stof_tvm.tuning.runners import make_runner
+from stof_tvm.tuning.runners import make_builder, make_runner
 
 needs_tornado = pytest.mark.skipif(importlib.util.find_spec("tornado") is None,
                                    reason="the RPC tracker needs tornado (pip install tornado)")
@@ -44,20 +44,22 @@ def tile_space(sch):
 @needs_tornado
 @pytest.mark.slow
 def test_tuning_measures_on_both_servers(tmp_path):
-    # One builder worker: every builder process first imports TVM's tensor intrinsics (~18 s of CPU here).
     with rpc.LocalCluster("stof-loopback", devices=[None, None], log_dir=tmp_path / "rpc") as cluster:
         assert cluster.tracker.startswith("127.0.0.1:")
         assert rpc.count_servers(cluster.tracker, "stof-loopback") == 2
         assert rpc.count_servers(cluster.tracker, "some-other-key") == 0
-        runner = make_runner("llvm", rpc_tracker=cluster.tracker, rpc_key="stof-loopback",
-                             max_workers=2, session_timeout_sec=60)
+        # by default the runner keeps one session per registered server, so both measure at once
+        runner = make_runner("llvm", rpc_tracker=cluster.tracker, rpc_key="stof-loopback", session_timeout_sec=60)
         assert isinstance(runner, ms.runner.RPCRunner)
+        assert runner.pool._threadpool._max_workers == 2          # (TVM keeps the pool size private)
+        with pytest.raises(ValueError, match="no RPC server is registered under key 'nobody'"):
+            make_runner("llvm", rpc_tracker=cluster.tracker, rpc_key="nobody")
         target = tvm.target.Target({"kind": "llvm", "num-cores": 1})
         db = ms.tune_tir(matmul, target, work_dir=str(tmp_path / "work"), max_trials_global=4,
                          num_trials_per_iter=4, strategy="replay-trace", cost_model="random",
                          space=ms.space_generator.ScheduleFn(tile_space, sch_rules=[], postprocs=[],
                                                              mutator_probs={}),
-                         builder=ms.builder.LocalBuilder(max_workers=1, timeout_sec=300), runner=runner)
+                         builder=make_builder(max_workers=1, timeout_sec=300), runner=runner)
         per_server = cluster.measurements()
     records = db.get_all_tuning_records()
     times = [float(r.run_secs[0]) for r in records]

@@ -16,6 +16,7 @@ import numpy as np
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
+from .rpc import count_servers
 from .task import TuningTask
 
 __all__ = ["ArgumentFactory", "make_builder", "make_runner", "parse_tracker", "evaluator_config"]
@@ -102,8 +103,9 @@ def make_runner(target_kind: str, *, arguments: ArgumentFactory | None = None, r
     """A LocalRunner, or an RPCRunner on every device registered under ``rpc_key`` with ``rpc_tracker``.
 
     ``arguments`` supplies valid sparse-format inputs (see :class:`ArgumentFactory`); its ``rpc`` flag is set
-    to match the runner. ``max_workers`` bounds concurrent RPC sessions (default: one per device the tracker
-    lists is up to the tracker; MetaSchedule uses one per CPU core).
+    to match the runner. ``max_workers`` bounds concurrent RPC sessions; by default it is the number of servers
+    registered under ``rpc_key`` when the runner is made, so every device measures at once (MetaSchedule's own
+    default is one session, which leaves all devices but one idle).
     """
     config = evaluator_config(target_kind)
     if rpc_tracker is None:
@@ -117,6 +119,11 @@ def make_runner(target_kind: str, *, arguments: ArgumentFactory | None = None, r
     host, port = parse_tracker(rpc_tracker)
     if arguments is not None:
         arguments.rpc = True
+    if max_workers is None:
+        max_workers = count_servers(rpc_tracker, rpc_key)
+        if max_workers == 0:
+            raise ValueError(f"no RPC server is registered under key {rpc_key!r} with {rpc_tracker} "
+                             f"(check with: stof-tvm rpc status --tracker {rpc_tracker})")
     rpc_config = ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=rpc_key,
                                      session_timeout_sec=session_timeout_sec)
     return ms.runner.RPCRunner(rpc_config=rpc_config, evaluator_config=config, f_alloc_argument=arguments,
