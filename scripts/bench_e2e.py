@@ -63,7 +63,7 @@ def build(args) -> None:
 
 
 # ------------------------------------------------------------------------------------------- torch reference
-def torch_bert(weights: dict, cfg, mask_bool, dtype, attention: str):
+def torch_bert(weights: dict, cfg, mask_bool, dtype, attention: str, dev: str = "cuda"):
     """A PyTorch BERT encoder computing what stof_tvm.models.bert builds, from the same weights.
 
     ``mask_bool``: [B or 1, 1, S, S] boolean (sparse mask AND padding); ``attention``: "sdpa" or "flex".
@@ -71,7 +71,6 @@ def torch_bert(weights: dict, cfg, mask_bool, dtype, attention: str):
     import torch
     import torch.nn.functional as F
 
-    dev = "cuda"
     w = {k: torch.tensor(v, device=dev, dtype=dtype) for k, v in weights.items()}
     heads, head_dim = cfg.heads, cfg.head_dim
     block_mask = None
