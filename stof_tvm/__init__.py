@@ -2,7 +2,7 @@
 from stof_tvm.attention import AttentionPlan, sparse_attention
 from stof_tvm.sparse_formats import make_mask, normalize_mask
 
-__all__ = ["AttentionPlan", "sparse_attention", "make_mask", "normalize_mask", "compile"]
+__all__ = ["AttentionPlan", "sparse_attention", "make_mask", "normalize_mask", "compile", "tune"]
 
 
 def __getattr__(name):
@@ -12,4 +12,8 @@ def __getattr__(name):
         from stof_tvm.compiler import compile
 
         return compile
+    if name == "tune":                 # MetaSchedule and the compiler too: same reason
+        from stof_tvm.tuning import tune
+
+        return tune
     raise AttributeError(f"module 'stof_tvm' has no attribute {name!r}")

@@ -13,6 +13,7 @@ COMMANDS = [
     "run",
     "bench",
     "rpc",
+    "tune",
 ]
 
 

@@ -43,6 +43,7 @@ _STAGES = (2, 3, 4)
 _KEY_GROUPS = (1, 2, 4, 8, 16)
 _KEYS_PER_STEP = (1, 2, 4)
 _ROWS_PER_BLOCK = (1, 2, 4, 8)
+_HEAVY_SELECT_CYCLES = 600  # heavy-first: rating the rows, two barriers, the selection loop
 _BASE_REGISTERS = 40        # addresses, loop counters, softmax row state beyond the fragments
 _WARP = 32
 _VECTOR_BYTES = 16
@@ -116,7 +117,8 @@ class AttentionCandidate:
     def __str__(self) -> str:
         c = self.config
         if self.kind == "block":
-            return f"block BM={c.block_m} BN={c.block_n} warps={c.num_warps} stages={c.stages}"
+            return (f"block BM={c.block_m} BN={c.block_n} warps={c.num_warps} stages={c.stages}"
+                    + (" heavy-first" if c.heavy_first else ""))
         return f"row KG={c.key_groups} U={c.keys_per_step} rows/block={c.rows_per_block}"
 
 
@@ -130,20 +132,24 @@ class RankedCandidate:
         return self.prediction.time_s
 
 
-def block_candidates(head_dim: int, hw: HardwareProfile = H200) -> list[AttentionCandidate]:
-    """Every block-wise configuration the kernel accepts for ``head_dim`` within ``hw``'s shared memory."""
+def block_candidates(head_dim: int, hw: HardwareProfile = H200,
+                     heavy_first=(False,)) -> list[AttentionCandidate]:
+    """Every block-wise configuration the kernel accepts for ``head_dim`` within ``hw``'s shared memory, for
+    each launch order in ``heavy_first``."""
     out = []
     for bm in _BLOCK_M:
         for bn in _BLOCK_N:
             for warps in _WARPS:
                 for stages in _STAGES:
-                    config = BlockConfig(block_m=bm, block_n=bn, num_warps=warps, stages=stages)
-                    try:
-                        config.validate(head_dim)
-                    except ValueError:
-                        continue
-                    if config.shared_bytes(head_dim) <= hw.smem_per_block:
-                        out.append(AttentionCandidate("block", config))
+                    for heavy in heavy_first:
+                        config = BlockConfig(block_m=bm, block_n=bn, num_warps=warps, stages=stages,
+                                             heavy_first=heavy)
+                        try:
+                            config.validate(head_dim)
+                        except ValueError:
+                            continue
+                        if config.shared_bytes(head_dim) <= hw.smem_per_block:
+                            out.append(AttentionCandidate("block", config))
     return out
 
 
@@ -177,10 +183,44 @@ def attention_candidates(problem: AttentionProblem, hw: HardwareProfile = H200,
         raise ValueError(f"kinds must be 'block' and/or 'row', got {sorted(unknown)}")
     out = []
     if "block" in kinds and problem.head_dim in SUPPORTED_HEAD_DIMS and problem.dtype != "float32":
-        out += block_candidates(problem.head_dim, hw)
+        # The heavy-first launch order only differs when some tile row holds > 2x its group's mean tiles.
+        orders = (False, True) if _has_heavy_rows(problem.mask, 64, 64) else (False,)
+        out += block_candidates(problem.head_dim, hw, orders)
     if "row" in kinds:
         out += row_candidates(problem.head_dim, problem.dtype, hw)
     return out
+
+
+def _has_heavy_rows(mask: MaskProfile, block_m: int, block_n: int) -> bool:
+    full, part = mask.tile_counts(block_m, block_n)
+    tiles = full + part
+    return bool((tiles * tiles.shape[1] > 2 * tiles.sum(axis=1, keepdims=True)).any())
+
+
+def _group_of_heads(problem: AttentionProblem) -> np.ndarray:
+    """The mask group read by each (batch, head) pair, in (batch, head) order."""
+    bh = np.arange(problem.batch * problem.heads)
+    b = bh // problem.heads if problem.mask.mask_batch > 1 else np.zeros_like(bh)
+    h = bh % problem.heads if problem.mask.mask_heads > 1 else np.zeros_like(bh)
+    return b * problem.mask.mask_heads + h
+
+
+def _block_order(problem: AttentionProblem, tiles: np.ndarray, heavy_first: bool) -> np.ndarray:
+    """Classes (g * TR + tile row) of the block-wise kernel's thread blocks in launch order.
+
+    Default grid (TR, B*H): per (batch, head), tile rows last to first. Heavy-first grid (B*H, TR): position
+    by position across all heads, where a group's positions list its heavy rows (> 2x the group's mean tiles)
+    ascending, then the others descending.
+    """
+    rows = tiles.shape[1]
+    g = _group_of_heads(problem)
+    if not heavy_first:
+        return (g[:, None] * rows + np.arange(rows - 1, -1, -1)[None, :]).ravel()
+    heavy = tiles * rows > 2 * tiles.sum(axis=1, keepdims=True)
+    # Sort key per (group, row): heavy rows by ascending index first, then light rows by descending index.
+    key = np.where(heavy, np.arange(rows)[None, :], rows + (rows - 1 - np.arange(rows))[None, :])
+    position_rows = np.argsort(key, axis=1, kind="stable")          # [G, TR]: row at each position
+    return (g[None, :] * rows + position_rows[g].T).ravel()
 
 
 def _block_registers(config: BlockConfig, head_dim: int) -> int:
@@ -195,7 +235,10 @@ def _block_registers(config: BlockConfig, head_dim: int) -> int:
 
 def _block_work(problem: AttentionProblem, config: BlockConfig, cal: Calibration) -> KernelWork:
     bm, bn, d, eb = config.block_m, config.block_n, problem.head_dim, problem.element_bytes
-    full, part = (a.ravel().astype(np.float64) for a in problem.mask.tile_counts(bm, bn))
+    full2d, part2d = problem.mask.tile_counts(bm, bn)
+    order = problem.mask.memo(("block_order", bm, bn, config.heavy_first, problem.batch, problem.heads),
+                              lambda: _block_order(problem, full2d + part2d, config.heavy_first))
+    full, part = full2d.ravel().astype(np.float64), part2d.ravel().astype(np.float64)
     tiles = full + part
     count = np.full(tiles.shape, float(problem.replicas))
     pipeline = 0.5 * (1.0 + 1.0 / (config.stages - 1))   # deeper cp.async rings hide more of each tile's wait
@@ -207,9 +250,10 @@ def _block_work(problem: AttentionProblem, config: BlockConfig, cal: Calibration
         smem_bytes=config.shared_bytes(d), regs_per_thread=_block_registers(config, d), count=count,
         tc_flops=tiles * 4.0 * bm * bn * d,
         cuda_ops=(tiles * cal.softmax_ops + part * cal.mask_ops) * bm * bn,
-        latency_cycles=tiles * cal.tile_cycles * pipeline + cal.block_cycles,
+        latency_cycles=tiles * cal.tile_cycles * pipeline + cal.block_cycles
+        + (_HEAVY_SELECT_CYCLES if config.heavy_first else 0.0),
         dram_bytes=problem.dram_floor_bytes() + format_bytes,
-        l2_bytes=float((count * per_block_l2).sum()), useful_flops=problem.useful_flops)
+        l2_bytes=float((count * per_block_l2).sum()), useful_flops=problem.useful_flops, order=order)
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
@@ -227,6 +271,8 @@ def _row_work(problem: AttentionProblem, config: RowConfig, cal: Calibration) ->
     longest = runs.max(axis=-1).ravel().astype(np.float64)
     union = mask.block_union(rows).ravel()
     count = np.full(slots.shape, float(problem.replicas))
+    n_runs = runs.shape[1]
+    order = (_group_of_heads(problem)[:, None] * n_runs + np.arange(n_runs)[None, :]).ravel()
     vec = d // lanes
     registers = 2 * vec + config.keys_per_step * vec + 3 * config.keys_per_step + _BASE_REGISTERS
     kept_keys = mask.keys_per_row.reshape(mask.groups, -1, rows).sum(axis=-1).ravel()
@@ -239,7 +285,7 @@ def _row_work(problem: AttentionProblem, config: RowConfig, cal: Calibration) ->
         cuda_ops=slots * (cal.pair_ops_per_dim * d + cal.pair_ops_fixed * lanes) + merge_ops,
         latency_cycles=longest * cal.step_cycles + cal.row_cycles,
         dram_bytes=problem.dram_floor_bytes() + mask.kept * 4.0 + 4.0 * (mask.groups * problem.seq_q + 1),
-        l2_bytes=float((count * per_block_l2).sum()), useful_flops=problem.useful_flops)
+        l2_bytes=float((count * per_block_l2).sum()), useful_flops=problem.useful_flops, order=order)
 
 
 def attention_work(problem: AttentionProblem, candidate: AttentionCandidate,

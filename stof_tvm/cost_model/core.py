@@ -9,7 +9,8 @@ visit different numbers of tiles). :func:`predict` turns that into a time:
   configuration that exceeds a per-block limit (or spills registers) is *infeasible* and gets no time;
 - **SM time**: each block's duration from its tensor-core flops, CUDA-core operations and fixed latencies
   (per loop iteration and per block), with the SM's issue rate scaled by how many warps are resident (latency
-  hiding); blocks are spread over ``SMs x occupancy`` slots in waves, with the partly idle last wave counted;
+  hiding); blocks are spread over ``SMs x occupancy`` slots in waves, with the partly idle last wave counted,
+  and, when the launch order is known, the blocks launched last (a long one among them ends the kernel late);
 - **L2 and DRAM time**: bytes moved over calibrated bandwidths;
 - ``time = launch + max(SM, L2, DRAM)``.
 
@@ -105,7 +106,9 @@ class KernelWork:
     Per block class (1-D arrays of equal length): ``count`` blocks, each with ``tc_flops`` tensor-core flops,
     ``cuda_ops`` CUDA-core operations and ``latency_cycles`` of fixed latency (loop trips x cycles per trip
     plus per-block cost). Whole-kernel: ``dram_bytes`` (unique bytes to and from device memory) and
-    ``l2_bytes`` (bytes the SMs read and write through L2, re-reads included).
+    ``l2_bytes`` (bytes the SMs read and write through L2, re-reads included). ``order`` (optional): the
+    class of every block in launch order, when the kernel's launch order is known; then blocks launched last
+    (a long block among them finishes late) are priced too.
     """
 
     name: str
@@ -119,6 +122,7 @@ class KernelWork:
     dram_bytes: float
     l2_bytes: float
     useful_flops: float = 0.0
+    order: np.ndarray | None = None
 
     def __post_init__(self):
         arrays = [np.atleast_1d(np.asarray(getattr(self, n), dtype=np.float64))
@@ -128,6 +132,13 @@ class KernelWork:
                              f"{[a.shape for a in arrays]}")
         for name, array in zip(("count", "tc_flops", "cuda_ops", "latency_cycles"), arrays):
             object.__setattr__(self, name, array)
+        if self.order is not None:
+            order = np.asarray(self.order, dtype=np.int64)
+            if order.size != int(arrays[0].sum()) or (order.size and not 0 <= order.min() <= order.max() <
+                                                        arrays[0].size):
+                raise ValueError(f"KernelWork {self.name}: order must list each block's class once "
+                                 f"({int(arrays[0].sum())} blocks)")
+            object.__setattr__(self, "order", order)
 
     @property
     def blocks(self) -> int:
@@ -194,9 +205,14 @@ def predict(work: KernelWork, hw: HardwareProfile, cal: Calibration = DEFAULT_CA
     duration = resident * throughput_s + latency_s                     # a block sharing its SM with others
     slots = hw.sm_count * resident
     waves = blocks / slots
-    mean = float((work.count * duration).sum() / blocks)
-    sm_s = max(float((work.count * duration).sum()) / slots + cal.tail * (math.ceil(waves) - waves) * mean,
-               float(duration[work.count > 0].max()))
+    total = float((work.count * duration).sum())
+    mean = total / blocks
+    sm_s = max(total / slots + cal.tail * (math.ceil(waves) - waves) * mean, float(duration[work.count > 0].max()))
+    if work.order is not None and blocks > slots:
+        # The last wave's blocks start once the others are done (fluidly shared by all slots): a long block
+        # launched late ends the kernel after everything else.
+        last = duration[work.order[-slots:]]
+        sm_s = max(sm_s, (total - float(last.sum())) / slots + float(last.max()))
     l2_s = work.l2_bytes / (hw.l2_bw * cal.l2_eff)
     dram_s = work.dram_bytes / (hw.dram_bw * cal.dram_eff)
     time_s = cal.launch_s + max(sm_s, l2_s, dram_s)
@@ -212,3 +228,45 @@ def predict(work: KernelWork, hw: HardwareProfile, cal: Calibration = DEFAULT_CA
     if work.useful_flops:
         terms["useful_tflops"] = work.useful_flops / time_s / 1e12
     return Prediction(work.name, time_s, True, "", terms)
+
+
+def occupancy_many(threads, smem_bytes, regs_per_thread, hw: HardwareProfile) -> np.ndarray:
+    """:func:`occupancy` over arrays of launches (resident blocks per SM; 0 where a limit is broken)."""
+    threads, smem, regs = (np.asarray(a, dtype=np.int64) for a in (threads, smem_bytes, regs_per_thread))
+    warps = -(-threads // hw.warp_size)
+    regs_per_warp = -(-regs * hw.warp_size // _REG_UNIT_PER_WARP) * _REG_UNIT_PER_WARP
+    occ = np.minimum.reduce([
+        np.full(threads.shape, hw.blocks_per_sm),
+        hw.threads_per_sm // np.maximum(warps * hw.warp_size, 1),
+        np.where(regs > 0, hw.regs_per_sm // np.maximum(regs_per_warp * warps, 1), hw.blocks_per_sm),
+        hw.smem_per_sm // (smem + _SMEM_RESERVED_PER_BLOCK),
+    ])
+    ok = (threads >= 1) & (threads <= hw.threads_per_block) & (smem <= hw.smem_per_block) & (
+        regs <= hw.regs_per_thread)
+    return np.where(ok, np.maximum(occ, 0), 0)
+
+
+def predict_uniform(threads, smem_bytes, regs_per_thread, blocks, tc_flops, cuda_ops, latency_cycles, dram_bytes,
+                    l2_bytes, hw: HardwareProfile, cal: Calibration = DEFAULT_CALIBRATION) -> np.ndarray:
+    """:func:`predict`'s time for many kernels whose blocks are all alike (one class each), vectorised.
+
+    Every argument is an array over the kernels (per-block ``tc_flops``/``cuda_ops``/``latency_cycles``).
+    Infeasible kernels get ``inf``. Used to rank large knob spaces; equal to :func:`predict` term by term.
+    """
+    blocks = np.asarray(blocks, dtype=np.float64)
+    occ = occupancy_many(threads, smem_bytes, regs_per_thread, hw).astype(np.float64)
+    warps = -(-np.asarray(threads, dtype=np.int64) // hw.warp_size)
+    resident = np.maximum(np.minimum(occ, np.ceil(blocks / hw.sm_count)), 1.0)
+    issue = np.minimum(1.0, resident * warps / cal.warps_to_saturate)
+    tc_rate = hw.per_sm(hw.tensor_flops) * cal.tc_eff * issue
+    cc_rate = hw.per_sm(hw.cuda_flops) * cal.cc_eff * issue
+    duration = resident * (np.asarray(tc_flops) / tc_rate + np.asarray(cuda_ops) / cc_rate) + np.asarray(
+        latency_cycles) / hw.clock_hz
+    slots = hw.sm_count * resident
+    waves = blocks / slots
+    sm_s = np.maximum(blocks * duration / slots + cal.tail * (np.ceil(waves) - waves) * duration, duration)
+    sm_s = np.where(blocks > 0, sm_s, 0.0)
+    l2_s = np.asarray(l2_bytes) / (hw.l2_bw * cal.l2_eff)
+    dram_s = np.asarray(dram_bytes) / (hw.dram_bw * cal.dram_eff)
+    time_s = cal.launch_s + np.maximum.reduce([sm_s, l2_s, dram_s])
+    return np.where(occ > 0, time_s, np.inf)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..sparse_formats.bitmaps import ALL_ONES, subtile_words, tile_words
+from ..sparse_formats.bitmaps import ALL_ONES, check_tile_shape, subtile_words
 
 __all__ = ["MaskProfile"]
 
@@ -35,8 +35,10 @@ class MaskProfile:
         self.mask_batch, self.mask_heads, self.seq_q, self.seq_k = (int(n) for n in mask.shape)
         self._mask = mask
         self._words = None
+        self._tables = None
         self._tiles: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._unions: dict[int, np.ndarray] = {}
+        self._memo: dict = {}
         self.keys_per_row = np.count_nonzero(mask, axis=-1).reshape(self.groups, self.seq_q).astype(np.int64)
         self.kept = int(self.keys_per_row.sum())
 
@@ -49,6 +51,18 @@ class MaskProfile:
         return cls(normalize_mask(spec, batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k))
 
     @property
+    def mask(self) -> np.ndarray:
+        """The normalised boolean mask ``[Bm, Hm, Sq, Sk]`` this profile describes."""
+        return self._mask
+
+    def digest(self) -> str:
+        """A short content hash of the mask (shape included): names a problem's tuning group."""
+        import hashlib
+
+        packed = np.packbits(self._mask, axis=-1)
+        return hashlib.sha1(repr(self._mask.shape).encode() + packed.tobytes()).hexdigest()[:12]
+
+    @property
     def groups(self) -> int:
         return self.mask_batch * self.mask_heads
 
@@ -56,19 +70,52 @@ class MaskProfile:
     def density(self) -> float:
         return self.kept / (self.groups * self.seq_q * self.seq_k)
 
+    def memo(self, key, compute):
+        """``compute()`` once per ``key`` for this mask (derived arrays the model reuses across candidates)."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
     def words(self) -> np.ndarray:
         """The 8x8 sub-tile words ``[G, ceil(Sq/8), ceil(Sk/8)]`` (computed once)."""
         if self._words is None:
             self._words = subtile_words(self._mask).reshape(self.groups, -(-self.seq_q // 8), -(-self.seq_k // 8))
         return self._words
 
+    def _summed_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """Summed-area tables ``[G, R8+1, C8+1]`` of full and of non-empty 8x8 sub-tiles: any tile shape's
+        counts are then four look-ups per tile."""
+        if self._tables is None:
+            words = self.words()
+            tables = []
+            for flags in (words == ALL_ONES, words != 0):
+                table = np.zeros((words.shape[0], words.shape[1] + 1, words.shape[2] + 1), dtype=np.int32)
+                table[:, 1:, 1:] = flags.cumsum(axis=1, dtype=np.int32).cumsum(axis=2, dtype=np.int32)
+                tables.append(table)
+            self._tables = tuple(tables)
+        return self._tables
+
     def tile_counts(self, block_m: int, block_n: int) -> tuple[np.ndarray, np.ndarray]:
-        """(full, partial) tile counts, int64 arrays ``[G, ceil(Sq/BM)]``, at tile shape ``BM x BN``."""
+        """(full, partial) tile counts, int64 arrays ``[G, ceil(Sq/BM)]``, at tile shape ``BM x BN``.
+
+        A tile is full when all its ``BM/8 x BN/8`` sub-tiles are (an edge tile never is: its overhang counts
+        as empty sub-tiles), non-empty when any is.
+        """
         key = (int(block_m), int(block_n))
         if key not in self._tiles:
-            tiles = tile_words(self.words(), *key)                    # [G, TR, TC, BM/8, BN/8]
-            full = (tiles == ALL_ONES).all(axis=(-2, -1)).sum(axis=-1)
-            nonempty = tiles.any(axis=(-2, -1)).sum(axis=-1)
+            check_tile_shape(*key)
+            a, b = key[0] // 8, key[1] // 8
+            full_t, any_t = self._summed_tables()
+            rows8, cols8 = full_t.shape[1] - 1, full_t.shape[2] - 1
+            r = np.minimum(np.arange(0, rows8 + a, a)[: -(-rows8 // a) + 1], rows8)
+            c = np.minimum(np.arange(0, cols8 + b, b)[: -(-cols8 // b) + 1], cols8)
+
+            def per_tile(table):
+                return (table[:, r[1:]][:, :, c[1:]] - table[:, r[:-1]][:, :, c[1:]]
+                        - table[:, r[1:]][:, :, c[:-1]] + table[:, r[:-1]][:, :, c[:-1]])
+
+            full = (per_tile(full_t) == a * b).sum(axis=-1)
+            nonempty = (per_tile(any_t) > 0).sum(axis=-1)
             self._tiles[key] = (full.astype(np.int64), (nonempty - full).astype(np.int64))
         return self._tiles[key]
 

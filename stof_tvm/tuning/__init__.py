@@ -5,14 +5,17 @@
 - :mod:`.runners`: builders, local/RPC runners, valid sparse-format inputs;
 - :mod:`.database`: the work directory (MetaSchedule JSON database + per-task status);
 - :mod:`.progress`: progress bar, time budget, Ctrl-C;
-- :mod:`.tuner`: :func:`tune_tasks`, stage 2 over many tasks, resumable.
+- :mod:`.tuner`: :func:`tune_tasks`, stage 2 over many tasks, resumable;
+- :mod:`.attention_tasks`, :mod:`.template_tasks`, :mod:`.plan`: stage 1 (the model's top K per job);
+- :mod:`.api`: :func:`tune` and :func:`plan` for a model, a template call or an attention problem.
 """
+from .api import plan, resolve_hardware, tune
 from .database import TuningDatabase
 from .progress import StopFlag
 from .runners import ArgumentFactory, make_builder, make_runner, parse_tracker
 from .task import TuningTask, normalize_workload, workload_key
 from .tuner import TaskResult, TuningReport, tune_tasks, tuning_target
 
-__all__ = ["TuningDatabase", "StopFlag", "ArgumentFactory", "make_builder", "make_runner", "parse_tracker",
+__all__ = ["plan", "resolve_hardware", "tune", "TuningDatabase", "StopFlag", "ArgumentFactory", "make_builder", "make_runner", "parse_tracker",
            "TuningTask", "normalize_workload", "workload_key", "TaskResult", "TuningReport", "tune_tasks",
            "tuning_target"]

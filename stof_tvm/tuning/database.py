@@ -67,11 +67,19 @@ class TuningDatabase:
         return self.status["tasks"].get(task.key, {})
 
     def records(self, task: TuningTask) -> list:
-        """Successful measurements of ``task``'s workload, fastest first."""
+        """Successful measurements of ``task``'s workload, fastest first.
+
+        MetaSchedule's ``get_top_k`` skips records whose trace is empty, which is every record of a
+        pre-scheduled kernel (nothing to transform); those are read from the full record list instead.
+        """
         if not self.ms.has_workload(task.mod):
             return []
         workload = self.ms.commit_workload(task.mod)
-        return list(self.ms.get_top_k(workload, 1 << 30))
+        if task.candidates:
+            return list(self.ms.get_top_k(workload, 1 << 30))
+        mine = [r for r in self.ms.get_all_tuning_records()
+                if r.workload.same_as(workload) and math.isfinite(_mean_seconds(r))]
+        return sorted(mine, key=_mean_seconds)
 
     def trials_left(self, task: TuningTask, planned: int) -> int:
         """Trials still to run for ``planned`` in total: 0 when the task is complete."""
@@ -84,10 +92,15 @@ class TuningDatabase:
     def update_task(self, task: TuningTask, *, planned: int, measured: int, complete: bool) -> dict:
         """Add ``measured`` trials to ``task``'s count and refresh its best time and candidate."""
         status = self.status["tasks"].setdefault(task.key, {"trials": 0})
-        records = self.records(task)
         status.update(name=task.name, group=task.group, planned=planned, meta=task.meta,
-                      trials=max(int(status["trials"]) + measured, len(records)),
-                      complete=bool(complete or status.get("complete")))
+                      trials=int(status["trials"]) + measured, complete=bool(complete or status.get("complete")))
+        return self.refresh(task)
+
+    def refresh(self, task: TuningTask) -> dict:
+        """Re-read ``task``'s best time and candidate from the records (its status entry must exist)."""
+        status = self.status["tasks"][task.key]
+        records = self.records(task)
+        status["trials"] = max(int(status["trials"]), len(records))
         if records:
             status["best_s"] = _mean_seconds(records[0])
             status["best_candidate"] = self.candidate_index(task, records[0])

@@ -64,6 +64,7 @@ class TuningReport:
     work_dir: str
     stopped: str = ""
     choices: dict = field(default_factory=dict)
+    plan: object = None
 
     @property
     def measured(self) -> int:
@@ -214,8 +215,8 @@ def tune_tasks(tasks, target, work_dir, *, trials: int | None = None, num_trials
 
     results = []
     for task in tasks:
-        status = db.task_status(task) or db.update_task(task, planned=planned[task.key], measured=0,
-                                                        complete=False)
+        status = db.refresh(task) if db.task_status(task) else db.update_task(
+            task, planned=planned[task.key], measured=0, complete=False)
         if left[task.key] == 0:
             state = "cached"
         elif task.key in finished:

@@ -1,0 +1,95 @@
+"""``stof-tvm tune``: two-stage tuning (analytical model, then MetaSchedule) into a reusable database."""
+from __future__ import annotations
+
+import json
+
+from stof_tvm.models import BUILTIN
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "tune", help="tune a model, a template call or an attention problem into a MetaSchedule database",
+        description="Stage 1: the analytical model ranks every kernel configuration (attention kernel kind and "
+                    "tiles; template knobs) and keeps the top K of each job. Stage 2: MetaSchedule measures "
+                    "them (XGBoost-guided) and records every measurement in the database directory, which "
+                    "later compiles reuse. Tasks already complete there are never measured again; Ctrl-C stops "
+                    "after the batch in flight and keeps every record, and running the same command again "
+                    "resumes. With neither --model nor --template, tunes one attention problem.")
+    job = parser.add_mutually_exclusive_group()
+    job.add_argument("--model", metavar="NAME|MODEL.onnx",
+                     help=f"a built-in model ({', '.join(sorted(BUILTIN))}) or an ONNX file")
+    job.add_argument("--template", metavar="NAME", help="one fusion template (see schedules/templates)")
+    parser.add_argument("--shape", metavar="K=V,...", help="template shape, e.g. m=4096,n=3072,k=768")
+    parser.add_argument("--mask", default="causal", metavar="SPEC",
+                        help="attention mask spec or a .npy boolean array (default causal)")
+    parser.add_argument("--batch", type=int, default=1, help="batch size B (default 1)")
+    parser.add_argument("--seq-len", type=int, default=128, help="sequence length S (default 128)")
+    parser.add_argument("--heads", type=int, default=12, help="heads, for one attention problem (default 12)")
+    parser.add_argument("--head-dim", type=int, default=64, help="head dim, for one attention problem (default 64)")
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"], help="default float16")
+    parser.add_argument("--target", default="cuda", choices=["cuda", "llvm"], help="default cuda")
+    parser.add_argument("--arch", default="sm_90", help="CUDA architecture (default sm_90)")
+    parser.add_argument("--trials", type=int, help="at most this many measurements per task (default: all "
+                                                   "stage-1 survivors)")
+    parser.add_argument("--top-k", type=int, default=8, help="stage-1 survivors per job (default 8)")
+    parser.add_argument("--kernels", default="block,row", help="attention kernel kinds to consider "
+                                                               "(default block,row)")
+    parser.add_argument("--database", default="stof-tuning", metavar="DIR",
+                        help="tuning work directory (MetaSchedule JSON database; default ./stof-tuning)")
+    parser.add_argument("--time-budget", type=float, metavar="SECONDS", help="stop measuring after this long")
+    parser.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on the devices of this RPC tracker")
+    parser.add_argument("--rpc-key", metavar="KEY", help="device key the RPC servers registered with")
+    parser.add_argument("--build-workers", type=int, help="parallel candidate builds (default: CPU cores)")
+    parser.add_argument("--hardware", metavar="NAME", help="hardware profile for the model: detect, h200, h100, "
+                                                           "a100, rtx4090 (default: the target's)")
+    parser.add_argument("--calibration", metavar="FILE", help="model constants from scripts/calibrate_model.py")
+    parser.add_argument("--explain", action="store_true", help="print the model's ranking and terms per job")
+    parser.add_argument("--dry-run", action="store_true", help="stage 1 only: plan, print, measure nothing")
+    parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    parser.set_defaults(func=run)
+
+
+def _parse_shape(text: str | None) -> dict | None:
+    if text is None:
+        return None
+    shape = {}
+    for item in text.split(","):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or not key or not value.isdigit():
+            raise ValueError(f"--shape must look like m=4096,n=3072,k=768, got {text!r}")
+        shape[key] = int(value)
+    return shape
+
+
+def run(args) -> int:
+    from stof_tvm.commands.compile import load_mask_arg
+    from stof_tvm.tuning import plan as make_plan
+    from stof_tvm.tuning import tune_tasks, tuning_target
+
+    kinds = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
+    target = tuning_target({"kind": "cuda", "arch": args.arch} if args.target == "cuda" else "llvm")
+    if args.template and not args.shape:
+        raise ValueError("--template needs --shape (e.g. m=4096,n=3072,k=768)")
+    stage1 = make_plan(args.model, template=args.template, shape=_parse_shape(args.shape),
+                       mask=load_mask_arg(args.mask), batch=args.batch, seq_len=args.seq_len, heads=args.heads,
+                       head_dim=args.head_dim, dtype=args.dtype, target=target, top_k=args.top_k,
+                       hardware=args.hardware, calibration=args.calibration, kinds=kinds, explain=args.explain)
+    for text in stage1.explanations:
+        print(text + "\n")
+    for note in stage1.notes:
+        print(f"not tuned: {note}")
+    print(f"stage 1: {len(stage1.tasks)} tasks, "
+          f"{sum(t.space_size for t in stage1.tasks)} candidates, model time {stage1.model_seconds * 1e3:.1f} ms")
+    if args.dry_run:
+        for task in stage1.tasks:
+            print(f"  {task.name} (weight {task.weight:g}, {task.space_size} candidates)")
+        return 0
+    report = tune_tasks(stage1.tasks, target, args.database, trials=args.trials, time_budget_s=args.time_budget,
+                        rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key, build_workers=args.build_workers)
+    print(report.table())
+    if args.json:
+        data = report.to_json()
+        data["stage1"] = {"model_seconds": stage1.model_seconds, "notes": stage1.notes}
+        with open(args.json, "w") as handle:
+            json.dump(data, handle, indent=1)
+    return 130 if report.stopped.startswith("interrupted") else 0

@@ -1,0 +1,116 @@
+"""The template part of the analytical model: price every knob set of a fusion template, rank, prune.
+
+A template (:mod:`stof_tvm.schedules.templates`) reports, per knob set, its thread-block resources
+(``resources()``: threads, shared memory, accumulator and operand registers, grid, and for tiled main loops the
+block tile ``block_m x block_n x block_k``), its useful flops and its arguments. From those:
+
+- tensor-core flops per block = ``flops / grid``; main-loop trips = those flops over one ``2*BM*BN*BK`` step,
+  each with a fixed latency (shorter with deeper pipelines); epilogue operations per output element;
+- L2 traffic = every block's A and W panels (``(BM + BN) * K``) plus its outputs; DRAM = the arguments once;
+- registers = accumulators + operands + addressing; configurations past the register, shared-memory or thread
+  limits are infeasible (the template's own space already drops most).
+
+:func:`rank_template` sorts a template's knob space by predicted time; the stage-1 survivors are its head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from ..hardware import H200, HardwareProfile
+from .core import DEFAULT_CALIBRATION, Calibration, KernelWork, Prediction, predict, predict_uniform
+
+__all__ = ["template_hardware", "template_work", "rank_template", "RankedKnobs"]
+
+_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+_ADDRESSING_REGISTERS = 40
+
+
+@dataclass(frozen=True)
+class RankedKnobs:
+    candidate: dict
+    prediction: Prediction
+
+    @property
+    def time_s(self) -> float:
+        return self.prediction.time_s
+
+
+def template_hardware(hw: HardwareProfile):
+    """The templates' own limits record (:class:`stof_tvm.schedules.templates.Hardware`) for ``hw``."""
+    from ..schedules.templates import Hardware
+
+    return Hardware(name=hw.name, sm_count=hw.sm_count, max_threads_per_block=hw.threads_per_block,
+                    max_shared_bytes_per_block=hw.smem_per_block, registers_per_sm=hw.regs_per_sm,
+                    max_registers_per_thread=hw.regs_per_thread)
+
+
+def _pipeline_factor(stages) -> float:
+    return 1.0 if not stages or stages < 3 else 0.5 * (1.0 + 1.0 / (stages - 1))
+
+
+def _invariants(template, shape, dtype) -> tuple[float, float, float, float]:
+    """(useful flops, DRAM bytes of all arguments, output bytes, output elements) of one template call."""
+    args = template.arguments(shape, dtype)
+    n_out = template.outputs()
+    sizes = [float(np.prod(s)) for _, s, _ in args]
+    nbytes = [n * _DTYPE_BYTES.get(dt, 2) for n, (_, _, dt) in zip(sizes, args)]
+    return float(template.flops(shape)), sum(nbytes), sum(nbytes[-n_out:]), sum(sizes[-n_out:])
+
+
+def _launch_terms(res: Mapping, knobs: Mapping, invariants, dtype: str, cal: Calibration) -> tuple:
+    """(threads, smem, registers, grid, tc flops/block, CUDA ops/block, latency cycles/block, DRAM, L2)."""
+    flops, dram, out_bytes, out_elems = invariants
+    grid = max(int(res["grid"]), 1)
+    eb = _DTYPE_BYTES.get(dtype, 2)
+    per_block = flops / grid
+    bm, bn, bk = res.get("block_m"), res.get("block_n"), res.get("block_k")
+    if bm and bn and bk:
+        trips = per_block / (2.0 * bm * bn * bk)
+        l2 = grid * trips * (bm + bn) * bk * eb + out_bytes
+    else:
+        trips, l2 = 0.0, dram
+    regs = int(res.get("acc_registers", 0) + res.get("operand_registers", 0) + _ADDRESSING_REGISTERS)
+    latency = trips * cal.gemm_iter_cycles * _pipeline_factor(knobs.get("stages")) + cal.block_cycles
+    return (int(res["threads"]), int(res["shared_bytes"]), regs, grid, per_block, cal.epilogue_ops * out_elems / grid,
+            latency, dram, l2)
+
+
+def template_work(template, shape: Mapping[str, int], dtype: str, knobs: Mapping,
+                  cal: Calibration = DEFAULT_CALIBRATION) -> KernelWork:
+    """The :class:`KernelWork` of ``template`` at ``shape``/``dtype`` with ``knobs``."""
+    invariants = _invariants(template, shape, dtype)
+    threads, smem, regs, grid, tc, cuda, latency, dram, l2 = _launch_terms(
+        template.resources(shape, dtype, knobs), knobs, invariants, dtype, cal)
+    return KernelWork(
+        name=f"{template.name} " + " ".join(f"{k}={v}" for k, v in knobs.items()), threads=threads,
+        smem_bytes=smem, regs_per_thread=regs, count=np.array([float(grid)]), tc_flops=np.array([tc]),
+        cuda_ops=np.array([cuda]), latency_cycles=np.array([latency]), dram_bytes=dram, l2_bytes=l2,
+        useful_flops=invariants[0])
+
+
+def rank_template(template, shape: Mapping[str, int], dtype: str = "float16", hw: HardwareProfile = H200,
+                  cal: Calibration = DEFAULT_CALIBRATION, knob_space=None, explain_top: int = 8) -> list[RankedKnobs]:
+    """Every feasible knob set of ``template`` (default: its whole knob space for ``hw``), fastest first.
+
+    The whole space is priced at once (:func:`predict_uniform`); the ``explain_top`` best also get the full
+    :class:`Prediction` with its terms, the others a time-only one.
+    """
+    space = template.knob_space(shape, dtype, template_hardware(hw)) if knob_space is None else list(knob_space)
+    if not space:
+        return []
+    invariants = _invariants(template, shape, dtype)
+    columns = np.array([_launch_terms(template.resources(shape, dtype, k), k, invariants, dtype, cal)
+                        for k in space], dtype=np.float64).T
+    times = predict_uniform(*columns, hw=hw, cal=cal)
+    order = [int(i) for i in np.argsort(times, kind="stable") if np.isfinite(times[i])]
+    ranked = []
+    for rank, i in enumerate(order):
+        if rank < explain_top:
+            prediction = predict(template_work(template, shape, dtype, space[i], cal), hw, cal)
+        else:
+            prediction = Prediction(f"{template.name} {space[i]}", float(times[i]), True)
+        ranked.append(RankedKnobs(dict(space[i]), prediction))
+    return ranked
