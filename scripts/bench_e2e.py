@@ -52,6 +52,8 @@ def build(args) -> None:
         model = builtin_model(name)
         for batch, seq_len in args.shapes:
             for variant, kernel in (("ours", args.kernel), ("dense", "dense")):
+                if variant not in args.variants:
+                    continue
                 start = time.time()
                 art = stof_tvm.compile(model, mask=MASK, batch=batch, seq_len=seq_len, target="cuda",
                                        dtype="float16", kernel=kernel)
@@ -234,6 +236,7 @@ def main(argv=None) -> int:
         p.add_argument("--models", nargs="+", default=["bert-base"])
         p.add_argument("--shapes", nargs="+", type=_shape_arg, default=[(1, 128), (8, 512), (16, 2048)])
     sub.choices["build"].add_argument("--kernel", default="auto", choices=["auto", "block", "row"])
+    sub.choices["build"].add_argument("--variants", nargs="+", default=["ours", "dense"], choices=["ours", "dense"])
     sub.choices["run"].add_argument("--warmup", type=int, default=5)
     sub.choices["run"].add_argument("--iters", type=int, default=20)
     sub.choices["run"].add_argument("--json", help="write the results here")

@@ -35,6 +35,7 @@ MANIFEST = "manifest.json"
 WEIGHTS = "weights.npz"
 FORMAT_VERSION = 1
 MASKED_FILL = -1.0e4
+DENSE_MASKED = -1.0e30      # the dense kernel's additive bias at masked pairs
 
 
 def device_for(manifest: dict):
@@ -228,7 +229,7 @@ class CompiledModel:
         """The kernel's format arrays; empty index lists get one dummy entry (never visited: the row pointers
         stay as they are) because the kernels' symbolic lengths must be at least 1."""
         if self.kernel == "dense":
-            return [mask4d]
+            return [np.where(mask4d, np.float32(0), np.float32(DENSE_MASKED)), mask4d.astype(np.float32)]
         if self.kernel == "row":
             fmt = build_rows(mask4d)
             return [fmt.indptr, _at_least_one(fmt.indices)]

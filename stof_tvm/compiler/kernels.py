@@ -4,8 +4,8 @@ Three kernels can replace an attention site:
 
 - ``block``: the block-wise sparse kernel (schedules/attention_blockwise.py) reading the tiled format;
 - ``row``: the row-wise sparse kernel (schedules/attention_rowwise.py) reading the row-compressed format;
-- ``dense``: the site stays a dense matrix product with the mask applied as a boolean module input
-  (``where`` before and after the softmax; TVM's own schedules). It is the fallback for sites whose scores
+- ``dense``: the site stays a dense matrix product with the mask applied from two float inputs (an additive
+  bias of 0 / -1e30 before the softmax, a 1 / 0 factor after it; TVM's own schedules). It is the fallback for sites whose scores
   carry a real bias (T5 position bias), and the "TVM default" baseline of the benchmarks.
 
 The sparse-format arrays (or the dense keep-mask) are module inputs, so one compiled module serves any mask of
@@ -46,7 +46,11 @@ class KernelChoice:
     def format_inputs(self, seq_q: int, seq_k: int) -> list[FormatInput]:
         groups = self.mask_batch * self.mask_heads
         if self.kind == "dense":
-            return [FormatInput("stof_keep", (self.mask_batch, self.mask_heads, seq_q, seq_k), "bool")]
+            # Float, not bool: TVM 0.27's CUDA codegen loads 2-lane bool vectors as ushort2 (4-byte loads at
+            # 2-byte-aligned addresses: cudaErrorMisalignedAddress), and a bool computed from another dtype is
+            # not fused into the matmul epilogue that reads it.
+            dims = (self.mask_batch, self.mask_heads, seq_q, seq_k)
+            return [FormatInput("stof_bias", dims, "float32"), FormatInput("stof_keep", dims, "float32")]
         if self.kind == "row":
             return [FormatInput("stof_indptr", (groups * seq_q + 1,), "int32"),
                     FormatInput("stof_indices", ("nnz",), "int32")]

@@ -7,8 +7,8 @@ model's own inputs (before its weights, and counted in ``num_input``), with symb
 
 - sparse kernels: ``call_tir(kernel, [Q, K, V, *format arrays])`` with ``K = permute_dims(K^T)`` (fused by
   TVM into the producer's layout transform);
-- dense: ``matmul(where(keep, softmax(where(keep, scores, lowest)), 0), V)``, so rows with no kept key
-  give zeros exactly like the sparse kernels.
+- dense: ``matmul(softmax(scores + stof_bias) * stof_keep, V)`` with float inputs (bias 0 / -1e30, keep 1 / 0),
+  so rows with no kept key give zeros exactly like the sparse kernels.
 """
 from __future__ import annotations
 
@@ -31,16 +31,12 @@ def _relax_param(spec: FormatInput, sizes: dict) -> relax.Var:
     return relax.Var(spec.name, relax.TensorType(dims, spec.dtype))
 
 
-def _lowest(dtype: str) -> relax.Expr:
-    return relax.const(float(tvm.tirx.min_value(dtype).value), dtype)
-
-
-def _dense_replacement(expr: relax.Call, matches, keep: relax.Var) -> relax.Expr:
-    scores = matches[_SCORES]
-    softmax = matches[_SOFTMAX]
-    masked = relax.op.where(keep, scores, _lowest(str(scores.ty.dtype)))
+def _dense_replacement(expr: relax.Call, matches, bias: relax.Var, keep: relax.Var) -> relax.Expr:
+    scores, softmax = matches[_SCORES], matches[_SOFTMAX]
+    score_dtype, prob_dtype = str(scores.ty.dtype), str(softmax.ty.dtype)
+    masked = relax.op.add(scores, bias if score_dtype == "float32" else relax.op.astype(bias, score_dtype))
     probs = relax.op.nn.softmax(masked, axis=int(softmax.attrs.axis))
-    probs = relax.op.where(keep, probs, relax.const(0.0, str(softmax.ty.dtype)))
+    probs = relax.op.multiply(probs, keep if prob_dtype == "float32" else relax.op.astype(keep, prob_dtype))
     probs = relax.op.astype(probs, str(matches[_V].ty.dtype))
     return relax.op.matmul(probs, matches[_V], out_dtype=str(expr.ty.dtype))
 
@@ -71,7 +67,7 @@ def rewrite_attention(mod: tvm.IRModule, sites: list[AttentionSite], choice: Ker
             return expr
         site = sites[next(i for i, value in enumerate(site_values) if expr.same_as(value))]
         if kernel is None:
-            return _dense_replacement(expr, matches, params[0])
+            return _dense_replacement(expr, matches, params[0], params[1])
         k = relax.op.permute_dims(site.k_t, [0, 1, 3, 2])
         out_ty = relax.TensorType([site.batch, site.heads, site.seq_q, site.head_dim], site.dtype)
         out = relax.call_tir(kernel_gv, [site.q, k, site.v, *params], out_ty=out_ty)
