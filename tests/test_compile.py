@@ -130,3 +130,17 @@ def test_bad_arguments(tiny, kwargs, match):
 def test_missing_model_file():
     with pytest.raises(FileNotFoundError, match="no ONNX file"):
         stof_tvm.compile("/nonexistent/model.onnx", mask="causal", batch=1, seq_len=16, target="llvm")
+
+
+@pytest.mark.slow
+def test_tuning_records_choose_the_kernel(tiny, tmp_path):
+    """tune_trials > 0 tunes into the database; the compile then takes the measured-best attention kernel."""
+    data = random_inputs(tiny, {"input_ids": (1, S), "attention_mask": (1, S)}, seed=4)
+    art = stof_tvm.compile(tiny, mask="bigbird", batch=1, seq_len=S, target="llvm", dtype="float32",
+                           tune_trials=2, database=str(tmp_path / "db"))
+    kernel = art.manifest["attention"]["kernel"]
+    assert kernel["reason"].startswith("tuned: attention_")
+    assert art.manifest["tuning"] == {"database": str(tmp_path / "db"), "trials": 2}
+    out = art.load()(data)["last_hidden_state"]
+    ref = reference_outputs(tiny, make_mask("bigbird", S)[None, None], data)["last_hidden_state"]
+    assert _rel_err(out, ref) < 1e-5

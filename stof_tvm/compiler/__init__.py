@@ -121,9 +121,14 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     user_mask = normalize_mask(mask, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k)
     combined = user_mask if plan.const_keep is None else user_mask & plan.const_keep
     mask_batch, mask_heads = _mask_groups(user_mask, plan.const_keep, plan.runtime)
+    if tune_trials:
+        from stof_tvm.tuning import tune
+
+        tune(onnx_model, mask=mask, batch=batch, seq_len=seq_len, dtype=site.dtype, target=tspec,
+             database=database, trials=tune_trials, progress=False)
     choice = choose_kernel(kernel, combined, batch=batch, heads=site.heads, head_dim=site.head_dim,
                            dtype=site.dtype, seq_q=site.seq_q, target_kind=tspec["kind"], has_bias=plan.has_bias,
-                           mask_batch=mask_batch, mask_heads=mask_heads)
+                           mask_batch=mask_batch, mask_heads=mask_heads, database=database)
     primfunc = None
     if choice.kind != "dense":
         primfunc = kernel_primfunc(choice, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k,
@@ -135,10 +140,6 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     # Weight casts and other weight-only work move to main_transform_params, which the runtime runs once.
     mod = relax.transform.LiftTransformParams()(mod)
 
-    if tune_trials:
-        from stof_tvm import tuning
-
-        tuning.tune_module(mod, target=tvm_target, work_dir=database, max_trials=tune_trials)
     executable = build(optimize(mod, tvm_target, database), tvm_target)
 
     mask_entry = _mask_entry(mask)

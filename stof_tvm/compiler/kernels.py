@@ -92,12 +92,29 @@ def config_object(kind: str, config: dict):
     return (module.RowConfig if kind == "row" else module.BlockConfig)(**config)
 
 
+def tuned_choice(database: str, mask4d: np.ndarray, *, batch: int, heads: int, head_dim: int,
+                 dtype: str) -> dict | None:
+    """The measured-best attention kernel for this problem in a tuning work dir (``stof-tvm tune``), or None.
+
+    Returns the tuner's record for the problem's group: ``{"name", "best_s", "meta": {"kind", "config"}}``.
+    """
+    from stof_tvm.cost_model import AttentionProblem
+    from stof_tvm.tuning import TuningDatabase
+    from stof_tvm.tuning.attention_tasks import attention_group
+
+    problem = AttentionProblem.build(mask4d, batch=batch, heads=heads, seq_len=mask4d.shape[-1],
+                                     head_dim=head_dim, dtype=dtype)
+    return TuningDatabase(database).group_choice(attention_group(problem))
+
+
 def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int, head_dim: int, dtype: str,
-                  seq_q: int, target_kind: str, has_bias: bool, mask_batch: int, mask_heads: int) -> KernelChoice:
+                  seq_q: int, target_kind: str, has_bias: bool, mask_batch: int, mask_heads: int,
+                  database: str | None = None) -> KernelChoice:
     """Pick the kernel and its configuration for sites of this shape under the (combined) mask ``mask4d``.
 
-    "auto" asks :func:`stof_tvm.attention.choose_kernel` (the one place the kernel-selection model lives),
-    then takes the schedule's default configuration.
+    With a tuning ``database`` holding this problem, its measured-best kernel and configuration win (for
+    "auto", or when it is of the requested kind). Otherwise "auto" asks :func:`stof_tvm.attention.choose_kernel`
+    (the one place the kernel-selection model lives) and the schedule's default configuration is used.
     """
     if requested not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS}, got {requested!r}")
@@ -108,6 +125,12 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
         return KernelChoice("dense", {}, mask_batch, mask_heads, "scores carry a real bias (not a mask)")
     if requested == "dense":
         return KernelChoice("dense", {}, mask_batch, mask_heads, "requested")
+    tuned = tuned_choice(database, mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype) \
+        if database is not None else None
+    if tuned is not None and requested in ("auto", tuned["meta"]["kind"]):
+        meta = tuned["meta"]
+        return KernelChoice(meta["kind"], dict(meta["config"]), mask_batch, mask_heads,
+                            f"tuned: {tuned['name']} measured {tuned['best_s'] * 1e3:.3f} ms")
     if requested == "auto":
         from stof_tvm.attention import choose_kernel as choose_attention_kernel
 

@@ -58,19 +58,19 @@ def fold_constant_casts(mod: tvm.IRModule) -> tvm.IRModule:
 
 def optimize(mod: tvm.IRModule, target: tvm.target.Target, database: str | None) -> tvm.IRModule:
     """Legalize and fuse; apply MetaSchedule records from ``database``; dlight for the rest on CUDA."""
-    passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
-              relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
-              relax.transform.DeadCodeElimination()]
-    if database is not None:
-        if not os.path.isdir(database):
-            raise FileNotFoundError(f"database: no MetaSchedule work dir at {database!r}")
-        passes.append(relax.transform.MetaScheduleApplyDatabase(work_dir=database))
-    if target.kind.name == "cuda":
-        from tvm.s_tir import dlight as dl
+    if database is not None and not os.path.isdir(database):
+        raise FileNotFoundError(f"database: no MetaSchedule work dir at {database!r}")
+    with target, tvm.transform.PassContext(opt_level=3):       # MetaScheduleApplyDatabase reads the target here
+        passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+                  relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
+                  relax.transform.DeadCodeElimination()]
+        if database is not None:
+            passes.append(relax.transform.MetaScheduleApplyDatabase(work_dir=database))
+        if target.kind.name == "cuda":
+            from tvm.s_tir import dlight as dl
 
-        passes.append(dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
-                                              dl.gpu.GeneralReduction(), dl.gpu.Fallback()))
-    with target, tvm.transform.PassContext(opt_level=3):
+            passes.append(dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                                  dl.gpu.GeneralReduction(), dl.gpu.Fallback()))
         return tvm.transform.Sequential(passes)(mod)
 
 
