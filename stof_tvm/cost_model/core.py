@@ -14,8 +14,8 @@ visit different numbers of tiles). :func:`predict` turns that into a time:
 - **L2 and DRAM time**: bytes moved over calibrated bandwidths;
 - ``time = launch + max(SM, L2, DRAM)``.
 
-The few constants (efficiencies, fixed latencies, the wave tail) live in :class:`Calibration`; defaults were
-fitted on the H200 by ``scripts/calibrate_model.py``. Everything is numpy over block classes, so a prediction
+The few constants (efficiencies, fixed latencies, the wave tail) live in :class:`Calibration`; the attention
+ones were fitted on the H200 by ``scripts/calibrate_model.py``. Everything is numpy over block classes, so a prediction
 costs microseconds.
 """
 from __future__ import annotations
@@ -53,21 +53,23 @@ class Calibration:
     GEMM-like templates: ``gemm_iter_cycles`` per K-loop iteration, ``epilogue_ops`` per output element.
     """
 
-    tc_eff: float = 0.75
-    cc_eff: float = 0.6
-    warps_to_saturate: float = 8.0
-    dram_eff: float = 0.85
-    l2_eff: float = 0.6
-    launch_s: float = 4e-6
-    tail: float = 0.6
-    softmax_ops: float = 10.0
-    mask_ops: float = 4.0
-    tile_cycles: float = 250.0
-    block_cycles: float = 2500.0
-    pair_ops_per_dim: float = 6.0
+    # Fitted on the H200 (scripts/calibrate_model.py: 774 timings of 78 attention problems, 2026-11-30); the
+    # GEMM-template constants are not fitted yet (no template timings).
+    tc_eff: float = 0.733
+    cc_eff: float = 1.0
+    warps_to_saturate: float = 1.0
+    dram_eff: float = 0.554
+    l2_eff: float = 0.590
+    launch_s: float = 5.91e-6
+    tail: float = 1.0
+    softmax_ops: float = 11.05
+    mask_ops: float = 6.11
+    tile_cycles: float = 384.0
+    block_cycles: float = 4121.0
+    pair_ops_per_dim: float = 1.0
     pair_ops_fixed: float = 14.0
-    step_cycles: float = 1200.0
-    row_cycles: float = 3000.0
+    step_cycles: float = 1008.0
+    row_cycles: float = 1206.0
     gemm_iter_cycles: float = 200.0
     epilogue_ops: float = 4.0
 

@@ -26,9 +26,15 @@ STATUS_FILE = "stof_tuning.json"
 _VERSION = 1
 
 
+# MetaSchedule records a candidate that failed to build or run with this run time (kMaxMeanTime, 1e10 s).
+_FAILED_SECONDS = 1e9
+
+
 def _mean_seconds(record) -> float:
+    """Mean measured seconds of a record; inf for a failed candidate."""
     secs = [float(s) for s in (record.run_secs or [])]
-    return sum(secs) / len(secs) if secs else math.inf
+    mean = sum(secs) / len(secs) if secs else math.inf
+    return mean if mean < _FAILED_SECONDS else math.inf
 
 
 class TuningDatabase:
@@ -145,4 +151,4 @@ class TuningDatabase:
         """The fastest recorded schedule of ``func`` (any PrimFunc structurally equal to a tuned workload)."""
         from .task import normalize_workload
 
-        return self.ms.query_schedule(normalize_workload(func), tvm.target.Target(target))
+        return self.ms.query(normalize_workload(func), tvm.target.Target(target), kind="schedule")

@@ -116,8 +116,11 @@ class Progress:
         return self.elapsed / done * max(0, total - done)
 
     def should_stop(self) -> bool:
-        """True once a stop was requested or the time budget is spent (then the flag is set, with the reason)."""
-        if self.time_budget_s is not None and self.elapsed >= self.time_budget_s:
+        """True once a stop was requested or the time budget is spent (then the flag is set, with the reason).
+
+        The budget is checked between batches and only once something was measured: every run makes progress.
+        """
+        if self.time_budget_s is not None and self.elapsed >= self.time_budget_s and sum(self.trials):
             self.stop.set(f"time budget of {self.time_budget_s:g} s spent")
         return bool(self.stop)
 
