@@ -96,6 +96,18 @@ def _extract_function(func: relax.Function, expr: relax.Expr, upstream: set, nam
     return extracted.with_attr("num_input", len(params))     # all runtime inputs: nothing to lift
 
 
+def _is_mask_when_nothing_is_padded(function: relax.Function) -> bool:
+    """Evaluate an additive term (on the CPU) for all-ones inputs, i.e. no padding: a mask term then adds only
+    0 (or masks with very negative values); anything else means the term carries a real bias."""
+    args = []
+    for param in function.params:
+        shape = tuple(int(d) for d in param.ty.shape.values)
+        args.append(tvm.runtime.tensor(np.ones(shape, dtype=str(param.ty.dtype))))
+    executable = tvm.compile(tvm.IRModule({"main": function.with_attr("global_symbol", "main")}), target="llvm")
+    values = relax.VirtualMachine(executable, tvm.cpu())["main"](*args).numpy()
+    return additive_keep(values) is not None
+
+
 def _same_terms(a: list[MaskTerm], b: list[MaskTerm], var2val) -> bool:
     """True when two sites mask their scores identically (the same variables, or equal constants)."""
     return len(a) == len(b) and all(
@@ -112,14 +124,22 @@ def plan_masks(func: relax.Function, sites: list[AttentionSite]) -> MaskPlan:
         if site.shape_key != first.shape_key or not _same_terms(site.terms, first.terms, var2val):
             raise ValueError("model: attention sites differ in shape or in their own masking; stof-tvm supports "
                              "one mask shared by every attention layer (encoders and decoder-only models)")
+    model_inputs = list(func.params[:int(func.attrs["num_input"])])
+    weights = set(func.params[len(model_inputs):])
     const_keep, runtime, has_bias = None, [], False
     for index, term in enumerate(first.terms):
         upstream = _upstream_vars(term.expr, var2val)
-        inputs = [p.name for p in func.params if p in upstream]
+        if upstream & weights:
+            has_bias = True             # computed from weights (a learned bias): it stays in the dense graph
+            continue
+        inputs = [p.name for p in model_inputs if p in upstream]
         if inputs:
             name = f"stof_mask_term{index}"
-            runtime.append(RuntimeSource(name, inputs, term.kind, term.keep_if_true,
-                                         _extract_function(func, term.expr, upstream, name)))
+            function = _extract_function(func, term.expr, upstream, name)
+            if term.kind == "add" and not _is_mask_when_nothing_is_padded(function):
+                has_bias = True         # e.g. T5: position bias + padding mask, added to the scores as one term
+                continue
+            runtime.append(RuntimeSource(name, inputs, term.kind, term.keep_if_true, function))
             continue
         values = _constant_value(term.expr, var2val)
         if values is None:

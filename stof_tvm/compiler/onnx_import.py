@@ -123,6 +123,82 @@ def split_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[TensorS
     return out, specs
 
 
+FOLD_MAX_ELEMENTS = 1 << 16
+
+
+def _static_inputs(model: onnx.ModelProto, specs: list[TensorSpec]) -> onnx.ModelProto:
+    static = onnx.ModelProto()
+    static.CopyFrom(model)
+    by_name = {spec.name: spec for spec in specs}
+    for vi in static.graph.input:
+        if vi.name in by_name:
+            for dim, size in zip(vi.type.tensor_type.shape.dim, by_name[vi.name].shape):
+                dim.Clear()
+                dim.dim_value = size
+    return static
+
+
+def _inferred_shapes(model: onnx.ModelProto) -> dict[str, tuple]:
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    shapes = {}
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+            shapes[vi.name] = tuple(int(d.dim_value) for d in dims)
+    return shapes
+
+
+def _constant_value(node: onnx.NodeProto) -> np.ndarray:
+    """The value of a Constant node, whichever attribute holds it."""
+    attr = node.attribute[0]
+    if attr.name == "value":
+        return onnx.numpy_helper.to_array(attr.t)
+    value = onnx.helper.get_attribute_value(attr)
+    dtype = np.float32 if attr.name.startswith("value_float") else np.int64
+    return np.array(value, dtype=dtype)
+
+
+def fold_shape_computations(model: onnx.ModelProto, specs: list[TensorSpec]) -> onnx.ModelProto:
+    """Fix the input shapes and fold what then becomes constant: ``Shape`` of statically shaped tensors and
+    every small computation on constants (the ``Shape -> Gather -> Concat -> Reshape`` chains exporters emit
+    for dynamic axes, which TVM's importer cannot always follow). Each node is evaluated with onnx's reference
+    implementation; outputs larger than ``FOLD_MAX_ELEMENTS`` stay as nodes."""
+    from onnx.reference import ReferenceEvaluator
+
+    model = _static_inputs(model, specs)
+    shapes = _inferred_shapes(model)
+    known = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    nodes = []
+    for node in model.graph.node:
+        value = None
+        if node.op_type == "Constant":
+            known[node.output[0]] = _constant_value(node)
+            nodes.append(node)
+            continue
+        if node.op_type == "Shape" and node.input[0] in shapes:
+            attrs = {a.name: a.i for a in node.attribute}
+            value = np.array(shapes[node.input[0]], np.int64)[attrs.get("start", 0):attrs.get("end", None)]
+        elif (node.domain in ("", "ai.onnx") and len(node.output) == 1 and node.input
+              and all(not name or name in known for name in node.input)
+              and all(shapes.get(out) is None or np.prod(shapes[out]) <= FOLD_MAX_ELEMENTS for out in node.output)
+              and not node.op_type.startswith("Random")):
+            graph = onnx.helper.make_graph(
+                [node], "fold", [], [onnx.helper.make_tensor_value_info(node.output[0], onnx.TensorProto.UNDEFINED,
+                                                                        None)],
+                initializer=[onnx.numpy_helper.from_array(known[n], n) for n in set(node.input) if n])
+            candidate = ReferenceEvaluator(onnx.helper.make_model(graph, opset_imports=model.opset_import)).run(None, {})[0]
+            value = candidate if np.asarray(candidate).size <= FOLD_MAX_ELEMENTS else None
+        if value is None:
+            nodes.append(node)
+            continue
+        known[node.output[0]] = np.asarray(value)
+        nodes.append(onnx.helper.make_node("Constant", [], [node.output[0]], name=f"stof_fold_{node.output[0]}",
+                                           value=onnx.numpy_helper.from_array(np.asarray(value), node.output[0])))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model
+
+
 def import_onnx(model: onnx.ModelProto, batch: int, seq_len: int):
     """Check operators and import to Relax with static shapes.
 
@@ -133,7 +209,7 @@ def import_onnx(model: onnx.ModelProto, batch: int, seq_len: int):
 
     check_supported_ops(model)
     specs = input_specs(model, batch, seq_len)
-    split, weights = split_weights(model)
+    split, weights = split_weights(fold_shape_computations(model, specs))
     try:
         mod = from_onnx(split, shape_dict={s.name: list(s.shape) for s in specs},
                         dtype_dict={s.name: s.dtype for s in specs}, keep_params_in_input=True,

@@ -1,0 +1,35 @@
+"""Models exported by PyTorch's own ONNX exporter (BERT, GPT-2, T5 encoder, ViT; tiny sizes, random weights)
+compile for the CPU and match onnx.reference under a BigBird mask, with padding where the model has it.
+Skipped when torch is not installed (it is not a dependency of stof-tvm)."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import stof_tvm  # noqa: E402
+from stof_tvm import make_mask  # noqa: E402
+from stof_tvm.models.reference import reference_outputs  # noqa: E402
+from stof_tvm.models.torch_models import example_inputs, export  # noqa: E402
+
+S = 128
+
+
+@pytest.mark.parametrize("name, kernel, causal", [
+    ("tiny-bert", "row", False),
+    ("tiny-gpt2", "row", True),           # the model's causal buffer is folded into the sparse format
+    ("tiny-t5-encoder", "dense", False),  # position bias + padding in one added term: a bias, so dense
+    ("tiny-vit", "row", False),
+])
+def test_exported_model_matches_reference(name, kernel, causal):
+    model = export(name, seq_len=S)
+    art = stof_tvm.compile(model, mask="bigbird", batch=2, seq_len=S, target="llvm", dtype="float32")
+    att = art.manifest["attention"]
+    assert att["sites"] == 2 and att["kernel"]["kind"] == kernel and att["seq_q"] == S
+    if causal:
+        np.testing.assert_array_equal(art.arrays["model_keep.npy"][0, 0], make_mask("causal", S))
+    feeds = {k: v.numpy() for k, v in example_inputs(name, 2, S, seed=3).items()}
+    if "attention_mask" in feeds:
+        feeds["attention_mask"][1, 100:] = 0
+    out = art.load()(feeds)["last_hidden_state"]
+    ref = reference_outputs(model, make_mask("bigbird", S)[None, None], feeds)["last_hidden_state"]
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
