@@ -191,8 +191,9 @@ def run(args) -> None:
                     print(f"  skip {label}: no artifact at {path}", flush=True)
                     continue
                 t0 = time.time()
-                compiled = runtime.load(path, weights={w["name"]: all_weights[w["name"]]
-                                                       for w in json.load(open(os.path.join(path, "manifest.json")))["weights"]})
+                with open(os.path.join(path, "manifest.json")) as f:
+                    wanted = [w["name"] for w in json.load(f)["weights"]]
+                compiled = runtime.load(path, weights={name: all_weights[name] for name in wanted})
                 prepared = compiled.prepare({"input_ids": ids, "attention_mask": pad})
                 outs = compiled.run(prepared)
                 row[label + "_err"] = _rel_err(outs[0].numpy(), ref)
@@ -223,8 +224,9 @@ def _print_table(results: list[dict]) -> None:
     for row in results:
         cells = "".join(f"{row.get(c + '_ms', float('nan')):14.3f}" for c in cols)
         err = max(row.get(c + "_err", 0.0) for c in cols)
-        print(f"{row['model']:<10}{row['batch']:>3}{row['seq_len']:>6}  {cells}"
-              f"  {row.get('speedup_vs_best_torch', float('nan')):7.2f}x {row.get('speedup_vs_tvm_dense', float('nan')):6.2f}x"
+        vs_torch = row.get("speedup_vs_best_torch", float("nan"))
+        vs_tvm = row.get("speedup_vs_tvm_dense", float("nan"))
+        print(f"{row['model']:<10}{row['batch']:>3}{row['seq_len']:>6}  {cells}  {vs_torch:7.2f}x {vs_tvm:6.2f}x"
               f"  {err:.1e}")
 
 

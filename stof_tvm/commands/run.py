@@ -38,7 +38,8 @@ def model_inputs(model, path: str | None, seed: int = 0) -> dict[str, np.ndarray
         dtype = np.dtype(spec["dtype"])
         if dtype.kind in "iu":
             high = spec.get("index_range")
-            inputs[spec["name"]] = (rng.integers(0, high, spec["shape"]) if high else np.ones(spec["shape"])).astype(dtype)
+            values = rng.integers(0, high, spec["shape"]) if high else np.ones(spec["shape"])
+            inputs[spec["name"]] = values.astype(dtype)
         else:
             inputs[spec["name"]] = rng.standard_normal(spec["shape"]).astype(dtype)
     return inputs

@@ -16,6 +16,7 @@ The result is an :class:`~stof_tvm.artifact.Artifact`: the executable plus a JSO
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -78,6 +79,33 @@ def _mask_groups(user_mask: np.ndarray, const_keep, runtime) -> tuple[int, int]:
     return max(s[0] for s in shapes), max(s[1] for s in shapes)
 
 
+def _manifest(*, source: dict, onnx_model, inputs, weights, outputs, format_inputs, mask_entry: dict,
+              user_mask: np.ndarray, model_keep: str | None, plan, sites, choice, batch: int,
+              transform_params: str | None, tspec: dict, dtype: str, tuning: dict) -> dict:
+    """The JSON manifest the runtime reads (see :mod:`stof_tvm.artifact`)."""
+    site = sites[0]
+    sparse = choice.kind != "dense"
+    return {
+        "format_version": 1,
+        "source": source,
+        "inputs": [_input_entry(s, onnx_model) for s in inputs],
+        "weights": [w.to_json() for w in weights],
+        "transform_params": transform_params,
+        "outputs": [s.to_json() for s in outputs],
+        "mask_inputs": [f.to_json() for f in format_inputs],
+        "mask": {**mask_entry, "batch": int(user_mask.shape[0]), "heads": int(user_mask.shape[1]),
+                 "seq_q": site.seq_q, "seq_k": site.seq_k, "model_keep": model_keep,
+                 "model_terms": [s.to_json() for s in plan.runtime] if sparse else []},
+        "attention": {"sites": len(sites), "batch": batch, "heads": site.heads, "seq_q": site.seq_q,
+                      "seq_k": site.seq_k, "head_dim": site.head_dim, "dtype": site.dtype, "scale": site.scale,
+                      "kernel": choice.to_json()},
+        "target": tspec,
+        "dtype": dtype,
+        "tuning": tuning,
+        "tvm_version": tvm.__version__,
+    }
+
+
 def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
             kernel: str = "auto", tune_trials: int = 0, database: str | None = None):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
@@ -129,6 +157,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     choice = choose_kernel(kernel, combined, batch=batch, heads=site.heads, head_dim=site.head_dim,
                            dtype=site.dtype, seq_q=site.seq_q, target_kind=tspec["kind"], has_bias=plan.has_bias,
                            mask_batch=mask_batch, mask_heads=mask_heads, database=database)
+    if choice.kind == "dense":      # the model's own masking stays in the dense graph: only the user's mask is input
+        choice = dataclasses.replace(choice, mask_batch=user_mask.shape[0], mask_heads=user_mask.shape[1])
     primfunc = None
     if choice.kind != "dense":
         primfunc = kernel_primfunc(choice, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k,
@@ -148,27 +178,15 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         arrays["mask.npy"] = np.ascontiguousarray(user_mask)
     if plan.const_keep is not None and choice.kind != "dense":
         arrays["model_keep.npy"] = np.ascontiguousarray(plan.const_keep)
-    manifest = {
-        "format_version": 1,
-        "source": {"path": os.path.abspath(os.fspath(model))} if isinstance(model, (str, os.PathLike)) else {},
-        "inputs": [_input_entry(s, onnx_model) for s in inputs],
-        "weights": [w.to_json() for w in weights],
-        "transform_params": TRANSFORM_PARAMS if any(gv.name_hint == TRANSFORM_PARAMS
-                                                    for gv, _ in mod.functions_items()) else None,
-        "outputs": [s.to_json() for s in outputs],
-        "mask_inputs": [f.to_json() for f in format_inputs],
-        "mask": {**mask_entry, "batch": int(user_mask.shape[0]), "heads": int(user_mask.shape[1]),
-                 "seq_q": site.seq_q, "seq_k": site.seq_k,
-                 "model_keep": "model_keep.npy" if "model_keep.npy" in arrays else None,
-                 "model_terms": [s.to_json() for s in plan.runtime] if choice.kind != "dense" else []},
-        "attention": {"sites": len(sites), "batch": batch, "heads": site.heads, "seq_q": site.seq_q,
-                      "seq_k": site.seq_k, "head_dim": site.head_dim, "dtype": site.dtype, "scale": site.scale,
-                      "kernel": choice.to_json()},
-        "target": tspec,
-        "dtype": dtype,
-        "tuning": {"database": database, "trials": tune_trials},
-        "tvm_version": tvm.__version__,
-    }
+    has_transform = any(gv.name_hint == TRANSFORM_PARAMS for gv, _ in mod.functions_items())
+    manifest = _manifest(
+        source={"path": os.path.abspath(os.fspath(model))} if isinstance(model, (str, os.PathLike)) else {},
+        onnx_model=onnx_model, inputs=inputs, weights=weights, outputs=outputs, format_inputs=format_inputs,
+        mask_entry=mask_entry, user_mask=user_mask,
+        model_keep="model_keep.npy" if "model_keep.npy" in arrays else None,
+        plan=plan, sites=sites, choice=choice, batch=batch,
+        transform_params=TRANSFORM_PARAMS if has_transform else None, tspec=tspec, dtype=dtype,
+        tuning={"database": database, "trials": tune_trials})
     wanted = {w.name for w in weights}
     values = {t.name: numpy_helper.to_array(t) for t in onnx_model.graph.initializer if t.name in wanted}
     return Artifact(executable, manifest, arrays, values)

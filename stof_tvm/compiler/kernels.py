@@ -5,8 +5,8 @@ Three kernels can replace an attention site:
 - ``block``: the block-wise sparse kernel (schedules/attention_blockwise.py) reading the tiled format;
 - ``row``: the row-wise sparse kernel (schedules/attention_rowwise.py) reading the row-compressed format;
 - ``dense``: the site stays a dense matrix product with the mask applied from two float inputs (an additive
-  bias of 0 / -1e30 before the softmax, a 1 / 0 factor after it; TVM's own schedules). It is the fallback for sites whose scores
-  carry a real bias (T5 position bias), and the "TVM default" baseline of the benchmarks.
+  bias of 0 / -1e30 before the softmax, a 1 / 0 factor after it; TVM's own schedules). It is the fallback for
+  sites whose scores carry a real bias (T5 position bias), and the "TVM default" baseline of the benchmarks.
 
 The sparse-format arrays (or the dense keep-mask) are module inputs, so one compiled module serves any mask of
 the same kind: the runtime builds the format of the mask it is given and passes the arrays.

@@ -158,13 +158,29 @@ def _constant_value(node: onnx.NodeProto) -> np.ndarray:
     return np.array(value, dtype=dtype)
 
 
+def _foldable(node: onnx.NodeProto, known: dict, shapes: dict) -> bool:
+    """A standard, deterministic single-output node whose inputs are all known and whose output is small."""
+    return (node.domain in ("", "ai.onnx") and len(node.output) == 1 and bool(node.input)
+            and all(not name or name in known for name in node.input)
+            and np.prod(shapes.get(node.output[0], (0,))) <= FOLD_MAX_ELEMENTS
+            and not node.op_type.startswith("Random"))
+
+
+def _evaluate(node: onnx.NodeProto, known: dict, opset_import) -> np.ndarray:
+    """Run one node on known inputs with onnx's reference implementation."""
+    from onnx.reference import ReferenceEvaluator
+
+    out = onnx.helper.make_tensor_value_info(node.output[0], onnx.TensorProto.UNDEFINED, None)
+    graph = onnx.helper.make_graph([node], "fold", [], [out], initializer=[
+        onnx.numpy_helper.from_array(known[name], name) for name in set(node.input) if name])
+    return ReferenceEvaluator(onnx.helper.make_model(graph, opset_imports=opset_import)).run(None, {})[0]
+
+
 def fold_shape_computations(model: onnx.ModelProto, specs: list[TensorSpec]) -> onnx.ModelProto:
     """Fix the input shapes and fold what then becomes constant: ``Shape`` of statically shaped tensors and
     every small computation on constants (the ``Shape -> Gather -> Concat -> Reshape`` chains exporters emit
     for dynamic axes, which TVM's importer cannot always follow). Each node is evaluated with onnx's reference
     implementation; outputs larger than ``FOLD_MAX_ELEMENTS`` stay as nodes."""
-    from onnx.reference import ReferenceEvaluator
-
     model = _static_inputs(model, specs)
     shapes = _inferred_shapes(model)
     known = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
@@ -178,16 +194,9 @@ def fold_shape_computations(model: onnx.ModelProto, specs: list[TensorSpec]) -> 
         if node.op_type == "Shape" and node.input[0] in shapes:
             attrs = {a.name: a.i for a in node.attribute}
             value = np.array(shapes[node.input[0]], np.int64)[attrs.get("start", 0):attrs.get("end", None)]
-        elif (node.domain in ("", "ai.onnx") and len(node.output) == 1 and node.input
-              and all(not name or name in known for name in node.input)
-              and all(shapes.get(out) is None or np.prod(shapes[out]) <= FOLD_MAX_ELEMENTS for out in node.output)
-              and not node.op_type.startswith("Random")):
-            graph = onnx.helper.make_graph(
-                [node], "fold", [], [onnx.helper.make_tensor_value_info(node.output[0], onnx.TensorProto.UNDEFINED,
-                                                                        None)],
-                initializer=[onnx.numpy_helper.from_array(known[n], n) for n in set(node.input) if n])
-            candidate = ReferenceEvaluator(onnx.helper.make_model(graph, opset_imports=model.opset_import)).run(None, {})[0]
-            value = candidate if np.asarray(candidate).size <= FOLD_MAX_ELEMENTS else None
+        elif _foldable(node, known, shapes):
+            candidate = np.asarray(_evaluate(node, known, model.opset_import))
+            value = candidate if candidate.size <= FOLD_MAX_ELEMENTS else None
         if value is None:
             nodes.append(node)
             continue

@@ -1,9 +1,10 @@
 """Replace the attention sites of ``main`` with the chosen kernel, adding the mask inputs as parameters.
 
-The mask inputs (sparse-format arrays, or the dense keep-mask) are inserted into ``main``'s parameters after the
-model's own inputs (before its weights, and counted in ``num_input``), with symbolic sizes where the format's length depends on the mask (``nnz``, ``n_full``,
-``n_part``). Each site is found again with the same dataflow pattern that located it
-(:data:`~stof_tvm.compiler.attention_match.ATTENTION_PATTERN`, applied with ``rewrite_call``) and becomes:
+The mask inputs (sparse-format arrays, or the dense bias/keep pair) are inserted into ``main``'s parameters
+after the model's own inputs (before its weights, and counted in ``num_input``), with symbolic sizes where the
+format's length depends on the mask (``nnz``, ``n_full``, ``n_part``). Each site is found again with the
+dataflow pattern that located it (:data:`~stof_tvm.compiler.attention_match.ATTENTION_PATTERN`, applied with
+``rewrite_call``) and becomes:
 
 - sparse kernels: ``call_tir(kernel, [Q, K, V, *format arrays])`` with ``K = permute_dims(K^T)`` (fused by
   TVM into the producer's layout transform);
