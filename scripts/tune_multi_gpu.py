@@ -1,0 +1,151 @@
+"""Tuning wall time with one RPC server per GPU: the same task and trials measured on 1 GPU, then on N.
+
+Each run starts a TVM RPC tracker and its servers on this host (:class:`stof_tvm.tuning.rpc.LocalCluster`,
+each server seeing one GPU), then tunes one CUDA GEMM task whose design space is a fixed list of tile
+configurations with :func:`stof_tvm.tuning.tune_tasks` through ``rpc_tracker``/``rpc_key``. Every run measures
+the whole list (same candidates, same seed), in a fresh work directory, so the runs differ only in the number
+of GPUs measuring. Candidates build on this host's CPUs either way. Prints a table and writes JSON.
+
+    python scripts/tune_multi_gpu.py --gpus 0,1 --json out/multi_gpu.json         # on a 2-GPU host
+    python scripts/tune_multi_gpu.py --target llvm --gpus cpu,cpu --size 128      # dry run on a CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import tvm
+from tvm.script import tirx as T
+
+from stof_tvm.tuning import TuningTask, tune_tasks
+from stof_tvm.tuning.rpc import LocalCluster
+
+
+def gemm(n: int):
+    """C = A @ B, all n x n float32."""
+
+    @T.prim_func(s_tir=True)
+    def func(A: T.Buffer((n, n), "float32"), B: T.Buffer((n, n), "float32"), C: T.Buffer((n, n), "float32")):
+        for i, j, k in T.grid(n, n, n):
+            with T.sblock("C"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                with T.init():
+                    C[vi, vj] = T.float32(0)
+                C[vi, vj] = C[vi, vj] + A[vi, vk] * B[vk, vj]
+
+    return func
+
+
+def cuda_configs(n: int) -> list[tuple[int, int, int, int]]:
+    """(block rows, block cols, rows per thread, cols per thread) with 64..1024 threads per block."""
+    out = []
+    for bm in (32, 64, 128):
+        for bn in (32, 64, 128):
+            for tm in (1, 2, 4):
+                for tn in (1, 2, 4):
+                    threads = (bm // tm) * (bn // tn)
+                    if n % bm == 0 and n % bn == 0 and 64 <= threads <= 1024:
+                        out.append((bm, bn, tm, tn))
+    return out
+
+
+def apply_cuda(sch, knobs):
+    """Block tile bm x bn per thread block, tm x tn outputs per thread accumulated in registers."""
+    bm, bn, tm, tn = knobs
+    block = sch.get_sblock("C")
+    i, j, k = sch.get_loops(block)
+    bi, ti, ii = sch.split(i, [None, bm // tm, tm])
+    bj, tj, jj = sch.split(j, [None, bn // tn, tn])
+    sch.reorder(bi, bj, ti, tj, k, ii, jj)
+    sch.bind(sch.fuse(bi, bj), "blockIdx.x")
+    thread = sch.fuse(ti, tj)
+    sch.bind(thread, "threadIdx.x")
+    local = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_at(local, thread)
+
+
+def cpu_configs(n: int) -> list[tuple[int, int]]:
+    return [(ti, tj) for ti in (4, 8, 16, 32) for tj in (8, 16, 32, 64) if n % ti == 0 and n % tj == 0]
+
+
+def apply_cpu(sch, knobs):
+    ti_, tj_ = knobs
+    i, j, k = sch.get_loops(sch.get_sblock("C"))
+    io, ii = sch.split(i, [None, ti_])
+    jo, ji = sch.split(j, [None, tj_])
+    sch.reorder(io, jo, k, ii, ji)
+    sch.parallel(sch.fuse(io, jo))
+
+
+def tune_on(devices, task, target, trials, work_root: Path, key: str):
+    """One tuning run with one RPC server per entry of ``devices``; returns its figures."""
+    log_dir = work_root / f"rpc_{len(devices)}"
+    with LocalCluster(key, devices=devices, log_dir=log_dir) as cluster:
+        started = time.monotonic()
+        report = tune_tasks([task], target, work_root / f"work_{len(devices)}", trials=trials,
+                            num_trials_per_iter=16, rpc_tracker=cluster.tracker, rpc_key=key, seed=0,
+                            handle_interrupt=False)
+        wall = time.monotonic() - started
+        per_server = cluster.measurements()
+    (result,) = report.results
+    return {"servers": len(devices), "devices": [str(d) for d in devices], "wall_s": wall,
+            "measured": result.measured_now, "per_server": per_server, "status": result.status,
+            "best_us": None if result.best_s is None else result.best_s * 1e6,
+            "best_config": None if result.best_candidate is None else list(result.best_candidate)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpus", default="0,1", help="GPU ids, one RPC server each ('cpu' for a CPU server)")
+    parser.add_argument("--target", choices=["cuda", "llvm"], default="cuda")
+    parser.add_argument("--size", type=int, default=1024, help="GEMM size n (default 1024)")
+    parser.add_argument("--trials", type=int, default=0, help="candidates to measure (default: all)")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+    devices = [None if g.strip() == "cpu" else int(g) for g in args.gpus.split(",")]
+    if len(devices) < 2:
+        parser.error("--gpus needs at least two entries to compare with one")
+    n = args.size
+    if args.target == "cuda":
+        target = {"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024,
+                  "max_shared_memory_per_block": 232448, "host": {"kind": "llvm"}}
+        configs, apply = cuda_configs(n), apply_cuda
+    else:
+        target = {"kind": "llvm"}
+        configs, apply = cpu_configs(n), apply_cpu
+    if args.trials:
+        configs = configs[:args.trials]
+    task = TuningTask(name=f"gemm{n}", func=gemm(n), candidates=configs, apply=apply)
+    import tvm.s_tir.tensor_intrin  # noqa: F401  (MetaSchedule imports it once per process: not in the timings)
+
+    with tempfile.TemporaryDirectory(prefix="stof-multi-gpu-") as tmp:
+        root = Path(tmp)
+        runs = [tune_on(devices[:1], task, target, len(configs), root, "gpu1"),
+                tune_on(devices, task, target, len(configs), root, f"gpu{len(devices)}")]
+    one, many = runs
+    speedup = one["wall_s"] / many["wall_s"]
+    print(f"\nGEMM {n}^3 float32 on {args.target}, {len(configs)} candidates, builds on {os.cpu_count()} CPUs")
+    print(f"{'servers':>7} {'wall s':>8} {'measured':>8} {'per server':>14} {'best us':>9}  best config")
+    for run in runs:
+        best = "-" if run["best_us"] is None else f"{run['best_us']:.1f}"
+        print(f"{run['servers']:>7} {run['wall_s']:>8.1f} {run['measured']:>8} {str(run['per_server']):>14} "
+              f"{best:>9}  {run['best_config']}")
+    print(f"tuning wall-time speed-up, {len(devices)} servers vs 1: {speedup:.2f}x")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "target": args.target,
+            "size": n, "candidates": len(configs), "cpus": os.cpu_count(), "runs": runs, "speedup": speedup,
+            "tvm": tvm.__version__, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}, indent=2))
+    ok = all(run["measured"] == len(configs) for run in runs) and all(c > 0 for c in many["per_server"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
