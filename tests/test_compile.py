@@ -146,3 +146,15 @@ def test_tuning_records_choose_the_kernel(tiny, tmp_path):
     out = art.load()(data)["last_hidden_state"]
     ref = reference_outputs(tiny, make_mask("bigbird", S)[None, None], data)["last_hidden_state"]
     assert _rel_err(out, ref) < 1e-5
+
+
+def test_fusion_templates_replace_linear_layers(tiny, feeds):
+    """templates=True turns every GEMM + bias (+ erf GELU) into a template call; on the CPU the templates run
+    unscheduled, which checks the rewrite's shapes, layouts and epilogues against the reference."""
+    art = stof_tvm.compile(tiny, mask="bigbird", batch=B, seq_len=S, target="llvm", dtype="float16", templates=True)
+    assert art.manifest["templates"] == {"gemm_bias_gelu_erf_kn": 2, "gemm_bias_kn": 10}
+    out = art.load()(feeds)["last_hidden_state"]
+    ref = reference_outputs(tiny, make_mask("bigbird", S)[None, None], feeds)["last_hidden_state"]
+    assert _rel_err(out, ref) < 2e-2
+    with pytest.raises(ValueError, match="templates"):
+        stof_tvm.compile(tiny, mask="bigbird", batch=B, seq_len=S, target="llvm", dtype="float32", templates=True)

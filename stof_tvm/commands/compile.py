@@ -27,6 +27,8 @@ def register(subparsers) -> None:
                         help="compute dtype (default float16 on cuda, float32 on llvm)")
     parser.add_argument("--kernel", default="auto", choices=["auto", "block", "row", "dense"],
                         help="attention kernel (default: chosen from the mask)")
+    parser.add_argument("--templates", action="store_true",
+                        help="use stof-tvm's GEMM fusion templates for the linear layers (float16)")
     parser.add_argument("--tune-trials", type=int, default=0, help="MetaSchedule trials (needs --database)")
     parser.add_argument("--database", help="MetaSchedule work dir whose tuning records are applied")
     parser.add_argument("--seed", type=int, default=0, help="weight seed of a built-in model (default 0)")
@@ -55,7 +57,8 @@ def run(args) -> int:
     target = {"kind": "cuda", "arch": args.arch} if args.target == "cuda" else "llvm"
     dtype = args.dtype or ("float16" if args.target == "cuda" else "float32")
     artifact = compile_model(model, mask=load_mask_arg(args.mask), batch=args.batch, seq_len=args.seq_len,
-                             target=target, dtype=dtype, kernel=args.kernel, tune_trials=args.tune_trials,
+                             target=target, dtype=dtype, kernel=args.kernel, templates=args.templates,
+                             tune_trials=args.tune_trials,
                              database=args.database)
     if args.builtin:
         artifact.manifest["source"] = {"builtin": args.builtin, "seed": args.seed}
@@ -66,4 +69,6 @@ def run(args) -> int:
     print(f"  {att['sites']} attention sites [B={att['batch']}, H={att['heads']}, S={att['seq_q']}, "
           f"D={att['head_dim']}] {att['dtype']} on {artifact.manifest['target']['kind']}")
     print(f"  kernel: {kernel['kind']} {kernel['config'] or ''} ({kernel['reason']})")
+    if artifact.manifest["templates"]:
+        print(f"  templates: {artifact.manifest['templates']}")
     return 0

@@ -27,6 +27,7 @@ from tvm import relax
 from stof_tvm.sparse_formats.masks import normalize_mask
 
 from .attention_match import find_attention_sites
+from .downstream import use_templates
 from .kernels import KERNELS, choose_kernel, kernel_primfunc
 from .mask_sources import plan_masks
 from .onnx_import import TensorSpec, embedding_rows, import_onnx, load_model, output_names
@@ -107,13 +108,15 @@ def _manifest(*, source: dict, onnx_model, inputs, weights, outputs, format_inpu
 
 
 def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
-            kernel: str = "auto", tune_trials: int = 0, database: str | None = None):
+            kernel: str = "auto", templates: bool = False, tune_trials: int = 0, database: str | None = None):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
 
     ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
     ``normalize_mask`` accept (it becomes the module's default mask; any mask of the same kind can be passed
     at run time). ``target``: ``"cuda"`` (sm_90), ``"llvm"`` or a TVM target dict. ``dtype``: compute dtype of
     the model (``"float16"`` or ``"float32"``). ``kernel``: ``"auto"``, ``"block"``, ``"row"`` or ``"dense"``.
+    ``templates``: replace the linear layers (GEMM + bias, GEMM + bias + GELU) with stof-tvm's fusion
+    templates (16-bit dtypes; see :mod:`.downstream`) instead of TVM's default schedules.
     ``tune_trials``: MetaSchedule trials spent before building (records go to ``database``).
     ``database``: a MetaSchedule work dir whose records are applied.
     """
@@ -169,8 +172,13 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     mod, format_inputs = rewrite_attention(mod, sites, choice, primfunc)
     # Weight casts and other weight-only work move to main_transform_params, which the runtime runs once.
     mod = relax.transform.LiftTransformParams()(mod)
+    template_calls = {}
+    if templates:
+        if dtype == "float32":
+            raise ValueError("templates: the fusion templates need dtype='float16'")
+        mod, template_calls = use_templates(mod, tvm_target, database)
 
-    executable = build(optimize(mod, tvm_target, database), tvm_target)
+    executable = build(optimize(mod, tvm_target, database), tvm_target, templates=bool(template_calls))
 
     mask_entry = _mask_entry(mask)
     arrays = {}
@@ -187,6 +195,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         plan=plan, sites=sites, choice=choice, batch=batch,
         transform_params=TRANSFORM_PARAMS if has_transform else None, tspec=tspec, dtype=dtype,
         tuning={"database": database, "trials": tune_trials})
+    manifest["templates"] = template_calls
     wanted = {w.name for w in weights}
     values = {t.name: numpy_helper.to_array(t) for t in onnx_model.graph.initializer if t.name in wanted}
     return Artifact(executable, manifest, arrays, values)

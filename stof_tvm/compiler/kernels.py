@@ -131,17 +131,18 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
         meta = tuned["meta"]
         return KernelChoice(meta["kind"], dict(meta["config"]), mask_batch, mask_heads,
                             f"tuned: {tuned['name']} measured {tuned['best_s'] * 1e3:.3f} ms")
+    model_config = None
     if requested == "auto":
-        from stof_tvm.attention import choose_kernel as choose_attention_kernel
+        from stof_tvm.attention import choose_kernel_config
 
-        kind = choose_attention_kernel(mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
-                                       target_kind=target_kind)
-        reason = "chosen from the mask by stof_tvm.attention.choose_kernel"
+        kind, model_config = choose_kernel_config(mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
+                                                  target_kind=target_kind)
+        reason = "chosen from the mask by stof_tvm.attention.choose_kernel_config (the analytical model on CUDA)"
     else:
         kind, reason = requested, "requested"
     if not _supports(kind, dtype, target_kind):
         raise ValueError(f"kernel: {kind!r} does not support dtype {dtype} on {target_kind}")
-    config = _default_config(kind, head_dim, dtype, seq_q, target_kind)
+    config = model_config if model_config is not None else _default_config(kind, head_dim, dtype, seq_q, target_kind)
     return KernelChoice(kind, dataclasses.asdict(config), mask_batch, mask_heads, reason)
 
 

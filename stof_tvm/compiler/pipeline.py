@@ -74,9 +74,16 @@ def optimize(mod: tvm.IRModule, target: tvm.target.Target, database: str | None)
         return tvm.transform.Sequential(passes)(mod)
 
 
-def build(mod: tvm.IRModule, target: tvm.target.Target):
-    """Compile the optimised module into a Relax VM executable; CUDA builds must contain device code."""
-    with tvm.transform.PassContext(opt_level=3):
+def build(mod: tvm.IRModule, target: tvm.target.Target, templates: bool = False):
+    """Compile the optimised module into a Relax VM executable; CUDA builds must contain device code.
+
+    Modules calling fusion templates build under the templates' pass configuration (``cp.async`` copies)."""
+    config = {}
+    if templates:
+        from stof_tvm.schedules.templates.build import BUILD_CONFIG
+
+        config = BUILD_CONFIG
+    with tvm.transform.PassContext(opt_level=3, config=config):
         executable = tvm.compile(mod, target=target)
     if target.kind.name == "cuda" and "cuda" not in _import_kinds(executable.mod):
         raise RuntimeError("build produced no CUDA device code (a kernel without thread bindings?)")
