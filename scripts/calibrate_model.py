@@ -144,7 +144,8 @@ def build(args) -> None:
     todo = [(k, s) for k, s in sources.items() if not (out / f"{k}.cubin").exists()]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         reports = dict(zip([k for k, _ in todo], pool.map(lambda kv: _nvcc(kv[1], out / f"{kv[0]}.cubin"), todo)))
-    old = json.loads((out / "manifest.json").read_text()).get("ptxas", {}) if (out / "manifest.json").exists() else {}
+    manifest_path = out / "manifest.json"
+    old = json.loads(manifest_path.read_text()).get("ptxas", {}) if manifest_path.exists() else {}
     manifest["ptxas"] = {**old, **reports}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     print(f"{len(wanted)} modules, {len(todo)} new cubins in {out} ({time.time() - started:.0f} s)")
@@ -351,8 +352,8 @@ def fit(args) -> None:
         print(f"  {p['mask']:>13} B={p['batch']:<2} S={p['seq']:<5} rho {row['spearman']:5.2f}  pick "
               f"{row['model_pick']:<40} {row['pick_ms']:.4f} ms (best {row['best_ms']:.4f}; block "
               f"{row['best_block_ms']:.4f} row {row['best_row_ms']:.4f}; STOF {row['stof_kind']})")
-    report = {"before": before, "after": after, "held_out": held_out, "rms_log_before": rms_before, "rms_log_after": rms_after,
-              "constants": json.loads(fitted.to_json()), "device": data.get("device")}
+    report = {"before": before, "after": after, "held_out": held_out, "rms_log_before": rms_before,
+              "rms_log_after": rms_after, "constants": json.loads(fitted.to_json()), "device": data.get("device")}
     if args.write:
         Path(args.write).write_text(json.dumps(report["constants"], indent=2))
     if args.report:

@@ -27,7 +27,8 @@ from stof_tvm.sparse_formats.rows import build_rows
 from stof_tvm.sparse_formats.stats import mask_stats, stof_rule
 from stof_tvm.sparse_formats.tiled import build_tiled
 
-__all__ = ["sparse_attention", "AttentionPlan", "choose_kernel", "resolve_target", "KERNELS", "clear_kernel_cache"]
+__all__ = ["sparse_attention", "AttentionPlan", "choose_kernel", "choose_kernel_config", "resolve_target", "KERNELS",
+           "clear_kernel_cache"]
 
 KERNELS = ("auto", "row", "block")
 _SYMBOLS = {"row": "rowwise_attention", "block": "blockwise_attention"}
@@ -55,16 +56,32 @@ class Problem:
 # ---------------------------------------------------------------------------------------------------------------
 # Kernel choice and targets
 
-def choose_kernel(mask: np.ndarray, *, batch: int, heads: int, head_dim: int, dtype: str, target_kind: str) -> str:
-    """Pick ``"row"`` or ``"block"`` for a normalised ``[Bm, Hm, Sq, Sk]`` mask.
+def choose_kernel_config(mask: np.ndarray, *, batch: int, heads: int, head_dim: int, dtype: str,
+                         target_kind: str):
+    """Pick the kernel (``"row"`` or ``"block"``) and its configuration for a normalised ``[Bm, Hm, Sq, Sk]`` mask.
 
-    Today this is STOF's rule (design.md 1A: block-wise iff the share of non-empty 16x16 blocks rho >=
-    1/log2(S/16)^2). It is the single place the analytical model plugs in, hence the problem arguments the
-    rule itself ignores. float32 (CPU only) has only the row-wise kernel.
+    On CUDA this is the analytical model (:mod:`stof_tvm.cost_model`, constants calibrated on the H200): the
+    fastest predicted kernel and configuration for this problem on the present GPU (the H200 profile when none
+    is present). On the CPU, whose speed the model does not describe, STOF's rule (design.md 1A) picks the
+    kind and the configuration is ``None`` (the kernel's default). float32 (CPU only) has only the row-wise
+    kernel.
     """
     if dtype not in _CUDA_DTYPES:
-        return "row"
-    return stof_rule(mask_stats(mask, tile_shapes=((16, 16),)))
+        return "row", None
+    if target_kind != "cuda":
+        return stof_rule(mask_stats(mask, tile_shapes=((16, 16),))), None
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile, choose_attention
+    from stof_tvm.hardware import detect
+
+    problem = AttentionProblem(batch=batch, heads=heads, head_dim=head_dim, dtype=dtype, mask=MaskProfile(mask))
+    best = choose_attention(problem, detect())
+    return best.candidate.kind, best.candidate.config
+
+
+def choose_kernel(mask: np.ndarray, *, batch: int, heads: int, head_dim: int, dtype: str, target_kind: str) -> str:
+    """The kernel kind :func:`choose_kernel_config` picks."""
+    return choose_kernel_config(mask, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
+                                target_kind=target_kind)[0]
 
 
 def resolve_target(target=None):
@@ -233,12 +250,16 @@ class AttentionPlan:
         mask4 = np.ascontiguousarray(normalize_mask(mask, batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k))
         self.problem = Problem(batch, heads, seq_q, seq_k, head_dim, dtype, mask4.shape[0], mask4.shape[1],
                                float(scale))
+        chosen = None
         if kernel == "auto":
-            kernel = choose_kernel(mask4, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype, target_kind=kind)
+            kernel, chosen = choose_kernel_config(mask4, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
+                                                  target_kind=kind)
         if kernel == "block" and dtype == "float32":
             raise TypeError("the block-wise kernel supports float16 and bfloat16, not float32")
         self.kernel = kernel
-        self.config = _default_config(kernel, self.problem, kind) if config is None else config
+        if config is None:
+            config = chosen if chosen is not None else _default_config(kernel, self.problem, kind)
+        self.config = config
         self.target = json.loads(str(resolved))
         self._module = _compiled_kernel(kernel, self.problem, self.config, resolved)
         self._formats = _format_arrays(kernel, mask4, self.config)

@@ -293,3 +293,15 @@ def test_explain_reports_terms():
     tight = H200.replace(smem_per_block=4096)
     bad = rank_attention(problem("causal", seq=256), tight, keep_infeasible=True)[-1]
     assert "infeasible" in explain_prediction(bad.prediction)
+
+
+def test_attention_api_uses_the_model_on_cuda():
+    from stof_tvm.attention import choose_kernel_config
+
+    mask = normalize_mask("bigbird", seq_q=1024)
+    kind, config = choose_kernel_config(mask, batch=8, heads=12, head_dim=64, dtype="float16", target_kind="cuda")
+    best = choose_attention(AttentionProblem(batch=8, heads=12, head_dim=64, dtype="float16", mask=MaskProfile(mask)))
+    assert (kind, config) == (best.candidate.kind, best.candidate.config)
+    config.validate(64)                                   # a configuration the kernel accepts
+    # On the CPU the model does not apply: STOF's rule and the kernel's default configuration.
+    assert choose_kernel_config(mask, batch=8, heads=12, head_dim=64, dtype="float16", target_kind="llvm")[1] is None

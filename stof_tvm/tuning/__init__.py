@@ -16,6 +16,7 @@ from .runners import ArgumentFactory, make_builder, make_runner, parse_tracker
 from .task import TuningTask, normalize_workload, workload_key
 from .tuner import TaskResult, TuningReport, tune_tasks, tuning_target
 
-__all__ = ["plan", "resolve_hardware", "tune", "TuningDatabase", "StopFlag", "ArgumentFactory", "make_builder", "make_runner", "parse_tracker",
+__all__ = ["plan", "resolve_hardware", "tune", "TuningDatabase", "StopFlag", "ArgumentFactory", "make_builder",
+           "make_runner", "parse_tracker",
            "TuningTask", "normalize_workload", "workload_key", "TaskResult", "TuningReport", "tune_tasks",
            "tuning_target"]
