@@ -9,8 +9,9 @@ Steps, data flowing one way:
 3. normalise the user's mask, combine it with the model's constant masks, and choose the kernel and its
    configuration from the combined mask (:mod:`.kernels`);
 4. rewrite the sites into calls of that kernel, the mask's format arrays becoming module inputs
-   (:mod:`.rewrite`);
-5. fuse, apply tuning records, schedule the rest with dlight, build (:mod:`.pipeline`).
+   (:mod:`.rewrite`); move weight-only work (casts) into ``main_transform_params``, run once at load;
+5. optionally replace the linear layers with the GEMM fusion templates (:mod:`.downstream`);
+6. fuse, apply tuning records, schedule the rest with dlight, build (:mod:`.pipeline`).
 
 The result is an :class:`~stof_tvm.artifact.Artifact`: the executable plus a JSON manifest.
 """
