@@ -77,9 +77,9 @@ def optimize(mod: tvm.IRModule, target: tvm.target.Target, database: str | None)
 def build(mod: tvm.IRModule, target: tvm.target.Target, templates: bool = False):
     """Compile the optimised module into a Relax VM executable; CUDA builds must contain device code.
 
-    Modules calling fusion templates build under the templates' pass configuration (``cp.async`` copies)."""
+    CUDA modules calling fusion templates build under the templates' pass configuration (``cp.async``)."""
     config = {}
-    if templates:
+    if templates and target.kind.name == "cuda":
         from stof_tvm.schedules.templates.build import BUILD_CONFIG
 
         config = BUILD_CONFIG
