@@ -15,9 +15,8 @@ epilogue:
 
 Knob values may be Python ints (fixed schedule) or MetaSchedule ``ExprRV`` s from ``sample_categorical``
 (design space). The steps that need concrete numbers (the cooperative copies, which depend on the thread
-count, and the software-pipeline annotations, which depend on ``stages``) are recorded as block/loop
-annotations and carried out by :func:`finalize`, which a fixed schedule calls at once and a MetaSchedule
-search runs as a postprocessor on each candidate.
+count, and the software-pipeline annotations, which depend on ``stages``) are recorded as annotations and
+carried out by :func:`.deferred.finalize`.
 """
 from __future__ import annotations
 
@@ -26,16 +25,12 @@ from dataclasses import dataclass
 from tvm import s_tir
 from tvm.runtime import DataType
 
-from .intrin import TILE, WARP, WARP_MAPS, intrin_names
+from .deferred import INNER_KEY, STAGES_KEY, cooperative
+from .intrin import TILE, WARP_MAPS, intrin_names
 
 PAD = 8  # elements of padding per shared row of A/B (16 bytes)
 ACC_PAD = 8  # float32 elements of padding per row of the accumulator staging tile
 COPY_BYTES = 16  # cp.async width
-
-COOP_KEY = "stof.cooperative_vec"  # block annotation: split the fused copy loop over all threads, this vector width
-STAGE_IO_KEY = "stof.stage_io"  # block annotation (with COOP_KEY): vector loads/stores through registers
-STAGES_KEY = "stof.pipeline_stages"  # k-outer loop annotation: software pipeline depth
-INNER_KEY = "stof.pipeline_inner"  # k-inner loop annotation: double-buffer the ldmatrix fragments
 
 
 @dataclass
@@ -49,24 +44,20 @@ class MainLoop:
 
 
 def schedule_mainloop(sch: s_tir.Schedule, block: str | s_tir.schedule.SBlockRV, *, dtype: str, b_layout: str,
-                      warps_m, frag_m, warps_n, frag_n, k_frags, stages, consumers=()) -> MainLoop:
+                      warps_m, frag_m, warps_n, frag_n, k_frags, stages, consumers=(),
+                      a_on_chip: bool = False) -> MainLoop:
     """Tile, cache, pipeline and tensorize a GEMM reduction block (see the module docstring).
 
     ``block`` must have exactly three loops (i, j, k) and read A first and B second. Tile sizes are
     block_m = 16*warps_m*frag_m, block_n = 16*warps_n*frag_n, block_k = 16*k_frags. ``consumers`` (block
     names, producers first) are the epilogue blocks reading the accumulator; they are moved under the
     thread-block loop, after the staging tile is written, and left for the caller to schedule.
+    ``a_on_chip``: A is produced inside the kernel (the caller computes its producer at ``k_outer`` into
+    shared memory), so only B is copied from global memory and the k loop is not software-pipelined
+    (``stages`` is ignored).
     """
-    names = intrin_names(dtype, b_layout)
     blk = sch.get_sblock(block) if isinstance(block, str) else block
-    i, j, k = sch.get_loops(blk)
-    i, it = sch.split(i, [None, TILE])
-    j, jt = sch.split(j, [None, TILE])
-    k, kt = sch.split(k, [None, TILE])
-    sch.reorder(i, j, k, it, jt, kt)
-    inner = blk
-    outer = sch.blockize(it)
-
+    outer, inner, i, j, k = _blockize16(sch, blk)
     i0, i1, i2 = sch.split(i, [None, warps_m, frag_m])
     j0, j1, j2 = sch.split(j, [None, warps_n, frag_n])
     k0, k1 = sch.split(k, [None, k_frags])
@@ -75,24 +66,71 @@ def schedule_mainloop(sch: s_tir.Schedule, block: str | s_tir.schedule.SBlockRV,
     sch.bind(bx, "blockIdx.x")
     ty = sch.fuse(i1, j1)
     sch.bind(ty, "threadIdx.y")
+    for index in ((1,) if a_on_chip else (0, 1)):
+        _copy_operand(sch, outer, index, k0, dtype)
+    acc_store = _tensorize(sch, outer, inner, k0, k1, ty, bx, consumers, dtype, b_layout)
+    if not a_on_chip:
+        sch.annotate(k0, STAGES_KEY, stages)
+    sch.annotate(k1, INNER_KEY, 1)
+    return MainLoop(block_loop=bx, warp_loop=ty, k_outer=k0, acc_store=acc_store)
 
-    vec = COPY_BYTES * 8 // _bits(dtype)
+
+def schedule_nested_gemm(sch: s_tir.Schedule, block: str, *, dtype: str, b_layout: str, warps_m, warps_n,
+                         k_frags, stages, consumers=()) -> s_tir.schedule.SBlockRV:
+    """Tensorize a GEMM block already computed inside another kernel's loop (its i x j region is one tile).
+
+    The tile's 16x16 sub-tiles are spread over ``warps_m x warps_n`` warps on ``threadIdx.y`` (the same
+    warps as the enclosing kernel's); A and B stream through a ``stages``-deep cp.async pipeline with a k step
+    of 16*k_frags; the accumulators are staged in shared memory for ``consumers`` (already placed after it).
+    Returns the staging block.
+    """
+    outer, inner, i, j, k = _blockize16(sch, sch.get_sblock(block))
+    i1, i2 = sch.split(i, [warps_m, None])
+    j1, j2 = sch.split(j, [warps_n, None])
+    k0, k1 = sch.split(k, [None, k_frags])
+    sch.reorder(i1, j1, k0, k1, i2, j2)
+    ty = sch.fuse(i1, j1)
+    sch.bind(ty, "threadIdx.y")
     for index in (0, 1):
-        shared = sch.cache_read(outer, index, "shared.dyn")
-        sch.compute_at(shared, k0)
-        sch.storage_align(shared, 0, axis=-2, factor=32, offset=PAD)
-        sch.annotate(shared, COOP_KEY, vec)
+        _copy_operand(sch, outer, index, k0, dtype)
+    acc_store = _tensorize(sch, outer, inner, k0, k1, ty, None, consumers, dtype, b_layout)
+    sch.annotate(k0, STAGES_KEY, stages)
+    sch.annotate(k1, INNER_KEY, 1)
+    return acc_store
 
+
+def _blockize16(sch, blk):
+    """Split (i, j, k) into 16x16x16 tiles and blockize one tile: returns (outer, inner, i, j, k) tile loops."""
+    i, j, k = sch.get_loops(blk)[-3:]
+    i, it = sch.split(i, [None, TILE])
+    j, jt = sch.split(j, [None, TILE])
+    k, kt = sch.split(k, [None, TILE])
+    sch.reorder(i, j, k, it, jt, kt)
+    return sch.blockize(it), blk, i, j, k
+
+
+def _copy_operand(sch, outer, index, k_outer, dtype) -> None:
+    """Global -> shared copy of operand ``index`` per k step: padded rows, 16-byte cp.async over all threads."""
+    shared = sch.cache_read(outer, index, "shared.dyn")
+    sch.compute_at(shared, k_outer)
+    sch.storage_align(shared, 0, axis=-2, factor=32, offset=PAD)
+    cooperative(sch, shared, COPY_BYTES * 8 // _bits(dtype))
+
+
+def _tensorize(sch, outer, inner, k0, k1, ty, bx, consumers, dtype, b_layout):
+    """Warp caches (ldmatrix), mma, zero-fill and the float32 staging store of a tiled GEMM block."""
+    names = intrin_names(dtype, b_layout)
     a_warp = sch.cache_read(outer, 0, "warp")
     sch.compute_at(a_warp, k1)
     b_warp = sch.cache_read(outer, 1, "warp")
     sch.compute_at(b_warp, k1)
-    acc_warp_store = sch.cache_write(outer, 0, "warp")
-    sch.reverse_compute_at(acc_warp_store, ty)
-    sch.set_scope(acc_warp_store, 0, "shared.dyn")
-    for name in consumers:
-        sch.reverse_compute_at(sch.get_sblock(name), bx)
-    _tile16(sch, acc_warp_store)
+    acc_store = sch.cache_write(outer, 0, "warp")
+    sch.reverse_compute_at(acc_store, ty)
+    sch.set_scope(acc_store, 0, "shared.dyn")
+    if bx is not None:
+        for name in consumers:
+            sch.reverse_compute_at(sch.get_sblock(name), bx)
+    _tile16(sch, acc_store)
     sch.decompose_reduction(outer, k0)
     init_inner = sch.get_sblock(sch.get(inner).name_hint + "_init")
 
@@ -100,20 +138,17 @@ def schedule_mainloop(sch: s_tir.Schedule, block: str | s_tir.schedule.SBlockRV,
     lb = _tile16(sch, b_warp)
     sch.transform_layout(a_warp, ("write", 0), WARP_MAPS["a"])
     sch.transform_layout(b_warp, ("write", 0), WARP_MAPS["b_" + b_layout])
-    sch.transform_layout(acc_warp_store, ("read", 0), WARP_MAPS["c"])
+    sch.transform_layout(acc_store, ("read", 0), WARP_MAPS["c"])
     sch.tensorize(la, names["load_a"])
     sch.tensorize(lb, names["load_b"])
     sch.tensorize(sch.get_loops(inner)[-3], names["compute"])
     sch.tensorize(sch.get_loops(init_inner)[-2], names["init"])
-    store_name = sch.get(acc_warp_store).name_hint
-    sch.tensorize(sch.get_loops(acc_warp_store)[-2], names["store"])
+    store_name = sch.get(acc_store).name_hint
+    sch.tensorize(sch.get_loops(acc_store)[-2], names["store"])
     # the padding annotation must sit on the block that writes the staging tile, which tensorize replaced
-    acc_warp_store = sch.get_sblock(store_name + "_o")
-    sch.storage_align(acc_warp_store, 0, axis=-2, factor=32, offset=ACC_PAD)
-
-    sch.annotate(k0, STAGES_KEY, stages)
-    sch.annotate(k1, INNER_KEY, 1)
-    return MainLoop(block_loop=bx, warp_loop=ty, k_outer=k0, acc_store=acc_warp_store)
+    acc_store = sch.get_sblock(store_name + "_o")
+    sch.storage_align(acc_store, 0, axis=-2, factor=32, offset=ACC_PAD)
+    return acc_store
 
 
 def _tile16(sch, block):
@@ -129,98 +164,3 @@ def _tile16(sch, block):
 
 def _bits(dtype: str) -> int:
     return DataType(dtype).bits
-
-
-def cooperative(sch: s_tir.Schedule, block, vec, stage_io: bool = False) -> None:
-    """Mark a block whose last two loops (rows, columns) are to be spread over every thread of the block,
-    ``vec`` consecutive columns per thread; ``stage_io`` for elementwise epilogues (see :func:`finalize`)."""
-    sch.annotate(block, COOP_KEY, vec)
-    if stage_io:
-        sch.annotate(block, STAGE_IO_KEY, 1)
-
-
-def finalize(sch: s_tir.Schedule) -> None:
-    """Carry out the deferred steps recorded as annotations (needs concrete knob values).
-
-    - blocks annotated with ``COOP_KEY`` = v: their last two loops (rows, columns) become
-      [rest, threadIdx.y, threadIdx.x] x v (columns split by v, the rest fused and spread over the threads,
-      whose extents are read off the kernel's bound loops). Plain copies vectorize the v loop;
-      blocks also annotated with ``STAGE_IO_KEY`` (epilogues) read their inputs into registers with v-wide
-      loads, compute the v outputs in an unrolled loop, and store them with one v-wide store;
-    - loops annotated with ``STAGES_KEY`` = s: software_pipeline_stage [0, 0, s-1, s-1, s-1] over the
-      statements (A copy, B copy, fragment prologue, fragment loop, fragment epilogue), copies asynchronous;
-    - loops annotated with ``INNER_KEY``: fragment double buffering, stages [0, 0, 1].
-    """
-    warps = _thread_extent(sch, "threadIdx.y")
-    lanes = _thread_extent(sch, "threadIdx.x") or WARP
-    for block in _all_blocks(sch):
-        ann = sch.get(block).annotations
-        if COOP_KEY in ann:
-            _spread(sch, block, int(ann[COOP_KEY]), STAGE_IO_KEY in ann, warps, lanes)
-        for loop in sch.get_loops(block):
-            lann = sch.get(loop).annotations
-            if STAGES_KEY in lann:
-                stages = int(lann[STAGES_KEY])
-                sch.unannotate(loop, STAGES_KEY)
-                last = stages - 1
-                sch.annotate(loop, "software_pipeline_stage", [0, 0, last, last, last])
-                sch.annotate(loop, "software_pipeline_order", [0, 1, 2, 3, 4])
-                sch.annotate(loop, "software_pipeline_async_stages", [0])
-            if INNER_KEY in lann:
-                sch.unannotate(loop, INNER_KEY)
-                sch.annotate(loop, "software_pipeline_stage", [0, 0, 1])
-                sch.annotate(loop, "software_pipeline_order", [0, 1, 2])
-
-
-def _spread(sch: s_tir.Schedule, block, vec: int, stage_io: bool, warps: int | None, lanes: int) -> None:
-    """Split a block's fused last loop over all threads with ``vec`` elements each (see :func:`finalize`)."""
-    name = sch.get(block).name_hint
-    sch.unannotate(block, COOP_KEY)
-    if stage_io:
-        sch.unannotate(block, STAGE_IO_KEY)
-    rows, cols = sch.get_loops(block)[-2:]
-    extent = int(sch.get(rows).extent) * int(sch.get(cols).extent)
-    if int(sch.get(cols).extent) % vec or extent % (vec * lanes * (warps or 1)):
-        raise ValueError(f"block {name}: {extent} elements do not split over {warps}x{lanes} threads x {vec}")
-    cols, v = sch.split(cols, [None, vec])
-    loop = sch.fuse(rows, cols)
-    if warps:
-        _, y, x = sch.split(loop, [None, warps, lanes])
-        sch.bind(y, "threadIdx.y")
-    else:
-        _, x = sch.split(loop, [None, lanes])
-    sch.bind(x, "threadIdx.x")
-    if not stage_io:
-        sch.vectorize(v)
-        return
-    sch.unroll(v)
-    out = sch.cache_write(block, 0, "local")
-    sch.reverse_compute_at(out, x)
-    sch.vectorize(sch.get_loops(out)[-1])
-    for buffer in [region.source for region in sch.get(block).reads]:
-        if buffer.scope() == "local":
-            continue
-        index = [r.source.same_as(buffer) for r in sch.get(block).reads].index(True)
-        cached = sch.cache_read(block, index, "local")
-        sch.compute_at(cached, x)
-        loops = sch.get_loops(cached)
-        if len(loops) > len(sch.get_loops(out)) - 1:
-            sch.vectorize(loops[-1])
-
-
-def _all_blocks(sch: s_tir.Schedule) -> list:
-    """Every block of the function below the root, parents before children."""
-    out = []
-    pending = list(sch.get_child_blocks(sch.get_sblock("root")))
-    while pending:
-        block = pending.pop(0)
-        out.append(block)
-        pending.extend(sch.get_child_blocks(block))
-    return out
-
-
-def _thread_extent(sch: s_tir.Schedule, tag: str) -> int | None:
-    """Extent of the loops bound to ``tag`` (every loop bound to one tag in a kernel has the same extent)."""
-    extents = [int(sch.get(loop).extent) for block in _all_blocks(sch) for loop in sch.get_loops(block)
-               if sch.get(loop).thread_binding is not None and sch.get(loop).thread_binding.thread_tag == tag]
-    return max(extents) if extents else None

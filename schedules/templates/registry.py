@@ -17,7 +17,7 @@ from tvm import s_tir, tirx
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
-from .mainloop import finalize
+from .deferred import finalize
 
 SPEC_ATTR = "stof.spec"  # PrimFunc attribute: JSON of {"template", "shape", "dtype", ...}
 DTYPES = ("float16", "bfloat16")
@@ -94,7 +94,7 @@ class Template:
         """How many trailing parameters are outputs."""
         return 1
 
-    def reference(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    def reference(self, shape: Mapping[str, int], inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """The outputs computed in float64 numpy from the named inputs."""
         raise NotImplementedError
 

@@ -1,0 +1,133 @@
+"""Template family 3: (bias +) (residual +) LayerNorm over the last axis, memory bound.
+
+``y = x + bias + residual`` (float32), ``out = (y - mean) / sqrt(var + eps) * gamma + beta`` with the mean
+and the variance over each row of ``n`` elements, computed in two passes over ``y`` held in shared memory
+(one read of each input from device memory). ``layernorm`` is the plain form (no bias, no residual),
+``bias_residual_layernorm`` the post-attention / post-FFN form that follows an unfused GEMM.
+
+Schedule: ``rows`` rows per thread block (threadIdx.y), each row spread over ``lanes`` threads
+(threadIdx.x) reading ``vec`` consecutive elements per access (16 bytes at vec 8); the two row sums are
+cross-thread reductions (warp shuffles, plus shared memory when a row spans several warps).
+"""
+from __future__ import annotations
+
+import numpy as np
+from tvm import te, tirx
+
+from .deferred import row_epilogue
+from .epilogue import LN_EPS, layernorm_np
+from .registry import Template, register
+
+ROW_CHOICES = (1, 2, 4, 8)
+LANE_CHOICES = (32, 64, 128, 256)
+VEC_CHOICES = (2, 4, 8)
+
+
+def layernorm_compute(y, gamma, beta, dtype: str, eps: float = LN_EPS):
+    """TE stages of a row LayerNorm of ``y`` ([m, n] float32 tensor): (mean_sum, var_sum, out).
+
+    Block names: ``mean_sum`` (sum of y per row), ``var_sum`` (sum of squared deviations), ``out``."""
+    m, n = y.shape
+    inv_n = tirx.const(1.0 / int(n), "float32")
+    r1 = te.reduce_axis((0, n), name="r1")
+    mean_sum = te.compute((m,), lambda i: te.sum(y[i, r1], axis=r1), name="mean_sum")
+    r2 = te.reduce_axis((0, n), name="r2")
+
+    def deviation2(i, j):
+        d = y[i, j] - mean_sum[i] * inv_n
+        return d * d
+
+    var_sum = te.compute((m,), lambda i: te.sum(deviation2(i, r2), axis=r2), name="var_sum")
+
+    def normalise(i, j):
+        rstd = tirx.rsqrt(var_sum[i] * inv_n + tirx.const(eps, "float32"))
+        return ((y[i, j] - mean_sum[i] * inv_n) * rstd * gamma[j].astype("float32")
+                + beta[j].astype("float32")).astype(dtype)
+
+    out = te.compute((m, n), normalise, name="out")
+    return mean_sum, var_sum, out
+
+
+class LayerNormTemplate(Template):
+    """(bias +) (residual +) LayerNorm of an [m, n] activation."""
+
+    family = "layernorm"
+    shape_keys = ("m", "n")
+    knob_names = ("rows", "lanes", "vec")
+
+    def __init__(self, bias: bool, residual: bool):
+        self.bias, self.residual = bias, residual
+        self.name = "_".join((["bias"] if bias else []) + (["residual"] if residual else []) + ["layernorm"])
+        self.fused = bias or residual
+        self.description = "out = LayerNorm(x" + (" + bias" if bias else "") + (" + residual" if residual else "") + ")"
+
+    def _check(self, shape):
+        if shape["n"] % 64:
+            raise ValueError(f"{self.name}: shape['n'] must be a multiple of 64, got {shape['n']}")
+
+    def arguments(self, shape, dtype="float16"):
+        m, n = shape["m"], shape["n"]
+        args = [("x", (m, n), dtype)]
+        if self.bias:
+            args.append(("bias", (n,), dtype))
+        if self.residual:
+            args.append(("residual", (m, n), dtype))
+        return args + [("gamma", (n,), dtype), ("beta", (n,), dtype), ("out", (m, n), dtype)]
+
+    def _primfunc(self, shape, dtype):
+        m, n = shape["m"], shape["n"]
+        x = te.placeholder((m, n), dtype, name="x")
+        params = [x]
+        if self.bias:
+            bias = te.placeholder((n,), dtype, name="bias")
+            params.append(bias)
+        if self.residual:
+            residual = te.placeholder((m, n), dtype, name="residual")
+            params.append(residual)
+        gamma = te.placeholder((n,), dtype, name="gamma")
+        beta = te.placeholder((n,), dtype, name="beta")
+
+        def row(i, j):
+            v = x[i, j].astype("float32")
+            if self.bias:
+                v = v + bias[j].astype("float32")
+            if self.residual:
+                v = v + residual[i, j].astype("float32")
+            return v
+
+        y = te.compute((m, n), row, name="y")
+        _, _, out = layernorm_compute(y, gamma, beta, dtype)
+        return te.create_prim_func(params + [gamma, beta, out])
+
+    def reference(self, shape, inputs):
+        y = np.asarray(inputs["x"], np.float64)
+        if self.bias:
+            y = y + np.asarray(inputs["bias"], np.float64)
+        if self.residual:
+            y = y + np.asarray(inputs["residual"], np.float64)
+        return [layernorm_np(y, inputs["gamma"], inputs["beta"])]
+
+    def _knob_space(self, shape, dtype, hw):
+        m, n = shape["m"], shape["n"]
+        space = [{"rows": r, "lanes": l, "vec": v} for r in ROW_CHOICES for l in LANE_CHOICES for v in VEC_CHOICES
+                 if m % r == 0 and n % (l * v) == 0]
+        # fill the SMs first, then 16-byte accesses, then fewer lanes per row (cheaper reductions)
+        space.sort(key=lambda k: (m // k["rows"] < 2 * hw.sm_count, -k["vec"], k["lanes"], -k["rows"]))
+        return space
+
+    def resources(self, shape, dtype, knobs):
+        n = shape["n"]
+        return {"threads": knobs["rows"] * knobs["lanes"], "shared_bytes": knobs["rows"] * (n + 2) * 4,
+                "acc_registers": 0, "operand_registers": 4 * knobs["vec"], "grid": shape["m"] // knobs["rows"]}
+
+    def _schedule(self, sch, spec, knobs):
+        out = sch.get_sblock("out")
+        rows, _ = sch.get_loops(out)
+        block_loop, _ = sch.split(rows, [None, knobs["rows"]])
+        sch.bind(block_loop, "blockIdx.x")
+        producers = [sch.get_sblock(name) for name in ("y", "mean_sum", "var_sum")]
+        row_epilogue(sch, out, producers, knobs["vec"], knobs["lanes"])
+
+
+register(LayerNormTemplate(bias=False, residual=False))
+register(LayerNormTemplate(bias=True, residual=True))
