@@ -1,11 +1,15 @@
 """Distributed tuning on loopback: a TVM RPC tracker and two RPC servers for the ``llvm`` target, started here.
 
-The tiny MetaSchedule run must be measured by both servers and give one database; the helpers that start and
-describe the tracker must reject bad input. Everything listens on 127.0.0.1 and is stopped in ``finally``.
+A tiny MetaSchedule run through the RPC runner, and ``stof-tvm tune --rpc-tracker --rpc-key`` on an attention
+problem, must each be measured by both servers and write one database; the helpers that start and describe the
+tracker must reject bad input. Everything listens on 127.0.0.1; the servers and tracker are stopped when the
+module's tests end (the cluster fixture's context manager).
 """
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,9 +19,6 @@ from tvm.script import tirx as T
 
 from stof_tvm.tuning import rpc
 from stof_tvm.tuning.runners import make_builder, make_runner
-
-needs_tornado = pytest.mark.skipif(importlib.util.find_spec("tornado") is None,
-                                   reason="the RPC tracker needs tornado (pip install tornado)")
 
 N = 64
 
@@ -41,26 +42,34 @@ def tile_space(sch):
     sch.reorder(io, jo, k, ii, ji)
 
 
-@needs_tornado
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A tracker and two CPU servers on 127.0.0.1 for this module's tests, stopped at the end."""
+    if importlib.util.find_spec("tornado") is None:
+        pytest.skip("the RPC tracker needs tornado (pip install tornado)")
+    with rpc.LocalCluster("stof-loopback", devices=[None, None], log_dir=tmp_path_factory.mktemp("rpc")) as running:
+        yield running
+
+
 @pytest.mark.slow
-def test_tuning_measures_on_both_servers(tmp_path):
-    with rpc.LocalCluster("stof-loopback", devices=[None, None], log_dir=tmp_path / "rpc") as cluster:
-        assert cluster.tracker.startswith("127.0.0.1:")
-        assert rpc.count_servers(cluster.tracker, "stof-loopback") == 2
-        assert rpc.count_servers(cluster.tracker, "some-other-key") == 0
-        # by default the runner keeps one session per registered server, so both measure at once
-        runner = make_runner("llvm", rpc_tracker=cluster.tracker, rpc_key="stof-loopback", session_timeout_sec=60)
-        assert isinstance(runner, ms.runner.RPCRunner)
-        assert runner.pool._threadpool._max_workers == 2          # (TVM keeps the pool size private)
-        with pytest.raises(ValueError, match="no RPC server is registered under key 'nobody'"):
-            make_runner("llvm", rpc_tracker=cluster.tracker, rpc_key="nobody")
-        target = tvm.target.Target({"kind": "llvm", "num-cores": 1})
-        db = ms.tune_tir(matmul, target, work_dir=str(tmp_path / "work"), max_trials_global=4,
-                         num_trials_per_iter=4, strategy="replay-trace", cost_model="random",
-                         space=ms.space_generator.ScheduleFn(tile_space, sch_rules=[], postprocs=[],
-                                                             mutator_probs={}),
-                         builder=make_builder(max_workers=1, timeout_sec=300), runner=runner)
-        per_server = cluster.measurements()
+def test_tuning_measures_on_both_servers(cluster, tmp_path):
+    assert cluster.tracker.startswith("127.0.0.1:")
+    assert rpc.count_servers(cluster.tracker, "stof-loopback") == 2
+    assert rpc.count_servers(cluster.tracker, "some-other-key") == 0
+    before = cluster.measurements()
+    # by default the runner keeps one session per registered server, so both measure at once
+    runner = make_runner("llvm", rpc_tracker=cluster.tracker, rpc_key="stof-loopback", session_timeout_sec=60)
+    assert isinstance(runner, ms.runner.RPCRunner)
+    assert runner.pool._threadpool._max_workers == 2          # (TVM keeps the pool size private)
+    with pytest.raises(ValueError, match="no RPC server is registered under key 'nobody'"):
+        make_runner("llvm", rpc_tracker=cluster.tracker, rpc_key="nobody")
+    target = tvm.target.Target({"kind": "llvm", "num-cores": 1})
+    db = ms.tune_tir(matmul, target, work_dir=str(tmp_path / "work"), max_trials_global=4,
+                     num_trials_per_iter=4, strategy="replay-trace", cost_model="random",
+                     space=ms.space_generator.ScheduleFn(tile_space, sch_rules=[], postprocs=[],
+                                                         mutator_probs={}),
+                     builder=make_builder(max_workers=1, timeout_sec=300), runner=runner)
+    per_server = [now - then for now, then in zip(cluster.measurements(), before)]
     records = db.get_all_tuning_records()
     times = [float(r.run_secs[0]) for r in records]
     assert len(records) >= 2 and all(0 < t < 1.0 for t in times), times      # failed runs record 1e10 s
@@ -77,7 +86,28 @@ def test_tuning_measures_on_both_servers(tmp_path):
     np.testing.assert_allclose(c.numpy(), a.astype("float64") @ b, rtol=1e-4)
 
 
-@needs_tornado
+@pytest.mark.slow
+def test_stof_tvm_tune_over_rpc(cluster, tmp_path):
+    """The command line's --rpc-tracker/--rpc-key: an attention problem (sparse-format index arrays as inputs,
+    allocated on the servers) tuned on the llvm target: two candidates, one on each server."""
+    before = cluster.measurements()
+    database = tmp_path / "db"
+    argv = [sys.executable, "-m", "stof_tvm", "tune", "--target", "llvm", "--mask", "sliding:window=16", "--seq-len", "64", "--heads", "2",
+            "--head-dim", "64", "--trials", "1", "--top-k", "2", "--database", str(database),
+            "--rpc-tracker", cluster.tracker, "--rpc-key", "stof-loopback"]
+    # its own process, as a user runs it (MetaSchedule's file loggers from an earlier tune_tir in the same
+    # process break the next task scheduler's logger set-up)
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    per_server = [now - then for now, then in zip(cluster.measurements(), before)]
+    assert per_server == [1, 1], (per_server, out)
+    tuned = [line for line in out.splitlines() if line.split()[1:2] == ["tuned"]]
+    assert len(tuned) == 2, out
+    records = ms.database.JSONDatabase(work_dir=str(database)).get_all_tuning_records()
+    assert len(records) == 2 and all(0 < float(r.run_secs[0]) < 1.0 for r in records)
+
+
 def test_cluster_reports_a_dead_server_and_cleans_up(tmp_path):
     # a server pointed at a python that cannot import tvm dies at once: start() must say so, not hang
     cluster = rpc.LocalCluster("k", devices=[None], log_dir=tmp_path, start_timeout_s=30)
