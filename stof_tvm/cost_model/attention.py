@@ -241,7 +241,7 @@ def _block_work(problem: AttentionProblem, config: BlockConfig, cal: Calibration
     full, part = full2d.ravel().astype(np.float64), part2d.ravel().astype(np.float64)
     tiles = full + part
     count = np.full(tiles.shape, float(problem.replicas))
-    pipeline = 0.5 * (1.0 + 1.0 / (config.stages - 1))   # deeper cp.async rings hide more of each tile's wait
+    pipeline = 1.0 / (1.0 + cal.stage_gain * (config.stages - 2))   # deeper cp.async rings hide more of the wait
     bitmap_bytes = bm * bn / 8
     per_block_l2 = tiles * 2 * bn * d * eb + part * bitmap_bytes + 2 * bm * d * eb
     format_bytes = (part.sum() * (bitmap_bytes + 4) + full.sum() * 4 + 8 * (tiles.size + 1))

@@ -46,7 +46,8 @@ class Calibration:
     achieved share of the bandwidths; ``launch_s`` per-kernel launch cost; ``tail`` how much of the last
     wave's idle slots are really lost (1 for identical blocks).
     Block-wise attention: ``softmax_ops`` CUDA-core operations per score element, ``mask_ops`` extra per element
-    of a partial tile, ``tile_cycles`` fixed latency per visited tile, ``block_cycles`` per thread block.
+    of a partial tile, ``tile_cycles`` fixed latency per visited tile, divided by ``1 + stage_gain * (stages -
+    2)`` for deeper ``cp.async`` rings, ``block_cycles`` per thread block.
     Row-wise attention: ``pair_ops_per_dim`` operations per kept pair and head-dim element, ``pair_ops_fixed``
     per kept pair and lane, ``step_cycles`` latency per loop step (dependent index -> K -> V loads), ``row_cycles``
     per thread block.
@@ -55,21 +56,22 @@ class Calibration:
 
     # Fitted on the H200 (scripts/calibrate_model.py: 774 timings of 78 attention problems, 2026-11-30); the
     # GEMM-template constants are not fitted yet (no template timings).
-    tc_eff: float = 0.733
-    cc_eff: float = 1.0
+    tc_eff: float = 0.742
+    cc_eff: float = 0.999
     warps_to_saturate: float = 1.0
-    dram_eff: float = 0.554
+    dram_eff: float = 0.553
     l2_eff: float = 0.590
     launch_s: float = 5.91e-6
     tail: float = 1.0
-    softmax_ops: float = 11.05
-    mask_ops: float = 6.11
-    tile_cycles: float = 384.0
-    block_cycles: float = 4121.0
-    pair_ops_per_dim: float = 1.0
+    softmax_ops: float = 10.82
+    mask_ops: float = 6.12
+    tile_cycles: float = 409.0
+    stage_gain: float = 0.005
+    block_cycles: float = 4068.0
+    pair_ops_per_dim: float = 0.629
     pair_ops_fixed: float = 14.0
-    step_cycles: float = 1008.0
-    row_cycles: float = 1206.0
+    step_cycles: float = 1026.0
+    row_cycles: float = 1205.0
     gemm_iter_cycles: float = 200.0
     epilogue_ops: float = 4.0
 
