@@ -21,7 +21,6 @@ configuration from the work really done.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -321,13 +320,3 @@ def choose_attention(problem: AttentionProblem, hw: HardwareProfile = H200,
         raise ValueError(f"no feasible attention kernel for head_dim={problem.head_dim}, dtype={problem.dtype} "
                          f"on {hw.name}")
     return ranked[0]
-
-
-def predicted_speedup(ranked: list[RankedCandidate]) -> float:
-    """How much faster the best candidate is predicted to be than the best of the other kind (>= 1 means the
-    winner's kind is predicted faster; ``math.inf`` when only one kind is feasible)."""
-    if not ranked:
-        return math.nan
-    best = ranked[0]
-    other = next((r for r in ranked if r.candidate.kind != best.candidate.kind), None)
-    return math.inf if other is None else other.time_s / best.time_s

@@ -1,4 +1,4 @@
-"""Design spaces for stage 2: exactly the stage-1 survivors of a task, or MetaSchedule's generic space.
+"""The design space of stage 2: exactly the stage-1 survivors of a task.
 
 A survivor space is a :class:`~tvm.s_tir.meta_schedule.space_generator.ScheduleFn` that returns one complete
 schedule per surviving knob set (``task.apply(copy_of_sch, knobs)``), with no schedule rules and no mutators:
@@ -17,7 +17,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from .task import TuningTask
 
-__all__ = ["survivor_space", "generic_space"]
+__all__ = ["survivor_space"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -43,8 +43,3 @@ def survivor_space(task: TuningTask, target: tvm.target.Target) -> ms.space_gene
         return out
 
     return ms.space_generator.ScheduleFn(schedules, sch_rules=[], postprocs=[], mutator_probs={})
-
-
-def generic_space() -> ms.space_generator.PostOrderApply:
-    """MetaSchedule's own auto-scheduling space with the target's default rules (the no-prefilter baseline)."""
-    return ms.space_generator.PostOrderApply()
