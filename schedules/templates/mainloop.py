@@ -44,17 +44,13 @@ class MainLoop:
 
 
 def schedule_mainloop(sch: s_tir.Schedule, block: str | s_tir.schedule.SBlockRV, *, dtype: str, b_layout: str,
-                      warps_m, frag_m, warps_n, frag_n, k_frags, stages, consumers=(),
-                      a_on_chip: bool = False) -> MainLoop:
+                      warps_m, frag_m, warps_n, frag_n, k_frags, stages, consumers=()) -> MainLoop:
     """Tile, cache, pipeline and tensorize a GEMM reduction block (see the module docstring).
 
     ``block`` must have exactly three loops (i, j, k) and read A first and B second. Tile sizes are
     block_m = 16*warps_m*frag_m, block_n = 16*warps_n*frag_n, block_k = 16*k_frags. ``consumers`` (block
     names, producers first) are the epilogue blocks reading the accumulator; they are moved under the
     thread-block loop, after the staging tile is written, and left for the caller to schedule.
-    ``a_on_chip``: A is produced inside the kernel (the caller computes its producer at ``k_outer`` into
-    shared memory), so only B is copied from global memory and the k loop is not software-pipelined
-    (``stages`` is ignored).
     """
     blk = sch.get_sblock(block) if isinstance(block, str) else block
     outer, inner, i, j, k = _blockize16(sch, blk)
@@ -66,37 +62,12 @@ def schedule_mainloop(sch: s_tir.Schedule, block: str | s_tir.schedule.SBlockRV,
     sch.bind(bx, "blockIdx.x")
     ty = sch.fuse(i1, j1)
     sch.bind(ty, "threadIdx.y")
-    for index in ((1,) if a_on_chip else (0, 1)):
-        _copy_operand(sch, outer, index, k0, dtype)
-    acc_store = _tensorize(sch, outer, inner, k0, k1, ty, bx, consumers, dtype, b_layout)
-    if not a_on_chip:
-        sch.annotate(k0, STAGES_KEY, stages)
-    sch.annotate(k1, INNER_KEY, 1)
-    return MainLoop(block_loop=bx, warp_loop=ty, k_outer=k0, acc_store=acc_store)
-
-
-def schedule_nested_gemm(sch: s_tir.Schedule, block: str, *, dtype: str, b_layout: str, warps_m, warps_n,
-                         k_frags, stages, consumers=()) -> s_tir.schedule.SBlockRV:
-    """Tensorize a GEMM block already computed inside another kernel's loop (its i x j region is one tile).
-
-    The tile's 16x16 sub-tiles are spread over ``warps_m x warps_n`` warps on ``threadIdx.y`` (the same
-    warps as the enclosing kernel's); A and B stream through a ``stages``-deep cp.async pipeline with a k step
-    of 16*k_frags; the accumulators are staged in shared memory for ``consumers`` (already placed after it).
-    Returns the staging block.
-    """
-    outer, inner, i, j, k = _blockize16(sch, sch.get_sblock(block))
-    i1, i2 = sch.split(i, [warps_m, None])
-    j1, j2 = sch.split(j, [warps_n, None])
-    k0, k1 = sch.split(k, [None, k_frags])
-    sch.reorder(i1, j1, k0, k1, i2, j2)
-    ty = sch.fuse(i1, j1)
-    sch.bind(ty, "threadIdx.y")
     for index in (0, 1):
         _copy_operand(sch, outer, index, k0, dtype)
-    acc_store = _tensorize(sch, outer, inner, k0, k1, ty, None, consumers, dtype, b_layout)
+    acc_store = _tensorize(sch, outer, inner, k0, k1, ty, bx, consumers, dtype, b_layout)
     sch.annotate(k0, STAGES_KEY, stages)
     sch.annotate(k1, INNER_KEY, 1)
-    return acc_store
+    return MainLoop(block_loop=bx, warp_loop=ty, k_outer=k0, acc_store=acc_store)
 
 
 def _blockize16(sch, blk):
@@ -127,9 +98,8 @@ def _tensorize(sch, outer, inner, k0, k1, ty, bx, consumers, dtype, b_layout):
     acc_store = sch.cache_write(outer, 0, "warp")
     sch.reverse_compute_at(acc_store, ty)
     sch.set_scope(acc_store, 0, "shared.dyn")
-    if bx is not None:
-        for name in consumers:
-            sch.reverse_compute_at(sch.get_sblock(name), bx)
+    for name in consumers:
+        sch.reverse_compute_at(sch.get_sblock(name), bx)
     _tile16(sch, acc_store)
     sch.decompose_reduction(outer, k0)
     init_inner = sch.get_sblock(sch.get(inner).name_hint + "_init")
