@@ -42,10 +42,15 @@ schedule directly (splits take the random variable), so MetaSchedule's trace rep
 search see real decisions; steps needing products of knobs run in the :class:`.registry.Finalize`
 postprocessor, after :class:`.registry.KeepCandidates` has dropped combinations outside the candidates.
 
+Opt-in: ``gemm_wgmma`` / ``gemm_bias[_<act>]_wgmma`` (:mod:`.gemm_wgmma`) are the same GEMMs as a
+thread-level Hopper kernel on ``wgmma`` (sm_90a); ``primfunc`` is their TensorIR definition, ``kernel(shape,
+dtype, knobs)`` the CUDA kernel, and ``apply`` raises. Nothing selects them by default (their numerics await
+an H200 run of ``scripts/check_wgmma_gpu.py``).
+
 Builds must use :data:`.build.BUILD_CONFIG` (``tirx.use_async_copy``): :func:`.build.build`,
 :func:`.build.ms_builder` for MetaSchedule, or a PassContext with it around other compiles.
 """
-from . import gemm, gemm_layernorm, layernorm, qkv  # noqa: F401  (register the families)
+from . import gemm, gemm_layernorm, gemm_wgmma, layernorm, qkv  # noqa: F401  (register the families)
 from .build import BUILD_CONFIG, cuda_source, cuda_target, ms_builder
 from .chains import CHAINS, chain_stages
 from .registry import H200, TEMPLATES, Hardware, Template, get_template, register, template_of

@@ -1,0 +1,235 @@
+"""A warp-specialized Hopper GEMM kernel on ``wgmma`` (sm_90a), written at thread level in TVMScript.
+
+``out[m, n] = act(sum_k A[m, k] * W[n, k] (+ bias[n]))``: A [m, k] and W [n, k] (``torch.nn.Linear``) in
+float16 or bfloat16, a float32 accumulator, the output in the input dtype.
+
+Structure of one thread block (``block_m = 128`` rows x ``block_n`` columns of the output):
+
+- 3 warpgroups (384 threads). Warpgroup 0 is the *producer*: its 128 threads copy the A and W tiles of
+  each ``block_k = 64`` step global -> shared with 16-byte ``cp.async`` into a ``stages``-deep ring, and
+  each thread signals completion on the slot's *full* mbarrier with ``cp.async.mbarrier.arrive.noinc``
+  (the barrier expects 128 arrivals). Warpgroups 1 and 2 are *consumers*: each owns 64 output rows and
+  issues four ``wgmma.mma_async.m64n{block_n}k16`` per step with both operands read from shared memory
+  through matrix descriptors, the accumulators (``block_n / 2`` floats per thread) in registers.
+- Slot reuse: a consumer keeps one ``wgmma`` batch in flight (``wgmma.wait_group 1``); once batch t-1 has
+  retired, each consumer thread arrives on slot (t-1)'s *empty* mbarrier (256 arrivals), which the
+  producer waits on before refilling that slot.
+- ``setmaxnreg`` moves registers from the producer (40 per thread) to the consumers (232 per thread).
+- Shared tiles are rows of 64 elements = 128 bytes in the 128-byte swizzle of the wgmma descriptors:
+  16-byte chunk c of row r sits at ``r * 128 + ((c ^ (r % 8)) * 16)``, tiles aligned to 1024 bytes. A
+  K-major descriptor with SWIZZLE_128B then has stride byte offset 1024 (eight rows) and the k16 steps
+  inside the 128-byte row advance its start address by 32 bytes.
+- ``cp.async`` writes through the generic proxy and ``wgmma`` reads through the async proxy: after its
+  wait on the full barrier, each consumer thread runs ``fence.proxy.async.shared::cta`` before the batch.
+- Epilogue from registers: bias, activation, rounding, and stores of the two adjacent columns a thread
+  holds per n8 tile (the wgmma D fragment has the mma.sync C layout per warp: lane ``l`` of warp ``w``
+  holds rows ``16w + l/4`` and ``+8``, columns ``2(l%4)`` and ``+1`` of each n8 tile).
+
+Every instruction comes from TVM 0.27's ``T.ptx`` table (``wgmma``, ``mbarrier``, ``cp.async``, ``fence``,
+``setmaxnreg``); the descriptors are computed with plain integer arithmetic (bit layout of PTX ISA
+"Matrix Descriptor Format": start address >> 4 in bits 0-13, leading byte offset >> 4 in 16-29, stride byte
+offset >> 4 in 32-45, layout type in 62-63 with 1 = 128-byte swizzle).
+
+Shapes must tile exactly: m % 128, n % block_n and k % 64 all zero (:func:`check_wgmma_shape`). Build for
+``arch="sm_90a"`` (``wgmma`` and ``setmaxnreg`` exist only there).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm.script import tirx as T
+
+from .epilogue import activation, check_activation
+
+BLOCK_M = 128            # two consumer warpgroups x 64 rows
+BLOCK_K = 64             # one 128-byte swizzle row of 16-bit elements
+WG = 128                 # threads per warpgroup
+THREADS = 3 * WG         # producer + two consumers
+ROW_BYTES = BLOCK_K * 2  # bytes per shared row
+CHUNKS = ROW_BYTES // 16
+ALIGN = 1024             # 128-byte swizzle atoms (8 rows x 128 bytes) must start 1024-aligned
+PRODUCER_REGS, CONSUMER_REGS = 40, 232
+BLOCK_N_CHOICES = (128, 256)   # 64 leaves too few registers in use for setmaxnreg to apply (ptxas C7508)
+STAGE_CHOICES = (2, 3, 4, 5)
+PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
+SWIZZLE_128B = 1         # descriptor layout type
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """Knobs of the kernel: ``block_n`` output columns per block (wgmma N), ``stages`` ring depth."""
+
+    block_n: int = 128
+    stages: int = 4
+
+    def validate(self) -> None:
+        if self.block_n not in BLOCK_N_CHOICES:
+            raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {self.block_n!r}")
+        if self.stages not in STAGE_CHOICES:
+            raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {self.stages!r}")
+
+    @property
+    def stage_bytes(self) -> int:
+        return (BLOCK_M + self.block_n) * ROW_BYTES
+
+    @property
+    def shared_bytes(self) -> int:
+        """The ring, 2 mbarriers per slot, and slack to align the ring to 1024 bytes at run time."""
+        return self.stages * self.stage_bytes + 16 * self.stages + ALIGN
+
+    @property
+    def acc_registers(self) -> int:
+        return self.block_n // 2
+
+
+def check_wgmma_shape(m: int, n: int, k: int, config: WgmmaConfig) -> None:
+    """Raise ValueError unless the tiles divide the problem."""
+    for name, size, tile in (("m", m, BLOCK_M), ("n", n, config.block_n), ("k", k, BLOCK_K)):
+        if size % tile:
+            raise ValueError(f"gemm_wgmma: shape[{name!r}] = {size} must be a multiple of {tile} "
+                             f"(block_m={BLOCK_M}, block_n={config.block_n}, block_k={BLOCK_K})")
+
+
+def _descriptor(addr):
+    """64-bit K-major SWIZZLE_128B matrix descriptor of the tile starting at shared address ``addr``."""
+    start = T.Cast("uint64", T.bitwise_and(T.shift_right(addr, T.uint32(4)), T.uint32(0x3FFF)))
+    lead = T.uint64(1) << T.uint64(16)                   # unused for swizzled K-major; 1 by convention
+    stride = T.uint64(ALIGN >> 4) << T.uint64(32)
+    layout = T.uint64(SWIZZLE_128B) << T.uint64(62)
+    return start | lead | stride | layout
+
+
+def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: str,
+                        config: WgmmaConfig) -> tvm.tirx.PrimFunc:
+    """The thread-level CUDA PrimFunc (parameters ``A, W[, bias], out`` like the ``gemm`` templates)."""
+    if dtype not in PTX_TYPE:
+        raise ValueError(f"dtype must be one of {sorted(PTX_TYPE)}, got {dtype!r}")
+    check_activation(act)
+    config.validate()
+    check_wgmma_shape(m, n, k, config)
+    BN, ST, DT = config.block_n, config.stages, dtype
+    NACC = BN // 2
+    KT = k // BLOCK_K
+    GRID_N = n // BN
+    A_BYTES = BLOCK_M * ROW_BYTES
+    STAGE = config.stage_bytes
+    BAR_OFF = ST * STAGE                 # mbarriers after the ring: full[s] at +8s, empty[s] at +8(ST+s)
+    SMEM_WORDS = config.shared_bytes // 8
+    A_ITERS = BLOCK_M * CHUNKS // WG
+    B_ITERS = BN * CHUNKS // WG
+    ab = PTX_TYPE[DT]
+    MMA = T.ptx[f"wgmma.mma_async.sync.aligned.m64n{BN}k16.f32.{ab}.{ab}"]
+    CP_ASYNC_16 = T.ptx["cp.async.cg.shared.global"]
+    # ``acc + (-0.0)`` (exact for every value) as a *volatile* asm per accumulator after the final
+    # wgmma.wait_group: nvcc keeps volatile asm in order, so the epilogue's reads, which depend on it, cannot
+    # be hoisted above the wait (the wait names no registers). Without it nvcc moved the conversions of the
+    # plain-GEMM epilogue up and ptxas serialized every wgmma (warning C7514).
+    FENCE_REG = T.ptx["add.rn.f32"]
+
+    def full_bar(base, s):
+        return base + T.uint32(BAR_OFF + 8 * s)
+
+    def empty_bar(base, s):
+        return base + T.uint32(BAR_OFF + 8 * (ST + s))
+
+    def swz(row, chunk):
+        return row * ROW_BYTES + T.bitwise_xor(chunk, T.bitwise_and(row, 7)) * 16
+
+    def mma_step(acc, a_desc, b_desc):
+        return MMA(*[acc[i] for i in range(NACC)], a_desc, b_desc, True, 1, 1, 0, 0)
+
+    def epilogue(x, col, bias_buf):
+        y = x + T.Cast("float32", bias_buf[col]) if bias else x
+        return T.Cast(DT, activation(act, y))
+
+    @T.macro
+    def wait_parity(flag, bar, parity):
+        flag[0] = T.uint32(0)
+        while flag[0] == T.uint32(0):
+            T.ptx["mbarrier.try_wait.parity.shared::cta.b64"](flag[0], bar, parity)
+
+    @T.macro
+    def store(acc, out, bias_buf, row0, col0, lane):
+        for j in T.unroll(BN // 8):
+            for h in T.unroll(2):
+                for e in T.unroll(2):
+                    col: T.let = col0 + j * 8 + (lane % 4) * 2 + e
+                    out[row0 + lane // 4 + 8 * h, col] = epilogue(acc[j * 4 + h * 2 + e], col, bias_buf)
+
+    @T.macro
+    def body(A, W, bias_buf, out):
+        for bx in T.thread_binding(GRID_N * (m // BLOCK_M), thread="blockIdx.x"):
+            for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                smem = T.alloc_buffer((SMEM_WORDS,), "uint64", scope="shared.dyn")
+                acc = T.alloc_buffer((NACC,), "float32", scope="local")
+                flag = T.alloc_buffer((1,), "uint32", scope="local")
+                raw: T.let = T.cuda.cvta_generic_to_shared(T.address_of(smem[0]))
+                base: T.let = T.bitwise_and(raw + T.uint32(ALIGN - 1), T.uint32(0xFFFFFFFF - (ALIGN - 1)))
+                m0: T.let = (bx // GRID_N) * BLOCK_M
+                n0: T.let = (bx % GRID_N) * BN
+                wg: T.let = tx // WG
+                wt: T.let = tx % WG
+                if tx == 0:
+                    for s in T.unroll(ST):
+                        T.ptx["mbarrier.init.shared::cta.b64"](full_bar(base, s), T.uint32(WG))
+                        T.ptx["mbarrier.init.shared::cta.b64"](empty_bar(base, s), T.uint32(2 * WG))
+                    T.ptx["fence.mbarrier_init.release.cluster"]()
+                T.tvm_storage_sync("shared")
+                if wg == 0:
+                    T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
+                    for t in range(KT):
+                        if t >= ST:
+                            wait_parity(flag, empty_bar(base, t % ST), T.Cast("uint32", (t // ST - 1) % 2))
+                        a_dst: T.let = base + T.Cast("uint32", (t % ST) * STAGE)
+                        for it in T.unroll(A_ITERS):
+                            row: T.let = (it * WG + wt) // CHUNKS
+                            ch: T.let = (it * WG + wt) % CHUNKS
+                            CP_ASYNC_16(a_dst + T.Cast("uint32", swz(row, ch)),
+                                        T.address_of(A[m0 + row, t * BLOCK_K + ch * 8]), 16, T.uint32(16))
+                        for it in T.unroll(B_ITERS):
+                            row: T.let = (it * WG + wt) // CHUNKS
+                            ch: T.let = (it * WG + wt) % CHUNKS
+                            CP_ASYNC_16(a_dst + T.Cast("uint32", A_BYTES + swz(row, ch)),
+                                        T.address_of(W[n0 + row, t * BLOCK_K + ch * 8]), 16, T.uint32(16))
+                        T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](full_bar(base, t % ST))
+                else:
+                    T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
+                    for i in T.unroll(NACC):
+                        acc[i] = T.float32(0)
+                    for t in range(KT):
+                        wait_parity(flag, full_bar(base, t % ST), T.Cast("uint32", (t // ST) % 2))
+                        T.ptx["fence.proxy.async.shared::cta"]()
+                        a_tile: T.let = base + T.Cast("uint32", (t % ST) * STAGE + (wg - 1) * 64 * ROW_BYTES)
+                        b_tile: T.let = base + T.Cast("uint32", (t % ST) * STAGE + A_BYTES)
+                        T.ptx["wgmma.fence.sync.aligned"]()
+                        for kk in T.unroll(BLOCK_K // 16):
+                            mma_step(acc, _descriptor(a_tile + T.uint32(kk * 32)),
+                                     _descriptor(b_tile + T.uint32(kk * 32)))
+                        T.ptx["wgmma.commit_group.sync.aligned"]()
+                        T.ptx["wgmma.wait_group.sync.aligned"](1)
+                        if t > 0:
+                            T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (t - 1) % ST))
+                    T.ptx["wgmma.wait_group.sync.aligned"](0)
+                    for i in T.unroll(NACC):
+                        FENCE_REG(acc[i], acc[i], T.float32(-0.0))
+                    store(acc, out, bias_buf, m0 + (wg - 1) * 64 + (wt // 32) * 16, n0, wt % 32)
+
+    if bias:
+        @T.prim_func
+        def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, out_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "global_symbol": "gemm_wgmma"})
+            A = T.match_buffer(a_h, (m, k), DT)
+            W = T.match_buffer(w_h, (n, k), DT)
+            bias_buf = T.match_buffer(bias_h, (n,), DT)
+            out = T.match_buffer(out_h, (m, n), DT)
+            body(A, W, bias_buf, out)
+    else:
+        @T.prim_func
+        def kernel(a_h: T.handle, w_h: T.handle, out_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "global_symbol": "gemm_wgmma"})
+            A = T.match_buffer(a_h, (m, k), DT)
+            W = T.match_buffer(w_h, (n, k), DT)
+            out = T.match_buffer(out_h, (m, n), DT)
+            body(A, W, None, out)
+    return kernel

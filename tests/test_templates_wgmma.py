@@ -1,0 +1,117 @@
+"""Opt-in wgmma GEMM templates (schedules/templates/gemm_wgmma.py): registry, knobs, resources, llvm numerics
+of the definition, and the CUDA kernel compiled for sm_90a by nvcc (HGMMA in the SASS, no spills).
+
+The kernel's numerics need an H200: scripts/check_wgmma_gpu.py."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+
+from stof_tvm.schedules.templates import H200, TEMPLATES, cuda_source, get_template
+from stof_tvm.schedules.templates.gemm_wgmma import WgmmaGemmTemplate, build_kernel, nvcc_cubin
+
+NAMES = ["gemm_wgmma", "gemm_bias_wgmma", "gemm_bias_relu_wgmma", "gemm_bias_gelu_erf_wgmma",
+         "gemm_bias_gelu_tanh_wgmma"]
+NP = {"float16": np.float16, "bfloat16": "bfloat16"}
+
+
+def _disassembler():
+    """cuobjdump from PATH, the CUDA toolkit, or $STOF_CUOBJDUMP (None when none is installed)."""
+    for candidate in (os.environ.get("STOF_CUOBJDUMP"), shutil.which("cuobjdump"), "/usr/local/cuda/bin/cuobjdump"):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return None
+
+
+def test_registered_but_not_the_default_gemm():
+    for name in NAMES:
+        assert isinstance(TEMPLATES[name], WgmmaGemmTemplate)
+        assert TEMPLATES[name].family == "gemm_wgmma"
+    # the compile path maps GEMM calls to the mma.sync names; these stay theirs
+    for name in ("gemm", "gemm_bias", "gemm_bias_gelu_erf"):
+        assert not isinstance(TEMPLATES[name], WgmmaGemmTemplate)
+
+
+@pytest.mark.parametrize("shape", [{"m": 4096, "n": 4096, "k": 4096}, {"m": 128, "n": 768, "k": 768},
+                                   {"m": 32768, "n": 4096, "k": 1024}, {"m": 4096, "n": 1024, "k": 4096}])
+def test_every_configuration_fits_the_h200(shape):
+    t = get_template("gemm_bias_gelu_erf_wgmma")
+    space = t.knob_space(shape, "float16")
+    assert space
+    for knobs in space:
+        res = t.resources(shape, "float16", knobs)
+        assert res["threads"] == 384 <= H200.max_threads_per_block
+        assert res["shared_bytes"] <= H200.max_shared_bytes_per_block
+        assert res["acc_registers"] + 40 <= res["max_registers_per_thread"] <= H200.max_registers_per_thread
+        assert shape["n"] % res["block_n"] == 0 and res["grid"] * 128 * res["block_n"] == shape["m"] * shape["n"]
+    # 256-wide tiles with 5 stages need 240 KiB: never offered
+    assert {"block_n": 256, "stages": 5} not in space
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda t: t.kernel({"m": 100, "n": 256, "k": 64}), "multiple of 128"),
+    (lambda t: t.kernel({"m": 128, "n": 256, "k": 48}), "multiple of 64"),
+    (lambda t: t.kernel({"m": 128, "n": 384, "k": 64}, knobs={"block_n": 256, "stages": 3}), "multiple of 256"),
+    (lambda t: t.kernel({"m": 128, "n": 256, "k": 64}, knobs={"block_n": 96, "stages": 3}), "block_n"),
+    (lambda t: t.kernel({"m": 128, "n": 256, "k": 64}, knobs={"block_n": 128, "stages": 1}), "stages"),
+    (lambda t: t.kernel({"m": 128, "n": 256, "k": 64}, knobs={"block_n": 128}), "knobs missing"),
+    (lambda t: t.kernel({"m": 128, "n": 256, "k": 64}, "float32"), "dtype"),
+    (lambda t: t.schedule({"m": 128, "n": 256, "k": 64}), "thread-level kernel"),
+    (lambda t: build_kernel("gemm_bias", {"m": 128, "n": 256, "k": 64}), "not a wgmma template"),
+])
+def test_bad_input_raises_clear_errors(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(get_template("gemm_bias_wgmma"))
+
+
+@pytest.mark.parametrize("name, dtype", [("gemm_bias_gelu_tanh_wgmma", "float16"), ("gemm_wgmma", "bfloat16")])
+def test_definition_matches_numpy_float64_on_llvm(name, dtype):
+    """``primfunc`` (the kernel's signature and semantics) built for llvm against float64, poisoned output."""
+    t = get_template(name)
+    shape = {"m": 128, "n": 128, "k": 64}
+    rng = np.random.default_rng(3)
+    inputs = {n: rng.standard_normal(s).astype(NP[dt]) for n, s, dt in t.arguments(shape, dtype)[:-1]}
+    out_shape = t.arguments(shape, dtype)[-1][1]
+    out = tvm.runtime.tensor(np.full(out_shape, np.nan, dtype=NP[dtype]))
+    ex = tvm.compile(t.primfunc(shape, dtype), target=tvm.target.Target({"kind": "llvm"}))
+    ex["main"](*[tvm.runtime.tensor(inputs[n]) for n, _, _ in t.arguments(shape, dtype)[:-1]], out)
+    got = out.numpy().astype(np.float64)
+    (ref,) = t.reference(shape, inputs)
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < (1e-2 if dtype == "float16" else 3e-2)
+
+
+@pytest.mark.parametrize("name, shape, dtype, knobs", [
+    ("gemm_bias_gelu_erf_wgmma", {"m": 4096, "n": 3072, "k": 768}, "float16", {"block_n": 256, "stages": 4}),
+    ("gemm_wgmma", {"m": 4096, "n": 4096, "k": 4096}, "bfloat16", {"block_n": 128, "stages": 5}),
+])
+def test_kernel_compiles_for_sm90a_with_hgmma_and_no_spills(name, shape, dtype, knobs, tmp_path):
+    ex = build_kernel(name, shape, dtype, knobs)
+    assert "cuda" in [m.kind for m in ex.mod.imports]
+    src = cuda_source(ex)
+    ab = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    for text in (f"wgmma.mma_async.sync.aligned.m64n{knobs['block_n']}k16.f32.{ab}.{ab}", "wgmma.wait_group",
+                 "mbarrier.try_wait.parity", "cp.async.mbarrier.arrive.noinc", "fence.proxy.async.shared::cta",
+                 "setmaxnreg.inc.sync.aligned.u32 232", "setmaxnreg.dec.sync.aligned.u32 40"):
+        assert text in src, text
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    report = nvcc_cubin(src, tmp_path / "kernel.cubin")
+    assert report["stack_frame"] == report["spill_stores"] == report["spill_loads"] == 0, report
+    assert report["warnings"] == [], report["warnings"]  # no wgmma serialization (C7514), setmaxnreg kept (C7508)
+    tool = _disassembler()
+    if tool is None:
+        pytest.skip("no cuobjdump to read the SASS")
+    sass = subprocess.run([tool, "--dump-sass", str(tmp_path / "kernel.cubin")], capture_output=True,
+                          text=True, check=True).stdout
+    assert re.search(rf"HGMMA\.64x{knobs['block_n']}x16\.F32", sass), "no HGMMA in the SASS"
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory traffic in the SASS"
+    assert "HMMA" not in sass.replace("HGMMA", "")
+    assert "USETMAXREG" in sass
