@@ -1,0 +1,249 @@
+"""Check and time the opt-in wgmma GEMM templates on an H200, against cuBLAS and our mma.sync templates.
+
+Two steps, because the GPU machine has no TVM compiler:
+
+1. ``build`` (here): for each case, the wgmma kernel in each of its first ``--configs`` knob choices and the
+   mma.sync template with its default knobs are compiled with TVM and exported to ``out/wgmma/<key>.so``;
+   nvcc turns each module's CUDA source into a cubin (sm_90a for wgmma, sm_90 for mma.sync) stored under the
+   source's hash, so the GPU machine never compiles CUDA (its NVRTC path would build for plain sm_90, which
+   has no wgmma). ``manifest.json`` lists the modules with ptxas' register and spill figures.
+2. ``run`` (on the GPU): loads every module (TVM's CUDA compile callback answers with the prebuilt cubin),
+   checks each against torch in float32 (random inputs, output poisoned with NaN, relative Frobenius error
+   within 1e-2 for float16 and 2e-2 for bfloat16), then times it with CUDA events (median of ``--iters`` after
+   warm-up, fresh inputs per case) side by side with ``torch.matmul`` + the same epilogue in eager torch
+   (cuBLAS) and the mma.sync template; prints a table and writes ``out/wgmma/results.json``.
+
+Commands (the second one is the whole GPU call, ~3 minutes including the machine start)::
+
+    .venv/bin/python scripts/check_wgmma_gpu.py build
+    run(command="source .devkit/bootstrap.sh && python3 -m pip install -q --no-deps --no-build-isolation "
+                "--no-index -e . && python3 scripts/check_wgmma_gpu.py run",
+        carry=[".devkit/runtime.tar.xz", ".devkit/bootstrap.sh", "out/wgmma"], timeout_s=600)
+
+Cases: the square 4096^3 GEMM and the BERT-Base/-Large layer GEMMs at 4096 and 32768 tokens, float16 (plus one
+bfloat16 case). A wgmma kernel that fails its check is reported as wrong and left out of the speed columns.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "out" / "wgmma"
+
+# (template base name, m, n, k, dtype): base + "_wgmma" is the wgmma template, base alone the mma.sync one
+CASES = [
+    ("gemm", 4096, 4096, 4096, "float16"),
+    ("gemm_bias", 4096, 768, 768, "float16"),            # BERT-Base attention output, 4096 tokens
+    ("gemm_bias_gelu_erf", 4096, 3072, 768, "float16"),  # BERT-Base FFN up
+    ("gemm_bias", 4096, 768, 3072, "float16"),           # BERT-Base FFN down
+    ("gemm_bias_gelu_erf", 4096, 4096, 1024, "float16"),  # BERT-Large FFN up
+    ("gemm_bias_gelu_erf", 32768, 3072, 768, "float16"),
+    ("gemm_bias", 32768, 768, 3072, "float16"),
+    ("gemm_bias_gelu_erf", 4096, 3072, 768, "bfloat16"),
+]
+TOL = {"float16": 1e-2, "bfloat16": 2e-2}
+
+
+def source_key(src: str) -> str:
+    return hashlib.sha256(src.encode()).hexdigest()[:24]
+
+
+def case_key(base, m, n, k, dtype) -> str:
+    return f"{base}_{m}x{n}x{k}_{dtype}"
+
+
+# ---- build (here) ----------------------------------------------------------------------------------------
+
+def build(args) -> None:
+    from stof_tvm.schedules.templates.build import build as build_template
+    from stof_tvm.schedules.templates import cuda_source, cuda_target, get_template
+    from stof_tvm.schedules.templates.gemm_wgmma import build_kernel, nvcc_cubin
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    manifest = {"cases": [], "modules": {}}
+    t0 = time.time()
+    for base, m, n, k, dtype in CASES:
+        shape = {"m": m, "n": n, "k": k}
+        ckey = case_key(base, m, n, k, dtype)
+        entry = {"key": ckey, "template": base, "shape": shape, "dtype": dtype, "modules": []}
+        wgmma = get_template(base + "_wgmma")
+        builds = [(f"{ckey}__wgmma_n{kn['block_n']}_s{kn['stages']}", "wgmma", kn,
+                   lambda kn=kn: build_kernel(base + "_wgmma", shape, dtype, kn))
+                  for kn in wgmma.knob_space(shape, dtype)[:args.configs]]
+        mma = get_template(base)
+        builds.append((f"{ckey}__mma_sync", "mma_sync", mma.default_knobs(shape, dtype),
+                       lambda: build_template(mma.schedule(shape, dtype), cuda_target())))
+        for key, kind, knobs, make in builds:
+            ex = make()
+            function = "gemm_wgmma" if kind == "wgmma" else "main"
+            ex[function]  # the name run() calls (raises here when missing)
+            src = cuda_source(ex)
+            ex.export_library(str(OUT / f"{key}.so"))
+            report = _cubin(src, OUT / f"{source_key(src)}.cubin", kind, nvcc_cubin)
+            manifest["modules"][key] = {"library": f"{key}.so", "function": function, "kind": kind, "knobs": knobs,
+                                        **report}
+            entry["modules"].append(key)
+            print(f"{key}: {report['registers']} regs, spills {report['spill_stores']}/{report['spill_loads']}, "
+                  f"warnings {len(report['warnings'])}", flush=True)
+        manifest["cases"].append(entry)
+    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    print(f"{len(manifest['modules'])} modules in {OUT} ({time.time() - t0:.0f} s)")
+
+
+def _cubin(src, path, kind, nvcc_cubin) -> dict:
+    """sm_90a cubin for the wgmma kernels (nvcc_cubin), sm_90 for the mma.sync templates."""
+    if kind == "wgmma":
+        return nvcc_cubin(src, path)
+    import re
+    import subprocess
+
+    cu = path.with_suffix(".cu")
+    cu.write_text(src)
+    proc = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "-o", str(path), str(cu)],
+                          capture_output=True, text=True)
+    cu.unlink()
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    text = proc.stderr
+    return {"registers": int(re.search(r"Used (\d+) registers", text).group(1)),
+            "stack_frame": int(re.search(r"(\d+) bytes stack frame", text).group(1)),
+            "spill_stores": int(re.search(r"(\d+) bytes spill stores", text).group(1)),
+            "spill_loads": int(re.search(r"(\d+) bytes spill loads", text).group(1)), "warnings": []}
+
+
+# ---- run (on the GPU) --------------------------------------------------------------------------------------
+
+def run(args) -> None:
+    import torch
+    import tvm
+    import tvm_ffi
+    from stof_tvm.cuda_runtime import ensure_cuda_runtime
+
+    if not ensure_cuda_runtime():
+        raise RuntimeError("TVM's CUDA runtime could not be loaded")
+    previous = tvm_ffi.get_global_func("tvm_callback_cuda_compile")
+    misses = []
+
+    def prebuilt(code, *rest):
+        cubin = OUT / f"{source_key(code)}.cubin"
+        if cubin.exists():
+            return bytearray(cubin.read_bytes())
+        misses.append(source_key(code))
+        return previous(code, *rest)
+
+    tvm_ffi.register_global_func("tvm_callback_cuda_compile", prebuilt, override=True)
+    manifest = json.loads((OUT / "manifest.json").read_text())
+    dev = torch.device("cuda")
+    print(f"device: {torch.cuda.get_device_name()}", flush=True)
+    results = []
+    for case in manifest["cases"]:
+        results.append(_run_case(case, manifest["modules"], torch, tvm, dev, args.iters))
+        (OUT / "results.json").write_text(json.dumps({"results": results, "cubin_misses": misses}, indent=1))
+    _table(results)
+    print(f"cubins compiled on the GPU machine instead of prebuilt: {len(misses)}")
+
+
+def _torch_epilogue(torch, base, y, bias):
+    if "bias" in base:
+        y = y + bias
+    if base.endswith("relu"):
+        return torch.relu(y)
+    if base.endswith("gelu_erf"):
+        return torch.nn.functional.gelu(y)
+    if base.endswith("gelu_tanh"):
+        return torch.nn.functional.gelu(y, approximate="tanh")
+    return y
+
+
+def _median_ms(torch, fn, iters):
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _run_case(case, modules, torch, tvm, dev, iters) -> dict:
+    base, dtype, shape = case["template"], case["dtype"], case["shape"]
+    m, n, k = shape["m"], shape["n"], shape["k"]
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator(device=dev).manual_seed(int(source_key(case["key"]), 16) % 2 ** 31)
+    a = torch.randn(m, k, device=dev, generator=gen).to(tdt)
+    w = (torch.randn(n, k, device=dev, generator=gen) / k ** 0.5).to(tdt)
+    bias = torch.randn(n, device=dev, generator=gen).to(tdt)
+    ref = _torch_epilogue(torch, base, a.float() @ w.float().T, bias.float())
+    args = [a, w] + ([bias] if "bias" in base else [])
+    flops = 2 * m * n * k
+    row = {"case": case["key"], "template": base, "shape": shape, "dtype": dtype, "kernels": {}}
+    row["cublas_ms"] = _median_ms(torch, lambda: _torch_epilogue(torch, base, torch.matmul(a, w.T), bias), iters)
+    for key in case["modules"]:
+        info = modules[key]
+        entry = {"kind": info["kind"], "knobs": info["knobs"], "registers": info["registers"]}
+        try:
+            func = tvm.runtime.load_module(str(OUT / info["library"]))[info["function"]]
+        except Exception as err:  # a failed load is a result to report, not a reason to stop the run
+            entry["error"] = f"load: {err}"[:300]
+            row["kernels"][key] = entry
+            continue
+        out = torch.full((m, n), float("nan"), device=dev, dtype=tdt)
+        tv = [tvm.runtime.from_dlpack(t) for t in args + [out]]
+        func(*tv)
+        torch.cuda.synchronize()
+        err = float(torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref))
+        entry["rel_err"] = err
+        entry["finite"] = bool(torch.isfinite(out).all())
+        entry["correct"] = entry["finite"] and err < TOL[dtype]
+        if entry["correct"]:
+            entry["ms"] = _median_ms(torch, lambda: func(*tv), iters)
+            entry["tflops"] = flops / entry["ms"] / 1e9
+            entry["vs_cublas"] = row["cublas_ms"] / entry["ms"]
+        row["kernels"][key] = entry
+        print(f"{key}: err {err:.2e} {'ok' if entry['correct'] else 'WRONG'}"
+              + (f", {entry['ms']:.3f} ms, {entry['tflops']:.0f} TFLOP/s, {entry['vs_cublas']:.2f}x cuBLAS"
+                 if entry["correct"] else ""), flush=True)
+    row["cublas_tflops"] = flops / row["cublas_ms"] / 1e9
+    return row
+
+
+def _best(row, kind):
+    timed = [(e["ms"], key) for key, e in row["kernels"].items() if e.get("kind") == kind and "ms" in e]
+    return min(timed) if timed else None
+
+
+def _table(results) -> None:
+    print(f"\n{'case':42s} {'cuBLAS TF/s':>11s} {'mma.sync x':>10s} {'wgmma x':>8s}  best wgmma config / wrong")
+    for row in results:
+        mma, wg = _best(row, "mma_sync"), _best(row, "wgmma")
+        wrong = [key.split("__")[1] for key, e in row["kernels"].items() if not e.get("correct")]
+        print(f"{row['case']:42s} {row['cublas_tflops']:11.0f} "
+              f"{(row['cublas_ms'] / mma[0]) if mma else float('nan'):10.2f} "
+              f"{(row['cublas_ms'] / wg[0]) if wg else float('nan'):8.2f}  "
+              f"{wg[1].split('__')[1] if wg else '-'} {' '.join(wrong)}")
+    print("(x = speed relative to torch.matmul + eager epilogue: cuBLAS time / kernel time)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="step", required=True)
+    b = sub.add_parser("build", help="compile and export the kernels here (TVM compiler and nvcc)")
+    b.add_argument("--configs", type=int, default=3, help="wgmma knob choices per case (best-ranked first)")
+    r = sub.add_parser("run", help="check and time on the GPU")
+    r.add_argument("--iters", type=int, default=50, help="timed runs per kernel (median reported)")
+    args = parser.parse_args(argv)
+    build(args) if args.step == "build" else run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
