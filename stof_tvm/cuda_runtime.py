@@ -39,3 +39,31 @@ def _compile_for_this_gpu(code: str) -> bytes:
 
     arch = "sm_" + tvm.cuda(0).compute_version.replace(".", "")
     return nvcc.compile_cuda(code, target_format="cubin", arch=arch, compiler="nvrtc")
+
+
+def source_key(code: str) -> str:
+    """The name a prebuilt binary of CUDA source ``code`` is stored under (its SHA-256, 24 hex digits)."""
+    import hashlib
+
+    return hashlib.sha256(code.encode()).hexdigest()[:24]
+
+
+def serve_cubins(cubins: dict) -> None:
+    """Answer TVM's CUDA compile callback with prebuilt binaries: ``cubins`` maps :func:`source_key` of a CUDA
+    source to its cubin bytes; other sources go to the callback registered before (NVRTC or nvcc).
+
+    Artifacts whose kernels need an architecture the GPU's own compile would not target (wgmma kernels need
+    ``sm_90a``; TVM's callback compiles for plain ``sm_90``) carry such binaries; call this before loading them."""
+    import tvm_ffi
+
+    previous = tvm_ffi.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
+
+    def compile_or_serve(code, *rest):
+        binary = cubins.get(source_key(code))
+        if binary is not None:
+            return bytearray(binary)
+        if previous is None:
+            raise RuntimeError("no prebuilt cubin for this CUDA source and no CUDA compile callback registered")
+        return previous(code, *rest)
+
+    tvm_ffi.register_global_func("tvm_callback_cuda_compile", compile_or_serve, override=True)

@@ -81,6 +81,18 @@ def load(path: str | os.PathLike, device=None, weights: dict | None = None) -> "
             raise FileNotFoundError(f"weights: {path!r} was saved without {WEIGHTS}; pass weights={{name: array}}")
         with np.load(weights_path, allow_pickle=False) as data:
             weights = {name: data[name] for name in data.files}
+    binaries = manifest.get("cuda_binaries")
+    if binaries and manifest["target"]["kind"] == "cuda":
+        from stof_tvm.cuda_runtime import serve_cubins
+
+        cubins = {}
+        for key in binaries["files"]:
+            cubin_path = os.path.join(path, "cubins", key + ".cubin")
+            if not os.path.isfile(cubin_path):
+                raise FileNotFoundError(f"path: the artifact lists prebuilt cubin {key!r} but {cubin_path} is missing")
+            with open(cubin_path, "rb") as f:
+                cubins[key] = f.read()
+        serve_cubins(cubins)
     module = tvm.runtime.load_module(os.path.join(path, LIBRARY))
     return CompiledModel(module, manifest, arrays, device, weights or {})
 

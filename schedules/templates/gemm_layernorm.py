@@ -18,7 +18,7 @@ import numpy as np
 from tvm import te
 
 from .deferred import row_epilogue
-from .epilogue import layernorm_np
+from .epilogue import LN_EPS, layernorm_np
 from .gemm import (ELEM_BYTES, KFRAG_CHOICES, MAX_ACC_REGISTERS, STAGE_CHOICES, estimate_seconds,
                    gemm_compute, mainloop_resources)
 from .layernorm import layernorm_compute
@@ -63,7 +63,7 @@ class GemmLayerNormTemplate(Template):
     def flops(self, shape):
         return 2 * shape["m"] * shape["n"] * shape["k"]
 
-    def _primfunc(self, shape, dtype):
+    def _primfunc(self, shape, dtype, eps: float = LN_EPS):
         m, n, k = shape["m"], shape["n"], shape["k"]
         A = te.placeholder((m, k), dtype, name="A")
         W = te.placeholder((n, k) if self.w_layout == "nk" else (k, n), dtype, name="W")
@@ -74,7 +74,7 @@ class GemmLayerNormTemplate(Template):
         acc = gemm_compute(A, W, self.w_layout)
         y = te.compute((m, n), lambda i, j: acc[i, j] + bias[j].astype("float32") + residual[i, j].astype("float32"),
                        name="y")
-        _, _, out = layernorm_compute(y, gamma, beta, dtype)
+        _, _, out = layernorm_compute(y, gamma, beta, dtype, eps)
         return te.create_prim_func([A, W, bias, residual, gamma, beta, out])
 
     def reference(self, shape, inputs):

@@ -74,7 +74,7 @@ class LayerNormTemplate(Template):
             args.append(("residual", (m, n), dtype))
         return args + [("gamma", (n,), dtype), ("beta", (n,), dtype), ("out", (m, n), dtype)]
 
-    def _primfunc(self, shape, dtype):
+    def _primfunc(self, shape, dtype, eps: float = LN_EPS):
         m, n = shape["m"], shape["n"]
         x = te.placeholder((m, n), dtype, name="x")
         params = [x]
@@ -96,7 +96,7 @@ class LayerNormTemplate(Template):
             return v
 
         y = te.compute((m, n), row, name="y")
-        _, _, out = layernorm_compute(y, gamma, beta, dtype)
+        _, _, out = layernorm_compute(y, gamma, beta, dtype, eps)
         return te.create_prim_func(params + [gamma, beta, out])
 
     def reference(self, shape, inputs):

@@ -77,13 +77,16 @@ class Template:
     description: str = ""
 
     # ---- definition -------------------------------------------------------------------------------
-    def primfunc(self, shape: Mapping[str, int], dtype: str = "float16") -> tirx.PrimFunc:
-        """The unscheduled TensorIR function for ``shape`` and input ``dtype`` (float16 or bfloat16)."""
+    def primfunc(self, shape: Mapping[str, int], dtype: str = "float16", **options) -> tirx.PrimFunc:
+        """The unscheduled TensorIR function for ``shape`` and input ``dtype`` (float16 or bfloat16).
+
+        ``options``: family-specific constants of the definition (``eps`` of the LayerNorm families, for a
+        model whose LayerNorm epsilon differs from the default); knobs and schedules do not depend on them."""
         shape = check_shape(shape, self.shape_keys, self.name)
         check_dtype(dtype)
         self._check(shape)
-        func = self._primfunc(shape, dtype)
-        spec = {"template": self.name, "shape": shape, "dtype": dtype}
+        func = self._primfunc(shape, dtype, **options)
+        spec = {"template": self.name, "shape": shape, "dtype": dtype, **options}
         return func.with_attr(SPEC_ATTR, json.dumps(spec, sort_keys=True)).with_attr("tirx.noalias", True)
 
     def arguments(self, shape: Mapping[str, int], dtype: str = "float16") -> list[tuple[str, tuple, str]]:

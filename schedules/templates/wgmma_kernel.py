@@ -161,10 +161,10 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     def body(A, W, bias_buf, out):
         for bx in T.thread_binding(GRID_N * (m // BLOCK_M), thread="blockIdx.x"):
             for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                smem = T.alloc_buffer((SMEM_WORDS,), "uint64", scope="shared.dyn")
+                wgmma_smem = T.alloc_buffer((SMEM_WORDS,), "uint64", scope="shared.dyn")
                 acc = T.alloc_buffer((NACC,), "float32", scope="local")
                 flag = T.alloc_buffer((1,), "uint32", scope="local")
-                raw: T.let = T.cuda.cvta_generic_to_shared(T.address_of(smem[0]))
+                raw: T.let = T.cuda.cvta_generic_to_shared(T.address_of(wgmma_smem[0]))
                 base: T.let = T.bitwise_and(raw + T.uint32(ALIGN - 1), T.uint32(0xFFFFFFFF - (ALIGN - 1)))
                 m0: T.let = (bx // GRID_N) * BLOCK_M
                 n0: T.let = (bx % GRID_N) * BN

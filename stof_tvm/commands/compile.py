@@ -28,7 +28,13 @@ def register(subparsers) -> None:
     parser.add_argument("--kernel", default="auto", choices=["auto", "block", "row", "dense"],
                         help="attention kernel (default: chosen from the mask)")
     parser.add_argument("--templates", action="store_true",
-                        help="use stof-tvm's GEMM fusion templates for the linear layers (float16)")
+                        help="use stof-tvm's fusion templates for the QKV projection, GEMM + residual + "
+                             "LayerNorm and FFN chains (float16)")
+    parser.add_argument("--gemm", default="mma", choices=["mma", "wgmma"],
+                        help="GEMM kernel of the templates: mma (mma.sync, default) or wgmma (Hopper sm_90a, "
+                             "opt-in, unverified on a GPU until BENCHMARKS.md says otherwise; needs nvcc here)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="capture the static regions between attention calls in CUDA graphs (cuda only)")
     parser.add_argument("--tune-trials", type=int, default=0, help="MetaSchedule trials (needs --database)")
     parser.add_argument("--database", help="MetaSchedule work dir whose tuning records are applied")
     parser.add_argument("--seed", type=int, default=0, help="weight seed of a built-in model (default 0)")
@@ -58,6 +64,7 @@ def run(args) -> int:
     dtype = args.dtype or ("float16" if args.target == "cuda" else "float32")
     artifact = compile_model(model, mask=load_mask_arg(args.mask), batch=args.batch, seq_len=args.seq_len,
                              target=target, dtype=dtype, kernel=args.kernel, templates=args.templates,
+                             gemm=args.gemm, cuda_graph=args.cuda_graph,
                              tune_trials=args.tune_trials,
                              database=args.database)
     if args.builtin:
@@ -70,5 +77,6 @@ def run(args) -> int:
           f"D={att['head_dim']}] {att['dtype']} on {artifact.manifest['target']['kind']}")
     print(f"  kernel: {kernel['kind']} {kernel['config'] or ''} ({kernel['reason']})")
     if artifact.manifest["templates"]:
-        print(f"  templates: {artifact.manifest['templates']}")
+        entry = artifact.manifest["templates"]
+        print(f"  templates ({entry['gemm']}): {entry['calls']}")
     return 0

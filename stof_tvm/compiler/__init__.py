@@ -10,8 +10,12 @@ Steps, data flowing one way:
    configuration from the combined mask (:mod:`.kernels`);
 4. rewrite the sites into calls of that kernel, the mask's format arrays becoming module inputs
    (:mod:`.rewrite`); move weight-only work (casts) into ``main_transform_params``, run once at load;
-5. optionally replace the linear layers with the GEMM fusion templates (:mod:`.downstream`);
-6. fuse, apply tuning records, schedule the rest with dlight, build (:mod:`.pipeline`).
+5. optionally replace the chains around attention (QKV projection, output projection + residual + LayerNorm,
+   FFN) with the fusion templates (:mod:`.downstream`, knobs from :mod:`.template_choice`), before the weight
+   transform is lifted so that weight concatenations and transposes run once at load;
+6. fuse, apply tuning records, schedule the rest with dlight, build (:mod:`.pipeline`); with ``gemm="wgmma"``
+   the CUDA code is also compiled here by nvcc for sm_90a and the cubins travel in the artifact
+   (:mod:`.cubins`).
 
 The result is an :class:`~stof_tvm.artifact.Artifact`: the executable plus a JSON manifest.
 """
@@ -109,15 +113,21 @@ def _manifest(*, source: dict, onnx_model, inputs, weights, outputs, format_inpu
 
 
 def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
-            kernel: str = "auto", templates: bool = False, tune_trials: int = 0, database: str | None = None):
+            kernel: str = "auto", templates: bool = False, gemm: str = "mma", cuda_graph: bool = False,
+            tune_trials: int = 0, database: str | None = None):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
 
     ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
     ``normalize_mask`` accept (it becomes the module's default mask; any mask of the same kind can be passed
     at run time). ``target``: ``"cuda"`` (sm_90), ``"llvm"`` or a TVM target dict. ``dtype``: compute dtype of
     the model (``"float16"`` or ``"float32"``). ``kernel``: ``"auto"``, ``"block"``, ``"row"`` or ``"dense"``.
-    ``templates``: replace the linear layers (GEMM + bias, GEMM + bias + GELU) with stof-tvm's fusion
-    templates (16-bit dtypes; see :mod:`.downstream`) instead of TVM's default schedules.
+    ``templates``: replace the chains around attention (QKV projection into heads, GEMM + bias + residual +
+    LayerNorm, GEMM + bias + GELU, other linear layers) with stof-tvm's fusion templates (``dtype="float16"``;
+    see :mod:`.downstream`) instead of TVM's default schedules; the manifest's ``templates`` entry lists each
+    site's templates and knobs. ``gemm``: ``"mma"`` (mma.sync templates) or ``"wgmma"`` (opt-in Hopper GEMMs
+    for the GEMM stages whose shapes they tile, CUDA sm_90a only, needs nvcc here to prebuild the cubins;
+    **unverified on a GPU** until BENCHMARKS.md reports a run). ``cuda_graph``: capture the module's static
+    regions in CUDA graphs (Relax's ``RewriteCUDAGraph``; CUDA only; see :mod:`.pipeline`).
     ``tune_trials``: MetaSchedule trials spent before building (records go to ``database``).
     ``database``: a MetaSchedule work dir whose records are applied.
     """
@@ -133,6 +143,13 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     if tune_trials and database is None:
         raise ValueError("database: tuning (tune_trials > 0) needs a MetaSchedule work dir to write records to")
     tspec = target_dict(target)
+    tspec = check_gemm(gemm, templates, tspec)
+    if cuda_graph not in (False, True):
+        raise TypeError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
+    if cuda_graph and tspec["kind"] != "cuda":
+        raise ValueError(f"cuda_graph: CUDA graphs need target 'cuda', got {tspec['kind']!r}")
+    if templates and dtype == "float32":
+        raise ValueError("templates: the fusion templates need dtype='float16'")
     tvm_target = make_target(tspec)
 
     onnx_model = load_model(model)
@@ -171,15 +188,19 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     for source in plan.runtime if choice.kind != "dense" else []:
         mod[source.name] = source.function
     mod, format_inputs = rewrite_attention(mod, sites, choice, primfunc)
+    template_entry = {}
+    if templates:
+        mod, template_entry = use_templates(mod, tvm_target, database, gemm)
     # Weight casts and other weight-only work move to main_transform_params, which the runtime runs once.
     mod = relax.transform.LiftTransformParams()(mod)
-    template_calls = {}
-    if templates:
-        if dtype == "float32":
-            raise ValueError("templates: the fusion templates need dtype='float16'")
-        mod, template_calls = use_templates(mod, tvm_target, database)
 
-    executable = build(optimize(mod, tvm_target, database), tvm_target, templates=bool(template_calls))
+    executable = build(optimize(mod, tvm_target, database), tvm_target, templates=bool(template_entry),
+                       cuda_graph=cuda_graph)
+    binaries = {}
+    if gemm == "wgmma":
+        from .cubins import prebuild_cubins
+
+        binaries = prebuild_cubins(executable, tspec["arch"])
 
     mask_entry = _mask_entry(mask)
     arrays = {}
@@ -196,10 +217,30 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         plan=plan, sites=sites, choice=choice, batch=batch,
         transform_params=TRANSFORM_PARAMS if has_transform else None, tspec=tspec, dtype=dtype,
         tuning={"database": database, "trials": tune_trials})
-    manifest["templates"] = template_calls
+    manifest["templates"] = template_entry
+    manifest["cuda_graph"] = cuda_graph
+    if binaries:
+        manifest["cuda_binaries"] = {"arch": tspec["arch"], "files": sorted(binaries)}
     wanted = {w.name for w in weights}
     values = {t.name: numpy_helper.to_array(t) for t in onnx_model.graph.initializer if t.name in wanted}
-    return Artifact(executable, manifest, arrays, values)
+    return Artifact(executable, manifest, arrays, values, binaries)
 
 
-__all__ = ["compile", "DTYPES"]
+def check_gemm(gemm: str, templates: bool, tspec: dict) -> dict:
+    """Validate the ``gemm`` choice against ``templates`` and the target; returns the target dict to build for
+    (``gemm="wgmma"`` turns CUDA ``sm_90`` into ``sm_90a``, the only architecture with wgmma)."""
+    from .downstream import GEMMS
+
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm: expected one of {GEMMS}, got {gemm!r}")
+    if gemm == "mma":
+        return tspec
+    if not templates:
+        raise ValueError("gemm: 'wgmma' selects the fusion templates' GEMM kernel; it needs templates=True")
+    if tspec["kind"] != "cuda" or str(tspec.get("arch")) not in ("sm_90", "sm_90a"):
+        raise ValueError(f"gemm: 'wgmma' needs a CUDA sm_90 / sm_90a (Hopper) target, got "
+                         f"{tspec['kind']} {tspec.get('arch', '')}".rstrip())
+    return {**tspec, "arch": "sm_90a"}
+
+
+__all__ = ["compile", "check_gemm", "DTYPES"]

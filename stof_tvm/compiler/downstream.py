@@ -1,85 +1,186 @@
-"""Replace the linear layers around attention with stof-tvm's GEMM fusion templates (schedules/templates).
+"""Replace the chains around attention with stof-tvm's fusion templates (schedules/templates).
 
-Matched with Relax dataflow patterns on the mixed-precision graph (16-bit inputs, float32 accumulation):
+Matched on the mixed-precision graph (16-bit inputs, float32 accumulation and LayerNorm) before the weight
+transform is lifted, so that weight-only work this rewrite adds (concatenating Q/K/V weights, transposing a
+weight for the wgmma GEMMs) moves into ``main_transform_params`` and runs once at load. Per encoder layer:
 
-- ``add(astype(matmul(X, W)), bias)`` -> template ``gemm_bias_kn`` (projections: QKV, output, FFN2);
-- the same followed by erf GELU, ``multiply(multiply(y, add(erf(divide(y, sqrt2)), 1)), 0.5)``
-  -> template ``gemm_bias_gelu_erf_kn`` (FFN1 with its activation fused into the epilogue).
+=====================================================  ===================================================
+chain (as exporters emit it)                            templates
+=====================================================  ===================================================
+Q, K, V = three ``add(astype(matmul(X, W)), b)`` on     ``qkv_projection_kn`` into ``[3, B, H, S, D]``, then
+the same ``X``, each ``reshape [B, S, H, D]`` +         one split (the attention kernels take Q, K, V)
+``permute_dims``
+``layer_norm(astype(linear) + residual)`` (output       ``gemm_kn`` + ``bias_residual_layernorm`` (unfused,
+projection, FFN down-projection; either add order)      measured faster), or ``gemm_bias_residual_layernorm_kn``
+                                                        when :mod:`.template_choice` ranks it faster
+``linear`` + erf GELU / ReLU (FFN up-projection)        ``gemm_bias_gelu_erf_kn`` / ``gemm_bias_relu_kn``
+any other ``linear``                                    ``gemm_bias_kn``
+=====================================================  ===================================================
 
-``X`` is ``[..., K]`` (flattened to ``[M, K]``), ``W`` the ``[K, N]`` weight, ``bias`` a constant ``[N]``. A
-match is rewritten only when the template supports it (16-bit dtype, M, N, K multiples of 16). On CUDA each
-call gets the template's schedule: the measured-best record of a tuning database when it holds one, else the
-template's default configuration. On the CPU the template's definition runs unscheduled (TVM's default
-lowering), which keeps the rewrite testable without a GPU.
+``X`` is ``[..., K]`` (flattened to ``[M, K]``), ``W`` a ``[K, N]`` weight (parameter or constant), biases,
+gamma and beta constants. A chain is rewritten only where its templates accept the shapes (16-bit dtype,
+multiples of 16; LayerNorm rows multiples of 64, fused rows of 128; QKV sequence and head size multiples of 16);
+anything else keeps TVM's default path. The LayerNorm templates take the model's epsilon; their output is
+16-bit, so the residual stream between layers becomes 16-bit (as in a float16 PyTorch model).
+
+``gemm="wgmma"`` maps the GEMM stages (not the QKV or fused LayerNorm templates, which exist on mma.sync only)
+to the Hopper ``*_wgmma`` templates where m % 128, n % 128 and k % 64 are 0, with the weight transposed to
+``[N, K]``; other shapes fall back to mma.sync with a note. Knobs: :mod:`.template_choice`. On CUDA each
+PrimFunc is scheduled with its knobs; on the CPU the definitions run unscheduled (TVM's default lowering), which
+keeps the rewrite testable without a GPU. :func:`use_templates` returns the manifest entry of every site.
 """
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 import tvm
 from tvm import relax
+from tvm.ir.expr import Constant
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
-from .attention_match import scalar_value, static_shape
+from .attention_match import resolve, scalar_value, static_shape
+from .template_choice import KnobChoice, TemplateChooser
 
 TEMPLATE_DTYPES = ("float16", "bfloat16")
+GEMMS = ("mma", "wgmma")
+WGMMA_TILES = {"m": 128, "n": 128, "k": 64}
+OPAQUE = 8    # relax OpPatternKind kOpaque
+
+
+def _linear(x, w, bias):
+    lin = is_op("relax.astype")(is_op("relax.matmul")(x, w))
+    return is_op("relax.add")(lin, bias) | is_op("relax.add")(bias, lin)
+
 
 _X, _W, _BIAS = wildcard(), wildcard(), is_const()
-_MATMUL = is_op("relax.matmul")(_X, _W)
-LINEAR = is_op("relax.add")(is_op("relax.astype")(_MATMUL), _BIAS)
+LINEAR = _linear(_X, _W, _BIAS)
 _SQRT2, _ONE, _HALF = is_const(), is_const(), is_const()
 _ERF_ADD = is_op("relax.add")(is_op("relax.erf")(is_op("relax.divide")(LINEAR, _SQRT2)), _ONE)
 LINEAR_GELU = is_op("relax.multiply")(is_op("relax.multiply")(LINEAR, _ERF_ADD), _HALF)
+LINEAR_RELU = is_op("relax.nn.relu")(LINEAR)
+_RES, _GAMMA, _BETA = wildcard(), is_const(), is_const()
+_LIN_OUT = is_op("relax.astype")(LINEAR) | LINEAR
+_SUM = is_op("relax.add")(_LIN_OUT, _RES) | is_op("relax.add")(_RES, _LIN_OUT)
+LINEAR_RESIDUAL_LN = is_op("relax.nn.layer_norm")(_SUM, _GAMMA, _BETA)
+_INNER = wildcard()
+_INNER_PERMUTE, _INNER_CAST = is_op("relax.permute_dims")(_INNER), is_op("relax.astype")(_INNER)
+DOUBLE_PERMUTE = is_op("relax.permute_dims")(_INNER_PERMUTE)
+DOUBLE_CAST = is_op("relax.astype")(_INNER_CAST)
+
+
+def _label(shape: dict) -> str:
+    return "_".join(f"{k}{v}" for k, v in shape.items())
 
 
 class _Templates:
-    """Adds one scheduled PrimFunc per (template, shape) to the module and rewrites matches into calls."""
+    """Adds one PrimFunc per (template, shape, options) to the module and records every site."""
 
-    def __init__(self, mod: tvm.IRModule, target: tvm.target.Target, database: str | None):
-        self.builder = relax.BlockBuilder(mod)
+    def __init__(self, mod: tvm.IRModule, target: tvm.target.Target, database: str | None, gemm: str):
+        self.mod = mod
         self.target = target
-        self.database = database
-        self.functions: dict[tuple, tvm.ir.GlobalVar] = {}
-        self.used: dict[str, int] = {}
+        self.cuda = target.kind.name == "cuda"
+        self.gemm = gemm
+        self.chooser = TemplateChooser(target, database)
+        self.functions: dict[tuple, tuple[tvm.ir.GlobalVar, KnobChoice]] = {}
+        self.sites: dict[tuple, dict] = {}
+        self.notes: list[str] = []
 
-    def _function(self, name: str, shape: dict, dtype: str) -> tvm.ir.GlobalVar:
-        key = (name, shape["m"], shape["n"], shape["k"], dtype)
+    # ---- functions ---------------------------------------------------------------------------------------
+    def function(self, name: str, shape: dict, dtype: str, eps: float | None = None):
+        from stof_tvm.schedules.templates import get_template
+
+        options = {} if eps is None else {"eps": eps}
+        key = (name, json.dumps(shape, sort_keys=True), dtype, eps)
         if key not in self.functions:
-            from stof_tvm.schedules.templates import get_template
-
             template = get_template(name)
-            func = template.primfunc(shape, dtype)
-            if self.target.kind.name == "cuda":
-                func = self._scheduled(template, func, shape, dtype).with_attr("tirx.is_scheduled", True)
-            symbol = f"stof_{name}_m{shape['m']}_n{shape['n']}_k{shape['k']}"
-            self.functions[key] = self.builder.add_func(func.with_attr("global_symbol", symbol), symbol)
-        self.used[name] = self.used.get(name, 0) + 1
+            if name.endswith("_wgmma"):
+                choice = KnobChoice(dict(template.default_knobs(shape, dtype)), "default")
+                func = template.kernel(shape, dtype, choice.knobs) if self.cuda else template.primfunc(shape, dtype)
+            else:
+                func = template.primfunc(shape, dtype, **options)
+                choice = self.chooser.knobs(template, shape, dtype)
+                if self.cuda:
+                    func = self._scheduled(template, func, choice)
+            symbol = f"stof_{name}_{_label(shape)}" + (f"_{len(self.functions)}" if options else "")
+            # Opaque to FuseOps: a scheduled template must not absorb its neighbours (reshapes, casts).
+            func = (func.with_attr("global_symbol", symbol).with_attr("tirx.is_scheduled", True)
+                    .with_attr("op_pattern", OPAQUE))
+            builder = relax.BlockBuilder(self.mod)
+            gv = builder.add_func(func, symbol)
+            self.mod = builder.get()
+            self.functions[key] = (gv, choice)
         return self.functions[key]
 
-    def _scheduled(self, template, func, shape: dict, dtype: str) -> tvm.tirx.PrimFunc:
-        if self.database is not None:
-            from stof_tvm.tuning import TuningDatabase
+    @staticmethod
+    def _scheduled(template, func, choice: KnobChoice) -> tvm.tirx.PrimFunc:
+        sch = tvm.s_tir.Schedule(func)
+        if choice.knobs is not None:
+            template.apply(sch, choice.knobs)
+        else:
+            choice.trace.apply_to_schedule(sch, remove_postproc=False)
+        return sch.mod["main"]
 
-            best = TuningDatabase(self.database).best_schedule(func, self.target)
-            if best is not None:
-                return best.mod["main"]
-        return template.schedule(shape, dtype).mod["main"]
+    def call(self, name, shape, dtype, args, out_shape, eps=None) -> tuple[relax.Expr, dict]:
+        gv, choice = self.function(name, shape, dtype, eps)
+        stage = {"template": name, "shape": shape, **choice.to_json()}
+        return relax.call_tir(gv, args, out_ty=relax.TensorType(list(out_shape), dtype)), stage
 
-    def rewrite(self, name: str, expr: relax.Call, matches) -> relax.Expr:
-        x, w, bias = matches[_X], matches[_W], matches[_BIAS]
-        x_shape, w_shape = static_shape(x), static_shape(w)
-        dtype = str(x.ty.dtype)
-        if (x_shape is None or w_shape is None or len(w_shape) != 2 or dtype not in TEMPLATE_DTYPES
-                or str(w.ty.dtype) != dtype or str(bias.ty.dtype) != dtype or str(expr.ty.dtype) != dtype):
-            return expr
-        k, n = w_shape
-        m = int(np.prod(x_shape[:-1]))
-        if x_shape[-1] != k or tuple(static_shape(bias) or ()) != (n,) or m % 16 or n % 16 or k % 16:
-            return expr
-        gv = self._function(name, {"m": m, "n": n, "k": k}, dtype)
-        out = relax.call_tir(gv, [relax.op.reshape(x, [m, k]), w, bias], out_ty=relax.TensorType([m, n], dtype))
-        return relax.op.reshape(out, list(x_shape[:-1]) + [n])
+    def record(self, chain: str, stages: list[dict], note: str | None = None) -> None:
+        key = (chain, json.dumps(stages, sort_keys=True), note)
+        if key not in self.sites:
+            self.sites[key] = {"chain": chain, "stages": stages, "count": 0, **({"note": note} if note else {})}
+        self.sites[key]["count"] += 1
+
+    # ---- GEMM stage (mma.sync or wgmma) ---------------------------------------------------------------------
+    def gemm_stage(self, act: str, x2d, w, bias, m: int, n: int, k: int, dtype: str) -> tuple[relax.Expr, dict, str]:
+        """One GEMM (+ bias) (+ act) call on [m, k] x [k, n]; returns (call, stage, note)."""
+        base = "gemm" + ("_bias" if bias is not None else "") + (f"_{act}" if act != "none" else "")
+        shape = {"m": m, "n": n, "k": k}
+        args = [x2d] + [None] + ([bias] if bias is not None else [])
+        note = None
+        if self.gemm == "wgmma":
+            misfit = [key for key, tile in WGMMA_TILES.items() if shape[key] % tile]
+            if not misfit:
+                args[1] = _transposed(w)
+                call, stage = self.call(base + "_wgmma", shape, dtype, args, (m, n))
+                return call, stage, None
+            note = f"wgmma needs {', '.join(f'{key} % {WGMMA_TILES[key]} == 0' for key in misfit)}: mma.sync"
+        args[1] = w
+        call, stage = self.call(base + "_kn", shape, dtype, args, (m, n))
+        return call, stage, note
+
+
+def _constant(expr, var2val=None):
+    expr = resolve(expr, var2val) if var2val is not None else expr
+    return expr if isinstance(expr, Constant) else None
+
+
+def _transposed(w: relax.Expr) -> relax.Expr:
+    """``W^T`` of a [K, N] weight: folded here for a constant, else a weight-only op lifted into the transform."""
+    if isinstance(w, Constant):
+        return relax.const(np.ascontiguousarray(w.value.numpy().T), str(w.ty.dtype))
+    return relax.op.permute_dims(w, [1, 0])
+
+
+def _cast_const(const: Constant, dtype: str) -> Constant:
+    return relax.const(const.value.numpy().astype(dtype), dtype)
+
+
+def _linear_dims(matches, out_dtype: str):
+    """(x shape, m, n, k, dtype) of a matched linear layer, or None when a template cannot take it."""
+    x, w, bias = matches[_X], matches[_W], matches[_BIAS]
+    x_shape, w_shape = static_shape(x), static_shape(w)
+    dtype = str(x.ty.dtype)
+    if (x_shape is None or w_shape is None or len(w_shape) != 2 or dtype not in TEMPLATE_DTYPES
+            or str(w.ty.dtype) != dtype or str(bias.ty.dtype) != dtype or out_dtype != dtype):
+        return None
+    k, n = w_shape
+    m = int(np.prod(x_shape[:-1]))
+    if x_shape[-1] != k or tuple(static_shape(bias) or ()) != (n,) or m % 16 or n % 16 or k % 16:
+        return None
+    return x_shape, m, n, k, dtype
 
 
 def _is(matches, pattern, value: float, var2val) -> bool:
@@ -87,10 +188,234 @@ def _is(matches, pattern, value: float, var2val) -> bool:
     return found is not None and math.isclose(found, value, rel_tol=1e-3)
 
 
-def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | None = None
-                  ) -> tuple[tvm.IRModule, dict[str, int]]:
-    """Rewrite ``main``'s linear layers into template calls; returns the module and calls per template."""
-    templates = _Templates(mod, target, database)
+# ---- the chains -----------------------------------------------------------------------------------------------
+
+def _rewrite_linear(t: _Templates, chain: str, act: str, expr, matches, lin_call):
+    dims = _linear_dims(matches, str(lin_call.ty.dtype))
+    if dims is None:
+        return expr
+    x_shape, m, n, k, dtype = dims
+    x2d = relax.op.reshape(matches[_X], [m, k])
+    call, stage, note = t.gemm_stage(act, x2d, matches[_W], matches[_BIAS], m, n, k, dtype)
+    t.record(chain, [stage], note)
+    out = relax.op.reshape(call, list(x_shape[:-1]) + [n])
+    return out if str(expr.ty.dtype) == dtype else relax.op.astype(out, str(expr.ty.dtype))
+
+
+def _rewrite_residual_ln(t: _Templates, expr, matches, var2val):
+    """layer_norm(linear + residual): unfused gemm + bias_residual_layernorm, or the fused template."""
+    from stof_tvm.schedules.templates import get_template
+    from stof_tvm.schedules.templates.epilogue import LN_EPS
+
+    lin = matches[LINEAR]
+    dims = _linear_dims(matches, str(lin.ty.dtype))
+    attrs = expr.attrs
+    axes = [int(a) for a in attrs.axes]
+    if dims is None or len(axes) != 1 or not (attrs.center and attrs.scale):
+        return expr
+    x_shape, m, n, k, dtype = dims
+    residual, gamma, beta = matches[_RES], matches[_GAMMA], matches[_BETA]
+    out_shape = list(x_shape[:-1]) + [n]
+    if (axes[0] not in (-1, len(out_shape) - 1) or static_shape(residual) != tuple(out_shape)
+            or str(residual.ty.dtype) not in (dtype, "float32") or static_shape(gamma) != (n,)
+            or static_shape(beta) != (n,) or n % 64):
+        return expr
+    eps = float(attrs.epsilon)
+    eps = None if math.isclose(eps, LN_EPS, rel_tol=1e-6) else eps
+    chain = "attn_out_ln" if k == n else "ffn_down_ln"
+    r2d = relax.op.reshape(residual if str(residual.ty.dtype) == dtype else relax.op.astype(residual, dtype), [m, n])
+    g16, b16 = _cast_const(gamma, dtype), _cast_const(beta, dtype)
+    x2d = relax.op.reshape(matches[_X], [m, k])
+    gemm_shape, ln_shape = {"m": m, "n": n, "k": k}, {"m": m, "n": n}
+    fused, why = t.chooser.fused_layernorm(
+        get_template("gemm_bias_residual_layernorm_kn"), get_template("gemm_kn"),
+        get_template("bias_residual_layernorm"), gemm_shape, ln_shape, dtype)
+    if fused:
+        call, stage = t.call("gemm_bias_residual_layernorm_kn", gemm_shape, dtype,
+                             [x2d, matches[_W], matches[_BIAS], r2d, g16, b16], (m, n), eps)
+        stages, note = [stage], why
+    else:
+        y, gemm_stage, gemm_note = t.gemm_stage("none", x2d, matches[_W], None, m, n, k, dtype)
+        call, ln_stage = t.call("bias_residual_layernorm", ln_shape, dtype, [y, matches[_BIAS], r2d, g16, b16],
+                                (m, n), eps)
+        stages, note = [gemm_stage, ln_stage], why + (f"; {gemm_note}" if gemm_note else "")
+    t.record(chain, stages, note)
+    out = relax.op.reshape(call, out_shape)
+    return out if str(expr.ty.dtype) == dtype else relax.op.astype(out, str(expr.ty.dtype))
+
+
+class _QKVGroup:
+    """Three linear layers on one X whose outputs are split into heads (reshape + permute_dims)."""
+
+    def __init__(self, x, linears: list, permutes: list, axes: list, heads: int, head_dim: int):
+        self.x, self.linears, self.permutes, self.axes = x, linears, permutes, axes
+        self.heads, self.head_dim = heads, head_dim
+        self.shape: dict = {}
+
+
+_HEAD_PERMS = {(0, 2, 1, 3): None, (0, 2, 3, 1): [0, 1, 3, 2]}   # Q/V form, K^T form (from [B, H, S, D])
+
+
+def _users(func: relax.Function) -> dict:
+    users: dict = {}
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            for var in relax.analysis.free_vars(binding.value):
+                users.setdefault(var, []).append(binding)
+    if isinstance(func.body.body, relax.Var):
+        users.setdefault(func.body.body, []).append(None)
+    return users
+
+
+def _find_qkv(func: relax.Function) -> list[_QKVGroup]:
+    """Groups of three head-split linears sharing X, in program order (their consumers after the third)."""
+    var2val = relax.analysis.get_var2val(func)
+    users = _users(func)
+    order, by_x = {}, []
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            order[binding.var] = len(order)
+            matches = LINEAR.extract_matched_expr(binding.value, var2val)
+            if matches is None or _linear_dims(matches, str(binding.value.ty.dtype)) is None:
+                continue
+            split = _head_split(binding.var, users)
+            if split is None:
+                continue
+            x = matches[_X]
+            group = next((g for g in by_x if g[0].same_as(x)), None)
+            if group is None:
+                by_x.append((x, []))
+                group = by_x[-1]
+            group[1].append((binding.var, matches, *split))
+    groups = []
+    for x, members in by_x:
+        if len(members) != 3:
+            continue
+        heads = {(s[2], s[3]) for s in members}
+        last = max(order[m[0]] for m in members)
+        if len(heads) != 1 or any(order[m[4]] < last or order[m[5]] < last for m in members):
+            continue
+        h, d = heads.pop()
+        groups.append(_QKVGroup(x, [(m[0], m[1]) for m in members], [m[5] for m in members],
+                                [m[6] for m in members], h, d))
+    return groups
+
+
+def _head_split(var, users):
+    """(heads, head_dim, reshape var, permute var, permute axes) when ``var`` is only reshaped to [B, S, H, D]
+    and permuted into heads."""
+    first = users.get(var, [])
+    if len(first) != 1 or first[0] is None or not _is_call(first[0].value, "relax.reshape"):
+        return None
+    reshape = first[0]
+    shape = static_shape(reshape.var)
+    second = users.get(reshape.var, [])
+    if shape is None or len(shape) != 4 or len(second) != 1 or second[0] is None:
+        return None
+    permute = second[0]
+    if not _is_call(permute.value, "relax.permute_dims") or permute.value.attrs.axes is None:
+        return None
+    axes = tuple(int(a) for a in permute.value.attrs.axes)
+    if axes not in _HEAD_PERMS:
+        return None
+    return shape[2], shape[3], reshape.var, permute.var, axes
+
+
+def _is_call(expr, op: str) -> bool:
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == op
+
+
+def _concat_weights(ws: list, axis: int) -> relax.Expr:
+    consts = [w if isinstance(w, Constant) else None for w in ws]
+    if all(c is not None for c in consts):
+        value = np.concatenate([c.value.numpy() for c in consts], axis=axis)
+        return relax.const(value, str(ws[0].ty.dtype))
+    return relax.op.concat(ws, axis=axis)
+
+
+def _rewrite_qkv(t: _Templates, func: relax.Function) -> relax.Function:
+    """Replace every :class:`_QKVGroup` the QKV template fits by one template call and a split into heads."""
+    groups = []
+    for group in _find_qkv(func):
+        x_shape = static_shape(group.x)
+        if x_shape is None or len(x_shape) != 3 or x_shape[2] != group.heads * group.head_dim:
+            continue
+        group.shape = {"batch": x_shape[0], "seq": x_shape[1], "heads": group.heads, "head_dim": group.head_dim}
+        if _qkv_fits(group.shape, str(group.x.ty.dtype)):
+            groups.append(group)
+    if not groups:
+        return func
+    emit_at = {group.linears[-1][0]: group for group in groups}
+    replace: dict = {}
+
+    @relax.expr_functor.mutator
+    class QKV(relax.PyExprMutator):
+        def visit_var_binding_(self, binding):
+            if binding.var in replace:
+                self.set_var_remap(binding.var, replace[binding.var])
+                return
+            super().visit_var_binding_(binding)
+            if binding.var in emit_at:
+                self._emit_group(emit_at[binding.var])
+
+        def _emit_group(self, group: _QKVGroup):
+            matches = [m for _, m in group.linears]
+            dtype = str(group.x.ty.dtype)
+            b, s, h, d = (group.shape[key] for key in ("batch", "seq", "heads", "head_dim"))
+            w = _concat_weights([self.visit_expr(m[_W]) for m in matches], 1)
+            bias = _concat_weights([m[_BIAS] for m in matches], 0)
+            x2d = relax.op.reshape(self.visit_expr(group.x), [b * s, h * d])
+            call, stage = t.call("qkv_projection_kn", group.shape, dtype, [x2d, w, bias], (3, b, h, s, d))
+            t.record("qkv", [stage], "mma.sync (no wgmma QKV template)" if t.gemm == "wgmma" else None)
+            parts = self.builder_.emit(relax.op.split(self.builder_.emit(call), 3, axis=0))
+            for i, (permute, axes) in enumerate(zip(group.permutes, group.axes)):
+                heads = relax.op.reshape(relax.TupleGetItem(parts, i), [b, h, s, d])
+                back = _HEAD_PERMS[axes]
+                replace[permute] = self.builder_.emit(heads if back is None else relax.op.permute_dims(heads, back))
+
+    return QKV(t.mod).visit_expr(func)
+
+
+def _qkv_fits(shape: dict, dtype: str) -> bool:
+    from stof_tvm.schedules.templates import get_template
+
+    try:
+        return bool(get_template("qkv_projection_kn").knob_space(shape, dtype))
+    except ValueError:
+        return False
+
+
+def _simplify(func: relax.Function) -> relax.Function:
+    """Fold the layout and cast round trips the rewrite leaves: permute_dims of permute_dims, and a 16-bit value
+    cast to float32 and back (exact)."""
+    def permutes(expr, matches):
+        inner, outer = matches[_INNER_PERMUTE].attrs.axes, expr.attrs.axes
+        if inner is None or outer is None:
+            return expr
+        inner_axes, outer_axes = [int(a) for a in inner], [int(a) for a in outer]
+        composed = [inner_axes[a] for a in outer_axes]
+        if composed == list(range(len(composed))):
+            return matches[_INNER]
+        return relax.op.permute_dims(matches[_INNER], composed)
+
+    def casts(expr, matches):
+        inner = matches[_INNER]
+        mid = str(matches[_INNER_CAST].ty.dtype)
+        if str(inner.ty.dtype) == str(expr.ty.dtype) and str(inner.ty.dtype) in TEMPLATE_DTYPES and mid == "float32":
+            return inner
+        return expr
+
+    func = rewrite_call(DOUBLE_PERMUTE, permutes, func)
+    return rewrite_call(DOUBLE_CAST, casts, func)
+
+
+def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | None = None,
+                  gemm: str = "mma") -> tuple[tvm.IRModule, dict]:
+    """Rewrite ``main``'s downstream chains into template calls; returns the module and the manifest entry
+    ``{"gemm", "calls": {template: count}, "sites": [...], "notes": [...]}``."""
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm: expected one of {GEMMS}, got {gemm!r}")
+    t = _Templates(mod, target, database, gemm)
     func = mod["main"]
     var2val = relax.analysis.get_var2val(func)
 
@@ -98,10 +423,21 @@ def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | 
         if not (_is(matches, _SQRT2, math.sqrt(2.0), var2val) and _is(matches, _ONE, 1.0, var2val)
                 and _is(matches, _HALF, 0.5, var2val)):
             return expr
-        return templates.rewrite("gemm_bias_gelu_erf_kn", expr, matches)
+        return _rewrite_linear(t, "linear_gelu", "gelu_erf", expr, matches, matches[LINEAR])
 
+    func = _rewrite_qkv(t, func)
+    func = relax.analysis.remove_all_unused(func)
+    var2val = relax.analysis.get_var2val(func)
+    func = rewrite_call(LINEAR_RESIDUAL_LN, lambda e, m: _rewrite_residual_ln(t, e, m, var2val), func)
     func = rewrite_call(LINEAR_GELU, gelu, func)
-    func = rewrite_call(LINEAR, lambda expr, matches: templates.rewrite("gemm_bias_kn", expr, matches), func)
-    out = templates.builder.get()
+    func = rewrite_call(LINEAR_RELU, lambda e, m: _rewrite_linear(t, "linear_relu", "relu", e, m, m[LINEAR]), func)
+    func = rewrite_call(LINEAR, lambda e, m: _rewrite_linear(t, "linear", "none", e, m, e), func)
+    func = relax.analysis.remove_all_unused(_simplify(func))
+    out = t.mod
     out["main"] = func
-    return out, templates.used
+    calls: dict[str, int] = {}
+    for site in t.sites.values():
+        for stage in site["stages"]:
+            calls[stage["template"]] = calls.get(stage["template"], 0) + site["count"]
+    return out, {"gemm": gemm, "calls": dict(sorted(calls.items())), "sites": list(t.sites.values()),
+                 "notes": t.notes}

@@ -74,15 +74,21 @@ def optimize(mod: tvm.IRModule, target: tvm.target.Target, database: str | None)
         return tvm.transform.Sequential(passes)(mod)
 
 
-def build(mod: tvm.IRModule, target: tvm.target.Target, templates: bool = False):
+def build(mod: tvm.IRModule, target: tvm.target.Target, templates: bool = False, cuda_graph: bool = False):
     """Compile the optimised module into a Relax VM executable; CUDA builds must contain device code.
 
-    CUDA modules calling fusion templates build under the templates' pass configuration (``cp.async``)."""
+    CUDA modules calling fusion templates build under the templates' pass configuration (``cp.async``).
+    ``cuda_graph``: Relax's ``relax.backend.use_cuda_graph`` option, under which the build runs
+    ``RewriteCUDAGraph``: each region of kernel launches whose arguments are all statically planned buffers,
+    weights or constants is captured into a CUDA graph on its first run and replayed after; launches that read
+    the model's inputs or the mask's format arrays (symbolic lengths) stay outside the graphs."""
     config = {}
     if templates and target.kind.name == "cuda":
         from stof_tvm.schedules.templates.build import BUILD_CONFIG
 
-        config = BUILD_CONFIG
+        config = dict(BUILD_CONFIG)
+    if cuda_graph:
+        config["relax.backend.use_cuda_graph"] = True
     with tvm.transform.PassContext(opt_level=3, config=config):
         executable = tvm.compile(mod, target=target)
     if target.kind.name == "cuda" and "cuda" not in _import_kinds(executable.mod):

@@ -1,0 +1,66 @@
+"""Prebuild an executable's CUDA code with nvcc, so the artifact carries cubins instead of relying on the GPU
+machine's compile at load.
+
+Needed for the wgmma GEMM templates (``compile(..., gemm="wgmma")``): their ``wgmma`` and ``setmaxnreg``
+instructions exist only on ``sm_90a``, and TVM's compile callback on the GPU machine (NVRTC) builds for the
+plain ``sm_90`` it reads from the device. Each CUDA module of the executable is compiled here with
+``nvcc -gencode=arch=compute_90a,code=sm_90a`` (the shorthand ``-arch=sm_90a`` also runs a plain sm_90 pass
+with nvcc 13.0, which rejects those instructions) and stored under the hash of its source
+(:func:`stof_tvm.cuda_runtime.source_key`); :func:`stof_tvm.cuda_runtime.serve_cubins` answers TVM's
+callback with them when the artifact is loaded.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+
+from stof_tvm.cuda_runtime import source_key
+
+
+def cuda_sources(executable) -> list[str]:
+    """The CUDA C++ source of every CUDA module under ``executable`` (searching its imports)."""
+    sources, pending = [], [executable.mod]
+    while pending:
+        module = pending.pop()
+        if module.kind == "cuda":
+            sources.append(module.inspect_source())
+        pending.extend(module.imports)
+    return sources
+
+
+def find_nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = "/usr/local/cuda/bin/nvcc"
+    return default if os.access(default, os.X_OK) else None
+
+
+def nvcc_cubin(source: str, arch: str, nvcc: str) -> bytes:
+    """Compile ``source`` into a cubin for ``arch`` (``sm_90a`` -> ``compute_90a`` / ``sm_90a``)."""
+    digits = arch.removeprefix("sm_")
+    with tempfile.TemporaryDirectory(prefix="stof_cubin_") as tmp:
+        cu, cubin = os.path.join(tmp, "module.cu"), os.path.join(tmp, "module.cubin")
+        with open(cu, "w") as f:
+            f.write(source)
+        proc = subprocess.run([nvcc, f"-gencode=arch=compute_{digits},code=sm_{digits}", "-cubin", "-O3",
+                               "-o", cubin, cu], capture_output=True, text=True)
+        if proc.returncode:
+            errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error" in line]
+            raise RuntimeError(f"nvcc failed to compile the module's CUDA code for {arch}:\n" + "\n".join(errors[:20]))
+        with open(cubin, "rb") as f:
+            return f.read()
+
+
+def prebuild_cubins(executable, arch: str) -> dict[str, bytes]:
+    """``{source_key: cubin bytes}`` for every CUDA module of ``executable``; a clear error without nvcc."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise ValueError(f"gemm: 'wgmma' kernels must be prebuilt for {arch} with nvcc here (the GPU machine's "
+                         f"compile at load targets plain sm_90), but nvcc is not on PATH or in /usr/local/cuda")
+    sources = cuda_sources(executable)
+    if not sources:
+        raise RuntimeError("the executable has no CUDA module to prebuild")
+    return {source_key(src): nvcc_cubin(src, arch, nvcc) for src in sources}

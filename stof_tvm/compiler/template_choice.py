@@ -1,0 +1,130 @@
+"""Which knobs a fusion-template call gets, and whether a LayerNorm chain runs fused or as two templates.
+
+Knobs, in order of trust:
+
+1. ``database``: the measured-best record of the template's workload in a tuning work dir (stage 2), read
+   back into its knob set by matching the record's schedule against the stage-1 candidates;
+2. ``model``: stage 1's top-ranked knob set (the analytical model, :func:`stof_tvm.cost_model.rank_template`);
+3. ``default``: the template's own first configuration (when the model ranks nothing).
+
+Fused or unfused (``LayerNorm(A @ W + b + residual)``): the fused template only when a tuning database measured
+it faster than the unfused pair (``gemm`` + ``bias_residual_layernorm``) at that shape. Without measurements the
+unfused pair runs: it measured faster at every BERT shape on the H200 (BENCHMARKS.md), while the model still
+ranks the fused form first at some of them (see :meth:`TemplateChooser.fused_layernorm`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import tvm
+
+from ..cost_model import DEFAULT_CALIBRATION
+from ..cost_model.templates import rank_template
+
+# Stage-1 candidates compared with a database record to recover its knobs.
+RECORD_CANDIDATES = 16
+
+
+@dataclasses.dataclass
+class KnobChoice:
+    """Knobs of one template call, where they came from, and the model's or the record's time."""
+
+    knobs: dict | None
+    source: str                      # "database", "model", "default" or "unscheduled"
+    seconds: float | None = None     # measured (database) or predicted (model)
+    trace: object = None             # the record's trace, when its knobs are not among the candidates
+
+    def to_json(self) -> dict:
+        out = {"knobs": self.knobs, "source": self.source}
+        if self.seconds is not None:
+            out["seconds"] = self.seconds
+        return out
+
+
+class TemplateChooser:
+    """Chooses knobs per (template, shape, dtype) for one target; caches rankings and database reads."""
+
+    def __init__(self, target: tvm.target.Target, database: str | None):
+        self.target = target
+        self.cuda = target.kind.name == "cuda"
+        self.database = None
+        if database is not None and self.cuda:
+            from ..tuning import TuningDatabase
+
+            self.database = TuningDatabase(database)
+        self._hw = None
+        self._cache: dict = {}
+
+    @property
+    def hardware(self):
+        if self._hw is None:
+            from ..hardware import profile_for_target
+
+            self._hw = profile_for_target(self.target)
+        return self._hw
+
+    def ranked(self, template, shape: dict, dtype: str) -> list:
+        key = ("ranked", template.name, tuple(sorted(shape.items())), dtype)
+        if key not in self._cache:
+            self._cache[key] = rank_template(template, shape, dtype, self.hardware, DEFAULT_CALIBRATION,
+                                             explain_top=0)
+        return self._cache[key]
+
+    def knobs(self, template, shape: dict, dtype: str) -> KnobChoice:
+        """The knob choice for one call (``unscheduled`` on the CPU, where the definition runs as it is)."""
+        if not self.cuda:
+            return KnobChoice(None, "unscheduled")
+        key = ("knobs", template.name, tuple(sorted(shape.items())), dtype)
+        if key not in self._cache:
+            self._cache[key] = self._choose(template, shape, dtype)
+        return self._cache[key]
+
+    def _choose(self, template, shape, dtype) -> KnobChoice:
+        ranked = self.ranked(template, shape, dtype)
+        if self.database is not None and ranked:
+            recorded = self._from_database(template, shape, dtype, ranked)
+            if recorded is not None:
+                return recorded
+        if ranked:
+            return KnobChoice(dict(ranked[0].candidate), "model", float(ranked[0].time_s))
+        return KnobChoice(dict(template.default_knobs(shape, dtype)), "default")
+
+    def _from_database(self, template, shape, dtype, ranked) -> KnobChoice | None:
+        from ..tuning.template_tasks import template_task
+
+        task = template_task(template, shape, dtype, top_k=min(RECORD_CANDIDATES, len(ranked)), ranked=ranked)
+        records = self.database.records(task)
+        if not records:
+            return None
+        from ..tuning.database import _mean_seconds
+
+        index = self.database.candidate_index(task, records[0])
+        if index is not None:
+            return KnobChoice(dict(task.candidates[index]), "database", float(_mean_seconds(records[0])))
+        return KnobChoice(None, "database", float(_mean_seconds(records[0])), records[0].trace)
+
+    def fused_layernorm(self, fused, gemm, layernorm, gemm_shape: dict, ln_shape: dict, dtype: str
+                        ) -> tuple[bool, str]:
+        """Whether ``LayerNorm(A @ W + b + r)`` should run as the fused template; returns (fused, why).
+
+        Fused only when the database measured all three templates and the fused one was faster. The model's
+        prediction is reported but does not decide: on the H200 it ranks the fused form first at BERT-Base
+        128 and 4096 tokens, where the unfused pair measured 1.3-4.4x faster (BENCHMARKS.md, templates)."""
+        try:
+            fused.knob_space(gemm_shape, dtype)
+        except ValueError as err:
+            return False, f"unfused: the fused form does not fit ({err})"
+        if not self.cuda:
+            return False, "unfused (measured faster on the H200; CPU build)"
+        choices = [self.knobs(fused, gemm_shape, dtype), self.knobs(gemm, gemm_shape, dtype),
+                   self.knobs(layernorm, ln_shape, dtype)]
+        times = [c.seconds for c in choices]
+        if any(t is None for t in times):
+            return False, "unfused (measured faster on the H200; no time for one of the forms)"
+        split = times[1] + times[2]
+        if all(c.source == "database" for c in choices):
+            if times[0] < split:
+                return True, f"fused: measured {times[0] * 1e6:.1f} us < unfused {split * 1e6:.1f} us"
+            return False, f"unfused: measured {split * 1e6:.1f} us <= fused {times[0] * 1e6:.1f} us"
+        return False, (f"unfused (measured faster on the H200; not all forms measured here, the model predicts "
+                       f"fused {times[0] * 1e6:.1f} us vs unfused {split * 1e6:.1f} us)")

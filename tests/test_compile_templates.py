@@ -1,0 +1,129 @@
+"""templates=True in the compile path: every chain of an encoder layer mapped to the fusion templates (checked
+on the CPU against onnx.reference), each site's template and knobs in the manifest, CUDA builds that nvcc
+compiles (mma.sync with CUDA graphs; wgmma with prebuilt sm_90a cubins in the artifact), and bad flags."""
+import json
+
+import numpy as np
+import pytest
+
+import stof_tvm
+from stof_tvm import make_mask
+from stof_tvm.compiler.cubins import cuda_sources, find_nvcc, nvcc_cubin
+from stof_tvm.compiler.pipeline import CUDA_DEFAULTS, make_target
+from stof_tvm.compiler.template_choice import TemplateChooser
+from stof_tvm.cost_model.templates import rank_template
+from stof_tvm.models import builtin_model
+from stof_tvm.models.reference import random_inputs, reference_outputs
+from stof_tvm.schedules.templates import get_template
+
+needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
+TINY_CALLS = {"qkv_projection_kn": 2, "gemm_kn": 4, "bias_residual_layernorm": 4, "gemm_bias_gelu_erf_kn": 2}
+
+
+def _rel_err(out, ref):
+    return float(np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return builtin_model("tiny-bert")
+
+
+@pytest.fixture(scope="module")
+def tiny_cuda_graph(tiny):
+    return stof_tvm.compile(tiny, mask="bigbird", batch=2, seq_len=128, target="cuda", dtype="float16",
+                            templates=True, cuda_graph=True)
+
+
+def _chains(manifest) -> dict:
+    return {site["chain"]: [stage["template"] for stage in site["stages"]] for site in manifest["templates"]["sites"]}
+
+
+@pytest.mark.slow
+def test_bert_base_templates_match_reference():
+    """BERT-Base (12 layers) with every chain on templates; the LayerNorm templates take its epsilon (1e-12)."""
+    model = builtin_model("bert-base")
+    art = stof_tvm.compile(model, mask="bigbird", batch=1, seq_len=16, target="llvm", dtype="float16",
+                           templates=True)
+    assert art.manifest["templates"]["calls"] == {name: 6 * count for name, count in TINY_CALLS.items()}
+    data = random_inputs(model, {"input_ids": (1, 16), "attention_mask": (1, 16)}, seed=2)
+    data["attention_mask"][0, 13:] = 0
+    out = art.load()(data)["last_hidden_state"]
+    ref = reference_outputs(model, make_mask("bigbird", 16)[None, None], data)["last_hidden_state"]
+    assert _rel_err(out, ref) < 2e-2
+
+
+def test_manifest_lists_each_site(tiny_cuda_graph):
+    entry = tiny_cuda_graph.manifest["templates"]
+    assert entry["gemm"] == "mma" and entry["calls"] == TINY_CALLS
+    assert _chains(tiny_cuda_graph.manifest) == {
+        "qkv": ["qkv_projection_kn"], "attn_out_ln": ["gemm_kn", "bias_residual_layernorm"],
+        "ffn_down_ln": ["gemm_kn", "bias_residual_layernorm"], "linear_gelu": ["gemm_bias_gelu_erf_kn"]}
+    for site in entry["sites"]:
+        assert site["count"] == 2
+        for stage in site["stages"]:     # no database: stage 1's top-ranked knob set, with its predicted time
+            assert stage["source"] == "model" and stage["seconds"] > 0
+            ranked = rank_template(get_template(stage["template"]), stage["shape"], "float16")
+            assert stage["knobs"] == ranked[0].candidate
+    json.dumps(tiny_cuda_graph.manifest)     # the manifest stays plain JSON
+
+
+def test_fused_layernorm_only_when_measured():
+    chooser = TemplateChooser(make_target(dict(CUDA_DEFAULTS)), None)
+    fused, why = chooser.fused_layernorm(get_template("gemm_bias_residual_layernorm_kn"), get_template("gemm_kn"),
+                                         get_template("bias_residual_layernorm"), {"m": 4096, "n": 768, "k": 768},
+                                         {"m": 4096, "n": 768}, "float16")
+    assert not fused and "model predicts" in why
+    fused, why = chooser.fused_layernorm(get_template("gemm_bias_residual_layernorm_kn"), get_template("gemm_kn"),
+                                         get_template("bias_residual_layernorm"), {"m": 4096, "n": 96, "k": 768},
+                                         {"m": 4096, "n": 96}, "float16")
+    assert not fused and "does not fit" in why
+
+
+@needs_nvcc
+def test_cuda_build_with_graphs_compiles_with_nvcc(tiny_cuda_graph):
+    """The module's CUDA code (attention + templates + dlight) compiles for sm_90; the static regions between
+    attention calls are captured as CUDA graphs (one per region), the attention launches stay outside."""
+    text = tiny_cuda_graph.executable.as_text()
+    assert text.count("call  vm.builtin.cuda_graph.run_or_capture") == 3    # 2 attention sites -> 3 regions
+    assert text.count("call  stof_attention_block") == 2
+    assert tiny_cuda_graph.manifest["cuda_graph"] is True
+    sources = cuda_sources(tiny_cuda_graph.executable)
+    assert len(sources) == 1 and "mma.sync" in sources[0]
+    assert len(nvcc_cubin(sources[0], "sm_90", find_nvcc())) > 0
+
+
+@needs_nvcc
+def test_wgmma_build_carries_sm90a_cubins(tiny, tmp_path):
+    """Batch 1 also checks that the templates stay opaque to FuseOps (a LayerNorm template absorbing the
+    reshapes around it once broke FuseTIR)."""
+    art = stof_tvm.compile(tiny, mask="bigbird", batch=1, seq_len=128, target="cuda", dtype="float16",
+                           templates=True, gemm="wgmma")
+    assert art.manifest["target"]["arch"] == "sm_90a" and art.manifest["templates"]["gemm"] == "wgmma"
+    chains = _chains(art.manifest)
+    assert chains["attn_out_ln"] == ["gemm_wgmma", "bias_residual_layernorm"]
+    assert chains["linear_gelu"] == ["gemm_bias_gelu_erf_wgmma"] and chains["qkv"] == ["qkv_projection_kn"]
+    (source,) = cuda_sources(art.executable)
+    assert "wgmma.mma_async" in source
+    path = art.save(tmp_path / "art", weights=False)
+    (key,) = art.manifest["cuda_binaries"]["files"]
+    cubin = (tmp_path / "art" / "cubins" / f"{key}.cubin").read_bytes()
+    assert cubin[:4] == b"\x7fELF"
+    from stof_tvm.cuda_runtime import source_key
+
+    assert source_key(source) == key and path
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"gemm": "wgmma", "target": "cuda"}, ValueError, "needs templates=True"),
+    ({"gemm": "wgmma", "templates": True, "target": "llvm"}, ValueError, "Hopper"),
+    ({"gemm": "wgmma", "templates": True, "target": {"kind": "cuda", "arch": "sm_80"}}, ValueError, "sm_90"),
+    ({"gemm": "tensor", "templates": True}, ValueError, "gemm: expected"),
+    ({"cuda_graph": True, "target": "llvm"}, ValueError, "cuda_graph"),
+    ({"cuda_graph": "yes", "target": "cuda"}, TypeError, "cuda_graph"),
+    ({"templates": True, "dtype": "float32"}, ValueError, "templates"),
+])
+def test_bad_flag_combinations(tiny, kwargs, error, match):
+    args = {"mask": "bigbird", "batch": 1, "seq_len": 128, "target": "llvm", "dtype": "float16", **kwargs}
+    with pytest.raises(error, match=match):
+        stof_tvm.compile(tiny, **args)
