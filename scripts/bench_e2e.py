@@ -4,7 +4,8 @@ Two steps, because the GPU machine has TVM's runtime only (artifacts are built h
 GPU machine regenerates the weights from the built-in models' seed):
 
     # 1. here (CPU, TVM compiler + nvcc): every variant of BERT-Base and BERT-Large at the three shapes
-    .venv/bin/python scripts/bench_e2e.py build --models bert-base bert-large --shapes 1x128 8x512 16x2048
+    rm -rf out/e2e && .venv/bin/python scripts/bench_e2e.py build --models bert-base bert-large \
+        --shapes 1x128 8x512 16x2048      # ~1.2 MB per artifact, 30 artifacts, a few minutes
     du -sh out/e2e          # must stay under the device tool's 64 MiB carry limit (with .devkit/runtime.tar.xz)
 
     # 2. the GPU call (device tool), one run for everything:
