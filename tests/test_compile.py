@@ -10,16 +10,9 @@ from stof_tvm import make_mask
 from stof_tvm.models import builtin_model
 from stof_tvm.models.reference import random_inputs, reference_outputs
 
+from attention_reference import relative_error
+
 B, S = 2, 128
-
-
-def _rel_err(out, ref):
-    return float(np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref))
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return builtin_model("tiny-bert")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +33,7 @@ def test_auto_picks_row_for_fp32_and_matches_reference(tiny, feeds, row_fp32):
     out = row_fp32.load()(feeds)["last_hidden_state"]
     ref = reference_outputs(tiny, make_mask("bigbird", S)[None, None], feeds)["last_hidden_state"]
     assert out.shape == (B, S, 128)
-    assert _rel_err(out, ref) < 1e-5
+    assert relative_error(out, ref) < 1e-5
 
 
 def test_padding_changes_the_padded_batch_only(row_fp32, feeds):
@@ -57,7 +50,7 @@ def test_one_compile_serves_other_masks(tiny, feeds, row_fp32):
         out = model(feeds, mask=spec)["last_hidden_state"]
         keep = make_mask(spec, S) if isinstance(spec, str) else spec
         ref = reference_outputs(tiny, keep[None, None], feeds)["last_hidden_state"]
-        assert _rel_err(out, ref) < 1e-5, spec
+        assert relative_error(out, ref) < 1e-5, spec
 
 
 @pytest.mark.parametrize("kernel", ["block", "dense"])
@@ -70,7 +63,7 @@ def test_float16_kernels_match_reference(tiny, feeds, kernel):
     assert art.manifest["attention"]["kernel"]["mask_batch"] == (B if kernel != "dense" else 1)
     out = art.load()(feeds)["last_hidden_state"]
     ref = reference_outputs(tiny, make_mask("longformer", S)[None, None], feeds)["last_hidden_state"]
-    assert _rel_err(out, ref) < 2e-2
+    assert relative_error(out, ref) < 2e-2
 
 
 def test_per_head_mask_array(tiny, feeds):
@@ -81,7 +74,7 @@ def test_per_head_mask_array(tiny, feeds):
     assert "mask.npy" in art.arrays
     out = art.load()(feeds)["last_hidden_state"]
     ref = reference_outputs(tiny, mask, feeds)["last_hidden_state"]
-    assert _rel_err(out, ref) < 1e-5
+    assert relative_error(out, ref) < 1e-5
 
 
 @pytest.mark.slow
@@ -93,7 +86,7 @@ def test_bert_base_small_sequence():
     data = random_inputs(model, {"input_ids": (1, 64), "attention_mask": (1, 64)}, seed=2)
     out = art.load()(data)["last_hidden_state"]
     ref = reference_outputs(model, make_mask("bigbird", 64)[None, None], data)["last_hidden_state"]
-    assert _rel_err(out, ref) < 1e-4
+    assert relative_error(out, ref) < 1e-4
 
 
 def _with_node(model, node):
@@ -145,7 +138,7 @@ def test_tuning_records_choose_the_kernel(tiny, tmp_path):
     assert art.manifest["tuning"] == {"database": str(tmp_path / "db"), "trials": 2}
     out = art.load()(data)["last_hidden_state"]
     ref = reference_outputs(tiny, make_mask("bigbird", S)[None, None], data)["last_hidden_state"]
-    assert _rel_err(out, ref) < 1e-5
+    assert relative_error(out, ref) < 1e-5
 
 
 def test_fusion_templates_replace_linear_layers(tiny, feeds):
@@ -157,6 +150,6 @@ def test_fusion_templates_replace_linear_layers(tiny, feeds):
                                                   "gemm_kn": 4, "qkv_projection_kn": 2}
     out = art.load()(feeds)["last_hidden_state"]
     ref = reference_outputs(tiny, make_mask("bigbird", S)[None, None], feeds)["last_hidden_state"]
-    assert _rel_err(out, ref) < 2e-2
+    assert relative_error(out, ref) < 2e-2
     with pytest.raises(ValueError, match="templates"):
         stof_tvm.compile(tiny, mask="bigbird", batch=B, seq_len=S, target="llvm", dtype="float32", templates=True)

@@ -14,19 +14,12 @@ from stof_tvm.compiler.template_choice import TemplateChooser
 from stof_tvm.cost_model.templates import rank_template
 from stof_tvm.models import builtin_model
 from stof_tvm.models.reference import random_inputs, reference_outputs
+
+from attention_reference import relative_error
 from stof_tvm.schedules.templates import get_template
 
 needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
 TINY_CALLS = {"qkv_projection_kn": 2, "gemm_kn": 4, "bias_residual_layernorm": 4, "gemm_bias_gelu_erf_kn": 2}
-
-
-def _rel_err(out, ref):
-    return float(np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref))
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return builtin_model("tiny-bert")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +43,7 @@ def test_bert_base_templates_match_reference():
     data["attention_mask"][0, 13:] = 0
     out = art.load()(data)["last_hidden_state"]
     ref = reference_outputs(model, make_mask("bigbird", 16)[None, None], data)["last_hidden_state"]
-    assert _rel_err(out, ref) < 2e-2
+    assert relative_error(out, ref) < 2e-2
 
 
 def test_manifest_lists_each_site(tiny_cuda_graph):

@@ -18,6 +18,8 @@ from stof_tvm.schedules.templates.deferred import COOP_KEY, ROWS_KEY, STAGES_KEY
 from stof_tvm.schedules.templates.gemm import GemmTemplate
 from stof_tvm.schedules.templates.registry import Finalize, KeepCandidates
 
+from attention_reference import relative_error
+
 LLVM = tvm.target.Target({"kind": "llvm"})
 TOL = {"float16": 2e-3, "bfloat16": 1.5e-2}
 
@@ -48,11 +50,6 @@ def random_inputs(template, shape, dtype, rng):
         scale = 0.2 if name.startswith("W") else 1.0
         inputs[name] = (rng.standard_normal(arg_shape) * scale).astype(np_dtype(dtype))
     return inputs
-
-
-def rel_err(got, ref):
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
 
 # ---- registry ---------------------------------------------------------------------------------------------
@@ -157,7 +154,7 @@ def test_template_definition_matches_numpy_float64(name, family, dtype):
     assert np.isfinite(got).all(), f"{name}: unwritten outputs"
     (ref,) = t.reference(shape, inputs)
     assert got.shape == ref.shape
-    assert rel_err(got, ref) < TOL[dtype], f"{name} {dtype}: rel err {rel_err(got, ref):.2e}"
+    assert relative_error(got, ref) < TOL[dtype], f"{name} {dtype}: rel err {relative_error(got, ref):.2e}"
 
 
 # ---- CUDA code generation ---------------------------------------------------------------------------------
