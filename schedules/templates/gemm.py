@@ -11,8 +11,6 @@ per side), k_frags (block_k = 16*k_frags), stages (pipeline depth), vec (epilogu
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from tvm import te
 
@@ -30,8 +28,25 @@ MAX_ACC_REGISTERS = 128
 ELEM_BYTES = 2
 
 
-def mainloop_resources(m, n, k, knobs) -> dict:
-    """Per-block resources of the shared main loop for an (m x n x k) problem."""
+MAINLOOP_KNOBS = ("warps_m", "frag_m", "warps_n", "frag_n", "k_frags", "stages", "vec")
+
+
+def knob_columns(space, names=MAINLOOP_KNOBS) -> dict[str, np.ndarray]:
+    """The knob dicts of ``space`` as one int64 column per knob name, so formulas run once over the space."""
+    return {key: np.array([knobs[key] for knobs in space], dtype=np.int64) for key in names}
+
+
+def _product_columns(**choices) -> dict[str, np.ndarray]:
+    """Every combination of the choices as int64 columns, in nested-loop order (first keyword outermost)."""
+    grids = np.meshgrid(*[np.asarray(values, dtype=np.int64) for values in choices.values()], indexing="ij")
+    return {key: grid.ravel() for key, grid in zip(choices, grids)}
+
+
+def mainloop_columns(m, n, k, knobs) -> dict:
+    """Per-block resources of the shared main loop for an (m x n x k) problem.
+
+    ``knobs`` values are ints or equal-length numpy arrays (one entry per configuration); the results follow
+    suit, so one definition serves a single configuration and a whole knob space at once."""
     bm = 16 * knobs["warps_m"] * knobs["frag_m"]
     bn = 16 * knobs["warps_n"] * knobs["frag_n"]
     bk = 16 * knobs["k_frags"]
@@ -41,40 +56,41 @@ def mainloop_resources(m, n, k, knobs) -> dict:
     return {
         "block_m": bm, "block_n": bn, "block_k": bk, "threads": threads,
         # the staging tile reuses the pipeline buffers once the k loop is done (TVM's storage rewrite)
-        "shared_bytes": max(pipeline, staging),
+        "shared_bytes": np.maximum(pipeline, staging),
         "acc_registers": 8 * knobs["frag_m"] * knobs["frag_n"],
         "operand_registers": 8 * (knobs["frag_m"] + knobs["frag_n"]),
         "grid": (m // bm) * (n // bn),
     }
 
 
-def mainloop_tiles_ok(m, n, k, knobs) -> bool:
-    """Whether the tiles divide the problem and the copies/epilogue divide over the threads."""
-    res = mainloop_resources(m, n, k, knobs)
+def mainloop_resources(m, n, k, knobs) -> dict:
+    """:func:`mainloop_columns` of one configuration, as plain ints (JSON-ready)."""
+    return {key: int(value) for key, value in mainloop_columns(m, n, k, knobs).items()}
+
+
+def mainloop_tiles_ok(m, n, k, knobs):
+    """Whether the tiles divide the problem and the copies/epilogue divide over the threads (elementwise when
+    ``knobs`` holds arrays)."""
+    res = mainloop_columns(m, n, k, knobs)
     bm, bn, bk, threads = res["block_m"], res["block_n"], res["block_k"], res["threads"]
     copy_vec = COPY_BYTES // ELEM_BYTES
-    return (m % bm == 0 and n % bn == 0 and k % bk == 0
-            and (bm * bk) % (threads * copy_vec) == 0 and (bn * bk) % (threads * copy_vec) == 0
-            and (bm * bn) % (threads * knobs["vec"]) == 0
-            and res["acc_registers"] <= MAX_ACC_REGISTERS)
+    return ((m % bm == 0) & (n % bn == 0) & (k % bk == 0)
+            & ((bm * bk) % (threads * copy_vec) == 0) & ((bn * bk) % (threads * copy_vec) == 0)
+            & ((bm * bn) % (threads * knobs["vec"]) == 0)
+            & (res["acc_registers"] <= MAX_ACC_REGISTERS))
 
 
 def mainloop_space(m, n, k, *, warps_n=WARP_CHOICES, frag_n=FRAG_CHOICES) -> list[dict]:
-    """All main-loop configurations that tile (m, n, k); ordered by :func:`rank_key`."""
-    space = []
-    for wm in WARP_CHOICES:
-        for wn in warps_n:
-            for fm in FRAG_CHOICES:
-                for fn in frag_n:
-                    for kf in KFRAG_CHOICES:
-                        for st in STAGE_CHOICES:
-                            for vec in VEC_CHOICES:
-                                knobs = {"warps_m": wm, "frag_m": fm, "warps_n": wn, "frag_n": fn,
-                                         "k_frags": kf, "stages": st, "vec": vec}
-                                if mainloop_tiles_ok(m, n, k, knobs):
-                                    space.append(knobs)
-    space.sort(key=lambda kn: rank_key(m, n, k, kn))
-    return space
+    """All main-loop configurations that tile (m, n, k); ordered by :func:`rank_order`.
+
+    The 1728-combination grid is filtered and ranked as numpy columns (stage 1 of the tuner does this for every
+    GEMM of a model, so a Python call per combination was most of its time); only survivors become dicts."""
+    grid = _product_columns(warps_m=WARP_CHOICES, warps_n=warps_n, frag_m=FRAG_CHOICES, frag_n=frag_n,
+                            k_frags=KFRAG_CHOICES, stages=STAGE_CHOICES, vec=VEC_CHOICES)
+    ok = mainloop_tiles_ok(m, n, k, grid)
+    kept = {key: grid[key][ok] for key in MAINLOOP_KNOBS}
+    rows = np.stack([kept[key] for key in MAINLOOP_KNOBS], axis=1)[rank_order(m, n, k, kept)]
+    return [dict(zip(MAINLOOP_KNOBS, row)) for row in rows.tolist()]
 
 
 # Rough per-SM rates for ordering configurations (mma.sync float16 and L2 -> SM bandwidth on an H200).
@@ -82,26 +98,32 @@ MMA_FLOPS_PER_SM = 4.5e12
 L2_BYTES_PER_SM = 5.0e10
 
 
-def estimate_seconds(m, n, k, knobs, hw: Hardware = H200) -> float:
+def estimate_seconds(m, n, k, knobs, hw: Hardware = H200):
     """A roofline guess for the main loop (not the tuner's calibrated model): waves of blocks, each wave
-    limited by tensor-core rate (scaled by warp-tile efficiency and warps per SM) or by L2 traffic."""
-    res = mainloop_resources(m, n, k, knobs)
-    by_threads = 2048 // res["threads"]
-    by_smem = hw.max_shared_bytes_per_block // max(res["shared_bytes"], 1)
-    per_sm = max(1, min(by_threads, by_smem, math.ceil(res["grid"] / hw.sm_count)))
-    waves = math.ceil(res["grid"] / (hw.sm_count * per_sm))
+    limited by tensor-core rate (scaled by warp-tile efficiency and warps per SM) or by L2 traffic.
+
+    Elementwise when ``knobs`` holds arrays (see :func:`mainloop_columns`)."""
+    res = mainloop_columns(m, n, k, knobs)
+    threads, grid = res["threads"], res["grid"]
+    by_threads = 2048 // threads
+    by_smem = hw.max_shared_bytes_per_block // np.maximum(res["shared_bytes"], 1)
+    per_sm = np.maximum(1, np.minimum(np.minimum(by_threads, by_smem), -(-grid // hw.sm_count)))
+    waves = -(-grid // (hw.sm_count * per_sm))
     fm, fn = knobs["frag_m"], knobs["frag_n"]
-    tile_eff = min(1.0, fm * fn / (fm + fn) / 2)
-    occupancy = min(1.0, per_sm * res["threads"] / 32 / 8)
+    tile_eff = np.minimum(1.0, fm * fn / (fm + fn) / 2)
+    occupancy = np.minimum(1.0, per_sm * threads / 32 / 8)
     compute = per_sm * 2 * res["block_m"] * res["block_n"] * k / (MMA_FLOPS_PER_SM * tile_eff * occupancy)
     memory = per_sm * (res["block_m"] + res["block_n"]) * k * ELEM_BYTES / L2_BYTES_PER_SM
-    return waves * max(compute, memory)
+    return waves * np.maximum(compute, memory)
 
 
-def rank_key(m, n, k, knobs, hw: Hardware = H200):
-    """Order configurations by :func:`estimate_seconds`, then prefer 3 stages, block_k 32, a wide epilogue."""
-    return (round(estimate_seconds(m, n, k, knobs, hw), 7), abs(knobs["stages"] - 3), knobs["k_frags"],
-            -knobs["vec"])
+def rank_order(m, n, k, columns, hw: Hardware = H200) -> np.ndarray:
+    """Indices that order the configurations in ``columns`` (see :func:`knob_columns`) by
+    :func:`estimate_seconds` rounded to 0.1 us, then prefer 3 stages, block_k 32, a wide epilogue.
+
+    The sort is stable, so ties keep the enumeration order."""
+    rounded = np.array([round(t, 7) for t in np.atleast_1d(estimate_seconds(m, n, k, columns, hw)).tolist()])
+    return np.lexsort((-columns["vec"], columns["k_frags"], np.abs(columns["stages"] - 3), rounded))
 
 
 class GemmTemplate(Template):
@@ -166,6 +188,9 @@ class GemmTemplate(Template):
 
     def resources(self, shape, dtype, knobs):
         return mainloop_resources(shape["m"], shape["n"], shape["k"], knobs)
+
+    def resource_columns(self, shape, dtype, space):
+        return mainloop_columns(shape["m"], shape["n"], shape["k"], knob_columns(space))
 
     def _schedule(self, sch, spec, knobs):
         schedule_mainloop(sch, "gemm", dtype=spec["dtype"], b_layout=self.w_layout,

@@ -19,8 +19,8 @@ from tvm import te
 
 from .deferred import row_epilogue
 from .epilogue import LN_EPS, layernorm_np
-from .gemm import (ELEM_BYTES, KFRAG_CHOICES, MAX_ACC_REGISTERS, STAGE_CHOICES, estimate_seconds,
-                   gemm_compute, mainloop_resources)
+from .gemm import (ELEM_BYTES, KFRAG_CHOICES, MAX_ACC_REGISTERS, STAGE_CHOICES, gemm_compute, knob_columns,
+                   mainloop_columns, mainloop_resources, rank_order)
 from .layernorm import layernorm_compute
 from .mainloop import COPY_BYTES, schedule_mainloop
 from .registry import Template, register
@@ -108,12 +108,13 @@ class GemmLayerNormTemplate(Template):
                                 if n % (32 * vec) == 0:
                                     space.append({"warps_m": wm, "frag_m": fm, "warps_n": wn, "frag_n": fn,
                                                   "k_frags": kf, "stages": st, "vec": vec})
-        space.sort(key=lambda kn: (round(estimate_seconds(m, n, k, kn, hw), 7), abs(kn["stages"] - 3),
-                                   kn["k_frags"], -kn["vec"]))
-        return space
+        return [space[i] for i in rank_order(m, n, k, knob_columns(space), hw)] if space else []
 
     def resources(self, shape, dtype, knobs):
         return mainloop_resources(shape["m"], shape["n"], shape["k"], knobs)
+
+    def resource_columns(self, shape, dtype, space):
+        return mainloop_columns(shape["m"], shape["n"], shape["k"], knob_columns(space))
 
     def _schedule(self, sch, spec, knobs):
         sch.compute_inline(sch.get_sblock("y"))

@@ -29,7 +29,7 @@ import tvm
 
 from .epilogue import ACTIVATIONS
 from .gemm import GemmTemplate
-from .registry import H200, Hardware, register
+from .registry import H200, Hardware, Template, register
 from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_N_CHOICES, CONSUMER_REGS, STAGE_CHOICES, THREADS, WgmmaConfig,
                            check_wgmma_shape, wgmma_gemm_primfunc)
 
@@ -85,11 +85,15 @@ class WgmmaGemmTemplate(GemmTemplate):
                 "max_registers_per_thread": CONSUMER_REGS,
                 "grid": (shape["m"] // BLOCK_M) * (shape["n"] // config.block_n)}
 
-    def _fits(self, shape, dtype, knobs, hw: Hardware) -> bool:
+    def resource_columns(self, shape, dtype, space):
+        # not GemmTemplate's main-loop formulas: these resources come from WgmmaConfig, one knob set at a time
+        return Template.resource_columns(self, shape, dtype, space)
+
+    def _fits_space(self, shape, dtype, space, hw: Hardware):
         # setmaxnreg gives the consumers 232 registers and the producer 40 (the per-SM file holds one block)
-        res = self.resources(shape, dtype, knobs)
-        return (res["threads"] <= hw.max_threads_per_block and res["shared_bytes"] <= hw.max_shared_bytes_per_block
-                and res["acc_registers"] + 40 <= CONSUMER_REGS)
+        res = self.resource_columns(shape, dtype, space)
+        return ((res["threads"] <= hw.max_threads_per_block) & (res["shared_bytes"] <= hw.max_shared_bytes_per_block)
+                & (res["acc_registers"] + 40 <= CONSUMER_REGS))
 
     def _schedule(self, sch, spec, knobs):
         raise ValueError(f"{self.name} is a thread-level kernel with nothing to schedule: build "

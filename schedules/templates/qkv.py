@@ -13,7 +13,7 @@ import numpy as np
 from tvm import te
 
 from .deferred import cooperative
-from .gemm import gemm_compute, mainloop_space, mainloop_resources
+from .gemm import gemm_compute, knob_columns, mainloop_columns, mainloop_space, mainloop_resources
 from .mainloop import schedule_mainloop
 from .registry import Template, register
 
@@ -96,6 +96,10 @@ class QKVTemplate(Template):
     def resources(self, shape, dtype, knobs):
         b, s, h, d, m, hidden = _dims(shape)
         return mainloop_resources(m, 3 * hidden, hidden, knobs)
+
+    def resource_columns(self, shape, dtype, space):
+        b, s, h, d, m, hidden = _dims(shape)
+        return mainloop_columns(m, 3 * hidden, hidden, knob_columns(space))
 
     def _schedule(self, sch, spec, knobs):
         schedule_mainloop(sch, "gemm", dtype=spec["dtype"], b_layout=self.w_layout,

@@ -42,6 +42,16 @@ class Hardware:
 H200 = Hardware()
 
 
+def fits_hardware(res: Mapping, hw: Hardware):
+    """Whether configurations with resources ``res`` (scalars, or columns from :meth:`Template.resource_columns`)
+    fit ``hw``'s thread, shared-memory and register limits; elementwise for columns."""
+    threads = res["threads"]
+    # accumulators + operands + addressing must fit the per-thread and per-SM register files
+    regs = res.get("acc_registers", 0) + res.get("operand_registers", 0) + 40
+    return ((threads <= hw.max_threads_per_block) & (res["shared_bytes"] <= hw.max_shared_bytes_per_block)
+            & (regs <= hw.max_registers_per_thread) & (regs * threads <= hw.registers_per_sm))
+
+
 def check_dtype(dtype: str) -> str:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -111,7 +121,9 @@ class Template:
         shape = check_shape(shape, self.shape_keys, self.name)
         check_dtype(dtype)
         self._check(shape)
-        space = [k for k in self._knob_space(shape, dtype, hw) if self._fits(shape, dtype, k, hw)]
+        space = self._knob_space(shape, dtype, hw)
+        fits = self._fits_space(shape, dtype, space, hw) if space else []
+        space = [knobs for knobs, ok in zip(space, fits) if ok]
         if not space:
             raise ValueError(f"{self.name}: no configuration fits shape {shape} ({dtype}) on {hw.name}")
         return space
@@ -125,13 +137,19 @@ class Template:
         per thread), grid (blocks launched)."""
         raise NotImplementedError
 
-    def _fits(self, shape, dtype, knobs, hw: Hardware) -> bool:
-        res = self.resources(shape, dtype, knobs)
-        if res["threads"] > hw.max_threads_per_block or res["shared_bytes"] > hw.max_shared_bytes_per_block:
-            return False
-        # accumulators + operands + addressing must fit the per-thread and per-SM register files
-        regs = res.get("acc_registers", 0) + res.get("operand_registers", 0) + 40
-        return regs <= hw.max_registers_per_thread and regs * res["threads"] <= hw.registers_per_sm
+    def resource_columns(self, shape: Mapping[str, int], dtype: str, space: Sequence[Mapping]
+                         ) -> dict[str, np.ndarray]:
+        """:meth:`resources` of every configuration in ``space`` (non-empty), one numpy column per key.
+
+        This default asks :meth:`resources` once per configuration; families whose resources are plain arithmetic
+        on the knobs override it with array formulas, so that :meth:`knob_space` and the tuner's cost model
+        check and price spaces of a thousand configurations without a Python call for each."""
+        rows = [self.resources(shape, dtype, knobs) for knobs in space]
+        return {key: np.array([row[key] for row in rows]) for key in rows[0]}
+
+    def _fits_space(self, shape, dtype, space, hw: Hardware):
+        """Which configurations of ``space`` (non-empty) fit ``hw``: a boolean per configuration."""
+        return fits_hardware(self.resource_columns(shape, dtype, space), hw)
 
     # ---- scheduling -------------------------------------------------------------------------------
     def apply(self, sch: s_tir.Schedule, knobs: Mapping) -> None:

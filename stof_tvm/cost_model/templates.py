@@ -15,6 +15,7 @@ block tile ``block_m x block_n x block_k``), its useful flops and its arguments.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Mapping
 
 import numpy as np
@@ -47,8 +48,9 @@ def template_hardware(hw: HardwareProfile):
                     max_registers_per_thread=hw.regs_per_thread)
 
 
-def _pipeline_factor(stages) -> float:
-    return 1.0 if not stages or stages < 3 else 0.5 * (1.0 + 1.0 / (stages - 1))
+def _pipeline_factor(stages: np.ndarray) -> np.ndarray:
+    """Main-loop latency factor per pipeline depth: 1 below 3 stages (0: no pipeline), 0.5*(1 + 1/(stages-1))."""
+    return np.where(stages < 3, 1.0, 0.5 * (1.0 + 1.0 / np.maximum(stages - 1, 1)))
 
 
 def _invariants(template, shape, dtype) -> tuple[float, float, float, float]:
@@ -60,33 +62,44 @@ def _invariants(template, shape, dtype) -> tuple[float, float, float, float]:
     return float(template.flops(shape)), sum(nbytes), sum(nbytes[-n_out:]), sum(sizes[-n_out:])
 
 
-def _launch_terms(res: Mapping, knobs: Mapping, invariants, dtype: str, cal: Calibration) -> tuple:
-    """(threads, smem, registers, grid, tc flops/block, CUDA ops/block, latency cycles/block, DRAM, L2)."""
+def _launch_columns(template, shape, dtype: str, space, invariants, cal: Calibration) -> list[np.ndarray]:
+    """(threads, smem, registers, grid, tc flops/block, CUDA ops/block, latency cycles/block, DRAM, L2) of every
+    knob set in ``space``, one float64 column each.
+
+    Computed from :meth:`Template.resource_columns` as array arithmetic: stage 1 prices every knob set of every
+    GEMM of a model (about a thousand each), where a Python call per knob set dominated the model's time."""
+    from ..schedules.templates import Template
+
     flops, dram, out_bytes, out_elems = invariants
-    grid = max(int(res["grid"]), 1)
+    # a duck-typed template with only resources() gets the Template base's one-call-per-knob-set columns
+    columns = getattr(template, "resource_columns", None) or partial(Template.resource_columns, template)
+    res = columns(shape, dtype, space)
+    stages = np.array([knobs.get("stages") or 0 for knobs in space])
+    grid = np.maximum(res["grid"], 1)
     eb = _DTYPE_BYTES.get(dtype, 2)
     per_block = flops / grid
-    bm, bn, bk = res.get("block_m"), res.get("block_n"), res.get("block_k")
-    if bm and bn and bk:
+    if "block_m" in res:  # a tiled main loop: count its k steps and the panels every block reads through L2
+        bm, bn, bk = res["block_m"], res["block_n"], res["block_k"]
         trips = per_block / (2.0 * bm * bn * bk)
         l2 = grid * trips * (bm + bn) * bk * eb + out_bytes
     else:
         trips, l2 = 0.0, dram
-    regs = int(res.get("acc_registers", 0) + res.get("operand_registers", 0) + _ADDRESSING_REGISTERS)
-    latency = trips * cal.gemm_iter_cycles * _pipeline_factor(knobs.get("stages")) + cal.block_cycles
-    return (int(res["threads"]), int(res["shared_bytes"]), regs, grid, per_block, cal.epilogue_ops * out_elems / grid,
-            latency, dram, l2)
+    regs = res.get("acc_registers", 0) + res.get("operand_registers", 0) + _ADDRESSING_REGISTERS
+    latency = trips * cal.gemm_iter_cycles * _pipeline_factor(stages) + cal.block_cycles
+    terms = (res["threads"], res["shared_bytes"], regs, grid, per_block, cal.epilogue_ops * out_elems / grid,
+             latency, dram, l2)
+    return [np.broadcast_to(np.asarray(term, dtype=np.float64), grid.shape) for term in terms]
 
 
 def template_work(template, shape: Mapping[str, int], dtype: str, knobs: Mapping,
                   cal: Calibration = DEFAULT_CALIBRATION) -> KernelWork:
     """The :class:`KernelWork` of ``template`` at ``shape``/``dtype`` with ``knobs``."""
     invariants = _invariants(template, shape, dtype)
-    threads, smem, regs, grid, tc, cuda, latency, dram, l2 = _launch_terms(
-        template.resources(shape, dtype, knobs), knobs, invariants, dtype, cal)
+    threads, smem, regs, grid, tc, cuda, latency, dram, l2 = (
+        float(column[0]) for column in _launch_columns(template, shape, dtype, [knobs], invariants, cal))
     return KernelWork(
-        name=f"{template.name} " + " ".join(f"{k}={v}" for k, v in knobs.items()), threads=threads,
-        smem_bytes=smem, regs_per_thread=regs, count=np.array([float(grid)]), tc_flops=np.array([tc]),
+        name=f"{template.name} " + " ".join(f"{k}={v}" for k, v in knobs.items()), threads=int(threads),
+        smem_bytes=int(smem), regs_per_thread=int(regs), count=np.array([grid]), tc_flops=np.array([tc]),
         cuda_ops=np.array([cuda]), latency_cycles=np.array([latency]), dram_bytes=dram, l2_bytes=l2,
         useful_flops=invariants[0])
 
@@ -102,15 +115,15 @@ def rank_template(template, shape: Mapping[str, int], dtype: str = "float16", hw
     if not space:
         return []
     invariants = _invariants(template, shape, dtype)
-    columns = np.array([_launch_terms(template.resources(shape, dtype, k), k, invariants, dtype, cal)
-                        for k in space], dtype=np.float64).T
-    times = predict_uniform(*columns, hw=hw, cal=cal)
-    order = [int(i) for i in np.argsort(times, kind="stable") if np.isfinite(times[i])]
+    times = predict_uniform(*_launch_columns(template, shape, dtype, space, invariants, cal), hw=hw, cal=cal)
+    order = np.argsort(times, kind="stable")
+    order = order[np.isfinite(times[order])].tolist()
+    seconds = times.tolist()  # Python floats: indexing numpy scalars a thousand times costs milliseconds
     ranked = []
     for rank, i in enumerate(order):
         if rank < explain_top:
             prediction = predict(template_work(template, shape, dtype, space[i], cal), hw, cal)
         else:
-            prediction = Prediction(f"{template.name} {space[i]}", float(times[i]), True)
+            prediction = Prediction(f"{template.name} {space[i]}", seconds[i], True)
         ranked.append(RankedKnobs(dict(space[i]), prediction))
     return ranked
