@@ -31,7 +31,9 @@ random token ids and CUDA-event / time_evaluator medians after warm-up:
 
 - every artifact above (module time, time_evaluator; a variant that fails to load or run is reported, not fatal);
 - ``torch-eager``: a PyTorch BERT with the same weights, fp16, SDPA with the boolean mask;
-- ``torch-flex``: the same model with FlexAttention (compiled, BlockMask built from the same mask).
+- ``torch-flex``: the same model with FlexAttention (compiled, BlockMask built from the same mask);
+- ``torch-compile`` (``--torch-compile``): the whole FlexAttention forward through ``torch.compile``
+  (``dynamic=False``, ``mode="reduce-overhead"``: inductor kernels replayed as a CUDA graph).
 
 Every output is checked against the PyTorch model in float32 (relative Frobenius error) in the same run; only
 variants within ``--tolerance`` count towards "ours best". GPT-2, the T5 encoder and ViT need torch's ONNX
@@ -210,13 +212,23 @@ def run(args) -> None:
             row = {"model": name, "batch": batch, "seq_len": seq_len, "mask": MASK}
             with torch.no_grad():
                 ref = torch_bert(float_weights, cfg, keep, torch.float32, "sdpa")(ids_t, names).cpu().numpy()
-                for label, attention in (("torch-eager", "sdpa"), ("torch-flex", "flex")):
+                baselines = [("torch-eager", "sdpa", None), ("torch-flex", "flex", None)]
+                if args.torch_compile:
+                    baselines.append(("torch-compile", "flex", "reduce-overhead"))
+                for label, attention, mode in baselines:
                     fwd = torch_bert(float_weights, cfg, keep, torch.float16, attention)
+                    if mode is not None:  # the whole forward through inductor, replayed as a CUDA graph
+                        fwd = torch.compile(fwd, dynamic=False, mode=mode)
+                    t_compile = time.time()
                     out = fwd(ids_t, names)
+                    if mode is not None:
+                        print(f"  {label}: compiled in {time.time() - t_compile:.0f} s", flush=True)
                     row[label + "_err"] = _rel_err(out.float().cpu().numpy(), ref)
                     row[label + "_ms"] = _cuda_time(lambda: fwd(ids_t, names), args.warmup, args.iters)
                     del fwd, out
             for variant, label in LABELS.items():
+                if variant not in args.variants:
+                    continue
                 path = _artifact_dir(name, batch, seq_len, variant)
                 if not os.path.isdir(path):
                     print(f"  skip {label}: no artifact at {path}", flush=True)
@@ -226,7 +238,7 @@ def run(args) -> None:
                 except Exception as err:     # one broken variant must not cost the rest of the run
                     row[label + "_failed"] = f"{type(err).__name__}: {err}"[:400]
                     print(f"  {label} failed: {row[label + '_failed']}", flush=True)
-            torch_best = min(row["torch-eager_ms"], row["torch-flex_ms"])
+            torch_best = min(row[label + "_ms"] for label, _, _ in baselines)
             ours = min((row[k + "_ms"] for k in OURS if k + "_ms" in row and row[k + "_err"] < args.tolerance),
                        default=None)
             if ours is not None:
@@ -259,7 +271,7 @@ def _time_artifact(row, label, path, runtime, all_weights, ids, pad, ref, args) 
 
 
 def _print_table(results: list[dict]) -> None:
-    cols = list(LABELS.values()) + ["torch-eager", "torch-flex"]
+    cols = list(LABELS.values()) + ["torch-eager", "torch-flex", "torch-compile"]
     print("\nmodel       B     S  " + "".join(f"{c + ' ms':>24}" for c in cols) + "  vs torch  vs tvm   max err")
     for row in results:
         cells = "".join(f"{row.get(c + '_ms', float('nan')):24.3f}" for c in cols)
@@ -277,11 +289,13 @@ def main(argv=None) -> int:
         p = sub.add_parser(step)
         p.add_argument("--models", nargs="+", default=["bert-base"])
         p.add_argument("--shapes", nargs="+", type=_shape_arg, default=[(1, 128), (8, 512), (16, 2048)])
+        p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     sub.choices["build"].add_argument("--kernel", default="auto", choices=["auto", "block", "row"])
-    sub.choices["build"].add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     sub.choices["run"].add_argument("--warmup", type=int, default=5)
     sub.choices["run"].add_argument("--iters", type=int, default=20)
     sub.choices["run"].add_argument("--json", help="write the results here")
+    sub.choices["run"].add_argument("--torch-compile", action="store_true",
+                                    help="also time torch.compile of the whole forward (FlexAttention, CUDA graphs)")
     sub.choices["run"].add_argument("--tolerance", type=float, default=2e-2,
                                     help="largest relative error of a variant that counts as correct")
     args = parser.parse_args(argv)

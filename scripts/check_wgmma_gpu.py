@@ -190,6 +190,7 @@ def _run_case(case, modules, torch, tvm, dev, iters) -> dict:
     row["cublas_ms"] = _median_ms(torch, lambda: _torch_epilogue(torch, base, torch.matmul(a, w.T), bias), iters)
     for key in case["modules"]:
         info = modules[key]
+        print(f"{key}: launching", flush=True)  # a kernel that hangs is the last one named
         entry = {"kind": info["kind"], "knobs": info["knobs"], "registers": info["registers"]}
         try:
             func = tvm.runtime.load_module(str(OUT / info["library"]))[info["function"]]
@@ -205,6 +206,8 @@ def _run_case(case, modules, torch, tvm, dev, iters) -> dict:
         entry["rel_err"] = err
         entry["finite"] = bool(torch.isfinite(out).all())
         entry["correct"] = entry["finite"] and err < TOL[dtype]
+        if not entry["correct"]:
+            entry["diagnosis"] = _diagnose(torch, out.float(), ref)
         if entry["correct"]:
             entry["ms"] = _median_ms(torch, lambda: func(*tv), iters)
             entry["tflops"] = flops / entry["ms"] / 1e9
@@ -215,6 +218,20 @@ def _run_case(case, modules, torch, tvm, dev, iters) -> dict:
                  if entry["correct"] else ""), flush=True)
     row["cublas_tflops"] = flops / row["cublas_ms"] / 1e9
     return row
+
+
+def _diagnose(torch, out, ref) -> dict:
+    """Where a wrong output is wrong: which rows (mod 128) and columns (mod 256) hold bad elements, and a sample.
+    One GPU run then says whether a layout, a pipeline slot or the epilogue is at fault."""
+    bad = ~torch.isclose(out, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().mean()))
+    rows, cols = bad.nonzero(as_tuple=True)
+    hist = lambda idx, mod: torch.bincount(idx % mod, minlength=mod).tolist()  # noqa: E731
+    return {"bad_fraction": float(bad.float().mean()), "nan_fraction": float(torch.isnan(out).float().mean()),
+            "bad_rows_mod128": hist(rows, 128) if rows.numel() else [],
+            "bad_cols_mod256": hist(cols, 256) if cols.numel() else [],
+            "bad_row_blocks": torch.unique(rows // 128).tolist()[:16],
+            "sample_out": out[0, :8].tolist(), "sample_ref": ref[0, :8].tolist(),
+            "ratio_mean_bad": float((out[bad] / ref[bad]).nanmean()) if rows.numel() else 1.0}
 
 
 def _best(row, kind):
