@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from stof_tvm.cost_model.core import DEFAULT_CALIBRATION, predict, predict_uniform
-from stof_tvm.cost_model.templates import rank_template, template_hardware, template_work
+from stof_tvm.cost_model.templates import rank_template, template_calibration, template_hardware, template_work
 from stof_tvm.hardware import H200
 from stof_tvm.schedules.templates import TEMPLATES
 from stof_tvm.schedules.templates import gemm
@@ -84,18 +84,19 @@ def _reference_ranking(template, shape, dtype, space, cal=DEFAULT_CALIBRATION):
         res = template.resources(shape, dtype, kn)
         grid = max(res["grid"], 1)
         per_block = flops / grid
-        trips, l2 = 0.0, dram
+        trips, l2, smem = 0.0, dram, 0.0
         if "block_m" in res:
             bm, bn, bk = res["block_m"], res["block_n"], res["block_k"]
             trips = per_block / (2.0 * bm * bn * bk)
             l2 = grid * trips * (bm + bn) * bk * 2 + out_bytes
+            smem = trips * bk * 2 * (bm + bn + bm * kn.get("warps_n", 1) + bn * kn.get("warps_m", 1))
         stages = kn.get("stages") or 0
         pipeline = 1.0 if stages < 3 else 0.5 * (1.0 + 1.0 / (stages - 1))
-        latency = trips * cal.gemm_iter_cycles * pipeline + cal.block_cycles
+        latency = trips * cal.gemm_iter_cycles * pipeline + cal.gemm_block_cycles
         regs = res.get("acc_registers", 0) + res.get("operand_registers", 0) + 40
-        rows.append((res["threads"], res["shared_bytes"], regs, grid, per_block, cal.epilogue_ops * out_elems / grid,
-                     latency, dram, l2))
-    times = predict_uniform(*np.array(rows, dtype=np.float64).T, hw=H200, cal=cal)
+        cuda_ops = cal.epilogue_ops * out_elems / grid + cal.smem_ops_per_byte * smem
+        rows.append((res["threads"], res["shared_bytes"], regs, grid, per_block, cuda_ops, latency, dram, l2))
+    times = predict_uniform(*np.array(rows, dtype=np.float64).T, hw=H200, cal=cal.replace(tc_eff=cal.gemm_tc_eff))
     order = [i for i in np.argsort(times, kind="stable") if np.isfinite(times[i])]
     return [space[i] for i in order], [float(times[i]) for i in order]
 
@@ -124,5 +125,6 @@ def test_knob_space_and_ranking_equal_per_configuration_reference(name, shape):
     assert [r.candidate for r in ranked] == order
     assert [r.time_s for r in ranked] == seconds
     for r in ranked[:8]:  # the explained head: the full model's prediction for the same knob set
-        assert r.prediction == predict(template_work(template, shape, "float16", r.candidate), H200)
+        assert r.prediction == predict(template_work(template, shape, "float16", r.candidate), H200,
+                                       template_calibration(DEFAULT_CALIBRATION))
         assert r.time_s == pytest.approx(seconds[ranked.index(r)], rel=1e-12)

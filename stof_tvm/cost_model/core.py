@@ -51,11 +51,15 @@ class Calibration:
     Row-wise attention: ``pair_ops_per_dim`` operations per kept pair and head-dim element, ``pair_ops_fixed``
     per kept pair and lane, ``step_cycles`` latency per loop step (dependent index -> K -> V loads), ``row_cycles``
     per thread block.
-    GEMM-like templates: ``gemm_iter_cycles`` per K-loop iteration, ``epilogue_ops`` per output element.
+    Fusion templates (:mod:`.templates`; their own constants, so that fitting them leaves the attention model
+    as it is): ``gemm_tc_eff`` achieved share of the tensor-core peak in their main loops (``tc_eff`` of
+    attention), ``gemm_iter_cycles`` fixed latency per K-loop iteration, ``gemm_block_cycles`` per thread block,
+    ``smem_ops_per_byte`` issue cost of one byte moved through shared memory (``cp.async`` fills and ``ldmatrix``
+    reads of the main loop) in CUDA-core operations, ``epilogue_ops`` per output element.
     """
 
     # Fitted on the H200 (scripts/calibrate_model.py: 774 timings of 78 attention problems, 2026-11-30); the
-    # GEMM-template constants are not fitted yet (no template timings).
+    # fusion-template constants (gemm_*, smem_ops_per_byte, epilogue_ops) by scripts/calibrate_templates.py.
     tc_eff: float = 0.742
     cc_eff: float = 0.999
     warps_to_saturate: float = 1.0
@@ -72,7 +76,10 @@ class Calibration:
     pair_ops_fixed: float = 14.0
     step_cycles: float = 1026.0
     row_cycles: float = 1205.0
+    gemm_tc_eff: float = 0.742
     gemm_iter_cycles: float = 200.0
+    gemm_block_cycles: float = 4068.0
+    smem_ops_per_byte: float = 0.0
     epilogue_ops: float = 4.0
 
     def __post_init__(self):

@@ -4,8 +4,11 @@ A template (:mod:`stof_tvm.schedules.templates`) reports, per knob set, its thre
 (``resources()``: threads, shared memory, accumulator and operand registers, grid, and for tiled main loops the
 block tile ``block_m x block_n x block_k``), its useful flops and its arguments. From those:
 
-- tensor-core flops per block = ``flops / grid``; main-loop trips = those flops over one ``2*BM*BN*BK`` step,
-  each with a fixed latency (shorter with deeper pipelines); epilogue operations per output element;
+- tensor-core flops per block = ``flops / grid`` (at the templates' own efficiency ``gemm_tc_eff``); main-loop
+  trips = those flops over one ``2*BM*BN*BK`` step, each with a fixed latency (shorter with deeper pipelines);
+- shared-memory traffic per block: per trip, the ``cp.async`` fill of both panels ``(BM + BN) * BK`` and the
+  warps' ``ldmatrix`` reads ``(BM * warps_n + BN * warps_m) * BK`` (small warp tiles re-read more), priced as
+  CUDA-core issue slots (``smem_ops_per_byte``), plus epilogue operations per output element;
 - L2 traffic = every block's A and W panels (``(BM + BN) * K``) plus its outputs; DRAM = the arguments once;
 - registers = accumulators + operands + addressing; configurations past the register, shared-memory or thread
   limits are infeasible (the template's own space already drops most).
@@ -23,7 +26,7 @@ import numpy as np
 from ..hardware import H200, HardwareProfile
 from .core import DEFAULT_CALIBRATION, Calibration, KernelWork, Prediction, predict, predict_uniform
 
-__all__ = ["template_hardware", "template_work", "rank_template", "RankedKnobs"]
+__all__ = ["template_hardware", "template_calibration", "template_work", "price_knobs", "rank_template", "RankedKnobs"]
 
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 _ADDRESSING_REGISTERS = 40
@@ -46,6 +49,12 @@ def template_hardware(hw: HardwareProfile):
     return Hardware(name=hw.name, sm_count=hw.sm_count, max_threads_per_block=hw.threads_per_block,
                     max_shared_bytes_per_block=hw.smem_per_block, registers_per_sm=hw.regs_per_sm,
                     max_registers_per_thread=hw.regs_per_thread)
+
+
+def template_calibration(cal: Calibration) -> Calibration:
+    """``cal`` as the templates' kernels are priced: the tensor-core efficiency of their main loops
+    (``gemm_tc_eff``) in place of attention's ``tc_eff``; every other constant as it is."""
+    return cal.replace(tc_eff=cal.gemm_tc_eff)
 
 
 def _pipeline_factor(stages: np.ndarray) -> np.ndarray:
@@ -75,6 +84,8 @@ def _launch_columns(template, shape, dtype: str, space, invariants, cal: Calibra
     columns = getattr(template, "resource_columns", None) or partial(Template.resource_columns, template)
     res = columns(shape, dtype, space)
     stages = np.array([knobs.get("stages") or 0 for knobs in space])
+    warps_m = np.array([knobs.get("warps_m", 1) for knobs in space], dtype=np.float64)
+    warps_n = np.array([knobs.get("warps_n", 1) for knobs in space], dtype=np.float64)
     grid = np.maximum(res["grid"], 1)
     eb = _DTYPE_BYTES.get(dtype, 2)
     per_block = flops / grid
@@ -82,18 +93,20 @@ def _launch_columns(template, shape, dtype: str, space, invariants, cal: Calibra
         bm, bn, bk = res["block_m"], res["block_n"], res["block_k"]
         trips = per_block / (2.0 * bm * bn * bk)
         l2 = grid * trips * (bm + bn) * bk * eb + out_bytes
+        smem = trips * bk * eb * ((bm + bn) + bm * warps_n + bn * warps_m)
     else:
-        trips, l2 = 0.0, dram
+        trips, l2, smem = 0.0, dram, 0.0
     regs = res.get("acc_registers", 0) + res.get("operand_registers", 0) + _ADDRESSING_REGISTERS
-    latency = trips * cal.gemm_iter_cycles * _pipeline_factor(stages) + cal.block_cycles
-    terms = (res["threads"], res["shared_bytes"], regs, grid, per_block, cal.epilogue_ops * out_elems / grid,
-             latency, dram, l2)
+    latency = trips * cal.gemm_iter_cycles * _pipeline_factor(stages) + cal.gemm_block_cycles
+    cuda_ops = cal.epilogue_ops * out_elems / grid + cal.smem_ops_per_byte * smem
+    terms = (res["threads"], res["shared_bytes"], regs, grid, per_block, cuda_ops, latency, dram, l2)
     return [np.broadcast_to(np.asarray(term, dtype=np.float64), grid.shape) for term in terms]
 
 
 def template_work(template, shape: Mapping[str, int], dtype: str, knobs: Mapping,
                   cal: Calibration = DEFAULT_CALIBRATION) -> KernelWork:
-    """The :class:`KernelWork` of ``template`` at ``shape``/``dtype`` with ``knobs``."""
+    """The :class:`KernelWork` of ``template`` at ``shape``/``dtype`` with ``knobs`` (price it with
+    :func:`predict` under :func:`template_calibration` of the same ``cal``)."""
     invariants = _invariants(template, shape, dtype)
     threads, smem, regs, grid, tc, cuda, latency, dram, l2 = (
         float(column[0]) for column in _launch_columns(template, shape, dtype, [knobs], invariants, cal))
@@ -102,6 +115,17 @@ def template_work(template, shape: Mapping[str, int], dtype: str, knobs: Mapping
         smem_bytes=int(smem), regs_per_thread=int(regs), count=np.array([grid]), tc_flops=np.array([tc]),
         cuda_ops=np.array([cuda]), latency_cycles=np.array([latency]), dram_bytes=dram, l2_bytes=l2,
         useful_flops=invariants[0])
+
+
+def price_knobs(template, shape: Mapping[str, int], dtype: str, space, hw: HardwareProfile = H200,
+                cal: Calibration = DEFAULT_CALIBRATION) -> np.ndarray:
+    """Predicted seconds of every knob set in ``space`` (non-empty), in its order; ``inf`` where infeasible."""
+    space = list(space)
+    if not space:
+        raise ValueError("space must hold at least one knob set")
+    invariants = _invariants(template, shape, dtype)
+    return predict_uniform(*_launch_columns(template, shape, dtype, space, invariants, cal), hw=hw,
+                           cal=template_calibration(cal))
 
 
 def rank_template(template, shape: Mapping[str, int], dtype: str = "float16", hw: HardwareProfile = H200,
@@ -114,15 +138,15 @@ def rank_template(template, shape: Mapping[str, int], dtype: str = "float16", hw
     space = template.knob_space(shape, dtype, template_hardware(hw)) if knob_space is None else list(knob_space)
     if not space:
         return []
-    invariants = _invariants(template, shape, dtype)
-    times = predict_uniform(*_launch_columns(template, shape, dtype, space, invariants, cal), hw=hw, cal=cal)
+    priced = template_calibration(cal)
+    times = price_knobs(template, shape, dtype, space, hw, cal)
     order = np.argsort(times, kind="stable")
     order = order[np.isfinite(times[order])].tolist()
     seconds = times.tolist()  # Python floats: indexing numpy scalars a thousand times costs milliseconds
     ranked = []
     for rank, i in enumerate(order):
         if rank < explain_top:
-            prediction = predict(template_work(template, shape, dtype, space[i], cal), hw, cal)
+            prediction = predict(template_work(template, shape, dtype, space[i], cal), hw, priced)
         else:
             prediction = Prediction(f"{template.name} {space[i]}", seconds[i], True)
         ranked.append(RankedKnobs(dict(space[i]), prediction))
