@@ -24,7 +24,8 @@ TORCH_PYTHON = os.environ.get("STOF_TORCH_PYTHON", "/work/torchvenv/bin/python")
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_e2e_torch", os.path.join(ROOT, "scripts", "bench_e2e_torch.py"))
+    path = os.path.join(ROOT, "scripts", "bench_e2e_torch.py")
+    spec = importlib.util.spec_from_file_location("bench_e2e_torch", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["bench_e2e_torch"] = module
     spec.loader.exec_module(module)
