@@ -19,11 +19,12 @@ For each model and (B, S), ``build`` compiles these artifacts from the same ONNX
 (fp16; ``--variants`` picks a subset):
 
 - ``ours``: attention kernel chosen from the mask, TVM's dlight schedules for the rest;
-- ``templates``: the same plus the fusion templates on mma.sync for every chain (QKV projection into heads,
+- ``templates``: the same plus the fusion templates on mma.sync (``gemm="mma"``) for every chain (QKV projection into heads,
   GEMM + bias/residual/LayerNorm, GEMM + bias + GELU; knobs: stage 1's top-ranked set, the manifest lists them);
 - ``graph``: ``templates`` with CUDA graphs over the static regions between attention calls;
-- ``wgmma``: ``templates`` with the opt-in Hopper wgmma GEMMs (sm_90a cubins prebuilt here by nvcc and carried
-  in the artifact; their numerics are checked by this run, unverified before it);
+- ``wgmma``: ``templates`` with the Hopper wgmma GEMM and QKV kernels (sm_90a cubins prebuilt here by nvcc and
+  carried in the artifact; what ``compile`` does by default for an sm_90 target), ``wgmma-graph`` the same with
+  CUDA graphs;
 - ``dense``: TVM's default pipeline (dense attention with the mask applied as an input, dlight schedules).
 
 ``run`` regenerates the model's weights (seeded, the same numpy generator as the build) and times, with fresh
@@ -32,8 +33,8 @@ random token ids and CUDA-event / time_evaluator medians after warm-up:
 - every artifact above (module time, time_evaluator; a variant that fails to load or run is reported, not fatal);
 - ``torch-eager``: a PyTorch BERT with the same weights, fp16, SDPA with the boolean mask;
 - ``torch-flex``: the same model with FlexAttention (compiled, BlockMask built from the same mask);
-- ``torch-compile`` (``--torch-compile``): the whole FlexAttention forward through ``torch.compile``
-  (``dynamic=False``, ``mode="reduce-overhead"``: inductor kernels replayed as a CUDA graph).
+- ``torch-compile`` and ``torch-compile-graph`` (``--torch-compile``): the whole FlexAttention forward through
+  ``torch.compile`` (``dynamic=False``), then the same captured into a CUDA graph and replayed.
 
 Every output is checked against the PyTorch model in float32 (relative Frobenius error) in the same run; only
 variants within ``--tolerance`` count towards "ours best". GPT-2, the T5 encoder and ViT need torch's ONNX
@@ -54,15 +55,16 @@ OUT = os.path.join("out", "e2e")
 MASK = "bigbird"
 # artifact variant -> compile options (besides the mask, shape, target and dtype)
 VARIANTS = {
-    "ours": {"kernel": "auto"},
-    "templates": {"kernel": "auto", "templates": True},
-    "graph": {"kernel": "auto", "templates": True, "cuda_graph": True},
+    "ours": {"kernel": "auto", "templates": False},
+    "templates": {"kernel": "auto", "templates": True, "gemm": "mma"},
+    "graph": {"kernel": "auto", "templates": True, "gemm": "mma", "cuda_graph": True},
     "wgmma": {"kernel": "auto", "templates": True, "gemm": "wgmma"},
-    "dense": {"kernel": "dense"},
+    "wgmma-graph": {"kernel": "auto", "templates": True, "gemm": "wgmma", "cuda_graph": True},
+    "dense": {"kernel": "dense", "templates": False},
 }
 LABELS = {"ours": "ours", "templates": "ours+templates", "graph": "ours+templates+graph",
-          "wgmma": "ours+templates-wgmma", "dense": "tvm-dense"}
-OURS = ("ours", "ours+templates", "ours+templates+graph", "ours+templates-wgmma")
+          "wgmma": "ours+templates-wgmma", "wgmma-graph": "ours+templates-wgmma+graph", "dense": "tvm-dense"}
+OURS = tuple(label for variant, label in LABELS.items() if variant != "dense")
 
 
 def _shape_arg(text: str) -> tuple[int, int]:
@@ -181,6 +183,34 @@ def _cuda_time(fn, warmup: int, iters: int) -> float:
     return float(np.median(times))
 
 
+def _torch_variant(torch, forward, ids, names, compiled: bool, graphed: bool):
+    """``forward`` as a no-argument callable: optionally the whole forward through ``torch.compile``
+    (``dynamic=False``; inductor's fused kernels), optionally captured once into a CUDA graph and replayed
+    (no launch overhead: the strongest form for small shapes)."""
+    fn = torch.compile(forward, dynamic=False) if compiled else forward
+    if compiled:
+        start = time.time()
+        fn(ids, names)
+        torch.cuda.synchronize()
+        print(f"  torch.compile: first call {time.time() - start:.0f} s", flush=True)
+    if not graphed:
+        return lambda: fn(ids, names)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as capture requires
+        for _ in range(3):
+            fn(ids, names)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(ids, names)
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
+
+
 def _rel_err(out, ref) -> float:
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
@@ -212,20 +242,20 @@ def run(args) -> None:
             row = {"model": name, "batch": batch, "seq_len": seq_len, "mask": MASK}
             with torch.no_grad():
                 ref = torch_bert(float_weights, cfg, keep, torch.float32, "sdpa")(ids_t, names).cpu().numpy()
-                baselines = [("torch-eager", "sdpa", None), ("torch-flex", "flex", None)]
+                baselines = [("torch-eager", "sdpa", False, False), ("torch-flex", "flex", False, False)]
                 if args.torch_compile:
-                    baselines.append(("torch-compile", "flex", "reduce-overhead"))
-                for label, attention, mode in baselines:
-                    fwd = torch_bert(float_weights, cfg, keep, torch.float16, attention)
-                    if mode is not None:  # the whole forward through inductor, replayed as a CUDA graph
-                        fwd = torch.compile(fwd, dynamic=False, mode=mode)
-                    t_compile = time.time()
-                    out = fwd(ids_t, names)
-                    if mode is not None:
-                        print(f"  {label}: compiled in {time.time() - t_compile:.0f} s", flush=True)
-                    row[label + "_err"] = _rel_err(out.float().cpu().numpy(), ref)
-                    row[label + "_ms"] = _cuda_time(lambda: fwd(ids_t, names), args.warmup, args.iters)
-                    del fwd, out
+                    baselines += [("torch-compile", "flex", True, False), ("torch-compile-graph", "flex", True, True)]
+                for label, attention, compiled, graphed in baselines:
+                    try:
+                        fwd = _torch_variant(torch, torch_bert(float_weights, cfg, keep, torch.float16, attention),
+                                             ids_t, names, compiled, graphed)
+                        out = fwd()
+                        row[label + "_err"] = _rel_err(out.float().cpu().numpy(), ref)
+                        row[label + "_ms"] = _cuda_time(fwd, args.warmup, args.iters)
+                        del fwd, out
+                    except Exception as err:  # a baseline that cannot run is reported, not fatal
+                        row[label + "_failed"] = f"{type(err).__name__}: {err}"[:400]
+                        print(f"  {label} failed: {row[label + '_failed']}", flush=True)
             for variant, label in LABELS.items():
                 if variant not in args.variants:
                     continue
@@ -238,7 +268,7 @@ def run(args) -> None:
                 except Exception as err:     # one broken variant must not cost the rest of the run
                     row[label + "_failed"] = f"{type(err).__name__}: {err}"[:400]
                     print(f"  {label} failed: {row[label + '_failed']}", flush=True)
-            torch_best = min(row[label + "_ms"] for label, _, _ in baselines)
+            torch_best = min(row[label + "_ms"] for label, *_ in baselines if label + "_ms" in row)
             ours = min((row[k + "_ms"] for k in OURS if k + "_ms" in row and row[k + "_err"] < args.tolerance),
                        default=None)
             if ours is not None:
@@ -271,7 +301,7 @@ def _time_artifact(row, label, path, runtime, all_weights, ids, pad, ref, args) 
 
 
 def _print_table(results: list[dict]) -> None:
-    cols = list(LABELS.values()) + ["torch-eager", "torch-flex", "torch-compile"]
+    cols = list(LABELS.values()) + ["torch-eager", "torch-flex", "torch-compile", "torch-compile-graph"]
     print("\nmodel       B     S  " + "".join(f"{c + ' ms':>24}" for c in cols) + "  vs torch  vs tvm   max err")
     for row in results:
         cells = "".join(f"{row.get(c + '_ms', float('nan')):24.3f}" for c in cols)

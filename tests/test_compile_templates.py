@@ -25,7 +25,7 @@ TINY_CALLS = {"qkv_projection_kn": 2, "gemm_kn": 4, "bias_residual_layernorm": 4
 @pytest.fixture(scope="module")
 def tiny_cuda_graph(tiny):
     return stof_tvm.compile(tiny, mask="bigbird", batch=2, seq_len=128, target="cuda", dtype="float16",
-                            templates=True, cuda_graph=True)
+                            templates=True, gemm="mma", cuda_graph=True)
 
 
 def _chains(manifest) -> dict:
@@ -90,12 +90,12 @@ def test_cuda_build_with_graphs_compiles_with_nvcc(tiny_cuda_graph):
 def test_wgmma_build_carries_sm90a_cubins(tiny, tmp_path):
     """Batch 1 also checks that the templates stay opaque to FuseOps (a LayerNorm template absorbing the
     reshapes around it once broke FuseTIR)."""
-    art = stof_tvm.compile(tiny, mask="bigbird", batch=1, seq_len=128, target="cuda", dtype="float16",
-                           templates=True, gemm="wgmma")
+    art = stof_tvm.compile(tiny, mask="bigbird", batch=1, seq_len=128, target="cuda", dtype="float16")
+    # the defaults for CUDA sm_90 in float16: templates on, wgmma GEMMs (nvcc is here)
     assert art.manifest["target"]["arch"] == "sm_90a" and art.manifest["templates"]["gemm"] == "wgmma"
     chains = _chains(art.manifest)
     assert chains["attn_out_ln"] == ["gemm_wgmma", "bias_residual_layernorm"]
-    assert chains["linear_gelu"] == ["gemm_bias_gelu_erf_wgmma"] and chains["qkv"] == ["qkv_projection_kn"]
+    assert chains["linear_gelu"] == ["gemm_bias_gelu_erf_wgmma"] and chains["qkv"] == ["qkv_projection_wgmma"]
     (source,) = cuda_sources(art.executable)
     assert "wgmma.mma_async" in source
     path = art.save(tmp_path / "art", weights=False)
@@ -107,8 +107,25 @@ def test_wgmma_build_carries_sm90a_cubins(tiny, tmp_path):
     assert source_key(source) == key and path
 
 
+@pytest.mark.parametrize("gemm, templates, target, expected", [
+    ("auto", True, {"kind": "cuda", "arch": "sm_90"}, ("wgmma", "sm_90a")),
+    ("auto", True, {"kind": "cuda", "arch": "sm_80"}, ("mma", "sm_80")),
+    ("auto", False, {"kind": "cuda", "arch": "sm_90"}, ("mma", "sm_90")),
+    ("auto", True, {"kind": "llvm"}, ("mma", None)),
+    ("mma", True, {"kind": "cuda", "arch": "sm_90"}, ("mma", "sm_90")),
+])
+def test_gemm_auto_picks_wgmma_only_for_hopper_templates(gemm, templates, target, expected, monkeypatch):
+    from stof_tvm.compiler import check_gemm, cubins
+
+    monkeypatch.setattr(cubins, "find_nvcc", lambda: "/usr/bin/nvcc")
+    chosen, tspec = check_gemm(gemm, templates, target)
+    assert (chosen, tspec.get("arch")) == expected
+    monkeypatch.setattr(cubins, "find_nvcc", lambda: None)     # no nvcc to prebuild sm_90a cubins: mma.sync
+    assert check_gemm("auto", True, {"kind": "cuda", "arch": "sm_90"})[0] == "mma"
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"gemm": "wgmma", "target": "cuda"}, ValueError, "needs templates=True"),
+    ({"gemm": "wgmma", "templates": False, "target": "cuda"}, ValueError, "needs templates=True"),
     ({"gemm": "wgmma", "templates": True, "target": "llvm"}, ValueError, "Hopper"),
     ({"gemm": "wgmma", "templates": True, "target": {"kind": "cuda", "arch": "sm_80"}}, ValueError, "sm_90"),
     ({"gemm": "tensor", "templates": True}, ValueError, "gemm: expected"),

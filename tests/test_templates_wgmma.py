@@ -55,6 +55,23 @@ def test_every_configuration_fits_the_h200(shape):
     assert {"block_n": 256, "stages": 5} not in space
 
 
+@pytest.mark.parametrize("knobs", [{"block_n": 128, "stages": 2}, {"block_n": 256, "stages": 4}])
+def test_kernel_launch_reserves_the_whole_shared_ring(knobs):
+    """The host launches the kernel with the ring's dynamic shared size (buffer compaction once cut it to 8
+    bytes, which only the GPU noticed, as an illegal address)."""
+    from stof_tvm.schedules.templates.build import cuda_target
+    from stof_tvm.schedules.templates.wgmma_kernel import WgmmaConfig
+
+    t = get_template("gemm_wgmma")
+    shape = {"m": 256, "n": 512, "k": 128}
+    target = tvm.target.Target(cuda_target("sm_90a"))
+    mod = tvm.IRModule({"main": t.kernel(shape, "float16", knobs)})
+    with target:
+        lowered = tvm.tirx.get_tir_pipeline("default")[0](tvm.tirx.transform.BindTarget(target)(mod))
+    launches = re.findall(r'call_ffi_kernel\("gemm_wgmma_kernel".*?T\.int64\((\d+)\)', lowered.script())
+    assert launches == [str(WgmmaConfig(**knobs).shared_bytes)]
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda t: t.kernel({"m": 100, "n": 256, "k": 64}), "multiple of 128"),
     (lambda t: t.kernel({"m": 128, "n": 256, "k": 48}), "multiple of 64"),

@@ -29,6 +29,7 @@ import tvm
 
 from .epilogue import ACTIVATIONS
 from .gemm import GemmTemplate
+from .qkv import QKVTemplate
 from .registry import H200, Hardware, Template, register
 from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_N_CHOICES, CONSUMER_REGS, STAGE_CHOICES, THREADS, WgmmaConfig,
                            check_wgmma_shape, wgmma_gemm_primfunc)
@@ -36,21 +37,20 @@ from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_N_CHOICES, CONSUMER_REGS, STA
 ARCH = "sm_90a"
 
 
-class WgmmaGemmTemplate(GemmTemplate):
-    """GEMM (+ bias) (+ activation) as the warp-specialized wgmma kernel of :mod:`.wgmma_kernel`."""
+class WgmmaKernelMixin:
+    """What every wgmma template shares: knobs (``block_n``, ``stages``), resources, and the kernel build.
+    A template using it defines ``gemm_dims(shape) -> (m, n, k)`` (how its shape maps to the GEMM) and
+    ``kernel_options(shape) -> dict`` (the rest of :func:`.wgmma_kernel.wgmma_gemm_primfunc`'s arguments);
+    its ``primfunc`` stays the knob-free TensorIR definition."""
 
-    family = "gemm_wgmma"
     knob_names = ("block_n", "stages")
 
-    def __init__(self, bias: bool, act: str):
-        super().__init__(bias=bias, act=act, w_layout="nk")
-        self.name = self.name + "_wgmma"
-        self.description += " (wgmma, sm_90a, opt-in)"
-
-    def _check(self, shape):
-        for key, tile in (("m", BLOCK_M), ("n", min(BLOCK_N_CHOICES)), ("k", BLOCK_K)):
-            if shape[key] % tile:
-                raise ValueError(f"{self.name}: shape[{key!r}] must be a multiple of {tile}, got {shape[key]}")
+    def _check_tiles(self, shape):
+        m, n, k = self.gemm_dims(shape)
+        for key, size, tile in (("m", m, BLOCK_M), ("n", n, min(BLOCK_N_CHOICES)), ("k", k, BLOCK_K)):
+            if size % tile:
+                raise ValueError(f"{self.name}: the GEMM's {key} = {size} must be a multiple of {tile} "
+                                 f"(shape {shape})")
 
     def config(self, knobs) -> WgmmaConfig:
         """The kernel configuration of ``knobs`` (ValueError naming a missing or bad knob)."""
@@ -66,27 +66,27 @@ class WgmmaGemmTemplate(GemmTemplate):
         func = self.primfunc(shape, dtype)  # validates shape and dtype
         knobs = self.default_knobs(shape, dtype) if knobs is None else knobs
         config = self.config(knobs)
-        check_wgmma_shape(shape["m"], shape["n"], shape["k"], config)
-        kernel = wgmma_gemm_primfunc(shape["m"], shape["n"], shape["k"], dtype, bias=self.bias, act=self.act,
-                                     config=config)
+        m, n, k = self.gemm_dims(shape)
+        check_wgmma_shape(m, n, k, config)
+        kernel = wgmma_gemm_primfunc(m, n, k, dtype, config=config, **self.kernel_options(shape))
         return kernel.with_attr("stof.spec", func.attrs["stof.spec"])
 
     def _knob_space(self, shape, dtype, hw: Hardware = H200):
-        space = [{"block_n": bn, "stages": st} for bn in BLOCK_N_CHOICES for st in STAGE_CHOICES
-                 if shape["n"] % bn == 0]
+        m, n, _ = self.gemm_dims(shape)
+        space = [{"block_n": bn, "stages": st} for bn in BLOCK_N_CHOICES for st in STAGE_CHOICES if n % bn == 0]
         # prefer the wide tile when it still gives every SM a block, then 4 stages
-        blocks = lambda kn: (shape["m"] // BLOCK_M) * (shape["n"] // kn["block_n"])  # noqa: E731
+        blocks = lambda kn: (m // BLOCK_M) * (n // kn["block_n"])  # noqa: E731
         return sorted(space, key=lambda kn: (blocks(kn) < hw.sm_count, -kn["block_n"], abs(kn["stages"] - 4)))
 
     def resources(self, shape, dtype, knobs):
         config = self.config(knobs)
+        m, n, _ = self.gemm_dims(shape)
         return {"block_m": BLOCK_M, "block_n": config.block_n, "block_k": BLOCK_K, "threads": THREADS,
                 "shared_bytes": config.shared_bytes, "acc_registers": config.acc_registers,
-                "max_registers_per_thread": CONSUMER_REGS,
-                "grid": (shape["m"] // BLOCK_M) * (shape["n"] // config.block_n)}
+                "max_registers_per_thread": CONSUMER_REGS, "grid": (m // BLOCK_M) * (n // config.block_n)}
 
     def resource_columns(self, shape, dtype, space):
-        # not GemmTemplate's main-loop formulas: these resources come from WgmmaConfig, one knob set at a time
+        # not the mma.sync main-loop formulas: these resources come from WgmmaConfig, one knob set at a time
         return Template.resource_columns(self, shape, dtype, space)
 
     def _fits_space(self, shape, dtype, space, hw: Hardware):
@@ -100,9 +100,56 @@ class WgmmaGemmTemplate(GemmTemplate):
                          f"get_template({self.name!r}).kernel(shape, dtype, knobs) for arch {ARCH!r}")
 
 
+class WgmmaGemmTemplate(WgmmaKernelMixin, GemmTemplate):
+    """GEMM (+ bias) (+ activation) as the warp-specialized wgmma kernel of :mod:`.wgmma_kernel`."""
+
+    family = "gemm_wgmma"
+
+    def __init__(self, bias: bool, act: str):
+        super().__init__(bias=bias, act=act, w_layout="nk")
+        self.name = self.name + "_wgmma"
+        self.description += " (wgmma, sm_90a)"
+
+    def _check(self, shape):
+        self._check_tiles(shape)
+
+    def gemm_dims(self, shape):
+        return shape["m"], shape["n"], shape["k"]
+
+    def kernel_options(self, shape):
+        return {"bias": self.bias, "act": self.act}
+
+
+class WgmmaQKVTemplate(WgmmaKernelMixin, QKVTemplate):
+    """The QKV projection into [3, B, H, S, D] (the ``qkv_projection`` definition, W [3*H*D, H*D]) on wgmma:
+    the same kernel as the GEMMs, with the epilogue storing each element at its head-major place."""
+
+    family = "qkv_wgmma"
+
+    def __init__(self):
+        super().__init__(w_layout="nk")
+        self.name = "qkv_projection_wgmma"
+        self.description += " (wgmma, sm_90a)"
+
+    def _check(self, shape):
+        super()._check(shape)
+        self._check_tiles(shape)
+        if shape["head_dim"] % 2:
+            raise ValueError(f"{self.name}: head_dim must be even, got {shape['head_dim']}")
+
+    def gemm_dims(self, shape):
+        hidden = shape["heads"] * shape["head_dim"]
+        return shape["batch"] * shape["seq"], 3 * hidden, hidden
+
+    def kernel_options(self, shape):
+        return {"bias": True, "act": "none",
+                "heads": tuple(shape[key] for key in ("batch", "seq", "heads", "head_dim"))}
+
+
 register(WgmmaGemmTemplate(bias=False, act="none"))
 for _act in ACTIVATIONS:
     register(WgmmaGemmTemplate(bias=True, act=_act))
+register(WgmmaQKVTemplate())
 
 
 def build_kernel(name: str, shape, dtype: str = "float16", knobs=None):
@@ -112,7 +159,7 @@ def build_kernel(name: str, shape, dtype: str = "float16", knobs=None):
     from .registry import get_template
 
     template = get_template(name)
-    if not isinstance(template, WgmmaGemmTemplate):
+    if not isinstance(template, WgmmaKernelMixin):
         raise ValueError(f"{name!r} is not a wgmma template (names end in '_wgmma')")
     return tvm.compile(tvm.IRModule({"main": template.kernel(shape, dtype, knobs)}), target=cuda_target(ARCH))
 

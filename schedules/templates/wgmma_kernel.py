@@ -100,9 +100,20 @@ def _descriptor(addr):
     return start | lead | stride | layout
 
 
+def _whole(buf, words):
+    """A pointer to ``buf`` that declares all ``words`` elements accessed. Taking ``address_of(buf[0])`` would
+    tell buffer compaction that only element 0 is used: it then shrank the dynamic shared allocation to 8 bytes
+    and the kernel ran off it (illegal address on the H200)."""
+    return T.tvm_access_ptr(T.type_annotation("uint64"), buf.data, 0, words, 3)
+
+
 def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: str,
-                        config: WgmmaConfig) -> tvm.tirx.PrimFunc:
-    """The thread-level CUDA PrimFunc (parameters ``A, W[, bias], out`` like the ``gemm`` templates)."""
+                        config: WgmmaConfig, heads: tuple[int, int, int, int] | None = None) -> tvm.tirx.PrimFunc:
+    """The thread-level CUDA PrimFunc (parameters ``A, W[, bias], out`` like the ``gemm`` templates).
+
+    ``heads = (batch, seq, heads, head_dim)`` makes it the QKV projection: ``n`` is ``3 * heads * head_dim``
+    and the epilogue writes row ``b*seq + s``, column ``w*H*D + h*D + d`` to ``out[w, b, h, s, d]``
+    ([3, B, H, S, D], what the attention kernels read) instead of ``out[row, col]``."""
     if dtype not in PTX_TYPE:
         raise ValueError(f"dtype must be one of {sorted(PTX_TYPE)}, got {dtype!r}")
     check_activation(act)
@@ -121,6 +132,14 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     ab = PTX_TYPE[DT]
     MMA = T.ptx[f"wgmma.mma_async.sync.aligned.m64n{BN}k16.f32.{ab}.{ab}"]
     CP_ASYNC_16 = T.ptx["cp.async.cg.shared.global"]
+    if heads is not None:
+        HB, HS, HH, HD = heads
+        if HB * HS != m or 3 * HH * HD != n or HD % 2:
+            raise ValueError(f"heads={heads} does not match m={m}, n={n} (m = batch*seq, n = 3*heads*head_dim, "
+                             "head_dim even)")
+        OUT_SHAPE = (3, HB, HH, HS, HD)
+    else:
+        OUT_SHAPE = (m, n)
     # ``acc + (-0.0)`` (exact for every value) as a *volatile* asm per accumulator after the final
     # wgmma.wait_group: nvcc keeps volatile asm in order, so the epilogue's reads, which depend on it, cannot
     # be hoisted above the wait (the wait names no registers). Without it nvcc moved the conversions of the
@@ -155,7 +174,12 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             for h in T.unroll(2):
                 for e in T.unroll(2):
                     col: T.let = col0 + j * 8 + (lane % 4) * 2 + e
-                    out[row0 + lane // 4 + 8 * h, col] = epilogue(acc[j * 4 + h * 2 + e], col, bias_buf)
+                    row: T.let = row0 + lane // 4 + 8 * h
+                    if heads is None:
+                        out[row, col] = epilogue(acc[j * 4 + h * 2 + e], col, bias_buf)
+                    else:
+                        out[col // (HH * HD), row // HS, col % (HH * HD) // HD, row % HS, col % HD] = epilogue(
+                            acc[j * 4 + h * 2 + e], col, bias_buf)
 
     @T.macro
     def body(A, W, bias_buf, out):
@@ -164,7 +188,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                 wgmma_smem = T.alloc_buffer((SMEM_WORDS,), "uint64", scope="shared.dyn")
                 acc = T.alloc_buffer((NACC,), "float32", scope="local")
                 flag = T.alloc_buffer((1,), "uint32", scope="local")
-                raw: T.let = T.cuda.cvta_generic_to_shared(T.address_of(wgmma_smem[0]))
+                raw: T.let = T.cuda.cvta_generic_to_shared(_whole(wgmma_smem, SMEM_WORDS))
                 base: T.let = T.bitwise_and(raw + T.uint32(ALIGN - 1), T.uint32(0xFFFFFFFF - (ALIGN - 1)))
                 m0: T.let = (bx // GRID_N) * BLOCK_M
                 n0: T.let = (bx % GRID_N) * BN
@@ -222,7 +246,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             A = T.match_buffer(a_h, (m, k), DT)
             W = T.match_buffer(w_h, (n, k), DT)
             bias_buf = T.match_buffer(bias_h, (n,), DT)
-            out = T.match_buffer(out_h, (m, n), DT)
+            out = T.match_buffer(out_h, OUT_SHAPE, DT)
             body(A, W, bias_buf, out)
     else:
         @T.prim_func
@@ -230,6 +254,6 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             T.func_attr({"tirx.noalias": True, "global_symbol": "gemm_wgmma"})
             A = T.match_buffer(a_h, (m, k), DT)
             W = T.match_buffer(w_h, (n, k), DT)
-            out = T.match_buffer(out_h, (m, n), DT)
+            out = T.match_buffer(out_h, OUT_SHAPE, DT)
             body(A, W, None, out)
     return kernel

@@ -1,6 +1,7 @@
 """``stof-tvm compile``: ONNX model (or a built-in one) + mask -> artifact directory."""
 from __future__ import annotations
 
+import argparse
 import os
 
 import numpy as np
@@ -27,12 +28,12 @@ def register(subparsers) -> None:
                         help="compute dtype (default float16 on cuda, float32 on llvm)")
     parser.add_argument("--kernel", default="auto", choices=["auto", "block", "row", "dense"],
                         help="attention kernel (default: chosen from the mask)")
-    parser.add_argument("--templates", action="store_true",
+    parser.add_argument("--templates", action=argparse.BooleanOptionalAction, default=None,
                         help="use stof-tvm's fusion templates for the QKV projection, GEMM + residual + "
-                             "LayerNorm and FFN chains (float16)")
-    parser.add_argument("--gemm", default="mma", choices=["mma", "wgmma"],
-                        help="GEMM kernel of the templates: mma (mma.sync, default) or wgmma (Hopper sm_90a, "
-                             "opt-in, unverified on a GPU until BENCHMARKS.md says otherwise; needs nvcc here)")
+                             "LayerNorm and FFN chains (float16; default: on for cuda float16)")
+    parser.add_argument("--gemm", default="auto", choices=["auto", "mma", "wgmma"],
+                        help="GEMM kernel of the templates: wgmma (Hopper sm_90a; needs nvcc here), mma "
+                             "(mma.sync) or auto (default: wgmma on sm_90 when nvcc is found, else mma)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="capture the static regions between attention calls in CUDA graphs (cuda only)")
     parser.add_argument("--tune-trials", type=int, default=0, help="MetaSchedule trials (needs --database)")

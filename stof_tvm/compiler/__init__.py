@@ -113,7 +113,7 @@ def _manifest(*, source: dict, onnx_model, inputs, weights, outputs, format_inpu
 
 
 def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
-            kernel: str = "auto", templates: bool = False, gemm: str = "mma", cuda_graph: bool = False,
+            kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
             tune_trials: int = 0, database: str | None = None):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
 
@@ -124,9 +124,12 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     ``templates``: replace the chains around attention (QKV projection into heads, GEMM + bias + residual +
     LayerNorm, GEMM + bias + GELU, other linear layers) with stof-tvm's fusion templates (``dtype="float16"``;
     see :mod:`.downstream`) instead of TVM's default schedules; the manifest's ``templates`` entry lists each
-    site's templates and knobs. ``gemm``: ``"mma"`` (mma.sync templates) or ``"wgmma"`` (opt-in Hopper GEMMs
-    for the GEMM stages whose shapes they tile, CUDA sm_90a only, needs nvcc here to prebuild the cubins;
-    **unverified on a GPU** until BENCHMARKS.md reports a run). ``cuda_graph``: capture the module's static
+    site's templates and knobs. ``None`` (default): on for a CUDA target in float16, off otherwise.
+    ``gemm``: the templates' GEMM kernel, ``"mma"`` (mma.sync, any sm_80+ GPU), ``"wgmma"`` (Hopper: CUDA
+    sm_90a, needs nvcc here to prebuild the cubins the artifact carries; for the GEMM and QKV stages whose
+    shapes it tiles) or ``"auto"`` (default: ``"wgmma"`` for templates on an sm_90 / sm_90a target when nvcc is
+    found, else ``"mma"``; wgmma ran 1.4-2.1x faster than mma.sync on the H200, BENCHMARKS.md).
+    ``cuda_graph``: capture the module's static
     regions in CUDA graphs (Relax's ``RewriteCUDAGraph``; CUDA only; see :mod:`.pipeline`).
     ``tune_trials``: MetaSchedule trials spent before building (records go to ``database``).
     ``database``: a MetaSchedule work dir whose records are applied.
@@ -143,7 +146,9 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     if tune_trials and database is None:
         raise ValueError("database: tuning (tune_trials > 0) needs a MetaSchedule work dir to write records to")
     tspec = target_dict(target)
-    tspec = check_gemm(gemm, templates, tspec)
+    if templates is None:
+        templates = tspec["kind"] == "cuda" and dtype == "float16"
+    gemm, tspec = check_gemm(gemm, templates, tspec)
     if cuda_graph not in (False, True):
         raise TypeError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
     if cuda_graph and tspec["kind"] != "cuda":
@@ -226,21 +231,26 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     return Artifact(executable, manifest, arrays, values, binaries)
 
 
-def check_gemm(gemm: str, templates: bool, tspec: dict) -> dict:
-    """Validate the ``gemm`` choice against ``templates`` and the target; returns the target dict to build for
-    (``gemm="wgmma"`` turns CUDA ``sm_90`` into ``sm_90a``, the only architecture with wgmma)."""
+def check_gemm(gemm: str, templates: bool, tspec: dict) -> tuple[str, dict]:
+    """Validate the ``gemm`` choice against ``templates`` and the target; returns the GEMM kernel to use
+    (``"auto"`` resolved) and the target dict to build for (``"wgmma"`` turns CUDA ``sm_90`` into ``sm_90a``,
+    the only architecture with wgmma)."""
+    from .cubins import find_nvcc
     from .downstream import GEMMS
 
-    if gemm not in GEMMS:
-        raise ValueError(f"gemm: expected one of {GEMMS}, got {gemm!r}")
+    if gemm not in GEMMS + ("auto",):
+        raise ValueError(f"gemm: expected one of {GEMMS + ('auto',)}, got {gemm!r}")
+    if gemm == "auto":
+        hopper = tspec["kind"] == "cuda" and str(tspec.get("arch")) in ("sm_90", "sm_90a")
+        gemm = "wgmma" if templates and hopper and find_nvcc() is not None else "mma"
     if gemm == "mma":
-        return tspec
+        return gemm, tspec
     if not templates:
         raise ValueError("gemm: 'wgmma' selects the fusion templates' GEMM kernel; it needs templates=True")
     if tspec["kind"] != "cuda" or str(tspec.get("arch")) not in ("sm_90", "sm_90a"):
         raise ValueError(f"gemm: 'wgmma' needs a CUDA sm_90 / sm_90a (Hopper) target, got "
                          f"{tspec['kind']} {tspec.get('arch', '')}".rstrip())
-    return {**tspec, "arch": "sm_90a"}
+    return gemm, {**tspec, "arch": "sm_90a"}
 
 
 __all__ = ["compile", "check_gemm", "DTYPES"]

@@ -23,9 +23,9 @@ multiples of 16; LayerNorm rows multiples of 64, fused rows of 128; QKV sequence
 anything else keeps TVM's default path. The LayerNorm templates take the model's epsilon; their output is
 16-bit, so the residual stream between layers becomes 16-bit (as in a float16 PyTorch model).
 
-``gemm="wgmma"`` maps the GEMM stages (not the QKV or fused LayerNorm templates, which exist on mma.sync only)
-to the Hopper ``*_wgmma`` templates where m % 128, n % 128 and k % 64 are 0, with the weight transposed to
-``[N, K]``; other shapes fall back to mma.sync with a note. Knobs: :mod:`.template_choice`. On CUDA each
+``gemm="wgmma"`` maps the GEMM stages and the QKV projection (not the fused GEMM + LayerNorm, which exists on
+mma.sync only) to the Hopper ``*_wgmma`` templates where m % 128, n % 128 and k % 64 are 0, with the weight
+transposed to ``[N, K]``; other shapes fall back to mma.sync with a note. Knobs: :mod:`.template_choice`. On CUDA each
 PrimFunc is scheduled with its knobs; on the CPU the definitions run unscheduled (TVM's default lowering), which
 keeps the rewrite testable without a GPU. :func:`use_templates` returns the manifest entry of every site.
 """
@@ -365,8 +365,17 @@ def _rewrite_qkv(t: _Templates, func: relax.Function) -> relax.Function:
             w = _concat_weights([self.visit_expr(m[_W]) for m in matches], 1)
             bias = _concat_weights([m[_BIAS] for m in matches], 0)
             x2d = relax.op.reshape(self.visit_expr(group.x), [b * s, h * d])
-            call, stage = t.call("qkv_projection_kn", group.shape, dtype, [x2d, w, bias], (3, b, h, s, d))
-            t.record("qkv", [stage], "mma.sync (no wgmma QKV template)" if t.gemm == "wgmma" else None)
+            misfit = [key for key, size in (("m", b * s), ("n", 3 * h * d), ("k", h * d))
+                      if size % WGMMA_TILES[key]]
+            note = None
+            if t.gemm == "wgmma" and not misfit:
+                call, stage = t.call("qkv_projection_wgmma", group.shape, dtype, [x2d, _transposed(w), bias],
+                                     (3, b, h, s, d))
+            else:
+                if t.gemm == "wgmma":
+                    note = f"wgmma needs {', '.join(f'{key} % {WGMMA_TILES[key]} == 0' for key in misfit)}: mma.sync"
+                call, stage = t.call("qkv_projection_kn", group.shape, dtype, [x2d, w, bias], (3, b, h, s, d))
+            t.record("qkv", [stage], note)
             parts = self.builder_.emit(relax.op.split(self.builder_.emit(call), 3, axis=0))
             for i, (permute, axes) in enumerate(zip(group.permutes, group.axes)):
                 heads = relax.op.reshape(relax.TupleGetItem(parts, i), [b, h, s, d])
