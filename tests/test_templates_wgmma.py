@@ -50,9 +50,12 @@ def test_every_configuration_fits_the_h200(shape):
         assert res["threads"] == 384 <= H200.max_threads_per_block
         assert res["shared_bytes"] <= H200.max_shared_bytes_per_block
         assert res["acc_registers"] + 40 <= res["max_registers_per_thread"] <= H200.max_registers_per_thread
-        assert shape["n"] % res["block_n"] == 0 and res["grid"] * 128 * res["block_n"] == shape["m"] * shape["n"]
+        assert shape["n"] % res["block_n"] == 0 and res["tiles"] * 128 * res["block_n"] == shape["m"] * shape["n"]
+        assert res["grid"] == (min(res["tiles"], H200.sm_count) if knobs["persistent"] else res["tiles"])
     # 256-wide tiles with 5 stages need 240 KiB: never offered
-    assert {"block_n": 256, "stages": 5} not in space
+    assert not [kn for kn in space if (kn["block_n"], kn["stages"]) == (256, 5)]
+    tiles = (shape["m"] // 128) * (shape["n"] // space[0]["block_n"])
+    assert space[0]["persistent"] == (tiles >= 4 * H200.sm_count)
 
 
 @pytest.mark.parametrize("knobs", [{"block_n": 128, "stages": 2}, {"block_n": 256, "stages": 4}])
@@ -88,11 +91,14 @@ def test_bad_input_raises_clear_errors(call, message):
         call(get_template("gemm_bias_wgmma"))
 
 
-@pytest.mark.parametrize("name, dtype", [("gemm_bias_gelu_tanh_wgmma", "float16"), ("gemm_wgmma", "bfloat16")])
-def test_definition_matches_numpy_float64_on_llvm(name, dtype):
+@pytest.mark.parametrize("name, dtype, shape", [
+    ("gemm_bias_gelu_tanh_wgmma", "float16", {"m": 128, "n": 128, "k": 64}),
+    ("gemm_wgmma", "bfloat16", {"m": 128, "n": 128, "k": 64}),
+    ("qkv_projection_wgmma", "float16", {"batch": 2, "seq": 64, "heads": 2, "head_dim": 64}),
+])
+def test_definition_matches_numpy_float64_on_llvm(name, dtype, shape):
     """``primfunc`` (the kernel's signature and semantics) built for llvm against float64, poisoned output."""
     t = get_template(name)
-    shape = {"m": 128, "n": 128, "k": 64}
     rng = np.random.default_rng(3)
     inputs = {n: rng.standard_normal(s).astype(NP[dt]) for n, s, dt in t.arguments(shape, dtype)[:-1]}
     out_shape = t.arguments(shape, dtype)[-1][1]
@@ -108,6 +114,10 @@ def test_definition_matches_numpy_float64_on_llvm(name, dtype):
 @pytest.mark.parametrize("name, shape, dtype, knobs", [
     ("gemm_bias_gelu_erf_wgmma", {"m": 4096, "n": 3072, "k": 768}, "float16", {"block_n": 256, "stages": 4}),
     ("gemm_wgmma", {"m": 4096, "n": 4096, "k": 4096}, "bfloat16", {"block_n": 128, "stages": 5}),
+    ("gemm_bias_wgmma", {"m": 4096, "n": 768, "k": 3072}, "float16", {"block_n": 128, "stages": 4,
+                                                                      "persistent": False}),
+    ("qkv_projection_wgmma", {"batch": 8, "seq": 512, "heads": 12, "head_dim": 64}, "float16",
+     {"block_n": 256, "stages": 4, "persistent": True}),
 ])
 def test_kernel_compiles_for_sm90a_with_hgmma_and_no_spills(name, shape, dtype, knobs, tmp_path):
     ex = build_kernel(name, shape, dtype, knobs)

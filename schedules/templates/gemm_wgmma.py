@@ -20,8 +20,9 @@ accumulators whose register layout is the instruction's. So:
 - ``apply`` / ``sample`` raise ValueError (there is nothing to schedule); knobs are chosen from
   :meth:`~.registry.Template.knob_space` and the kernel is rebuilt per choice.
 
-Knobs: ``block_n`` (128 or 256: wgmma N, output columns per block) and ``stages`` (2-5, ring depth).
-The block is 128 rows (two consumer warpgroups of 64) and ``block_k`` is 64.
+Knobs: ``block_n`` (128 or 256: wgmma N, output columns per tile), ``stages`` (2-5, ring depth) and
+``persistent`` (one block per SM looping over tiles, or one block per tile). A tile is 128 rows (two consumer
+warpgroups of 64) and ``block_k`` is 64.
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ class WgmmaKernelMixin:
     ``kernel_options(shape) -> dict`` (the rest of :func:`.wgmma_kernel.wgmma_gemm_primfunc`'s arguments);
     its ``primfunc`` stays the knob-free TensorIR definition."""
 
-    knob_names = ("block_n", "stages")
+    knob_names = ("block_n", "stages", "persistent")
+    persistent_first = True
 
     def _check_tiles(self, shape):
         m, n, k = self.gemm_dims(shape)
@@ -54,10 +56,11 @@ class WgmmaKernelMixin:
 
     def config(self, knobs) -> WgmmaConfig:
         """The kernel configuration of ``knobs`` (ValueError naming a missing or bad knob)."""
-        missing = [key for key in self.knob_names if key not in knobs]
+        missing = [key for key in ("block_n", "stages") if key not in knobs]
         if missing:
             raise ValueError(f"{self.name}: knobs missing {missing}")
-        config = WgmmaConfig(block_n=knobs["block_n"], stages=knobs["stages"])
+        config = WgmmaConfig(block_n=knobs["block_n"], stages=knobs["stages"],
+                             persistent=knobs.get("persistent", True))
         config.validate()
         return config
 
@@ -68,22 +71,29 @@ class WgmmaKernelMixin:
         config = self.config(knobs)
         m, n, k = self.gemm_dims(shape)
         check_wgmma_shape(m, n, k, config)
-        kernel = wgmma_gemm_primfunc(m, n, k, dtype, config=config, **self.kernel_options(shape))
+        kernel = wgmma_gemm_primfunc(m, n, k, dtype, config=config, sm_count=H200.sm_count,
+                                     **self.kernel_options(shape))
         return kernel.with_attr("stof.spec", func.attrs["stof.spec"])
 
     def _knob_space(self, shape, dtype, hw: Hardware = H200):
         m, n, _ = self.gemm_dims(shape)
-        space = [{"block_n": bn, "stages": st} for bn in BLOCK_N_CHOICES for st in STAGE_CHOICES if n % bn == 0]
-        # prefer the wide tile when it still gives every SM a block, then 4 stages
-        blocks = lambda kn: (m // BLOCK_M) * (n // kn["block_n"])  # noqa: E731
-        return sorted(space, key=lambda kn: (blocks(kn) < hw.sm_count, -kn["block_n"], abs(kn["stages"] - 4)))
+        space = [{"block_n": bn, "stages": st, "persistent": p} for p in (True, False) for bn in BLOCK_N_CHOICES
+                 for st in STAGE_CHOICES if n % bn == 0]
+        # the wide tile when it still gives every SM a tile, 4 stages, and persistence where the H200 measured it
+        # faster (BENCHMARKS.md: by 2-4% with >= 4 waves of tiles; slower for the QKV projection's scattered stores)
+        tiles = lambda kn: (m // BLOCK_M) * (n // kn["block_n"])  # noqa: E731
+        persist = lambda kn: self.persistent_first and tiles(kn) >= 4 * hw.sm_count  # noqa: E731
+        return sorted(space, key=lambda kn: (tiles(kn) < hw.sm_count, -kn["block_n"], kn["persistent"] != persist(kn),
+                                             abs(kn["stages"] - 4)))
 
     def resources(self, shape, dtype, knobs):
         config = self.config(knobs)
         m, n, _ = self.gemm_dims(shape)
+        tiles = (m // BLOCK_M) * (n // config.block_n)
         return {"block_m": BLOCK_M, "block_n": config.block_n, "block_k": BLOCK_K, "threads": THREADS,
                 "shared_bytes": config.shared_bytes, "acc_registers": config.acc_registers,
-                "max_registers_per_thread": CONSUMER_REGS, "grid": (m // BLOCK_M) * (n // config.block_n)}
+                "max_registers_per_thread": CONSUMER_REGS,
+                "grid": min(tiles, H200.sm_count) if config.persistent else tiles, "tiles": tiles}
 
     def resource_columns(self, shape, dtype, space):
         # not the mma.sync main-loop formulas: these resources come from WgmmaConfig, one knob set at a time
@@ -125,6 +135,7 @@ class WgmmaQKVTemplate(WgmmaKernelMixin, QKVTemplate):
     the same kernel as the GEMMs, with the epilogue storing each element at its head-major place."""
 
     family = "qkv_wgmma"
+    persistent_first = False
 
     def __init__(self):
         super().__init__(w_layout="nk")

@@ -62,12 +62,15 @@ class WgmmaConfig:
 
     block_n: int = 128
     stages: int = 4
+    persistent: bool = True
 
     def validate(self) -> None:
         if self.block_n not in BLOCK_N_CHOICES:
             raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {self.block_n!r}")
         if self.stages not in STAGE_CHOICES:
             raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {self.stages!r}")
+        if self.persistent not in (True, False):
+            raise ValueError(f"persistent must be a bool, got {self.persistent!r}")
 
     @property
     def stage_bytes(self) -> int:
@@ -107,8 +110,8 @@ def _whole(buf, words):
     return T.tvm_access_ptr(T.type_annotation("uint64"), buf.data, 0, words, 3)
 
 
-def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: str,
-                        config: WgmmaConfig, heads: tuple[int, int, int, int] | None = None) -> tvm.tirx.PrimFunc:
+def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: str, config: WgmmaConfig,
+                        heads: tuple[int, int, int, int] | None = None, sm_count: int = 132) -> tvm.tirx.PrimFunc:
     """The thread-level CUDA PrimFunc (parameters ``A, W[, bias], out`` like the ``gemm`` templates).
 
     ``heads = (batch, seq, heads, head_dim)`` makes it the QKV projection: ``n`` is ``3 * heads * head_dim``
@@ -123,6 +126,12 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     NACC = BN // 2
     KT = k // BLOCK_K
     GRID_N = n // BN
+    NUM_TILES = GRID_N * (m // BLOCK_M)
+    # persistent: one block per SM walks tiles bx, bx + GRID, ...; its producer fills the ring for the next
+    # tile while the consumers run the epilogue of this one (one block per SM fits: setmaxnreg hands it the
+    # whole register file, so without this the epilogue and the ring's refill are never overlapped)
+    GRID = min(NUM_TILES, sm_count) if config.persistent else NUM_TILES
+    ROUNDS = (NUM_TILES + GRID - 1) // GRID
     A_BYTES = BLOCK_M * ROW_BYTES
     STAGE = config.stage_bytes
     BAR_OFF = ST * STAGE                 # mbarriers after the ring: full[s] at +8s, empty[s] at +8(ST+s)
@@ -183,15 +192,13 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
 
     @T.macro
     def body(A, W, bias_buf, out):
-        for bx in T.thread_binding(GRID_N * (m // BLOCK_M), thread="blockIdx.x"):
+        for bx in T.thread_binding(GRID, thread="blockIdx.x"):
             for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
                 wgmma_smem = T.alloc_buffer((SMEM_WORDS,), "uint64", scope="shared.dyn")
                 acc = T.alloc_buffer((NACC,), "float32", scope="local")
                 flag = T.alloc_buffer((1,), "uint32", scope="local")
                 raw: T.let = T.cuda.cvta_generic_to_shared(_whole(wgmma_smem, SMEM_WORDS))
                 base: T.let = T.bitwise_and(raw + T.uint32(ALIGN - 1), T.uint32(0xFFFFFFFF - (ALIGN - 1)))
-                m0: T.let = (bx // GRID_N) * BLOCK_M
-                n0: T.let = (bx % GRID_N) * BN
                 wg: T.let = tx // WG
                 wt: T.let = tx % WG
                 if tx == 0:
@@ -200,44 +207,58 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                         T.ptx["mbarrier.init.shared::cta.b64"](empty_bar(base, s), T.uint32(2 * WG))
                     T.ptx["fence.mbarrier_init.release.cluster"]()
                 T.tvm_storage_sync("shared")
+                # g = r * KT + t counts k steps over all of this block's tiles: slot g % ST, phase g // ST
                 if wg == 0:
                     T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
-                    for t in range(KT):
-                        if t >= ST:
-                            wait_parity(flag, empty_bar(base, t % ST), T.Cast("uint32", (t // ST - 1) % 2))
-                        a_dst: T.let = base + T.Cast("uint32", (t % ST) * STAGE)
-                        for it in T.unroll(A_ITERS):
-                            row: T.let = (it * WG + wt) // CHUNKS
-                            ch: T.let = (it * WG + wt) % CHUNKS
-                            CP_ASYNC_16(a_dst + T.Cast("uint32", swz(row, ch)),
-                                        T.address_of(A[m0 + row, t * BLOCK_K + ch * 8]), 16, T.uint32(16))
-                        for it in T.unroll(B_ITERS):
-                            row: T.let = (it * WG + wt) // CHUNKS
-                            ch: T.let = (it * WG + wt) % CHUNKS
-                            CP_ASYNC_16(a_dst + T.Cast("uint32", A_BYTES + swz(row, ch)),
-                                        T.address_of(W[n0 + row, t * BLOCK_K + ch * 8]), 16, T.uint32(16))
-                        T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](full_bar(base, t % ST))
+                    for r in range(ROUNDS):
+                        tile: T.let = bx + r * GRID
+                        if tile < NUM_TILES:
+                            m0: T.let = (tile // GRID_N) * BLOCK_M
+                            n0: T.let = (tile % GRID_N) * BN
+                            for t in range(KT):
+                                g: T.let = r * KT + t
+                                if g >= ST:
+                                    wait_parity(flag, empty_bar(base, g % ST), T.Cast("uint32", (g // ST - 1) % 2))
+                                a_dst: T.let = base + T.Cast("uint32", (g % ST) * STAGE)
+                                for it in T.unroll(A_ITERS):
+                                    row: T.let = (it * WG + wt) // CHUNKS
+                                    ch: T.let = (it * WG + wt) % CHUNKS
+                                    CP_ASYNC_16(a_dst + T.Cast("uint32", swz(row, ch)),
+                                                T.address_of(A[m0 + row, t * BLOCK_K + ch * 8]), 16, T.uint32(16))
+                                for it in T.unroll(B_ITERS):
+                                    row: T.let = (it * WG + wt) // CHUNKS
+                                    ch: T.let = (it * WG + wt) % CHUNKS
+                                    CP_ASYNC_16(a_dst + T.Cast("uint32", A_BYTES + swz(row, ch)),
+                                                T.address_of(W[n0 + row, t * BLOCK_K + ch * 8]), 16, T.uint32(16))
+                                T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](full_bar(base, g % ST))
                 else:
                     T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
-                    for i in T.unroll(NACC):
-                        acc[i] = T.float32(0)
-                    for t in range(KT):
-                        wait_parity(flag, full_bar(base, t % ST), T.Cast("uint32", (t // ST) % 2))
-                        T.ptx["fence.proxy.async.shared::cta"]()
-                        a_tile: T.let = base + T.Cast("uint32", (t % ST) * STAGE + (wg - 1) * 64 * ROW_BYTES)
-                        b_tile: T.let = base + T.Cast("uint32", (t % ST) * STAGE + A_BYTES)
-                        T.ptx["wgmma.fence.sync.aligned"]()
-                        for kk in T.unroll(BLOCK_K // 16):
-                            mma_step(acc, _descriptor(a_tile + T.uint32(kk * 32)),
-                                     _descriptor(b_tile + T.uint32(kk * 32)))
-                        T.ptx["wgmma.commit_group.sync.aligned"]()
-                        T.ptx["wgmma.wait_group.sync.aligned"](1)
-                        if t > 0:
-                            T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (t - 1) % ST))
-                    T.ptx["wgmma.wait_group.sync.aligned"](0)
-                    for i in T.unroll(NACC):
-                        FENCE_REG(acc[i], acc[i], T.float32(-0.0))
-                    store(acc, out, bias_buf, m0 + (wg - 1) * 64 + (wt // 32) * 16, n0, wt % 32)
+                    for r in range(ROUNDS):
+                        tile: T.let = bx + r * GRID
+                        if tile < NUM_TILES:
+                            for i in T.unroll(NACC):
+                                acc[i] = T.float32(0)
+                            for t in range(KT):
+                                g: T.let = r * KT + t
+                                wait_parity(flag, full_bar(base, g % ST), T.Cast("uint32", (g // ST) % 2))
+                                T.ptx["fence.proxy.async.shared::cta"]()
+                                a_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE + (wg - 1) * 64 * ROW_BYTES)
+                                b_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE + A_BYTES)
+                                T.ptx["wgmma.fence.sync.aligned"]()
+                                for kk in T.unroll(BLOCK_K // 16):
+                                    mma_step(acc, _descriptor(a_tile + T.uint32(kk * 32)),
+                                             _descriptor(b_tile + T.uint32(kk * 32)))
+                                T.ptx["wgmma.commit_group.sync.aligned"]()
+                                T.ptx["wgmma.wait_group.sync.aligned"](1)
+                                if t > 0:
+                                    T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (g - 1) % ST))
+                            T.ptx["wgmma.wait_group.sync.aligned"](0)
+                            # the tile's last slot is free too: the producer may refill it for the next tile
+                            T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (r * KT + KT - 1) % ST))
+                            for i in T.unroll(NACC):
+                                FENCE_REG(acc[i], acc[i], T.float32(-0.0))
+                            store(acc, out, bias_buf, (tile // GRID_N) * BLOCK_M + (wg - 1) * 64 + (wt // 32) * 16,
+                                  (tile % GRID_N) * BN, wt % 32)
 
     if bias:
         @T.prim_func
