@@ -174,7 +174,26 @@ def plan_grid() -> list[dict]:
     return cases
 
 
-PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid}
+def plan_pick() -> list[dict]:
+    """Does the model's pick hold outside the calibrated configurations? For the BigBird shapes of the end-to-end
+    runs, the model's three top-ranked block configurations (which may never have been measured) and the
+    calibrated ones it ranks below them, each checked and timed side by side."""
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile
+    from stof_tvm.cost_model.attention import rank_attention
+
+    calibrated = [(64, 32, 4, 2, True), (32, 64, 2, 2, True), (64, 64, 4, 2, False), (64, 32, 4, 2, False)]
+    cases = []
+    for batch, seq in ((16, 2048), (8, 512), (16, 4096), (8, 4096), (64, 512)):
+        mask = build_mask("bigbird", batch, H_BENCH, seq, 0)
+        problem = AttentionProblem(batch=batch, heads=H_BENCH, head_dim=64, dtype="float16", mask=MaskProfile(mask))
+        top = [r.candidate.config for r in rank_attention(problem) if r.candidate.kind == "block"][:3]
+        picks = [(c.block_m, c.block_n, c.num_warps, c.stages, c.heavy_first) for c in top]
+        for config in dict.fromkeys(picks + calibrated):
+            cases.append(_case("time", "block", "bigbird", batch, H_BENCH, seq, 64, "float16", config))
+    return cases
+
+
+PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick}
 
 
 # ----------------------------------------------------------------------------------------------------------
