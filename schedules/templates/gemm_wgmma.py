@@ -20,7 +20,7 @@ accumulators whose register layout is the instruction's. So:
 - ``apply`` / ``sample`` raise ValueError (there is nothing to schedule); knobs are chosen from
   :meth:`~.registry.Template.knob_space` and the kernel is rebuilt per choice.
 
-Knobs: ``block_n`` (128 or 256: wgmma N, output columns per tile), ``stages`` (2-5, ring depth) and
+Knobs: ``block_n`` (128, 192 or 256: wgmma N, output columns per tile), ``stages`` (2-5, ring depth) and
 ``persistent`` (one block per SM looping over tiles, or one block per tile). A tile is 128 rows (two consumer
 warpgroups of 64) and ``block_k`` is 64.
 """
@@ -79,11 +79,14 @@ class WgmmaKernelMixin:
         m, n, _ = self.gemm_dims(shape)
         space = [{"block_n": bn, "stages": st, "persistent": p} for p in (True, False) for bn in BLOCK_N_CHOICES
                  for st in STAGE_CHOICES if n % bn == 0]
-        # the wide tile when it still gives every SM a tile, 4 stages, and persistence where the H200 measured it
-        # faster (BENCHMARKS.md: by 2-4% with >= 4 waves of tiles; slower for the QKV projection's scattered stores)
+        # The tile width with the least work on the busiest SM (waves of tiles x columns per tile: 128-row tiles
+        # of n = 768 take one wave at width 192, two at 128), the wider on a tie; then persistence where the H200
+        # measured it faster (BENCHMARKS.md: by 2-4% with >= 4 waves of tiles; slower for the QKV projection's
+        # scattered stores); then 4 stages.
         tiles = lambda kn: (m // BLOCK_M) * (n // kn["block_n"])  # noqa: E731
+        busiest = lambda kn: -(-tiles(kn) // hw.sm_count) * kn["block_n"]  # noqa: E731
         persist = lambda kn: self.persistent_first and tiles(kn) >= 4 * hw.sm_count  # noqa: E731
-        return sorted(space, key=lambda kn: (tiles(kn) < hw.sm_count, -kn["block_n"], kn["persistent"] != persist(kn),
+        return sorted(space, key=lambda kn: (busiest(kn), -kn["block_n"], kn["persistent"] != persist(kn),
                                              abs(kn["stages"] - 4)))
 
     def resources(self, shape, dtype, knobs):
