@@ -33,7 +33,7 @@ random token ids and CUDA-event / time_evaluator medians after warm-up:
 - every artifact above (module time, time_evaluator; a variant that fails to load or run is reported, not fatal);
 - ``torch-eager``: a PyTorch BERT with the same weights, fp16, SDPA with the boolean mask;
 - ``torch-flex``: the same model with FlexAttention (compiled, BlockMask built from the same mask);
-- ``torch-compile`` and ``torch-compile-graph`` (``--torch-compile``): the whole FlexAttention forward through
+- ``torch-compile`` and ``torch-compile-graph`` (``--baselines``): the whole FlexAttention forward through
   ``torch.compile`` (``dynamic=False``), then the same captured into a CUDA graph and replayed.
 
 Every output is checked against the PyTorch model in float32 (relative Frobenius error) in the same run; only
@@ -64,6 +64,9 @@ VARIANTS = {
 }
 LABELS = {"ours": "ours", "templates": "ours+templates", "graph": "ours+templates+graph",
           "wgmma": "ours+templates-wgmma", "wgmma-graph": "ours+templates-wgmma+graph", "dense": "tvm-dense"}
+# torch baselines: label, attention, whole forward through torch.compile, captured in a CUDA graph
+BASELINES = [("torch-eager", "sdpa", False, False), ("torch-flex", "flex", False, False),
+             ("torch-compile", "flex", True, False), ("torch-compile-graph", "flex", True, True)]
 OURS = tuple(label for variant, label in LABELS.items() if variant != "dense")
 
 
@@ -242,9 +245,7 @@ def run(args) -> None:
             row = {"model": name, "batch": batch, "seq_len": seq_len, "mask": MASK}
             with torch.no_grad():
                 ref = torch_bert(float_weights, cfg, keep, torch.float32, "sdpa")(ids_t, names).cpu().numpy()
-                baselines = [("torch-eager", "sdpa", False, False), ("torch-flex", "flex", False, False)]
-                if args.torch_compile:
-                    baselines += [("torch-compile", "flex", True, False), ("torch-compile-graph", "flex", True, True)]
+                baselines = [b for b in BASELINES if b[0] in args.baselines]
                 for label, attention, compiled, graphed in baselines:
                     try:
                         fwd = _torch_variant(torch, torch_bert(float_weights, cfg, keep, torch.float16, attention),
@@ -268,10 +269,10 @@ def run(args) -> None:
                 except Exception as err:     # one broken variant must not cost the rest of the run
                     row[label + "_failed"] = f"{type(err).__name__}: {err}"[:400]
                     print(f"  {label} failed: {row[label + '_failed']}", flush=True)
-            torch_best = min(row[label + "_ms"] for label, *_ in baselines if label + "_ms" in row)
+            torch_best = min((row[label + "_ms"] for label, *_ in baselines if label + "_ms" in row), default=None)
             ours = min((row[k + "_ms"] for k in OURS if k + "_ms" in row and row[k + "_err"] < args.tolerance),
                        default=None)
-            if ours is not None:
+            if ours is not None and torch_best is not None:
                 row["speedup_vs_best_torch"] = torch_best / ours
                 if "tvm-dense_ms" in row:
                     row["speedup_vs_tvm_dense"] = row["tvm-dense_ms"] / ours
@@ -319,13 +320,13 @@ def main(argv=None) -> int:
         p = sub.add_parser(step)
         p.add_argument("--models", nargs="+", default=["bert-base"])
         p.add_argument("--shapes", nargs="+", type=_shape_arg, default=[(1, 128), (8, 512), (16, 2048)])
-        p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+        p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     sub.choices["build"].add_argument("--kernel", default="auto", choices=["auto", "block", "row"])
     sub.choices["run"].add_argument("--warmup", type=int, default=5)
     sub.choices["run"].add_argument("--iters", type=int, default=20)
     sub.choices["run"].add_argument("--json", help="write the results here")
-    sub.choices["run"].add_argument("--torch-compile", action="store_true",
-                                    help="also time torch.compile of the whole forward (FlexAttention, CUDA graphs)")
+    sub.choices["run"].add_argument("--baselines", nargs="*", default=["torch-eager", "torch-flex"],
+                                    choices=[b[0] for b in BASELINES], help="torch baselines to time")
     sub.choices["run"].add_argument("--tolerance", type=float, default=2e-2,
                                     help="largest relative error of a variant that counts as correct")
     args = parser.parse_args(argv)
