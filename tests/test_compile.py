@@ -153,3 +153,23 @@ def test_fusion_templates_replace_linear_layers(tiny, feeds):
     assert relative_error(out, ref) < 2e-2
     with pytest.raises(ValueError, match="templates"):
         stof_tvm.compile(tiny, mask="bigbird", batch=B, seq_len=S, target="llvm", dtype="float32", templates=True)
+
+
+def test_exporter_style_weight_names(tiny, feeds):
+    """PyTorch's exporter names the weights it creates "onnx::MatMul_<n>"; TVM's importer drops that prefix, and
+    the artifact still takes the weights by their initializer names."""
+    model = onnx.ModelProto()
+    model.CopyFrom(tiny)
+    renamed = {}
+    for i, init in enumerate(model.graph.initializer):
+        if len(init.dims) == 2 and i % 2 == 0:
+            renamed[init.name] = f"onnx::MatMul_{i}"
+            init.name = renamed[init.name]
+    for node in model.graph.node:
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+    assert renamed
+    art = stof_tvm.compile(model, mask="bigbird", batch=B, seq_len=S, target="llvm", dtype="float32")
+    assert set(renamed.values()) <= {w["name"] for w in art.manifest["weights"]}
+    out = art.load()(feeds)["last_hidden_state"]
+    ref = reference_outputs(model, make_mask("bigbird", S)[None, None], feeds)["last_hidden_state"]
+    assert relative_error(out, ref) < 1e-5

@@ -228,7 +228,9 @@ def import_onnx(model: onnx.ModelProto, batch: int, seq_len: int):
         raise ValueError(f"model: import failed for batch={batch}, seq_len={seq_len} ({type(err).__name__}: "
                          f"{first_line[:300]}); check that the model supports this sequence length") from err
     names = [p.name for p in mod["main"].params[len(specs):]]
-    if names != [w.name for w in weights]:
+    # TVM's importer drops the "onnx::" prefix the PyTorch exporter gives to the weights it creates (transposed
+    # MatMul operands such as "onnx::MatMul_1499"); the artifact keeps the initializers' own names
+    if names != [w.name.removeprefix("onnx::") for w in weights]:
         raise ValueError(f"model: imported parameters {names[:4]}... do not match the weights' initializer names")
     return mod, specs, weights
 
