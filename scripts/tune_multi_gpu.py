@@ -94,10 +94,16 @@ def tune_on(devices, task, target, trials, work_root: Path, key: str):
         wall = time.monotonic() - started
         per_server = cluster.measurements()
     (result,) = report.results
-    return {"servers": len(devices), "devices": [str(d) for d in devices], "wall_s": wall,
-            "measured": result.measured_now, "per_server": per_server, "status": result.status,
-            "best_us": None if result.best_s is None else result.best_s * 1e6,
-            "best_config": None if result.best_candidate is None else list(result.best_candidate)}
+    run = {"servers": len(devices), "devices": [str(d) for d in devices], "wall_s": wall,
+           "measured": result.measured_now, "per_server": per_server, "status": result.status,
+           "best_us": None if result.best_s is None else result.best_s * 1e6,
+           "best_config": None if result.best_candidate is None else list(result.best_candidate)}
+    if result.best_s is None:  # no candidate ran: keep what the servers said, or the run cannot be diagnosed
+        run["server_log_tails"] = {log.name: log.read_text(errors="replace")[-1500:]
+                                   for log in sorted(log_dir.glob("*.log"))}
+        for name, tail in run["server_log_tails"].items():
+            print(f"--- {name} (last lines)\n{tail}", flush=True)
+    return run
 
 
 def main(argv=None) -> int:
