@@ -87,6 +87,10 @@ def _from_file(name: str, *path: str):
     return module
 
 
+_BENCH_E2E = _from_file("stof_bench_e2e", "scripts", "bench_e2e.py")   # the built-in models' benchmark
+_rel_err, _cuda_time = _BENCH_E2E._rel_err, _BENCH_E2E._cuda_time     # its error and timing helpers
+
+
 def torch_models():
     """``stof_tvm.models.torch_models`` (the PyTorch models and their export)."""
     return _from_file("stof_torch_models", "stof_tvm", "models", "torch_models.py")
@@ -395,28 +399,6 @@ def _torch_inputs(feeds: dict, dtype, device: str) -> list:
         tensor = torch.from_numpy(value).to(device)
         out.append(tensor.to(dtype) if tensor.is_floating_point() else tensor)
     return out
-
-
-def _rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-
-
-def _cuda_time(fn, warmup: int, iters: int) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(np.median(times))
 
 
 def check_checksums(mapping: dict, state_dict: dict) -> list[str]:
