@@ -16,6 +16,9 @@ Two steps, because the GPU machine has TVM's runtime but builds nothing:
    Inductor cache). Prints a table, writes JSON, and dumps SASS instruction counts (cuobjdump) of the fused
    templates' best candidates.
 
+Every chain also has its Hopper form (``wgmma`` column): the GEMM and QKV stages on the wgmma kernels
+(``*_wgmma`` templates, sm_90a cubins), LayerNorm on its template, what ``compile`` uses on an sm_90 target.
+
 Plans: ``probe`` (square 4096^3 GEMM fp16/bf16 and the BERT-Base layer at 4096 tokens, no torch.compile),
 ``full`` (BERT-Base and BERT-Large layers at 128, 4096 and 32768 tokens, fp16, plus bf16 at 4096 tokens and the
 square GEMM in both dtypes). Each chain: ``qkv`` (fused: qkv_projection; unfused: gemm_bias + split_heads),
@@ -56,21 +59,24 @@ def chain_cases(model: str, tokens: int, dtype: str, compile_baseline: bool) -> 
     m = tokens
     qkv_shape = {"batch": batch, "seq": seq, "heads": heads, "head_dim": h // heads}
     base = {"model": model, "tokens": tokens, "dtype": dtype, "compile": compile_baseline}
+    ln = ("bias_residual_layernorm", {"m": m, "n": h})
     return [
         dict(base, chain="qkv", fused=("qkv_projection", qkv_shape),
              unfused=[("gemm_bias", {"m": m, "n": 3 * h, "k": h}), ("split_heads", qkv_shape)],
+             wgmma=[("qkv_projection_wgmma", qkv_shape)],
              torch={"kind": "qkv", "m": m, "h": h, **qkv_shape}),
         dict(base, chain="attn_out_ln", fused=("gemm_bias_residual_layernorm", {"m": m, "n": h, "k": h}),
-             unfused=[("gemm", {"m": m, "n": h, "k": h}), ("bias_residual_layernorm", {"m": m, "n": h})],
+             unfused=[("gemm", {"m": m, "n": h, "k": h}), ln], wgmma=[("gemm_wgmma", {"m": m, "n": h, "k": h}), ln],
              torch={"kind": "gemm_ln", "m": m, "n": h, "k": h}),
         dict(base, chain="ffn_up_gelu", fused=("gemm_bias_gelu_erf", {"m": m, "n": f, "k": h}),
              unfused=[("gemm_bias_gelu_erf", {"m": m, "n": f, "k": h})],
+             wgmma=[("gemm_bias_gelu_erf_wgmma", {"m": m, "n": f, "k": h})],
              torch={"kind": "gemm_act", "act": "gelu_erf", "m": m, "n": f, "k": h}),
         dict(base, chain="ffn_down_ln", fused=("gemm_bias_residual_layernorm", {"m": m, "n": h, "k": f}),
-             unfused=[("gemm", {"m": m, "n": h, "k": f}), ("bias_residual_layernorm", {"m": m, "n": h})],
+             unfused=[("gemm", {"m": m, "n": h, "k": f}), ln], wgmma=[("gemm_wgmma", {"m": m, "n": h, "k": f}), ln],
              torch={"kind": "gemm_ln", "m": m, "n": h, "k": f}),
         dict(base, chain="bias_res_ln", fused=("bias_residual_layernorm", {"m": m, "n": h}),
-             unfused=[("bias_residual_layernorm", {"m": m, "n": h})],
+             unfused=[("bias_residual_layernorm", {"m": m, "n": h})], wgmma=[],
              torch={"kind": "ln", "m": m, "n": h}),
     ]
 
@@ -78,7 +84,8 @@ def chain_cases(model: str, tokens: int, dtype: str, compile_baseline: bool) -> 
 def square_case(dtype: str, compile_baseline: bool) -> dict:
     shape = {"m": 4096, "n": 4096, "k": 4096}
     return {"model": "square", "tokens": 4096, "dtype": dtype, "compile": compile_baseline, "chain": "gemm_4096",
-            "fused": ("gemm", shape), "unfused": [("gemm", shape)], "torch": {"kind": "gemm", **shape}}
+            "fused": ("gemm", shape), "unfused": [("gemm", shape)], "wgmma": [("gemm_wgmma", shape)],
+            "torch": {"kind": "gemm", **shape}}
 
 
 def plan(name: str) -> list[dict]:
@@ -114,11 +121,12 @@ def source_key(src: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # build (CPU machine)
 
-def _nvcc(src: str, cubin: Path) -> dict:
+def _nvcc(src: str, cubin: Path, arch: str = "sm_90") -> dict:
     cu = cubin.with_suffix(".cu")
     cu.write_text(src)
-    proc = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "-o", str(cubin), str(cu)],
-                          capture_output=True, text=True)
+    digits = arch.removeprefix("sm_")    # sm_90a needs the explicit gencode (the shorthand adds an sm_90 pass)
+    proc = subprocess.run(["nvcc", f"-gencode=arch=compute_{digits},code=sm_{digits}", "-cubin", "-O3", "-Xptxas",
+                           "-v", "-o", str(cubin), str(cu)], capture_output=True, text=True)
     cu.unlink()
     if proc.returncode:
         raise RuntimeError(f"nvcc failed for {cubin.name}:\n{proc.stderr[-3000:]}")
@@ -138,6 +146,7 @@ def build(args) -> None:
 
     from stof_tvm.schedules.templates import get_template
     from stof_tvm.schedules.templates.build import build as build_template
+    from stof_tvm.schedules.templates.gemm_wgmma import build_kernel as build_wgmma
     from stof_tvm.schedules.templates.build import cuda_source, cuda_target
 
     out = Path(args.out)
@@ -153,7 +162,9 @@ def build(args) -> None:
         if key in modules:
             return key
         tmpl = get_template(name)
-        if kind == "ours":
+        if kind == "wgmma":
+            ex = build_wgmma(name, shape, dtype, knobs)
+        elif kind == "ours":
             ex = build_template(tmpl.schedule(shape, dtype, knobs), target)
         else:
             mod = tvm.IRModule({"main": tmpl.primfunc(shape, dtype)})
@@ -164,9 +175,10 @@ def build(args) -> None:
         src = cuda_source(ex)
         lib = f"{key}.so"
         ex.export_library(str(out / lib))
-        sources[source_key(src)] = src
+        sources[source_key(src)] = (src, "sm_90a" if kind == "wgmma" else "sm_90")
         modules[key] = {"kind": kind, "template": name, "shape": shape, "dtype": dtype, "knobs": knobs,
                         "library": lib, "source": source_key(src),
+                        "function": "gemm_wgmma" if kind == "wgmma" else "main",
                         "arguments": [[a, list(s), d] for a, s, d in tmpl.arguments(shape, dtype)],
                         "resources": tmpl.resources(shape, dtype, knobs) if knobs else None}
         return key
@@ -181,10 +193,17 @@ def build(args) -> None:
             case["modules"][f"ours:{name}"] = keys
         for name, shape in case["unfused"]:
             case["modules"][f"dlight:{name}"] = [add("dlight", name, shape, case["dtype"], None)]
+        for name, shape in case["wgmma"]:   # the Hopper form: wgmma stages (and the LayerNorm template)
+            tmpl = get_template(name)
+            kind = "wgmma" if name.endswith("_wgmma") else "ours"
+            space = tmpl.knob_space(shape, case["dtype"])
+            case["modules"][f"wgmma:{name}"] = [add(kind, name, shape, case["dtype"], knobs)
+                                                 for knobs in space[:args.candidates]]
         print(f"built {case['id']}: {len(modules)} modules so far ({time.time() - t0:.0f} s)", flush=True)
 
     with ThreadPoolExecutor(args.jobs) as pool:
-        reports = dict(zip(sources, pool.map(lambda kv: _nvcc(kv[1], out / f"{kv[0]}.cubin"), sources.items())))
+        reports = dict(zip(sources, pool.map(lambda kv: _nvcc(kv[1][0], out / f"{kv[0]}.cubin", kv[1][1]),
+                                             sources.items())))
     for info in modules.values():
         info["ptxas"] = reports[info["source"]]
     manifest = {"plan": args.plan, "cases": cases, "modules": modules, "built": time.strftime("%Y-%m-%d %H:%M")}
@@ -266,7 +285,7 @@ class Runner:
     def function(self, key: str):
         if key not in self.functions:
             lib = self.tvm.runtime.load_module(str(self.out / self.manifest["modules"][key]["library"]))
-            self.functions[key] = lib["main"]
+            self.functions[key] = lib[self.manifest["modules"][key].get("function", "main")]
         return self.functions[key]
 
     def timeit(self, fn, repeats: int = 7) -> float:
@@ -411,10 +430,14 @@ def run_case(runner: Runner, case: dict, args) -> dict:
     res["ms"]["ours_fused"], res["best_fused"] = ms, key
     if key:
         res["best_knobs"] = manifest["modules"][key]["knobs"]
-    # unfused chains: stage tensors are derived from the case inputs, references from torch float32 stages
-    for kind in ("ours", "dlight"):
+    # unfused chains and the wgmma form: stage tensors are derived from the case inputs, references from torch
+    # float32 stages
+    for kind in ("ours", "dlight", "wgmma"):
+        stages = case.get("wgmma", []) if kind == "wgmma" else case["unfused"]
+        if not stages:
+            continue
         total, ok = 0.0, True
-        for stage_name, stage_shape in case["unfused"]:
+        for stage_name, stage_shape in stages:
             stage_keys = case["modules"][f"{kind}:{stage_name}"]
             stage_tensors, stage_ref = stage_io(runner, case, stage_name, stage_shape, tensors, manifest,
                                                 stage_keys[0])
@@ -423,7 +446,7 @@ def run_case(runner: Runner, case: dict, args) -> dict:
                 ok = False
                 break
             total += ms
-        res["ms"][f"{kind}_unfused"] = total if ok else None
+        res["ms"]["wgmma" if kind == "wgmma" else f"{kind}_unfused"] = total if ok else None
     flops = case_flops(case)
     if flops and res["ms"].get("ours_fused"):
         res["tflops_ours"] = flops / res["ms"]["ours_fused"] / 1e9
@@ -450,6 +473,7 @@ def stage_io(runner, case, stage_name, stage_shape, tensors, manifest, key):
     dtype = case["dtype"]
     t = {}
     args = info["arguments"]
+    stage_name = stage_name.removesuffix("_wgmma")   # a wgmma stage takes the inputs of its mma.sync twin
     with torch.no_grad():
         if stage_name == "split_heads":
             y = F.linear(tensors["x"], tensors["W"], tensors["bias"])
@@ -500,17 +524,18 @@ def dump_sass(runner, cases, results) -> dict:
 
 
 def print_table(results) -> None:
-    cols = ["ours_fused", "ours_unfused", "dlight_unfused", "torch_eager", "torch_compile"]
-    print("\n| case | " + " | ".join(cols) + " | fused vs eager | fused vs compile | TFLOP/s |")
-    print("|---|" + "---:|" * (len(cols) + 3))
+    cols = ["ours_fused", "ours_unfused", "wgmma", "dlight_unfused", "torch_eager", "torch_compile"]
+    print("\n| case | " + " | ".join(cols) + " | fused vs eager | fused vs compile | TFLOP/s | wgmma vs compile |")
+    print("|---|" + "---:|" * (len(cols) + 4))
     for r in results:
         ms = r["ms"]
         cells = [f"{ms[c]:.4f}" if ms.get(c) else "-" for c in cols]
+        vs_wgmma = f"{ms['torch_compile'] / ms['wgmma']:.2f}x" if ms.get("wgmma") and ms.get("torch_compile") else "-"
         vs_eager = f"{ms['torch_eager'] / ms['ours_fused']:.2f}x" if ms.get("ours_fused") else "-"
         vs_comp = (f"{ms['torch_compile'] / ms['ours_fused']:.2f}x" if ms.get("ours_fused") and ms.get("torch_compile")
                    else "-")
         tf = f"{r['tflops_ours']:.0f}" if r.get("tflops_ours") else "-"
-        print(f"| {r['id']} | " + " | ".join(cells) + f" | {vs_eager} | {vs_comp} | {tf} |")
+        print(f"| {r['id']} | " + " | ".join(cells) + f" | {vs_eager} | {vs_comp} | {tf} | {vs_wgmma} |")
 
 
 def main(argv=None) -> None:
