@@ -112,47 +112,45 @@ def _manifest(*, source: dict, onnx_model, inputs, weights, outputs, format_inpu
     }
 
 
-def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
-            kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
-            tune_trials: int = 0, database: str | None = None):
-    """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
+@dataclasses.dataclass
+class FrontEnd:
+    """The model after steps 1-5 (imported, attention rewritten, chains on templates), before the build.
 
-    ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
-    ``normalize_mask`` accept (it becomes the module's default mask; any mask of the same kind can be passed
-    at run time). ``target``: ``"cuda"`` (sm_90), ``"llvm"`` or a TVM target dict. ``dtype``: compute dtype of
-    the model (``"float16"`` or ``"float32"``). ``kernel``: ``"auto"``, ``"block"``, ``"row"`` or ``"dense"``.
-    ``templates``: replace the chains around attention (QKV projection into heads, GEMM + bias + residual +
-    LayerNorm, GEMM + bias + GELU, other linear layers) with stof-tvm's fusion templates (``dtype="float16"``;
-    see :mod:`.downstream`) instead of TVM's default schedules; the manifest's ``templates`` entry lists each
-    site's templates and knobs. ``None`` (default): on for a CUDA target in float16, off otherwise.
-    ``gemm``: the templates' GEMM kernel, ``"mma"`` (mma.sync, any sm_80+ GPU), ``"wgmma"`` (Hopper: CUDA
-    sm_90a, needs nvcc here to prebuild the cubins the artifact carries; for the GEMM and QKV stages whose
-    shapes it tiles) or ``"auto"`` (default: ``"wgmma"`` for templates on an sm_90 / sm_90a target when nvcc is
-    found, else ``"mma"``; wgmma ran 1.4-2.1x faster than mma.sync on the H200, BENCHMARKS.md).
-    ``cuda_graph``: capture the module's static
-    regions in CUDA graphs (Relax's ``RewriteCUDAGraph``; CUDA only; see :mod:`.pipeline`).
-    ``tune_trials``: MetaSchedule trials spent before building (records go to ``database``).
-    ``database``: a MetaSchedule work dir whose records are applied.
-    """
-    from stof_tvm.artifact import Artifact
+    ``template_entry`` is the manifest's ``templates`` entry: the template calls the build will make (the
+    tuner plans exactly these, :func:`stof_tvm.tuning.plan_model`)."""
 
+    onnx_model: object
+    mod: tvm.IRModule
+    inputs: list
+    weights: list
+    outputs: list
+    sites: list
+    plan: object
+    user_mask: np.ndarray
+    combined: np.ndarray
+    choice: object
+    format_inputs: list
+    template_entry: dict
+    tspec: dict
+    gemm: str
+    target: tvm.target.Target
+
+
+def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
+              kernel: str = "auto", templates: bool | None = None, gemm: str = "auto",
+              database: str | None = None, schedule: bool = True) -> FrontEnd:
+    """Steps 1-5 of :func:`compile` (same arguments): import, attention kernel choice and rewrite, templates.
+
+    ``schedule=False`` leaves the template PrimFuncs unscheduled (the tuner only reads which calls are made)."""
     batch, seq_len = _check_positive("batch", batch), _check_positive("seq_len", seq_len)
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
     if kernel not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
-    if isinstance(tune_trials, bool) or not isinstance(tune_trials, int) or tune_trials < 0:
-        raise ValueError(f"tune_trials: expected an integer >= 0, got {tune_trials!r}")
-    if tune_trials and database is None:
-        raise ValueError("database: tuning (tune_trials > 0) needs a MetaSchedule work dir to write records to")
     tspec = target_dict(target)
     if templates is None:
         templates = tspec["kind"] == "cuda" and dtype == "float16"
     gemm, tspec = check_gemm(gemm, templates, tspec)
-    if cuda_graph not in (False, True):
-        raise TypeError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
-    if cuda_graph and tspec["kind"] != "cuda":
-        raise ValueError(f"cuda_graph: CUDA graphs need target 'cuda', got {tspec['kind']!r}")
     if templates and dtype == "float32":
         raise ValueError("templates: the fusion templates need dtype='float16'")
     tvm_target = make_target(tspec)
@@ -175,11 +173,6 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     user_mask = normalize_mask(mask, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k)
     combined = user_mask if plan.const_keep is None else user_mask & plan.const_keep
     mask_batch, mask_heads = _mask_groups(user_mask, plan.const_keep, plan.runtime)
-    if tune_trials:
-        from stof_tvm.tuning import tune
-
-        tune(onnx_model, mask=mask, batch=batch, seq_len=seq_len, dtype=site.dtype, target=tspec,
-             database=database, trials=tune_trials, progress=False)
     choice = choose_kernel(kernel, combined, batch=batch, heads=site.heads, head_dim=site.head_dim,
                            dtype=site.dtype, seq_q=site.seq_q, target_kind=tspec["kind"], has_bias=plan.has_bias,
                            mask_batch=mask_batch, mask_heads=mask_heads, database=database)
@@ -195,14 +188,59 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     mod, format_inputs = rewrite_attention(mod, sites, choice, primfunc)
     template_entry = {}
     if templates:
-        mod, template_entry = use_templates(mod, tvm_target, database, gemm)
+        mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule)
+    return FrontEnd(onnx_model, mod, inputs, weights, outputs, sites, plan, user_mask, combined, choice,
+                    format_inputs, template_entry, tspec, gemm, tvm_target)
+
+
+def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
+            kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
+            tune_trials: int = 0, database: str | None = None):
+    """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
+
+    ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
+    ``normalize_mask`` accept (it becomes the module's default mask; any mask of the same kind can be passed
+    at run time). ``target``: ``"cuda"`` (sm_90), ``"llvm"`` or a TVM target dict. ``dtype``: compute dtype of
+    the model (``"float16"`` or ``"float32"``). ``kernel``: ``"auto"``, ``"block"``, ``"row"`` or ``"dense"``.
+    ``templates``: replace the chains around attention (QKV projection into heads, GEMM + bias + residual +
+    LayerNorm, GEMM + bias + GELU, other linear layers) with stof-tvm's fusion templates (``dtype="float16"``;
+    see :mod:`.downstream`) instead of TVM's default schedules; the manifest's ``templates`` entry lists each
+    site's templates and knobs. ``None`` (default): on for a CUDA target in float16, off otherwise.
+    ``gemm``: the templates' GEMM kernel, ``"mma"`` (mma.sync, any sm_80+ GPU), ``"wgmma"`` (Hopper: CUDA
+    sm_90a, needs nvcc here to prebuild the cubins the artifact carries; for the GEMM and QKV stages whose
+    shapes it tiles) or ``"auto"`` (default: ``"wgmma"`` for templates on an sm_90 / sm_90a target when nvcc is
+    found, else ``"mma"``; wgmma ran 1.4-2.1x faster than mma.sync on the H200, BENCHMARKS.md).
+    ``cuda_graph``: capture the module's static
+    regions in CUDA graphs (Relax's ``RewriteCUDAGraph``; CUDA only; see :mod:`.pipeline`).
+    ``tune_trials``: trials per task spent tuning exactly the calls this compile makes, before building
+    (:func:`stof_tvm.tune`; records go to ``database``).
+    ``database``: a MetaSchedule work dir whose records are applied.
+    """
+    from stof_tvm.artifact import Artifact
+
+    if isinstance(tune_trials, bool) or not isinstance(tune_trials, int) or tune_trials < 0:
+        raise ValueError(f"tune_trials: expected an integer >= 0, got {tune_trials!r}")
+    if tune_trials and database is None:
+        raise ValueError("database: tuning (tune_trials > 0) needs a MetaSchedule work dir to write records to")
+    if cuda_graph not in (False, True):
+        raise TypeError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
+    if cuda_graph and target_dict(target)["kind"] != "cuda":
+        raise ValueError(f"cuda_graph: CUDA graphs need target 'cuda', got {target_dict(target)['kind']!r}")
+    if tune_trials:
+        from stof_tvm.tuning import tune
+
+        tune(model, mask=mask, batch=batch, seq_len=seq_len, dtype=dtype, target=target, kernel=kernel,
+             templates=templates, gemm=gemm, database=database, trials=tune_trials, progress=False)
+    front = front_end(model, mask=mask, batch=batch, seq_len=seq_len, target=target, dtype=dtype, kernel=kernel,
+                      templates=templates, gemm=gemm, database=database)
+    mod, tspec, tvm_target, choice, user_mask = front.mod, front.tspec, front.target, front.choice, front.user_mask
     # Weight casts and other weight-only work move to main_transform_params, which the runtime runs once.
     mod = relax.transform.LiftTransformParams()(mod)
 
-    executable = build(optimize(mod, tvm_target, database), tvm_target, templates=bool(template_entry),
+    executable = build(optimize(mod, tvm_target, database), tvm_target, templates=bool(front.template_entry),
                        cuda_graph=cuda_graph)
     binaries = {}
-    if gemm == "wgmma":
+    if front.gemm == "wgmma":
         from .cubins import prebuild_cubins
 
         binaries = prebuild_cubins(executable, tspec["arch"])
@@ -211,23 +249,23 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     arrays = {}
     if mask_entry.get("array"):
         arrays["mask.npy"] = np.ascontiguousarray(user_mask)
-    if plan.const_keep is not None and choice.kind != "dense":
-        arrays["model_keep.npy"] = np.ascontiguousarray(plan.const_keep)
+    if front.plan.const_keep is not None and choice.kind != "dense":
+        arrays["model_keep.npy"] = np.ascontiguousarray(front.plan.const_keep)
     has_transform = any(gv.name_hint == TRANSFORM_PARAMS for gv, _ in mod.functions_items())
     manifest = _manifest(
         source={"path": os.path.abspath(os.fspath(model))} if isinstance(model, (str, os.PathLike)) else {},
-        onnx_model=onnx_model, inputs=inputs, weights=weights, outputs=outputs, format_inputs=format_inputs,
-        mask_entry=mask_entry, user_mask=user_mask,
+        onnx_model=front.onnx_model, inputs=front.inputs, weights=front.weights, outputs=front.outputs,
+        format_inputs=front.format_inputs, mask_entry=mask_entry, user_mask=user_mask,
         model_keep="model_keep.npy" if "model_keep.npy" in arrays else None,
-        plan=plan, sites=sites, choice=choice, batch=batch,
+        plan=front.plan, sites=front.sites, choice=choice, batch=batch,
         transform_params=TRANSFORM_PARAMS if has_transform else None, tspec=tspec, dtype=dtype,
         tuning={"database": database, "trials": tune_trials})
-    manifest["templates"] = template_entry
+    manifest["templates"] = front.template_entry
     manifest["cuda_graph"] = cuda_graph
     if binaries:
         manifest["cuda_binaries"] = {"arch": tspec["arch"], "files": sorted(binaries)}
-    wanted = {w.name for w in weights}
-    values = {t.name: numpy_helper.to_array(t) for t in onnx_model.graph.initializer if t.name in wanted}
+    wanted = {w.name for w in front.weights}
+    values = {t.name: numpy_helper.to_array(t) for t in front.onnx_model.graph.initializer if t.name in wanted}
     return Artifact(executable, manifest, arrays, values, binaries)
 
 
@@ -253,4 +291,4 @@ def check_gemm(gemm: str, templates: bool, tspec: dict) -> tuple[str, dict]:
     return gemm, {**tspec, "arch": "sm_90a"}
 
 
-__all__ = ["compile", "check_gemm", "DTYPES"]
+__all__ = ["compile", "front_end", "FrontEnd", "check_gemm", "DTYPES"]

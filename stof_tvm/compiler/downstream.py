@@ -27,7 +27,9 @@ anything else keeps TVM's default path. The LayerNorm templates take the model's
 mma.sync only) to the Hopper ``*_wgmma`` templates where m % 128, n % 128 and k % 64 are 0, with the weight
 transposed to ``[N, K]``; other shapes fall back to mma.sync with a note. Knobs: :mod:`.template_choice`. On CUDA each
 PrimFunc is scheduled with its knobs; on the CPU the definitions run unscheduled (TVM's default lowering), which
-keeps the rewrite testable without a GPU. :func:`use_templates` returns the manifest entry of every site.
+keeps the rewrite testable without a GPU (a tuning record of the definition, measured on llvm, is applied
+there too). The wgmma kernels are thread-level code built per knob set (``template.kernel``), not scheduled.
+:func:`use_templates` returns the manifest entry of every site.
 """
 from __future__ import annotations
 
@@ -77,10 +79,12 @@ def _label(shape: dict) -> str:
 class _Templates:
     """Adds one PrimFunc per (template, shape, options) to the module and records every site."""
 
-    def __init__(self, mod: tvm.IRModule, target: tvm.target.Target, database: str | None, gemm: str):
+    def __init__(self, mod: tvm.IRModule, target: tvm.target.Target, database: str | None, gemm: str,
+                 schedule: bool = True):
         self.mod = mod
         self.target = target
         self.cuda = target.kind.name == "cuda"
+        self.schedule = schedule
         self.gemm = gemm
         self.chooser = TemplateChooser(target, database)
         self.functions: dict[tuple, tuple[tvm.ir.GlobalVar, KnobChoice]] = {}
@@ -95,14 +99,12 @@ class _Templates:
         key = (name, json.dumps(shape, sort_keys=True), dtype, eps)
         if key not in self.functions:
             template = get_template(name)
-            if name.endswith("_wgmma"):
-                choice = KnobChoice(dict(template.default_knobs(shape, dtype)), "default")
-                func = template.kernel(shape, dtype, choice.knobs) if self.cuda else template.primfunc(shape, dtype)
-            else:
-                func = template.primfunc(shape, dtype, **options)
-                choice = self.chooser.knobs(template, shape, dtype)
-                if self.cuda:
-                    func = self._scheduled(template, func, choice)
+            choice = self.chooser.knobs(template, shape, dtype, options)
+            func = template.primfunc(shape, dtype, **options)
+            if self.schedule and name.endswith("_wgmma") and choice.knobs is not None:
+                func = template.kernel(shape, dtype, choice.knobs)
+            elif self.schedule and (choice.knobs is not None or choice.trace is not None):
+                func = self._scheduled(template, func, choice)
             symbol = f"stof_{name}_{_label(shape)}" + (f"_{len(self.functions)}" if options else "")
             # Opaque to FuseOps: a scheduled template must not absorb its neighbours (reshapes, casts).
             func = (func.with_attr("global_symbol", symbol).with_attr("tirx.is_scheduled", True)
@@ -124,7 +126,8 @@ class _Templates:
 
     def call(self, name, shape, dtype, args, out_shape, eps=None) -> tuple[relax.Expr, dict]:
         gv, choice = self.function(name, shape, dtype, eps)
-        stage = {"template": name, "shape": shape, **choice.to_json()}
+        stage = {"template": name, "shape": shape, "dtype": dtype, **({"eps": eps} if eps is not None else {}),
+                 **choice.to_json()}
         return relax.call_tir(gv, args, out_ty=relax.TensorType(list(out_shape), dtype)), stage
 
     def record(self, chain: str, stages: list[dict], note: str | None = None) -> None:
@@ -229,7 +232,7 @@ def _rewrite_residual_ln(t: _Templates, expr, matches, var2val):
     gemm_shape, ln_shape = {"m": m, "n": n, "k": k}, {"m": m, "n": n}
     fused, why = t.chooser.fused_layernorm(
         get_template("gemm_bias_residual_layernorm_kn"), get_template("gemm_kn"),
-        get_template("bias_residual_layernorm"), gemm_shape, ln_shape, dtype)
+        get_template("bias_residual_layernorm"), gemm_shape, ln_shape, dtype, None if eps is None else {"eps": eps})
     if fused:
         call, stage = t.call("gemm_bias_residual_layernorm_kn", gemm_shape, dtype,
                              [x2d, matches[_W], matches[_BIAS], r2d, g16, b16], (m, n), eps)
@@ -419,12 +422,14 @@ def _simplify(func: relax.Function) -> relax.Function:
 
 
 def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | None = None,
-                  gemm: str = "mma") -> tuple[tvm.IRModule, dict]:
+                  gemm: str = "mma", schedule: bool = True) -> tuple[tvm.IRModule, dict]:
     """Rewrite ``main``'s downstream chains into template calls; returns the module and the manifest entry
-    ``{"gemm", "calls": {template: count}, "sites": [...], "notes": [...]}``."""
+    ``{"gemm", "calls": {template: count}, "sites": [...], "notes": [...]}``. Each site's stages name the
+    template, shape, dtype (and ``eps`` where it is not the default) of one call: what the tuner plans.
+    ``schedule=False``: leave every PrimFunc unscheduled (for planning only; the module is not for building)."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm: expected one of {GEMMS}, got {gemm!r}")
-    t = _Templates(mod, target, database, gemm)
+    t = _Templates(mod, target, database, gemm, schedule)
     func = mod["main"]
     var2val = relax.analysis.get_var2val(func)
 

@@ -1,11 +1,18 @@
 """Which knobs a fusion-template call gets, and whether a LayerNorm chain runs fused or as two templates.
 
-Knobs, in order of trust:
+Knobs of an mma.sync template on CUDA, in order of trust:
 
 1. ``database``: the measured-best record of the template's workload in a tuning work dir (stage 2), read
    back into its knob set by matching the record's schedule against the stage-1 candidates;
 2. ``model``: stage 1's top-ranked knob set (the analytical model, :func:`stof_tvm.cost_model.rank_template`);
 3. ``default``: the template's own first configuration (when the model ranks nothing).
+
+A wgmma template (thread-level kernel, one build per knob set) gets the fastest knob set that stage 2 measured
+for its call (the choice of its task group, :func:`stof_tvm.tuning.template_tasks.wgmma_group`), else its own
+first configuration (``default``: the knob order was set from H200 measurements; the model is not calibrated for
+these kernels). On the CPU the definitions run unscheduled, or with the record of the definition measured there
+(``database``; ``stof-tvm tune --target llvm``). The tuner plans exactly the calls these choices are made for
+(:func:`stof_tvm.tuning.plan_model` runs the same rewrite), so a tuned work dir always has their records.
 
 Fused or unfused (``LayerNorm(A @ W + b + residual)``): the fused template only when a tuning database measured
 it faster than the unfused pair (``gemm`` + ``bias_residual_layernorm``) at that shape. Without measurements the
@@ -48,7 +55,7 @@ class TemplateChooser:
         self.target = target
         self.cuda = target.kind.name == "cuda"
         self.database = None
-        if database is not None and self.cuda:
+        if database is not None:
             from ..tuning import TuningDatabase
 
             self.database = TuningDatabase(database)
@@ -70,29 +77,56 @@ class TemplateChooser:
                                              explain_top=0)
         return self._cache[key]
 
-    def knobs(self, template, shape: dict, dtype: str) -> KnobChoice:
-        """The knob choice for one call (``unscheduled`` on the CPU, where the definition runs as it is)."""
-        if not self.cuda:
-            return KnobChoice(None, "unscheduled")
-        key = ("knobs", template.name, tuple(sorted(shape.items())), dtype)
+    def knobs(self, template, shape: dict, dtype: str, options: dict | None = None) -> KnobChoice:
+        """The knob choice for one call; ``options``: the definition's constants (``eps``), part of its workload.
+
+        On the CPU: the measured record of the definition (its trace) or ``unscheduled``."""
+        options = dict(options or {})
+        key = ("knobs", template.name, tuple(sorted(shape.items())), dtype, tuple(sorted(options.items())))
         if key not in self._cache:
-            self._cache[key] = self._choose(template, shape, dtype)
+            if not self.cuda:
+                self._cache[key] = self._cpu(template, shape, dtype, options)
+            elif template.name.endswith("_wgmma"):
+                self._cache[key] = self._wgmma(template, shape, dtype)
+            else:
+                self._cache[key] = self._choose(template, shape, dtype, options)
         return self._cache[key]
 
-    def _choose(self, template, shape, dtype) -> KnobChoice:
+    def _cpu(self, template, shape, dtype, options) -> KnobChoice:
+        if self.database is not None:
+            from ..tuning.template_tasks import definition_task
+
+            records = self.database.records(definition_task(template, shape, dtype, options=options))
+            if records:
+                from ..tuning.database import _mean_seconds
+
+                return KnobChoice(None, "database", float(_mean_seconds(records[0])), records[0].trace)
+        return KnobChoice(None, "unscheduled")
+
+    def _wgmma(self, template, shape, dtype) -> KnobChoice:
+        if self.database is not None:
+            from ..tuning.template_tasks import wgmma_group
+
+            best = self.database.group_choice(wgmma_group(template, shape, dtype))
+            if best is not None:
+                return KnobChoice(dict(best["meta"]["knobs"]), "database", float(best["best_s"]))
+        return KnobChoice(dict(template.default_knobs(shape, dtype)), "default")
+
+    def _choose(self, template, shape, dtype, options) -> KnobChoice:
         ranked = self.ranked(template, shape, dtype)
         if self.database is not None and ranked:
-            recorded = self._from_database(template, shape, dtype, ranked)
+            recorded = self._from_database(template, shape, dtype, options, ranked)
             if recorded is not None:
                 return recorded
         if ranked:
             return KnobChoice(dict(ranked[0].candidate), "model", float(ranked[0].time_s))
         return KnobChoice(dict(template.default_knobs(shape, dtype)), "default")
 
-    def _from_database(self, template, shape, dtype, ranked) -> KnobChoice | None:
+    def _from_database(self, template, shape, dtype, options, ranked) -> KnobChoice | None:
         from ..tuning.template_tasks import template_task
 
-        task = template_task(template, shape, dtype, top_k=min(RECORD_CANDIDATES, len(ranked)), ranked=ranked)
+        task = template_task(template, shape, dtype, top_k=min(RECORD_CANDIDATES, len(ranked)), ranked=ranked,
+                             options=options)
         records = self.database.records(task)
         if not records:
             return None
@@ -103,8 +137,8 @@ class TemplateChooser:
             return KnobChoice(dict(task.candidates[index]), "database", float(_mean_seconds(records[0])))
         return KnobChoice(None, "database", float(_mean_seconds(records[0])), records[0].trace)
 
-    def fused_layernorm(self, fused, gemm, layernorm, gemm_shape: dict, ln_shape: dict, dtype: str
-                        ) -> tuple[bool, str]:
+    def fused_layernorm(self, fused, gemm, layernorm, gemm_shape: dict, ln_shape: dict, dtype: str,
+                        options: dict | None = None) -> tuple[bool, str]:
         """Whether ``LayerNorm(A @ W + b + r)`` should run as the fused template; returns (fused, why).
 
         Fused only when the database measured all three templates and the fused one was faster. The model's
@@ -116,8 +150,8 @@ class TemplateChooser:
             return False, f"unfused: the fused form does not fit ({err})"
         if not self.cuda:
             return False, "unfused (measured faster on the H200; CPU build)"
-        choices = [self.knobs(fused, gemm_shape, dtype), self.knobs(gemm, gemm_shape, dtype),
-                   self.knobs(layernorm, ln_shape, dtype)]
+        choices = [self.knobs(fused, gemm_shape, dtype, options), self.knobs(gemm, gemm_shape, dtype),
+                   self.knobs(layernorm, ln_shape, dtype, options)]
         times = [c.seconds for c in choices]
         if any(t is None for t in times):
             return False, "unfused (measured faster on the H200; no time for one of the forms)"
