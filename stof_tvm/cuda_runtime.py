@@ -33,11 +33,16 @@ def ensure_cuda_runtime() -> bool:
 
 
 def _compile_for_this_gpu(code: str) -> bytes:
-    """Compile CUDA source to a cubin for GPU 0's architecture with NVRTC (TVM's nvcc path needs the compiler)."""
+    """Compile CUDA source to a cubin for GPU 0's architecture with NVRTC (TVM's nvcc path needs the compiler).
+
+    Source using Hopper-only instructions (``wgmma``, ``setmaxnreg``: the wgmma templates' kernels, which the
+    tuner sends to the GPU one knob set at a time) is compiled for ``sm_90a``, the only architecture with them."""
     import tvm
     from tvm.support import nvcc
 
     arch = "sm_" + tvm.cuda(0).compute_version.replace(".", "")
+    if arch == "sm_90" and ("wgmma." in code or "setmaxnreg" in code):
+        arch = "sm_90a"
     return nvcc.compile_cuda(code, target_format="cubin", arch=arch, compiler="nvrtc")
 
 

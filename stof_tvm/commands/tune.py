@@ -1,6 +1,7 @@
 """``stof-tvm tune``: two-stage tuning (analytical model, then MetaSchedule) into a reusable database."""
 from __future__ import annotations
 
+import argparse
 import json
 
 from stof_tvm.models import BUILTIN
@@ -29,6 +30,12 @@ def register(subparsers) -> None:
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"], help="default float16")
     parser.add_argument("--target", default="cuda", choices=["cuda", "llvm"], help="default cuda")
     parser.add_argument("--arch", default="sm_90", help="CUDA architecture (default sm_90)")
+    parser.add_argument("--gemm", default="auto", choices=["auto", "mma", "wgmma"],
+                        help="--model: the templates' GEMM kernel, as for compile (default auto: wgmma on sm_90 "
+                             "with nvcc)")
+    parser.add_argument("--templates", action=argparse.BooleanOptionalAction, default=None,
+                        help="--model: tune the fusion-template calls compile makes (default, as for compile: on "
+                             "for cuda float16)")
     parser.add_argument("--trials", type=int, help="at most this many measurements per task (default: all "
                                                    "stage-1 survivors)")
     parser.add_argument("--top-k", type=int, default=8, help="stage-1 survivors per job (default 8)")
@@ -73,7 +80,10 @@ def run(args) -> int:
     stage1 = make_plan(args.model, template=args.template, shape=_parse_shape(args.shape),
                        mask=load_mask_arg(args.mask), batch=args.batch, seq_len=args.seq_len, heads=args.heads,
                        head_dim=args.head_dim, dtype=args.dtype, target=target, top_k=args.top_k,
-                       hardware=args.hardware, calibration=args.calibration, kinds=kinds, explain=args.explain)
+                       hardware=args.hardware, calibration=args.calibration, kinds=kinds, templates=args.templates,
+                       gemm=args.gemm, database=args.database, explain=args.explain)
+    if stage1.target is not None:     # a model: measure on the target its compile builds for (sm_90a for wgmma)
+        target = tuning_target(stage1.target)
     for text in stage1.explanations:
         print(text + "\n")
     for note in stage1.notes:

@@ -26,6 +26,7 @@ def resolve_hardware(hardware, target) -> HardwareProfile:
 def plan(model=None, *, template=None, shape=None, mask="causal", batch: int = 1, seq_len: int = 128,
          heads: int = 12, head_dim: int = 64, dtype: str = "float16", target="cuda", top_k: int = 8,
          hardware=None, calibration: Calibration | str | None = None, kinds=("block", "row"),
+         kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", database: str | None = None,
          explain: bool = False) -> TuningPlan:
     """Stage 1 only: the tasks ``tune`` would measure (see :func:`tune` for the arguments)."""
     target = tuning_target(target)
@@ -35,7 +36,8 @@ def plan(model=None, *, template=None, shape=None, mask="causal", batch: int = 1
         raise ValueError("give one of model= or template= (or neither, for one attention problem)")
     if model is not None:
         return plan_model(model, batch=batch, seq_len=seq_len, mask=mask, target=target, dtype=dtype, top_k=top_k,
-                          hw=hw, cal=cal, kinds=kinds, explain=explain)
+                          hw=hw, cal=cal, kinds=kinds, kernel=kernel, templates=templates, gemm=gemm,
+                          database=database, explain=explain)
     if template is not None:
         from ..schedules.templates import get_template
 
@@ -52,6 +54,7 @@ def tune(model=None, *, template=None, shape=None, mask="causal", batch: int = 1
          trials: int | None = None, top_k: int = 8, time_budget_s: float | None = None,
          rpc_tracker: str | None = None, rpc_key: str | None = None, hardware=None,
          calibration: Calibration | str | None = None, kinds=("block", "row"), build_workers: int | None = None,
+         kernel: str = "auto", templates: bool | None = None, gemm: str = "auto",
          progress: bool = True) -> TuningReport:
     """Tune ``model`` (built-in name, ONNX path or proto), or one ``template`` call at ``shape``, or (neither)
     one attention problem, and record the results in the ``database`` work directory.
@@ -60,11 +63,18 @@ def tune(model=None, *, template=None, shape=None, mask="causal", batch: int = 1
     ``trials`` per task) locally or on ``rpc_tracker``'s devices, within ``time_budget_s``. Tasks the database
     already holds complete are not measured again; a stopped run resumes where it stopped. The report's
     ``plan`` attribute is the stage-1 plan.
+
+    For a model, ``dtype``, ``kernel``, ``templates`` and ``gemm`` are :func:`stof_tvm.compile`'s: the tasks are
+    exactly the calls that compile makes (its front end decides them), measured on the target it builds for,
+    so that compiling with the same arguments and ``database`` uses every record.
     """
     target = tuning_target(target)
     stage1 = plan(model, template=template, shape=shape, mask=mask, batch=batch, seq_len=seq_len, heads=heads,
                   head_dim=head_dim, dtype=dtype, target=target, top_k=top_k, hardware=hardware,
-                  calibration=calibration, kinds=kinds)
+                  calibration=calibration, kinds=kinds, kernel=kernel, templates=templates, gemm=gemm,
+                  database=database)
+    if stage1.target is not None:
+        target = tuning_target(stage1.target)
     report = tune_tasks(stage1.tasks, target, database, trials=trials, time_budget_s=time_budget_s,
                         rpc_tracker=rpc_tracker, rpc_key=rpc_key, build_workers=build_workers,
                         progress_stream=sys.stderr if progress else None)

@@ -2,9 +2,15 @@
 
 Each planner ranks the candidates with the analytical model (timed separately: that is the cost of stage 1),
 keeps the top K per job as :class:`~stof_tvm.tuning.task.TuningTask` objects, and can explain the rankings.
+
+A model's jobs are read from the compile path itself: :func:`plan_model` runs the compiler's front end
+(:func:`stof_tvm.compiler.front_end`: import, attention rewrite, template rewrite) with the same arguments a
+compile gets, and plans exactly the template calls it records and the attention problem it chose a kernel for.
+There is no second scan of the graph, so a later compile with those arguments finds a record for every call.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -17,9 +23,8 @@ from ..cost_model.explain import explain_ranking
 from ..cost_model.templates import rank_template
 from ..hardware import H200, HardwareProfile
 from .attention_tasks import attention_tasks
-from .onnx_scan import load_model, scan_onnx
 from .task import TuningTask
-from .template_tasks import template_task
+from .template_tasks import definition_task, template_task, wgmma_tasks
 
 __all__ = ["TuningPlan", "plan_model", "plan_template", "plan_attention"]
 
@@ -27,15 +32,20 @@ __all__ = ["TuningPlan", "plan_model", "plan_template", "plan_attention"]
 @dataclass
 class TuningPlan:
     """Stage 1's result: the tasks, notes on calls left out, one explanation per ranked job, and the seconds
-    spent in the analytical model (ranking only, not building the kernels' IR)."""
+    spent in the analytical model (ranking only, not building the kernels' IR). A model's plan also has the
+    ``target`` its compile builds for (``sm_90a`` for wgmma GEMMs), which stage 2 must measure on, and the
+    ``calls`` it planned: ``[(template, shape, dtype, options, count)]``."""
 
     tasks: list[TuningTask] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     explanations: list[str] = field(default_factory=list)
     model_seconds: float = 0.0
+    target: object = None
+    calls: list = field(default_factory=list)
 
     def extend(self, other: "TuningPlan") -> "TuningPlan":
         self.tasks += other.tasks
+        self.calls += other.calls
         self.notes += other.notes
         self.explanations += other.explanations
         self.model_seconds += other.model_seconds
@@ -68,14 +78,22 @@ def plan_attention(problem: AttentionProblem, target, *, top_k: int = 8, hw: Har
 
 def plan_template(template, shape: Mapping[str, int], target, *, dtype: str = "float16", top_k: int = 8,
                   hw: HardwareProfile = H200, cal: Calibration = DEFAULT_CALIBRATION, weight: float = 1.0,
-                  explain: bool = False) -> TuningPlan:
-    """The task of one template call (its top ``top_k`` knob sets). Templates build for CUDA only."""
+                  options: Mapping | None = None, explain: bool = False) -> TuningPlan:
+    """The tasks of one template call: on CUDA its top ``top_k`` knob sets (one task, or one task per knob set
+    for a wgmma template); on llvm its definition as it is (:mod:`.template_tasks`). ``options``: the
+    definition's constants (``eps``)."""
+    plan = TuningPlan(calls=[(template.name, dict(shape), dtype, dict(options or {}), weight)])
     if _kind(target) != "cuda":
-        raise ValueError(f"template {template.name} uses tensor cores and builds for CUDA only, not {_kind(target)}")
+        plan.tasks = [definition_task(template, shape, dtype, options=options, weight=weight)]
+        return plan
     started = time.perf_counter()
     ranked = rank_template(template, shape, dtype, hw, cal)
-    plan = TuningPlan(model_seconds=time.perf_counter() - started)
-    plan.tasks = [template_task(template, shape, dtype, top_k=top_k, hw=hw, cal=cal, weight=weight, ranked=ranked)]
+    plan.model_seconds = time.perf_counter() - started
+    if template.name.endswith("_wgmma"):
+        plan.tasks = wgmma_tasks(template, shape, dtype, top_k=top_k, hw=hw, cal=cal, weight=weight, ranked=ranked)
+    else:
+        plan.tasks = [template_task(template, shape, dtype, top_k=top_k, hw=hw, cal=cal, weight=weight,
+                                    ranked=ranked, options=options)]
     if explain:
         plan.explanations.append(explain_ranking(f"{template.name} {dict(shape)} {dtype}: {len(ranked)} feasible "
                                                  "knob sets", ranked))
@@ -84,34 +102,79 @@ def plan_template(template, shape: Mapping[str, int], target, *, dtype: str = "f
 
 def plan_model(model, *, batch: int, seq_len: int, mask, target, dtype: str = "float16", top_k: int = 8,
                hw: HardwareProfile = H200, cal: Calibration = DEFAULT_CALIBRATION, kinds=("block", "row"),
+               kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", database: str | None = None,
                explain: bool = False) -> TuningPlan:
-    """Tasks for every distinct call of a model at ``batch x seq_len`` under ``mask``.
+    """Tasks for every distinct call a compile of ``model`` at ``batch x seq_len`` under ``mask`` makes.
 
-    GEMM calls need a registered template for their epilogue and a CUDA target; calls without one are listed
-    in the notes (the compiler schedules them with its defaults).
+    ``dtype``, ``kernel``, ``templates``, ``gemm`` and ``database`` mean what they mean for
+    :func:`stof_tvm.compile` (whose front end decides the calls: which chains run on which templates, wgmma or
+    mma.sync, fused or unfused LayerNorm). Each distinct template call becomes one job weighted by its count;
+    the attention problem (user mask combined with the model's own masking) one job weighted by the number of
+    sites, unless the model's scores carry a bias (dense attention, nothing to tune).
     """
-    from ..schedules.templates import TEMPLATES
+    from ..compiler import front_end
+    from ..schedules.templates import get_template
 
-    calls = scan_onnx(load_model(model))
+    target_spec = _target_spec(target)
+    front = front_end(_onnx_model(model), mask=mask, batch=batch, seq_len=seq_len, target=target_spec,
+                      dtype=dtype, kernel=kernel, templates=templates, gemm=gemm, database=database, schedule=False)
     plan = TuningPlan()
-    tokens = batch * seq_len
-    for (name, n, k), count in sorted(calls.gemms.items()):
-        shape = {"m": tokens, "n": n, "k": k}
-        if _kind(target) != "cuda":
-            plan.notes.append(f"{name} {shape} x{count}: templates build for CUDA only")
-        elif name not in TEMPLATES:
-            plan.notes.append(f"{name} {shape} x{count}: no template registered")
-        else:
-            try:
-                plan.extend(plan_template(TEMPLATES[name], shape, target, dtype=dtype, top_k=top_k, hw=hw, cal=cal,
-                                          weight=float(count), explain=explain))
-            except ValueError as err:
-                plan.notes.append(f"{name} {shape} x{count}: {err}")
-    for (heads, head_dim), count in sorted(calls.attention.items()):
-        problem = AttentionProblem.build(mask, batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim,
-                                         dtype=dtype)
-        plan.extend(plan_attention(problem, target, top_k=top_k, hw=hw, cal=cal, kinds=kinds, weight=float(count),
-                                   explain=explain))
+    for (name, shape, call_dtype, options), count in _template_calls(front.template_entry).items():
+        try:
+            plan.extend(plan_template(get_template(name), dict(shape), target, dtype=call_dtype, top_k=top_k,
+                                      hw=hw, cal=cal, weight=float(count), options=dict(options), explain=explain))
+        except ValueError as err:
+            plan.notes.append(f"{name} {dict(shape)} x{count}: {err}")
+    site = front.sites[0]
+    if front.choice.kind == "dense":
+        plan.notes.append(f"attention: dense ({front.choice.reason}); nothing to tune")
+    else:
+        problem = AttentionProblem.build(front.combined, batch=batch, heads=site.heads, seq_len=site.seq_q,
+                                         head_dim=site.head_dim, dtype=site.dtype)
+        plan.extend(plan_attention(problem, target, top_k=top_k, hw=hw, cal=cal, kinds=kinds,
+                                   weight=float(len(front.sites)), explain=explain))
+    plan.target = front.tspec
     if not plan.tasks:
         raise ValueError("model: nothing to tune" + (" (" + "; ".join(plan.notes) + ")" if plan.notes else ""))
     return plan
+
+
+def _template_calls(entry: dict) -> dict:
+    """``{(template, shape items, dtype, option items): count}`` of a compile manifest's ``templates`` entry."""
+    calls: dict = {}
+    for site in entry.get("sites", []):
+        for stage in site["stages"]:
+            options = (("eps", stage["eps"]),) if "eps" in stage else ()
+            key = (stage["template"], tuple(stage["shape"].items()), stage["dtype"], options)
+            calls[key] = calls.get(key, 0) + site["count"]
+    return calls
+
+
+def _target_spec(target) -> dict:
+    """The compile path's target dict of a tuning target (kind, and for CUDA its arch and limits)."""
+    if isinstance(target, tvm.target.Target):
+        if target.kind.name != "cuda":
+            return {"kind": target.kind.name}
+        keys = ("arch", "max_threads_per_block", "max_shared_memory_per_block")
+        return {"kind": "cuda", **{k: target.attrs[k] for k in keys if k in target.attrs}}
+    return target
+
+
+def _onnx_model(model):
+    """An ``onnx.ModelProto`` or path from a built-in model name (``bert-base``, ``tiny-bert``, ...), a path or a
+    proto."""
+    import onnx
+
+    if isinstance(model, onnx.ModelProto):
+        return model
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a built-in model name, an ONNX file path or an onnx.ModelProto, "
+                        f"got {type(model).__name__}")
+    from ..models import BUILTIN, builtin_model
+
+    if str(model) in BUILTIN:
+        return builtin_model(str(model))
+    if not os.path.isfile(model):
+        raise FileNotFoundError(f"model: {model!r} is neither a built-in model ({', '.join(sorted(BUILTIN))}) "
+                                f"nor an ONNX file")
+    return model
