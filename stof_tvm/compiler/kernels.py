@@ -137,7 +137,12 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
 
         kind, model_config = choose_kernel_config(mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
                                                   target_kind=target_kind)
-        reason = "chosen from the mask by stof_tvm.attention.choose_kernel_config (the analytical model on CUDA)"
+        if dtype == "float32":
+            reason = "the row-wise kernel: the only one for float32"
+        elif target_kind == "cuda":
+            reason = "chosen from the mask by the analytical model (stof_tvm.cost_model), kernel and configuration"
+        else:
+            reason = "chosen from the mask by STOF's rule (the CPU has no speed model); default configuration"
     else:
         kind, reason = requested, "requested"
     if not _supports(kind, dtype, target_kind):
