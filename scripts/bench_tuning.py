@@ -60,6 +60,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--mask", default="bigbird")
     parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--gemm", default="auto", choices=["auto", "mma", "wgmma"],
+                        help="the templates' GEMM kernel, as for compile (auto: wgmma on sm_90 with nvcc)")
     parser.add_argument("--database", default="out/tuning-db")
     parser.add_argument("--baseline-tasks", type=int, default=1, help="GEMM tasks to re-tune with generic rules")
     parser.add_argument("--json", required=True)
@@ -74,7 +76,8 @@ def main(argv=None) -> int:
     shutil.rmtree(args.database, ignore_errors=True)
     t0 = time.time()
     stage1 = plan(args.model, mask=args.mask, batch=args.batch, seq_len=args.seq_len, target=target,
-                  top_k=args.top_k)
+                  top_k=args.top_k, gemm=args.gemm)
+    target = tuning_target(stage1.target)     # what the compile builds for: sm_90a with wgmma GEMMs
     t1 = time.time()
     report = tune_tasks(stage1.tasks, target, args.database, progress_stream=sys.stderr)
     t2 = time.time()

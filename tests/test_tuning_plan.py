@@ -113,6 +113,7 @@ def test_wgmma_records_choose_the_compiled_knobs(tiny, tmp_path):
                         progress_stream=None)
     assert all(r.status == "tuned" for r in report.results)
     art = stof_tvm.compile(tiny, **args, database=work)
+    assert planned_calls(stage1) == manifest_calls(art.manifest)
     db = TuningDatabase(work)
     checked = 0
     for site in art.manifest["templates"]["sites"]:
