@@ -13,16 +13,14 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import tvm
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 import stof_tvm
 from stof_tvm.compiler import cubins
+from stof_tvm.schedules.templates import get_template
 from stof_tvm.tuning import TuningDatabase, plan, tune, tune_tasks, tuning_target
 from stof_tvm.tuning.template_tasks import wgmma_group
-
-from stof_tvm.schedules.templates import get_template
 
 
 def manifest_calls(manifest) -> dict:
