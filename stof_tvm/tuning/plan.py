@@ -116,6 +116,8 @@ def plan_model(model, *, batch: int, seq_len: int, mask, target, dtype: str = "f
     from ..schedules.templates import get_template
 
     target_spec = _target_spec(target)
+    if database is not None and not os.path.isdir(database):
+        database = None               # nothing recorded yet (and planning must not create the directory)
     front = front_end(_onnx_model(model), mask=mask, batch=batch, seq_len=seq_len, target=target_spec,
                       dtype=dtype, kernel=kernel, templates=templates, gemm=gemm, database=database, schedule=False)
     plan = TuningPlan()
