@@ -24,8 +24,9 @@ anything else keeps TVM's default path. The LayerNorm templates take the model's
 16-bit, so the residual stream between layers becomes 16-bit (as in a float16 PyTorch model).
 
 ``gemm="wgmma"`` maps the GEMM stages and the QKV projection (not the fused GEMM + LayerNorm, which exists on
-mma.sync only) to the Hopper ``*_wgmma`` templates where m % 128, n % 128 and k % 64 are 0, with the weight
-transposed to ``[N, K]``; other shapes fall back to mma.sync with a note. Knobs: :mod:`.template_choice`. On CUDA each
+mma.sync only) to the Hopper ``*_wgmma`` templates where m % 128, n % 128 and k % 64 are 0 and the GEMM has at
+least ``WGMMA_MIN_TILES`` 128x128 output tiles, with the weight transposed to ``[N, K]``; other shapes stay on
+mma.sync with a note. Knobs: :mod:`.template_choice`. On CUDA each
 PrimFunc is scheduled with its knobs; on the CPU the definitions run unscheduled (TVM's default lowering), which
 keeps the rewrite testable without a GPU (a tuning record of the definition, measured on llvm, is applied
 there too). The wgmma kernels are thread-level code built per knob set (``template.kernel``), not scheduled.
@@ -48,6 +49,22 @@ from .template_choice import KnobChoice, TemplateChooser
 TEMPLATE_DTYPES = ("float16", "bfloat16")
 GEMMS = ("mma", "wgmma")
 WGMMA_TILES = {"m": 128, "n": 128, "k": 64}
+# Fewest 128x128 output tiles for which a GEMM goes to wgmma: half the H200's SMs. Below that the wgmma kernel's
+# 128-row tiles leave most SMs idle; measured on the H200 (BENCHMARKS.md, end to end): BERT-Base at 1x128 tokens
+# ran 0.76 ms with mma.sync templates and 1.03 ms with wgmma, at 8x512 4.35 ms and 3.35 ms.
+WGMMA_MIN_TILES = 66
+
+
+def wgmma_misfit(m: int, n: int, k: int) -> str | None:
+    """Why a GEMM of [m, k] x [k, n] stays on mma.sync under ``gemm="wgmma"`` (None: it goes to wgmma)."""
+    shape = {"m": m, "n": n, "k": k}
+    misfit = [key for key, tile in WGMMA_TILES.items() if shape[key] % tile]
+    if misfit:
+        return f"wgmma needs {', '.join(f'{key} % {WGMMA_TILES[key]} == 0' for key in misfit)}: mma.sync"
+    tiles = (m // WGMMA_TILES["m"]) * (n // WGMMA_TILES["n"])
+    if tiles < WGMMA_MIN_TILES:
+        return f"{tiles} wgmma tiles fill too few SMs (< {WGMMA_MIN_TILES}): mma.sync"
+    return None
 OPAQUE = 8    # relax OpPatternKind kOpaque
 
 
@@ -142,14 +159,11 @@ class _Templates:
         base = "gemm" + ("_bias" if bias is not None else "") + (f"_{act}" if act != "none" else "")
         shape = {"m": m, "n": n, "k": k}
         args = [x2d] + [None] + ([bias] if bias is not None else [])
-        note = None
-        if self.gemm == "wgmma":
-            misfit = [key for key, tile in WGMMA_TILES.items() if shape[key] % tile]
-            if not misfit:
-                args[1] = _transposed(w)
-                call, stage = self.call(base + "_wgmma", shape, dtype, args, (m, n))
-                return call, stage, None
-            note = f"wgmma needs {', '.join(f'{key} % {WGMMA_TILES[key]} == 0' for key in misfit)}: mma.sync"
+        note = wgmma_misfit(m, n, k) if self.gemm == "wgmma" else None
+        if self.gemm == "wgmma" and note is None:
+            args[1] = _transposed(w)
+            call, stage = self.call(base + "_wgmma", shape, dtype, args, (m, n))
+            return call, stage, None
         args[1] = w
         call, stage = self.call(base + "_kn", shape, dtype, args, (m, n))
         return call, stage, note
@@ -368,15 +382,11 @@ def _rewrite_qkv(t: _Templates, func: relax.Function) -> relax.Function:
             w = _concat_weights([self.visit_expr(m[_W]) for m in matches], 1)
             bias = _concat_weights([m[_BIAS] for m in matches], 0)
             x2d = relax.op.reshape(self.visit_expr(group.x), [b * s, h * d])
-            misfit = [key for key, size in (("m", b * s), ("n", 3 * h * d), ("k", h * d))
-                      if size % WGMMA_TILES[key]]
-            note = None
-            if t.gemm == "wgmma" and not misfit:
+            note = wgmma_misfit(b * s, 3 * h * d, h * d) if t.gemm == "wgmma" else None
+            if t.gemm == "wgmma" and note is None:
                 call, stage = t.call("qkv_projection_wgmma", group.shape, dtype, [x2d, _transposed(w), bias],
                                      (3, b, h, s, d))
             else:
-                if t.gemm == "wgmma":
-                    note = f"wgmma needs {', '.join(f'{key} % {WGMMA_TILES[key]} == 0' for key in misfit)}: mma.sync"
                 call, stage = t.call("qkv_projection_kn", group.shape, dtype, [x2d, w, bias], (3, b, h, s, d))
             t.record("qkv", [stage], note)
             parts = self.builder_.emit(relax.op.split(self.builder_.emit(call), 3, axis=0))
