@@ -105,6 +105,9 @@ def test_cli_main_job(tmp_path, capsys):
     out = str(tmp_path / "tiny")
     assert cli_main(["compile", "--builtin", "tiny-bert", "--mask", "bigbird", "--batch", "1", "--seq-len", "128",
                      "--target", "llvm", "-o", out]) == 0
+    steps = capsys.readouterr().err.splitlines()      # progress of the long steps, timed, on stderr
+    assert [line.split("] ", 1)[1].split(" ")[0] for line in steps] == ["importing", "building"]
+    assert "building for llvm (attention kernel row, templates off)" in steps[1]
     assert cli_main(["run", out, "--check"]) == 0
     printed = capsys.readouterr().out
     assert "output last_hidden_state: shape [1, 128, 128] float32" in printed

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import time
 
 import numpy as np
 
@@ -63,11 +65,15 @@ def run(args) -> int:
         model = args.model
     target = {"kind": "cuda", "arch": args.arch} if args.target == "cuda" else "llvm"
     dtype = args.dtype or ("float16" if args.target == "cuda" else "float32")
+    started = time.monotonic()
+
+    def progress(line: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f} s] {line}", file=sys.stderr, flush=True)
+
     artifact = compile_model(model, mask=load_mask_arg(args.mask), batch=args.batch, seq_len=args.seq_len,
                              target=target, dtype=dtype, kernel=args.kernel, templates=args.templates,
-                             gemm=args.gemm, cuda_graph=args.cuda_graph,
-                             tune_trials=args.tune_trials,
-                             database=args.database)
+                             gemm=args.gemm, cuda_graph=args.cuda_graph, tune_trials=args.tune_trials,
+                             database=args.database, progress=progress)
     if args.builtin:
         artifact.manifest["source"] = {"builtin": args.builtin, "seed": args.seed}
     path = artifact.save(args.output)

@@ -195,7 +195,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
 
 def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
             kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
-            tune_trials: int = 0, database: str | None = None):
+            tune_trials: int = 0, database: str | None = None, progress=None):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
 
     ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
@@ -209,14 +209,19 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     ``gemm``: the templates' GEMM kernel, ``"mma"`` (mma.sync, any sm_80+ GPU), ``"wgmma"`` (Hopper: CUDA
     sm_90a, needs nvcc here to prebuild the cubins the artifact carries; for the GEMM and QKV stages whose
     shapes it tiles) or ``"auto"`` (default: ``"wgmma"`` for templates on an sm_90 / sm_90a target when nvcc is
-    found, else ``"mma"``; wgmma ran 1.4-2.1x faster than mma.sync on the H200, BENCHMARKS.md).
+    found, else ``"mma"``; wgmma ran 1.1-2.1x faster than mma.sync on the H200, BENCHMARKS.md; GEMMs too small to
+    fill half the GPU with 128-row tiles stay on mma.sync, see :func:`.downstream.wgmma_misfit`).
     ``cuda_graph``: capture the module's static
     regions in CUDA graphs (Relax's ``RewriteCUDAGraph``; CUDA only; see :mod:`.pipeline`).
     ``tune_trials``: trials per task spent tuning exactly the calls this compile makes, before building
     (:func:`stof_tvm.tune`; records go to ``database``).
     ``database``: a MetaSchedule work dir whose records are applied.
+    ``progress``: called with a short line as each long step starts (the CLI prints them; a large model spends
+    most of a minute in TVM's build).
     """
     from stof_tvm.artifact import Artifact
+
+    report = progress if progress is not None else (lambda line: None)
 
     if isinstance(tune_trials, bool) or not isinstance(tune_trials, int) or tune_trials < 0:
         raise ValueError(f"tune_trials: expected an integer >= 0, got {tune_trials!r}")
@@ -229,11 +234,15 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     if tune_trials:
         from stof_tvm.tuning import tune
 
+        report(f"tuning the model's calls ({tune_trials} trials per task, records in {database})")
         tune(model, mask=mask, batch=batch, seq_len=seq_len, dtype=dtype, target=target, kernel=kernel,
              templates=templates, gemm=gemm, database=database, trials=tune_trials, progress=False)
+    report("importing the ONNX graph, matching attention and the chains after it")
     front = front_end(model, mask=mask, batch=batch, seq_len=seq_len, target=target, dtype=dtype, kernel=kernel,
                       templates=templates, gemm=gemm, database=database)
     mod, tspec, tvm_target, choice, user_mask = front.mod, front.tspec, front.target, front.choice, front.user_mask
+    report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
+           f"(attention kernel {choice.kind}, templates {front.gemm if front.template_entry else 'off'})")
     # Weight casts and other weight-only work move to main_transform_params, which the runtime runs once.
     mod = relax.transform.LiftTransformParams()(mod)
 
@@ -243,6 +252,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     if front.gemm == "wgmma":
         from .cubins import prebuild_cubins
 
+        report(f"compiling the CUDA module for {tspec['arch']} with nvcc (the artifact carries the cubin)")
         binaries = prebuild_cubins(executable, tspec["arch"])
 
     mask_entry = _mask_entry(mask)
