@@ -108,31 +108,44 @@ def _check_config(config, head_dim, dtype, target_kind):
                 f"rows_per_block={config.rows_per_block}")
 
 
+def _check_bias(bias, batch: int, heads: int):
+    if bias is None:
+        return None
+    if not (isinstance(bias, tuple) and len(bias) == 3):
+        raise TypeError(f"bias must be None or (bias_batch, bias_heads, dtype), got {bias!r}")
+    bias_batch, bias_heads, dtype = bias
+    if bias_batch not in (1, batch) or bias_heads not in (1, heads):
+        raise ValueError(f"bias_batch must be 1 or {batch} and bias_heads 1 or {heads}, got {bias_batch} and "
+                         f"{bias_heads}")
+    if dtype not in ("float16", "bfloat16", "float32"):
+        raise TypeError(f"bias dtype must be float16, bfloat16 or float32, got {dtype!r}")
+    return bias
+
+
 def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: str,
                                mask_batch: int, mask_heads: int, scale: float, key_groups: int,
-                               keys_per_step: int) -> tvm.tirx.PrimFunc:
+                               keys_per_step: int, bias: tuple[int, int, str] | None = None) -> tvm.tirx.PrimFunc:
     """The unscheduled row-wise PrimFunc. ``nnz`` (length of ``indices``) is symbolic.
 
     Params: ``q[B,H,Sq,D], k[B,H,Sk,D], v[B,H,Sk,D], indptr[G*Sq+1] int32, indices[nnz] int32, out[B,H,Sq,D]``.
+    ``bias = (bias_batch, bias_heads, dtype)`` adds a parameter ``bias[Bb, Hb, Sq, Sk]`` before ``out`` (Bb 1 or B,
+    Hb 1 or H) that is added to each kept score after scaling, as models with a position bias (T5) add it to their
+    scores; it is read only where the mask keeps a key.
     """
     B, H, Sq, Sk, D, KG, U = batch, heads, seq_q, seq_k, head_dim, key_groups, keys_per_step
     G = mask_batch * mask_heads
     group_of_b = mask_heads if mask_batch > 1 else 0      # g = b * group_of_b + h * group_of_h
     group_of_h = 1 if mask_heads > 1 else 0
     q_scale = float(scale) * math.log2(math.e)             # scores in the log2 domain -> exp2
+    log2e = math.log2(math.e)
     step = KG * U
+    HAS_BIAS = bias is not None
+    BB, BH, BIAS_DTYPE = bias if HAS_BIAS else (1, 1, "float32")
+    bias_b = 1 if BB > 1 else 0                            # the bias row of (b, h): [b * bias_b, h * bias_h]
+    bias_h = 1 if BH > 1 else 0
 
-    @T.prim_func(s_tir=True)
-    def rowwise_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, indptr_h: T.handle, indices_h: T.handle,
-                          out_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "global_symbol": ROWWISE_SYMBOL})
-        nnz = T.int32()
-        q = T.match_buffer(q_h, (B, H, Sq, D), dtype)
-        k = T.match_buffer(k_h, (B, H, Sk, D), dtype)
-        v = T.match_buffer(v_h, (B, H, Sk, D), dtype)
-        indptr = T.match_buffer(indptr_h, (G * Sq + 1,), "int32")
-        indices = T.match_buffer(indices_h, (nnz,), "int32")
-        out = T.match_buffer(out_h, (B, H, Sq, D), dtype)
+    @T.macro
+    def body(q, k, v, indptr, indices, bias_buf, out, nnz):
         # Per (row, key group) online-softmax state: running max (log2 domain), running sum, accumulator.
         part_max = T.sblock_alloc_buffer((B, H, Sq, KG), "float32")
         part_sum = T.sblock_alloc_buffer((B, H, Sq, KG), "float32")
@@ -140,8 +153,12 @@ def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int
         for b, h, i in T.grid(B, H, Sq):
             with T.sblock("row"):
                 rb, rh, ri = T.axis.remap("SSS", [b, h, i])
-                T.reads(q[rb, rh, ri, 0:D], indptr[0:G * Sq + 1], indices[0:nnz], k[rb, rh, 0:Sk, 0:D],
-                        v[rb, rh, 0:Sk, 0:D])
+                if HAS_BIAS:
+                    T.reads(q[rb, rh, ri, 0:D], indptr[0:G * Sq + 1], indices[0:nnz], k[rb, rh, 0:Sk, 0:D],
+                            v[rb, rh, 0:Sk, 0:D], bias_buf[rb * bias_b, rh * bias_h, ri, 0:Sk])
+                else:
+                    T.reads(q[rb, rh, ri, 0:D], indptr[0:G * Sq + 1], indices[0:nnz], k[rb, rh, 0:Sk, 0:D],
+                            v[rb, rh, 0:Sk, 0:D])
                 T.writes(out[rb, rh, ri, 0:D])
                 for kg in range(KG):
                     with T.sblock("partial"):
@@ -149,8 +166,13 @@ def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int
                         vh = T.axis.spatial(H, rh)
                         vi = T.axis.spatial(Sq, ri)
                         vg = T.axis.spatial(KG, kg)
-                        T.reads(q[vb, vh, vi, 0:D], indptr[0:G * Sq + 1], indices[0:nnz], k[vb, vh, 0:Sk, 0:D],
-                                v[vb, vh, 0:Sk, 0:D])
+                        if HAS_BIAS:
+                            T.reads(q[vb, vh, vi, 0:D], indptr[0:G * Sq + 1], indices[0:nnz],
+                                    k[vb, vh, 0:Sk, 0:D], v[vb, vh, 0:Sk, 0:D],
+                                    bias_buf[vb * bias_b, vh * bias_h, vi, 0:Sk])
+                        else:
+                            T.reads(q[vb, vh, vi, 0:D], indptr[0:G * Sq + 1], indices[0:nnz],
+                                    k[vb, vh, 0:Sk, 0:D], v[vb, vh, 0:Sk, 0:D])
                         T.writes(part_max[vb, vh, vi, vg], part_sum[vb, vh, vi, vg], part_acc[vb, vh, vi, vg, 0:D])
                         qf = T.alloc_buffer((D,), "float32", scope="local")
                         acc = T.alloc_buffer((D,), "float32", scope="local")
@@ -189,6 +211,10 @@ def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int
                                     with T.init():
                                         score[vu] = T.float32(0)
                                     score[vu] = score[vu] + qf[vd] * T.Cast("float32", kk[vu, vd])
+                            if HAS_BIAS:    # the model's score bias, in the log2 domain like the scores
+                                for u in range(U):
+                                    score[u] = score[u] + T.Cast(
+                                        "float32", bias_buf[vb * bias_b, vh * bias_h, vi, key[u]]) * T.float32(log2e)
                             state[2] = state[0]
                             for u in range(U):
                                 if (it * U + u) * KG + vg < n_keys:
@@ -240,6 +266,35 @@ def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int
                         out[vb, vh, vi, vd] = T.Cast(dtype, T.Select(total[1] > T.float32(0), total[2] / total[1],
                                                                      T.float32(0)))
 
+
+    if HAS_BIAS:
+        @T.prim_func(s_tir=True)
+        def rowwise_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, indptr_h: T.handle,
+                              indices_h: T.handle, bias_h: T.handle, out_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "global_symbol": ROWWISE_SYMBOL})
+            nnz = T.int32()
+            q = T.match_buffer(q_h, (B, H, Sq, D), dtype)
+            k = T.match_buffer(k_h, (B, H, Sk, D), dtype)
+            v = T.match_buffer(v_h, (B, H, Sk, D), dtype)
+            indptr = T.match_buffer(indptr_h, (G * Sq + 1,), "int32")
+            indices = T.match_buffer(indices_h, (nnz,), "int32")
+            bias_buf = T.match_buffer(bias_h, (BB, BH, Sq, Sk), BIAS_DTYPE)
+            out = T.match_buffer(out_h, (B, H, Sq, D), dtype)
+            body(q, k, v, indptr, indices, bias_buf, out, nnz)
+    else:
+        @T.prim_func(s_tir=True)
+        def rowwise_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, indptr_h: T.handle,
+                              indices_h: T.handle, out_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "global_symbol": ROWWISE_SYMBOL})
+            nnz = T.int32()
+            q = T.match_buffer(q_h, (B, H, Sq, D), dtype)
+            k = T.match_buffer(k_h, (B, H, Sk, D), dtype)
+            v = T.match_buffer(v_h, (B, H, Sk, D), dtype)
+            indptr = T.match_buffer(indptr_h, (G * Sq + 1,), "int32")
+            indices = T.match_buffer(indices_h, (nnz,), "int32")
+            out = T.match_buffer(out_h, (B, H, Sq, D), dtype)
+            body(q, k, v, indptr, indices, None, out, nnz)
+
     return rowwise_attention
 
 
@@ -287,11 +342,13 @@ def schedule_rowwise(func: tvm.tirx.PrimFunc, *, head_dim: int, dtype: str, seq_
 
 def rowwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: str,
                                mask_batch: int, mask_heads: int, scale: float | None = None,
-                               config: RowConfig | None = None, target_kind: str = "cuda") -> tvm.tirx.PrimFunc:
+                               config: RowConfig | None = None, target_kind: str = "cuda",
+                               bias: tuple[int, int, str] | None = None) -> tvm.tirx.PrimFunc:
     """The scheduled row-wise attention PrimFunc for ``target_kind`` ("cuda" or "llvm"), ready for tvm.compile.
 
     ``scale`` defaults to 1/sqrt(head_dim); ``config`` to :func:`default_row_config`. The function's symbol is
     :data:`ROWWISE_SYMBOL`; ``nnz`` is symbolic, so one build serves every mask of this shape and group layout.
+    ``bias``: ``(bias_batch, bias_heads, dtype)`` of an additive score bias input (see the template).
     """
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     _check_problem(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, scale, target_kind)
@@ -299,6 +356,7 @@ def rowwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int
     _check_config(config, head_dim, dtype, target_kind)
     func = rowwise_attention_template(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
                                       dtype=dtype, mask_batch=mask_batch, mask_heads=mask_heads, scale=scale,
-                                      key_groups=config.key_groups, keys_per_step=config.keys_per_step)
+                                      key_groups=config.key_groups, keys_per_step=config.keys_per_step,
+                                      bias=_check_bias(bias, batch, heads))
     return schedule_rowwise(func, head_dim=head_dim, dtype=dtype, seq_q=seq_q, config=config,
                             target_kind=target_kind)

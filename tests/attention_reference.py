@@ -20,13 +20,16 @@ def random_qkv(batch, heads, seq_q, seq_k, head_dim, dtype, seed=0):
     return q, k, v
 
 
-def reference_attention(q, k, v, mask4: np.ndarray, scale: float) -> np.ndarray:
-    """softmax(scale * q k^T over kept pairs) v in float64; rows with no kept key are 0.
+def reference_attention(q, k, v, mask4: np.ndarray, scale: float, bias=None) -> np.ndarray:
+    """softmax(scale * q k^T (+ bias) over kept pairs) v in float64; rows with no kept key are 0.
 
-    ``mask4`` is a boolean ``[Bm, Hm, Sq, Sk]`` mask broadcast over batch and heads.
+    ``mask4`` is a boolean ``[Bm, Hm, Sq, Sk]`` mask broadcast over batch and heads, ``bias`` an additive score
+    bias broadcast the same way.
     """
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     scores = np.einsum("bhid,bhjd->bhij", q, k) * scale
+    if bias is not None:
+        scores = scores + np.asarray(bias, dtype=np.float64)
     scores = np.where(mask4, scores, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)

@@ -45,6 +45,41 @@ def run_rowwise(mask, batch, heads, seq_q, head_dim, dtype, *, seq_k=None, confi
     return out.numpy()
 
 
+@pytest.mark.parametrize("bias_layout, mask_layout", [((1, 1), (1, 1)), ((2, 3), (1, 1)), ((1, 3), (2, 1)),
+                                                       ((2, 1), (2, 3))])
+@pytest.mark.parametrize("dtype, config", [("float16", RowConfig(key_groups=2, keys_per_step=3)),
+                                           ("float32", None)])
+def test_additive_score_bias(bias_layout, mask_layout, dtype, config):
+    """A T5-style bias added to the kept scores; read only where the mask keeps a key (NaN elsewhere)."""
+    batch, heads, seq, head_dim = 2, 3, 40, 64
+    rng = np.random.default_rng(21)
+    mask4 = rng.random(mask_layout + (seq, seq)) < 0.3
+    mask4[..., 4, :] = False                               # an empty row
+    bias = rng.standard_normal(bias_layout + (seq, seq)).astype(np.float32) * 2
+    poisoned = np.where(np.broadcast_to(mask4.any(axis=(0, 1)), (seq, seq)), bias, np.nan).astype(np.float32)
+    func = rowwise_attention_primfunc(batch=batch, heads=heads, seq_q=seq, seq_k=seq, head_dim=head_dim,
+                                      dtype=dtype, mask_batch=mask_layout[0], mask_heads=mask_layout[1],
+                                      config=config, target_kind="llvm", bias=bias_layout + ("float32",))
+    fn = tvm.compile(func, target=LLVM)[ROWWISE_SYMBOL]
+    fmt = build_rows(mask4)
+    q, k, v = random_qkv(batch, heads, seq, seq, head_dim, dtype, 5)
+    out = tvm.runtime.tensor(np.full(q.shape, np.nan, numpy_dtype(dtype)))
+    fn(*(tvm.runtime.tensor(a) for a in (q, k, v, fmt.indptr, fmt.indices, poisoned)), out)
+    ref = reference_attention(q, k, v, mask4, 1 / math.sqrt(head_dim), bias=bias)
+    assert_attention_close(out.numpy(), ref, mask4, dtype)
+    unbiased = reference_attention(q, k, v, mask4, 1 / math.sqrt(head_dim))
+    assert np.abs(unbiased - ref).max() > 0.1                # the bias matters: the check can fail
+
+
+def test_bad_bias_is_refused():
+    common = dict(batch=2, heads=3, seq_q=8, seq_k=8, head_dim=64, dtype="float16", mask_batch=1, mask_heads=1,
+                  target_kind="llvm")
+    with pytest.raises(ValueError, match="bias_batch"):
+        rowwise_attention_primfunc(bias=(3, 1, "float32"), **common)
+    with pytest.raises(TypeError, match="bias dtype"):
+        rowwise_attention_primfunc(bias=(1, 1, "int8"), **common)
+
+
 @pytest.mark.parametrize("name", MASK_NAMES)
 def test_every_named_mask(name, tmp_path):
     spec = name
