@@ -21,11 +21,10 @@ combined with what the model imposes itself:
 - GPT-2: its causal mask AND BigBird (the exported graph's causal ``where`` over the registered bool buffer is
   folded into the sparse format at compile time, so the sparse kernels see causal AND BigBird); the torch
   baselines and the float32 reference use the same combined mask;
-- T5 encoder: its relative position bias is added to the scores, a real bias that the sparse kernels cannot
-  take, so the compile path keeps the dense masked attention: ``ours`` would be the same module as
-  ``tvm-dense`` and the fusion templates match none of its chains (no Linear biases, RMSNorm, ReLU), so
-  ``build`` saves only ``tvm-dense`` for it (the bias, a constant of the weights, is folded into the module:
-  ~190 MB at S = 2048, 0.2 MB packed);
+- T5 encoder: its relative position bias is added to the scores, a real bias: ``ours`` runs the row-wise
+  kernel, which adds the bias at each kept key (the block-wise kernel has no bias input); the fusion templates
+  match none of its chains (no Linear biases, RMSNorm, ReLU), so a variant equal to another is not saved (the
+  bias, a constant of the weights, is folded into the module: ~190 MB at S = 2048, 0.2 MB packed);
 - ViT: the sequence is the patch grid (no class token: ``torch_models.Vit`` takes ``S`` patches, the image
   is ``rows*16 x cols*16`` with ``rows*cols == S`` as square as possible: 8x16, 16x32, 32x64 patches for
   S = 128, 512, 2048); one export per S (its position table has S rows);
@@ -35,7 +34,7 @@ Variants compiled per model and (B, S) (fp16, sm_90; by default all but ``templa
 kernel chosen from the mask, dlight for the rest), ``templates`` (the same plus the fusion templates on
 mma.sync), ``wgmma`` (the fusion templates on Hopper wgmma: ``stof_tvm.compile``'s default for sm_90),
 ``wgmma-graph`` (the same with CUDA graphs), ``dense`` (TVM's default pipeline: dense attention with the
-mask as an input, dlight). A variant whose module would equal another's is not saved (T5: see above). Baselines on the GPU, the same torch module
+mask as an input, dlight). A variant whose module would equal another's is not saved. Baselines on the GPU, the same torch module
 with its attention replaced (fp16): ``torch-eager`` (SDPA with the boolean mask, plus T5's bias as a float
 mask) and ``torch-flex`` (``torch.compile(flex_attention, dynamic=False)`` with a BlockMask of the same mask;
 T5's bias through a ``score_mod``). The reference is the same torch module in float32 with SDPA (TF32 off).
@@ -233,7 +232,7 @@ def build(args) -> None:
                     continue
                 calls = art.manifest["templates"].get("calls", {}) if art.manifest["templates"] else {}
                 if variant == "ours" and kernel_kind(art) == "dense":
-                    print(f"{name} {batch}x{seq_len} ours: the model's bias keeps attention dense, the same module "
+                    print(f"{name} {batch}x{seq_len} ours: the model's masking keeps attention dense, the same module "
                           f"as tvm-dense: not saved", flush=True)
                     continue
                 if VARIANTS[variant].get("templates") and not calls:

@@ -173,3 +173,38 @@ def test_exporter_style_weight_names(tiny, feeds):
     out = art.load()(feeds)["last_hidden_state"]
     ref = reference_outputs(model, make_mask("bigbird", S)[None, None], feeds)["last_hidden_state"]
     assert relative_error(out, ref) < 1e-5
+
+
+def _with_position_bias(model: onnx.ModelProto, seq: int, heads: int, seed: int = 0) -> onnx.ModelProto:
+    """``model`` with a learned T5-style bias [1, H, S, S] added to every layer's scaled scores."""
+    biased = onnx.ModelProto()
+    biased.CopyFrom(model)
+    bias = np.random.default_rng(seed).standard_normal((1, heads, seq, seq)).astype(np.float32)
+    biased.graph.initializer.append(onnx.numpy_helper.from_array(bias, "position_bias"))
+    nodes = []
+    for node in biased.graph.node:
+        nodes.append(node)
+        if node.op_type == "Div" and node.output[0].startswith("scaled"):
+            out = node.output[0]
+            node.output[0] = out + "_unbiased"
+            nodes.append(helper.make_node("Add", [out + "_unbiased", "position_bias"], [out]))
+    del biased.graph.node[:]
+    biased.graph.node.extend(nodes)
+    return biased
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("float16", 2e-2)])
+def test_score_bias_goes_to_the_row_kernel(tiny, feeds, dtype, tolerance):
+    """A real bias on the scores (not a mask) is added by the row-wise kernel at each kept key, with the
+    model's padding still applied; the block-wise kernel is refused for it."""
+    model = _with_position_bias(tiny, S, heads=2)
+    art = stof_tvm.compile(model, mask="bigbird", batch=B, seq_len=S, target="llvm", dtype=dtype)
+    kernel = art.manifest["attention"]["kernel"]
+    assert kernel["kind"] == "row" and kernel["bias"][:2] == [1, 2] and "bias" in kernel["reason"]
+    out = art.load()(feeds)["last_hidden_state"]
+    ref = reference_outputs(model, make_mask("bigbird", S)[None, None], feeds)["last_hidden_state"]
+    assert relative_error(out, ref) < tolerance
+    unbiased = reference_outputs(tiny, make_mask("bigbird", S)[None, None], feeds)["last_hidden_state"]
+    assert relative_error(unbiased, ref) > 10 * tolerance     # the bias changes the output: the check can fail
+    with pytest.raises(ValueError, match="'block' cannot add"):
+        stof_tvm.compile(model, mask="bigbird", batch=B, seq_len=S, target="llvm", dtype="float16", kernel="block")

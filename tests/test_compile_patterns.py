@@ -106,13 +106,18 @@ def test_forms_match_reference(scale_form, k_form, mask_form, kernel):
     np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-5)
 
 
-def test_real_bias_keeps_dense_path():
+@pytest.mark.parametrize("kernel, expected", [("auto", "row"), ("row", "row"), ("dense", "dense")])
+def test_real_bias_is_added_by_the_row_kernel_or_kept_dense(kernel, expected):
     model = _attention_model("div", "direct", "bias")
-    art = stof_tvm.compile(model, mask="bigbird", batch=B, seq_len=S, target="llvm", dtype="float32")
-    kernel = art.manifest["attention"]["kernel"]
-    assert kernel["kind"] == "dense" and "bias" in kernel["reason"]
+    art = stof_tvm.compile(model, mask="bigbird", batch=B, seq_len=S, target="llvm", dtype="float32", kernel=kernel)
+    choice = art.manifest["attention"]["kernel"]
+    assert choice["kind"] == expected and (choice["bias"] is not None) == (expected == "row")
     feeds = _feeds(model)
     ref = reference_outputs(model, make_mask("bigbird", S)[None, None], feeds)["y"]
     np.testing.assert_allclose(art.load()(feeds)["y"], ref, rtol=2e-4, atol=2e-5)
-    with pytest.raises(ValueError, match="not a mask"):
-        stof_tvm.compile(model, mask="bigbird", batch=B, seq_len=S, target="llvm", dtype="float32", kernel="row")
+
+
+def test_real_bias_refuses_the_block_kernel():
+    with pytest.raises(ValueError, match="'block' cannot add the model's attention bias"):
+        stof_tvm.compile(_attention_model("div", "direct", "bias"), mask="bigbird", batch=B, seq_len=S,
+                         target="llvm", dtype="float16", kernel="block")

@@ -34,7 +34,7 @@ from stof_tvm.sparse_formats.masks import normalize_mask
 from .attention_match import find_attention_sites
 from .downstream import use_templates
 from .kernels import KERNELS, choose_kernel, kernel_primfunc
-from .mask_sources import plan_masks
+from .mask_sources import plan_masks, score_bias
 from .onnx_import import TensorSpec, embedding_rows, import_onnx, load_model, output_names
 from .pipeline import build, fold_constant_casts, make_target, optimize, target_dict
 from .rewrite import rewrite_attention
@@ -173,9 +173,11 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     user_mask = normalize_mask(mask, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k)
     combined = user_mask if plan.const_keep is None else user_mask & plan.const_keep
     mask_batch, mask_heads = _mask_groups(user_mask, plan.const_keep, plan.runtime)
+    bias = score_bias(site, plan.bias_terms)
     choice = choose_kernel(kernel, combined, batch=batch, heads=site.heads, head_dim=site.head_dim,
-                           dtype=site.dtype, seq_q=site.seq_q, target_kind=tspec["kind"], has_bias=plan.has_bias,
-                           mask_batch=mask_batch, mask_heads=mask_heads, database=database)
+                           dtype=site.dtype, seq_q=site.seq_q, target_kind=tspec["kind"], mask_batch=mask_batch,
+                           mask_heads=mask_heads, bias=bias[1] if bias else None, dense_only=plan.dense_only,
+                           database=database)
     if choice.kind == "dense":      # the model's own masking stays in the dense graph: only the user's mask is input
         choice = dataclasses.replace(choice, mask_batch=user_mask.shape[0], mask_heads=user_mask.shape[1])
     primfunc = None
@@ -185,7 +187,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
                                    target_kind=tspec["kind"])
     for source in plan.runtime if choice.kind != "dense" else []:
         mod[source.name] = source.function
-    mod, format_inputs = rewrite_attention(mod, sites, choice, primfunc)
+    mod, format_inputs = rewrite_attention(mod, sites, choice, primfunc, plan.bias_terms)
     template_entry = {}
     if templates:
         mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule)

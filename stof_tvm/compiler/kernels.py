@@ -5,8 +5,11 @@ Three kernels can replace an attention site:
 - ``block``: the block-wise sparse kernel (schedules/attention_blockwise.py) reading the tiled format;
 - ``row``: the row-wise sparse kernel (schedules/attention_rowwise.py) reading the row-compressed format;
 - ``dense``: the site stays a dense matrix product with the mask applied from two float inputs (an additive
-  bias of 0 / -1e30 before the softmax, a 1 / 0 factor after it; TVM's own schedules). It is the fallback for
-  sites whose scores carry a real bias (T5 position bias), and the "TVM default" baseline of the benchmarks.
+  bias of 0 / -1e30 before the softmax, a 1 / 0 factor after it; TVM's own schedules): the "TVM default"
+  baseline of the benchmarks.
+
+Scores that carry a real bias (T5's position bias) go to the row-wise kernel, which adds the bias (computed by
+the graph) at each kept key; the block-wise kernel has no bias input.
 
 The sparse-format arrays (or the dense keep-mask) are module inputs, so one compiled module serves any mask of
 the same kind: the runtime builds the format of the mask it is given and passes the arrays.
@@ -42,6 +45,7 @@ class KernelChoice:
     mask_batch: int
     mask_heads: int
     reason: str
+    bias: tuple | None = None       # (bias_batch, bias_heads, dtype) of the row-wise kernel's score bias input
 
     def format_inputs(self, seq_q: int, seq_k: int) -> list[FormatInput]:
         groups = self.mask_batch * self.mask_heads
@@ -64,7 +68,8 @@ class KernelChoice:
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "config": self.config, "mask_batch": self.mask_batch,
-                "mask_heads": self.mask_heads, "reason": self.reason}
+                "mask_heads": self.mask_heads, "reason": self.reason,
+                "bias": list(self.bias) if self.bias is not None else None}
 
 
 _SPARSE_MODULES = {"row": "stof_tvm.schedules.attention_rowwise", "block": "stof_tvm.schedules.attention_blockwise"}
@@ -108,21 +113,33 @@ def tuned_choice(database: str, mask4d: np.ndarray, *, batch: int, heads: int, h
 
 
 def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int, head_dim: int, dtype: str,
-                  seq_q: int, target_kind: str, has_bias: bool, mask_batch: int, mask_heads: int,
-                  database: str | None = None) -> KernelChoice:
+                  seq_q: int, target_kind: str, mask_batch: int, mask_heads: int, bias: tuple | None = None,
+                  dense_only: bool = False, database: str | None = None) -> KernelChoice:
     """Pick the kernel and its configuration for sites of this shape under the (combined) mask ``mask4d``.
 
     With a tuning ``database`` holding this problem, its measured-best kernel and configuration win (for
     "auto", or when it is of the requested kind). Otherwise "auto" asks :func:`stof_tvm.attention.choose_kernel`
     (the one place the kernel-selection model lives) and the schedule's default configuration is used.
+    ``bias``: ``(bias_batch, bias_heads, dtype)`` when the scores carry a real bias: only the row-wise kernel
+    (or dense) can apply it. ``dense_only``: the model masks in a way only the dense form applies.
     """
     if requested not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS}, got {requested!r}")
-    if has_bias:
+    if dense_only:
         if requested not in ("auto", "dense"):
-            raise ValueError(f"kernel: {requested!r} cannot apply the model's additive attention bias (it is not a "
-                             "mask); use kernel='dense' or 'auto'")
-        return KernelChoice("dense", {}, mask_batch, mask_heads, "scores carry a real bias (not a mask)")
+            raise ValueError(f"kernel: {requested!r} cannot apply the model's own masking (a condition computed "
+                             "from weights); use kernel='dense' or 'auto'")
+        return KernelChoice("dense", {}, mask_batch, mask_heads, "the model's masking is computed from weights")
+    if bias is not None and requested != "dense":
+        if requested == "block":
+            raise ValueError("kernel: 'block' cannot add the model's attention bias (it is not a mask); use "
+                             "'row', 'dense' or 'auto'")
+        if not _supports("row", dtype, target_kind):
+            raise ValueError(f"kernel: the row-wise kernel (the one that adds an attention bias) does not support "
+                             f"dtype {dtype} on {target_kind}")
+        return KernelChoice("row", dataclasses.asdict(_default_config("row", head_dim, dtype, seq_q, target_kind)),
+                            mask_batch, mask_heads, "scores carry a real bias: the row-wise kernel adds it at each "
+                            "kept key", bias=tuple(bias))
     if requested == "dense":
         return KernelChoice("dense", {}, mask_batch, mask_heads, "requested")
     tuned = tuned_choice(database, mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype) \
@@ -156,6 +173,7 @@ def kernel_primfunc(choice: KernelChoice, *, batch: int, heads: int, seq_q: int,
     """The scheduled PrimFunc of a sparse ``choice`` for one site shape (params: q, k, v, format arrays, out)."""
     module = _schedule_module(choice.kind)
     build = module.rowwise_attention_primfunc if choice.kind == "row" else module.blockwise_attention_primfunc
+    extra = {"bias": tuple(choice.bias)} if choice.bias is not None else {}
     return build(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim, dtype=dtype,
                  mask_batch=choice.mask_batch, mask_heads=choice.mask_heads, scale=scale,
-                 config=config_object(choice.kind, choice.config), target_kind=target_kind)
+                 config=config_object(choice.kind, choice.config), target_kind=target_kind, **extra)

@@ -9,7 +9,8 @@ fill) or a real *bias* (a T5-style position bias: any other values). Masks are f
   Relax function of those inputs. The runtime calls it, checks that its values are a mask, and ANDs the result
   into the user's mask before building the sparse format (see :mod:`stof_tvm.runtime`).
 
-A real bias cannot be expressed as a mask: such sites keep the dense masked form (kernel "dense").
+A real bias cannot be expressed as a mask: its terms stay expressions of the graph, which the row-wise kernel
+adds to each kept score (the block-wise kernel has no bias input; "dense" also keeps them).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from .attention_match import MASKED_FILL, AttentionSite, MaskTerm, resolve
+from .attention_match import MASKED_FILL, AttentionSite, MaskTerm, resolve, static_shape
 
 
 @dataclasses.dataclass
@@ -42,12 +43,14 @@ class MaskPlan:
     """The model's own masking, common to every attention site.
 
     ``const_keep``: boolean array broadcastable to ``[B, H, Sq, Sk]`` (4-D) or None; ``runtime``: sources
-    evaluated at run time; ``has_bias``: some term is a real bias, so the sites must stay dense.
+    evaluated at run time; ``bias_terms``: positions in each site's ``terms`` of the terms that are a real bias
+    (added to the scores); ``dense_only``: a term no sparse kernel can apply (a ``where`` computed from weights).
     """
 
     const_keep: np.ndarray | None
     runtime: list[RuntimeSource]
-    has_bias: bool
+    bias_terms: list[int] = dataclasses.field(default_factory=list)
+    dense_only: bool = False
 
 
 def _upstream_vars(expr: relax.Expr, var2val) -> set:
@@ -126,18 +129,21 @@ def plan_masks(func: relax.Function, sites: list[AttentionSite]) -> MaskPlan:
                              "one mask shared by every attention layer (encoders and decoder-only models)")
     model_inputs = list(func.params[:int(func.attrs["num_input"])])
     weights = set(func.params[len(model_inputs):])
-    const_keep, runtime, has_bias = None, [], False
+    const_keep, runtime, bias_terms, dense_only = None, [], [], False
     for index, term in enumerate(first.terms):
         upstream = _upstream_vars(term.expr, var2val)
         if upstream & weights:
-            has_bias = True             # computed from weights (a learned bias): it stays in the dense graph
+            if term.kind == "add":
+                bias_terms.append(index)    # computed from weights (a learned bias)
+            else:
+                dense_only = True           # a condition computed from weights: left to the dense graph
             continue
         inputs = [p.name for p in model_inputs if p in upstream]
         if inputs:
             name = f"stof_mask_term{index}"
             function = _extract_function(func, term.expr, upstream, name)
             if term.kind == "add" and not _is_mask_when_nothing_is_padded(function):
-                has_bias = True         # e.g. T5: position bias + padding mask, added to the scores as one term
+                bias_terms.append(index)    # e.g. T5: position bias + padding mask, added as one term
                 continue
             runtime.append(RuntimeSource(name, inputs, term.kind, term.keep_if_true, function))
             continue
@@ -150,8 +156,30 @@ def plan_masks(func: relax.Function, sites: list[AttentionSite]) -> MaskPlan:
         else:
             keep = additive_keep(values)
             if keep is None:
-                has_bias = True
+                bias_terms.append(index)
                 continue
         keep = _as_4d(keep)
         const_keep = keep if const_keep is None else const_keep & keep
-    return MaskPlan(const_keep, runtime, has_bias)
+    return MaskPlan(const_keep, runtime, bias_terms, dense_only)
+
+
+def score_bias(site: AttentionSite, bias_terms: list[int]) -> tuple[relax.Expr, tuple[int, int, str]] | None:
+    """The real-bias terms of ``site`` summed into one ``[Bb, Hb, Sq, Sk]`` expression of the graph (Bb 1 or B,
+    Hb 1 or H, broadcast over the query and key axes), with ``(Bb, Hb, dtype)``; None when it has none."""
+    if not bias_terms:
+        return None
+    exprs = [site.terms[i].expr for i in bias_terms]
+    shapes = [static_shape(e) for e in exprs]
+    if any(shape is None or len(shape) > 4 for shape in shapes):
+        raise ValueError("model: the attention bias must have a static shape of rank <= 4")
+    padded = [(1,) * (4 - len(shape)) + tuple(shape) for shape in shapes]
+    groups = (site.batch if any(p[0] == site.batch for p in padded) and site.batch > 1 else 1,
+              site.heads if any(p[1] == site.heads for p in padded) and site.heads > 1 else 1)
+    dtype = str(exprs[0].ty.dtype)
+    total = None
+    for expr, shape in zip(exprs, shapes):
+        expr = relax.op.reshape(expr, (1,) * (4 - len(shape)) + tuple(shape)) if len(shape) < 4 else expr
+        expr = expr if str(expr.ty.dtype) == dtype else relax.op.astype(expr, dtype)
+        total = expr if total is None else relax.op.add(total, expr)
+    full = relax.op.broadcast_to(total, (groups[0], groups[1], site.seq_q, site.seq_k))
+    return full, (groups[0], groups[1], dtype)

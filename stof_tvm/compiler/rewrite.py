@@ -6,8 +6,8 @@ format's length depends on the mask (``nnz``, ``n_full``, ``n_part``). Each site
 dataflow pattern that located it (:data:`~stof_tvm.compiler.attention_match.ATTENTION_PATTERN`, applied with
 ``rewrite_call``) and becomes:
 
-- sparse kernels: ``call_tir(kernel, [Q, K, V, *format arrays])`` with ``K = permute_dims(K^T)`` (fused by
-  TVM into the producer's layout transform);
+- sparse kernels: ``call_tir(kernel, [Q, K, V, *format arrays(, score bias)])`` with ``K = permute_dims(K^T)``
+  (fused by TVM into the producer's layout transform); a real score bias (T5) is the graph's own expression;
 - dense: ``matmul(softmax(scores + stof_bias) * stof_keep, V)`` with float inputs (bias 0 / -1e30, keep 1 / 0),
   so rows with no kept key give zeros exactly like the sparse kernels.
 """
@@ -19,6 +19,7 @@ from tvm.relax.dpl import rewrite_call
 
 from .attention_match import _SCORES, _SOFTMAX, _V, ATTENTION_PATTERN, AttentionSite
 from .kernels import FormatInput, KernelChoice
+from .mask_sources import score_bias
 
 
 def _relax_param(spec: FormatInput, sizes: dict) -> relax.Var:
@@ -42,8 +43,10 @@ def _dense_replacement(expr: relax.Call, matches, bias: relax.Var, keep: relax.V
     return relax.op.matmul(probs, matches[_V], out_dtype=str(expr.ty.dtype))
 
 
-def rewrite_attention(mod: tvm.IRModule, sites: list[AttentionSite], choice: KernelChoice, kernel) -> tuple:
+def rewrite_attention(mod: tvm.IRModule, sites: list[AttentionSite], choice: KernelChoice, kernel,
+                      bias_terms: list[int] = ()) -> tuple:
     """Rewrite ``mod["main"]``; ``kernel`` is the sparse PrimFunc (None for dense), added to the module.
+    ``bias_terms``: the sites' real-bias terms, passed to a kernel that takes a bias (``choice.bias``).
 
     Returns ``(new module, [FormatInput])`` with the format inputs in parameter order.
     """
@@ -71,7 +74,8 @@ def rewrite_attention(mod: tvm.IRModule, sites: list[AttentionSite], choice: Ker
             return _dense_replacement(expr, matches, params[0], params[1])
         k = relax.op.permute_dims(site.k_t, [0, 1, 3, 2])
         out_ty = relax.TensorType([site.batch, site.heads, site.seq_q, site.head_dim], site.dtype)
-        out = relax.call_tir(kernel_gv, [site.q, k, site.v, *params], out_ty=out_ty)
+        bias = [score_bias(site, list(bias_terms))[0]] if choice.bias is not None else []
+        out = relax.call_tir(kernel_gv, [site.q, k, site.v, *params, *bias], out_ty=out_ty)
         if str(expr.ty.dtype) != site.dtype:
             out = relax.op.astype(out, str(expr.ty.dtype))
         return out
