@@ -110,7 +110,8 @@ def plan_model(model, *, batch: int, seq_len: int, mask, target, dtype: str = "f
     :func:`stof_tvm.compile` (whose front end decides the calls: which chains run on which templates, wgmma or
     mma.sync, fused or unfused LayerNorm). Each distinct template call becomes one job weighted by its count;
     the attention problem (user mask combined with the model's own masking) one job weighted by the number of
-    sites, unless the model's scores carry a bias (dense attention, nothing to tune).
+    sites, unless the attention is dense or carries a score bias (whose row-wise kernel takes its default
+    configuration: the tuned kernels have no bias input).
     """
     from ..compiler import front_end
     from ..schedules.templates import get_template
@@ -128,8 +129,8 @@ def plan_model(model, *, batch: int, seq_len: int, mask, target, dtype: str = "f
         except ValueError as err:
             plan.notes.append(f"{name} {dict(shape)} x{count}: {err}")
     site = front.sites[0]
-    if front.choice.kind == "dense":
-        plan.notes.append(f"attention: dense ({front.choice.reason}); nothing to tune")
+    if front.choice.kind == "dense" or front.choice.bias is not None:
+        plan.notes.append(f"attention: {front.choice.kind} ({front.choice.reason}); nothing to tune")
     else:
         problem = AttentionProblem.build(front.combined, batch=batch, heads=site.heads, seq_len=site.seq_q,
                                          head_dim=site.head_dim, dtype=site.dtype)
