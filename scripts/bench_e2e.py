@@ -298,6 +298,12 @@ def _time_artifact(row, label, path, runtime, all_weights, ids, pad, ref, args) 
     timer = compiled.vm.time_evaluator("main", compiled.device, number=args.iters, repeat=5, min_repeat_ms=0)
     compiled.run(prepared)
     row[label + "_ms"] = float(np.median(timer(*prepared, *compiled.params).results) * 1e3)
+    if label in args.profile:
+        from stof_tvm.profiling import profile_calls
+
+        profile = profile_calls(compiled.vm, compiled.device, prepared + compiled.params)
+        row[label + "_profile"] = profile.rows()[:25]
+        print(f"  {label} per call (device synchronised around each):\n{profile.table()}", flush=True)
     row[label + "_load_s"] = time.time() - t0
 
 
@@ -325,6 +331,8 @@ def main(argv=None) -> int:
     sub.choices["run"].add_argument("--warmup", type=int, default=5)
     sub.choices["run"].add_argument("--iters", type=int, default=20)
     sub.choices["run"].add_argument("--json", help="write the results here")
+    sub.choices["run"].add_argument("--profile", nargs="*", default=[], metavar="LABEL",
+                                    help="variant labels (as in the table) whose kernel calls are also timed one by one")
     sub.choices["run"].add_argument("--baselines", nargs="*", default=["torch-eager", "torch-flex"],
                                     choices=[b[0] for b in BASELINES], help="torch baselines to time")
     sub.choices["run"].add_argument("--tolerance", type=float, default=2e-2,

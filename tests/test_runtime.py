@@ -12,6 +12,7 @@ import pytest
 import stof_tvm
 from stof_tvm import runtime
 from stof_tvm.cli import main as cli_main
+from stof_tvm.models import BERT_CONFIGS
 from stof_tvm.models import builtin_model
 from stof_tvm.models.reference import random_inputs
 
@@ -112,9 +113,14 @@ def test_cli_main_job(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "output last_hidden_state: shape [1, 128, 128] float32" in printed
     assert "PASS" in printed
-    assert cli_main(["bench", out, "--repeat", "2", "--number", "1", "--json"]) == 0
+    assert cli_main(["bench", out, "--repeat", "2", "--number", "1", "--json", "--profile"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["median_ms"] > 0 and report["seq_len"] == 128
+    by_symbol = {row["symbol"]: row for row in report["profile"]}
+    assert by_symbol["stof_attention_row"]["calls"] == BERT_CONFIGS["tiny-bert"].layers
+    assert abs(sum(row["share"] for row in report["profile"]) - 1) < 1e-6
+    profiled_ms = sum(row["ms"] for row in report["profile"])
+    assert 0.5 * report["min_ms"] < profiled_ms < 5 * report["max_ms"]
 
 
 def test_cli_errors_are_reported(tmp_path, capsys):

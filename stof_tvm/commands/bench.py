@@ -17,6 +17,9 @@ def register(subparsers) -> None:
     parser.add_argument("--repeat", type=int, default=20, help="timed repetitions (default 20)")
     parser.add_argument("--number", type=int, default=5, help="calls per repetition (default 5)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--profile", action="store_true",
+                        help="also time every kernel call (device synchronised around each) and show where a "
+                             "forward pass spends its time")
     parser.set_defaults(func=run)
 
 
@@ -40,10 +43,17 @@ def run(args) -> int:
               "seq_len": att["seq_q"], "dtype": model.manifest["dtype"], "target": model.manifest["target"]["kind"],
               "median_ms": float(np.median(samples)), "min_ms": float(samples.min()),
               "max_ms": float(samples.max()), "repeat": args.repeat, "number": args.number}
+    if args.profile:
+        from stof_tvm.profiling import profile_calls
+
+        profile = profile_calls(model.vm, model.device, prepared + model.params)
+        report["profile"] = profile.rows()
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(f"{report['kernel']} kernel, B={report['batch']} S={report['seq_len']} {report['dtype']} on "
               f"{report['target']}: median {report['median_ms']:.3f} ms (min {report['min_ms']:.3f}, "
               f"max {report['max_ms']:.3f}; {args.repeat} x {args.number} calls)")
+        if args.profile:
+            print(profile.table())
     return 0
