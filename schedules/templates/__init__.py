@@ -47,10 +47,13 @@ thread-level Hopper kernel on ``wgmma`` (sm_90a); ``primfunc`` is their TensorIR
 dtype, knobs)`` the CUDA kernel, and ``apply`` raises. Nothing selects them by default (their numerics await
 an H200 run of ``scripts/check_wgmma_gpu.py``).
 
+``ffn_<act>[_bias]_wgmma`` (:mod:`.ffn_wgmma`, same Template API as the wgmma GEMMs): the whole FFN
+``act(x @ W1^T + b1) @ W2^T (+ b2)`` in one kernel with the intermediate kept on chip, for hidden 128-256.
+
 Builds must use :data:`.build.BUILD_CONFIG` (``tirx.use_async_copy``): :func:`.build.build`,
 :func:`.build.ms_builder` for MetaSchedule, or a PassContext with it around other compiles.
 """
-from . import gemm, gemm_layernorm, gemm_wgmma, layernorm, qkv  # noqa: F401  (register the families)
+from . import ffn_wgmma, gemm, gemm_layernorm, gemm_wgmma, layernorm, qkv  # noqa: F401  (register the families)
 from .build import BUILD_CONFIG, cuda_source, cuda_target, ms_builder
 from .chains import CHAINS, chain_stages
 from .registry import H200, TEMPLATES, Hardware, Template, get_template, register, template_of

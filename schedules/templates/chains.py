@@ -2,9 +2,9 @@
 
 Fusing is not always a win (design.md 1B), so a chain can be built both ways and the tuner measures both.
 :func:`chain_stages` turns the layer dimensions into the (template name, shape) list of either form; the
-stages run in order, each stage's output feeding the next. The FFN has no fused form yet (see
-``has_fused``): a GEMM nested inside another GEMM's k loop is not lowered correctly by TVM 0.27's
-warp-memory pass, so the two FFN GEMMs run as separate templates.
+stages run in order, each stage's output feeding the next. A fused form is offered only where its templates
+accept the layer's shapes: the FFN's (``ffn_gelu_erf_bias_wgmma``, a Hopper kernel keeping the intermediate in
+registers) exists for hidden 128-256 only, so :func:`chain_stages` raises ValueError for it at BERT-Base sizes.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ CHAINS: dict[str, Chain] = {c.name: c for c in (
           ("qkv_projection",), ("gemm_bias", "split_heads")),
     Chain("attn_out_ln", "LayerNorm(attn @ W_o^T + b_o + x)",
           ("gemm_bias_residual_layernorm",), ("gemm", "bias_residual_layernorm")),
-    Chain("ffn", "GELU(x @ W_1^T + b_1) @ W_2^T + b_2", (), ("gemm_bias_gelu_erf", "gemm_bias")),
+    Chain("ffn", "GELU(x @ W_1^T + b_1) @ W_2^T + b_2", ("ffn_gelu_erf_bias_wgmma",),
+          ("gemm_bias_gelu_erf", "gemm_bias")),
     Chain("ffn_down_ln", "LayerNorm(h @ W_2^T + b_2 + x)",
           ("gemm_bias_residual_layernorm",), ("gemm", "bias_residual_layernorm")),
 )}
@@ -68,9 +69,19 @@ def chain_stages(chain: str, dims: Mapping[str, int], fused: bool) -> list[tuple
         ("qkv", False): [{"m": m, "n": 3 * h, "k": h}, heads],
         ("attn_out_ln", True): [{"m": m, "n": h, "k": h}],
         ("attn_out_ln", False): [{"m": m, "n": h, "k": h}, {"m": m, "n": h}],
+        ("ffn", True): [{"m": m, "hidden": h, "ffn": f}],
         ("ffn", False): [{"m": m, "n": f, "k": h}, {"m": m, "n": h, "k": f}],
         ("ffn_down_ln", True): [{"m": m, "n": h, "k": f}],
         ("ffn_down_ln", False): [{"m": m, "n": h, "k": f}, {"m": m, "n": h}],
     }[(chain, bool(fused))]
     names = CHAINS[chain].fused if fused else CHAINS[chain].unfused
-    return list(zip(names, shapes))
+    stages = list(zip(names, shapes))
+    if fused:
+        from .registry import get_template
+
+        for name, shape in stages:
+            try:
+                get_template(name).knob_space(shape)
+            except ValueError as err:
+                raise ValueError(f"the fused form of chain {chain!r} does not fit these dims: {err}") from err
+    return stages

@@ -167,13 +167,14 @@ register(WgmmaQKVTemplate())
 
 
 def build_kernel(name: str, shape, dtype: str = "float16", knobs=None):
-    """Compile template ``name``'s wgmma kernel with TVM for CUDA sm_90a (host llvm); returns the executable,
-    whose CUDA module is compiled from source when loaded (or from a cubin, see :func:`nvcc_cubin`)."""
+    """Compile template ``name``'s wgmma kernel (a GEMM's, the QKV projection's or the fused FFN's) with TVM for
+    CUDA sm_90a (host llvm); returns the executable, whose CUDA module is compiled from source when loaded (or
+    from a cubin, see :func:`nvcc_cubin`)."""
     from .build import cuda_target
     from .registry import get_template
 
     template = get_template(name)
-    if not isinstance(template, WgmmaKernelMixin):
+    if not name.endswith("_wgmma") or not callable(getattr(template, "kernel", None)):
         raise ValueError(f"{name!r} is not a wgmma template (names end in '_wgmma')")
     return tvm.compile(tvm.IRModule({"main": template.kernel(shape, dtype, knobs)}), target=cuda_target(ARCH))
 

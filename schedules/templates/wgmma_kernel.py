@@ -94,7 +94,7 @@ def check_wgmma_shape(m: int, n: int, k: int, config: WgmmaConfig) -> None:
                              f"(block_m={BLOCK_M}, block_n={config.block_n}, block_k={BLOCK_K})")
 
 
-def _descriptor(addr):
+def descriptor(addr):
     """64-bit K-major SWIZZLE_128B matrix descriptor of the tile starting at shared address ``addr``."""
     start = T.Cast("uint64", T.bitwise_and(T.shift_right(addr, T.uint32(4)), T.uint32(0x3FFF)))
     lead = T.uint64(1) << T.uint64(16)                   # unused for swizzled K-major; 1 by convention
@@ -103,7 +103,20 @@ def _descriptor(addr):
     return start | lead | stride | layout
 
 
-def _whole(buf, words):
+def swizzled(row, chunk):
+    """Byte offset of 16-byte chunk ``chunk`` of row ``row`` in a 128-byte-swizzled tile (rows of 128 bytes)."""
+    return row * ROW_BYTES + T.bitwise_xor(chunk, T.bitwise_and(row, 7)) * 16
+
+
+@T.macro
+def wait_parity(flag, bar, parity):
+    """Spin until the mbarrier at shared address ``bar`` completes phase ``parity`` (``flag``: a local uint32)."""
+    flag[0] = T.uint32(0)
+    while flag[0] == T.uint32(0):
+        T.ptx["mbarrier.try_wait.parity.shared::cta.b64"](flag[0], bar, parity)
+
+
+def whole_buffer(buf, words):
     """A pointer to ``buf`` that declares all ``words`` elements accessed. Taking ``address_of(buf[0])`` would
     tell buffer compaction that only element 0 is used: it then shrank the dynamic shared allocation to 8 bytes
     and the kernel ran off it (illegal address on the H200)."""
@@ -161,21 +174,12 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     def empty_bar(base, s):
         return base + T.uint32(BAR_OFF + 8 * (ST + s))
 
-    def swz(row, chunk):
-        return row * ROW_BYTES + T.bitwise_xor(chunk, T.bitwise_and(row, 7)) * 16
-
     def mma_step(acc, a_desc, b_desc):
         return MMA(*[acc[i] for i in range(NACC)], a_desc, b_desc, True, 1, 1, 0, 0)
 
     def epilogue(x, col, bias_buf):
         y = x + T.Cast("float32", bias_buf[col]) if bias else x
         return T.Cast(DT, activation(act, y))
-
-    @T.macro
-    def wait_parity(flag, bar, parity):
-        flag[0] = T.uint32(0)
-        while flag[0] == T.uint32(0):
-            T.ptx["mbarrier.try_wait.parity.shared::cta.b64"](flag[0], bar, parity)
 
     @T.macro
     def store(acc, out, bias_buf, row0, col0, lane):
@@ -197,7 +201,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                 wgmma_smem = T.alloc_buffer((SMEM_WORDS,), "uint64", scope="shared.dyn")
                 acc = T.alloc_buffer((NACC,), "float32", scope="local")
                 flag = T.alloc_buffer((1,), "uint32", scope="local")
-                raw: T.let = T.cuda.cvta_generic_to_shared(_whole(wgmma_smem, SMEM_WORDS))
+                raw: T.let = T.cuda.cvta_generic_to_shared(whole_buffer(wgmma_smem, SMEM_WORDS))
                 base: T.let = T.bitwise_and(raw + T.uint32(ALIGN - 1), T.uint32(0xFFFFFFFF - (ALIGN - 1)))
                 wg: T.let = tx // WG
                 wt: T.let = tx % WG
@@ -223,12 +227,12 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                                 for it in T.unroll(A_ITERS):
                                     row: T.let = (it * WG + wt) // CHUNKS
                                     ch: T.let = (it * WG + wt) % CHUNKS
-                                    CP_ASYNC_16(a_dst + T.Cast("uint32", swz(row, ch)),
+                                    CP_ASYNC_16(a_dst + T.Cast("uint32", swizzled(row, ch)),
                                                 T.address_of(A[m0 + row, t * BLOCK_K + ch * 8]), 16, T.uint32(16))
                                 for it in T.unroll(B_ITERS):
                                     row: T.let = (it * WG + wt) // CHUNKS
                                     ch: T.let = (it * WG + wt) % CHUNKS
-                                    CP_ASYNC_16(a_dst + T.Cast("uint32", A_BYTES + swz(row, ch)),
+                                    CP_ASYNC_16(a_dst + T.Cast("uint32", A_BYTES + swizzled(row, ch)),
                                                 T.address_of(W[n0 + row, t * BLOCK_K + ch * 8]), 16, T.uint32(16))
                                 T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](full_bar(base, g % ST))
                 else:
@@ -246,8 +250,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                                 b_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE + A_BYTES)
                                 T.ptx["wgmma.fence.sync.aligned"]()
                                 for kk in T.unroll(BLOCK_K // 16):
-                                    mma_step(acc, _descriptor(a_tile + T.uint32(kk * 32)),
-                                             _descriptor(b_tile + T.uint32(kk * 32)))
+                                    mma_step(acc, descriptor(a_tile + T.uint32(kk * 32)),
+                                             descriptor(b_tile + T.uint32(kk * 32)))
                                 T.ptx["wgmma.commit_group.sync.aligned"]()
                                 T.ptx["wgmma.wait_group.sync.aligned"](1)
                                 if t > 0:
