@@ -40,10 +40,12 @@ from .mma import (CP_ASYNC_16, EX2, LD_SHARED_V4, LDMATRIX_X4, LDMATRIX_X4_TRANS
                   pack_f32x2, swizzle_offset)
 
 __all__ = ["BlockConfig", "default_block_config", "blockwise_attention_primfunc", "SUPPORTED_DTYPES",
-           "SUPPORTED_HEAD_DIMS"]
+           "SUPPORTED_HEAD_DIMS", "OUT_LAYOUTS"]
 
 SUPPORTED_DTYPES = ("float16", "bfloat16")
 SUPPORTED_HEAD_DIMS = (64, 128)
+OUT_LAYOUTS = ("bhsd", "bshd")
+VIEW_ALIGN = 8           # Q/K/V may start at any multiple of 8 elements (16 bytes: the kernel's cp.async width)
 _LOG2E = 1.4426950408889634
 _FULL_MASK = 0xFFFFFFFF
 
@@ -143,16 +145,23 @@ def _check_positive(name: str, value) -> None:
 
 def blockwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: str,
                                  mask_batch: int, mask_heads: int, scale: float | None = None,
-                                 config: BlockConfig | None = None, target_kind: str = "cuda") -> tvm.tirx.PrimFunc:
+                                 config: BlockConfig | None = None, target_kind: str = "cuda",
+                                 out_layout: str = "bhsd") -> tvm.tirx.PrimFunc:
     """The block-wise attention PrimFunc for one problem shape.
 
     Parameters (in order): ``q[B,H,Sq,D], k[B,H,Sk,D], v[B,H,Sk,D], full_indptr[G*TR+1] int32,
     full_indices[n_full] int32, part_indptr[G*TR+1] int32, part_indices[n_part] int32,
-    part_bitmaps[n_part, BM/8, BN/8] uint64, out[B,H,Sq,D]`` with ``G = mask_batch * mask_heads``,
+    part_bitmaps[n_part, BM/8, BN/8] uint64, out`` with ``G = mask_batch * mask_heads``,
     ``TR = ceil(Sq / BM)``; ``n_full`` and ``n_part`` are symbolic (>= 1: pad empty lists with one dummy entry).
     ``scale`` defaults to ``1/sqrt(head_dim)`` and must be positive. ``target_kind`` is ``"cuda"`` (tensor-core
     kernel, thread bindings included) or ``"llvm"`` (CPU loop nest).
+
+    ``out_layout``: ``"bhsd"`` writes ``out[B,H,Sq,D]``; ``"bshd"`` writes ``out[B,Sq,H,D]``, the layout a
+    transformer's output projection reads, so the graph's transpose back from heads disappears. Q, K and V may
+    start at any multiple of 8 elements into their allocation (views of one fused QKV projection output).
     """
+    if out_layout not in OUT_LAYOUTS:
+        raise ValueError(f"out_layout must be one of {OUT_LAYOUTS}, got {out_layout!r}")
     for name, value in (("batch", batch), ("heads", heads), ("seq_q", seq_q), ("seq_k", seq_k)):
         _check_positive(name, value)
     _check_head_dim(head_dim)
@@ -168,7 +177,8 @@ def blockwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: i
     if not isinstance(config, BlockConfig):
         raise TypeError(f"config must be a BlockConfig, got {type(config).__name__}")
     config.validate(head_dim)
-    shape = _Shape(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, scale, config)
+    shape = _Shape(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, scale, config,
+                   out_layout == "bshd")
     if target_kind == "cuda":
         return _cuda_kernel(shape)
     if target_kind == "llvm":
@@ -188,6 +198,13 @@ class _Shape:
     mask_heads: int
     scale: float
     config: BlockConfig
+    rows_then_heads: bool           # out_layout "bshd"
+
+    @property
+    def out_shape(self) -> tuple:
+        if self.rows_then_heads:
+            return self.batch, self.seq_q, self.heads, self.head_dim
+        return self.batch, self.heads, self.seq_q, self.head_dim
 
     @property
     def tile_rows(self) -> int:
@@ -229,6 +246,7 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     SL = p.scale * _LOG2E                         # softmax in base 2: exp(s*scale - m) = 2^(s*SL - m*SL)
     NEG_INF = T.float32(float("-inf"))
     MMA, PACK = mma_m16n8k16(DT), pack_f32x2(DT)
+    OUT_SHAPE, BSHD = p.out_shape, p.rows_then_heads
 
     def swz(row, chunk):
         return swizzle_offset(row, chunk, ROW_BYTES)
@@ -287,15 +305,15 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
         T.func_attr({"tirx.noalias": True, "global_symbol": "blockwise_attention"})
         n_full = T.int32()
         n_part = T.int32()
-        q = T.match_buffer(q_h, (B, H, SQ, D), DT)
-        k = T.match_buffer(k_h, (B, H, SK, D), DT)
-        v = T.match_buffer(v_h, (B, H, SK, D), DT)
+        q = T.match_buffer(q_h, (B, H, SQ, D), DT, offset_factor=VIEW_ALIGN)
+        k = T.match_buffer(k_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
+        v = T.match_buffer(v_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
         full_indptr = T.match_buffer(full_indptr_h, (NROWS,), "int32")
         full_indices = T.match_buffer(full_indices_h, (n_full,), "int32")
         part_indptr = T.match_buffer(part_indptr_h, (NROWS,), "int32")
         part_indices = T.match_buffer(part_indices_h, (n_part,), "int32")
         part_bitmaps = T.match_buffer(part_bitmaps_h, (n_part, BM // 8, BN // 8), "uint64")
-        out = T.match_buffer(out_h, (B, H, SQ, D), DT)
+        out = T.match_buffer(out_h, OUT_SHAPE, DT)
         for bx in T.thread_binding(GX, thread="blockIdx.x"):
             for by in T.thread_binding(GY, thread="blockIdx.y"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -494,8 +512,12 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                         if tr * BM + orow < SQ:
                             LD_SHARED_V4(b_frag[0], b_frag[1], b_frag[2], b_frag[3],
                                          q_base + T.Cast("uint32", swz(orow, (it * 32 + lane) % CPR)))
-                            ST_GLOBAL_V4(T.address_of(out[b, h, tr * BM + orow, ((it * 32 + lane) % CPR) * 8]),
-                                         b_frag[0], b_frag[1], b_frag[2], b_frag[3])
+                            if BSHD:
+                                ST_GLOBAL_V4(T.address_of(out[b, tr * BM + orow, h, ((it * 32 + lane) % CPR) * 8]),
+                                             b_frag[0], b_frag[1], b_frag[2], b_frag[3])
+                            else:
+                                ST_GLOBAL_V4(T.address_of(out[b, h, tr * BM + orow, ((it * 32 + lane) % CPR) * 8]),
+                                             b_frag[0], b_frag[1], b_frag[2], b_frag[3])
 
     return blockwise_attention
 
@@ -508,6 +530,7 @@ def _cpu_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     GB, GH = p.group_strides
     SCALE = p.scale
     NEG_INF = T.float32(float("-inf"))
+    OUT_SHAPE, BSHD = p.out_shape, p.rows_then_heads
 
     @T.prim_func
     def blockwise_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, full_indptr_h: T.handle,
@@ -516,15 +539,15 @@ def _cpu_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
         T.func_attr({"tirx.noalias": True, "global_symbol": "blockwise_attention"})
         n_full = T.int32()
         n_part = T.int32()
-        q = T.match_buffer(q_h, (B, H, SQ, D), DT)
-        k = T.match_buffer(k_h, (B, H, SK, D), DT)
-        v = T.match_buffer(v_h, (B, H, SK, D), DT)
+        q = T.match_buffer(q_h, (B, H, SQ, D), DT, offset_factor=VIEW_ALIGN)
+        k = T.match_buffer(k_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
+        v = T.match_buffer(v_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
         full_indptr = T.match_buffer(full_indptr_h, (NROWS,), "int32")
         full_indices = T.match_buffer(full_indices_h, (n_full,), "int32")
         part_indptr = T.match_buffer(part_indptr_h, (NROWS,), "int32")
         part_indices = T.match_buffer(part_indices_h, (n_part,), "int32")
         part_bitmaps = T.match_buffer(part_bitmaps_h, (n_part, BM // 8, BN // 8), "uint64")
-        out = T.match_buffer(out_h, (B, H, SQ, D), DT)
+        out = T.match_buffer(out_h, OUT_SHAPE, DT)
         for task in T.parallel(B * H * TR):
             q_row = T.alloc_buffer((D,), "float32", scope="local")
             acc = T.alloc_buffer((D,), "float32", scope="local")
@@ -570,7 +593,11 @@ def _cpu_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                 for d in range(D):
                                     acc[d] = acc[d] + st[4] * T.Cast("float32", v[b, h, col * BN + c, d])
                     for d in range(D):
-                        out[b, h, tr * BM + a, d] = T.Cast(
-                            DT, T.Select(st[1] > T.float32(0), acc[d] / st[1], T.float32(0)))
+                        if BSHD:
+                            out[b, tr * BM + a, h, d] = T.Cast(
+                                DT, T.Select(st[1] > T.float32(0), acc[d] / st[1], T.float32(0)))
+                        else:
+                            out[b, h, tr * BM + a, d] = T.Cast(
+                                DT, T.Select(st[1] > T.float32(0), acc[d] / st[1], T.float32(0)))
 
     return blockwise_attention

@@ -116,6 +116,41 @@ def test_one_build_serves_masks_with_different_tile_counts():
     assert len(_BUILT) == before
 
 
+def packed_views(q, k, v, dev):
+    """Q, K, V as views into one [3, B, H, S, D] tensor (what the fused QKV projection writes), at nonzero
+    offsets; the packed tensor is returned too, since the views do not own their memory."""
+    packed = tvm.runtime.tensor(np.ascontiguousarray(np.stack([q, k, v])), dev)
+    step = q.size * q.itemsize
+    return packed, [packed._create_view(q.shape, relative_byte_offset=i * step) for i in range(3)]
+
+
+@pytest.mark.parametrize("mask", ["bigbird", "causal"])
+def test_rows_then_heads_output_from_packed_qkv_views(mask):
+    """out_layout="bshd" writes [B, S, H, D] (the output projection's layout), reading Q/K/V as offset views."""
+    batch, heads, seq, head_dim, dtype = 2, 3, 100, 64, "float16"
+    mask4 = normalize_mask(mask, batch=batch, heads=heads, seq_q=seq)
+    func = blockwise_attention_primfunc(batch=batch, heads=heads, seq_q=seq, seq_k=seq, head_dim=head_dim,
+                                        dtype=dtype, mask_batch=1, mask_heads=1, config=SMALL, target_kind="llvm",
+                                        out_layout="bshd")
+    assert [int(x) for x in func.params[-1].shape] == [batch, seq, heads, head_dim]
+    fn = tvm.compile(func, target=LLVM)["blockwise_attention"]
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((batch, heads, seq, head_dim)).astype(np.float16) for _ in range(3))
+    dev = tvm.cpu()
+    packed, views = packed_views(q, k, v, dev)
+    out = tvm.runtime.tensor(np.full((batch, seq, heads, head_dim), np.nan, np.float16), dev)
+    fn(*views, *[tvm.runtime.tensor(a, dev) for a in format_args(mask4, SMALL)], out)
+    got = out.numpy().astype(np.float64).transpose(0, 2, 1, 3)
+    ref = reference(q, k, v, mask4, 1 / math.sqrt(head_dim))
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) <= TOL[dtype]
+
+
+def test_unknown_out_layout_is_refused():
+    with pytest.raises(ValueError, match="out_layout"):
+        blockwise_attention_primfunc(batch=1, heads=1, seq_q=64, seq_k=64, head_dim=64, dtype="float16",
+                                     mask_batch=1, mask_heads=1, target_kind="llvm", out_layout="sbhd")
+
+
 @pytest.mark.parametrize("config", [BlockConfig(64, 64, 4, 2), BlockConfig(128, 64, 4, 2),
                                     BlockConfig(16, 16, 1, 2), BlockConfig(64, 32, 2, 3, heavy_first=True)])
 def test_tile_shapes(config):
@@ -185,14 +220,15 @@ def test_signature_and_symbolic_tile_counts(target_kind):
 # CUDA code generation (no GPU needed): the tensor-core kernel compiles for sm_90 without local-memory spills
 # ------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype, head_dim, config", [
-    ("float16", 64, BlockConfig(128, 64, 4, 2)),
-    ("bfloat16", 128, BlockConfig(128, 64, 8, 3)),
-    ("float16", 64, BlockConfig(64, 32, 4, 2, heavy_first=True)),
+@pytest.mark.parametrize("dtype, head_dim, config, out_layout", [
+    ("float16", 64, BlockConfig(128, 64, 4, 2), "bhsd"),
+    ("bfloat16", 128, BlockConfig(128, 64, 8, 3), "bhsd"),
+    ("float16", 64, BlockConfig(64, 32, 4, 2, heavy_first=True), "bshd"),
 ])
-def test_cuda_source_compiles_for_sm90(dtype, head_dim, config, tmp_path):
+def test_cuda_source_compiles_for_sm90(dtype, head_dim, config, out_layout, tmp_path):
     func = blockwise_attention_primfunc(batch=2, heads=4, seq_q=1000, seq_k=1000, head_dim=head_dim, dtype=dtype,
-                                        mask_batch=2, mask_heads=4, scale=None, config=config, target_kind="cuda")
+                                        mask_batch=2, mask_heads=4, scale=None, config=config, target_kind="cuda",
+                                        out_layout=out_layout)
     ex = tvm.compile(func, target=CUDA)
     assert [m.kind for m in ex.mod.imports] == ["cuda"]
     src = ex.mod.imports[0].inspect_source()
@@ -231,7 +267,9 @@ def _has_gpu() -> bool:
     ("float16", 64, BlockConfig(64, 32, 4, 2, heavy_first=True)),
 ])
 @pytest.mark.parametrize("mask", ["causal", "bigbird", "per_head_random"])
-def test_cuda_kernel_matches_reference(dtype, head_dim, config, mask):
+@pytest.mark.parametrize("out_layout", ["bhsd", "bshd"])
+def test_cuda_kernel_matches_reference(dtype, head_dim, config, mask, out_layout):
+    """bshd also reads Q/K/V as offset views of one packed tensor, as the compiled models do."""
     batch, heads, seq = 2, 3, 300
     if mask == "per_head_random":
         rng = np.random.default_rng(5)
@@ -240,15 +278,21 @@ def test_cuda_kernel_matches_reference(dtype, head_dim, config, mask):
     mask4 = normalize_mask(mask, batch=batch, heads=heads, seq_q=seq)
     func = blockwise_attention_primfunc(batch=batch, heads=heads, seq_q=seq, seq_k=seq, head_dim=head_dim,
                                         dtype=dtype, mask_batch=mask4.shape[0], mask_heads=mask4.shape[1],
-                                        scale=None, config=config, target_kind="cuda")
+                                        scale=None, config=config, target_kind="cuda", out_layout=out_layout)
     fn = tvm.compile(func, target=CUDA)["blockwise_attention"]
     rng = np.random.default_rng(11)
     q, k, v = (rng.standard_normal((batch, heads, seq, head_dim)).astype(np_dtype(dtype)) for _ in range(3))
     dev = tvm.cuda(0)
-    out = np.full(q.shape, np.nan, dtype=np_dtype(dtype))
-    args = [tvm.runtime.tensor(np.ascontiguousarray(a), dev) for a in (q, k, v, *format_args(mask4, config), out)]
-    fn(*args)
-    got = args[-1].numpy().astype(np.float64)
+    formats = [tvm.runtime.tensor(a, dev) for a in format_args(mask4, config)]
+    if out_layout == "bshd":
+        packed, qkv = packed_views(q, k, v, dev)
+        out = tvm.runtime.tensor(np.full((batch, seq, heads, head_dim), np.nan, np_dtype(dtype)), dev)
+        fn(*qkv, *formats, out)
+        got = out.numpy().astype(np.float64).transpose(0, 2, 1, 3)
+    else:
+        out = tvm.runtime.tensor(np.full(q.shape, np.nan, dtype=np_dtype(dtype)), dev)
+        fn(*[tvm.runtime.tensor(np.ascontiguousarray(a), dev) for a in (q, k, v)], *formats, out)
+        got = out.numpy().astype(np.float64)
     ref = reference(q, k, v, mask4, 1 / math.sqrt(head_dim))
     assert np.isfinite(got).all()
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) <= TOL[dtype]

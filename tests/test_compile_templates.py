@@ -47,6 +47,34 @@ def test_bert_base_templates_match_reference():
     assert relative_error(out, ref) < 2e-2
 
 
+def _ops(func) -> list[str]:
+    """Names of the operators ``func`` calls, in binding order."""
+    return [binding.value.op.name for block in func.body.blocks for binding in block.bindings
+            if hasattr(binding.value, "op") and hasattr(binding.value.op, "name")]
+
+
+def test_block_kernel_reads_qkv_views_and_writes_rows_then_heads(tiny):
+    """With the block-wise kernel, Q/K/V are views into the QKV projection's output (no split copy) and the
+    kernel writes [B, S, H, D], so no transpose is left between attention and the output projection; the module
+    still matches onnx's reference evaluator."""
+    args = dict(mask="bigbird", batch=2, seq_len=64, target="llvm", dtype="float16", kernel="block", templates=True)
+    ops = _ops(stof_tvm.compiler.front_end(tiny, **args).mod["main"])
+    assert ops.count("relax.memory.view") == 3 * 2 and "relax.split" not in ops      # 2 layers
+    assert "relax.permute_dims" not in ops
+    data = random_inputs(tiny, {"input_ids": (2, 64), "attention_mask": (2, 64)}, seed=5)
+    data["attention_mask"][1, 50:] = 0
+    out = stof_tvm.compile(tiny, **args).load()(data)["last_hidden_state"]
+    ref = reference_outputs(tiny, make_mask("bigbird", 64)[None, None], data)["last_hidden_state"]
+    assert relative_error(out, ref) < 2e-2
+
+
+def test_row_kernel_keeps_the_split(tiny):
+    """The row-wise kernel's Q/K/V must start at offset 0: the QKV output is split (copied) for it."""
+    ops = _ops(stof_tvm.compiler.front_end(tiny, mask="bigbird", batch=1, seq_len=64, target="llvm",
+                                           dtype="float16", kernel="row", templates=True).mod["main"])
+    assert "relax.memory.view" not in ops and ops.count("relax.split") == 2
+
+
 def test_manifest_lists_each_site(tiny_cuda_graph):
     entry = tiny_cuda_graph.manifest["templates"]
     assert entry["gemm"] == "mma" and entry["calls"] == TINY_CALLS

@@ -37,6 +37,7 @@ from .kernels import KERNELS, choose_kernel, kernel_primfunc
 from .mask_sources import plan_masks, score_bias
 from .onnx_import import TensorSpec, embedding_rows, import_onnx, load_model, output_names
 from .pipeline import build, fold_constant_casts, make_target, optimize, target_dict
+from .layout import fold_permute_pairs
 from .rewrite import rewrite_attention
 
 DTYPES = ("float32", "float16")
@@ -191,6 +192,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     template_entry = {}
     if templates:
         mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule)
+    mod["main"] = relax.analysis.remove_all_unused(fold_permute_pairs(mod["main"]))  # transposes around attention
     return FrontEnd(onnx_model, mod, inputs, weights, outputs, sites, plan, user_mask, combined, choice,
                     format_inputs, template_entry, tspec, gemm, tvm_target)
 

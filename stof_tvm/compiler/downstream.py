@@ -8,7 +8,8 @@ weight for the wgmma GEMMs) moves into ``main_transform_params`` and runs once a
 chain (as exporters emit it)                            templates
 =====================================================  ===================================================
 Q, K, V = three ``add(astype(matmul(X, W)), b)`` on     ``qkv_projection_kn`` into ``[3, B, H, S, D]``, then
-the same ``X``, each ``reshape [B, S, H, D]`` +         one split (the attention kernels take Q, K, V)
+the same ``X``, each ``reshape [B, S, H, D]`` +         views of it at Q's, K's and V's offsets when only the
+                                                        block-wise attention kernel reads them, else one split
 ``permute_dims``
 ``layer_norm(astype(linear) + residual)`` (output       ``gemm_kn`` + ``bias_residual_layernorm`` (unfused,
 projection, FFN down-projection; either add order)      measured faster), or ``gemm_bias_residual_layernorm_kn``
@@ -44,6 +45,7 @@ from tvm.ir.expr import Constant
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
 from .attention_match import resolve, scalar_value, static_shape
+from .layout import fold_permute_pairs
 from .template_choice import KnobChoice, TemplateChooser
 
 TEMPLATE_DTYPES = ("float16", "bfloat16")
@@ -84,8 +86,7 @@ _LIN_OUT = is_op("relax.astype")(LINEAR) | LINEAR
 _SUM = is_op("relax.add")(_LIN_OUT, _RES) | is_op("relax.add")(_RES, _LIN_OUT)
 LINEAR_RESIDUAL_LN = is_op("relax.nn.layer_norm")(_SUM, _GAMMA, _BETA)
 _INNER = wildcard()
-_INNER_PERMUTE, _INNER_CAST = is_op("relax.permute_dims")(_INNER), is_op("relax.astype")(_INNER)
-DOUBLE_PERMUTE = is_op("relax.permute_dims")(_INNER_PERMUTE)
+_INNER_CAST = is_op("relax.astype")(_INNER)
 DOUBLE_CAST = is_op("relax.astype")(_INNER_CAST)
 
 
@@ -364,6 +365,7 @@ def _rewrite_qkv(t: _Templates, func: relax.Function) -> relax.Function:
         return func
     emit_at = {group.linears[-1][0]: group for group in groups}
     replace: dict = {}
+    users = _users(func)
 
     @relax.expr_functor.mutator
     class QKV(relax.PyExprMutator):
@@ -389,13 +391,48 @@ def _rewrite_qkv(t: _Templates, func: relax.Function) -> relax.Function:
             else:
                 call, stage = t.call("qkv_projection_kn", group.shape, dtype, [x2d, w, bias], (3, b, h, s, d))
             t.record("qkv", [stage], note)
-            parts = self.builder_.emit(relax.op.split(self.builder_.emit(call), 3, axis=0))
-            for i, (permute, axes) in enumerate(zip(group.permutes, group.axes)):
-                heads = relax.op.reshape(relax.TupleGetItem(parts, i), [b, h, s, d])
+            qkv = self.builder_.emit(call)
+            if all(_reads_views(permute, users) for permute in group.permutes):
+                # zero copy: Q, K and V are views at their offsets into the [3, B, H, S, D] output
+                part_bytes = b * h * s * d * tvm.runtime.DataType(dtype).bits // 8
+                heads_of = [relax.op.memory.view(qkv, [b, h, s, d], dtype,
+                                                 relax.prim_value(tvm.tirx.IntImm("int64", i * part_bytes)))
+                            for i in range(3)]
+            else:
+                parts = self.builder_.emit(relax.op.split(qkv, 3, axis=0))
+                heads_of = [relax.op.reshape(relax.TupleGetItem(parts, i), [b, h, s, d]) for i in range(3)]
+            for heads, permute, axes in zip(heads_of, group.permutes, group.axes):
                 back = _HEAD_PERMS[axes]
                 replace[permute] = self.builder_.emit(heads if back is None else relax.op.permute_dims(heads, back))
 
     return QKV(t.mod).visit_expr(func)
+
+
+# Kernels whose Q/K/V buffers accept a view at an offset into a larger allocation (TVM's own kernels assume
+# offset 0): the block-wise attention kernel (schedules/attention_blockwise.py, VIEW_ALIGN).
+VIEW_READERS = ("stof_attention_block",)
+
+
+def _reads_views(var, users) -> bool:
+    """Whether every use of the head-split ``var`` (directly, or through one ``permute_dims``, the K^T form) is
+    an input of a :data:`VIEW_READERS` kernel call."""
+    def kernel_call(binding) -> bool:
+        value = None if binding is None else binding.value
+        return (_is_call(value, "relax.call_tir") and isinstance(value.args[0], tvm.ir.GlobalVar)
+                and value.args[0].name_hint in VIEW_READERS)
+
+    uses = users.get(var, [])
+    if not uses:
+        return False
+    for use in uses:
+        if kernel_call(use):
+            continue
+        if use is None or not _is_call(use.value, "relax.permute_dims"):
+            return False
+        further = users.get(use.var, [])
+        if not further or not all(kernel_call(u) for u in further):
+            return False
+    return True
 
 
 def _qkv_fits(shape: dict, dtype: str) -> bool:
@@ -410,16 +447,6 @@ def _qkv_fits(shape: dict, dtype: str) -> bool:
 def _simplify(func: relax.Function) -> relax.Function:
     """Fold the layout and cast round trips the rewrite leaves: permute_dims of permute_dims, and a 16-bit value
     cast to float32 and back (exact)."""
-    def permutes(expr, matches):
-        inner, outer = matches[_INNER_PERMUTE].attrs.axes, expr.attrs.axes
-        if inner is None or outer is None:
-            return expr
-        inner_axes, outer_axes = [int(a) for a in inner], [int(a) for a in outer]
-        composed = [inner_axes[a] for a in outer_axes]
-        if composed == list(range(len(composed))):
-            return matches[_INNER]
-        return relax.op.permute_dims(matches[_INNER], composed)
-
     def casts(expr, matches):
         inner = matches[_INNER]
         mid = str(matches[_INNER_CAST].ty.dtype)
@@ -427,8 +454,7 @@ def _simplify(func: relax.Function) -> relax.Function:
             return inner
         return expr
 
-    func = rewrite_call(DOUBLE_PERMUTE, permutes, func)
-    return rewrite_call(DOUBLE_CAST, casts, func)
+    return rewrite_call(DOUBLE_CAST, casts, fold_permute_pairs(func))
 
 
 def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | None = None,

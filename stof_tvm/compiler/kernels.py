@@ -66,6 +66,12 @@ class KernelChoice:
                 FormatInput("stof_part_indices", ("n_part",), "int32"),
                 FormatInput("stof_part_bitmaps", ("n_part", bm // 8, bn // 8), "uint64")]
 
+    @property
+    def out_layout(self) -> str:
+        """Layout of the sparse kernel's output: the block-wise kernel writes [B, S, H, D] (what the output
+        projection reads, so no transpose follows it), the row-wise kernel [B, H, S, D]."""
+        return "bshd" if self.kind == "block" else "bhsd"
+
     def to_json(self) -> dict:
         return {"kind": self.kind, "config": self.config, "mask_batch": self.mask_batch,
                 "mask_heads": self.mask_heads, "reason": self.reason,
@@ -170,10 +176,13 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
 
 def kernel_primfunc(choice: KernelChoice, *, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int,
                     dtype: str, scale: float, target_kind: str):
-    """The scheduled PrimFunc of a sparse ``choice`` for one site shape (params: q, k, v, format arrays, out)."""
+    """The scheduled PrimFunc of a sparse ``choice`` for one site shape (params: q, k, v, format arrays, out in
+    ``choice.out_layout``)."""
     module = _schedule_module(choice.kind)
     build = module.rowwise_attention_primfunc if choice.kind == "row" else module.blockwise_attention_primfunc
     extra = {"bias": tuple(choice.bias)} if choice.bias is not None else {}
+    if choice.kind == "block":
+        extra["out_layout"] = choice.out_layout
     return build(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim, dtype=dtype,
                  mask_batch=choice.mask_batch, mask_heads=choice.mask_heads, scale=scale,
                  config=config_object(choice.kind, choice.config), target_kind=target_kind, **extra)

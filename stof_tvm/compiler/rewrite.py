@@ -8,6 +8,8 @@ dataflow pattern that located it (:data:`~stof_tvm.compiler.attention_match.ATTE
 
 - sparse kernels: ``call_tir(kernel, [Q, K, V, *format arrays(, score bias)])`` with ``K = permute_dims(K^T)``
   (fused by TVM into the producer's layout transform); a real score bias (T5) is the graph's own expression;
+  a kernel writing [B, S, H, D] (``KernelChoice.out_layout``) is followed by a permute to [B, H, S, D], which
+  the front end later folds with the graph's own transpose back (:func:`~stof_tvm.compiler.layout.fold_permute_pairs`);
 - dense: ``matmul(softmax(scores + stof_bias) * stof_keep, V)`` with float inputs (bias 0 / -1e30, keep 1 / 0),
   so rows with no kept key give zeros exactly like the sparse kernels.
 """
@@ -73,9 +75,13 @@ def rewrite_attention(mod: tvm.IRModule, sites: list[AttentionSite], choice: Ker
         if kernel is None:
             return _dense_replacement(expr, matches, params[0], params[1])
         k = relax.op.permute_dims(site.k_t, [0, 1, 3, 2])
-        out_ty = relax.TensorType([site.batch, site.heads, site.seq_q, site.head_dim], site.dtype)
+        rows_then_heads = choice.out_layout == "bshd"
+        dims = [site.batch, site.seq_q, site.heads] if rows_then_heads else [site.batch, site.heads, site.seq_q]
+        out_ty = relax.TensorType(dims + [site.head_dim], site.dtype)
         bias = [score_bias(site, list(bias_terms))[0]] if choice.bias is not None else []
         out = relax.call_tir(kernel_gv, [site.q, k, site.v, *params, *bias], out_ty=out_ty)
+        if rows_then_heads:         # the graph's transpose back to [B, S, H, D] folds with this one
+            out = relax.op.permute_dims(out, [0, 2, 1, 3])
         if str(expr.ty.dtype) != site.dtype:
             out = relax.op.astype(out, str(expr.ty.dtype))
         return out
