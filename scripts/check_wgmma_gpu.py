@@ -22,6 +22,20 @@ Commands (the second one is the whole GPU call, ~3 minutes including the machine
 
 Cases: the square 4096^3 GEMM and the BERT-Base/-Large layer GEMMs at 4096 and 32768 tokens, float16 (plus one
 bfloat16 case). A wgmma kernel that fails its check is reported as wrong and left out of the speed columns.
+
+``--suite ffn`` (both steps; artifacts in ``out/ffn_wgmma``): the fused FFN ``GELU(x @ W1^T + b1) @ W2^T + b2``
+(``ffn_gelu_erf_bias_wgmma``, every knob set) at m in {4096, 32768} x hidden in {128, 256} x ffn in {512, 1024}
+(float16, plus one bfloat16 case), checked against torch float32 like the GEMMs and timed side by side with torch
+eager's unfused chain (``F.linear`` + ``F.gelu`` + ``F.linear``; also replayed as a CUDA graph, without launch
+overhead) and with our unfused wgmma pair
+(``gemm_bias_gelu_erf_wgmma`` + ``gemm_bias_wgmma``, default knobs, intermediate poisoned too). These kernels take
+microseconds, so each CUDA-event sample spans ``--reps`` back-to-back calls. A launch that has not finished after
+10 s is reported as a hang and ends the run (results so far are kept)::
+
+    .venv/bin/python scripts/check_wgmma_gpu.py build --suite ffn
+    run(command="source .devkit/bootstrap.sh && python3 -m pip install -q --no-deps --no-build-isolation "
+                "--no-index -e . && python3 scripts/check_wgmma_gpu.py run --suite ffn",
+        carry=[".devkit/runtime.tar.xz", ".devkit/bootstrap.sh", "out/ffn_wgmma"], timeout_s=420)
 """
 from __future__ import annotations
 
@@ -34,7 +48,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "out" / "wgmma"
+OUTS = {"gemm": ROOT / "out" / "wgmma", "ffn": ROOT / "out" / "ffn_wgmma"}
+OUT = OUTS["gemm"]   # the suite's artifact folder (main() sets it)
 
 # (template base name, m, n, k, dtype): base + "_wgmma" is the wgmma template, base alone the mma.sync one
 CASES = [
@@ -58,6 +73,10 @@ def template_shape(base, m, n, k) -> dict:
         return {"batch": m // SEQ, "seq": SEQ, "heads": k // HEAD_DIM, "head_dim": HEAD_DIM}
     return {"m": m, "n": n, "k": k}
 TOL = {"float16": 1e-2, "bfloat16": 2e-2}
+# fused FFN cases (m, hidden, ffn, dtype)
+FFN_CASES = [(m, h, f, "float16") for m in (4096, 32768) for h in (128, 256) for f in (512, 1024)] + [
+    (4096, 128, 512, "bfloat16")]
+FFN_TEMPLATE = "ffn_gelu_erf_bias_wgmma"
 
 
 def source_key(src: str) -> str:
@@ -72,8 +91,8 @@ def case_key(base, m, n, k, dtype) -> str:
 
 def build(args) -> None:
     from stof_tvm.schedules.templates.build import build as build_template
-    from stof_tvm.schedules.templates import cuda_source, cuda_target, get_template
-    from stof_tvm.schedules.templates.gemm_wgmma import build_kernel, nvcc_cubin
+    from stof_tvm.schedules.templates import cuda_target, get_template
+    from stof_tvm.schedules.templates.gemm_wgmma import build_kernel
 
     OUT.mkdir(parents=True, exist_ok=True)
     manifest = {"cases": [], "modules": {}}
@@ -92,17 +111,48 @@ def build(args) -> None:
         builds.append((f"{ckey}__mma_sync", "mma_sync", mma.default_knobs(shape, dtype),
                        lambda: build_template(mma.schedule(shape, dtype), cuda_target())))
         for key, kind, knobs, make in builds:
-            ex = make()
-            function = "gemm_wgmma" if kind == "wgmma" else "main"
-            ex[function]  # the name run() calls (raises here when missing)
-            src = cuda_source(ex)
-            ex.export_library(str(OUT / f"{key}.so"))
-            report = _cubin(src, OUT / f"{source_key(src)}.cubin", kind, nvcc_cubin)
-            manifest["modules"][key] = {"library": f"{key}.so", "function": function, "kind": kind, "knobs": knobs,
-                                        **report}
+            _export(manifest, key, kind, knobs, make(), "gemm_wgmma" if kind == "wgmma" else "main")
             entry["modules"].append(key)
-            print(f"{key}: {report['registers']} regs, spills {report['spill_stores']}/{report['spill_loads']}, "
-                  f"warnings {len(report['warnings'])}", flush=True)
+        manifest["cases"].append(entry)
+    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    print(f"{len(manifest['modules'])} modules in {OUT} ({time.time() - t0:.0f} s)")
+
+
+def _export(manifest, key, kind, knobs, ex, function) -> None:
+    """Export one built module and its cubin (by source hash) into OUT; record it with ptxas' figures."""
+    from stof_tvm.schedules.templates import cuda_source
+    from stof_tvm.schedules.templates.gemm_wgmma import nvcc_cubin
+
+    ex[function]  # the name run() calls (raises here when missing)
+    src = cuda_source(ex)
+    ex.export_library(str(OUT / f"{key}.so"))
+    report = _cubin(src, OUT / f"{source_key(src)}.cubin", kind, nvcc_cubin)
+    manifest["modules"][key] = {"library": f"{key}.so", "function": function, "kind": kind, "knobs": knobs, **report}
+    print(f"{key}: {report['registers']} regs, spills {report['spill_stores']}/{report['spill_loads']}, "
+          f"warnings {len(report['warnings'])}", flush=True)
+
+
+def build_ffn(args) -> None:
+    """The fused FFN in every knob set, and the unfused wgmma pair with default knobs, per FFN case."""
+    from stof_tvm.schedules.templates import get_template
+    from stof_tvm.schedules.templates.gemm_wgmma import build_kernel
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    manifest = {"suite": "ffn", "cases": [], "modules": {}}
+    t0 = time.time()
+    for m, h, f, dtype in FFN_CASES:
+        shape = {"m": m, "hidden": h, "ffn": f}
+        ckey = f"ffn_{m}x{h}x{f}_{dtype}"
+        entry = {"key": ckey, "shape": shape, "dtype": dtype, "fused": []}
+        for kn in get_template(FFN_TEMPLATE).knob_space(shape, dtype):
+            key = f"{ckey}__fused_c{kn['chunk_f']}_s{kn['stages']}"
+            _export(manifest, key, "wgmma", kn, build_kernel(FFN_TEMPLATE, shape, dtype, kn), "ffn_wgmma")
+            entry["fused"].append(key)
+        for part, name, gemm in (("up", "gemm_bias_gelu_erf_wgmma", {"m": m, "n": f, "k": h}),
+                                 ("down", "gemm_bias_wgmma", {"m": m, "n": h, "k": f})):
+            kn = get_template(name).default_knobs(gemm, dtype)
+            _export(manifest, f"{ckey}__{part}", "wgmma", kn, build_kernel(name, gemm, dtype, kn), "gemm_wgmma")
+            entry[part] = f"{ckey}__{part}"
         manifest["cases"].append(entry)
     (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1))
     print(f"{len(manifest['modules'])} modules in {OUT} ({time.time() - t0:.0f} s)")
@@ -152,12 +202,16 @@ def run(args) -> None:
     tvm_ffi.register_global_func("tvm_callback_cuda_compile", prebuilt, override=True)
     manifest = json.loads((OUT / "manifest.json").read_text())
     dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
     print(f"device: {torch.cuda.get_device_name()}", flush=True)
     results = []
     for case in manifest["cases"]:
-        results.append(_run_case(case, manifest["modules"], torch, tvm, dev, args.iters))
+        if args.suite == "ffn":
+            results.append(_run_ffn_case(case, manifest["modules"], torch, tvm, dev, args, results, misses))
+        else:
+            results.append(_run_case(case, manifest["modules"], torch, tvm, dev, args.iters))
         (OUT / "results.json").write_text(json.dumps({"results": results, "cubin_misses": misses}, indent=1))
-    _table(results)
+    _ffn_table(results) if args.suite == "ffn" else _table(results)
     print(f"cubins compiled on the GPU machine instead of prebuilt: {len(misses)}")
 
 
@@ -176,17 +230,19 @@ def _torch_epilogue(torch, base, y, bias):
     return y
 
 
-def _median_ms(torch, fn, iters):
+def _median_ms(torch, fn, iters, reps=1):
+    """Median over ``iters`` CUDA-event samples of the time per call, each sample ``reps`` back-to-back calls."""
     for _ in range(5):
         fn()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(reps):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / reps)
     return statistics.median(times)
 
 
@@ -266,7 +322,121 @@ def _table(results) -> None:
     print("(x = speed relative to torch.matmul + eager epilogue: cuBLAS time / kernel time)")
 
 
+# ---- the fused FFN suite (on the GPU) ----------------------------------------------------------------------
+
+HANG_S = 10.0
+
+
+def _finished(torch, seconds) -> bool:
+    """Whether the work queued so far finishes within ``seconds`` (a wrong mbarrier protocol hangs forever)."""
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.time() + seconds
+    while not done.query():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def _graphed(torch, fn):
+    """``fn`` captured in a CUDA graph (torch eager without its launch overhead); returns the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _run_ffn_case(case, modules, torch, tvm, dev, args, results, misses) -> dict:
+    import os
+
+    F = torch.nn.functional
+    m, h, f = (case["shape"][key] for key in ("m", "hidden", "ffn"))
+    dtype = case["dtype"]
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator(device=dev).manual_seed(int(source_key(case["key"]), 16) % 2 ** 31)
+    x = torch.randn(m, h, device=dev, generator=gen).to(tdt)
+    w1 = (torch.randn(f, h, device=dev, generator=gen) / h ** 0.5).to(tdt)
+    b1 = torch.randn(f, device=dev, generator=gen).to(tdt)
+    w2 = (torch.randn(h, f, device=dev, generator=gen) / f ** 0.5).to(tdt)
+    b2 = torch.randn(h, device=dev, generator=gen).to(tdt)
+    ref = F.linear(F.gelu(F.linear(x.float(), w1.float(), b1.float())), w2.float(), b2.float())
+    row = {"case": case["key"], "shape": case["shape"], "dtype": dtype, "kernels": {}, "flops": 4 * m * h * f}
+    chain = lambda: F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)  # noqa: E731
+    row["eager_ms"] = _median_ms(torch, chain, args.iters, args.reps)
+    row["graph_ms"] = _median_ms(torch, _graphed(torch, chain), args.iters, args.reps)
+    tv = lambda *ts: [tvm.runtime.from_dlpack(t) for t in ts]  # noqa: E731
+    nan = lambda *shape: torch.full(shape, float("nan"), device=dev, dtype=tdt)  # noqa: E731
+    forms = [(key, "fused") for key in case["fused"]] + [("unfused_pair", "unfused")]
+    for key, kind in forms:
+        print(f"{key}: launching", flush=True)
+        entry = {"kind": kind}
+        try:
+            if kind == "fused":
+                fused = tvm.runtime.load_module(str(OUT / modules[key]["library"]))["ffn_wgmma"]
+                entry.update(knobs=modules[key]["knobs"], registers=modules[key]["registers"])
+                out = nan(m, h)
+                targs = tv(x, w1, b1, w2, b2, out)
+                call = lambda fused=fused, targs=targs: fused(*targs)  # noqa: E731
+            else:
+                up, down = (tvm.runtime.load_module(str(OUT / modules[case[p]]["library"]))["gemm_wgmma"]
+                            for p in ("up", "down"))
+                entry.update(knobs={p: modules[case[p]]["knobs"] for p in ("up", "down")})
+                mid, out = nan(m, f), nan(m, h)
+                up_args, down_args = tv(x, w1, b1, mid), tv(mid, w2, b2, out)
+                call = lambda: (up(*up_args), down(*down_args))  # noqa: E731
+        except Exception as err:  # a failed load is a result to report, not a reason to stop the run
+            entry["error"] = f"load: {err}"[:300]
+            row["kernels"][key] = entry
+            continue
+        call()
+        if not _finished(torch, HANG_S):
+            row["kernels"][key] = dict(entry, error=f"hang: not finished after {HANG_S:.0f} s")
+            results.append(row)
+            (OUT / "results.json").write_text(json.dumps({"results": results, "cubin_misses": misses}, indent=1))
+            print(f"{key}: HANG (no result after {HANG_S:.0f} s); stopping the run", flush=True)
+            os._exit(3)
+        err = float(torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref))
+        entry.update(rel_err=err, finite=bool(torch.isfinite(out).all()))
+        entry["correct"] = entry["finite"] and err < TOL[dtype]
+        if entry["correct"]:
+            entry["ms"] = _median_ms(torch, call, args.iters, args.reps)
+            entry["tflops"] = row["flops"] / entry["ms"] / 1e9
+        else:
+            entry["diagnosis"] = _diagnose(torch, out.float(), ref)
+        row["kernels"][key] = entry
+        print(f"{key}: err {err:.2e} {'ok' if entry['correct'] else 'WRONG'}"
+              + (f", {entry['ms'] * 1e3:.1f} us, {entry['tflops']:.0f} TFLOP/s" if entry["correct"] else ""), flush=True)
+    timed = [(e["ms"], key) for key, e in row["kernels"].items() if e["kind"] == "fused" and "ms" in e]
+    row["fused_best"] = min(timed) if timed else None
+    pair = row["kernels"]["unfused_pair"]
+    row["unfused_ms"] = pair.get("ms")
+    return row
+
+
+def _ffn_table(results) -> None:
+    print(f"\n{'case':34s} {'eager us':>9s} {'graph us':>9s} {'pair us':>8s} {'fused us':>9s} {'x torch':>8s} "
+          f"{'x pair':>7s} {'TF/s':>5s}  best fused / wrong")
+    for row in results:
+        best, pair = row.get("fused_best"), row.get("unfused_ms") or float("nan")
+        wrong = [key.split("__")[1] for key, e in row["kernels"].items() if not e.get("correct")]
+        fused_ms = best[0] if best else float("nan")
+        torch_ms = min(row["eager_ms"], row["graph_ms"])
+        print(f"{row['case']:34s} {row['eager_ms'] * 1e3:9.1f} {row['graph_ms'] * 1e3:9.1f} {pair * 1e3:8.1f} "
+              f"{fused_ms * 1e3:9.1f} {torch_ms / fused_ms:8.2f} {pair / fused_ms:7.2f} "
+              f"{row['flops'] / fused_ms / 1e9:5.0f}  {best[1].split('__')[1] if best else '-'} {' '.join(wrong)}")
+    print("(x torch = the faster of torch eager (F.linear + F.gelu + F.linear) and the same chain replayed as a CUDA "
+          "graph, over the best fused FFN's time; x pair = our unfused wgmma pair's time over it)")
+
+
 def main(argv=None) -> None:
+    global OUT
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="step", required=True)
     b = sub.add_parser("build", help="compile and export the kernels here (TVM compiler and nvcc)")
@@ -274,8 +444,16 @@ def main(argv=None) -> None:
                    help="persistent wgmma knob choices per case (best-ranked first; plus the best non-persistent)")
     r = sub.add_parser("run", help="check and time on the GPU")
     r.add_argument("--iters", type=int, default=50, help="timed runs per kernel (median reported)")
+    r.add_argument("--reps", type=int, default=20, help="back-to-back calls per timed sample (ffn suite)")
+    for p in (b, r):
+        p.add_argument("--suite", choices=sorted(OUTS), default="gemm",
+                       help="gemm: the GEMM and QKV kernels; ffn: the fused FFN against its unfused forms")
     args = parser.parse_args(argv)
-    build(args) if args.step == "build" else run(args)
+    OUT = OUTS[args.suite]
+    if args.step == "build":
+        build_ffn(args) if args.suite == "ffn" else build(args)
+    else:
+        run(args)
 
 
 if __name__ == "__main__":

@@ -131,3 +131,63 @@ def test_kernel_compiles_for_sm90a_with_register_a_wgmma_and_no_spills(name, sha
     assert re.search(rf"HGMMA\.64x{cf}x16\.F32", sass) and re.search(rf"HGMMA\.64x{h}x16\.F32", sass), "no HGMMA"
     assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory traffic in the SASS"
     assert "USETMAXREG" in sass
+
+
+# ---- the compile path -------------------------------------------------------------------------------------
+
+def _chains(entry) -> dict:
+    return {site["chain"]: [stage["template"] for stage in site["stages"]] for site in entry["sites"]}
+
+
+@pytest.mark.parametrize("arch, shape, fused, why", [
+    ("sm_90a", {"m": 32768, "hidden": 128, "ffn": 512}, True, "256 blocks of 128 rows >= 132"),
+    ("sm_90a", {"m": 4096, "hidden": 128, "ffn": 512}, False, "32 blocks of 128 rows < 132"),
+    ("sm_90a", {"m": 32768, "hidden": 768, "ffn": 3072}, False, "does not fit"),
+    ("sm_90", {"m": 32768, "hidden": 128, "ffn": 512}, False, "Hopper kernel"),
+])
+def test_chooser_takes_the_fused_ffn_only_on_hopper_where_it_fits_and_fills_the_gpu(arch, shape, fused, why):
+    from stof_tvm.compiler.pipeline import CUDA_DEFAULTS, make_target
+    from stof_tvm.compiler.template_choice import TemplateChooser
+
+    chooser = TemplateChooser(make_target(dict(CUDA_DEFAULTS, arch=arch)), None)
+    m, h, f = shape["m"], shape["hidden"], shape["ffn"]
+    got, reason = chooser.fused_ffn(get_template("ffn_gelu_erf_wgmma"),
+                                    [get_template("gemm_bias_gelu_erf_wgmma"), get_template("gemm_wgmma")], shape,
+                                    [{"m": m, "n": f, "k": h}, {"m": m, "n": h, "k": f}], "float16")
+    assert got == fused and why in reason
+
+
+def test_hopper_front_end_fuses_the_tiny_bert_ffn_at_32768_tokens(tiny):
+    """gemm="wgmma" (sm_90a): each layer's FFN becomes ffn_gelu_erf_wgmma + bias_residual_layernorm, the GELU
+    linear is gone, and the manifest says why."""
+    import stof_tvm.compiler
+
+    front = stof_tvm.compiler.front_end(tiny, mask="bigbird", batch=64, seq_len=512, target="cuda", dtype="float16",
+                                        gemm="wgmma", schedule=False)
+    entry = front.template_entry
+    assert _chains(entry)["ffn_ln"] == ["ffn_gelu_erf_wgmma", "bias_residual_layernorm"]
+    assert "linear_gelu" not in _chains(entry) and "ffn_down_ln" not in _chains(entry)
+    assert entry["calls"]["ffn_gelu_erf_wgmma"] == 2      # two layers
+    assert any("fused: predicted faster" in note for note in entry["notes"])
+
+
+def test_fused_ffn_rewrite_matches_the_reference_on_cpu(tiny, monkeypatch):
+    """The rewrite's wiring (weights transposed to [ffn, hidden] and [hidden, ffn], biases, the second bias into
+    the LayerNorm template) checked numerically: the chooser is made to pick the fused form on llvm, where the
+    template's definition runs."""
+    import stof_tvm
+    from stof_tvm import make_mask
+    from stof_tvm.compiler.template_choice import TemplateChooser
+    from stof_tvm.models.reference import random_inputs, reference_outputs
+    from attention_reference import relative_error
+
+    monkeypatch.setattr(TemplateChooser, "fused_ffn", lambda self, *args: (True, "fused: forced by the test"))
+    art = stof_tvm.compile(tiny, mask="bigbird", batch=1, seq_len=128, target="llvm", dtype="float16",
+                           templates=True)
+    chains = _chains(art.manifest["templates"])
+    assert chains["ffn_ln"] == ["ffn_gelu_erf_wgmma", "bias_residual_layernorm"] and "linear_gelu" not in chains
+    data = random_inputs(tiny, {"input_ids": (1, 128), "attention_mask": (1, 128)}, seed=7)
+    data["attention_mask"][0, 100:] = 0
+    out = art.load()(data)["last_hidden_state"]
+    ref = reference_outputs(tiny, make_mask("bigbird", 128)[None, None], data)["last_hidden_state"]
+    assert relative_error(out, ref) < 2e-2

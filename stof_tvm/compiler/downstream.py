@@ -27,7 +27,10 @@ anything else keeps TVM's default path. The LayerNorm templates take the model's
 ``gemm="wgmma"`` maps the GEMM stages and the QKV projection (not the fused GEMM + LayerNorm, which exists on
 mma.sync only) to the Hopper ``*_wgmma`` templates where m % 128, n % 128 and k % 64 are 0 and the GEMM has at
 least ``WGMMA_MIN_TILES`` 128x128 output tiles, with the weight transposed to ``[N, K]``; other shapes stay on
-mma.sync with a note. Knobs: :mod:`.template_choice`. On CUDA each
+mma.sync with a note. Under ``gemm="wgmma"`` an FFN (an erf-GELU ``linear`` used only by the down-projection of a
+residual LayerNorm chain) becomes ``ffn_gelu_erf_wgmma`` (intermediate kept on chip) + ``bias_residual_layernorm``
+where :meth:`.template_choice.TemplateChooser.fused_ffn` picks it (hidden 128-256, rows enough to fill the GPU).
+Knobs: :mod:`.template_choice`. On CUDA each
 PrimFunc is scheduled with its knobs; on the CPU the definitions run unscheduled (TVM's default lowering), which
 keeps the rewrite testable without a GPU (a tuning record of the definition, measured on llvm, is applied
 there too). The wgmma kernels are thread-level code built per knob set (``template.kernel``), not scheduled.
@@ -220,8 +223,10 @@ def _rewrite_linear(t: _Templates, chain: str, act: str, expr, matches, lin_call
     return out if str(expr.ty.dtype) == dtype else relax.op.astype(out, str(expr.ty.dtype))
 
 
-def _rewrite_residual_ln(t: _Templates, expr, matches, var2val):
-    """layer_norm(linear + residual): unfused gemm + bias_residual_layernorm, or the fused template."""
+def _rewrite_residual_ln(t: _Templates, expr, matches, var2val, users):
+    """layer_norm(linear + residual): unfused gemm + bias_residual_layernorm, or the fused template; when the
+    linear's input is an erf-GELU linear used only there (the FFN), the fused FFN + bias_residual_layernorm where
+    :meth:`.template_choice.TemplateChooser.fused_ffn` picks it."""
     from stof_tvm.schedules.templates import get_template
     from stof_tvm.schedules.templates.epilogue import LN_EPS
 
@@ -245,6 +250,14 @@ def _rewrite_residual_ln(t: _Templates, expr, matches, var2val):
     g16, b16 = _cast_const(gamma, dtype), _cast_const(beta, dtype)
     x2d = relax.op.reshape(matches[_X], [m, k])
     gemm_shape, ln_shape = {"m": m, "n": n, "k": k}, {"m": m, "n": n}
+    ffn = _fused_ffn(t, matches[_X], matches[_W], var2val, users, m, n, k, dtype)
+    if ffn is not None:
+        y, ffn_stage, why = ffn
+        call, ln_stage = t.call("bias_residual_layernorm", ln_shape, dtype, [y, matches[_BIAS], r2d, g16, b16],
+                                (m, n), eps)
+        t.record("ffn_ln", [ffn_stage, ln_stage], why)
+        out = relax.op.reshape(call, out_shape)
+        return out if str(expr.ty.dtype) == dtype else relax.op.astype(out, str(expr.ty.dtype))
     fused, why = t.chooser.fused_layernorm(
         get_template("gemm_bias_residual_layernorm_kn"), get_template("gemm_kn"),
         get_template("bias_residual_layernorm"), gemm_shape, ln_shape, dtype, None if eps is None else {"eps": eps})
@@ -260,6 +273,38 @@ def _rewrite_residual_ln(t: _Templates, expr, matches, var2val):
     t.record(chain, stages, note)
     out = relax.op.reshape(call, out_shape)
     return out if str(expr.ty.dtype) == dtype else relax.op.astype(out, str(expr.ty.dtype))
+
+
+def _fused_ffn(t: _Templates, x, w2, var2val, users, m: int, hidden: int, ffn: int, dtype: str):
+    """``(call, stage, why)`` of ``GELU(x0 @ W1 + b1) @ w2`` as one ``ffn_gelu_erf_wgmma`` call when ``x`` (the
+    down-projection's [m, ffn] input, ``w2`` its [ffn, hidden] weight) is an erf-GELU linear of ``x0`` used only
+    there and the chooser picks the fused form; else None (the GELU linear and the GEMM then run unfused)."""
+    from stof_tvm.schedules.templates import get_template
+
+    # the pattern hands over the bound expression; its variable must have no other user
+    var = x if isinstance(x, relax.Var) else next((v for v, value in var2val.items() if value.same_as(x)), None)
+    if var is None or len(users.get(var, [])) != 1:
+        return None
+    up = LINEAR_GELU.extract_matched_expr(resolve(var, var2val), var2val)
+    if up is None or not all(_is(up, pattern, value, var2val)
+                             for pattern, value in ((_SQRT2, math.sqrt(2.0)), (_ONE, 1.0), (_HALF, 0.5))):
+        return None
+    dims = _linear_dims(up, str(up[LINEAR].ty.dtype))
+    if dims is None or dims[1:] != (m, ffn, hidden, dtype):
+        return None
+    shape = {"m": m, "hidden": hidden, "ffn": ffn}
+    pair = [("gemm_bias_gelu_erf", {"m": m, "n": ffn, "k": hidden}), ("gemm", {"m": m, "n": hidden, "k": ffn})]
+    names = [base + ("_wgmma" if t.gemm == "wgmma" and wgmma_misfit(**gemm) is None else "_kn") for base, gemm in pair]
+    fused, why = t.chooser.fused_ffn(get_template("ffn_gelu_erf_wgmma"), [get_template(name) for name in names],
+                                     shape, [gemm for _, gemm in pair], dtype)
+    if t.gemm == "wgmma" and f"ffn {shape}: {why}" not in t.notes:
+        t.notes.append(f"ffn {shape}: {why}")
+    if not fused:
+        return None
+    x0 = relax.op.reshape(up[_X], [m, hidden])
+    call, stage = t.call("ffn_gelu_erf_wgmma", shape, dtype, [x0, _transposed(up[_W]), up[_BIAS], _transposed(w2)],
+                         (m, hidden))
+    return call, stage, why
 
 
 class _QKVGroup:
@@ -477,8 +522,9 @@ def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | 
 
     func = _rewrite_qkv(t, func)
     func = relax.analysis.remove_all_unused(func)
-    var2val = relax.analysis.get_var2val(func)
-    func = rewrite_call(LINEAR_RESIDUAL_LN, lambda e, m: _rewrite_residual_ln(t, e, m, var2val), func)
+    var2val, users = relax.analysis.get_var2val(func), _users(func)
+    func = rewrite_call(LINEAR_RESIDUAL_LN, lambda e, m: _rewrite_residual_ln(t, e, m, var2val, users), func)
+    func = relax.analysis.remove_all_unused(func)   # the GELU linears a fused FFN took over
     func = rewrite_call(LINEAR_GELU, gelu, func)
     func = rewrite_call(LINEAR_RELU, lambda e, m: _rewrite_linear(t, "linear_relu", "relu", e, m, m[LINEAR]), func)
     func = rewrite_call(LINEAR, lambda e, m: _rewrite_linear(t, "linear", "none", e, m, e), func)

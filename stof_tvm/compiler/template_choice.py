@@ -30,6 +30,10 @@ from ..cost_model.templates import rank_template
 
 # Stage-1 candidates compared with a database record to recover its knobs.
 RECORD_CANDIDATES = 16
+# Fewest 128-row blocks for which the fused FFN (one block per 128 rows, ffn_wgmma) is predicted faster than the
+# unfused pair: one full wave on the H200's 132 SMs. Below it most SMs idle, while the pair's GEMMs also split
+# the ffn columns over blocks; above it the fused kernel saves the [m, ffn] intermediate's round trip.
+FUSED_FFN_MIN_BLOCKS = 132
 
 
 @dataclasses.dataclass
@@ -162,3 +166,27 @@ class TemplateChooser:
             return False, f"unfused: measured {split * 1e6:.1f} us <= fused {times[0] * 1e6:.1f} us"
         return False, (f"unfused (measured faster on the H200; not all forms measured here, the model predicts "
                        f"fused {times[0] * 1e6:.1f} us vs unfused {split * 1e6:.1f} us)")
+
+    def fused_ffn(self, fused, unfused: list, ffn_shape: dict, unfused_shapes: list, dtype: str) -> tuple[bool, str]:
+        """Whether ``act(x @ W1 + b1) @ W2`` should run as the fused FFN template; returns (fused, why).
+
+        Only on sm_90a (a wgmma kernel) and where it fits (hidden 128-256). Measured times decide when the database
+        has all forms; otherwise the prediction: fused with at least :data:`FUSED_FFN_MIN_BLOCKS` blocks of 128 rows."""
+        if not (self.cuda and str(self.target.attrs.get("arch", "")) == "sm_90a"):
+            return False, "unfused: the fused FFN is a Hopper kernel (CUDA sm_90a, gemm='wgmma')"
+        try:
+            fused.knob_space(ffn_shape, dtype)
+        except ValueError as err:
+            return False, f"unfused: the fused form does not fit ({err})"
+        if self.database is not None:
+            choices = [self.knobs(fused, ffn_shape, dtype)] + [self.knobs(t, shape, dtype)
+                                                               for t, shape in zip(unfused, unfused_shapes)]
+            if all(c.source == "database" for c in choices):
+                split = sum(c.seconds for c in choices[1:])
+                if choices[0].seconds < split:
+                    return True, f"fused: measured {choices[0].seconds * 1e6:.1f} us < unfused {split * 1e6:.1f} us"
+                return False, f"unfused: measured {split * 1e6:.1f} us <= fused {choices[0].seconds * 1e6:.1f} us"
+        blocks = ffn_shape["m"] // 128
+        if blocks >= FUSED_FFN_MIN_BLOCKS:
+            return True, f"fused: predicted faster ({blocks} blocks of 128 rows >= {FUSED_FFN_MIN_BLOCKS})"
+        return False, f"unfused: predicted faster ({blocks} blocks of 128 rows < {FUSED_FFN_MIN_BLOCKS} fill too few SMs)"
