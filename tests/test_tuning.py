@@ -126,8 +126,14 @@ def test_argument_factory_fills_fixed_arrays_and_detects_clashes():
     assert fac.register(task)
     assert fac.register(TuningTask("same", uses, fixed_args={0: indptr.copy()}))
     assert not fac.register(TuningTask("other", uses, fixed_args={0: np.array([0, 1, 1], dtype=np.int32)}))
-    args = fac(tvm.cpu(0), [["TENSOR", "int32", [3]], ["TENSOR", "float32", [2]]], 2)
+    info = [["TENSOR", "int32", [3]], ["TENSOR", "float32", [2]]]
+    args = fac(tvm.cpu(0), info, 2)
     assert len(args) == 2 and all((a[0].numpy() == indptr).all() for a in args)
+    assert fac(tvm.cpu(0), info, 2) is args          # a later candidate of the signature reuses them
+    other = ArgumentFactory()                         # another pass: same signature, other format arrays
+    assert other.register(TuningTask("other", uses, fixed_args={0: np.array([0, 1, 1], dtype=np.int32)}))
+    theirs = other(tvm.cpu(0), info, 2)
+    assert theirs is not args and (theirs[0][0].numpy() == [0, 1, 1]).all() and (args[0][0].numpy() == indptr).all()
     with pytest.raises(ValueError, match="expects"):
         fac.register(TuningTask("bad", uses, fixed_args={0: np.zeros(4, dtype=np.int32)}))
 

@@ -5,6 +5,7 @@
 - :mod:`.runners`: builders, local/RPC runners, valid sparse-format inputs;
 - :mod:`.database`: the work directory (MetaSchedule JSON database + per-task status);
 - :mod:`.progress`: progress bar, time budget, Ctrl-C;
+- :mod:`.prebuilt`: pre-built tasks (attention kernels, wgmma knob sets) measured in parallel-built batches;
 - :mod:`.tuner`: :func:`tune_tasks`, stage 2 over many tasks, resumable;
 - :mod:`.attention_tasks`, :mod:`.template_tasks`, :mod:`.plan`: stage 1 (the model's top K per job);
 - :mod:`.api`: :func:`tune` and :func:`plan` for a model, a template call or an attention problem.

@@ -153,24 +153,27 @@ class Progress:
         if self.stream is not None and self._tty:
             print(file=self.stream, flush=True)
 
-    def callback(self):
-        """The MetaSchedule measure callback bound to this object."""
-        return _ProgressCallback(self)
+    def callback(self, ids=None):
+        """The MetaSchedule measure callback bound to this object; ``ids[i]``: the index here of the scheduler's
+        task i (default: the same index)."""
+        return _ProgressCallback(self, ids)
 
 
 @derived_object
 class _ProgressCallback(ms.measure_callback.PyMeasureCallback):
     """Forwards each measured batch to a :class:`Progress`."""
 
-    def __init__(self, progress: Progress):
+    def __init__(self, progress: Progress, ids=None):
         super().__init__()
         self.progress = progress
+        self.ids = None if ids is None else list(ids)
 
     def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
         secs = []
         for build, run in zip(builder_results, runner_results):
             ok = build.error_msg is None and run.error_msg is None and run.run_secs
             secs.append([float(s) for s in run.run_secs] if ok else None)
+        task_id = task_id if self.ids is None else self.ids[task_id]
         self.progress.record(task_id, secs)
         self.progress.should_stop()
         self.progress.show(task_id)

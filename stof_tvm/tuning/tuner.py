@@ -4,9 +4,11 @@
 
 1. skips every task the directory already holds complete (never measured twice) and plans the rest: a task's
    plan is its survivor count, capped by ``trials``; a task stopped part-way earlier keeps only what it has left;
-2. runs MetaSchedule's task scheduler over the rest: one ``TuneContext`` per task whose design space is its
-   survivors (:func:`~stof_tvm.tuning.space.survivor_space`), evolutionary search ranked by the XGBoost cost
-   model, the local builder, and the local or RPC runner with valid sparse-format inputs;
+2. measures the pre-built tasks (no knobs: attention kernels, wgmma knob sets) in parallel-built batches
+   (:mod:`.prebuilt`), then runs MetaSchedule's task scheduler over the others: one ``TuneContext`` per task
+   whose design space is its survivors (:func:`~stof_tvm.tuning.space.survivor_space`), evolutionary search
+   ranked by the XGBoost cost model, the local builder, and the local or RPC runner with valid sparse-format
+   inputs;
 3. reports progress after every batch and stops cleanly on a time budget or Ctrl-C (records already measured
    stay in the database);
 4. writes each task's status and each group's winner (:class:`~stof_tvm.tuning.database.TuningDatabase`).
@@ -27,6 +29,7 @@ import tvm
 from tvm.s_tir import meta_schedule as ms
 
 from .database import TuningDatabase
+from .prebuilt import measure_prebuilt
 from .progress import Progress, StopFlag, interrupt_handler
 from .runners import ArgumentFactory, make_builder, make_runner
 from .search import planned_search
@@ -195,12 +198,19 @@ def tune_tasks(tasks, target, work_dir, *, trials: int | None = None, num_trials
                             time_budget_s=None if time_budget_s is None else
                             max(1e-3, time_budget_s - (time.monotonic() - started)),
                             stop=stop, stream=progress_stream)
+        pass_builder = builder or make_builder(build_workers)
+        pass_runner = runner or make_runner(target.kind.name, arguments=factory, rpc_tracker=rpc_tracker,
+                                            rpc_key=rpc_key)
+        prebuilt = [i for i, task in enumerate(members) if not task.candidates]
+        searched = [i for i, task in enumerate(members) if task.candidates]
         try:
             with interrupt_handler(stop) if handle_interrupt else contextlib.nullcontext():
-                _run_scheduler(members, factory, target, db, progress, left, num_trials_per_iter,
-                               builder or make_builder(build_workers),
-                               runner or make_runner(target.kind.name, arguments=factory, rpc_tracker=rpc_tracker,
-                                                     rpc_key=rpc_key), seed)
+                if prebuilt:      # one build per kernel, in parallel batches (see .prebuilt)
+                    measure_prebuilt([members[i] for i in prebuilt], target, db.ms, pass_builder, pass_runner,
+                                     progress, prebuilt, chunk=num_trials_per_iter)
+                if searched and not progress.should_stop():
+                    _run_scheduler([members[i] for i in searched], searched, target, db, progress, left,
+                                   num_trials_per_iter, pass_builder, pass_runner, seed)
         finally:
             progress.close()
             for i, task in enumerate(members):
@@ -237,7 +247,9 @@ def tune_tasks(tasks, target, work_dir, *, trials: int | None = None, num_trials
     return TuningReport(results, time.monotonic() - started, db.work_dir, stop.reason if stop else "", choices)
 
 
-def _run_scheduler(members, factory, target, db, progress, left, num_trials_per_iter, builder, runner, seed):
+def _run_scheduler(members, ids, target, db, progress, left, num_trials_per_iter, builder, runner, seed):
+    """MetaSchedule's task scheduler over ``members`` (tasks with candidates), counted in ``progress`` under
+    ``ids``."""
     names = [t.name for t in members]
     loggers = ms.logging.get_loggers_from_work_dir(db.work_dir, names)
     seeds = ms.utils.fork_seed(seed, n=len(members))
@@ -256,5 +268,5 @@ def _run_scheduler(members, factory, target, db, progress, left, num_trials_per_
         max_trials_global=sum(budget), max_trials_per_task=max(budget),
         num_trials_per_iter=min(num_trials_per_iter, max(budget)), builder=builder, runner=runner,
         database=db.ms, cost_model=cost_model,
-        measure_callbacks=ms.measure_callback.MeasureCallback.create("default") + [progress.callback()],
+        measure_callbacks=ms.measure_callback.MeasureCallback.create("default") + [progress.callback(ids)],
         task_scheduler="gradient")
