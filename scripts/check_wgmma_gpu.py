@@ -2,8 +2,10 @@
 
 Two steps, because the GPU machine has no TVM compiler:
 
-1. ``build`` (here): for each case, the wgmma kernel in each of its first ``--configs`` knob choices and the
-   mma.sync template with its default knobs are compiled with TVM and exported to ``out/wgmma/<key>.so``;
+1. ``build`` (here): for each case, the wgmma kernel in each of its first ``--configs`` persistent cooperative knob
+   choices, its best one-block-per-tile choice, its best ping-pong choice per tile width (unless
+   ``--no-pingpong``) and the mma.sync template with its default knobs are compiled with TVM and exported to
+   ``<out>/<key>.so`` (``--out``, default ``out/wgmma``);
    nvcc turns each module's CUDA source into a cubin (sm_90a for wgmma, sm_90 for mma.sync) stored under the
    source's hash, so the GPU machine never compiles CUDA (its NVRTC path would build for plain sm_90, which
    has no wgmma). ``manifest.json`` lists the modules with ptxas' register and spill figures.
@@ -11,7 +13,9 @@ Two steps, because the GPU machine has no TVM compiler:
    checks each against torch in float32 (random inputs, output poisoned with NaN, relative Frobenius error
    within 1e-2 for float16 and 2e-2 for bfloat16), then times it with CUDA events (median of ``--iters`` after
    warm-up, fresh inputs per case) side by side with ``torch.matmul`` + the same epilogue in eager torch
-   (cuBLAS) and the mma.sync template; prints a table and writes ``out/wgmma/results.json``.
+   (cuBLAS) and the mma.sync template; prints a table (best cooperative and best ping-pong wgmma side by side)
+   and writes ``<out>/results.json``. A launch that has not finished after 10 s is reported as a hang and ends
+   the run (results so far are kept and tabulated).
 
 Commands (the second one is the whole GPU call, ~3 minutes including the machine start)::
 
@@ -22,6 +26,14 @@ Commands (the second one is the whole GPU call, ~3 minutes including the machine
 
 Cases: the square 4096^3 GEMM and the BERT-Base/-Large layer GEMMs at 4096 and 32768 tokens, float16 (plus one
 bfloat16 case). A wgmma kernel that fails its check is reported as wrong and left out of the speed columns.
+
+The ping-pong consumer schedule (knob ``pingpong``) side by side with the cooperative one, in its own folder so the
+carry stays small (~14 MiB; about a minute on the GPU)::
+
+    .venv/bin/python scripts/check_wgmma_gpu.py build --out out/wgmma_pp
+    run(command="source .devkit/bootstrap.sh && python3 -m pip install -q --no-deps --no-build-isolation "
+                "--no-index -e . && python3 scripts/check_wgmma_gpu.py run --out out/wgmma_pp --iters 30",
+        carry=[".devkit/runtime.tar.xz", ".devkit/bootstrap.sh", "out/wgmma_pp"], timeout_s=300)
 
 ``--suite ffn`` (both steps; artifacts in ``out/ffn_wgmma``): the fused FFN ``GELU(x @ W1^T + b1) @ W2^T + b2``
 (``ffn_gelu_erf_bias_wgmma``, every knob set) at m in {4096, 32768} x hidden in {128, 256} x ffn in {512, 1024}
@@ -63,6 +75,8 @@ CASES = [
     ("gemm_bias_gelu_erf", 4096, 3072, 768, "bfloat16"),
     ("qkv_projection", 4096, 2304, 768, "float16"),      # BERT-Base QKV into [3, B, H, S, D], B=8, S=512
     ("qkv_projection", 32768, 3072, 1024, "float16"),    # BERT-Large, B=64, S=512
+    ("gemm", 32768, 768, 768, "float16"),                # BERT-Base attention output (bias in the LayerNorm)
+    ("qkv_projection", 32768, 2304, 768, "float16"),     # BERT-Base, B=64, S=512
 ]
 SEQ, HEAD_DIM = 512, 64   # the QKV cases' sequence length and head size
 
@@ -103,9 +117,15 @@ def build(args) -> None:
         entry = {"key": ckey, "template": base, "shape": {"m": m, "n": n, "k": k}, "dtype": dtype, "modules": []}
         wgmma = get_template(base + "_wgmma")
         space = wgmma.knob_space(shape, dtype)
+        coop = [kn for kn in space if not kn["pingpong"]]
         # the best-ranked persistent choices and the best-ranked one-block-per-tile choice, side by side
-        chosen = [kn for kn in space if kn["persistent"]][:args.configs] + [kn for kn in space if not kn["persistent"]][:1]
-        builds = [(f"{ckey}__wgmma_n{kn['block_n']}_s{kn['stages']}{'_p' if kn['persistent'] else ''}", "wgmma",
+        chosen = ([kn for kn in coop if kn["persistent"]][:args.configs]
+                  + [kn for kn in coop if not kn["persistent"]][:1])
+        if args.pingpong:  # and the best-ranked ping-pong choice of each tile width
+            chosen += [next(kn for kn in space if kn["pingpong"] and kn["block_n"] == bn)
+                       for bn in sorted({kn["block_n"] for kn in space if kn["pingpong"]})]
+        builds = [(f"{ckey}__wgmma_n{kn['block_n']}_s{kn['stages']}{'_p' if kn['persistent'] else ''}"
+                   f"{'_pp' if kn['pingpong'] else ''}", "wgmma",
                    kn, lambda kn=kn: build_kernel(base + "_wgmma", shape, dtype, kn)) for kn in chosen]
         mma = get_template(base)
         builds.append((f"{ckey}__mma_sync", "mma_sync", mma.default_knobs(shape, dtype),
@@ -209,7 +229,7 @@ def run(args) -> None:
         if args.suite == "ffn":
             results.append(_run_ffn_case(case, manifest["modules"], torch, tvm, dev, args, results, misses))
         else:
-            results.append(_run_case(case, manifest["modules"], torch, tvm, dev, args.iters))
+            results.append(_run_case(case, manifest["modules"], torch, tvm, dev, args.iters, results, misses))
         (OUT / "results.json").write_text(json.dumps({"results": results, "cubin_misses": misses}, indent=1))
     _ffn_table(results) if args.suite == "ffn" else _table(results)
     print(f"cubins compiled on the GPU machine instead of prebuilt: {len(misses)}")
@@ -246,7 +266,7 @@ def _median_ms(torch, fn, iters, reps=1):
     return statistics.median(times)
 
 
-def _run_case(case, modules, torch, tvm, dev, iters) -> dict:
+def _run_case(case, modules, torch, tvm, dev, iters, results, misses) -> dict:
     base, dtype, shape = case["template"], case["dtype"], case["shape"]
     m, n, k = shape["m"], shape["n"], shape["k"]
     tdt = getattr(torch, dtype)
@@ -272,7 +292,9 @@ def _run_case(case, modules, torch, tvm, dev, iters) -> dict:
         out = torch.full(tuple(ref.shape), float("nan"), device=dev, dtype=tdt)
         tv = [tvm.runtime.from_dlpack(t) for t in args + [out]]
         func(*tv)
-        torch.cuda.synchronize()
+        if not _finished(torch, HANG_S):
+            row["kernels"][key] = dict(entry, error=f"hang: not finished after {HANG_S:.0f} s")
+            _give_up(row, results, misses, key, _table)
         err = float(torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref))
         entry["rel_err"] = err
         entry["finite"] = bool(torch.isfinite(out).all())
@@ -305,26 +327,47 @@ def _diagnose(torch, out, ref) -> dict:
             "ratio_mean_bad": float((out[bad] / ref[bad]).nanmean()) if rows.numel() else 1.0}
 
 
-def _best(row, kind):
-    timed = [(e["ms"], key) for key, e in row["kernels"].items() if e.get("kind") == kind and "ms" in e]
+def _best(row, kind, pingpong=None):
+    """(ms, key) of the fastest correct module of ``kind`` (wgmma: of either schedule, or only ping-pong /
+    only cooperative when ``pingpong`` is True / False); None when none was timed."""
+    timed = [(e["ms"], key) for key, e in row["kernels"].items() if e.get("kind") == kind and "ms" in e
+             and (pingpong is None or bool(e["knobs"].get("pingpong")) == pingpong)]
     return min(timed) if timed else None
 
 
 def _table(results) -> None:
-    print(f"\n{'case':42s} {'cuBLAS TF/s':>11s} {'mma.sync x':>10s} {'wgmma x':>8s}  best wgmma config / wrong")
+    print(f"\n{'case':42s} {'eager ms':>8s} {'cuBLAS TF/s':>11s} {'mma.sync x':>10s} {'coop ms':>8s} {'pp ms':>8s} "
+          f"{'pp/coop':>7s} {'wgmma x':>8s}  best coop / best ping-pong / wrong")
+    nan = float("nan")
     for row in results:
         mma, wg = _best(row, "mma_sync"), _best(row, "wgmma")
+        coop, pp = _best(row, "wgmma", False), _best(row, "wgmma", True)
         wrong = [key.split("__")[1] for key, e in row["kernels"].items() if not e.get("correct")]
-        print(f"{row['case']:42s} {row['cublas_tflops']:11.0f} "
-              f"{(row['cublas_ms'] / mma[0]) if mma else float('nan'):10.2f} "
-              f"{(row['cublas_ms'] / wg[0]) if wg else float('nan'):8.2f}  "
-              f"{wg[1].split('__')[1] if wg else '-'} {' '.join(wrong)}")
-    print("(x = speed relative to torch.matmul + eager epilogue: cuBLAS time / kernel time)")
+        cublas_tflops = row.get("cublas_tflops", nan)
+        print(f"{row['case']:42s} {row['cublas_ms']:8.3f} {cublas_tflops:11.0f} "
+              f"{(row['cublas_ms'] / mma[0]) if mma else nan:10.2f} {coop[0] if coop else nan:8.3f} "
+              f"{pp[0] if pp else nan:8.3f} {(coop[0] / pp[0]) if coop and pp else nan:7.2f} "
+              f"{(row['cublas_ms'] / wg[0]) if wg else nan:8.2f}  "
+              f"{coop[1].split('__')[1] if coop else '-'} / {pp[1].split('__')[1] if pp else '-'} / {' '.join(wrong)}")
+    print("(x = speed relative to torch.matmul + eager epilogue: cuBLAS time / kernel time, best wgmma of either "
+          "schedule; pp/coop = best cooperative time / best ping-pong time, > 1: ping-pong faster)")
 
 
 # ---- the fused FFN suite (on the GPU) ----------------------------------------------------------------------
 
 HANG_S = 10.0
+
+
+def _give_up(row, results, misses, key, table) -> None:
+    """After a hang: keep the results so far (with ``row``), print their table, and end the process (a kernel that
+    never finishes cannot be stopped from the host; exiting releases the GPU)."""
+    import os
+
+    results.append(row)
+    (OUT / "results.json").write_text(json.dumps({"results": results, "cubin_misses": misses}, indent=1))
+    print(f"{key}: HANG (no result after {HANG_S:.0f} s); stopping the run", flush=True)
+    table(results)
+    os._exit(3)
 
 
 def _finished(torch, seconds) -> bool:
@@ -445,15 +488,20 @@ def main(argv=None) -> None:
     sub = parser.add_subparsers(dest="step", required=True)
     b = sub.add_parser("build", help="compile and export the kernels here (TVM compiler and nvcc)")
     b.add_argument("--configs", type=int, default=2,
-                   help="persistent wgmma knob choices per case (best-ranked first; plus the best non-persistent)")
+                   help="persistent cooperative wgmma knob choices per case (best-ranked first; plus the best "
+                        "non-persistent)")
+    b.add_argument("--no-pingpong", dest="pingpong", action="store_false",
+                   help="gemm suite: leave out the ping-pong variants (best-ranked one per tile width)")
     r = sub.add_parser("run", help="check and time on the GPU")
     r.add_argument("--iters", type=int, default=50, help="timed runs per kernel (median reported)")
     r.add_argument("--reps", type=int, default=20, help="back-to-back calls per timed sample (ffn suite)")
     for p in (b, r):
         p.add_argument("--suite", choices=sorted(OUTS), default="gemm",
                        help="gemm: the GEMM and QKV kernels; ffn: the fused FFN against its unfused forms")
+        p.add_argument("--out", type=Path, default=None,
+                       help="artifact folder (default out/wgmma for gemm, out/ffn_wgmma for ffn)")
     args = parser.parse_args(argv)
-    OUT = OUTS[args.suite]
+    OUT = OUTS[args.suite] if args.out is None else (args.out if args.out.is_absolute() else ROOT / args.out)
     if args.step == "build":
         build_ffn(args) if args.suite == "ffn" else build(args)
     else:

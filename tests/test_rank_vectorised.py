@@ -94,7 +94,9 @@ def _reference_ranking(template, shape, dtype, space, cal=DEFAULT_CALIBRATION):
         pipeline = 1.0 if stages < 3 else 0.5 * (1.0 + 1.0 / (stages - 1))
         latency = trips * cal.gemm_iter_cycles * pipeline + cal.gemm_block_cycles
         regs = res.get("acc_registers", 0) + res.get("operand_registers", 0) + 40
-        cuda_ops = cal.epilogue_ops * out_elems / grid + cal.smem_ops_per_byte * smem
+        # the ping-pong wgmma kernel overlaps all but the block's last tile's epilogue with tensor-core work
+        epilogue_elems = out_elems / max(res["tiles"], 1) if res.get("overlapped_epilogue") else out_elems / grid
+        cuda_ops = cal.epilogue_ops * epilogue_elems + cal.smem_ops_per_byte * smem
         rows.append((res["threads"], res["shared_bytes"], regs, grid, per_block, cuda_ops, latency, dram, l2))
     times = predict_uniform(*np.array(rows, dtype=np.float64).T, hw=H200, cal=cal.replace(tc_eff=cal.gemm_tc_eff))
     order = [i for i in np.argsort(times, kind="stable") if np.isfinite(times[i])]

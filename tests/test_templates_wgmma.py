@@ -1,5 +1,6 @@
 """Opt-in wgmma GEMM templates (schedules/templates/gemm_wgmma.py): registry, knobs, resources, llvm numerics
-of the definition, and the CUDA kernel compiled for sm_90a by nvcc (HGMMA in the SASS, no spills).
+of the definition, the cooperative and ping-pong consumer schedules, and the CUDA kernel compiled for sm_90a by nvcc
+(HGMMA in the SASS, no spills).
 
 The kernel's numerics need an H200: scripts/check_wgmma_gpu.py."""
 from __future__ import annotations
@@ -50,18 +51,34 @@ def test_every_configuration_fits_the_h200(shape):
         assert res["threads"] == 384 <= H200.max_threads_per_block
         assert res["shared_bytes"] <= H200.max_shared_bytes_per_block
         assert res["acc_registers"] + 40 <= res["max_registers_per_thread"] <= H200.max_registers_per_thread
-        assert shape["n"] % res["block_n"] == 0 and res["tiles"] * 128 * res["block_n"] == shape["m"] * shape["n"]
+        assert shape["n"] % res["block_n"] == 0
+        assert res["tiles"] * res["block_m"] * res["block_n"] == shape["m"] * shape["n"]
         assert res["grid"] == (min(res["tiles"], H200.sm_count) if knobs["persistent"] else res["tiles"])
-    # 256-wide tiles with 5 stages need 240 KiB: never offered
-    assert not [kn for kn in space if (kn["block_n"], kn["stages"]) == (256, 5)]
+        # ping-pong: persistent only; one warpgroup holds a whole tile (128 x 128, or 64 rows when wider)
+        assert res["block_m"] == ({128: 128, 192: 64, 256: 64}[knobs["block_n"]] if knobs["pingpong"] else 128)
+        assert res["acc_registers"] == res["block_m"] * res["block_n"] // (128 if knobs["pingpong"] else 256)
+        assert knobs["persistent"] or not knobs["pingpong"]
+        assert res["overlapped_epilogue"] == knobs["pingpong"]
+    # 256-wide cooperative tiles with 5 stages need 240 KiB: never offered (ping-pong's 64 x 256 tiles fit)
+    assert not [kn for kn in space if (kn["block_n"], kn["stages"], kn["pingpong"]) == (256, 5, False)]
+    assert {kn["block_n"] for kn in space if kn["pingpong"]} == {kn["block_n"] for kn in space}
+    # cooperative first (the compile path's untuned choice stays what the H200 measured)
+    assert not space[0]["pingpong"] and space.index(next(kn for kn in space if kn["pingpong"])) == len(
+        [kn for kn in space if not kn["pingpong"]])
     tiles = (shape["m"] // 128) * (shape["n"] // space[0]["block_n"])
     assert space[0]["persistent"] == (tiles >= 4 * H200.sm_count)
 
 
-@pytest.mark.parametrize("knobs", [{"block_n": 128, "stages": 2}, {"block_n": 256, "stages": 4}])
-def test_kernel_launch_reserves_the_whole_shared_ring(knobs):
-    """The host launches the kernel with the ring's dynamic shared size (buffer compaction once cut it to 8
-    bytes, which only the GPU noticed, as an illegal address)."""
+@pytest.mark.parametrize("knobs, grid, shared", [
+    ({"block_n": 128, "stages": 2}, 8, 2 * 256 * 128),
+    ({"block_n": 256, "stages": 4}, 4, 4 * 384 * 128),
+    ({"block_n": 128, "stages": 2, "pingpong": True}, 8, 2 * 256 * 128),       # 128 x 128 tiles, one per consumer
+    ({"block_n": 256, "stages": 4, "pingpong": True}, 8, 4 * (64 + 256) * 128),  # 64 x 256 tiles: smaller slots
+])
+def test_kernel_launch_reserves_the_whole_shared_ring(knobs, grid, shared):
+    """The host launches the kernel with 384 threads, one block per tile (at most one per SM) and the ring's
+    dynamic shared size (buffer compaction once cut it to 8 bytes, which only the GPU noticed, as an illegal
+    address)."""
     from stof_tvm.schedules.templates.build import cuda_target
     from stof_tvm.schedules.templates.wgmma_kernel import WgmmaConfig
 
@@ -71,8 +88,71 @@ def test_kernel_launch_reserves_the_whole_shared_ring(knobs):
     mod = tvm.IRModule({"main": t.kernel(shape, "float16", knobs)})
     with target:
         lowered = tvm.tirx.get_tir_pipeline("default")[0](tvm.tirx.transform.BindTarget(target)(mod))
-    launches = re.findall(r'call_ffi_kernel\("gemm_wgmma_kernel".*?T\.int64\((\d+)\)', lowered.script())
-    assert launches == [str(WgmmaConfig(**knobs).shared_bytes)]
+    launches = re.findall(r'call_ffi_kernel\("gemm_wgmma_kernel", [^)]*?, (\d+), (\d+), T\.int64\((\d+)\)',
+                          lowered.script())
+    config = WgmmaConfig(**knobs)
+    assert config.shared_bytes == shared + 16 * knobs["stages"] + 1024  # ring, mbarriers, alignment slack
+    assert launches == [(str(grid), "384", str(config.shared_bytes))]
+    assert t.resources(shape, "float16", knobs)["grid"] == grid
+
+
+def _kernel_body(src: str) -> str:
+    return src[src.index('extern "C" __global__'):]
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("gemm_bias_gelu_erf_wgmma", {"m": 32768, "n": 768, "k": 256}),
+    ("qkv_projection_wgmma", {"batch": 64, "seq": 512, "heads": 4, "head_dim": 64}),
+])
+@pytest.mark.parametrize("block_n", [128, 256])
+def test_pingpong_knob_changes_the_consumer_schedule(name, shape, block_n):
+    """Same tile width, the two schedules: ping-pong consumers own alternate rounds (each waits on its own tiles'
+    full barriers and takes turns through named barriers 1 and 2), each slot's empty barrier expects one
+    warpgroup, and a 128-row ping-pong tile issues two m64 wgmma per k16 step from 128 accumulators."""
+    coop = _kernel_body(cuda_source(build_kernel(name, shape, "float16", {"block_n": block_n, "stages": 3})))
+    pp = _kernel_body(cuda_source(build_kernel(name, shape, "float16", {"block_n": block_n, "stages": 3,
+                                                                      "pingpong": True})))
+    inits = lambda src: re.findall(r"mbarrier_init_init_shared__cta_b64\(.*?, \(uint\)(\d+)\);", src)  # noqa: E731
+    assert inits(coop) == ["128", "256"] * 3 and inits(pp) == ["128", "128"] * 3   # (full, empty) per slot
+    own_round = r"\(\(r_\d+ & 1\) == \(\(\(\(int\)threadIdx\.x\) >> 7\) - 1\)\)"
+    assert re.search(own_round, pp) and not re.search(own_round, coop)
+    assert "bar_sync_count_sync(((uint)(((int)threadIdx.x) >> 7)), (uint)256)" in pp      # own id: 1 or 2
+    assert "bar_arrive_arrive(((uint)(3 - (((int)threadIdx.x) >> 7))), (uint)256)" in pp  # the other's
+    assert "bar_sync_count" not in coop and "bar_arrive" not in coop
+    halves = 2 if block_n == 128 else 1
+    mma = f"_ss_mma_async_sync_aligned_m64n{block_n}k16"
+    assert coop.count(mma) == 4 and pp.count(mma) == 4 * halves
+    assert f"float acc_ptr[{block_n // 2}];" in coop and f"float acc_ptr[{halves * block_n // 2}];" in pp
+
+
+def test_cooperative_source_does_not_depend_on_the_new_knob():
+    """Knob sets written before ``pingpong`` existed build the same kernel as with ``pingpong=False`` (prebuilt
+    artifacts and tuning records keyed by the source stay valid)."""
+    shape = {"m": 4096, "n": 768, "k": 768}
+    old = cuda_source(build_kernel("gemm_bias_wgmma", shape, "float16", {"block_n": 192, "stages": 4,
+                                                                         "persistent": True}))
+    new = cuda_source(build_kernel("gemm_bias_wgmma", shape, "float16", {"block_n": 192, "stages": 4,
+                                                                         "persistent": True, "pingpong": False}))
+    assert old == new
+
+
+def test_cost_model_hides_the_pingpong_epilogue():
+    """The analytical model charges a ping-pong block one tile's epilogue (the rest overlaps the other consumer's
+    MMAs): at equal tiles (128 x 128) and stages the SMs' time is shorter (the whole prediction is never longer:
+    it may be bound by L2 instead)."""
+    from stof_tvm.cost_model.core import DEFAULT_CALIBRATION, predict
+    from stof_tvm.cost_model.templates import price_knobs, template_calibration, template_work
+    from stof_tvm.hardware import H200 as H200_PROFILE
+
+    t, shape = get_template("gemm_bias_gelu_erf_wgmma"), {"m": 32768, "n": 3072, "k": 768}
+    coop, pp = ({"block_n": 128, "stages": 4, "persistent": True, "pingpong": p} for p in (False, True))
+    work = {p: template_work(t, shape, "float16", kn) for p, kn in ((False, coop), (True, pp))}
+    assert work[True].l2_bytes == work[False].l2_bytes and work[True].tc_flops == work[False].tc_flops
+    assert work[True].cuda_ops < work[False].cuda_ops
+    sm = {p: predict(w, H200_PROFILE, template_calibration(DEFAULT_CALIBRATION)).terms["sm_s"] for p, w in work.items()}
+    assert sm[True] < sm[False]
+    seconds = price_knobs(t, shape, "float16", [coop, pp])
+    assert seconds[1] <= seconds[0]
 
 
 @pytest.mark.parametrize("call, message", [
@@ -82,6 +162,10 @@ def test_kernel_launch_reserves_the_whole_shared_ring(knobs):
     (lambda t: t.kernel({"m": 128, "n": 256, "k": 64}, knobs={"block_n": 96, "stages": 3}), "block_n"),
     (lambda t: t.kernel({"m": 128, "n": 256, "k": 64}, knobs={"block_n": 128, "stages": 1}), "stages"),
     (lambda t: t.kernel({"m": 128, "n": 256, "k": 64}, knobs={"block_n": 128}), "knobs missing"),
+    (lambda t: t.kernel({"m": 128, "n": 256, "k": 64}, knobs={"block_n": 128, "stages": 2, "persistent": False,
+                                                             "pingpong": True}), "pingpong needs persistent"),
+    (lambda t: t.kernel({"m": 128, "n": 256, "k": 64}, knobs={"block_n": 128, "stages": 2, "pingpong": "yes"}),
+     "pingpong must be a bool"),
     (lambda t: t.kernel({"m": 128, "n": 256, "k": 64}, "float32"), "dtype"),
     (lambda t: t.schedule({"m": 128, "n": 256, "k": 64}), "thread-level kernel"),
     (lambda t: build_kernel("gemm_bias", {"m": 128, "n": 256, "k": 64}), "not a wgmma template"),
@@ -118,6 +202,12 @@ def test_definition_matches_numpy_float64_on_llvm(name, dtype, shape):
                                                                       "persistent": False}),
     ("qkv_projection_wgmma", {"batch": 8, "seq": 512, "heads": 12, "head_dim": 64}, "float16",
      {"block_n": 256, "stages": 4, "persistent": True}),
+    ("gemm_bias_gelu_erf_wgmma", {"m": 32768, "n": 3072, "k": 768}, "float16",
+     {"block_n": 128, "stages": 4, "persistent": True, "pingpong": True}),
+    ("gemm_wgmma", {"m": 32768, "n": 768, "k": 768}, "bfloat16",
+     {"block_n": 192, "stages": 5, "persistent": True, "pingpong": True}),
+    ("qkv_projection_wgmma", {"batch": 64, "seq": 512, "heads": 12, "head_dim": 64}, "float16",
+     {"block_n": 256, "stages": 4, "persistent": True, "pingpong": True}),
 ])
 def test_kernel_compiles_for_sm90a_with_hgmma_and_no_spills(name, shape, dtype, knobs, tmp_path):
     ex = build_kernel(name, shape, dtype, knobs)
@@ -139,6 +229,8 @@ def test_kernel_compiles_for_sm90a_with_hgmma_and_no_spills(name, shape, dtype, 
     sass = subprocess.run([tool, "--dump-sass", str(tmp_path / "kernel.cubin")], capture_output=True,
                           text=True, check=True).stdout
     assert re.search(rf"HGMMA\.64x{knobs['block_n']}x16\.F32", sass), "no HGMMA in the SASS"
+    if knobs.get("pingpong"):  # the consumers' turns: named barriers with the id in a register, 256 threads
+        assert re.search(r"BAR\.SYNC\S* R\d+, 0x100", sass) and re.search(r"BAR\.ARV R\d+, 0x100", sass)
     assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory traffic in the SASS"
     assert "HMMA" not in sass.replace("HGMMA", "")
     assert "USETMAXREG" in sass

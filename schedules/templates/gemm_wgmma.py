@@ -20,9 +20,12 @@ accumulators whose register layout is the instruction's. So:
 - ``apply`` / ``sample`` raise ValueError (there is nothing to schedule); knobs are chosen from
   :meth:`~.registry.Template.knob_space` and the kernel is rebuilt per choice.
 
-Knobs: ``block_n`` (128, 192 or 256: wgmma N, output columns per tile), ``stages`` (2-5, ring depth) and
-``persistent`` (one block per SM looping over tiles, or one block per tile). A tile is 128 rows (two consumer
-warpgroups of 64) and ``block_k`` is 64.
+Knobs: ``block_n`` (128, 192 or 256: wgmma N, output columns per tile), ``stages`` (2-5, ring depth),
+``persistent`` (one block per SM looping over tiles, or one block per tile) and ``pingpong`` (consumer schedule,
+persistent only: False = *cooperative*, a 128-row tile split between the two consumer warpgroups, 64 rows each;
+True = *ping-pong*, each consumer owns alternate tiles of ``tile_m`` rows, 128 at ``block_n`` 128 and 64 at 192
+and 256, so that one consumer's epilogue overlaps the other's MMAs). ``block_k`` is 64. Knob sets without
+``pingpong`` are cooperative (the kernels built before the knob existed, byte for byte).
 """
 from __future__ import annotations
 
@@ -32,19 +35,20 @@ from .epilogue import ACTIVATIONS
 from .gemm import GemmTemplate
 from .qkv import QKVTemplate
 from .registry import H200, Hardware, Template, register
-from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_N_CHOICES, CONSUMER_REGS, STAGE_CHOICES, THREADS, WgmmaConfig,
-                           check_wgmma_shape, wgmma_gemm_primfunc)
+from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_N_CHOICES, CONSUMER_REGS, PINGPONG_TILE_M, STAGE_CHOICES, THREADS,
+                           WgmmaConfig, check_wgmma_shape, wgmma_gemm_primfunc)
 
 ARCH = "sm_90a"
 
 
 class WgmmaKernelMixin:
-    """What every wgmma template shares: knobs (``block_n``, ``stages``), resources, and the kernel build.
+    """What every wgmma template shares: knobs (``block_n``, ``stages``, ``persistent``, ``pingpong``), resources,
+    and the kernel build.
     A template using it defines ``gemm_dims(shape) -> (m, n, k)`` (how its shape maps to the GEMM) and
     ``kernel_options(shape) -> dict`` (the rest of :func:`.wgmma_kernel.wgmma_gemm_primfunc`'s arguments);
     its ``primfunc`` stays the knob-free TensorIR definition."""
 
-    knob_names = ("block_n", "stages", "persistent")
+    knob_names = ("block_n", "stages", "persistent", "pingpong")
     persistent_first = True
 
     def _check_tiles(self, shape):
@@ -60,7 +64,7 @@ class WgmmaKernelMixin:
         if missing:
             raise ValueError(f"{self.name}: knobs missing {missing}")
         config = WgmmaConfig(block_n=knobs["block_n"], stages=knobs["stages"],
-                             persistent=knobs.get("persistent", True))
+                             persistent=knobs.get("persistent", True), pingpong=knobs.get("pingpong", False))
         config.validate()
         return config
 
@@ -77,26 +81,30 @@ class WgmmaKernelMixin:
 
     def _knob_space(self, shape, dtype, hw: Hardware = H200):
         m, n, _ = self.gemm_dims(shape)
-        space = [{"block_n": bn, "stages": st, "persistent": p} for p in (True, False) for bn in BLOCK_N_CHOICES
-                 for st in STAGE_CHOICES if n % bn == 0]
-        # The tile width with the least work on the busiest SM (waves of tiles x columns per tile: 128-row tiles
-        # of n = 768 take one wave at width 192, two at 128), the wider on a tie; then persistence where the H200
-        # measured it faster (BENCHMARKS.md: by 2-4% with >= 4 waves of tiles; slower for the QKV projection's
-        # scattered stores); then 4 stages.
+        space = [{"block_n": bn, "stages": st, "persistent": p, "pingpong": pp}
+                 for p, pp in ((True, False), (False, False), (True, True)) for bn in BLOCK_N_CHOICES
+                 for st in STAGE_CHOICES if n % bn == 0 and m % (PINGPONG_TILE_M[bn] if pp else BLOCK_M) == 0]
+        # Cooperative first (the ping-pong schedule is not yet measured on the H200; the tuner measures it where the
+        # cost model ranks it high). Then the tile width with the least work on the busiest SM (waves of 128-row
+        # tiles x columns per tile: n = 768 takes one wave at width 192, two at 128), the wider on a tie; then
+        # persistence where the H200 measured it faster (BENCHMARKS.md: by 2-4% with >= 4 waves of tiles; slower for
+        # the QKV projection's scattered stores); then 4 stages.
         tiles = lambda kn: (m // BLOCK_M) * (n // kn["block_n"])  # noqa: E731
         busiest = lambda kn: -(-tiles(kn) // hw.sm_count) * kn["block_n"]  # noqa: E731
         persist = lambda kn: self.persistent_first and tiles(kn) >= 4 * hw.sm_count  # noqa: E731
-        return sorted(space, key=lambda kn: (busiest(kn), -kn["block_n"], kn["persistent"] != persist(kn),
-                                             abs(kn["stages"] - 4)))
+        return sorted(space, key=lambda kn: (kn["pingpong"], busiest(kn), -kn["block_n"],
+                                             kn["persistent"] != persist(kn), abs(kn["stages"] - 4)))
 
     def resources(self, shape, dtype, knobs):
         config = self.config(knobs)
         m, n, _ = self.gemm_dims(shape)
-        tiles = (m // BLOCK_M) * (n // config.block_n)
-        return {"block_m": BLOCK_M, "block_n": config.block_n, "block_k": BLOCK_K, "threads": THREADS,
+        tiles = (m // config.tile_m) * (n // config.block_n)
+        return {"block_m": config.tile_m, "block_n": config.block_n, "block_k": BLOCK_K, "threads": THREADS,
                 "shared_bytes": config.shared_bytes, "acc_registers": config.acc_registers,
                 "max_registers_per_thread": CONSUMER_REGS,
-                "grid": min(tiles, H200.sm_count) if config.persistent else tiles, "tiles": tiles}
+                "grid": min(tiles, H200.sm_count) if config.persistent else tiles, "tiles": tiles,
+                # ping-pong: a tile's epilogue runs under the other consumer's MMAs (the cost model hides it)
+                "overlapped_epilogue": config.pingpong}
 
     def resource_columns(self, shape, dtype, space):
         # not the mma.sync main-loop formulas: these resources come from WgmmaConfig, one knob set at a time

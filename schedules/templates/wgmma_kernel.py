@@ -30,7 +30,22 @@ Every instruction comes from TVM 0.27's ``T.ptx`` table (``wgmma``, ``mbarrier``
 "Matrix Descriptor Format": start address >> 4 in bits 0-13, leading byte offset >> 4 in 16-29, stride byte
 offset >> 4 in 32-45, layout type in 62-63 with 1 = 128-byte swizzle).
 
-Shapes must tile exactly: m % 128, n % block_n and k % 64 all zero (:func:`check_wgmma_shape`). Build for
+Consumer schedules (knob ``pingpong``):
+
+- *cooperative* (the above): both consumer warpgroups work on the same 128-row tile, 64 rows each, and both run
+  its epilogue at the same time, so the tensor cores idle during every epilogue.
+- *ping-pong* (persistent only): each consumer owns whole tiles, the block's rounds alternating (consumer 1 the
+  even rounds r = 0, 2, ..., consumer 2 the odd ones), so one consumer's epilogue runs while the other issues its
+  MMAs. A tile is ``tile_m`` rows: 128 for ``block_n = 128`` (two m64 wgmma per k16 step, ``block_n``
+  accumulators per thread) and 64 for 192 and 256 (``block_n / 2`` accumulators), which keeps the fragment within
+  the 232 registers. The producer fills the ring in tile order as before; a slot's *empty* mbarrier expects the
+  128 arrivals of the one warpgroup that consumed it. The main loops take turns through two named barriers
+  (ids 1 and 2, 256 threads): a consumer starts round r > 0 only after the other has issued all of round r-1's
+  MMAs (``bar.sync`` on its own id; the other ``bar.arrive``s on it). That order is also what keeps the
+  full-barrier parities unambiguous: when a consumer waits for step g, step g - stages (the slot's previous
+  phase, possibly the other consumer's tile) has already been waited for.
+
+Shapes must tile exactly: m % tile_m, n % block_n and k % 64 all zero (:func:`check_wgmma_shape`). Build for
 ``arch="sm_90a"`` (``wgmma`` and ``setmaxnreg`` exist only there).
 """
 from __future__ import annotations
@@ -42,7 +57,7 @@ from tvm.script import tirx as T
 
 from .epilogue import activation, check_activation
 
-BLOCK_M = 128            # two consumer warpgroups x 64 rows
+BLOCK_M = 128            # two consumer warpgroups x 64 rows (the cooperative tile)
 BLOCK_K = 64             # one 128-byte swizzle row of 16-bit elements
 WG = 128                 # threads per warpgroup
 THREADS = 3 * WG         # producer + two consumers
@@ -54,15 +69,22 @@ BLOCK_N_CHOICES = (128, 192, 256)   # 64 leaves too few registers in use for set
 STAGE_CHOICES = (2, 3, 4, 5)
 PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 SWIZZLE_128B = 1         # descriptor layout type
+# ping-pong tile rows per block_n: one warpgroup holds the whole tile's accumulators (tile_m / 64 * block_n / 2
+# per thread; 128 x 192 would leave 40 of the 232 registers for everything else)
+PINGPONG_TILE_M = {128: 128, 192: 64, 256: 64}
+ORDER_BAR = 1            # named barriers ORDER_BAR + c (c = 0, 1): consumer c may start its next main loop
 
 
 @dataclass(frozen=True)
 class WgmmaConfig:
-    """Knobs of the kernel: ``block_n`` output columns per block (wgmma N), ``stages`` ring depth."""
+    """Knobs of the kernel: ``block_n`` output columns per block (wgmma N), ``stages`` ring depth, ``persistent``
+    (one block per SM looping over tiles) and ``pingpong`` (consumer schedule: each consumer warpgroup owns
+    alternate tiles instead of half of every tile; persistent only)."""
 
     block_n: int = 128
     stages: int = 4
     persistent: bool = True
+    pingpong: bool = False
 
     def validate(self) -> None:
         if self.block_n not in BLOCK_N_CHOICES:
@@ -71,10 +93,24 @@ class WgmmaConfig:
             raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {self.stages!r}")
         if self.persistent not in (True, False):
             raise ValueError(f"persistent must be a bool, got {self.persistent!r}")
+        if self.pingpong not in (True, False):
+            raise ValueError(f"pingpong must be a bool, got {self.pingpong!r}")
+        if self.pingpong and not self.persistent:
+            raise ValueError("pingpong needs persistent=True (the consumers alternate over a block's tiles)")
+
+    @property
+    def tile_m(self) -> int:
+        """Output rows of one tile (one ring fill): 128 cooperative; ping-pong by ``block_n``."""
+        return PINGPONG_TILE_M[self.block_n] if self.pingpong else BLOCK_M
+
+    @property
+    def consumer_rows(self) -> int:
+        """Rows of a tile one consumer warpgroup computes (64 per m64 wgmma)."""
+        return self.tile_m if self.pingpong else BLOCK_M // 2
 
     @property
     def stage_bytes(self) -> int:
-        return (BLOCK_M + self.block_n) * ROW_BYTES
+        return (self.tile_m + self.block_n) * ROW_BYTES
 
     @property
     def shared_bytes(self) -> int:
@@ -83,15 +119,15 @@ class WgmmaConfig:
 
     @property
     def acc_registers(self) -> int:
-        return self.block_n // 2
+        return self.consumer_rows // 64 * self.block_n // 2
 
 
 def check_wgmma_shape(m: int, n: int, k: int, config: WgmmaConfig) -> None:
     """Raise ValueError unless the tiles divide the problem."""
-    for name, size, tile in (("m", m, BLOCK_M), ("n", n, config.block_n), ("k", k, BLOCK_K)):
+    for name, size, tile in (("m", m, config.tile_m), ("n", n, config.block_n), ("k", k, BLOCK_K)):
         if size % tile:
             raise ValueError(f"gemm_wgmma: shape[{name!r}] = {size} must be a multiple of {tile} "
-                             f"(block_m={BLOCK_M}, block_n={config.block_n}, block_k={BLOCK_K})")
+                             f"(block_m={config.tile_m}, block_n={config.block_n}, block_k={BLOCK_K})")
 
 
 def descriptor(addr):
@@ -135,21 +171,24 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     check_activation(act)
     config.validate()
     check_wgmma_shape(m, n, k, config)
-    BN, ST, DT = config.block_n, config.stages, dtype
-    NACC = BN // 2
+    BN, ST, DT, TM = config.block_n, config.stages, dtype, config.tile_m
+    NACC = BN // 2                       # accumulators of one m64 wgmma
+    HALVES = config.consumer_rows // 64  # m64 wgmmas per k16 step of one consumer (2 only for 128-row ping-pong)
     KT = k // BLOCK_K
     GRID_N = n // BN
-    NUM_TILES = GRID_N * (m // BLOCK_M)
+    NUM_TILES = GRID_N * (m // TM)
     # persistent: one block per SM walks tiles bx, bx + GRID, ...; its producer fills the ring for the next
     # tile while the consumers run the epilogue of this one (one block per SM fits: setmaxnreg hands it the
     # whole register file, so without this the epilogue and the ring's refill are never overlapped)
     GRID = min(NUM_TILES, sm_count) if config.persistent else NUM_TILES
     ROUNDS = (NUM_TILES + GRID - 1) // GRID
-    A_BYTES = BLOCK_M * ROW_BYTES
+    PINGPONG = config.pingpong
+    EMPTY_ARRIVALS = WG if PINGPONG else 2 * WG   # the consumers that read a slot: one (ping-pong) or both
+    A_BYTES = TM * ROW_BYTES
     STAGE = config.stage_bytes
     BAR_OFF = ST * STAGE                 # mbarriers after the ring: full[s] at +8s, empty[s] at +8(ST+s)
     SMEM_WORDS = config.shared_bytes // 8
-    A_ITERS = BLOCK_M * CHUNKS // WG
+    A_ITERS = TM * CHUNKS // WG
     B_ITERS = BN * CHUNKS // WG
     ab = PTX_TYPE[DT]
     MMA = T.ptx[f"wgmma.mma_async.sync.aligned.m64n{BN}k16.f32.{ab}.{ab}"]
@@ -174,32 +213,32 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     def empty_bar(base, s):
         return base + T.uint32(BAR_OFF + 8 * (ST + s))
 
-    def mma_step(acc, a_desc, b_desc):
-        return MMA(*[acc[i] for i in range(NACC)], a_desc, b_desc, True, 1, 1, 0, 0)
+    def mma_step(acc, a_desc, b_desc, first=0):
+        return MMA(*[acc[first + i] for i in range(NACC)], a_desc, b_desc, True, 1, 1, 0, 0)
 
     def epilogue(x, col, bias_buf):
         y = x + T.Cast("float32", bias_buf[col]) if bias else x
         return T.Cast(DT, activation(act, y))
 
     @T.macro
-    def store(acc, out, bias_buf, row0, col0, lane):
+    def store(acc, out, bias_buf, row0, col0, lane, first):
         for j in T.unroll(BN // 8):
             for h in T.unroll(2):
                 for e in T.unroll(2):
                     col: T.let = col0 + j * 8 + (lane % 4) * 2 + e
                     row: T.let = row0 + lane // 4 + 8 * h
                     if heads is None:
-                        out[row, col] = epilogue(acc[j * 4 + h * 2 + e], col, bias_buf)
+                        out[row, col] = epilogue(acc[first + j * 4 + h * 2 + e], col, bias_buf)
                     else:
                         out[col // (HH * HD), row // HS, col % (HH * HD) // HD, row % HS, col % HD] = epilogue(
-                            acc[j * 4 + h * 2 + e], col, bias_buf)
+                            acc[first + j * 4 + h * 2 + e], col, bias_buf)
 
     @T.macro
     def body(A, W, bias_buf, out):
         for bx in T.thread_binding(GRID, thread="blockIdx.x"):
             for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
                 wgmma_smem = T.alloc_buffer((SMEM_WORDS,), "uint64", scope="shared.dyn")
-                acc = T.alloc_buffer((NACC,), "float32", scope="local")
+                acc = T.alloc_buffer((HALVES * NACC,), "float32", scope="local")
                 flag = T.alloc_buffer((1,), "uint32", scope="local")
                 raw: T.let = T.cuda.cvta_generic_to_shared(whole_buffer(wgmma_smem, SMEM_WORDS))
                 base: T.let = T.bitwise_and(raw + T.uint32(ALIGN - 1), T.uint32(0xFFFFFFFF - (ALIGN - 1)))
@@ -208,7 +247,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                 if tx == 0:
                     for s in T.unroll(ST):
                         T.ptx["mbarrier.init.shared::cta.b64"](full_bar(base, s), T.uint32(WG))
-                        T.ptx["mbarrier.init.shared::cta.b64"](empty_bar(base, s), T.uint32(2 * WG))
+                        T.ptx["mbarrier.init.shared::cta.b64"](empty_bar(base, s), T.uint32(EMPTY_ARRIVALS))
                     T.ptx["fence.mbarrier_init.release.cluster"]()
                 T.tvm_storage_sync("shared")
                 # g = r * KT + t counts k steps over all of this block's tiles: slot g % ST, phase g // ST
@@ -217,7 +256,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     for r in range(ROUNDS):
                         tile: T.let = bx + r * GRID
                         if tile < NUM_TILES:
-                            m0: T.let = (tile // GRID_N) * BLOCK_M
+                            m0: T.let = (tile // GRID_N) * TM
                             n0: T.let = (tile % GRID_N) * BN
                             for t in range(KT):
                                 g: T.let = r * KT + t
@@ -237,32 +276,67 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                                 T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](full_bar(base, g % ST))
                 else:
                     T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
-                    for r in range(ROUNDS):
-                        tile: T.let = bx + r * GRID
-                        if tile < NUM_TILES:
-                            for i in T.unroll(NACC):
-                                acc[i] = T.float32(0)
-                            for t in range(KT):
-                                g: T.let = r * KT + t
-                                wait_parity(flag, full_bar(base, g % ST), T.Cast("uint32", (g // ST) % 2))
-                                T.ptx["fence.proxy.async.shared::cta"]()
-                                a_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE + (wg - 1) * 64 * ROW_BYTES)
-                                b_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE + A_BYTES)
-                                T.ptx["wgmma.fence.sync.aligned"]()
-                                for kk in T.unroll(BLOCK_K // 16):
-                                    mma_step(acc, descriptor(a_tile + T.uint32(kk * 32)),
-                                             descriptor(b_tile + T.uint32(kk * 32)))
-                                T.ptx["wgmma.commit_group.sync.aligned"]()
-                                T.ptx["wgmma.wait_group.sync.aligned"](1)
-                                if t > 0:
-                                    T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (g - 1) % ST))
-                            T.ptx["wgmma.wait_group.sync.aligned"](0)
-                            # the tile's last slot is free too: the producer may refill it for the next tile
-                            T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (r * KT + KT - 1) % ST))
-                            for i in T.unroll(NACC):
-                                FENCE_REG(acc[i], acc[i], T.float32(-0.0))
-                            store(acc, out, bias_buf, (tile // GRID_N) * BLOCK_M + (wg - 1) * 64 + (wt // 32) * 16,
-                                  (tile % GRID_N) * BN, wt % 32)
+                    if PINGPONG:
+                        # consumer c = wg - 1 owns rounds c, c + 2, ...; main loops take turns (module docstring)
+                        for r in range(ROUNDS):
+                            tile: T.let = bx + r * GRID
+                            if r % 2 == wg - 1 and tile < NUM_TILES:
+                                for i in T.unroll(HALVES * NACC):
+                                    acc[i] = T.float32(0)
+                                if r > 0:  # the other consumer has issued round r - 1
+                                    T.ptx["bar.sync"](T.Cast("uint32", ORDER_BAR - 1 + wg), T.uint32(2 * WG))
+                                for t in range(KT):
+                                    g: T.let = r * KT + t
+                                    wait_parity(flag, full_bar(base, g % ST), T.Cast("uint32", (g // ST) % 2))
+                                    T.ptx["fence.proxy.async.shared::cta"]()
+                                    a_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE)
+                                    b_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE + A_BYTES)
+                                    T.ptx["wgmma.fence.sync.aligned"]()
+                                    for kk in T.unroll(BLOCK_K // 16):
+                                        for q in T.unroll(HALVES):
+                                            mma_step(acc, descriptor(a_tile + T.uint32(q * 64 * ROW_BYTES + kk * 32)),
+                                                     descriptor(b_tile + T.uint32(kk * 32)), q * NACC)
+                                    T.ptx["wgmma.commit_group.sync.aligned"]()
+                                    T.ptx["wgmma.wait_group.sync.aligned"](1)
+                                    if t > 0:
+                                        T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (g - 1) % ST))
+                                if tile + GRID < NUM_TILES:  # round r + 1 exists: the other consumer may start it
+                                    T.ptx["bar.arrive"](T.Cast("uint32", ORDER_BAR + 2 - wg), T.uint32(2 * WG))
+                                T.ptx["wgmma.wait_group.sync.aligned"](0)
+                                T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (r * KT + KT - 1) % ST))
+                                for i in T.unroll(HALVES * NACC):
+                                    FENCE_REG(acc[i], acc[i], T.float32(-0.0))
+                                for q in T.unroll(HALVES):
+                                    store(acc, out, bias_buf, (tile // GRID_N) * TM + q * 64 + (wt // 32) * 16,
+                                          (tile % GRID_N) * BN, wt % 32, q * NACC)
+                    else:
+                        for r in range(ROUNDS):
+                            tile: T.let = bx + r * GRID
+                            if tile < NUM_TILES:
+                                for i in T.unroll(NACC):
+                                    acc[i] = T.float32(0)
+                                for t in range(KT):
+                                    g: T.let = r * KT + t
+                                    wait_parity(flag, full_bar(base, g % ST), T.Cast("uint32", (g // ST) % 2))
+                                    T.ptx["fence.proxy.async.shared::cta"]()
+                                    a_tile: T.let = base + T.Cast("uint32",
+                                                                  (g % ST) * STAGE + (wg - 1) * 64 * ROW_BYTES)
+                                    b_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE + A_BYTES)
+                                    T.ptx["wgmma.fence.sync.aligned"]()
+                                    for kk in T.unroll(BLOCK_K // 16):
+                                        mma_step(acc, descriptor(a_tile + T.uint32(kk * 32)),
+                                                 descriptor(b_tile + T.uint32(kk * 32)))
+                                    T.ptx["wgmma.commit_group.sync.aligned"]()
+                                    T.ptx["wgmma.wait_group.sync.aligned"](1)
+                                    if t > 0:
+                                        T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (g - 1) % ST))
+                                T.ptx["wgmma.wait_group.sync.aligned"](0)
+                                # the tile's last slot is free too: the producer may refill it for the next tile
+                                T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (r * KT + KT - 1) % ST))
+                                for i in T.unroll(NACC):
+                                    FENCE_REG(acc[i], acc[i], T.float32(-0.0))
+                                store(acc, out, bias_buf, (tile // GRID_N) * TM + (wg - 1) * 64 + (wt // 32) * 16,
+                                      (tile % GRID_N) * BN, wt % 32, 0)
 
     if bias:
         @T.prim_func

@@ -8,7 +8,9 @@ block tile ``block_m x block_n x block_k``), its useful flops and its arguments.
   trips = those flops over one ``2*BM*BN*BK`` step, each with a fixed latency (shorter with deeper pipelines);
 - shared-memory traffic per block: per trip, the ``cp.async`` fill of both panels ``(BM + BN) * BK`` and the
   warps' ``ldmatrix`` reads ``(BM * warps_n + BN * warps_m) * BK`` (small warp tiles re-read more), priced as
-  CUDA-core issue slots (``smem_ops_per_byte``), plus epilogue operations per output element;
+  CUDA-core issue slots (``smem_ops_per_byte``), plus epilogue operations per output element (where a template
+  reports ``overlapped_epilogue``, e.g. the ping-pong wgmma kernel, only one tile's epilogue per block counts: the
+  others run while the other consumer warpgroup's MMAs do);
 - L2 traffic = every block's A and W panels (``(BM + BN) * K``) plus its outputs; DRAM = the arguments once;
 - registers = accumulators + operands + addressing; configurations past the register, shared-memory or thread
   limits are infeasible (the template's own space already drops most).
@@ -98,7 +100,11 @@ def _launch_columns(template, shape, dtype: str, space, invariants, cal: Calibra
         trips, l2, smem = 0.0, dram, 0.0
     regs = res.get("acc_registers", 0) + res.get("operand_registers", 0) + _ADDRESSING_REGISTERS
     latency = trips * cal.gemm_iter_cycles * _pipeline_factor(stages) + cal.gemm_block_cycles
-    cuda_ops = cal.epilogue_ops * out_elems / grid + cal.smem_ops_per_byte * smem
+    epilogue = cal.epilogue_ops * out_elems / grid
+    if "overlapped_epilogue" in res:  # hidden behind tensor-core work except the block's last tile
+        epilogue = np.where(res["overlapped_epilogue"], cal.epilogue_ops * out_elems / np.maximum(res["tiles"], 1),
+                            epilogue)
+    cuda_ops = epilogue + cal.smem_ops_per_byte * smem
     terms = (res["threads"], res["shared_bytes"], regs, grid, per_block, cuda_ops, latency, dram, l2)
     return [np.broadcast_to(np.asarray(term, dtype=np.float64), grid.shape) for term in terms]
 
