@@ -98,12 +98,20 @@ def tune_on(devices, task, target, trials, work_root: Path, key: str):
            "measured": result.measured_now, "per_server": per_server, "status": result.status,
            "best_us": None if result.best_s is None else result.best_s * 1e6,
            "best_config": None if result.best_candidate is None else list(result.best_candidate)}
-    if result.best_s is None:  # no candidate ran: keep what the servers said, or the run cannot be diagnosed
-        run["server_log_tails"] = {log.name: log.read_text(errors="replace")[-1500:]
-                                   for log in sorted(log_dir.glob("*.log"))}
+    if result.best_s is None:  # no candidate ran: keep what the servers and the runner said, for the diagnosis
+        logs = sorted(log_dir.glob("*.log")) + sorted((work_root / f"work_{len(devices)}" / "logs").glob("*task*.log"))
+        run["server_log_tails"] = {log.name: _error_lines(log.read_text(errors="replace")) for log in logs}
         for name, tail in run["server_log_tails"].items():
             print(f"--- {name} (last lines)\n{tail}", flush=True)
     return run
+
+
+def _error_lines(text: str, limit: int = 2500) -> str:
+    """The lines of a log that report errors (with the line after each), else its tail."""
+    lines = text.splitlines()
+    picked = [f"{line}\n{lines[i + 1] if i + 1 < len(lines) else ''}" for i, line in enumerate(lines)
+              if "rror" in line or "Traceback" in line]
+    return ("\n".join(picked) if picked else text)[-limit:]
 
 
 def main(argv=None) -> int:

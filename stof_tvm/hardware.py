@@ -113,9 +113,11 @@ def _closest_builtin(compute_version: str, memory_bytes: int) -> HardwareProfile
 def detect(device_index: int = 0) -> HardwareProfile:
     """The profile of CUDA device ``device_index`` (driver-reported values, built-in rates), or :data:`H200`.
 
-    Reported by the driver and used as they are: name, compute version, SM count, clock, shared memory per
-    block, threads per block, L2 size and device memory. Rates scale with the clock and SM count relative to
-    the closest built-in profile of the same architecture.
+    Reported by the driver and used as they are: name, compute version, SM count, clock, threads per block,
+    L2 size and device memory. Rates scale with the clock and SM count relative to the closest built-in profile
+    of the same architecture. Shared memory per block: the driver reports the default 48 KiB limit, while the
+    kernels opt in to the architecture's larger limit (TVM sets the dynamic shared-memory attribute at launch),
+    so the built-in profile's opt-in limit is kept when it is larger (measured on the H200: 49152 reported).
     """
     import tvm
 
@@ -130,7 +132,7 @@ def detect(device_index: int = 0) -> HardwareProfile:
     scale = (sm_count * clock) / (base.sm_count * base.clock_hz)
     return base.replace(
         name=str(dev.device_name), compute_version=version, sm_count=sm_count, clock_hz=clock,
-        smem_per_block=int(dev.max_shared_memory_per_block) or base.smem_per_block,
+        smem_per_block=max(int(dev.max_shared_memory_per_block or 0), base.smem_per_block),
         threads_per_block=int(dev.max_threads_per_block) or base.threads_per_block,
         l2_bytes=int(dev.l2_cache_size_bytes or 0) or base.l2_bytes, dram_bytes=memory or base.dram_bytes,
         tensor_flops=base.tensor_flops * scale, cuda_flops=base.cuda_flops * scale)

@@ -275,6 +275,21 @@ def test_hardware_profiles():
         H200.replace(sm_count=0)
 
 
+def test_detect_keeps_the_opt_in_shared_memory_limit(monkeypatch):
+    """An H200 as its driver reports it (48 KiB shared memory per block: the default, not the opt-in limit)."""
+    import tvm
+
+    class FakeH200:
+        exist, compute_version, total_global_memory = True, "9.0", 143 * 10**9
+        multi_processor_count, max_clock_rate, max_threads_per_block = 132, 1980000, 1024
+        max_shared_memory_per_block, l2_cache_size_bytes, device_name = 49152, 60 * 2**20, "NVIDIA H200"
+
+    monkeypatch.setattr(tvm, "cuda", lambda index=0: FakeH200())
+    found = detect()
+    assert found.name == "NVIDIA H200" and found.sm_count == 132
+    assert found.smem_per_block == H200.smem_per_block > 49152
+
+
 def test_calibration_file_round_trip(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(DEFAULT_CALIBRATION.replace(tc_eff=0.5).to_json())
