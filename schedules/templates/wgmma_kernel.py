@@ -25,7 +25,7 @@ Structure of one thread block (``block_m = 128`` rows x ``block_n`` columns of t
   holds per n8 tile (the wgmma D fragment has the mma.sync C layout per warp: lane ``l`` of warp ``w``
   holds rows ``16w + l/4`` and ``+8``, columns ``2(l%4)`` and ``+1`` of each n8 tile).
 
-Every instruction comes from TVM 0.27's ``T.ptx`` table (``wgmma``, ``mbarrier``, ``cp.async``, ``fence``,
+Every instruction comes from TVM 0.27's ``T.ptx`` table (``wgmma``, ``mbarrier``, ``cp.async``, ``fence``, ``bar``,
 ``setmaxnreg``); the descriptors are computed with plain integer arithmetic (bit layout of PTX ISA
 "Matrix Descriptor Format": start address >> 4 in bits 0-13, leading byte offset >> 4 in 16-29, stride byte
 offset >> 4 in 32-45, layout type in 62-63 with 1 = 128-byte swizzle).
