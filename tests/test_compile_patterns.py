@@ -121,3 +121,25 @@ def test_real_bias_refuses_the_block_kernel():
     with pytest.raises(ValueError, match="'block' cannot add the model's attention bias"):
         stof_tvm.compile(_attention_model("div", "direct", "bias"), mask="bigbird", batch=B, seq_len=S,
                          target="llvm", dtype="float16", kernel="block")
+
+
+def test_square_powers_become_products():
+    """pow(x, 2) -> x * x (CUDA's fast-math powf is NaN for negative x: T5's RMSNorm); other exponents stay."""
+    import numpy as np
+    import tvm
+    from tvm import relax
+
+    from stof_tvm.compiler.pipeline import square_powers
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([4, 8], "float32"))
+    with bb.function("main", [x]):
+        sq = bb.emit(relax.op.power(x, relax.const(2.0, "float32")))
+        cube = bb.emit(relax.op.power(x, relax.const(3.0, "float32")))
+        bb.emit_func_output(relax.op.add(sq, cube))
+    mod = square_powers(bb.get())
+    ops = [b.value.op.name for block in mod["main"].body.blocks for b in block.bindings]
+    assert ops.count("relax.power") == 1 and "relax.multiply" in ops
+    data = np.random.default_rng(0).standard_normal((4, 8)).astype("float32")
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(data)).numpy(), data ** 2 + data ** 3, rtol=1e-5)

@@ -36,7 +36,7 @@ from .downstream import use_templates
 from .kernels import KERNELS, choose_kernel, kernel_primfunc
 from .mask_sources import plan_masks, score_bias
 from .onnx_import import TensorSpec, embedding_rows, import_onnx, load_model, output_names
-from .pipeline import build, fold_constant_casts, make_target, optimize, target_dict
+from .pipeline import build, fold_constant_casts, make_target, optimize, square_powers, target_dict
 from .layout import fold_permute_pairs
 from .rewrite import rewrite_attention
 
@@ -159,7 +159,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     onnx_model = load_model(model)
     mod, inputs, weights = import_onnx(onnx_model, batch, seq_len)
     outputs = _output_specs(mod["main"], output_names(onnx_model))
-    mod = relax.transform.FoldConstant()(mod)
+    mod = square_powers(relax.transform.FoldConstant()(mod))
     if dtype == "float16":
         mod = fold_constant_casts(relax.transform.ToMixedPrecision(out_dtype="float32")(mod))
 
