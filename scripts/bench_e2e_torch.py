@@ -22,9 +22,9 @@ combined with what the model imposes itself:
   folded into the sparse format at compile time, so the sparse kernels see causal AND BigBird); the torch
   baselines and the float32 reference use the same combined mask;
 - T5 encoder: its relative position bias is added to the scores, a real bias: ``ours`` runs the row-wise
-  kernel, which adds the bias at each kept key (the block-wise kernel has no bias input); the fusion templates
-  match none of its chains (no Linear biases, RMSNorm, ReLU), so a variant equal to another is not saved (the
-  bias, a constant of the weights, is folded into the module: ~190 MB at S = 2048, 0.2 MB packed);
+  kernel, which adds the bias at each kept key (the block-wise kernel has no bias input); its bias-free linears
+  run on the GEMM templates (ReLU and QKV with a zero bias), its RMSNorm on TVM's default path (the bias, a
+  constant of the weights, is folded into the module: ~190 MB at S = 2048, 0.2 MB packed);
 - ViT: the sequence is the patch grid (no class token: ``torch_models.Vit`` takes ``S`` patches, the image
   is ``rows*16 x cols*16`` with ``rows*cols == S`` as square as possible: 8x16, 16x32, 32x64 patches for
   S = 128, 512, 2048); one export per S (its position table has S rows);

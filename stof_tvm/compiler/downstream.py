@@ -9,14 +9,21 @@ chain (as exporters emit it)                            templates
 =====================================================  ===================================================
 Q, K, V = three ``add(astype(matmul(X, W)), b)`` on     ``qkv_projection_kn`` into ``[3, B, H, S, D]``, then
 the same ``X``, each ``reshape [B, S, H, D]`` +         views of it at Q's, K's and V's offsets when only the
-                                                        block-wise attention kernel reads them, else one split
-``permute_dims``
+``permute_dims``; or one such linear to                 block-wise attention kernel reads them, else one split
+``[.., 3 * H * D]`` split into thirds (GPT-2)
 ``layer_norm(astype(linear) + residual)`` (output       ``gemm_kn`` + ``bias_residual_layernorm`` (unfused,
 projection, FFN down-projection; either add order)      measured faster), or ``gemm_bias_residual_layernorm_kn``
                                                         when :mod:`.template_choice` ranks it faster
-``linear`` + erf GELU / ReLU (FFN up-projection)        ``gemm_bias_gelu_erf_kn`` / ``gemm_bias_relu_kn``
-any other ``linear``                                    ``gemm_bias_kn``
+the same where the sum also feeds the next residual     the linear on its own GEMM (below), ``layernorm`` of
+add (pre-LN: GPT-2, ViT)                                the sum (folded into the LayerNorm, the GEMM would
+                                                        run twice: once more for the sum)
+``linear`` + erf GELU / tanh GELU / ReLU (FFN           ``gemm_bias_gelu_erf_kn`` / ``gemm_bias_gelu_tanh_kn``
+up-projection)                                          / ``gemm_bias_relu_kn``
+any other ``linear``                                    ``gemm_bias_kn``, ``gemm_kn`` without bias
 =====================================================  ===================================================
+
+A linear may have no bias (``astype(matmul(X, W))``, T5): the templates with an activation or the QKV projection
+then add a zero bias constant.
 
 ``X`` is ``[..., K]`` (flattened to ``[M, K]``), ``W`` a ``[K, N]`` weight (parameter or constant), biases,
 gamma and beta constants. A chain is rewritten only where its templates accept the shapes (16-bit dtype,
@@ -73,17 +80,24 @@ def wgmma_misfit(m: int, n: int, k: int) -> str | None:
 OPAQUE = 8    # relax OpPatternKind kOpaque
 
 
-def _linear(x, w, bias):
-    lin = is_op("relax.astype")(is_op("relax.matmul")(x, w))
-    return is_op("relax.add")(lin, bias) | is_op("relax.add")(bias, lin)
-
-
 _X, _W, _BIAS = wildcard(), wildcard(), is_const()
-LINEAR = _linear(_X, _W, _BIAS)
+MATMUL = is_op("relax.astype")(is_op("relax.matmul")(_X, _W))      # a linear without bias (T5)
+LINEAR = is_op("relax.add")(MATMUL, _BIAS) | is_op("relax.add")(_BIAS, MATMUL)
+ANY_LINEAR = LINEAR | MATMUL                                           # the biased form first: it binds _BIAS
 _SQRT2, _ONE, _HALF = is_const(), is_const(), is_const()
-_ERF_ADD = is_op("relax.add")(is_op("relax.erf")(is_op("relax.divide")(LINEAR, _SQRT2)), _ONE)
-LINEAR_GELU = is_op("relax.multiply")(is_op("relax.multiply")(LINEAR, _ERF_ADD), _HALF)
-LINEAR_RELU = is_op("relax.nn.relu")(LINEAR)
+_ERF_ADD = is_op("relax.add")(is_op("relax.erf")(is_op("relax.divide")(ANY_LINEAR, _SQRT2)), _ONE)
+LINEAR_GELU = is_op("relax.multiply")(is_op("relax.multiply")(ANY_LINEAR, _ERF_ADD), _HALF)
+LINEAR_RELU = is_op("relax.nn.relu")(ANY_LINEAR)
+# tanh GELU as torch.onnx exports it (GPT-2): 0.5 * (x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x*x*x)))), the
+# cube as x * (x * x) once compile's square_powers rewrote pow(x, 2) (Relax's patterns match multiply and add in
+# either operand order), or 0.5 * x taken first
+_CUBIC, _TANH_SCALE, _TANH_ONE, _TANH_HALF = is_const(), is_const(), is_const(), is_const()
+_CUBE = is_op("relax.multiply")(ANY_LINEAR, is_op("relax.multiply")(ANY_LINEAR, ANY_LINEAR))
+_INNER_TANH = is_op("relax.tanh")(is_op("relax.multiply")(
+    _TANH_SCALE, is_op("relax.add")(ANY_LINEAR, is_op("relax.multiply")(_CUBIC, _CUBE))))
+_TANH_ADD = is_op("relax.add")(_TANH_ONE, _INNER_TANH)
+LINEAR_GELU_TANH = (is_op("relax.multiply")(_TANH_HALF, is_op("relax.multiply")(ANY_LINEAR, _TANH_ADD))
+                    | is_op("relax.multiply")(is_op("relax.multiply")(_TANH_HALF, ANY_LINEAR), _TANH_ADD))
 _RES, _GAMMA, _BETA = wildcard(), is_const(), is_const()
 _LIN_OUT = is_op("relax.astype")(LINEAR) | LINEAR
 _SUM = is_op("relax.add")(_LIN_OUT, _RES) | is_op("relax.add")(_RES, _LIN_OUT)
@@ -189,17 +203,30 @@ def _cast_const(const: Constant, dtype: str) -> Constant:
     return relax.const(const.value.numpy().astype(dtype), dtype)
 
 
+def _bias(matches):
+    """The bias constant of a matched linear layer, None for one without (:data:`MATMUL`)."""
+    return matches[_BIAS] if _BIAS in matches else None
+
+
+def _zero_bias(n: int, dtype: str) -> Constant:
+    """A [n] zero bias: the GEMM + activation templates always add one (a bias-free linear + ReLU, T5's FFN)."""
+    return relax.const(np.zeros(n, dtype), dtype)
+
+
 def _linear_dims(matches, out_dtype: str):
-    """(x shape, m, n, k, dtype) of a matched linear layer, or None when a template cannot take it."""
-    x, w, bias = matches[_X], matches[_W], matches[_BIAS]
+    """(x shape, m, n, k, dtype) of a matched linear layer (with or without bias), or None when a template
+    cannot take it."""
+    x, w, bias = matches[_X], matches[_W], _bias(matches)
     x_shape, w_shape = static_shape(x), static_shape(w)
     dtype = str(x.ty.dtype)
     if (x_shape is None or w_shape is None or len(w_shape) != 2 or dtype not in TEMPLATE_DTYPES
-            or str(w.ty.dtype) != dtype or str(bias.ty.dtype) != dtype or out_dtype != dtype):
+            or str(w.ty.dtype) != dtype or out_dtype != dtype or (bias is not None and str(bias.ty.dtype) != dtype)):
         return None
     k, n = w_shape
     m = int(np.prod(x_shape[:-1]))
-    if x_shape[-1] != k or tuple(static_shape(bias) or ()) != (n,) or m % 16 or n % 16 or k % 16:
+    if x_shape[-1] != k or m % 16 or n % 16 or k % 16:
+        return None
+    if bias is not None and tuple(static_shape(bias) or ()) != (n,):
         return None
     return x_shape, m, n, k, dtype
 
@@ -217,7 +244,10 @@ def _rewrite_linear(t: _Templates, chain: str, act: str, expr, matches, lin_call
         return expr
     x_shape, m, n, k, dtype = dims
     x2d = relax.op.reshape(matches[_X], [m, k])
-    call, stage, note = t.gemm_stage(act, x2d, matches[_W], matches[_BIAS], m, n, k, dtype)
+    bias = _bias(matches)
+    if bias is None and act != "none":
+        bias = _zero_bias(n, dtype)
+    call, stage, note = t.gemm_stage(act, x2d, matches[_W], bias, m, n, k, dtype)
     t.record(chain, [stage], note)
     out = relax.op.reshape(call, list(x_shape[:-1]) + [n])
     return out if str(expr.ty.dtype) == dtype else relax.op.astype(out, str(expr.ty.dtype))
@@ -250,6 +280,16 @@ def _rewrite_residual_ln(t: _Templates, expr, matches, var2val, users):
     g16, b16 = _cast_const(gamma, dtype), _cast_const(beta, dtype)
     x2d = relax.op.reshape(matches[_X], [m, k])
     gemm_shape, ln_shape = {"m": m, "n": n, "k": k}, {"m": m, "n": n}
+    total = expr.args[0]
+    if len(users.get(total, [])) > 1:
+        # pre-LN (GPT-2, ViT): the sum is also the next block's residual, which needs the linear's output anyway;
+        # folding that GEMM into the LayerNorm would run it twice, so it stays a GEMM of its own (the linear
+        # pass) and the LayerNorm template reads the sum
+        s2d = relax.op.reshape(total if str(total.ty.dtype) == dtype else relax.op.astype(total, dtype), [m, n])
+        call, stage = t.call("layernorm", ln_shape, dtype, [s2d, g16, b16], (m, n), eps)
+        t.record("residual_sum_ln", [stage])
+        out = relax.op.reshape(call, out_shape)
+        return out if str(expr.ty.dtype) == dtype else relax.op.astype(out, str(expr.ty.dtype))
     ffn = _fused_ffn(t, matches[_X], matches[_W], var2val, users, m, n, k, dtype)
     if ffn is not None:
         y, ffn_stage, why = ffn
@@ -289,8 +329,8 @@ def _fused_ffn(t: _Templates, x, w2, var2val, users, m: int, hidden: int, ffn: i
     if up is None or not all(_is(up, pattern, value, var2val)
                              for pattern, value in ((_SQRT2, math.sqrt(2.0)), (_ONE, 1.0), (_HALF, 0.5))):
         return None
-    dims = _linear_dims(up, str(up[LINEAR].ty.dtype))
-    if dims is None or dims[1:] != (m, ffn, hidden, dtype):
+    dims = _linear_dims(up, str(up[ANY_LINEAR].ty.dtype))
+    if dims is None or dims[1:] != (m, ffn, hidden, dtype) or _bias(up) is None:
         return None
     shape = {"m": m, "hidden": hidden, "ffn": ffn}
     pair = [("gemm_bias_gelu_erf", {"m": m, "n": ffn, "k": hidden}), ("gemm", {"m": m, "n": hidden, "k": ffn})]
@@ -331,18 +371,24 @@ def _users(func: relax.Function) -> dict:
 
 
 def _find_qkv(func: relax.Function) -> list[_QKVGroup]:
-    """Groups of three head-split linears sharing X, in program order (their consumers after the third)."""
+    """Groups of three head-split linears (with or without bias) sharing X, in program order (their permutes
+    after the third), and single linears whose [..., 3 * H * D] output is split into thirds that are each split
+    into heads (GPT-2's ``c_attn``: its weight already is the concatenated one)."""
     var2val = relax.analysis.get_var2val(func)
     users = _users(func)
-    order, by_x = {}, []
+    order, by_x, fused = {}, [], []
     for block in func.body.blocks:
         for binding in block.bindings:
             order[binding.var] = len(order)
-            matches = LINEAR.extract_matched_expr(binding.value, var2val)
+            matches = ANY_LINEAR.extract_matched_expr(binding.value, var2val)
             if matches is None or _linear_dims(matches, str(binding.value.ty.dtype)) is None:
                 continue
             split = _head_split(binding.var, users)
             if split is None:
+                thirds = _split_thirds(binding.var, users)
+                if thirds is not None and len({(s[0], s[1]) for s in thirds}) == 1:
+                    fused.append(_QKVGroup(matches[_X], [(binding.var, matches)], [s[3] for s in thirds],
+                                           [s[4] for s in thirds], thirds[0][0], thirds[0][1]))
                 continue
             x = matches[_X]
             group = next((g for g in by_x if g[0].same_as(x)), None)
@@ -356,12 +402,37 @@ def _find_qkv(func: relax.Function) -> list[_QKVGroup]:
             continue
         heads = {(s[2], s[3]) for s in members}
         last = max(order[m[0]] for m in members)
-        if len(heads) != 1 or any(order[m[4]] < last or order[m[5]] < last for m in members):
+        # the permutes are replaced by the template's heads, emitted after the last linear (the reshapes die)
+        if len(heads) != 1 or any(order[m[5]] < last for m in members):
             continue
         h, d = heads.pop()
         groups.append(_QKVGroup(x, [(m[0], m[1]) for m in members], [m[5] for m in members],
                                 [m[6] for m in members], h, d))
-    return groups
+    return groups + fused
+
+
+def _split_thirds(var, users):
+    """The :func:`_head_split` of each third when ``var`` ([..., N]) is only split into three equal parts along
+    its last axis (Q, K, V in this order), each part used once, by its head split; else None."""
+    first = users.get(var, [])
+    shape = static_shape(var)
+    if len(first) != 1 or first[0] is None or not _is_call(first[0].value, "relax.split") or shape is None:
+        return None
+    split = first[0]
+    n, attrs = shape[-1], split.value.attrs
+    sections = attrs.indices_or_sections
+    cuts = [int(sections)] if isinstance(sections, (int, tvm.tirx.IntImm)) else [int(i) for i in sections]
+    if int(attrs.axis) not in (-1, len(shape) - 1) or n % 3 or cuts not in ([3], [n // 3, 2 * n // 3]):
+        return None
+    parts = {}
+    for use in users.get(split.var, []):
+        value = None if use is None else use.value
+        if not isinstance(value, relax.TupleGetItem) or value.index in parts:
+            return None
+        parts[value.index] = _head_split(use.var, users)
+    if sorted(parts) != [0, 1, 2] or any(part is None for part in parts.values()):
+        return None
+    return [parts[i] for i in range(3)]
 
 
 def _head_split(var, users):
@@ -389,6 +460,8 @@ def _is_call(expr, op: str) -> bool:
 
 
 def _concat_weights(ws: list, axis: int) -> relax.Expr:
+    if len(ws) == 1:
+        return ws[0]
     consts = [w if isinstance(w, Constant) else None for w in ws]
     if all(c is not None for c in consts):
         value = np.concatenate([c.value.numpy() for c in consts], axis=axis)
@@ -427,7 +500,8 @@ def _rewrite_qkv(t: _Templates, func: relax.Function) -> relax.Function:
             dtype = str(group.x.ty.dtype)
             b, s, h, d = (group.shape[key] for key in ("batch", "seq", "heads", "head_dim"))
             w = _concat_weights([self.visit_expr(m[_W]) for m in matches], 1)
-            bias = _concat_weights([m[_BIAS] for m in matches], 0)
+            bias = _concat_weights([m[_BIAS] if _BIAS in m else _zero_bias(static_shape(m[_W])[1], dtype)
+                                    for m in matches], 0)
             x2d = relax.op.reshape(self.visit_expr(group.x), [b * s, h * d])
             note = wgmma_misfit(b * s, 3 * h * d, h * d) if t.gemm == "wgmma" else None
             if t.gemm == "wgmma" and note is None:
@@ -518,7 +592,13 @@ def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | 
         if not (_is(matches, _SQRT2, math.sqrt(2.0), var2val) and _is(matches, _ONE, 1.0, var2val)
                 and _is(matches, _HALF, 0.5, var2val)):
             return expr
-        return _rewrite_linear(t, "linear_gelu", "gelu_erf", expr, matches, matches[LINEAR])
+        return _rewrite_linear(t, "linear_gelu", "gelu_erf", expr, matches, matches[ANY_LINEAR])
+
+    def gelu_tanh(expr, matches):
+        if not all(_is(matches, pattern, value, var2val) for pattern, value in (
+                (_CUBIC, 0.044715), (_TANH_SCALE, math.sqrt(2.0 / math.pi)), (_TANH_ONE, 1.0), (_TANH_HALF, 0.5))):
+            return expr
+        return _rewrite_linear(t, "linear_gelu_tanh", "gelu_tanh", expr, matches, matches[ANY_LINEAR])
 
     func = _rewrite_qkv(t, func)
     func = relax.analysis.remove_all_unused(func)
@@ -526,8 +606,12 @@ def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | 
     func = rewrite_call(LINEAR_RESIDUAL_LN, lambda e, m: _rewrite_residual_ln(t, e, m, var2val, users), func)
     func = relax.analysis.remove_all_unused(func)   # the GELU linears a fused FFN took over
     func = rewrite_call(LINEAR_GELU, gelu, func)
-    func = rewrite_call(LINEAR_RELU, lambda e, m: _rewrite_linear(t, "linear_relu", "relu", e, m, m[LINEAR]), func)
+    func = rewrite_call(LINEAR_GELU_TANH, gelu_tanh, func)
+    func = rewrite_call(LINEAR_RELU, lambda e, m: _rewrite_linear(t, "linear_relu", "relu", e, m, m[ANY_LINEAR]),
+                        func)
     func = rewrite_call(LINEAR, lambda e, m: _rewrite_linear(t, "linear", "none", e, m, e), func)
+    # after the biased pass: matched first, MATMUL would take the matmul out of a biased linear
+    func = rewrite_call(MATMUL, lambda e, m: _rewrite_linear(t, "linear", "none", e, m, e), func)
     func = relax.analysis.remove_all_unused(_simplify(func))
     out = t.mod
     out["main"] = func

@@ -1,0 +1,135 @@
+"""The fusion templates on the chains of the torch-exported GPT-2 and T5 encoder (tiny versions, as
+scripts/bench_e2e_torch.py exports them), beyond BERT's forms:
+
+- pre-LN (GPT-2): the residual sum feeds the next LayerNorm and the next residual add; each linear still runs as
+  ONE GEMM (template GEMM calls == the model's linears) and the LayerNorm template reads the sum;
+- GPT-2's attention input, one linear to [.., 3 * hidden] + split: the QKV template, no split, zero-copy views
+  for the block-wise kernel;
+- the exported tanh GELU in the GEMM epilogue (``gemm_bias_gelu_tanh``), no tanh left;
+- T5's bias-free linears on the GEMM templates (plain GEMM; ReLU with a zero bias; QKV with zero biases), no
+  matmul left;
+- outputs on llvm match the torch model in float32; the tuner plans exactly the compiled calls.
+
+The tiny models are exported by torch in another interpreter (``STOF_TORCH_PYTHON``, default
+/work/torchvenv/bin/python); the tests skip without it."""
+import json
+import os
+import subprocess
+
+import numpy as np
+import onnx
+import pytest
+
+import stof_tvm
+import stof_tvm.compiler
+from stof_tvm import runtime
+from stof_tvm.compiler import cubins, downstream
+from stof_tvm.tuning import plan
+
+from test_bench_e2e_torch import ROOT, TORCH_PYTHON, _rel, _torch_available, bench
+
+MODELS = ("tiny-gpt2", "tiny-t5-encoder")
+BATCH, SEQ = 2, 128
+LAYERS = 2                               # torch_models' tiny configurations
+GPT2_CALLS = {"qkv_projection_kn": 2, "gemm_bias_kn": 3, "gemm_bias_gelu_tanh_kn": 2, "gemm_kn": 1,
+              "layernorm": 3, "bias_residual_layernorm": 1}       # the last block's sum feeds only the final LN
+T5_CALLS = {"qkv_projection_kn": 2, "gemm_kn": 4, "gemm_bias_relu_kn": 2}
+GEMMS = ("qkv_projection", "gemm")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    if not _torch_available():
+        pytest.skip(f"no torch interpreter at {TORCH_PYTHON} (set STOF_TORCH_PYTHON)")
+    out = tmp_path_factory.mktemp("torch_chains")
+    subprocess.run([TORCH_PYTHON, os.path.join(ROOT, "scripts", "bench_e2e_torch.py"), "reference", "--dir", str(out),
+                    "--models", *MODELS, "--shapes", f"{BATCH}x{SEQ}"], check=True, capture_output=True, cwd=ROOT)
+    return {name: os.path.join(out, f"{name}_{BATCH}x{SEQ}") for name in MODELS}
+
+
+def _front(stem, **kwargs):
+    args = dict(mask="bigbird", batch=BATCH, seq_len=SEQ, target="cuda", dtype="float16", gemm="mma",
+                schedule=False, kernel="block" if "gpt2" in stem else "row")
+    return stof_tvm.compiler.front_end(onnx.load(stem + ".onnx"), **{**args, **kwargs})
+
+
+def _ops(front) -> list[str]:
+    """Operators (call_tir: the callee) of the rewritten ``main``, in binding order."""
+    names = []
+    for block in front.mod["main"].body.blocks:
+        for binding in block.bindings:
+            value = binding.value
+            if hasattr(value, "op") and hasattr(value.op, "name"):
+                names.append(value.args[0].name_hint if value.op.name == "relax.call_tir" else value.op.name)
+    return names
+
+
+def _linears(stem) -> int:
+    """The model's linear layers: matmuls by a 2-D weight in the module without templates."""
+    func = _front(stem, templates=False).mod["main"]
+    return sum(1 for block in func.body.blocks for b in block.bindings
+               if getattr(getattr(b.value, "op", None), "name", None) == "relax.matmul"
+               and len(b.value.args[1].ty.shape) == 2)
+
+
+def _gemm_calls(calls: dict) -> int:
+    return sum(count for name, count in calls.items() if name.startswith(GEMMS))
+
+
+def test_gpt2_one_gemm_per_linear_fused_qkv_and_tanh_gelu(exported):
+    front = _front(exported["tiny-gpt2"])
+    calls = front.template_entry["calls"]
+    assert calls == GPT2_CALLS
+    assert _gemm_calls(calls) == _linears(exported["tiny-gpt2"]) == 4 * LAYERS     # no GEMM runs twice
+    ops = _ops(front)
+    for absent in ("relax.split", "relax.tanh", "relax.matmul", "relax.permute_dims"):
+        assert absent not in ops, absent
+    assert ops.count("relax.memory.view") == 3 * LAYERS                           # Q, K, V read in place
+    assert ops.count("relax.nn.layer_norm") == 1                                   # only the embeddings' ln_1
+    chains = {site["chain"] for site in front.template_entry["sites"]}
+    assert {"qkv", "linear_gelu_tanh", "residual_sum_ln", "linear"} <= chains
+
+
+def test_gpt2_wgmma_takes_the_gelu_tanh_and_qkv_kernels(exported, monkeypatch):
+    monkeypatch.setattr(cubins, "find_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
+    monkeypatch.setattr(downstream, "WGMMA_MIN_TILES", 1)
+    calls = _front(exported["tiny-gpt2"], gemm="wgmma", batch=4).template_entry["calls"]
+    assert calls["gemm_bias_gelu_tanh_wgmma"] == LAYERS and calls["qkv_projection_wgmma"] == LAYERS
+    assert _gemm_calls(calls) == 4 * LAYERS
+
+
+def test_t5_bias_free_linears_on_templates(exported):
+    front = _front(exported["tiny-t5-encoder"])
+    assert front.template_entry["calls"] == T5_CALLS
+    assert _gemm_calls(T5_CALLS) == _linears(exported["tiny-t5-encoder"]) - 2 * LAYERS    # q, k, v: one call
+    ops = _ops(front)
+    assert "relax.matmul" not in ops and "relax.nn.relu" not in ops
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_templates_match_torch_float32(exported, tmp_path, name):
+    """fp16 with every chain on templates vs the torch model in float32 (same mask), within fp16 rounding (the
+    rewrite gives 3e-4 here)."""
+    stem = exported[name]
+    with open(stem + ".map.json") as f:
+        mapping = json.load(f)
+    with np.load(stem + ".state.npz") as data:
+        state = {k: data[k] for k in data.files}
+    with np.load(stem + ".io.npz") as data:
+        feeds = {k[3:]: data[k] for k in data.files if k.startswith("in_")}
+        expected = data["sdpa"]
+    art = stof_tvm.compile(onnx.load(stem + ".onnx"), mask="bigbird", batch=BATCH, seq_len=SEQ, target="llvm",
+                           dtype="float16", templates=True)
+    assert art.manifest["templates"]["calls"] == (GPT2_CALLS if "gpt2" in name else T5_CALLS)
+    weights = bench.artifact_weights(art.manifest, mapping, state)
+    out = runtime.load(art.save(tmp_path / "artifact", weights=False), weights=weights)(feeds)
+    assert _rel(out["last_hidden_state"], expected) < 1.5e-3
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_tuner_plans_the_compiled_calls(exported, name):
+    from test_tuning_plan import manifest_calls, planned_calls
+
+    model = onnx.load(exported[name] + ".onnx")
+    stage1 = plan(model, mask="bigbird", batch=BATCH, seq_len=SEQ, target="cuda", gemm="mma", top_k=1)
+    assert planned_calls(stage1) == manifest_calls({"templates": _front(exported[name]).template_entry})
