@@ -12,6 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def cuda_runtime_library() -> str | None:
+    """Path of TVM's CUDA runtime library once :func:`ensure_cuda_runtime` has loaded it (else None)."""
+    import tvm.base
+
+    lib = tvm.base._LOADED_LIBS.get("tvm_runtime_cuda")
+    return None if lib is None else str(Path(lib._name).resolve())
+
+
 def ensure_cuda_runtime() -> bool:
     """Load TVM's CUDA runtime library if needed; return True when CUDA modules can be loaded."""
     import tvm
