@@ -2,7 +2,8 @@
 scripts/bench_e2e_torch.py exports them), beyond BERT's forms:
 
 - pre-LN (GPT-2): the residual sum feeds the next LayerNorm and the next residual add; each linear still runs as
-  ONE GEMM (template GEMM calls == the model's linears) and the LayerNorm template reads the sum;
+  ONE GEMM (template GEMM calls == the model's linears), the sum is one 16-bit add, the LayerNorm template reads
+  it;
 - GPT-2's attention input, one linear to [.., 3 * hidden] + split: the QKV template, no split, zero-copy views
   for the block-wise kernel;
 - the exported tanh GELU in the GEMM epilogue (``gemm_bias_gelu_tanh``), no tanh left;
@@ -88,6 +89,10 @@ def test_gpt2_one_gemm_per_linear_fused_qkv_and_tanh_gelu(exported):
     assert ops.count("relax.nn.layer_norm") == 1                                   # only the embeddings' ln_1
     chains = {site["chain"] for site in front.template_entry["sites"]}
     assert {"qkv", "linear_gelu_tanh", "residual_sum_ln", "linear"} <= chains
+    # the residual stream is 16-bit (one add per sum, no float32 round trip): float32 adds only before layer 0
+    adds = [b.var.ty.dtype for block in front.mod["main"].body.blocks for b in block.bindings
+            if getattr(getattr(b.value, "op", None), "name", None) == "relax.add" and len(b.var.ty.shape) == 3]
+    assert adds.count("float16") == 2 * LAYERS - 1 and adds.count("float32") == 1
 
 
 def test_gpt2_wgmma_takes_the_gelu_tanh_and_qkv_kernels(exported, monkeypatch):
@@ -109,7 +114,7 @@ def test_t5_bias_free_linears_on_templates(exported):
 @pytest.mark.parametrize("name", MODELS)
 def test_templates_match_torch_float32(exported, tmp_path, name):
     """fp16 with every chain on templates vs the torch model in float32 (same mask), within fp16 rounding (the
-    rewrite gives 3e-4 here)."""
+    rewrite gives 5e-4 here)."""
     stem = exported[name]
     with open(stem + ".map.json") as f:
         mapping = json.load(f)

@@ -14,9 +14,9 @@ the same ``X``, each ``reshape [B, S, H, D]`` +         views of it at Q's, K's 
 ``layer_norm(astype(linear) + residual)`` (output       ``gemm_kn`` + ``bias_residual_layernorm`` (unfused,
 projection, FFN down-projection; either add order)      measured faster), or ``gemm_bias_residual_layernorm_kn``
                                                         when :mod:`.template_choice` ranks it faster
-the same where the sum also feeds the next residual     the linear on its own GEMM (below), ``layernorm`` of
-add (pre-LN: GPT-2, ViT)                                the sum (folded into the LayerNorm, the GEMM would
-                                                        run twice: once more for the sum)
+the same where the sum also feeds the next residual     the linear on its own GEMM (below), the sum one 16-bit
+add (pre-LN: GPT-2, ViT)                                add, ``layernorm`` of it (folded into the LayerNorm,
+                                                        the GEMM would run twice: once more for the sum)
 ``linear`` + erf GELU / tanh GELU / ReLU (FFN           ``gemm_bias_gelu_erf_kn`` / ``gemm_bias_gelu_tanh_kn``
 up-projection)                                          / ``gemm_bias_relu_kn``
 any other ``linear``                                    ``gemm_bias_kn``, ``gemm_kn`` without bias
@@ -253,10 +253,11 @@ def _rewrite_linear(t: _Templates, chain: str, act: str, expr, matches, lin_call
     return out if str(expr.ty.dtype) == dtype else relax.op.astype(out, str(expr.ty.dtype))
 
 
-def _rewrite_residual_ln(t: _Templates, expr, matches, var2val, users):
+def _rewrite_residual_ln(t: _Templates, expr, matches, var2val, users, shared_sums: dict):
     """layer_norm(linear + residual): unfused gemm + bias_residual_layernorm, or the fused template; when the
     linear's input is an erf-GELU linear used only there (the FFN), the fused FFN + bias_residual_layernorm where
-    :meth:`.template_choice.TemplateChooser.fused_ffn` picks it."""
+    :meth:`.template_choice.TemplateChooser.fused_ffn` picks it. A sum with other users (pre-LN) is left to the
+    linear pass and the ``layernorm`` template; it is noted in ``shared_sums`` for :func:`_narrow_sums`."""
     from stof_tvm.schedules.templates import get_template
     from stof_tvm.schedules.templates.epilogue import LN_EPS
 
@@ -285,6 +286,7 @@ def _rewrite_residual_ln(t: _Templates, expr, matches, var2val, users):
         # pre-LN (GPT-2, ViT): the sum is also the next block's residual, which needs the linear's output anyway;
         # folding that GEMM into the LayerNorm would run it twice, so it stays a GEMM of its own (the linear
         # pass) and the LayerNorm template reads the sum
+        _note_shared_sum(shared_sums, total, matches[_LIN_OUT], var2val, dtype)
         s2d = relax.op.reshape(total if str(total.ty.dtype) == dtype else relax.op.astype(total, dtype), [m, n])
         call, stage = t.call("layernorm", ln_shape, dtype, [s2d, g16, b16], (m, n), eps)
         t.record("residual_sum_ln", [stage])
@@ -313,6 +315,43 @@ def _rewrite_residual_ln(t: _Templates, expr, matches, var2val, users):
     t.record(chain, stages, note)
     out = relax.op.reshape(call, out_shape)
     return out if str(expr.ty.dtype) == dtype else relax.op.astype(out, str(expr.ty.dtype))
+
+
+def _note_shared_sum(shared_sums: dict, total, lin_out, var2val, dtype: str) -> None:
+    """Note ``total`` = ``astype(linear) + residual`` (float32; ``lin_out`` the matched ``astype(linear)``) as
+    ``total -> (linear var, residual var, dtype)`` for :func:`_narrow_sums`; nothing when the sum is 16-bit."""
+    value = var2val.get(total)
+    if str(total.ty.dtype) == dtype or value is None or not _is_call(lin_out, "relax.astype"):
+        return
+    casts = [arg for arg in value.args if isinstance(arg, relax.Var) and var2val.get(arg) is not None
+             and var2val[arg].same_as(lin_out)]
+    linear = lin_out.args[0]
+    if len(casts) == 1 and isinstance(linear, relax.Var) and str(linear.ty.dtype) == dtype:
+        residual = value.args[1] if value.args[0].same_as(casts[0]) else value.args[0]
+        shared_sums[total] = (linear, residual, dtype)
+
+
+def _narrow_sums(func: relax.Function, shared_sums: dict) -> relax.Function:
+    """Compute each noted pre-LN residual sum in 16 bits (``linear + astype(residual)``, as a 16-bit PyTorch model
+    does), its float32 users reading a cast of it: with the LayerNorm template reading the 16-bit sum, the
+    residual stream's float32 round trips fold away (:func:`_simplify`), leaving one 16-bit add per sum."""
+    if not shared_sums:
+        return func
+
+    @relax.expr_functor.mutator
+    class Narrow(relax.PyExprMutator):
+        def visit_var_binding_(self, binding):
+            if binding.var not in shared_sums:
+                super().visit_var_binding_(binding)
+                return
+            linear, residual, dtype = shared_sums[binding.var]
+            residual = self.visit_expr(residual)
+            if str(residual.ty.dtype) != dtype:
+                residual = relax.op.astype(residual, dtype)
+            narrow = self.builder_.emit(relax.op.add(self.visit_expr(linear), residual))
+            self.set_var_remap(binding.var, self.builder_.emit(relax.op.astype(narrow, str(binding.var.ty.dtype))))
+
+    return Narrow().visit_expr(func)
 
 
 def _fused_ffn(t: _Templates, x, w2, var2val, users, m: int, hidden: int, ffn: int, dtype: str):
@@ -603,7 +642,10 @@ def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | 
     func = _rewrite_qkv(t, func)
     func = relax.analysis.remove_all_unused(func)
     var2val, users = relax.analysis.get_var2val(func), _users(func)
-    func = rewrite_call(LINEAR_RESIDUAL_LN, lambda e, m: _rewrite_residual_ln(t, e, m, var2val, users), func)
+    shared_sums: dict = {}
+    func = rewrite_call(LINEAR_RESIDUAL_LN, lambda e, m: _rewrite_residual_ln(t, e, m, var2val, users, shared_sums),
+                        func)
+    func = _narrow_sums(func, shared_sums)
     func = relax.analysis.remove_all_unused(func)   # the GELU linears a fused FFN took over
     func = rewrite_call(LINEAR_GELU, gelu, func)
     func = rewrite_call(LINEAR_GELU_TANH, gelu_tanh, func)
