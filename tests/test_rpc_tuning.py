@@ -132,7 +132,7 @@ def test_commands_and_argument_checks():
         with pytest.raises(ValueError, match="HOST:PORT"):
             rpc.parse_address(bad)
     command = rpc.server_command("tracker:9190", "h200", port=9090, custom_addr="10.0.0.5", python="py")
-    assert command[:3] == ["py", "-m", "stof_tvm.tuning.rpc_server"]   # the stock server with CUDA loaded
+    assert command[:3] == ["py", "-m", "stof_tvm.tuning.rpc_server"]   # TVM's server, CUDA-capable sessions
     assert command[command.index("--tracker") + 1] == "tracker:9190"
     assert command[command.index("--key") + 1] == "h200"
     assert command[command.index("--custom-addr") + 1] == "10.0.0.5"

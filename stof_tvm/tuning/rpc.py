@@ -8,8 +8,8 @@ server), so N servers under one key measure N candidates at once, provided the r
 so even one-at-a-time requests alternate over all of them.
 
 This module starts the processes (the stock ``python -m tvm.exec.rpc_tracker``, and for servers
-:mod:`stof_tvm.tuning.rpc_server`, the stock ``rpc_server`` with TVM's CUDA runtime loaded; the tracker needs the
-``tornado`` package, the servers do not), reads the tracker's state, and
+:mod:`stof_tvm.tuning.rpc_server`, TVM's RPC server serving CUDA with sessions forked from a fork server; the
+tracker needs the ``tornado`` package, the servers do not), reads the tracker's state, and
 :class:`LocalCluster` runs a whole tracker-and-servers set as child processes for tests and single-host runs.
 The runner itself is built by :func:`stof_tvm.tuning.runners.make_runner`.
 """
@@ -28,7 +28,7 @@ __all__ = ["LocalCluster", "count_servers", "format_summary", "parse_address", "
            "servers_by_key", "tracker_command", "tracker_summary", "wait_for_servers"]
 
 TRACKER_MODULE = "tvm.exec.rpc_tracker"
-SERVER_MODULE = "stof_tvm.tuning.rpc_server"   # tvm.exec.rpc_server with the CUDA runtime loaded
+SERVER_MODULE = "stof_tvm.tuning.rpc_server"   # TVM's RPC server, CUDA-capable sessions (see that module)
 
 
 def parse_address(text: str, what: str = "--rpc-tracker") -> tuple[str, int]:

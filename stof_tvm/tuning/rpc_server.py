@@ -1,32 +1,69 @@
-"""``python -m stof_tvm.tuning.rpc_server ARGS``: TVM's stock RPC server (``tvm.exec.rpc_server``, same arguments)
-made to serve CUDA devices.
+"""``python -m stof_tvm.tuning.rpc_server ARGS``: a TVM RPC server (``tvm.rpc.Server``, the arguments of
+``tvm.exec.rpc_server``) that can measure CUDA modules, one fresh process per session.
 
-Two things the stock program gets wrong on a GPU host, both seen on the two-H200 host:
+The stock server gets three things wrong on a GPU host, all seen on the two-H200 host:
 
 - it only imports ``tvm``; with the pip build of TVM the CUDA device API lives in a separate runtime library that
   nothing loads then, so no CUDA module could be loaded (every measurement failed);
-- it serves each session in a *forked* child; once the server process has touched the CUDA driver, a forked
-  child cannot use it (``cudaErrorInitializationError`` on every measurement).
+- it serves each session in a *forked* child; once the serving process has touched the CUDA driver, a forked
+  child cannot use it (``cudaErrorInitializationError`` on every measurement);
+- its ``--no-fork`` mode spawns a new interpreter per session, which imports TVM again: 7 s per measurement.
 
-So on a host with a CUDA device this wrapper loads the CUDA runtime library, and serves sessions in *spawned*
-children (``--no-fork``) that load the same library first (``--load-library``). On a host without CUDA it runs
-the stock server unchanged (forked sessions, CPU only)."""
-import runpy
-import sys
+Here each session is forked from a *fork server* (``multiprocessing``'s ``forkserver`` start method), a process
+that has imported TVM's RPC server and nothing of CUDA, so a fork is cheap and its child starts with a clean
+driver; the child loads TVM's CUDA runtime library (``--load-library``) before serving. On a host without that
+library the sessions serve the CPU, the same way.
+"""
+from __future__ import annotations
 
-from stof_tvm.cuda_runtime import cuda_runtime_library, ensure_cuda_runtime
+import argparse
+import multiprocessing
+
+# Imported once by the fork server, so that every session's fork starts with them loaded.
+FORKSERVER_PRELOAD = ["tvm", "tvm.rpc.server"]
 
 
-def _cuda_arguments() -> list[str]:
-    """Extra server arguments for serving CUDA: spawned sessions that load TVM's CUDA runtime library."""
-    import tvm
+def use_fork_server() -> None:
+    """Run by the server process before it serves: sessions fork from a fork server (see the module docstring)."""
+    multiprocessing.set_start_method("forkserver", force=True)
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
 
-    if not ensure_cuda_runtime() or not tvm.cuda(0).exist:
-        return []
-    library = cuda_runtime_library()
-    return ["--no-fork"] + (["--load-library", library] if library else [])
+
+def cuda_library() -> str | None:
+    """TVM's CUDA runtime library, for the sessions to load (None on a host without it)."""
+    from stof_tvm.cuda_runtime import cuda_runtime_library, ensure_cuda_runtime
+
+    return cuda_runtime_library() if ensure_cuda_runtime() else None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind")
+    parser.add_argument("--port", type=int, default=9090, help="first port to try")
+    parser.add_argument("--port-end", type=int, default=9199, help="end of the port range")
+    parser.add_argument("--tracker", help="tracker address HOST:PORT to register with")
+    parser.add_argument("--key", default="", help="the key this server registers under (with --tracker)")
+    parser.add_argument("--custom-addr", help="the address the tracker hands to clients (behind NAT)")
+    parser.add_argument("--load-library", help="more libraries for each session to load, ':'-separated")
+    parser.add_argument("--silent", action="store_true", help="log errors only")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    from tvm import rpc
+
+    from stof_tvm.tuning.rpc import parse_address
+
+    args = parse_args(argv)
+    tracker = parse_address(args.tracker, "--tracker") if args.tracker else None
+    if tracker is not None and not args.key:
+        raise SystemExit("--key: a server registered with a tracker needs a key")
+    libraries = [lib for lib in (cuda_library(), args.load_library) if lib]
+    server = rpc.Server(args.host, args.port, args.port_end, key=args.key, tracker_addr=tracker,
+                        load_library=":".join(libraries) or None, custom_addr=args.custom_addr,
+                        silent=args.silent, server_init_callback=use_fork_server)
+    server.proc.join()
 
 
 if __name__ == "__main__":
-    sys.argv += _cuda_arguments()
-    runpy.run_module("tvm.exec.rpc_server", run_name="__main__", alter_sys=True)
+    main()
