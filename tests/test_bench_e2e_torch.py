@@ -90,15 +90,20 @@ def _torch_available() -> bool:
     return subprocess.run([TORCH_PYTHON, "-c", "import torch, onnx"], capture_output=True).returncode == 0
 
 
-@pytest.fixture(scope="module")
-def torch_data(tmp_path_factory):
+def export_reference(tmp_path_factory, models, shape: str) -> str:
+    """Run ``bench_e2e_torch.py reference`` for ``models`` at ``shape`` ("BxS") with the torch interpreter; the
+    folder it wrote (ONNX graphs, weight maps, state_dicts, inputs, torch outputs). Skips without torch."""
     if not _torch_available():
         pytest.skip(f"no torch interpreter at {TORCH_PYTHON} (set STOF_TORCH_PYTHON)")
     out = tmp_path_factory.mktemp("torch_ref")
     subprocess.run([TORCH_PYTHON, os.path.join(ROOT, "scripts", "bench_e2e_torch.py"), "reference", "--dir", str(out),
-                    "--models", "tiny-gpt2", "tiny-t5-encoder", "tiny-vit", "tiny-bert", "--shapes", "2x128"],
-                   check=True, capture_output=True, cwd=ROOT)
-    return out
+                    "--models", *models, "--shapes", shape], check=True, capture_output=True, cwd=ROOT)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def torch_data(tmp_path_factory):
+    return export_reference(tmp_path_factory, ["tiny-gpt2", "tiny-t5-encoder", "tiny-vit", "tiny-bert"], "2x128")
 
 
 @pytest.mark.parametrize("name, kernel", [("tiny-gpt2", "row"), ("tiny-t5-encoder", "row"),   # T5: bias added by row

@@ -15,7 +15,6 @@ The tiny models are exported by torch in another interpreter (``STOF_TORCH_PYTHO
 /work/torchvenv/bin/python); the tests skip without it."""
 import json
 import os
-import subprocess
 
 import numpy as np
 import onnx
@@ -27,7 +26,7 @@ from stof_tvm import runtime
 from stof_tvm.compiler import cubins, downstream
 from stof_tvm.tuning import plan
 
-from test_bench_e2e_torch import ROOT, TORCH_PYTHON, _rel, _torch_available, bench
+from test_bench_e2e_torch import _rel, bench, export_reference
 
 MODELS = ("tiny-gpt2", "tiny-t5-encoder")
 BATCH, SEQ = 2, 128
@@ -40,11 +39,7 @@ GEMMS = ("qkv_projection", "gemm")
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    if not _torch_available():
-        pytest.skip(f"no torch interpreter at {TORCH_PYTHON} (set STOF_TORCH_PYTHON)")
-    out = tmp_path_factory.mktemp("torch_chains")
-    subprocess.run([TORCH_PYTHON, os.path.join(ROOT, "scripts", "bench_e2e_torch.py"), "reference", "--dir", str(out),
-                    "--models", *MODELS, "--shapes", f"{BATCH}x{SEQ}"], check=True, capture_output=True, cwd=ROOT)
+    out = export_reference(tmp_path_factory, MODELS, f"{BATCH}x{SEQ}")
     return {name: os.path.join(out, f"{name}_{BATCH}x{SEQ}") for name in MODELS}
 
 
