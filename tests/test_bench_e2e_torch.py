@@ -101,6 +101,19 @@ def export_reference(tmp_path_factory, models, shape: str) -> str:
     return str(out)
 
 
+def load_reference(stem: str) -> tuple[dict, dict, dict, dict]:
+    """One model's files from :func:`export_reference`: (weight map, torch state_dict, model inputs, torch
+    float32 outputs by attention: "sdpa", "flex")."""
+    with open(stem + ".map.json") as f:
+        mapping = json.load(f)
+    with np.load(stem + ".state.npz") as data:
+        state = {k: data[k] for k in data.files}
+    with np.load(stem + ".io.npz") as data:
+        feeds = {k[3:]: data[k] for k in data.files if k.startswith("in_")}
+        outputs = {k: data[k] for k in data.files if not k.startswith("in_")}
+    return mapping, state, feeds, outputs
+
+
 @pytest.fixture(scope="module")
 def torch_data(tmp_path_factory):
     return export_reference(tmp_path_factory, ["tiny-gpt2", "tiny-t5-encoder", "tiny-vit", "tiny-bert"], "2x128")
@@ -113,13 +126,8 @@ def test_artifact_with_mapped_torch_weights_matches_torch(torch_data, tmp_path, 
 
     stem = os.path.join(torch_data, f"{name}_2x128")
     model = onnx.load(stem + ".onnx")
-    with open(stem + ".map.json") as f:
-        mapping = json.load(f)
-    with np.load(stem + ".state.npz") as data:
-        state = {k: data[k] for k in data.files}
-    with np.load(stem + ".io.npz") as data:
-        feeds = {k[3:]: data[k] for k in data.files if k.startswith("in_")}
-        sdpa, flex = data["sdpa"], data["flex"]
+    mapping, state, feeds, torch_out = load_reference(stem)
+    sdpa, flex = torch_out["sdpa"], torch_out["flex"]
     assert _rel(flex, sdpa) < 1e-5                      # the two baselines' attention agree on the mask
     ref = reference_outputs(model, stof_tvm.make_mask("bigbird", 128)[None, None], feeds)["last_hidden_state"]
     assert _rel(sdpa, ref) < 1e-5                       # torch with the mask == the exported graph with it

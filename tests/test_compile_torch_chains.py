@@ -13,10 +13,8 @@ scripts/bench_e2e_torch.py exports them), beyond BERT's forms:
 
 The tiny models are exported by torch in another interpreter (``STOF_TORCH_PYTHON``, default
 /work/torchvenv/bin/python); the tests skip without it."""
-import json
 import os
 
-import numpy as np
 import onnx
 import pytest
 
@@ -26,7 +24,7 @@ from stof_tvm import runtime
 from stof_tvm.compiler import cubins, downstream
 from stof_tvm.tuning import plan
 
-from test_bench_e2e_torch import _rel, bench, export_reference
+from test_bench_e2e_torch import _rel, bench, export_reference, load_reference
 
 MODELS = ("tiny-gpt2", "tiny-t5-encoder")
 BATCH, SEQ = 2, 128
@@ -111,13 +109,8 @@ def test_templates_match_torch_float32(exported, tmp_path, name):
     """fp16 with every chain on templates vs the torch model in float32 (same mask), within fp16 rounding (the
     rewrite gives 5e-4 here)."""
     stem = exported[name]
-    with open(stem + ".map.json") as f:
-        mapping = json.load(f)
-    with np.load(stem + ".state.npz") as data:
-        state = {k: data[k] for k in data.files}
-    with np.load(stem + ".io.npz") as data:
-        feeds = {k[3:]: data[k] for k in data.files if k.startswith("in_")}
-        expected = data["sdpa"]
+    mapping, state, feeds, torch_out = load_reference(stem)
+    expected = torch_out["sdpa"]
     art = stof_tvm.compile(onnx.load(stem + ".onnx"), mask="bigbird", batch=BATCH, seq_len=SEQ, target="llvm",
                            dtype="float16", templates=True)
     assert art.manifest["templates"]["calls"] == (GPT2_CALLS if "gpt2" in name else T5_CALLS)
