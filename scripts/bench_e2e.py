@@ -299,11 +299,9 @@ def _time_artifact(row, label, path, runtime, all_weights, ids, pad, ref, args) 
     compiled.run(prepared)
     row[label + "_ms"] = float(np.median(timer(*prepared, *compiled.params).results) * 1e3)
     if label in args.profile:
-        from stof_tvm.profiling import profile_calls
+        from stof_tvm.profiling import profile_artifact
 
-        profile = profile_calls(compiled.vm, compiled.device, prepared + compiled.params)
-        row[label + "_profile"] = profile.rows()[:25]
-        print(f"  {label} per call (device synchronised around each):\n{profile.table()}", flush=True)
+        profile_artifact(compiled, prepared, label, row)
     row[label + "_load_s"] = time.time() - t0
 
 

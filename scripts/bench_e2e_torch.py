@@ -546,6 +546,10 @@ def _time_artifact(row, label, path, runtime, mapping, state, feeds, ref, args) 
     row[label + "_kernel"] = compiled.kernel
     timer = compiled.vm.time_evaluator("main", compiled.device, number=args.iters, repeat=3, min_repeat_ms=0)
     row[label + "_ms"] = float(np.median(timer(*prepared, *compiled.params).results) * 1e3)
+    if label in args.profile:
+        from stof_tvm.profiling import profile_artifact
+
+        profile_artifact(compiled, prepared, label, row)
     row[label + "_load_s"] = time.time() - t0
 
 
@@ -595,6 +599,8 @@ def main(argv=None) -> int:
     sub.choices["run"].add_argument("--time-budget", type=float, default=float("inf"),
                                     help="start no new (model, shape) after this many seconds (the table and JSON "
                                          "still come out before the device tool's time limit)")
+    sub.choices["run"].add_argument("--profile", nargs="*", default=[], metavar="LABEL",
+                                    help="variant labels (as in the table) whose kernel calls are also timed one by one")
     sub.choices["run"].add_argument("--tolerance", type=float, default=2e-2,
                                     help="largest relative error of a variant that counts as correct")
     args = parser.parse_args(argv)

@@ -84,3 +84,12 @@ def profile_calls(vm, device, args: list, runs: int = 3, warmup: int = 1) -> Cal
     finally:
         vm.set_instrument(None)
     return profile
+
+
+def profile_artifact(model, prepared: list, label: str, row: dict, top: int = 25) -> CallProfile:
+    """Profile a loaded artifact (:class:`stof_tvm.runtime.CompiledModel`) on ``prepared`` inputs for a benchmark
+    script: its ``top`` rows go into ``row[label + "_profile"]`` and the table is printed."""
+    profile = profile_calls(model.vm, model.device, prepared + model.params)
+    row[label + "_profile"] = profile.rows()[:top]
+    print(f"  {label} per call (device synchronised around each):\n{profile.table()}", flush=True)
+    return profile

@@ -12,7 +12,9 @@ import pytest
 import stof_tvm
 from stof_tvm import runtime
 from stof_tvm.cli import main as cli_main
+from stof_tvm.commands.run import model_inputs
 from stof_tvm.models import BERT_CONFIGS
+from stof_tvm.profiling import profile_artifact
 from stof_tvm.models import builtin_model
 from stof_tvm.models.reference import random_inputs
 
@@ -121,6 +123,11 @@ def test_cli_main_job(tmp_path, capsys):
     assert abs(sum(row["share"] for row in report["profile"]) - 1) < 1e-6
     profiled_ms = sum(row["ms"] for row in report["profile"])
     assert 0.5 * report["min_ms"] < profiled_ms < 5 * report["max_ms"]
+    model = runtime.load(out)                            # the benchmark scripts' form: figures into a result row
+    row = {}
+    profile_artifact(model, model.prepare(model_inputs(model, None)), "tiny", row)
+    assert {r["symbol"] for r in row["tiny_profile"]} == set(by_symbol)
+    assert "per call" in capsys.readouterr().out
 
 
 def test_cli_errors_are_reported(tmp_path, capsys):
