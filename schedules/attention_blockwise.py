@@ -22,7 +22,8 @@ Two PrimFuncs with the same signature and semantics are built here:
   CPU. The CUDA kernel itself is checked against a float reference on the GPU (``scripts/bench_attention.py``)
   and its generated source is compiled for sm_90 with nvcc in the CPU tests.
 
-Semantics (both targets): ``out[b, h, i] = sum_j softmax_j(scale * q_i . k_j over kept j) v_j``, where kept
+Semantics (both targets): ``out[b, h, i] = sum_j softmax_j(scale * q_i . k_j (+ bias[b, h, i, j]) over kept j) v_j``
+(the optional score bias, e.g. T5's position bias, as in the row-wise kernel), where kept
 pairs come from mask group ``g = (b if mask_batch > 1 else 0) * mask_heads + (h if mask_heads > 1 else 0)``;
 rows with no kept key give exactly 0. Format arrays must have at least one element: pass a dummy entry
 (e.g. ``[0]`` and one all-zero bitmap) when a mask has no full or no partial tile; ``n_full`` / ``n_part`` are
@@ -38,6 +39,7 @@ from tvm.script import tirx as T
 
 from .mma import (CP_ASYNC_16, EX2, LD_SHARED_V4, LDMATRIX_X4, LDMATRIX_X4_TRANS, ST_GLOBAL_V4, mma_m16n8k16,
                   pack_f32x2, swizzle_offset)
+from .attention_rowwise import check_score_bias
 
 __all__ = ["BlockConfig", "default_block_config", "blockwise_attention_primfunc", "SUPPORTED_DTYPES",
            "SUPPORTED_HEAD_DIMS", "OUT_LAYOUTS"]
@@ -146,7 +148,8 @@ def _check_positive(name: str, value) -> None:
 def blockwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: str,
                                  mask_batch: int, mask_heads: int, scale: float | None = None,
                                  config: BlockConfig | None = None, target_kind: str = "cuda",
-                                 out_layout: str = "bhsd") -> tvm.tirx.PrimFunc:
+                                 out_layout: str = "bhsd", bias: tuple[int, int, str] | None = None
+                                 ) -> tvm.tirx.PrimFunc:
     """The block-wise attention PrimFunc for one problem shape.
 
     Parameters (in order): ``q[B,H,Sq,D], k[B,H,Sk,D], v[B,H,Sk,D], full_indptr[G*TR+1] int32,
@@ -159,6 +162,11 @@ def blockwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: i
     ``out_layout``: ``"bhsd"`` writes ``out[B,H,Sq,D]``; ``"bshd"`` writes ``out[B,Sq,H,D]``, the layout a
     transformer's output projection reads, so the graph's transpose back from heads disappears. Q, K and V may
     start at any multiple of 8 elements into their allocation (views of one fused QKV projection output).
+
+    ``bias = (bias_batch, bias_heads, dtype)`` adds a parameter ``bias[Bb, Hb, Sq, Sk]`` between the format
+    arrays and ``out`` (Bb 1 or B, Hb 1 or H; float16, bfloat16 or float32), as in the row-wise kernel: it is
+    added to each kept score after scaling (T5's position bias) and read only in the tiles the format lists
+    (never at rows >= Sq or keys >= Sk); values at keys the mask drops are ignored, whatever they are.
     """
     if out_layout not in OUT_LAYOUTS:
         raise ValueError(f"out_layout must be one of {OUT_LAYOUTS}, got {out_layout!r}")
@@ -177,8 +185,12 @@ def blockwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: i
     if not isinstance(config, BlockConfig):
         raise TypeError(f"config must be a BlockConfig, got {type(config).__name__}")
     config.validate(head_dim)
+    bias = check_score_bias(bias, batch, heads)
+    if bias is not None and bias[0] * bias[1] * seq_q * seq_k >= 2 ** 31:
+        raise ValueError(f"bias: [{bias[0]}, {bias[1]}, {seq_q}, {seq_k}] has 2**31 elements or more (the kernel "
+                         "indexes it with 32-bit integers)")
     shape = _Shape(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, scale, config,
-                   out_layout == "bshd")
+                   out_layout == "bshd", bias)
     if target_kind == "cuda":
         return _cuda_kernel(shape)
     if target_kind == "llvm":
@@ -199,6 +211,13 @@ class _Shape:
     scale: float
     config: BlockConfig
     rows_then_heads: bool           # out_layout "bshd"
+    bias: tuple | None = None       # (bias_batch, bias_heads, dtype) of the score bias input
+
+    @property
+    def bias_select(self) -> tuple[int, int]:
+        """(batch, head) multipliers giving the bias's (batch, head) index of (b, h): ``b * sb``, ``h * sh``."""
+        bias_batch, bias_heads, _ = self.bias
+        return (1 if bias_batch > 1 else 0), (1 if bias_heads > 1 else 0)
 
     @property
     def out_shape(self) -> tuple:
@@ -247,6 +266,19 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     NEG_INF = T.float32(float("-inf"))
     MMA, PACK = mma_m16n8k16(DT), pack_f32x2(DT)
     OUT_SHAPE, BSHD = p.out_shape, p.rows_then_heads
+    # Score bias: each thread reads its own C-fragment elements (rows g, g+8 of each m-tile, columns 2*qd, 2*qd+1
+    # of each n8 tile), divided by the scale so scores and bias share the softmax's log2 scaling. A 16-bit bias
+    # keeps a column pair in one 32-bit register (low half: column 2*qd), loaded as one word when Sk is even
+    # (PAIR), else as two halves. STAGE (16-bit bias, at most 16 pairs per thread): every pair is loaded before
+    # QK^T, so the loads overlap it, and added after it; otherwise (float32 bias, or two m16 tiles of 8 n8 tiles,
+    # whose registers would not fit beside S and O) the bias is the initial value of the QK^T accumulators.
+    HAS_BIAS = p.bias is not None
+    BB, BHB, BIAS_DT = p.bias if HAS_BIAS else (1, 1, "float32")
+    BSB, BSH = p.bias_select if HAS_BIAS else (0, 0)
+    WIDE = BIAS_DT == "float32"
+    PAIR = HAS_BIAS and not WIDE and SK % 2 == 0
+    STAGE = HAS_BIAS and not WIDE and MT * 2 * NJ <= 16
+    INV_SCALE = T.float32(1.0 / p.scale)
 
     def swz(row, chunk):
         return swizzle_offset(row, chunk, ROW_BYTES)
@@ -273,6 +305,37 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     def q_at(mt, kk):          # first register of Q's A fragment for m-tile mt, k16 step kk
         return (mt * KD + kk) * 4
 
+    def bias_at(bias, b, h, tr, warp, g, mt, hh, key):   # bias of the thread's row hh*8+g of m-tile mt, clamped
+        return bias[b * BSB, h * BSH, T.min(tr * BM + warp * (MT * 16) + mt * 16 + hh * 8 + g, SQ - 1),
+                    T.min(key, SK - 1)]
+
+    def bias_slot(mt, hh, j):  # register of a column pair's 16-bit bias: all pairs staged, or one at a time
+        return (mt * 2 + hh) * NJ + j if STAGE else 0
+
+    def bias_value(bias_reg, mt, hh, j, e):    # float32 bias / scale of score register hh*2+e of n8 tile j
+        word = bias_reg[bias_slot(mt, hh, j)]
+        if BIAS_DT == "bfloat16":            # a bf16 value is the upper half of the float32 it rounds
+            return T.reinterpret("float32", T.bitwise_and(T.shift_left(word, T.Cast("uint32", 16 - 16 * e)),
+                                                          T.uint32(0xFFFF0000))) * INV_SCALE
+        return T.Cast("float32", T.reinterpret("float16", T.Cast("uint16", T.shift_right(
+            word, T.Cast("uint32", 16 * e))))) * INV_SCALE
+
+    @T.macro
+    def load_bias_pair(bias, bias_reg, b, h, tr, warp, g, qd, bcol, mt, hh, j):
+        # The 16-bit bias of the thread's column pair in n8 tile j, row hh*8+g of m-tile mt, of the tile at column
+        # tile bcol; rows >= Sq and keys >= Sk (never kept) are clamped to stay inside the bias.
+        if PAIR:
+            bias_words = T.decl_buffer((BB * BHB * SQ * SK // 2,), "uint32", data=bias.data)
+            bias_reg[bias_slot(mt, hh, j)] = bias_words[
+                (((b * BSB) * BHB + h * BSH) * SQ + T.min(tr * BM + warp * (MT * 16) + mt * 16 + hh * 8 + g, SQ - 1))
+                * (SK // 2) + T.min(bcol * (BN // 2) + j * 4 + qd, SK // 2 - 1)]
+        else:
+            bias_reg[bias_slot(mt, hh, j)] = T.bitwise_or(
+                T.Cast("uint32", T.reinterpret("uint16", bias_at(bias, b, h, tr, warp, g, mt, hh,
+                                                                 bcol * BN + j * 8 + qd * 2))),
+                T.shift_left(T.Cast("uint32", T.reinterpret("uint16", bias_at(
+                    bias, b, h, tr, warp, g, mt, hh, bcol * BN + j * 8 + qd * 2 + 1))), T.uint32(16)))
+
     @T.macro
     def issue_tile(tt, n_tiles, n_part_row, p0, f0, tx, b, h, k_base, v_base, m_base, k, v, part_indices,
                    full_indices, part_bitmaps):
@@ -298,22 +361,8 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                     16, T.uint32(16))
         T.ptx.cp.async_.commit_group()
 
-    @T.prim_func
-    def blockwise_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, full_indptr_h: T.handle,
-                            full_indices_h: T.handle, part_indptr_h: T.handle, part_indices_h: T.handle,
-                            part_bitmaps_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "global_symbol": "blockwise_attention"})
-        n_full = T.int32()
-        n_part = T.int32()
-        q = T.match_buffer(q_h, (B, H, SQ, D), DT, offset_factor=VIEW_ALIGN)
-        k = T.match_buffer(k_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
-        v = T.match_buffer(v_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
-        full_indptr = T.match_buffer(full_indptr_h, (NROWS,), "int32")
-        full_indices = T.match_buffer(full_indices_h, (n_full,), "int32")
-        part_indptr = T.match_buffer(part_indptr_h, (NROWS,), "int32")
-        part_indices = T.match_buffer(part_indices_h, (n_part,), "int32")
-        part_bitmaps = T.match_buffer(part_bitmaps_h, (n_part, BM // 8, BN // 8), "uint64")
-        out = T.match_buffer(out_h, OUT_SHAPE, DT)
+    @T.macro
+    def kernel_body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, bias, out):
         for bx in T.thread_binding(GX, thread="blockIdx.x"):
             for by in T.thread_binding(GY, thread="blockIdx.y"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -327,6 +376,8 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     l_run = T.alloc_buffer((MT * 2,), "float32", scope="local")
                     red = T.alloc_buffer((5,), "float32", scope="local")
                     word = T.alloc_buffer((2,), "uint32", scope="local")
+                    if HAS_BIAS and not WIDE:
+                        bias_reg = T.alloc_buffer((MT * 2 * NJ if STAGE else 1,), "uint32", scope="local")
                     rank = T.alloc_buffer((RI * 2,), "uint32", scope="local")
                     live = T.alloc_buffer((1,), "int32", scope="local")
                     before = T.alloc_buffer((1,), "int32", scope="local")
@@ -421,9 +472,31 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                             live[0] = T.cuda.any_sync(T.uint32(_FULL_MASK),
                                                       T.Cast("int32", T.bitwise_and(word[0], T.uint32(3))))
                         if live[0] != 0:
-                            # S = Q K^T (fp32 accumulators in registers).
-                            for i in T.unroll(MT * NJ * 4):
-                                s_acc[i] = T.float32(0)
+                            if HAS_BIAS:        # column tile of tile t; STAGE: the bias of all pairs, before QK^T
+                                bcol: T.let = T.if_then_else(t < n_part_row, part_indices[p0 + t],
+                                                             full_indices[f0 + t - n_part_row])
+                                if STAGE:
+                                    for mt in T.unroll(MT):
+                                        for hh in T.unroll(2):
+                                            for j in T.unroll(NJ):
+                                                load_bias_pair(bias, bias_reg, b, h, tr, warp, g, qd, bcol, mt, hh, j)
+                            # S = Q K^T (fp32 accumulators in registers; unless staged, the bias is their start).
+                            if HAS_BIAS and not STAGE:
+                                for mt in T.unroll(MT):
+                                    for hh in T.unroll(2):
+                                        for j in T.unroll(NJ):
+                                            if WIDE:
+                                                for e in T.unroll(2):
+                                                    s_acc[s_at(mt, j, hh * 2 + e)] = bias_at(
+                                                        bias, b, h, tr, warp, g, mt, hh, bcol * BN + j * 8 + qd * 2 + e
+                                                    ) * INV_SCALE
+                                            else:
+                                                load_bias_pair(bias, bias_reg, b, h, tr, warp, g, qd, bcol, mt, hh, j)
+                                                for e in T.unroll(2):
+                                                    s_acc[s_at(mt, j, hh * 2 + e)] = bias_value(bias_reg, mt, hh, j, e)
+                            else:
+                                for i in T.unroll(MT * NJ * 4):
+                                    s_acc[i] = T.float32(0)
                             for kk in T.unroll(KD):
                                 for jp in T.unroll(NJ // 2):
                                     LDMATRIX_X4(b_frag[0], b_frag[1], b_frag[2], b_frag[3],
@@ -438,6 +511,13 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                                 b_frag[half * 2], b_frag[half * 2 + 1],
                                                 s_acc[s_at(mt, 2 * jp + half, 0)], s_acc[s_at(mt, 2 * jp + half, 1)],
                                                 s_acc[s_at(mt, 2 * jp + half, 2)], s_acc[s_at(mt, 2 * jp + half, 3)])
+                            if STAGE:           # scores + bias / scale (masked ones become -inf below)
+                                for mt in T.unroll(MT):
+                                    for hh in T.unroll(2):
+                                        for j in T.unroll(NJ):
+                                            for e in T.unroll(2):
+                                                s_acc[s_at(mt, j, hh * 2 + e)] = s_acc[s_at(mt, j, hh * 2 + e)] \
+                                                    + bias_value(bias_reg, mt, hh, j, e)
                             # Partial tile: register e of n8 tile j covers sub-tile (row block, j); the thread's two
                             # columns are bits (g%4)*8 + 2*qd (+1) of the 32-bit half g//4 of that sub-tile's word.
                             if t < n_part_row:
@@ -519,7 +599,7 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                 ST_GLOBAL_V4(T.address_of(out[b, h, tr * BM + orow, ((it * 32 + lane) % CPR) * 8]),
                                              b_frag[0], b_frag[1], b_frag[2], b_frag[3])
 
-    return blockwise_attention
+    return _entry(p, kernel_body)
 
 
 def _cpu_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
@@ -531,23 +611,11 @@ def _cpu_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     SCALE = p.scale
     NEG_INF = T.float32(float("-inf"))
     OUT_SHAPE, BSHD = p.out_shape, p.rows_then_heads
+    HAS_BIAS = p.bias is not None
+    BSB, BSH = p.bias_select if HAS_BIAS else (0, 0)
 
-    @T.prim_func
-    def blockwise_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, full_indptr_h: T.handle,
-                            full_indices_h: T.handle, part_indptr_h: T.handle, part_indices_h: T.handle,
-                            part_bitmaps_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "global_symbol": "blockwise_attention"})
-        n_full = T.int32()
-        n_part = T.int32()
-        q = T.match_buffer(q_h, (B, H, SQ, D), DT, offset_factor=VIEW_ALIGN)
-        k = T.match_buffer(k_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
-        v = T.match_buffer(v_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
-        full_indptr = T.match_buffer(full_indptr_h, (NROWS,), "int32")
-        full_indices = T.match_buffer(full_indices_h, (n_full,), "int32")
-        part_indptr = T.match_buffer(part_indptr_h, (NROWS,), "int32")
-        part_indices = T.match_buffer(part_indices_h, (n_part,), "int32")
-        part_bitmaps = T.match_buffer(part_bitmaps_h, (n_part, BM // 8, BN // 8), "uint64")
-        out = T.match_buffer(out_h, OUT_SHAPE, DT)
+    @T.macro
+    def kernel_body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, bias, out):
         for task in T.parallel(B * H * TR):
             q_row = T.alloc_buffer((D,), "float32", scope="local")
             acc = T.alloc_buffer((D,), "float32", scope="local")
@@ -582,6 +650,9 @@ def _cpu_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                 st[2] = T.float32(0)
                                 for d in range(D):
                                     st[2] = st[2] + q_row[d] * T.Cast("float32", k[b, h, col * BN + c, d])
+                                if HAS_BIAS:     # the model's score bias, read at kept keys only
+                                    st[2] = st[2] + T.Cast("float32", bias[b * BSB, h * BSH, tr * BM + a,
+                                                                           col * BN + c])
                                 if st[2] > st[0]:
                                     st[3] = T.exp(st[0] - st[2])
                                     st[1] = st[1] * st[3]
@@ -599,5 +670,54 @@ def _cpu_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                         else:
                             out[b, h, tr * BM + a, d] = T.Cast(
                                 DT, T.Select(st[1] > T.float32(0), acc[d] / st[1], T.float32(0)))
+
+    return _entry(p, kernel_body)
+
+
+def _entry(p: _Shape, kernel_body) -> tvm.tirx.PrimFunc:
+    """The PrimFunc around a target's kernel body: buffers of the parameter list, with ``bias`` before ``out``
+    when the problem has a score bias."""
+    B, H, SQ, SK, D, DT = p.batch, p.heads, p.seq_q, p.seq_k, p.head_dim, p.dtype
+    BM, BN = p.config.block_m, p.config.block_n
+    NROWS, OUT_SHAPE = p.groups * p.tile_rows + 1, p.out_shape
+    BB, BH, BIAS_DT = p.bias if p.bias is not None else (1, 1, "float32")
+
+    if p.bias is None:
+        @T.prim_func
+        def blockwise_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, full_indptr_h: T.handle,
+                                full_indices_h: T.handle, part_indptr_h: T.handle, part_indices_h: T.handle,
+                                part_bitmaps_h: T.handle, out_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "global_symbol": "blockwise_attention"})
+            n_full = T.int32()
+            n_part = T.int32()
+            q = T.match_buffer(q_h, (B, H, SQ, D), DT, offset_factor=VIEW_ALIGN)
+            k = T.match_buffer(k_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
+            v = T.match_buffer(v_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
+            full_indptr = T.match_buffer(full_indptr_h, (NROWS,), "int32")
+            full_indices = T.match_buffer(full_indices_h, (n_full,), "int32")
+            part_indptr = T.match_buffer(part_indptr_h, (NROWS,), "int32")
+            part_indices = T.match_buffer(part_indices_h, (n_part,), "int32")
+            part_bitmaps = T.match_buffer(part_bitmaps_h, (n_part, BM // 8, BN // 8), "uint64")
+            out = T.match_buffer(out_h, OUT_SHAPE, DT)
+            kernel_body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, None, out)
+    else:
+        @T.prim_func
+        def blockwise_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, full_indptr_h: T.handle,
+                                full_indices_h: T.handle, part_indptr_h: T.handle, part_indices_h: T.handle,
+                                part_bitmaps_h: T.handle, bias_h: T.handle, out_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "global_symbol": "blockwise_attention"})
+            n_full = T.int32()
+            n_part = T.int32()
+            q = T.match_buffer(q_h, (B, H, SQ, D), DT, offset_factor=VIEW_ALIGN)
+            k = T.match_buffer(k_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
+            v = T.match_buffer(v_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
+            full_indptr = T.match_buffer(full_indptr_h, (NROWS,), "int32")
+            full_indices = T.match_buffer(full_indices_h, (n_full,), "int32")
+            part_indptr = T.match_buffer(part_indptr_h, (NROWS,), "int32")
+            part_indices = T.match_buffer(part_indices_h, (n_part,), "int32")
+            part_bitmaps = T.match_buffer(part_bitmaps_h, (n_part, BM // 8, BN // 8), "uint64")
+            bias = T.match_buffer(bias_h, (BB, BH, SQ, SK), BIAS_DT)
+            out = T.match_buffer(out_h, OUT_SHAPE, DT)
+            kernel_body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, bias, out)
 
     return blockwise_attention

@@ -34,7 +34,7 @@ from tvm import s_tir
 from tvm.script import tirx as T
 
 __all__ = ["RowConfig", "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "default_row_config", "rowwise_attention_template",
-           "schedule_rowwise", "rowwise_attention_primfunc", "ROWWISE_SYMBOL"]
+           "schedule_rowwise", "rowwise_attention_primfunc", "ROWWISE_SYMBOL", "check_score_bias"]
 
 ROWWISE_SYMBOL = "rowwise_attention"
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -108,7 +108,8 @@ def _check_config(config, head_dim, dtype, target_kind):
                 f"rows_per_block={config.rows_per_block}")
 
 
-def _check_bias(bias, batch: int, heads: int):
+def check_score_bias(bias, batch: int, heads: int):
+    """``bias`` of a sparse kernel (None or ``(bias_batch, bias_heads, dtype)``), checked; raises otherwise."""
     if bias is None:
         return None
     if not (isinstance(bias, tuple) and len(bias) == 3):
@@ -357,6 +358,6 @@ def rowwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int
     func = rowwise_attention_template(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
                                       dtype=dtype, mask_batch=mask_batch, mask_heads=mask_heads, scale=scale,
                                       key_groups=config.key_groups, keys_per_step=config.keys_per_step,
-                                      bias=_check_bias(bias, batch, heads))
+                                      bias=check_score_bias(bias, batch, heads))
     return schedule_rowwise(func, head_dim=head_dim, dtype=dtype, seq_q=seq_q, config=config,
                             target_kind=target_kind)

@@ -15,6 +15,8 @@ from stof_tvm.schedules.attention_blockwise import (BlockConfig, blockwise_atten
                                                     default_block_config)
 from stof_tvm.sparse_formats import build_tiled, normalize_mask
 
+from attention_reference import assert_attention_close, reference_attention
+
 LLVM = tvm.target.Target({"kind": "llvm"})
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024,
                           "max_shared_memory_per_block": 232448}, host={"kind": "llvm"})
@@ -151,6 +153,62 @@ def test_unknown_out_layout_is_refused():
                                      mask_batch=1, mask_heads=1, target_kind="llvm", out_layout="sbhd")
 
 
+def poisoned_bias(bias, mask4, batch, heads, seed=0):
+    """``bias`` with every element no (batch, head) reading it keeps replaced by NaN or +-inf: a kernel that
+    reads (or adds) the bias at a dropped key produces non-finite outputs."""
+    keep = np.broadcast_to(mask4, (batch, heads) + mask4.shape[2:])
+    keep = keep.any(axis=tuple(a for a in (0, 1) if bias.shape[a] == 1), keepdims=True)
+    junk = np.random.default_rng(seed).choice(np.array([np.nan, np.inf, -np.inf], np.float32), size=bias.shape)
+    return np.where(keep, bias, junk).astype(bias.dtype)
+
+
+@pytest.mark.parametrize("mask, bias_layout, bias_dtype, config, seq", [
+    ("per_batch_random", (1, 3), "float16", SMALL, 70),           # T5's layout: [1, H, S, S]
+    ("bigbird", (2, 3), "float32", SMALL, 100),
+    ("per_head_random", (2, 1), "bfloat16", BlockConfig(64, 32, 4, 2, heavy_first=True), 99),   # odd Sk
+    ("padding", (1, 1), "float16", BlockConfig(16, 16, 1, 2), 40),
+])
+def test_additive_score_bias(mask, bias_layout, bias_dtype, config, seq):
+    """scores * scale + bias at kept keys (llvm), for bias layouts, masks with partial and edge tiles and empty
+    rows; the bias is poisoned wherever the mask drops the key, so it must be read at kept keys only."""
+    batch, heads, head_dim, dtype = 2, 3, 64, "float16"
+    rng = np.random.default_rng(17)
+    if mask == "per_batch_random":
+        mask = rng.random((batch, seq, seq)) < 0.25
+    elif mask == "per_head_random":
+        mask = rng.random((1, heads, seq, seq)) < 0.15
+        mask[..., 5:9, :] = False                                     # empty rows
+    elif mask == "padding":
+        mask = np.array([seq, 23])
+    mask4 = normalize_mask(mask, batch=batch, heads=heads, seq_q=seq)
+    bias = (rng.standard_normal(bias_layout + (seq, seq)) * 2).astype(np_dtype(bias_dtype))
+    func = blockwise_attention_primfunc(batch=batch, heads=heads, seq_q=seq, seq_k=seq, head_dim=head_dim,
+                                        dtype=dtype, mask_batch=mask4.shape[0], mask_heads=mask4.shape[1],
+                                        config=config, target_kind="llvm", bias=bias_layout + (bias_dtype,))
+    assert [p.name for p in func.params][-2:] == ["bias", "out"]
+    fn = tvm.compile(func, target=LLVM)["blockwise_attention"]
+    q, k, v = (rng.standard_normal((batch, heads, seq, head_dim)).astype(np.float16) for _ in range(3))
+    out = tvm.runtime.tensor(np.full(q.shape, np.nan, np.float16))
+    fn(*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in (q, k, v, *format_args(mask4, config),
+                                                               poisoned_bias(bias, mask4, batch, heads))], out)
+    scale = 1 / math.sqrt(head_dim)
+    ref = reference_attention(q, k, v, mask4, scale, bias=bias.astype(np.float64))
+    assert_attention_close(out.numpy(), ref, mask4, dtype)
+    assert np.abs(reference_attention(q, k, v, mask4, scale) - ref).max() > 0.1     # the bias matters
+
+
+def test_bad_bias_is_refused():
+    common = dict(batch=2, heads=3, seq_q=64, seq_k=64, head_dim=64, dtype="float16", mask_batch=1, mask_heads=1,
+                  target_kind="llvm")
+    with pytest.raises(ValueError, match="bias_batch"):
+        blockwise_attention_primfunc(bias=(3, 1, "float16"), **common)
+    with pytest.raises(TypeError, match="bias dtype"):
+        blockwise_attention_primfunc(bias=(1, 1, "int8"), **common)
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        blockwise_attention_primfunc(**{**common, "batch": 16, "heads": 16, "seq_q": 4096, "seq_k": 4096,
+                                        "bias": (16, 16, "float16")})
+
+
 @pytest.mark.parametrize("config", [BlockConfig(64, 64, 4, 2), BlockConfig(128, 64, 4, 2),
                                     BlockConfig(16, 16, 1, 2), BlockConfig(64, 32, 2, 3, heavy_first=True)])
 def test_tile_shapes(config):
@@ -220,15 +278,20 @@ def test_signature_and_symbolic_tile_counts(target_kind):
 # CUDA code generation (no GPU needed): the tensor-core kernel compiles for sm_90 without local-memory spills
 # ------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype, head_dim, config, out_layout", [
-    ("float16", 64, BlockConfig(128, 64, 4, 2), "bhsd"),
-    ("bfloat16", 128, BlockConfig(128, 64, 8, 3), "bhsd"),
-    ("float16", 64, BlockConfig(64, 32, 4, 2, heavy_first=True), "bshd"),
+@pytest.mark.parametrize("dtype, head_dim, config, out_layout, seq, bias", [
+    ("float16", 64, BlockConfig(128, 64, 4, 2), "bhsd", 1000, None),
+    ("bfloat16", 128, BlockConfig(128, 64, 8, 3), "bhsd", 1000, None),
+    ("float16", 64, BlockConfig(64, 32, 4, 2, heavy_first=True), "bshd", 1000, None),
+    # score bias: 16-bit pairs (even Sk), one element at a time (odd Sk, float32)
+    ("float16", 64, BlockConfig(64, 32, 4, 2, heavy_first=True), "bshd", 1000, (1, 4, "float16")),
+    ("bfloat16", 128, BlockConfig(128, 64, 8, 2), "bhsd", 1000, (2, 1, "bfloat16")),
+    ("float16", 64, BlockConfig(128, 64, 4, 2), "bshd", 999, (2, 4, "float16")),
+    ("float16", 64, BlockConfig(64, 32, 4, 2), "bhsd", 1000, (1, 1, "float32")),
 ])
-def test_cuda_source_compiles_for_sm90(dtype, head_dim, config, out_layout, tmp_path):
-    func = blockwise_attention_primfunc(batch=2, heads=4, seq_q=1000, seq_k=1000, head_dim=head_dim, dtype=dtype,
+def test_cuda_source_compiles_for_sm90(dtype, head_dim, config, out_layout, seq, bias, tmp_path):
+    func = blockwise_attention_primfunc(batch=2, heads=4, seq_q=seq, seq_k=seq, head_dim=head_dim, dtype=dtype,
                                         mask_batch=2, mask_heads=4, scale=None, config=config, target_kind="cuda",
-                                        out_layout=out_layout)
+                                        out_layout=out_layout, bias=bias)
     ex = tvm.compile(func, target=CUDA)
     assert [m.kind for m in ex.mod.imports] == ["cuda"]
     src = ex.mod.imports[0].inspect_source()
@@ -245,6 +308,9 @@ def test_cuda_source_compiles_for_sm90(dtype, head_dim, config, out_layout, tmp_
                            str(tmp_path / "kernel.cubin"), str(cu)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "kernel.cubin").stat().st_size > 0
+    if bias is not None:         # 16-bit biases with an even Sk load two columns per 32-bit word
+        pair = bias[2] != "float32" and seq % 2 == 0
+        assert ("((uint*)bias_ptr)[" in src) == pair
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stderr)
     assert spills and spills.groups() == ("0", "0"), proc.stderr
 
@@ -296,3 +362,29 @@ def test_cuda_kernel_matches_reference(dtype, head_dim, config, mask, out_layout
     ref = reference(q, k, v, mask4, 1 / math.sqrt(head_dim))
     assert np.isfinite(got).all()
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) <= TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("bias_dtype, config, seq", [
+    ("float16", BlockConfig(64, 32, 4, 2, heavy_first=True), 300),     # staged 32-bit pairs
+    ("float16", BlockConfig(128, 64, 4, 2), 299),                      # bias as the accumulators' start, halves
+    ("float32", BlockConfig(64, 32, 4, 2), 300),
+])
+def test_cuda_kernel_with_score_bias(bias_dtype, config, seq):
+    """The tensor-core kernel adds a [1, H, S, S] bias at kept keys; NaN/inf where the mask drops the key."""
+    batch, heads, head_dim, dtype = 2, 3, 64, "float16"
+    rng = np.random.default_rng(9)
+    mask4 = normalize_mask(rng.random((batch, seq, seq)) < 0.2, batch=batch, heads=heads, seq_q=seq)
+    bias = (rng.standard_normal((1, heads, seq, seq)) * 2).astype(bias_dtype)
+    func = blockwise_attention_primfunc(batch=batch, heads=heads, seq_q=seq, seq_k=seq, head_dim=head_dim,
+                                        dtype=dtype, mask_batch=batch, mask_heads=1, config=config,
+                                        target_kind="cuda", bias=(1, heads, bias_dtype))
+    fn = tvm.compile(func, target=CUDA)["blockwise_attention"]
+    q, k, v = (rng.standard_normal((batch, heads, seq, head_dim)).astype(np.float16) for _ in range(3))
+    dev = tvm.cuda(0)
+    out = tvm.runtime.tensor(np.full(q.shape, np.nan, np.float16), dev)
+    fn(*[tvm.runtime.tensor(np.ascontiguousarray(a), dev) for a in (q, k, v, *format_args(mask4, config),
+                                                                    poisoned_bias(bias, mask4, batch, heads))], out)
+    ref = reference_attention(q, k, v, mask4, 1 / math.sqrt(head_dim), bias=bias.astype(np.float64))
+    assert_attention_close(out.numpy(), ref, mask4, dtype)
