@@ -117,10 +117,17 @@ def test_real_bias_is_added_by_the_row_kernel_or_kept_dense(kernel, expected):
     np.testing.assert_allclose(art.load()(feeds)["y"], ref, rtol=2e-4, atol=2e-5)
 
 
-def test_real_bias_refuses_the_block_kernel():
-    with pytest.raises(ValueError, match="'block' cannot add the model's attention bias"):
-        stof_tvm.compile(_attention_model("div", "direct", "bias"), mask="bigbird", batch=B, seq_len=S,
-                         target="llvm", dtype="float16", kernel="block")
+def test_real_bias_is_added_by_the_block_kernel_on_request():
+    """kernel="block" takes the bias as an input after the format arrays (fp16: the block kernel's dtypes)."""
+    model = _attention_model("div", "direct", "bias")
+    art = stof_tvm.compile(model, mask="bigbird", batch=B, seq_len=S, target="llvm", dtype="float16",
+                           kernel="block")
+    choice = art.manifest["attention"]["kernel"]
+    assert choice["kind"] == "block" and choice["bias"] is not None and choice["reason"] == "requested"
+    feeds = _feeds(model)
+    ref = reference_outputs(model, make_mask("bigbird", S)[None, None], feeds)["y"]
+    out = art.load()(feeds)["y"]
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-3
 
 
 def test_square_powers_become_products():

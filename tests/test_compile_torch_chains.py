@@ -119,6 +119,19 @@ def test_templates_match_torch_float32(exported, tmp_path, name):
     assert _rel(out["last_hidden_state"], expected) < 1.5e-3
 
 
+def test_t5_position_bias_on_the_block_kernel_matches_torch_float32(exported, tmp_path):
+    """kernel="block": the block-wise kernel adds T5's position bias (an input after the format arrays)."""
+    stem = exported["tiny-t5-encoder"]
+    mapping, state, feeds, torch_out = load_reference(stem)
+    art = stof_tvm.compile(onnx.load(stem + ".onnx"), mask="bigbird", batch=BATCH, seq_len=SEQ, target="llvm",
+                           dtype="float16", kernel="block")
+    kernel = art.manifest["attention"]["kernel"]
+    assert kernel["kind"] == "block" and kernel["bias"] is not None
+    weights = bench.artifact_weights(art.manifest, mapping, state)
+    out = runtime.load(art.save(tmp_path / "artifact", weights=False), weights=weights)(feeds)
+    assert _rel(out["last_hidden_state"], torch_out["sdpa"]) < 1.5e-3
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_tuner_plans_the_compiled_calls(exported, name):
     from test_tuning_plan import manifest_calls, planned_calls

@@ -8,8 +8,9 @@ Three kernels can replace an attention site:
   bias of 0 / -1e30 before the softmax, a 1 / 0 factor after it; TVM's own schedules): the "TVM default"
   baseline of the benchmarks.
 
-Scores that carry a real bias (T5's position bias) go to the row-wise kernel, which adds the bias (computed by
-the graph) at each kept key; the block-wise kernel has no bias input.
+Scores that carry a real bias (T5's position bias): both sparse kernels take the bias (computed by the graph) as
+an input and add it at each kept key. ``auto`` picks the row-wise kernel for them until the block-wise kernel with
+a bias has been measured on the GPU (``scripts/check_bias_gpu.py``); ``kernel="block"`` asks for it explicitly.
 
 The sparse-format arrays (or the dense keep-mask) are module inputs, so one compiled module serves any mask of
 the same kind: the runtime builds the format of the mask it is given and passes the arrays.
@@ -45,7 +46,7 @@ class KernelChoice:
     mask_batch: int
     mask_heads: int
     reason: str
-    bias: tuple | None = None       # (bias_batch, bias_heads, dtype) of the row-wise kernel's score bias input
+    bias: tuple | None = None       # (bias_batch, bias_heads, dtype) of the sparse kernel's score bias input
 
     def format_inputs(self, seq_q: int, seq_k: int) -> list[FormatInput]:
         groups = self.mask_batch * self.mask_heads
@@ -126,8 +127,9 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
     With a tuning ``database`` holding this problem, its measured-best kernel and configuration win (for
     "auto", or when it is of the requested kind). Otherwise "auto" asks :func:`stof_tvm.attention.choose_kernel`
     (the one place the kernel-selection model lives) and the schedule's default configuration is used.
-    ``bias``: ``(bias_batch, bias_heads, dtype)`` when the scores carry a real bias: only the row-wise kernel
-    (or dense) can apply it. ``dense_only``: the model masks in a way only the dense form applies.
+    ``bias``: ``(bias_batch, bias_heads, dtype)`` when the scores carry a real bias: the sparse kernel adds it
+    (an input after the format arrays); "auto" keeps such models on the row-wise kernel (see the module
+    docstring). ``dense_only``: the model masks in a way only the dense form applies.
     """
     if requested not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS}, got {requested!r}")
@@ -136,16 +138,18 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
             raise ValueError(f"kernel: {requested!r} cannot apply the model's own masking (a condition computed "
                              "from weights); use kernel='dense' or 'auto'")
         return KernelChoice("dense", {}, mask_batch, mask_heads, "the model's masking is computed from weights")
-    if bias is not None and requested != "dense":
-        if requested == "block":
-            raise ValueError("kernel: 'block' cannot add the model's attention bias (it is not a mask); use "
-                             "'row', 'dense' or 'auto'")
+    # Biased scores on "auto": the row-wise kernel until scripts/check_bias_gpu.py has measured the block-wise
+    # kernel with a bias on the GPU (the default path does not change before that).
+    if bias is not None and requested in ("auto", "row"):
         if not _supports("row", dtype, target_kind):
-            raise ValueError(f"kernel: the row-wise kernel (the one that adds an attention bias) does not support "
-                             f"dtype {dtype} on {target_kind}")
+            raise ValueError(f"kernel: the row-wise kernel (the one 'auto' picks for an attention bias) does not "
+                             f"support dtype {dtype} on {target_kind}")
+        reason = "requested" if requested == "row" else (
+            "scores carry a real bias: the row-wise kernel adds it at each kept key (the block-wise kernel's bias "
+            "path is not yet measured on the GPU: scripts/check_bias_gpu.py)")
         return KernelChoice("row", dataclasses.asdict(_default_config("row", head_dim, dtype, seq_q, target_kind)),
-                            mask_batch, mask_heads, "scores carry a real bias: the row-wise kernel adds it at each "
-                            "kept key", bias=tuple(bias))
+                            mask_batch, mask_heads, reason, bias=tuple(bias))
+    bias = tuple(bias) if bias is not None and requested != "dense" else None
     if requested == "dense":
         return KernelChoice("dense", {}, mask_batch, mask_heads, "requested")
     tuned = tuned_choice(database, mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype) \
@@ -153,7 +157,7 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
     if tuned is not None and requested in ("auto", tuned["meta"]["kind"]):
         meta = tuned["meta"]
         return KernelChoice(meta["kind"], dict(meta["config"]), mask_batch, mask_heads,
-                            f"tuned: {tuned['name']} measured {tuned['best_s'] * 1e3:.3f} ms")
+                            f"tuned: {tuned['name']} measured {tuned['best_s'] * 1e3:.3f} ms", bias=bias)
     model_config = None
     if requested == "auto":
         from stof_tvm.attention import choose_kernel_config
@@ -171,7 +175,7 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
     if not _supports(kind, dtype, target_kind):
         raise ValueError(f"kernel: {kind!r} does not support dtype {dtype} on {target_kind}")
     config = model_config if model_config is not None else _default_config(kind, head_dim, dtype, seq_q, target_kind)
-    return KernelChoice(kind, dataclasses.asdict(config), mask_batch, mask_heads, reason)
+    return KernelChoice(kind, dataclasses.asdict(config), mask_batch, mask_heads, reason, bias=bias)
 
 
 def kernel_primfunc(choice: KernelChoice, *, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int,

@@ -9,8 +9,8 @@ fill) or a real *bias* (a T5-style position bias: any other values). Masks are f
   Relax function of those inputs. The runtime calls it, checks that its values are a mask, and ANDs the result
   into the user's mask before building the sparse format (see :mod:`stof_tvm.runtime`).
 
-A real bias cannot be expressed as a mask: its terms stay expressions of the graph, which the row-wise kernel
-adds to each kept score (the block-wise kernel has no bias input; "dense" also keeps them).
+A real bias cannot be expressed as a mask: its terms stay expressions of the graph, which the sparse kernels
+add to each kept score (an input after the format arrays; "dense" also keeps them).
 """
 from __future__ import annotations
 
