@@ -19,8 +19,9 @@ Two PrimFuncs with the same signature and semantics are built here:
   used (see :mod:`stof_tvm.schedules.mma`).
 - ``target_kind="llvm"``: a plain loop nest (parallel over tile rows, scalar online softmax per query row) that
   computes the same function, so correctness of the format walk and of the masking semantics is tested on the
-  CPU. The CUDA kernel itself is checked against a float reference on the GPU (``scripts/bench_attention.py``)
-  and its generated source is compiled for sm_90 with nvcc in the CPU tests.
+  CPU. The CUDA kernel itself is checked against a float reference on the GPU (``scripts/bench_attention.py``;
+  with a score bias ``scripts/check_bias_gpu.py``) and its generated source is compiled for sm_90 with nvcc in
+  the CPU tests.
 
 Semantics (both targets): ``out[b, h, i] = sum_j softmax_j(scale * q_i . k_j (+ bias[b, h, i, j]) over kept j) v_j``
 (the optional score bias, e.g. T5's position bias, as in the row-wise kernel), where kept
