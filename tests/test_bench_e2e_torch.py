@@ -139,3 +139,23 @@ def test_artifact_with_mapped_torch_weights_matches_torch(torch_data, tmp_path, 
     assert not os.path.exists(os.path.join(path, "weights.npz"))
     out = runtime.load(path, weights=weights)(feeds)
     assert _rel(out["last_hidden_state"], sdpa) < 1e-5
+
+
+def test_t5_padding_goes_to_the_mask_and_the_position_bias_stays_per_head(torch_data, tmp_path):
+    """T5 adds ``position_bias + padding`` to its scores as one tensor; compiled, the padding is a run-time mask
+    term of the sparse format and the bias input is the position bias alone ([1, H, S, S]), and a padded batch
+    still matches the exported graph under the same mask."""
+    import onnx
+
+    stem = os.path.join(torch_data, "tiny-t5-encoder_2x128")
+    model = onnx.load(stem + ".onnx")
+    mapping, state, feeds, _ = load_reference(stem)
+    feeds = dict(feeds, attention_mask=feeds["attention_mask"].copy())
+    feeds["attention_mask"][1, 90:] = 0
+    art = stof_tvm.compile(model, mask="bigbird", batch=2, seq_len=128, target="llvm", dtype="float32")
+    kernel = art.manifest["attention"]["kernel"]
+    assert kernel["kind"] == "row" and kernel["bias"][:2] == [1, kernel["bias"][1]] and kernel["bias"][1] > 1
+    out = runtime.load(art.save(tmp_path / "t5", weights=False),
+                       weights=bench.artifact_weights(art.manifest, mapping, state))(feeds)
+    ref = reference_outputs(model, stof_tvm.make_mask("bigbird", 128)[None, None], feeds)["last_hidden_state"]
+    assert _rel(out["last_hidden_state"], ref) < 1e-5

@@ -132,7 +132,7 @@ def _walk_scores(expr: relax.Expr, var2val, depth: int = 0) -> _Chain | None:
         for score_side, other in ((0, 1), (1, 0)):
             chain = _walk_scores(call.args[score_side], var2val, depth + 1)
             if chain is not None:
-                chain.terms.append(MaskTerm("add", call.args[other]))
+                chain.terms.extend(MaskTerm("add", leaf) for leaf in _summands(call.args[other], var2val))
                 return chain
         return None
     if name == "relax.where":
@@ -147,6 +147,16 @@ def _walk_scores(expr: relax.Expr, var2val, depth: int = 0) -> _Chain | None:
                 return chain
         return None
     return None
+
+
+def _summands(expr: relax.Expr, var2val, depth: int = 0) -> list[relax.Expr]:
+    """The terms of a sum added to the scores, each classified on its own: T5 adds ``position_bias + padding``
+    as one tensor, and apart the padding is a mask the sparse format takes while the position bias (weights only)
+    stays a [1, H, S, S] bias, instead of one [B, H, S, S] float32 bias the graph writes on every forward."""
+    call = resolve(expr, var2val)
+    if depth > 8 or _op_name(call) != "relax.add":
+        return [expr]
+    return [leaf for arg in call.args for leaf in _summands(arg, var2val, depth + 1)]
 
 
 def _softmax_is_last_axis(call: relax.Call) -> bool:

@@ -143,7 +143,7 @@ def plan_masks(func: relax.Function, sites: list[AttentionSite]) -> MaskPlan:
             name = f"stof_mask_term{index}"
             function = _extract_function(func, term.expr, upstream, name)
             if term.kind == "add" and not _is_mask_when_nothing_is_padded(function):
-                bias_terms.append(index)    # e.g. T5: position bias + padding mask, added as one term
+                bias_terms.append(index)    # an input-dependent term that is not a mask (summands are split)
                 continue
             runtime.append(RuntimeSource(name, inputs, term.kind, term.keep_if_true, function))
             continue
