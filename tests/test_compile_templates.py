@@ -3,12 +3,11 @@ on the CPU against onnx.reference), each site's template and knobs in the manife
 compiles (mma.sync with CUDA graphs; wgmma with prebuilt sm_90a cubins in the artifact), and bad flags."""
 import json
 
-import numpy as np
 import pytest
 
 import stof_tvm
 from stof_tvm import make_mask
-from stof_tvm.compiler import downstream
+from stof_tvm.compiler import linear_match
 from stof_tvm.compiler.cubins import cuda_sources, find_nvcc, nvcc_cubin
 from stof_tvm.compiler.pipeline import CUDA_DEFAULTS, make_target
 from stof_tvm.compiler.template_choice import TemplateChooser
@@ -119,7 +118,7 @@ def test_cuda_build_with_graphs_compiles_with_nvcc(tiny_cuda_graph):
 def test_wgmma_build_carries_sm90a_cubins(tiny, tmp_path, monkeypatch):
     """Batch 1 also checks that the templates stay opaque to FuseOps (a LayerNorm template absorbing the
     reshapes around it once broke FuseTIR)."""
-    monkeypatch.setattr(downstream, "WGMMA_MIN_TILES", 1)     # tiny-bert's GEMMs are too small for wgmma otherwise
+    monkeypatch.setattr(linear_match, "WGMMA_MIN_TILES", 1)     # tiny-bert's GEMMs are too small for wgmma otherwise
     art = stof_tvm.compile(tiny, mask="bigbird", batch=1, seq_len=128, target="cuda", dtype="float16")
     # the defaults for CUDA sm_90 in float16: templates on, wgmma GEMMs (nvcc is here)
     assert art.manifest["target"]["arch"] == "sm_90a" and art.manifest["templates"]["gemm"] == "wgmma"
@@ -144,7 +143,7 @@ def test_wgmma_build_carries_sm90a_cubins(tiny, tmp_path, monkeypatch):
 def test_small_or_ragged_gemms_stay_on_mma_sync(m, n, k, why):
     """wgmma only where its 128-row tiles fill the GPU (measured: mma.sync was 1.35x faster for BERT at 128
     tokens, wgmma 1.3x faster at 4096) and the shape tiles exactly."""
-    note = downstream.wgmma_misfit(m, n, k)
+    note = linear_match.wgmma_misfit(m, n, k)
     assert (note is None) if why is None else (why in note and note.endswith("mma.sync"))
 
 

@@ -21,7 +21,7 @@ import pytest
 import stof_tvm
 import stof_tvm.compiler
 from stof_tvm import runtime
-from stof_tvm.compiler import cubins, downstream
+from stof_tvm.compiler import cubins, linear_match
 from stof_tvm.tuning import plan
 
 from test_bench_e2e_torch import _rel, bench, export_reference, load_reference
@@ -90,7 +90,7 @@ def test_gpt2_one_gemm_per_linear_fused_qkv_and_tanh_gelu(exported):
 
 def test_gpt2_wgmma_takes_the_gelu_tanh_and_qkv_kernels(exported, monkeypatch):
     monkeypatch.setattr(cubins, "find_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
-    monkeypatch.setattr(downstream, "WGMMA_MIN_TILES", 1)
+    monkeypatch.setattr(linear_match, "WGMMA_MIN_TILES", 1)
     calls = _front(exported["tiny-gpt2"], gemm="wgmma", batch=4).template_entry["calls"]
     assert calls["gemm_bias_gelu_tanh_wgmma"] == LAYERS and calls["qkv_projection_wgmma"] == LAYERS
     assert _gemm_calls(calls) == 4 * LAYERS

@@ -17,7 +17,7 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 import stof_tvm
-from stof_tvm.compiler import cubins, downstream
+from stof_tvm.compiler import cubins, linear_match
 from stof_tvm.schedules.templates import get_template
 from stof_tvm.tuning import TuningDatabase, plan, tune, tune_tasks, tuning_target
 from stof_tvm.tuning.template_tasks import wgmma_group
@@ -40,7 +40,7 @@ def planned_calls(stage1) -> dict:
 @pytest.mark.parametrize("gemm", ["mma", "wgmma"])
 def test_planned_calls_equal_the_compile_manifest(tiny, gemm, monkeypatch):
     monkeypatch.setattr(cubins, "find_nvcc", lambda: "/usr/local/cuda/bin/nvcc")    # gemm checks only
-    monkeypatch.setattr(downstream, "WGMMA_MIN_TILES", 1)     # tiny-bert's GEMMs are too small for wgmma otherwise
+    monkeypatch.setattr(linear_match, "WGMMA_MIN_TILES", 1)     # tiny-bert's GEMMs are too small for wgmma otherwise
     stage1 = plan(tiny, mask="bigbird", batch=1, seq_len=128, target="cuda", gemm=gemm, top_k=3)
     front = stof_tvm.compiler.front_end(tiny, mask="bigbird", batch=1, seq_len=128, target="cuda", gemm=gemm)
     compiled = manifest_calls({"templates": front.template_entry})
@@ -104,7 +104,7 @@ class ScriptedRunner(ms.runner.PyRunner):
 
 @pytest.mark.skipif(cubins.find_nvcc() is None, reason="nvcc not found")
 def test_wgmma_records_choose_the_compiled_knobs(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr(downstream, "WGMMA_MIN_TILES", 1)     # tiny-bert's GEMMs are too small for wgmma otherwise
+    monkeypatch.setattr(linear_match, "WGMMA_MIN_TILES", 1)     # tiny-bert's GEMMs are too small for wgmma otherwise
     work = str(tmp_path / "db")
     args = dict(mask="bigbird", batch=1, seq_len=128, target="cuda", gemm="wgmma")
     stage1 = plan(tiny, **args, top_k=2)

@@ -214,7 +214,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     sm_90a, needs nvcc here to prebuild the cubins the artifact carries; for the GEMM and QKV stages whose
     shapes it tiles) or ``"auto"`` (default: ``"wgmma"`` for templates on an sm_90 / sm_90a target when nvcc is
     found, else ``"mma"``; wgmma ran 1.1-2.1x faster than mma.sync on the H200, BENCHMARKS.md; GEMMs too small to
-    fill half the GPU with 128-row tiles stay on mma.sync, see :func:`.downstream.wgmma_misfit`).
+    fill half the GPU with 128-row tiles stay on mma.sync, see :func:`.linear_match.wgmma_misfit`).
     ``cuda_graph``: capture the module's static
     regions in CUDA graphs (Relax's ``RewriteCUDAGraph``; CUDA only; see :mod:`.pipeline`).
     ``tune_trials``: trials per task spent tuning exactly the calls this compile makes, before building

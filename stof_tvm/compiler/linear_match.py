@@ -1,0 +1,93 @@
+"""Linear layers as exporters emit them, matched for the fusion templates, and what every rewrite of them needs.
+
+``LINEAR`` is ``add(astype(matmul(X, W)), b)`` in either add order (``X`` ``[..., K]``, ``W`` a ``[K, N]``
+weight, ``b`` a constant), ``MATMUL`` the same without a bias (T5), ``ANY_LINEAR`` either (the biased form first, so
+that it binds the bias). :func:`linear_dims` says whether a template can take a match; :func:`wgmma_misfit` why a
+GEMM stays on mma.sync under ``gemm="wgmma"``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.ir.expr import Constant
+from tvm.relax.dpl import is_const, is_op, wildcard
+
+from .attention_match import static_shape
+
+TEMPLATE_DTYPES = ("float16", "bfloat16")
+WGMMA_TILES = {"m": 128, "n": 128, "k": 64}
+# Fewest 128x128 output tiles for which a GEMM goes to wgmma: half the H200's SMs. Below that the wgmma kernel's
+# 128-row tiles leave most SMs idle; measured on the H200 (BENCHMARKS.md, end to end): BERT-Base at 1x128 tokens
+# ran 0.76 ms with mma.sync templates and 1.03 ms with wgmma, at 8x512 4.35 ms and 3.35 ms.
+WGMMA_MIN_TILES = 66
+
+
+def wgmma_misfit(m: int, n: int, k: int) -> str | None:
+    """Why a GEMM of [m, k] x [k, n] stays on mma.sync under ``gemm="wgmma"`` (None: it goes to wgmma)."""
+    shape = {"m": m, "n": n, "k": k}
+    misfit = [key for key, tile in WGMMA_TILES.items() if shape[key] % tile]
+    if misfit:
+        return f"wgmma needs {', '.join(f'{key} % {WGMMA_TILES[key]} == 0' for key in misfit)}: mma.sync"
+    tiles = (m // WGMMA_TILES["m"]) * (n // WGMMA_TILES["n"])
+    if tiles < WGMMA_MIN_TILES:
+        return f"{tiles} wgmma tiles fill too few SMs (< {WGMMA_MIN_TILES}): mma.sync"
+    return None
+
+
+LINEAR_X, LINEAR_W, LINEAR_BIAS = wildcard(), wildcard(), is_const()
+MATMUL = is_op("relax.astype")(is_op("relax.matmul")(LINEAR_X, LINEAR_W))      # a linear without bias (T5)
+LINEAR = is_op("relax.add")(MATMUL, LINEAR_BIAS) | is_op("relax.add")(LINEAR_BIAS, MATMUL)
+ANY_LINEAR = LINEAR | MATMUL                                           # the biased form first: it binds LINEAR_BIAS
+
+
+def transposed(w: relax.Expr) -> relax.Expr:
+    """``W^T`` of a [K, N] weight: folded here for a constant, else a weight-only op lifted into the transform."""
+    if isinstance(w, Constant):
+        return relax.const(np.ascontiguousarray(w.value.numpy().T), str(w.ty.dtype))
+    return relax.op.permute_dims(w, [1, 0])
+
+
+def linear_bias(matches):
+    """The bias constant of a matched linear layer, None for one without (:data:`MATMUL`)."""
+    return matches[LINEAR_BIAS] if LINEAR_BIAS in matches else None
+
+
+def zero_bias(n: int, dtype: str) -> Constant:
+    """A [n] zero bias: the GEMM + activation templates always add one (a bias-free linear + ReLU, T5's FFN)."""
+    return relax.const(np.zeros(n, dtype), dtype)
+
+
+def linear_dims(matches, out_dtype: str):
+    """(x shape, m, n, k, dtype) of a matched linear layer (with or without bias), or None when a template
+    cannot take it."""
+    x, w, bias = matches[LINEAR_X], matches[LINEAR_W], linear_bias(matches)
+    x_shape, w_shape = static_shape(x), static_shape(w)
+    dtype = str(x.ty.dtype)
+    if (x_shape is None or w_shape is None or len(w_shape) != 2 or dtype not in TEMPLATE_DTYPES
+            or str(w.ty.dtype) != dtype or out_dtype != dtype or (bias is not None and str(bias.ty.dtype) != dtype)):
+        return None
+    k, n = w_shape
+    m = int(np.prod(x_shape[:-1]))
+    if x_shape[-1] != k or m % 16 or n % 16 or k % 16:
+        return None
+    if bias is not None and tuple(static_shape(bias) or ()) != (n,):
+        return None
+    return x_shape, m, n, k, dtype
+
+
+def users_of(func: relax.Function) -> dict:
+    """Every variable's reading bindings (None for the function's result)."""
+    users: dict = {}
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            for var in relax.analysis.free_vars(binding.value):
+                users.setdefault(var, []).append(binding)
+    if isinstance(func.body.body, relax.Var):
+        users.setdefault(func.body.body, []).append(None)
+    return users
+
+
+def is_call(expr, op: str) -> bool:
+    """Whether ``expr`` is a call of the Relax operator named ``op``."""
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == op

@@ -1,0 +1,219 @@
+"""The QKV projection onto the ``qkv_projection`` template, and its heads as the attention kernels read them.
+
+Three head-split linears on one ``X`` (each ``reshape [B, S, H, D]`` + ``permute_dims``), or one linear whose
+output is split into thirds that are each split into heads (GPT-2's ``c_attn``), become one template call writing
+``[3, B, H, S, D]``. Q, K and V are then zero-copy views at their offsets into it where only kernels that accept
+such views read them (:data:`VIEW_READERS`), else one split.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.ir.expr import Constant
+
+from .attention_match import static_shape
+from .linear_match import (ANY_LINEAR, LINEAR_BIAS, LINEAR_W, LINEAR_X, is_call, linear_dims, transposed, users_of,
+                           wgmma_misfit, zero_bias)
+
+class _QKVGroup:
+    """Three linear layers on one X whose outputs are split into heads (reshape + permute_dims)."""
+
+    def __init__(self, x, linears: list, permutes: list, axes: list, heads: int, head_dim: int):
+        self.x, self.linears, self.permutes, self.axes = x, linears, permutes, axes
+        self.heads, self.head_dim = heads, head_dim
+        self.shape: dict = {}
+
+
+_HEAD_PERMS = {(0, 2, 1, 3): None, (0, 2, 3, 1): [0, 1, 3, 2]}   # Q/V form, K^T form (from [B, H, S, D])
+
+
+def _find_qkv(func: relax.Function) -> list[_QKVGroup]:
+    """Groups of three head-split linears (with or without bias) sharing X, in program order (their permutes
+    after the third), and single linears whose [..., 3 * H * D] output is split into thirds that are each split
+    into heads (GPT-2's ``c_attn``: its weight already is the concatenated one)."""
+    var2val = relax.analysis.get_var2val(func)
+    users = users_of(func)
+    order, by_x, fused = {}, [], []
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            order[binding.var] = len(order)
+            matches = ANY_LINEAR.extract_matched_expr(binding.value, var2val)
+            if matches is None or linear_dims(matches, str(binding.value.ty.dtype)) is None:
+                continue
+            split = _head_split(binding.var, users)
+            if split is None:
+                thirds = _split_thirds(binding.var, users)
+                if thirds is not None and len({(s[0], s[1]) for s in thirds}) == 1:
+                    fused.append(_QKVGroup(matches[LINEAR_X], [(binding.var, matches)], [s[3] for s in thirds],
+                                           [s[4] for s in thirds], thirds[0][0], thirds[0][1]))
+                continue
+            x = matches[LINEAR_X]
+            group = next((g for g in by_x if g[0].same_as(x)), None)
+            if group is None:
+                by_x.append((x, []))
+                group = by_x[-1]
+            group[1].append((binding.var, matches, *split))
+    groups = []
+    for x, members in by_x:
+        if len(members) != 3:
+            continue
+        heads = {(s[2], s[3]) for s in members}
+        last = max(order[m[0]] for m in members)
+        # the permutes are replaced by the template's heads, emitted after the last linear (the reshapes die)
+        if len(heads) != 1 or any(order[m[5]] < last for m in members):
+            continue
+        h, d = heads.pop()
+        groups.append(_QKVGroup(x, [(m[0], m[1]) for m in members], [m[5] for m in members],
+                                [m[6] for m in members], h, d))
+    return groups + fused
+
+
+def _split_thirds(var, users):
+    """The :func:`_head_split` of each third when ``var`` ([..., N]) is only split into three equal parts along
+    its last axis (Q, K, V in this order), each part used once, by its head split; else None."""
+    first = users.get(var, [])
+    shape = static_shape(var)
+    if len(first) != 1 or first[0] is None or not is_call(first[0].value, "relax.split") or shape is None:
+        return None
+    split = first[0]
+    n, attrs = shape[-1], split.value.attrs
+    sections = attrs.indices_or_sections
+    cuts = [int(sections)] if isinstance(sections, (int, tvm.tirx.IntImm)) else [int(i) for i in sections]
+    if int(attrs.axis) not in (-1, len(shape) - 1) or n % 3 or cuts not in ([3], [n // 3, 2 * n // 3]):
+        return None
+    parts = {}
+    for use in users.get(split.var, []):
+        value = None if use is None else use.value
+        if not isinstance(value, relax.TupleGetItem) or value.index in parts:
+            return None
+        parts[value.index] = _head_split(use.var, users)
+    if sorted(parts) != [0, 1, 2] or any(part is None for part in parts.values()):
+        return None
+    return [parts[i] for i in range(3)]
+
+
+def _head_split(var, users):
+    """(heads, head_dim, reshape var, permute var, permute axes) when ``var`` is only reshaped to [B, S, H, D]
+    and permuted into heads."""
+    first = users.get(var, [])
+    if len(first) != 1 or first[0] is None or not is_call(first[0].value, "relax.reshape"):
+        return None
+    reshape = first[0]
+    shape = static_shape(reshape.var)
+    second = users.get(reshape.var, [])
+    if shape is None or len(shape) != 4 or len(second) != 1 or second[0] is None:
+        return None
+    permute = second[0]
+    if not is_call(permute.value, "relax.permute_dims") or permute.value.attrs.axes is None:
+        return None
+    axes = tuple(int(a) for a in permute.value.attrs.axes)
+    if axes not in _HEAD_PERMS:
+        return None
+    return shape[2], shape[3], reshape.var, permute.var, axes
+
+
+def _concat_weights(ws: list, axis: int) -> relax.Expr:
+    if len(ws) == 1:
+        return ws[0]
+    consts = [w if isinstance(w, Constant) else None for w in ws]
+    if all(c is not None for c in consts):
+        value = np.concatenate([c.value.numpy() for c in consts], axis=axis)
+        return relax.const(value, str(ws[0].ty.dtype))
+    return relax.op.concat(ws, axis=axis)
+
+
+def rewrite_qkv(t, func: relax.Function) -> relax.Function:
+    """Replace every :class:`_QKVGroup` the QKV template fits by one template call and its heads (views or a
+    split); ``t`` is the template adder of :func:`.downstream.use_templates` (its ``call``, ``record``, ``gemm``,
+    ``mod``)."""
+    groups = []
+    for group in _find_qkv(func):
+        x_shape = static_shape(group.x)
+        if x_shape is None or len(x_shape) != 3 or x_shape[2] != group.heads * group.head_dim:
+            continue
+        group.shape = {"batch": x_shape[0], "seq": x_shape[1], "heads": group.heads, "head_dim": group.head_dim}
+        if _qkv_fits(group.shape, str(group.x.ty.dtype)):
+            groups.append(group)
+    if not groups:
+        return func
+    emit_at = {group.linears[-1][0]: group for group in groups}
+    replace: dict = {}
+    users = users_of(func)
+
+    @relax.expr_functor.mutator
+    class QKV(relax.PyExprMutator):
+        def visit_var_binding_(self, binding):
+            if binding.var in replace:
+                self.set_var_remap(binding.var, replace[binding.var])
+                return
+            super().visit_var_binding_(binding)
+            if binding.var in emit_at:
+                self._emit_group(emit_at[binding.var])
+
+        def _emit_group(self, group: _QKVGroup):
+            matches = [m for _, m in group.linears]
+            dtype = str(group.x.ty.dtype)
+            b, s, h, d = (group.shape[key] for key in ("batch", "seq", "heads", "head_dim"))
+            w = _concat_weights([self.visit_expr(m[LINEAR_W]) for m in matches], 1)
+            bias = _concat_weights([m[LINEAR_BIAS] if LINEAR_BIAS in m else zero_bias(static_shape(m[LINEAR_W])[1], dtype)
+                                    for m in matches], 0)
+            x2d = relax.op.reshape(self.visit_expr(group.x), [b * s, h * d])
+            note = wgmma_misfit(b * s, 3 * h * d, h * d) if t.gemm == "wgmma" else None
+            if t.gemm == "wgmma" and note is None:
+                call, stage = t.call("qkv_projection_wgmma", group.shape, dtype, [x2d, transposed(w), bias],
+                                     (3, b, h, s, d))
+            else:
+                call, stage = t.call("qkv_projection_kn", group.shape, dtype, [x2d, w, bias], (3, b, h, s, d))
+            t.record("qkv", [stage], note)
+            qkv = self.builder_.emit(call)
+            if all(_reads_views(permute, users) for permute in group.permutes):
+                # zero copy: Q, K and V are views at their offsets into the [3, B, H, S, D] output
+                part_bytes = b * h * s * d * tvm.runtime.DataType(dtype).bits // 8
+                heads_of = [relax.op.memory.view(qkv, [b, h, s, d], dtype,
+                                                 relax.prim_value(tvm.tirx.IntImm("int64", i * part_bytes)))
+                            for i in range(3)]
+            else:
+                parts = self.builder_.emit(relax.op.split(qkv, 3, axis=0))
+                heads_of = [relax.op.reshape(relax.TupleGetItem(parts, i), [b, h, s, d]) for i in range(3)]
+            for heads, permute, axes in zip(heads_of, group.permutes, group.axes):
+                back = _HEAD_PERMS[axes]
+                replace[permute] = self.builder_.emit(heads if back is None else relax.op.permute_dims(heads, back))
+
+    return QKV(t.mod).visit_expr(func)
+
+
+# Kernels whose Q/K/V buffers accept a view at an offset into a larger allocation (TVM's own kernels assume
+# offset 0): the block-wise attention kernel (schedules/attention_blockwise.py, VIEW_ALIGN).
+VIEW_READERS = ("stof_attention_block",)
+
+
+def _reads_views(var, users) -> bool:
+    """Whether every use of the head-split ``var`` (directly, or through one ``permute_dims``, the K^T form) is
+    an input of a :data:`VIEW_READERS` kernel call."""
+    def kernel_call(binding) -> bool:
+        value = None if binding is None else binding.value
+        return (is_call(value, "relax.call_tir") and isinstance(value.args[0], tvm.ir.GlobalVar)
+                and value.args[0].name_hint in VIEW_READERS)
+
+    uses = users.get(var, [])
+    if not uses:
+        return False
+    for use in uses:
+        if kernel_call(use):
+            continue
+        if use is None or not is_call(use.value, "relax.permute_dims"):
+            return False
+        further = users.get(use.var, [])
+        if not further or not all(kernel_call(u) for u in further):
+            return False
+    return True
+
+
+def _qkv_fits(shape: dict, dtype: str) -> bool:
+    from stof_tvm.schedules.templates import get_template
+
+    try:
+        return bool(get_template("qkv_projection_kn").knob_space(shape, dtype))
+    except ValueError:
+        return False
