@@ -28,12 +28,11 @@ class _QKVGroup:
 _HEAD_PERMS = {(0, 2, 1, 3): None, (0, 2, 3, 1): [0, 1, 3, 2]}   # Q/V form, K^T form (from [B, H, S, D])
 
 
-def _find_qkv(func: relax.Function) -> list[_QKVGroup]:
+def _find_qkv(func: relax.Function, users: dict) -> list[_QKVGroup]:
     """Groups of three head-split linears (with or without bias) sharing X, in program order (their permutes
     after the third), and single linears whose [..., 3 * H * D] output is split into thirds that are each split
     into heads (GPT-2's ``c_attn``: its weight already is the concatenated one)."""
     var2val = relax.analysis.get_var2val(func)
-    users = users_of(func)
     order, by_x, fused = {}, [], []
     for block in func.body.blocks:
         for binding in block.bindings:
@@ -128,7 +127,8 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
     split); ``t`` is the template adder of :func:`.downstream.use_templates` (its ``call``, ``record``, ``gemm``,
     ``mod``)."""
     groups = []
-    for group in _find_qkv(func):
+    users = users_of(func)
+    for group in _find_qkv(func, users):
         x_shape = static_shape(group.x)
         if x_shape is None or len(x_shape) != 3 or x_shape[2] != group.heads * group.head_dim:
             continue
@@ -139,7 +139,6 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
         return func
     emit_at = {group.linears[-1][0]: group for group in groups}
     replace: dict = {}
-    users = users_of(func)
 
     @relax.expr_functor.mutator
     class QKV(relax.PyExprMutator):
