@@ -8,6 +8,7 @@ module's tests end (the cluster fixture's context manager).
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -159,3 +160,26 @@ def test_summary_counting_and_table():
     row = next(line for line in table.splitlines() if line.split()[:1] == ["h200"])
     assert row.split()[1:] == ["2", "1", "0"]
     assert "no servers registered" in rpc.format_summary("t:9190", {"queue_info": {}, "server_info": []})
+
+
+def test_sessions_fork_from_a_server_that_preloaded_tvm_without_the_torch_cuda_hook(tmp_path):
+    """The RPC server's sessions are forked from a fork server whose environment disables tvm_ffi's torch hook
+    (on a host with torch and a GPU that hook initialises CUDA, and a forked session then cannot use the GPU) and
+    which has already imported TVM's RPC server (so a session does not import it again)."""
+    probe = (
+        "import multiprocessing, os, sys\n"
+        "from stof_tvm.tuning.rpc_server import use_fork_server\n"
+        "def report(queue):\n"
+        "    queue.put((os.environ.get('TVM_FFI_DISABLE_TORCH_C_DLPACK'), 'tvm.rpc.server' in sys.modules,\n"
+        "               multiprocessing.get_start_method()))\n"
+        "if __name__ == '__main__':\n"
+        "    use_fork_server()\n"
+        "    queue = multiprocessing.Queue()\n"
+        "    child = multiprocessing.Process(target=report, args=(queue,))\n"
+        "    child.start(); print(queue.get(timeout=60)); child.join()\n")
+    script = tmp_path / "probe.py"
+    script.write_text(probe)
+    env = {k: v for k, v in os.environ.items() if k != "TVM_FFI_DISABLE_TORCH_C_DLPACK"}
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "('1', True, 'forkserver')"

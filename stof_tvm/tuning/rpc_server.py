@@ -13,18 +13,29 @@ Here each session is forked from a *fork server* (``multiprocessing``'s ``forkse
 that has imported TVM's RPC server and nothing of CUDA, so a fork is cheap and its child starts with a clean
 driver; the child loads TVM's CUDA runtime library (``--load-library``) before serving. On a host without that
 library the sessions serve the CPU, the same way.
+
+"Nothing of CUDA" needs one more step where torch is installed (the GPU machines): importing ``tvm_ffi`` then
+calls ``torch.cuda.is_available()``, which initialises the CUDA driver (measured on the H200 host: a child forked
+after a plain ``import tvm`` fails with ``cudaErrorInitializationError``). The fork server therefore starts with
+``TVM_FFI_DISABLE_TORCH_C_DLPACK=1``, which skips that torch hook; the sessions do not exchange torch tensors.
 """
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 
 # Imported once by the fork server, so that every session's fork starts with them loaded.
 FORKSERVER_PRELOAD = ["tvm", "tvm.rpc.server"]
+# Environment of the fork server: tvm_ffi's torch hook initialises CUDA on import unless disabled.
+FORKSERVER_ENV = {"TVM_FFI_DISABLE_TORCH_C_DLPACK": "1"}
 
 
 def use_fork_server() -> None:
-    """Run by the server process before it serves: sessions fork from a fork server (see the module docstring)."""
+    """Run by the server process before it serves: sessions fork from a fork server (see the module docstring).
+
+    The fork server is started later, at the first session, with this process's environment."""
+    os.environ.update(FORKSERVER_ENV)
     multiprocessing.set_start_method("forkserver", force=True)
     multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
 
