@@ -9,8 +9,9 @@ Three kernels can replace an attention site:
   baseline of the benchmarks.
 
 Scores that carry a real bias (T5's position bias): both sparse kernels take the bias (computed by the graph) as
-an input and add it at each kept key. ``auto`` picks the row-wise kernel for them until the block-wise kernel with
-a bias has been measured on the GPU (``scripts/check_bias_gpu.py``); ``kernel="block"`` asks for it explicitly.
+an input and add it at each kept key, so ``auto`` chooses between them as for unbiased scores. On the H200 the
+block-wise kernel with T5's bias ran 9.4x faster than the row-wise one (``scripts/check_bias_gpu.py``,
+BENCHMARKS.md).
 
 The sparse-format arrays (or the dense keep-mask) are module inputs, so one compiled module serves any mask of
 the same kind: the runtime builds the format of the mask it is given and passes the arrays.
@@ -128,8 +129,7 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
     "auto", or when it is of the requested kind). Otherwise "auto" asks :func:`stof_tvm.attention.choose_kernel`
     (the one place the kernel-selection model lives) and the schedule's default configuration is used.
     ``bias``: ``(bias_batch, bias_heads, dtype)`` when the scores carry a real bias: the sparse kernel adds it
-    (an input after the format arrays); "auto" keeps such models on the row-wise kernel (see the module
-    docstring). ``dense_only``: the model masks in a way only the dense form applies.
+    (an input after the format arrays). ``dense_only``: the model masks in a way only the dense form applies.
     """
     if requested not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS}, got {requested!r}")
@@ -138,17 +138,6 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
             raise ValueError(f"kernel: {requested!r} cannot apply the model's own masking (a condition computed "
                              "from weights); use kernel='dense' or 'auto'")
         return KernelChoice("dense", {}, mask_batch, mask_heads, "the model's masking is computed from weights")
-    # Biased scores on "auto": the row-wise kernel until scripts/check_bias_gpu.py has measured the block-wise
-    # kernel with a bias on the GPU (the default path does not change before that).
-    if bias is not None and requested in ("auto", "row"):
-        if not _supports("row", dtype, target_kind):
-            raise ValueError(f"kernel: the row-wise kernel (the one 'auto' picks for an attention bias) does not "
-                             f"support dtype {dtype} on {target_kind}")
-        reason = "requested" if requested == "row" else (
-            "scores carry a real bias: the row-wise kernel adds it at each kept key (the block-wise kernel's bias "
-            "path is not yet measured on the GPU: scripts/check_bias_gpu.py)")
-        return KernelChoice("row", dataclasses.asdict(_default_config("row", head_dim, dtype, seq_q, target_kind)),
-                            mask_batch, mask_heads, reason, bias=tuple(bias))
     bias = tuple(bias) if bias is not None and requested != "dense" else None
     if requested == "dense":
         return KernelChoice("dense", {}, mask_batch, mask_heads, "requested")
