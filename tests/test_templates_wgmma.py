@@ -44,15 +44,20 @@ def test_every_configuration_fits_the_h200(shape):
         assert shape["n"] % res["block_n"] == 0
         assert res["tiles"] * res["block_m"] * res["block_n"] == shape["m"] * shape["n"]
         assert res["grid"] == (min(res["tiles"], H200.sm_count) if knobs["persistent"] else res["tiles"])
-        # ping-pong: persistent only; one warpgroup holds a whole tile (128 x 128, or 64 rows when wider)
-        assert res["block_m"] == ({128: 128, 192: 64, 256: 64}[knobs["block_n"]] if knobs["pingpong"] else 128)
+        # ping-pong: persistent only; one warpgroup holds a whole tile (128 x 128, or 64 rows when wider);
+        # cooperative: 128 rows, or 256 (block_m) with 128 per consumer warpgroup
+        cooperative_rows = knobs.get("block_m", 128)
+        assert res["block_m"] == ({128: 128, 192: 64, 256: 64}[knobs["block_n"]] if knobs["pingpong"]
+                                  else cooperative_rows)
         assert res["acc_registers"] == res["block_m"] * res["block_n"] // (128 if knobs["pingpong"] else 256)
         assert knobs["persistent"] or not knobs["pingpong"]
         assert res["overlapped_epilogue"] == knobs["pingpong"]
     # 256-wide cooperative tiles with 5 stages need 240 KiB: never offered (ping-pong's 64 x 256 tiles fit)
     assert not [kn for kn in space if (kn["block_n"], kn["stages"], kn["pingpong"]) == (256, 5, False)]
     assert {kn["block_n"] for kn in space if kn["pingpong"]} == {kn["block_n"] for kn in space}
-    # cooperative first (the compile path's untuned choice stays what the H200 measured)
+    # among the older knob sets (the new block_m / staged ones follow them all): cooperative first (the compile
+    # path's untuned choice stays what the H200 measured)
+    space = [kn for kn in space if "block_m" not in kn and "staged" not in kn]
     assert not space[0]["pingpong"] and space.index(next(kn for kn in space if kn["pingpong"])) == len(
         [kn for kn in space if not kn["pingpong"]])
     tiles = (shape["m"] // 128) * (shape["n"] // space[0]["block_n"])
@@ -214,3 +219,114 @@ def test_kernel_compiles_for_sm90a_with_hgmma_and_no_spills(name, shape, dtype, 
         assert re.search(r"BAR\.SYNC\S* R\d+, 0x100", sass) and re.search(r"BAR\.ARV R\d+, 0x100", sass)
     assert "HMMA" not in sass.replace("HGMMA", "")
     assert "USETMAXREG" in sass
+
+
+# ---- 256-row cooperative tiles and the staged epilogue (knobs block_m, staged) ------------------------------------
+
+SMALL_K = {"m": 32768, "n": 768, "k": 768}
+
+
+def test_new_knob_sets_come_after_every_older_one():
+    """The older knob sets keep their order (the untuned first choice is unchanged) and their keys; the ``block_m =
+    256`` and ``staged`` sets follow them, and only where they fit: 256-row tiles of width 128 and 192, cooperative,
+    staged 256-row tiles at width 128 only."""
+    for name, shape in (("gemm_wgmma", SMALL_K), ("gemm_bias_gelu_erf_wgmma", {"m": 32768, "n": 3072, "k": 768}),
+                        ("qkv_projection_wgmma", {"batch": 16, "seq": 2048, "heads": 12, "head_dim": 64})):
+        t = get_template(name)
+        space = t.knob_space(shape, "float16")
+        new = [i for i, kn in enumerate(space) if "block_m" in kn or "staged" in kn]
+        assert new and new == list(range(new[0], len(space)))
+        assert all(set(kn) == {"block_n", "stages", "persistent", "pingpong"} for kn in space[:new[0]])
+        tall = [kn for kn in space if kn.get("block_m") == 256]
+        assert {kn["block_n"] for kn in tall} == {128, 192} and not any(kn["pingpong"] for kn in tall)
+        assert {kn["block_n"] for kn in tall if kn.get("staged")} == {128}
+        for knobs in space[new[0]:]:
+            res = t.resources(shape, "float16", knobs)
+            assert res["shared_bytes"] <= H200.max_shared_bytes_per_block
+            assert res["acc_registers"] + 40 <= res["max_registers_per_thread"]
+    # a shape whose m is not a multiple of 256 gets no 256-row tiles
+    assert not [kn for kn in get_template("gemm_wgmma").knob_space({"m": 384, "n": 768, "k": 768}) if "block_m" in kn]
+
+
+def test_default_values_of_the_new_knobs_build_the_older_kernels():
+    """``block_m = 128`` and ``staged = False`` written out build byte for byte the kernel of the knob set without them
+    (prebuilt artifacts and tuning records keyed by the source stay valid)."""
+    for knobs in ({"block_n": 256, "stages": 3, "persistent": True, "pingpong": False},
+                  {"block_n": 128, "stages": 4, "persistent": True, "pingpong": True}):
+        old = cuda_source(build_kernel("gemm_bias_gelu_erf_wgmma", SMALL_K, "float16", knobs))
+        new = cuda_source(build_kernel("gemm_bias_gelu_erf_wgmma", SMALL_K, "float16",
+                                       dict(knobs, block_m=128, staged=False)))
+        assert old == new
+
+
+@pytest.mark.parametrize("knobs, grid, shared", [
+    ({"block_n": 128, "stages": 4, "block_m": 256}, 4, 4 * 384 * 128),
+    ({"block_n": 128, "stages": 2, "staged": True}, 8, 2 * 256 * 128 + 8 * 2048),
+    ({"block_n": 128, "stages": 2, "block_m": 256, "staged": True, "persistent": False}, 4, 2 * 384 * 128 + 8 * 2048),
+])
+def test_new_knobs_launch_and_reserve_their_shared_memory(knobs, grid, shared):
+    """256-row tiles halve the tiles (grid) and carry 256 + block_n rows per stage; the staged epilogue adds a 2 KiB
+    buffer per consumer warp after the mbarriers."""
+    from stof_tvm.schedules.templates.build import cuda_target
+    from stof_tvm.schedules.templates.wgmma_kernel import WgmmaConfig
+
+    t = get_template("gemm_wgmma")
+    shape = {"m": 512, "n": 256, "k": 128}
+    target = tvm.target.Target(cuda_target("sm_90a"))
+    mod = tvm.IRModule({"main": t.kernel(shape, "float16", knobs)})
+    with target:
+        lowered = tvm.tirx.get_tir_pipeline("default")[0](tvm.tirx.transform.BindTarget(target)(mod))
+    launches = re.findall(r'call_ffi_kernel\("gemm_wgmma_kernel", [^)]*?, (\d+), (\d+), T\.int64\((\d+)\)',
+                          lowered.script())
+    config = WgmmaConfig(**knobs)
+    assert config.shared_bytes == shared + 16 * knobs["stages"] + 1024
+    assert launches == [(str(grid), "384", str(config.shared_bytes))]
+    res = t.resources(shape, "float16", dict(knobs, persistent=knobs.get("persistent", True), pingpong=False))
+    assert res["grid"] == grid and res["block_m"] == knobs.get("block_m", 128)
+    assert res["acc_registers"] == knobs.get("block_m", 128) // 128 * knobs["block_n"] // 2
+
+
+@pytest.mark.parametrize("name, shape, knobs", [
+    ("gemm_wgmma", SMALL_K, {"block_n": 256, "stages": 4, "persistent": True, "pingpong": False, "staged": True}),
+    ("gemm_bias_gelu_erf_wgmma", {"m": 32768, "n": 3072, "k": 768},
+     {"block_n": 128, "stages": 4, "persistent": True, "pingpong": False, "block_m": 256, "staged": True}),
+    ("gemm_bias_gelu_erf_wgmma", {"m": 32768, "n": 3072, "k": 768},
+     {"block_n": 192, "stages": 4, "persistent": True, "pingpong": False, "block_m": 256}),
+    ("qkv_projection_wgmma", {"batch": 16, "seq": 2048, "heads": 12, "head_dim": 64},
+     {"block_n": 128, "stages": 4, "persistent": True, "pingpong": True, "staged": True}),
+])
+def test_new_knob_kernels_compile_for_sm90a_without_spills(name, shape, knobs, tmp_path):
+    """256-row tiles issue two m64 wgmma per k16 step per consumer; the staged epilogue stores 16 bytes per lane
+    (``STG.E.128``, no 2-byte ``STG.E.U16``) after packing pairs into shared memory, with no local memory."""
+    src = cuda_source(build_kernel(name, shape, "float16", knobs))
+    body = _kernel_body(src)
+    bn, tall = knobs["block_n"], knobs.get("block_m") == 256
+    halves = 2 if tall or (knobs["pingpong"] and bn == 128) else 1
+    assert body.count(f"_ss_mma_async_sync_aligned_m64n{bn}k16") == 4 * halves
+    assert f"float acc_ptr[{halves * bn // 2}];" in body
+    sass = clean_sm90a_sass(src, tmp_path)
+    if knobs.get("staged"):
+        for text in ("st.shared.b32", "ld.shared.v4.b32", "st.global.v4.b32", "cvt.rn.f16x2.f32", "bar.warp.sync"):
+            assert text in src, text
+        assert "STG.E.128" in sass and "LDS.128" in sass and "STG.E.U16" not in sass
+    else:
+        assert "STG.E.U16" in sass and "st.global.v4.b32" not in body
+
+
+@pytest.mark.parametrize("knobs, message", [
+    ({"block_n": 128, "stages": 3, "block_m": 192}, "block_m must be one of"),
+    ({"block_n": 128, "stages": 3, "block_m": 256, "pingpong": True}, "cooperative tile"),
+    ({"block_n": 128, "stages": 3, "staged": "yes"}, "staged must be a bool"),
+    ({"block_n": 128, "stages": 3, "block_m": 256}, "multiple of 256"),
+])
+def test_new_knobs_refuse_bad_values(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        get_template("gemm_wgmma").kernel({"m": 384, "n": 256, "k": 64}, knobs=knobs)
+
+
+def test_staged_qkv_needs_head_dim_a_multiple_of_8():
+    from stof_tvm.schedules.templates.wgmma_kernel import WgmmaConfig, wgmma_gemm_primfunc
+
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 8"):
+        wgmma_gemm_primfunc(256, 3 * 32 * 4, 32 * 4, "float16", bias=True, act="none", heads=(2, 128, 32, 4),
+                            config=WgmmaConfig(block_n=128, stages=2, staged=True))

@@ -25,7 +25,11 @@ Knobs: ``block_n`` (128, 192 or 256: wgmma N, output columns per tile), ``stages
 persistent only: False = *cooperative*, a 128-row tile split between the two consumer warpgroups, 64 rows each;
 True = *ping-pong*, each consumer owns alternate tiles of ``tile_m`` rows, 128 at ``block_n`` 128 and 64 at 192
 and 256, so that one consumer's epilogue overlaps the other's MMAs). ``block_k`` is 64. Knob sets without
-``pingpong`` are cooperative (the kernels built before the knob existed, byte for byte).
+``pingpong`` are cooperative (the kernels built before the knob existed, byte for byte). Two optional knobs, present
+only in the knob sets that use them (so older sets keep their names and kernels): ``block_m = 256`` (cooperative
+256-row tiles, 128 rows per consumer warpgroup; default 128) and ``staged = True`` (the epilogue through shared memory
+with 16-byte coalesced stores; default False); both come after every older knob set in the space until the H200 has
+timed them (``scripts/bench_wgmma_small_k.py``).
 """
 from __future__ import annotations
 
@@ -35,15 +39,17 @@ from .epilogue import ACTIVATIONS
 from .gemm import GemmTemplate
 from .qkv import QKVTemplate
 from .registry import H200, Hardware, Template, register
-from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_N_CHOICES, CONSUMER_REGS, PINGPONG_TILE_M, STAGE_CHOICES, THREADS,
-                           WgmmaConfig, check_wgmma_shape, wgmma_gemm_primfunc)
+from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_M_CHOICES, BLOCK_N_CHOICES, CONSUMER_REGS, PINGPONG_TILE_M,
+                           STAGE_CHOICES, THREADS, WgmmaConfig, check_wgmma_shape, wgmma_gemm_primfunc)
 
 ARCH = "sm_90a"
+TALL_BLOCK_M = max(BLOCK_M_CHOICES)   # 256-row cooperative tiles: 128 rows per consumer warpgroup
+TALL_BLOCK_N = (128, 192)             # block_n accumulators per thread: 256 would not fit the 232 registers
 
 
 class WgmmaKernelMixin:
-    """What every wgmma template shares: knobs (``block_n``, ``stages``, ``persistent``, ``pingpong``), resources,
-    and the kernel build.
+    """What every wgmma template shares: knobs (``block_n``, ``stages``, ``persistent``, ``pingpong``, and where set
+    ``block_m`` and ``staged``), resources, and the kernel build.
     A template using it defines ``gemm_dims(shape) -> (m, n, k)`` (how its shape maps to the GEMM) and
     ``kernel_options(shape) -> dict`` (the rest of :func:`.wgmma_kernel.wgmma_gemm_primfunc`'s arguments);
     its ``primfunc`` stays the knob-free TensorIR definition."""
@@ -64,7 +70,8 @@ class WgmmaKernelMixin:
         if missing:
             raise ValueError(f"{self.name}: knobs missing {missing}")
         config = WgmmaConfig(block_n=knobs["block_n"], stages=knobs["stages"],
-                             persistent=knobs.get("persistent", True), pingpong=knobs.get("pingpong", False))
+                             persistent=knobs.get("persistent", True), pingpong=knobs.get("pingpong", False),
+                             block_m=knobs.get("block_m", BLOCK_M), staged=knobs.get("staged", False))
         config.validate()
         return config
 
@@ -92,8 +99,22 @@ class WgmmaKernelMixin:
         tiles = lambda kn: (m // BLOCK_M) * (n // kn["block_n"])  # noqa: E731
         busiest = lambda kn: -(-tiles(kn) // hw.sm_count) * kn["block_n"]  # noqa: E731
         persist = lambda kn: self.persistent_first and tiles(kn) >= 4 * hw.sm_count  # noqa: E731
-        return sorted(space, key=lambda kn: (kn["pingpong"], busiest(kn), -kn["block_n"],
-                                             kn["persistent"] != persist(kn), abs(kn["stages"] - 4)))
+        space = sorted(space, key=lambda kn: (kn["pingpong"], busiest(kn), -kn["block_n"],
+                                              kn["persistent"] != persist(kn), abs(kn["stages"] - 4)))
+        return space + self._new_knob_sets(space, m)
+
+    @staticmethod
+    def _new_knob_sets(space, m):
+        """The knob sets of ``block_m = 256`` and ``staged`` (:mod:`.wgmma_kernel`), after every older one in the same
+        order, so that the first choice (the compile path's untuned kernel) stays the measured one until the H200
+        has timed them (``scripts/bench_wgmma_small_k.py``): each older set with the staged epilogue,
+        then the cooperative sets of width 128 and 192 with 256-row tiles where m allows, and those of width 128
+        staged (at 192 the staged GELU epilogue spilled: 192 accumulators leave too few of the 232 registers).
+        Only keys that differ from the defaults are written, so older knob sets keep their names."""
+        staged = [dict(kn, staged=True) for kn in space]
+        tall = [dict(kn, block_m=TALL_BLOCK_M) for kn in space if not kn["pingpong"]
+                and kn["block_n"] in TALL_BLOCK_N and m % TALL_BLOCK_M == 0]
+        return staged + tall + [dict(kn, staged=True) for kn in tall if kn["block_n"] == min(TALL_BLOCK_N)]
 
     def resources(self, shape, dtype, knobs):
         config = self.config(knobs)

@@ -45,6 +45,22 @@ Consumer schedules (knob ``pingpong``):
   full-barrier parities unambiguous: when a consumer waits for step g, step g - stages (the slot's previous
   phase, possibly the other consumer's tile) has already been waited for.
 
+Two further knobs, both off by default (the kernels above are unchanged without them):
+
+- ``block_m = 256`` (cooperative only): each consumer warpgroup computes 128 rows (two m64 wgmma per k16 step, like
+  the 128-row ping-pong tile), so a block's tile is 256 rows. Per tile the ring carries 256 + ``block_n`` rows
+  for 2 x 128 x ``block_n`` outputs: fewer bytes through L2 per flop (256 x 192: 22% fewer than 128 x 256) and half
+  the tiles, so the per-tile costs (ring refill after the epilogue, the epilogue itself) are paid half as often.
+  ``block_n`` 128 and 192 (``block_n`` accumulators per thread; 256 would not fit the 232 registers).
+- ``staged`` (any schedule): the epilogue goes through shared memory instead of storing each output element from
+  its accumulator register with a 2-byte store (one ``STG.E.U16`` per element: a warp's store covers 8 rows x 8
+  bytes, eight partly written 32-byte sectors). Each consumer warp owns a 2 KiB buffer of 16 rows x 64 columns
+  after the mbarriers; per 64-column chunk of its 16 rows it packs pairs of outputs (``cvt.rn.f16x2.f32``, the
+  rounding of the plain casts), writes them with 4-byte ``st.shared`` in the 128-byte swizzle (conflict-free: the
+  eight rows a store instruction covers land in distinct 16-byte chunks), syncs the warp, and reads back 16 bytes
+  per lane to store them with ``st.global.v4``: eight lanes write one whole 128-byte line of a row. No barrier
+  between warps is needed (each warp stages only the rows its own fragment holds).
+
 Shapes must tile exactly: m % tile_m, n % block_n and k % 64 all zero (:func:`check_wgmma_shape`). Build for
 ``arch="sm_90a"`` (``wgmma`` and ``setmaxnreg`` exist only there).
 """
@@ -58,6 +74,7 @@ from tvm.script import tirx as T
 from .epilogue import activation, check_activation
 
 BLOCK_M = 128            # two consumer warpgroups x 64 rows (the cooperative tile)
+BLOCK_M_CHOICES = (128, 256)   # cooperative tile rows: 64 or 128 per consumer warpgroup
 BLOCK_K = 64             # one 128-byte swizzle row of 16-bit elements
 WG = 128                 # threads per warpgroup
 THREADS = 3 * WG         # producer + two consumers
@@ -73,18 +90,25 @@ SWIZZLE_128B = 1         # descriptor layout type
 # per thread; 128 x 192 would leave 40 of the 232 registers for everything else)
 PINGPONG_TILE_M = {128: 128, 192: 64, 256: 64}
 ORDER_BAR = 1            # named barriers ORDER_BAR + c (c = 0, 1): consumer c may start its next main loop
+STAGED_COLS = 64         # staged epilogue: columns of a warp's chunk (one 128-byte swizzled row per output row)
+STAGED_WARP_BYTES = 16 * STAGED_COLS * 2   # 16 rows (one warp's m16 slice of an m64 wgmma) x 64 fp16 columns
+CONSUMER_WARPS = 2 * WG // 32
+PACK_TYPE = {"float16": "f16x2", "bfloat16": "bf16x2"}
 
 
 @dataclass(frozen=True)
 class WgmmaConfig:
     """Knobs of the kernel: ``block_n`` output columns per block (wgmma N), ``stages`` ring depth, ``persistent``
-    (one block per SM looping over tiles) and ``pingpong`` (consumer schedule: each consumer warpgroup owns
-    alternate tiles instead of half of every tile; persistent only)."""
+    (one block per SM looping over tiles), ``pingpong`` (consumer schedule: each consumer warpgroup owns
+    alternate tiles instead of half of every tile; persistent only), ``block_m`` (cooperative tile rows: 128, or
+    256 with 128 rows per consumer) and ``staged`` (epilogue through shared memory with 16-byte stores)."""
 
     block_n: int = 128
     stages: int = 4
     persistent: bool = True
     pingpong: bool = False
+    block_m: int = BLOCK_M
+    staged: bool = False
 
     def validate(self) -> None:
         if self.block_n not in BLOCK_N_CHOICES:
@@ -97,25 +121,37 @@ class WgmmaConfig:
             raise ValueError(f"pingpong must be a bool, got {self.pingpong!r}")
         if self.pingpong and not self.persistent:
             raise ValueError("pingpong needs persistent=True (the consumers alternate over a block's tiles)")
+        if self.block_m not in BLOCK_M_CHOICES:
+            raise ValueError(f"block_m must be one of {BLOCK_M_CHOICES}, got {self.block_m!r}")
+        if self.block_m != BLOCK_M and self.pingpong:
+            raise ValueError("block_m=256 is a cooperative tile (pingpong=False); ping-pong tiles follow block_n")
+        if self.staged not in (True, False):
+            raise ValueError(f"staged must be a bool, got {self.staged!r}")
 
     @property
     def tile_m(self) -> int:
-        """Output rows of one tile (one ring fill): 128 cooperative; ping-pong by ``block_n``."""
-        return PINGPONG_TILE_M[self.block_n] if self.pingpong else BLOCK_M
+        """Output rows of one tile (one ring fill): ``block_m`` cooperative; ping-pong by ``block_n``."""
+        return PINGPONG_TILE_M[self.block_n] if self.pingpong else self.block_m
 
     @property
     def consumer_rows(self) -> int:
         """Rows of a tile one consumer warpgroup computes (64 per m64 wgmma)."""
-        return self.tile_m if self.pingpong else BLOCK_M // 2
+        return self.tile_m if self.pingpong else self.block_m // 2
 
     @property
     def stage_bytes(self) -> int:
         return (self.tile_m + self.block_n) * ROW_BYTES
 
     @property
+    def staging_bytes(self) -> int:
+        """Shared memory of the staged epilogue: one 16 x 64 buffer per consumer warp (0 without ``staged``)."""
+        return CONSUMER_WARPS * STAGED_WARP_BYTES if self.staged else 0
+
+    @property
     def shared_bytes(self) -> int:
-        """The ring, 2 mbarriers per slot, and slack to align the ring to 1024 bytes at run time."""
-        return self.stages * self.stage_bytes + 16 * self.stages + ALIGN
+        """The ring, 2 mbarriers per slot, the staging buffers, and slack to align the ring to 1024 bytes at run
+        time."""
+        return self.stages * self.stage_bytes + 16 * self.stages + self.staging_bytes + ALIGN
 
     @property
     def acc_registers(self) -> int:
@@ -173,7 +209,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     check_wgmma_shape(m, n, k, config)
     BN, ST, DT, TM = config.block_n, config.stages, dtype, config.tile_m
     NACC = BN // 2                       # accumulators of one m64 wgmma
-    HALVES = config.consumer_rows // 64  # m64 wgmmas per k16 step of one consumer (2 only for 128-row ping-pong)
+    CR = config.consumer_rows
+    HALVES = CR // 64                    # m64 wgmmas per k16 step of one consumer (2 for 128-row consumer tiles)
     KT = k // BLOCK_K
     GRID_N = n // BN
     NUM_TILES = GRID_N * (m // TM)
@@ -187,6 +224,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     A_BYTES = TM * ROW_BYTES
     STAGE = config.stage_bytes
     BAR_OFF = ST * STAGE                 # mbarriers after the ring: full[s] at +8s, empty[s] at +8(ST+s)
+    STAGING_OFF = BAR_OFF + 16 * ST      # staged epilogue: consumer warp v's buffer at + v * STAGED_WARP_BYTES
     SMEM_WORDS = config.shared_bytes // 8
     A_ITERS = TM * CHUNKS // WG
     B_ITERS = BN * CHUNKS // WG
@@ -198,6 +236,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         if HB * HS != m or 3 * HH * HD != n or HD % 2:
             raise ValueError(f"heads={heads} does not match m={m}, n={n} (m = batch*seq, n = 3*heads*head_dim, "
                              "head_dim even)")
+        if config.staged and HD % 8:
+            raise ValueError(f"staged=True stores 8 columns at once: head_dim must be a multiple of 8, got {HD}")
         OUT_SHAPE = (3, HB, HH, HS, HD)
     else:
         OUT_SHAPE = (m, n)
@@ -216,9 +256,18 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     def mma_step(acc, a_desc, b_desc, first=0):
         return MMA(*[acc[first + i] for i in range(NACC)], a_desc, b_desc, True, 1, 1, 0, 0)
 
-    def epilogue(x, col, bias_buf):
+    def epilogue_f32(x, col, bias_buf):
         y = x + T.Cast("float32", bias_buf[col]) if bias else x
-        return T.Cast(DT, activation(act, y))
+        return activation(act, y)
+
+    def epilogue(x, col, bias_buf):
+        return T.Cast(DT, epilogue_f32(x, col, bias_buf))
+
+    def out_ptr(out, row, col):
+        """Address of output element (row, col) of the GEMM (in [3, B, H, S, D] for the QKV projection)."""
+        if heads is None:
+            return T.address_of(out[row, col])
+        return T.address_of(out[col // (HH * HD), row // HS, col % (HH * HD) // HD, row % HS, col % HD])
 
     @T.macro
     def store(acc, out, bias_buf, row0, col0, lane, first):
@@ -233,6 +282,44 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                         out[col // (HH * HD), row // HS, col % (HH * HD) // HD, row % HS, col % HD] = epilogue(
                             acc[first + j * 4 + h * 2 + e], col, bias_buf)
 
+    PACK = T.ptx[f"cvt.rn.{PACK_TYPE[DT]}.f32"]
+
+    def pack_pair(words, acc, i, col, bias_buf):
+        """Outputs ``acc[i]`` (column ``col``) and ``acc[i + 1]`` rounded to 16 bits and packed into ``words[0]``, the
+        first in the low half (its address is the lower)."""
+        return PACK(words[0], epilogue_f32(acc[i + 1], col + 1, bias_buf), epilogue_f32(acc[i], col, bias_buf))
+
+    @T.macro
+    def store_staged(acc, out, bias_buf, row0, col0, lane, first, buf, words):
+        """The ``staged`` epilogue of one warp's 16 rows (module docstring): per 64-column chunk, packed pairs into
+        the warp's swizzled buffer at shared address ``buf``, then 16-byte rows out. ``words``: 4 local uint32."""
+        for cc in T.unroll(BN // STAGED_COLS):
+            for j in T.unroll(STAGED_COLS // 8):
+                for h in T.unroll(2):
+                    col: T.let = col0 + cc * STAGED_COLS + j * 8 + (lane % 4) * 2
+                    pack_pair(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, bias_buf)
+                    T.ptx["st.shared.b32"](buf + T.Cast("uint32", swizzled(lane // 4 + 8 * h, j) + (lane % 4) * 4),
+                                           words[0])
+            T.ptx["bar.warp.sync"](T.uint32(0xFFFFFFFF))
+            for it in T.unroll(16 * CHUNKS // 32):
+                row: T.let = it * 4 + lane // CHUNKS
+                T.ptx["ld.shared.v4.b32"](words[0], words[1], words[2], words[3],
+                                          buf + T.Cast("uint32", swizzled(row, lane % CHUNKS)))
+                T.ptx["st.global.v4.b32"](out_ptr(out, row0 + row, col0 + cc * STAGED_COLS + (lane % CHUNKS) * 8),
+                                          words[0], words[1], words[2], words[3])
+            T.ptx["bar.warp.sync"](T.uint32(0xFFFFFFFF))
+
+    @T.macro
+    def store_tile(acc, out, bias_buf, row0, col0, base, wt, warp, words):
+        """Store one consumer's ``CR`` rows of a tile from ``acc`` (first row ``row0``; ``warp``: the thread's consumer
+        warp 0-7, which picks its staging buffer)."""
+        for q in T.unroll(HALVES):
+            if config.staged:
+                store_staged(acc, out, bias_buf, row0 + q * 64 + (wt // 32) * 16, col0, wt % 32, q * NACC,
+                             base + T.Cast("uint32", STAGING_OFF + warp * STAGED_WARP_BYTES), words)
+            else:
+                store(acc, out, bias_buf, row0 + q * 64 + (wt // 32) * 16, col0, wt % 32, q * NACC)
+
     @T.macro
     def body(A, W, bias_buf, out):
         for bx in T.thread_binding(GRID, thread="blockIdx.x"):
@@ -240,6 +327,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                 wgmma_smem = T.alloc_buffer((SMEM_WORDS,), "uint64", scope="shared.dyn")
                 acc = T.alloc_buffer((HALVES * NACC,), "float32", scope="local")
                 flag = T.alloc_buffer((1,), "uint32", scope="local")
+                words = T.alloc_buffer((4,), "uint32", scope="local")
                 raw: T.let = T.cuda.cvta_generic_to_shared(whole_buffer(wgmma_smem, SMEM_WORDS))
                 base: T.let = T.bitwise_and(raw + T.uint32(ALIGN - 1), T.uint32(0xFFFFFFFF - (ALIGN - 1)))
                 wg: T.let = tx // WG
@@ -306,26 +394,26 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                                 T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (r * KT + KT - 1) % ST))
                                 for i in T.unroll(HALVES * NACC):
                                     FENCE_REG(acc[i], acc[i], T.float32(-0.0))
-                                for q in T.unroll(HALVES):
-                                    store(acc, out, bias_buf, (tile // GRID_N) * TM + q * 64 + (wt // 32) * 16,
-                                          (tile % GRID_N) * BN, wt % 32, q * NACC)
+                                store_tile(acc, out, bias_buf, (tile // GRID_N) * TM, (tile % GRID_N) * BN, base, wt,
+                                           tx // 32 - WG // 32, words)
                     else:
                         for r in range(ROUNDS):
                             tile: T.let = bx + r * GRID
                             if tile < NUM_TILES:
-                                for i in T.unroll(NACC):
+                                for i in T.unroll(HALVES * NACC):
                                     acc[i] = T.float32(0)
                                 for t in range(KT):
                                     g: T.let = r * KT + t
                                     wait_parity(flag, full_bar(base, g % ST), T.Cast("uint32", (g // ST) % 2))
                                     T.ptx["fence.proxy.async.shared::cta"]()
                                     a_tile: T.let = base + T.Cast("uint32",
-                                                                  (g % ST) * STAGE + (wg - 1) * 64 * ROW_BYTES)
+                                                                  (g % ST) * STAGE + (wg - 1) * CR * ROW_BYTES)
                                     b_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE + A_BYTES)
                                     T.ptx["wgmma.fence.sync.aligned"]()
                                     for kk in T.unroll(BLOCK_K // 16):
-                                        mma_step(acc, descriptor(a_tile + T.uint32(kk * 32)),
-                                                 descriptor(b_tile + T.uint32(kk * 32)))
+                                        for q in T.unroll(HALVES):
+                                            mma_step(acc, descriptor(a_tile + T.uint32(q * 64 * ROW_BYTES + kk * 32)),
+                                                     descriptor(b_tile + T.uint32(kk * 32)), q * NACC)
                                     T.ptx["wgmma.commit_group.sync.aligned"]()
                                     T.ptx["wgmma.wait_group.sync.aligned"](1)
                                     if t > 0:
@@ -333,10 +421,10 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                                 T.ptx["wgmma.wait_group.sync.aligned"](0)
                                 # the tile's last slot is free too: the producer may refill it for the next tile
                                 T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (r * KT + KT - 1) % ST))
-                                for i in T.unroll(NACC):
+                                for i in T.unroll(HALVES * NACC):
                                     FENCE_REG(acc[i], acc[i], T.float32(-0.0))
-                                store(acc, out, bias_buf, (tile // GRID_N) * TM + (wg - 1) * 64 + (wt // 32) * 16,
-                                      (tile % GRID_N) * BN, wt % 32, 0)
+                                store_tile(acc, out, bias_buf, (tile // GRID_N) * TM + (wg - 1) * CR,
+                                           (tile % GRID_N) * BN, base, wt, tx // 32 - WG // 32, words)
 
     if bias:
         @T.prim_func
