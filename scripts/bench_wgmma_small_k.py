@@ -230,14 +230,15 @@ def table(results) -> None:
     for row in results:
         print(f"\n{row['case']}: cuBLAS F.linear {row['cublas_ms']:.4f} ms "
               f"({row['flops'] / row['cublas_ms'] / 1e9:.0f} TFLOP/s), torch eager {row['eager_ms']:.4f} ms")
-        print(f"  {'knobs':22s} {'new':>3s} {'ms':>8s} {'TFLOP/s':>8s} {'x cuBLAS':>8s} {'x eager':>8s} {'rel err':>8s}")
+        print(f"  {'knobs':22s} {'new':>3s} {'ms':>8s} {'TFLOP/s':>8s} {'x cuBLAS':>8s} {'x eager':>8s} "
+              f"{'rel err':>8s}")
         for key, e in row["kernels"].items():
-            tag = key.split("__")[1]
+            head = f"  {key.split('__')[1]:22s} {'yes' if e['new'] else '':>3s}"
             if "ms" in e:
-                print(f"  {tag:22s} {'yes' if e['new'] else '':>3s} {e['ms']:8.4f} {e['tflops']:8.0f} "
-                      f"{e['vs_cublas']:8.2f} {row['eager_ms'] / e['ms']:8.2f} {e['rel_err']:8.1e}")
+                print(f"{head} {e['ms']:8.4f} {e['tflops']:8.0f} {e['vs_cublas']:8.2f} {row['eager_ms'] / e['ms']:8.2f} "
+                      f"{e['rel_err']:8.1e}")
             else:
-                print(f"  {tag:22s} {'yes' if e['new'] else '':>3s} {e.get('error') or 'WRONG err %.1e' % e['rel_err']}")
+                print(f"{head} {e.get('error') or 'WRONG err %.1e' % e['rel_err']}")
     print(f"\n{'case':46s} {'cuBLAS ms':>9s} {'eager ms':>9s} {'best old':>9s} {'best new':>9s} {'new/old':>7s}  "
           "best old knobs / best new knobs")
     for row in results:
