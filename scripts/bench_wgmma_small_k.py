@@ -235,8 +235,8 @@ def table(results) -> None:
         for key, e in row["kernels"].items():
             head = f"  {key.split('__')[1]:22s} {'yes' if e['new'] else '':>3s}"
             if "ms" in e:
-                print(f"{head} {e['ms']:8.4f} {e['tflops']:8.0f} {e['vs_cublas']:8.2f} {row['eager_ms'] / e['ms']:8.2f} "
-                      f"{e['rel_err']:8.1e}")
+                print(f"{head} {e['ms']:8.4f} {e['tflops']:8.0f} {e['vs_cublas']:8.2f} "
+                      f"{row['eager_ms'] / e['ms']:8.2f} {e['rel_err']:8.1e}")
             else:
                 print(f"{head} {e.get('error') or 'WRONG err %.1e' % e['rel_err']}")
     print(f"\n{'case':46s} {'cuBLAS ms':>9s} {'eager ms':>9s} {'best old':>9s} {'best new':>9s} {'new/old':>7s}  "
