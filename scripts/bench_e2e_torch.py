@@ -37,7 +37,9 @@ mma.sync), ``wgmma`` (the fusion templates on Hopper wgmma: ``stof_tvm.compile``
 mask as an input, dlight). A variant whose module would equal another's is not saved. Baselines on the GPU, the same torch module
 with its attention replaced (fp16): ``torch-eager`` (SDPA with the boolean mask, plus T5's bias as a float
 mask) and ``torch-flex`` (``torch.compile(flex_attention, dynamic=False)`` with a BlockMask of the same mask;
-T5's bias through a ``score_mod``). The reference is the same torch module in float32 with SDPA (TF32 off).
+T5's bias through a ``score_mod``) and ``torch-compile`` (the whole FlexAttention forward through
+``torch.compile(dynamic=False)``; ``--no-torch-compile`` leaves it out). The reference is the same torch module in
+float32 with SDPA (TF32 off).
 """
 from __future__ import annotations
 
@@ -73,7 +75,9 @@ DEFAULT_VARIANTS = ("ours", "wgmma", "wgmma-graph", "dense")
 LABELS = {"ours": "ours", "templates": "ours+templates", "wgmma": "ours+templates-wgmma",
           "wgmma-graph": "ours+templates-wgmma+graph", "dense": "tvm-dense"}
 OURS = tuple(label for variant, label in LABELS.items() if variant != "dense")
-BASELINES = ("torch-eager", "torch-flex")
+BASELINES = ("torch-eager", "torch-flex", "torch-compile")
+# label -> (attention, whole forward through torch.compile): the last is the strongest torch form of the model
+BASELINE_FORMS = {"torch-eager": ("sdpa", False), "torch-flex": ("flex", False), "torch-compile": ("flex", True)}
 
 
 def _from_file(name: str, *path: str):
@@ -477,8 +481,13 @@ def run(args) -> None:
                 print(f"  {name}: rebuilt weights differ from the export's: {bad[:5]}", flush=True)
             ref = ref_fwd(_torch_inputs(feeds, torch.float32, "cuda")).cpu().numpy()
             del ref_fwd, ref_model
-            for label, attention in zip(BASELINES if args.baselines else (), ("sdpa", "flex")):
-                fwd, _ = torch_forward(tm, name, seq_len, keep, torch.float16, attention, "cuda")
+            for label in BASELINES if args.baselines else ():
+                if label == "torch-compile" and not args.torch_compile:
+                    continue
+                attention, whole = BASELINE_FORMS[label]
+                fwd, _ = torch_forward(tm, name, seq_len, keep, torch.float16, attention, "cuda", compiled=not whole)
+                if whole:
+                    fwd = torch.compile(fwd, dynamic=False)
                 inputs = _torch_inputs(feeds, torch.float16, "cuda")
                 try:
                     row[label + "_err"] = _rel_err(fwd(inputs).float().cpu().numpy(), ref)
@@ -594,6 +603,8 @@ def main(argv=None) -> int:
     sub.choices["run"].add_argument("--json", help="write the results here")
     sub.choices["run"].add_argument("--no-baselines", dest="baselines", action="store_false",
                                     help="time our artifacts only (no torch baselines)")
+    sub.choices["run"].add_argument("--no-torch-compile", dest="torch_compile", action="store_false",
+                                    help="leave out the torch.compile baseline (its first call compiles: ~1 min)")
     sub.choices["run"].add_argument("--isolate", nargs="*", default=["dense"], choices=list(VARIANTS),
                                     help="variants timed in a child process each (default: dense)")
     sub.choices["run"].add_argument("--time-budget", type=float, default=float("inf"),
