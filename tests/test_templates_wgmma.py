@@ -229,7 +229,7 @@ SMALL_K = {"m": 32768, "n": 768, "k": 768}
 def test_new_knob_sets_come_after_every_older_one():
     """The older knob sets keep their order (the untuned first choice is unchanged) and their keys; the ``block_m =
     256`` and ``staged`` sets follow them, and only where they fit: 256-row tiles of width 128 and 192, cooperative,
-    staged 256-row tiles at width 128 only."""
+    staged at both widths except with the erf GELU (width 128 only: ptxas spilled at 192)."""
     for name, shape in (("gemm_wgmma", SMALL_K), ("gemm_bias_gelu_erf_wgmma", {"m": 32768, "n": 3072, "k": 768}),
                         ("qkv_projection_wgmma", {"batch": 16, "seq": 2048, "heads": 12, "head_dim": 64})):
         t = get_template(name)
@@ -239,7 +239,7 @@ def test_new_knob_sets_come_after_every_older_one():
         assert all(set(kn) == {"block_n", "stages", "persistent", "pingpong"} for kn in space[:new[0]])
         tall = [kn for kn in space if kn.get("block_m") == 256]
         assert {kn["block_n"] for kn in tall} == {128, 192} and not any(kn["pingpong"] for kn in tall)
-        assert {kn["block_n"] for kn in tall if kn.get("staged")} == {128}
+        assert {kn["block_n"] for kn in tall if kn.get("staged")} == ({128} if "gelu_erf" in name else {128, 192})
         for knobs in space[new[0]:]:
             res = t.resources(shape, "float16", knobs)
             assert res["shared_bytes"] <= H200.max_shared_bytes_per_block

@@ -103,18 +103,18 @@ class WgmmaKernelMixin:
                                               kn["persistent"] != persist(kn), abs(kn["stages"] - 4)))
         return space + self._new_knob_sets(space, m)
 
-    @staticmethod
-    def _new_knob_sets(space, m):
+    def _new_knob_sets(self, space, m):
         """The knob sets of ``block_m = 256`` and ``staged`` (:mod:`.wgmma_kernel`), after every older one in the same
         order, so that the first choice (the compile path's untuned kernel) stays the measured one until the H200
-        has timed them (``scripts/bench_wgmma_small_k.py``): each older set with the staged epilogue,
-        then the cooperative sets of width 128 and 192 with 256-row tiles where m allows, and those of width 128
-        staged (at 192 the staged GELU epilogue spilled: 192 accumulators leave too few of the 232 registers).
-        Only keys that differ from the defaults are written, so older knob sets keep their names."""
+        has timed them (``scripts/bench_wgmma_small_k.py``): each older set with the staged epilogue, then the
+        cooperative sets of width 128 and 192 with 256-row tiles where m allows, direct and staged (staged at width
+        192 not with the erf GELU: its 192 accumulators and the erf left too few of the 232 registers, ptxas
+        spilled). Only keys that differ from the defaults are written, so older knob sets keep their names."""
         staged = [dict(kn, staged=True) for kn in space]
         tall = [dict(kn, block_m=TALL_BLOCK_M) for kn in space if not kn["pingpong"]
                 and kn["block_n"] in TALL_BLOCK_N and m % TALL_BLOCK_M == 0]
-        return staged + tall + [dict(kn, staged=True) for kn in tall if kn["block_n"] == min(TALL_BLOCK_N)]
+        widths = TALL_BLOCK_N if getattr(self, "act", "none") != "gelu_erf" else TALL_BLOCK_N[:1]
+        return staged + tall + [dict(kn, staged=True) for kn in tall if kn["block_n"] in widths]
 
     def resources(self, shape, dtype, knobs):
         config = self.config(knobs)
