@@ -21,8 +21,8 @@ combined with what the model imposes itself:
 - GPT-2: its causal mask AND BigBird (the exported graph's causal ``where`` over the registered bool buffer is
   folded into the sparse format at compile time, so the sparse kernels see causal AND BigBird); the torch
   baselines and the float32 reference use the same combined mask;
-- T5 encoder: its relative position bias is added to the scores, a real bias: ``ours`` runs the row-wise
-  kernel, which adds the bias at each kept key (the block-wise kernel has no bias input); its bias-free linears
+- T5 encoder: its relative position bias is added to the scores, a real bias: ``ours`` passes it to the sparse
+  kernel (the block-wise one on the GPU), which adds it at each kept key; its bias-free linears
   run on the GEMM templates (ReLU and QKV with a zero bias), its RMSNorm on TVM's default path (the bias, a
   constant of the weights, is folded into the module: ~190 MB at S = 2048, 0.2 MB packed);
 - ViT: the sequence is the patch grid (no class token: ``torch_models.Vit`` takes ``S`` patches, the image
