@@ -83,20 +83,27 @@ def _reference_ranking(template, shape, dtype, space, cal=DEFAULT_CALIBRATION):
     for kn in space:
         res = template.resources(shape, dtype, kn)
         grid = max(res["grid"], 1)
-        per_block = flops / grid
+        units = max(res["tiles"], 1) if "tiles" in res else grid   # persistent blocks loop over whole tiles
+        rounds = math.ceil(units / grid)
+        per_block = flops / units * rounds
         trips, l2, smem = 0.0, dram, 0.0
         if "block_m" in res:
             bm, bn, bk = res["block_m"], res["block_n"], res["block_k"]
             trips = per_block / (2.0 * bm * bn * bk)
-            l2 = grid * trips * (bm + bn) * bk * 2 + out_bytes
+            l2 = units * (flops / units / (2.0 * bm * bn * bk)) * (bm + bn) * bk * 2 + out_bytes
             smem = trips * bk * 2 * (bm + bn + bm * kn.get("warps_n", 1) + bn * kn.get("warps_m", 1))
         stages = kn.get("stages") or 0
         pipeline = 1.0 if stages < 3 else 0.5 * (1.0 + 1.0 / (stages - 1))
         latency = trips * cal.gemm_iter_cycles * pipeline + cal.gemm_block_cycles
-        regs = res.get("acc_registers", 0) + res.get("operand_registers", 0) + 40
+        regs = res.get("launch_registers", res.get("acc_registers", 0) + res.get("operand_registers", 0) + 40)
         # the ping-pong wgmma kernel overlaps all but the block's last tile's epilogue with tensor-core work
-        epilogue_elems = out_elems / max(res["tiles"], 1) if res.get("overlapped_epilogue") else out_elems / grid
+        block_elems = out_elems / units * rounds
+        epilogue_elems = out_elems / max(res["tiles"], 1) if res.get("overlapped_epilogue") else block_elems
         cuda_ops = cal.epilogue_ops * epilogue_elems + cal.smem_ops_per_byte * smem
+        if res.get("narrow_stores"):   # the direct wgmma epilogue: one 2-byte store per output element
+            cuda_ops += cal.narrow_store_ops * block_elems
+        if res.get("wgmma"):           # wgmma's main-loop rate, in mma.sync-equivalent flops
+            per_block *= cal.gemm_tc_eff / cal.wgmma_tc_eff
         rows.append((res["threads"], res["shared_bytes"], regs, grid, per_block, cuda_ops, latency, dram, l2))
     times = predict_uniform(*np.array(rows, dtype=np.float64).T, hw=H200, cal=cal.replace(tc_eff=cal.gemm_tc_eff))
     order = [i for i in np.argsort(times, kind="stable") if np.isfinite(times[i])]

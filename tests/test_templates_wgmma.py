@@ -5,6 +5,8 @@ of the definition, the cooperative and ping-pong consumer schedules, and the CUD
 The kernel's numerics need an H200: scripts/check_wgmma_gpu.py."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 
 import numpy as np
@@ -55,8 +57,7 @@ def test_every_configuration_fits_the_h200(shape):
     # 256-wide cooperative tiles with 5 stages need 240 KiB: never offered (ping-pong's 64 x 256 tiles fit)
     assert not [kn for kn in space if (kn["block_n"], kn["stages"], kn["pingpong"]) == (256, 5, False)]
     assert {kn["block_n"] for kn in space if kn["pingpong"]} == {kn["block_n"] for kn in space}
-    # among the older knob sets (the new block_m / staged ones follow them all): cooperative first (the compile
-    # path's untuned choice stays what the H200 measured)
+    # among the older direct-store knob sets (after the staged ones): cooperative first, in their measured order
     space = [kn for kn in space if "block_m" not in kn and "staged" not in kn]
     assert not space[0]["pingpong"] and space.index(next(kn for kn in space if kn["pingpong"])) == len(
         [kn for kn in space if not kn["pingpong"]])
@@ -226,26 +227,104 @@ def test_kernel_compiles_for_sm90a_with_hgmma_and_no_spills(name, shape, dtype, 
 SMALL_K = {"m": 32768, "n": 768, "k": 768}
 
 
-def test_new_knob_sets_come_after_every_older_one():
-    """The older knob sets keep their order (the untuned first choice is unchanged) and their keys; the ``block_m =
-    256`` and ``staged`` sets follow them, and only where they fit: 256-row tiles of width 128 and 192, cooperative,
-    staged at both widths except with the erf GELU (width 128 only: ptxas spilled at 192)."""
-    for name, shape in (("gemm_wgmma", SMALL_K), ("gemm_bias_gelu_erf_wgmma", {"m": 32768, "n": 3072, "k": 768}),
-                        ("qkv_projection_wgmma", {"batch": 16, "seq": 2048, "heads": 12, "head_dim": 64})):
-        t = get_template(name)
-        space = t.knob_space(shape, "float16")
-        new = [i for i, kn in enumerate(space) if "block_m" in kn or "staged" in kn]
-        assert new and new == list(range(new[0], len(space)))
-        assert all(set(kn) == {"block_n", "stages", "persistent", "pingpong"} for kn in space[:new[0]])
-        tall = [kn for kn in space if kn.get("block_m") == 256]
-        assert {kn["block_n"] for kn in tall} == {128, 192} and not any(kn["pingpong"] for kn in tall)
-        assert {kn["block_n"] for kn in tall if kn.get("staged")} == ({128} if "gelu_erf" in name else {128, 192})
-        for knobs in space[new[0]:]:
-            res = t.resources(shape, "float16", knobs)
-            assert res["shared_bytes"] <= H200.max_shared_bytes_per_block
-            assert res["acc_registers"] + 40 <= res["max_registers_per_thread"]
-    # a shape whose m is not a multiple of 256 gets no 256-row tiles
-    assert not [kn for kn in get_template("gemm_wgmma").knob_space({"m": 384, "n": 768, "k": 768}) if "block_m" in kn]
+MEASURED_FIRST = {  # the fastest knob set per BERT-Base GEMM at 32768 tokens (out/results/wgmma_small_k_s4.json)
+    ("gemm_wgmma", "32768x768x768"): {"block_n": 192, "stages": 3, "block_m": 256},
+    ("gemm_wgmma", "32768x768x3072"): {"block_n": 192, "stages": 3, "block_m": 256},
+    ("gemm_bias_gelu_erf_wgmma", "32768x3072x768"): {"block_n": 128, "stages": 4},
+    ("qkv_projection_wgmma", "16x2048x12x64"): {"block_n": 192, "stages": 3, "block_m": 256},
+}
+
+
+@pytest.mark.parametrize("name, label", list(MEASURED_FIRST))
+def test_staged_knob_sets_come_first_led_by_the_measured_best(name, label):
+    """The staged sets lead the space (the compile path's untuned choice), the H200's fastest at the shape first;
+    the direct-store sets follow, the older ones in their older order and with their older keys, then the 256-row
+    ones. 256-row tiles: width 128 and 192, cooperative; staged at both widths except with the erf GELU (width 128
+    only: ptxas spilled at 192)."""
+    t = get_template(name)
+    shape = dict(zip(t.shape_keys, map(int, label.split("x"))))
+    space = t.knob_space(shape, "float16")
+    assert space[0] == dict(MEASURED_FIRST[name, label], persistent=True, pingpong=False, staged=True)
+    n_staged = sum(bool(kn.get("staged")) for kn in space)
+    staged, direct = space[:n_staged], space[n_staged:]
+    assert staged and direct and not any(kn.get("staged") for kn in direct)
+    pingpong = [kn["pingpong"] for kn in staged]
+    assert pingpong == sorted(pingpong)                          # cooperative before ping-pong
+    older = [kn for kn in direct if "block_m" not in kn]
+    assert direct[:len(older)] == older and all(set(kn) == {"block_n", "stages", "persistent", "pingpong"}
+                                                for kn in older)
+    spills = lambda kn: "gelu_erf" in name and kn.get("block_m") == 256 and kn["block_n"] == 192  # noqa: E731
+    key = lambda kn: json.dumps(kn, sort_keys=True)  # noqa: E731
+    twins = [dict(kn, staged=True) for kn in direct if not spills(kn)]
+    fits = lambda kn: t.resources(shape, "float16", kn)["shared_bytes"] <= H200.max_shared_bytes_per_block  # noqa: E731
+    assert sorted(map(key, staged)) == sorted(key(kn) for kn in twins if fits(kn))   # the 16 KiB buffer must fit
+    tall = [kn for kn in space if kn.get("block_m") == 256]
+    assert {kn["block_n"] for kn in tall} == {128, 192} and not any(kn["pingpong"] for kn in tall)
+    assert {kn["block_n"] for kn in tall if kn.get("staged")} == ({128} if "gelu_erf" in name else {128, 192})
+    for knobs in space:
+        res = t.resources(shape, "float16", knobs)
+        assert res["shared_bytes"] <= H200.max_shared_bytes_per_block
+        assert res["acc_registers"] + 40 <= res["max_registers_per_thread"]
+
+
+@pytest.mark.parametrize("name, shape, dtype", [
+    ("gemm_wgmma", SMALL_K, "float16"),
+    ("gemm_bias_gelu_tanh_wgmma", {"m": 32768, "n": 3072, "k": 768}, "bfloat16"),
+    ("gemm_bias_gelu_erf_wgmma", {"m": 32768, "n": 3072, "k": 768}, "float16"),
+    ("qkv_projection_wgmma", {"batch": 16, "seq": 2048, "heads": 12, "head_dim": 64}, "bfloat16"),
+])
+def test_default_knob_sets_compile_without_spills(name, shape, dtype, tmp_path):
+    """The untuned kernels (each template's first knob set: staged, 256 x 192 or for the erf GELU 128 x 128) in both
+    dtypes: ptxas reports no spills, no stack frame and no warning; the staged stores are 16 bytes wide."""
+    src = cuda_source(build_kernel(name, shape, dtype))
+    assert "st.global.v4.b32" in src
+    sass = clean_sm90a_sass(src, tmp_path)
+    assert "STG.E.128" in sass and "STG.E.U16" not in sass
+
+
+@pytest.mark.parametrize("name, label", list(MEASURED_FIRST))
+def test_cost_model_ranks_staged_sets_first(name, label):
+    """Stage 1's model prices the direct epilogue's 2-byte stores (``narrow_store_ops`` per output element, fitted to
+    the H200's timings) and wgmma's main-loop rate; it launches every set with the 168 registers setmaxnreg then
+    redistributes (256 x 192 tiles are feasible). At the four measured shapes its top 8 are all staged, and its first
+    choice is the measured best where 256 x 192 is offered."""
+    from stof_tvm.cost_model.core import DEFAULT_CALIBRATION, predict
+    from stof_tvm.cost_model.templates import rank_template, template_calibration, template_work
+    from stof_tvm.hardware import H200 as H200_PROFILE
+
+    t = get_template(name)
+    shape = dict(zip(t.shape_keys, map(int, label.split("x"))))
+    ranked = rank_template(t, shape, "float16")
+    assert len(ranked) == len(t.knob_space(shape, "float16"))          # every set feasible
+    assert all(r.candidate.get("staged") for r in ranked[:8])
+    if "gelu_erf" not in name:
+        assert ranked[0].candidate == t.default_knobs(shape, "float16")
+    direct = {"block_n": 128, "stages": 4, "persistent": True, "pingpong": False}
+    work = {st: template_work(t, shape, "float16", dict(direct, staged=st) if st else direct) for st in (False, True)}
+    per_block = -(-t.resources(shape, "float16", direct)["tiles"] // 132) * 128 * 128
+    assert work[False].cuda_ops - work[True].cuda_ops == pytest.approx(DEFAULT_CALIBRATION.narrow_store_ops
+                                                                       * per_block)
+    assert work[False].regs_per_thread == work[True].regs_per_thread == 168
+    staged, plain = (predict(work[st], H200_PROFILE, template_calibration(DEFAULT_CALIBRATION)) for st in (True, False))
+    assert staged.terms["sm_s"] < plain.terms["sm_s"] and staged.time_s <= plain.time_s   # (L2 may bound both)
+
+
+@pytest.mark.parametrize("name, shape, first", [
+    ("gemm_wgmma", {"m": 384, "n": 768, "k": 768}, {"block_n": 128, "stages": 4}),       # m % 256: no 256-row tiles
+    ("gemm_bias_gelu_tanh_wgmma", {"m": 32768, "n": 3072, "k": 768}, {"block_n": 192, "stages": 3, "block_m": 256}),
+    ("qkv_projection_wgmma", {"batch": 1, "seq": 128, "heads": 2, "head_dim": 64}, {"block_n": 128, "stages": 4}),
+])
+def test_first_knob_set_where_the_measured_best_is_not_offered(name, shape, first):
+    """Without 256-row tiles the 128 x 128 4-stage staged set leads (the erf GELU's measured best); the tanh GELU
+    is offered 256 x 192 staged (no spills) and takes it like the other GEMMs. A device with less shared memory gets
+    the first staged set that fits it."""
+    t = get_template(name)
+    space = t.knob_space(shape, "float16")
+    assert space[0] == dict(first, persistent=True, pingpong=False, staged=True)
+    assert any("block_m" in kn for kn in space) == (t.gemm_dims(shape)[0] % 256 == 0)
+    small = dataclasses.replace(H200, max_shared_bytes_per_block=100 * 1024)
+    first_small = t.default_knobs(shape, "float16", small)
+    assert first_small["staged"] and t.resources(shape, "float16", first_small)["shared_bytes"] <= 100 * 1024
 
 
 def test_default_values_of_the_new_knobs_build_the_older_kernels():

@@ -28,8 +28,14 @@ and 256, so that one consumer's epilogue overlaps the other's MMAs). ``block_k``
 ``pingpong`` are cooperative (the kernels built before the knob existed, byte for byte). Two optional knobs, present
 only in the knob sets that use them (so older sets keep their names and kernels): ``block_m = 256`` (cooperative
 256-row tiles, 128 rows per consumer warpgroup; default 128) and ``staged = True`` (the epilogue through shared memory
-with 16-byte coalesced stores; default False); both come after every older knob set in the space until the H200 has
-timed them (``scripts/bench_wgmma_small_k.py``).
+with 16-byte coalesced stores; default False).
+
+Knob order (the first set is the untuned choice of the compile path): the staged sets come first, led by the ones the
+H200 measured fastest (:data:`MEASURED_FIRST`), then the direct-store sets in their older order. On the H200 every
+staged cooperative set beat every direct-store one at BERT-Base's 32768-token GEMMs, by 1.40-2.24x best against best
+(``scripts/bench_wgmma_small_k.py``; BENCHMARKS.md, session 4). Every shape has staged sets (the QKV projection's
+``head_dim``, a multiple of 16, holds the 8 columns of a 16-byte store); where the device's shared memory takes none
+of them, the first fitting set leads.
 """
 from __future__ import annotations
 
@@ -40,11 +46,28 @@ from .gemm import GemmTemplate
 from .qkv import QKVTemplate
 from .registry import H200, Hardware, Template, register
 from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_M_CHOICES, BLOCK_N_CHOICES, CONSUMER_REGS, PINGPONG_TILE_M,
-                           STAGE_CHOICES, THREADS, WgmmaConfig, check_wgmma_shape, wgmma_gemm_primfunc)
+                           PRODUCER_REGS, STAGE_CHOICES, THREADS, WG, WgmmaConfig, check_wgmma_shape,
+                           wgmma_gemm_primfunc)
 
 ARCH = "sm_90a"
 TALL_BLOCK_M = max(BLOCK_M_CHOICES)   # 256-row cooperative tiles: 128 rows per consumer warpgroup
 TALL_BLOCK_N = (128, 192)             # block_n accumulators per thread: 256 would not fit the 232 registers
+# Registers per thread at launch (ptxas reports 168 for every knob set): setmaxnreg then moves them from the producer
+# warpgroup (40 each) to the two consumer warpgroups (232 each), so one block holds the whole register file.
+LAUNCH_REGISTERS = (PRODUCER_REGS * WG + CONSUMER_REGS * (THREADS - WG)) // THREADS
+# The staged knob sets measured fastest on the H200 (scripts/bench_wgmma_small_k.py at BERT-Base's 32768-token GEMMs,
+# out/results/wgmma_small_k_s4.json; BENCHMARKS.md, session 4), as (block_m, block_n, stages, persistent) in order of
+# preference, cooperative: 256 x 192 with 3 stages was the fastest of 19-21 timed sets at the attention-output GEMM
+# (0.0621 ms), the FFN down-projection (0.2344 ms) and the QKV projection (0.1882 ms); 128 x 128 with 4 stages at the
+# erf-GELU GEMM (0.3536 ms), which is not offered 256 x 192 staged (ptxas spilled) - it is the first choice wherever
+# 256 x 192 is not offered (also m not a multiple of 256).
+MEASURED_FIRST = ((256, 192, 3, True), (128, 128, 4, True))
+
+
+def _measured_rank(knobs) -> int:
+    """Position of a cooperative knob set's tile in :data:`MEASURED_FIRST` (after them all when absent)."""
+    tile = (knobs.get("block_m", BLOCK_M), knobs["block_n"], knobs["stages"], knobs["persistent"])
+    return MEASURED_FIRST.index(tile) if tile in MEASURED_FIRST else len(MEASURED_FIRST)
 
 
 class WgmmaKernelMixin:
@@ -91,30 +114,30 @@ class WgmmaKernelMixin:
         space = [{"block_n": bn, "stages": st, "persistent": p, "pingpong": pp}
                  for p, pp in ((True, False), (False, False), (True, True)) for bn in BLOCK_N_CHOICES
                  for st in STAGE_CHOICES if n % bn == 0 and m % (PINGPONG_TILE_M[bn] if pp else BLOCK_M) == 0]
-        # Cooperative first (the ping-pong schedule is not yet measured on the H200; the tuner measures it where the
-        # cost model ranks it high). Then the tile width with the least work on the busiest SM (waves of 128-row
-        # tiles x columns per tile: n = 768 takes one wave at width 192, two at 128), the wider on a tie; then
-        # persistence where the H200 measured it faster (BENCHMARKS.md: by 2-4% with >= 4 waves of tiles; slower for
-        # the QKV projection's scattered stores); then 4 stages.
+        # The direct-store sets: cooperative first (ping-pong measured no faster on the H200). Then the tile width
+        # with the least work on the busiest SM (waves of 128-row tiles x columns per tile: n = 768 takes one wave at
+        # width 192, two at 128), the wider on a tie; then persistence where the H200 measured it faster
+        # (BENCHMARKS.md: by 2-4% with >= 4 waves of tiles; slower for the QKV projection's scattered stores); then
+        # 4 stages. The cooperative 256-row sets of width 128 and 192 follow where m allows.
         tiles = lambda kn: (m // BLOCK_M) * (n // kn["block_n"])  # noqa: E731
         busiest = lambda kn: -(-tiles(kn) // hw.sm_count) * kn["block_n"]  # noqa: E731
         persist = lambda kn: self.persistent_first and tiles(kn) >= 4 * hw.sm_count  # noqa: E731
         space = sorted(space, key=lambda kn: (kn["pingpong"], busiest(kn), -kn["block_n"],
                                               kn["persistent"] != persist(kn), abs(kn["stages"] - 4)))
-        return space + self._new_knob_sets(space, m)
+        direct = space + [dict(kn, block_m=TALL_BLOCK_M) for kn in space if not kn["pingpong"]
+                          and kn["block_n"] in TALL_BLOCK_N and m % TALL_BLOCK_M == 0]
+        return self._staged_sets(direct) + direct
 
-    def _new_knob_sets(self, space, m):
-        """The knob sets of ``block_m = 256`` and ``staged`` (:mod:`.wgmma_kernel`), after every older one in the same
-        order, so that the first choice (the compile path's untuned kernel) stays the measured one until the H200
-        has timed them (``scripts/bench_wgmma_small_k.py``): each older set with the staged epilogue, then the
-        cooperative sets of width 128 and 192 with 256-row tiles where m allows, direct and staged (staged at width
-        192 not with the erf GELU: its 192 accumulators and the erf left too few of the 232 registers, ptxas
-        spilled). Only keys that differ from the defaults are written, so older knob sets keep their names."""
-        staged = [dict(kn, staged=True) for kn in space]
-        tall = [dict(kn, block_m=TALL_BLOCK_M) for kn in space if not kn["pingpong"]
-                and kn["block_n"] in TALL_BLOCK_N and m % TALL_BLOCK_M == 0]
-        widths = TALL_BLOCK_N if getattr(self, "act", "none") != "gelu_erf" else TALL_BLOCK_N[:1]
-        return staged + tall + [dict(kn, staged=True) for kn in tall if kn["block_n"] in widths]
+    def _staged_sets(self, direct):
+        """The staged twin of every direct-store set that takes it, to come first: cooperative before ping-pong
+        (slower staged too at every measured shape), the measured winners (:data:`MEASURED_FIRST`) first among them,
+        the rest in the direct order. Not offered: 256 x 192 with the erf GELU (its 192 accumulators and the erf left
+        too few of the 232 registers: ptxas spilled 28 bytes). Only keys that differ from the defaults are written, so
+        direct sets keep their names."""
+        erf = getattr(self, "act", "none") == "gelu_erf"
+        staged = [dict(kn, staged=True) for kn in direct
+                  if not (erf and kn.get("block_m") == TALL_BLOCK_M and kn["block_n"] == 192)]
+        return sorted(staged, key=lambda kn: (kn["pingpong"], _measured_rank(kn)))
 
     def resources(self, shape, dtype, knobs):
         config = self.config(knobs)
@@ -122,10 +145,12 @@ class WgmmaKernelMixin:
         tiles = (m // config.tile_m) * (n // config.block_n)
         return {"block_m": config.tile_m, "block_n": config.block_n, "block_k": BLOCK_K, "threads": THREADS,
                 "shared_bytes": config.shared_bytes, "acc_registers": config.acc_registers,
-                "max_registers_per_thread": CONSUMER_REGS,
+                "max_registers_per_thread": CONSUMER_REGS, "launch_registers": LAUNCH_REGISTERS,
                 "grid": min(tiles, H200.sm_count) if config.persistent else tiles, "tiles": tiles,
                 # ping-pong: a tile's epilogue runs under the other consumer's MMAs (the cost model hides it)
-                "overlapped_epilogue": config.pingpong}
+                "overlapped_epilogue": config.pingpong,
+                # for the cost model: wgmma's main-loop rate; one 2-byte store per output element unless staged
+                "wgmma": True, "narrow_stores": not config.staged}
 
     def resource_columns(self, shape, dtype, space):
         # not the mma.sync main-loop formulas: these resources come from WgmmaConfig, one knob set at a time

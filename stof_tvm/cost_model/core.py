@@ -56,6 +56,18 @@ class Calibration:
     attention), ``gemm_iter_cycles`` fixed latency per K-loop iteration, ``gemm_block_cycles`` per thread block,
     ``smem_ops_per_byte`` issue cost of one byte moved through shared memory (``cp.async`` fills and ``ldmatrix``
     reads of the main loop) in CUDA-core operations, ``epilogue_ops`` per output element.
+    The Hopper wgmma templates (:mod:`stof_tvm.schedules.templates.gemm_wgmma`): ``wgmma_tc_eff`` their main loops'
+    rate as a share of ``tensor_flops`` (the ``mma.sync`` peak, so above 1: wgmma issues faster), ``narrow_store_ops``
+    the extra cost, in CUDA-core operations, of an output element stored with one 2-byte store (the direct epilogue;
+    the ``staged`` one stores 16 bytes per lane, coalesced). Both fitted by least squares on log(predicted /
+    measured) to the 77 timings of ``scripts/bench_wgmma_small_k.py`` on the H200 (2026-11-30, session 4; 4 BERT-Base
+    GEMMs at 32768 tokens x 18-21 knob sets, direct and staged: ``out/results/wgmma_small_k_s4.json``), the other
+    constants as they are: rms log error 0.16 (0.32 before); the best predicted knob set is the measured best at the
+    attention-output GEMM, the FFN down-projection and the QKV projection, and 4.9% behind it at the erf-GELU GEMM;
+    the first 24 of each shape's 86-90 ranked knob sets are staged ones. What the store cost stands for: the direct
+    epilogue measured 0.067-0.084 ms slower than the staged one per 25.2 M outputs (n = 768), 0.16-0.20 ms per
+    75.5-100.7 M (n = 2304, 3072; 128-row persistent cooperative tiles of each width), about 200 CUDA-core
+    operations (0.8 SM cycles) per element.
     """
 
     # Fitted on the H200 (scripts/calibrate_model.py: 774 timings of 78 attention problems, 2026-11-30); the
@@ -81,6 +93,8 @@ class Calibration:
     gemm_block_cycles: float = 4068.0
     smem_ops_per_byte: float = 0.0
     epilogue_ops: float = 4.0
+    wgmma_tc_eff: float = 1.11
+    narrow_store_ops: float = 191.0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -4,13 +4,19 @@ A template (:mod:`stof_tvm.schedules.templates`) reports, per knob set, its thre
 (``resources()``: threads, shared memory, accumulator and operand registers, grid, and for tiled main loops the
 block tile ``block_m x block_n x block_k``), its useful flops and its arguments. From those:
 
-- tensor-core flops per block = ``flops / grid`` (at the templates' own efficiency ``gemm_tc_eff``); main-loop
-  trips = those flops over one ``2*BM*BN*BK`` step, each with a fixed latency (shorter with deeper pipelines);
+- tensor-core flops per block = ``flops / grid`` (at the templates' own efficiency ``gemm_tc_eff``); where a template
+  reports ``tiles`` (persistent blocks looping over tiles), the busiest block's whole tiles, ``ceil(tiles / grid)``
+  of them; main-loop trips = those flops over one ``2*BM*BN*BK`` step, each with a fixed latency (shorter with
+  deeper pipelines);
 - shared-memory traffic per block: per trip, the ``cp.async`` fill of both panels ``(BM + BN) * BK`` and the
   warps' ``ldmatrix`` reads ``(BM * warps_n + BN * warps_m) * BK`` (small warp tiles re-read more), priced as
   CUDA-core issue slots (``smem_ops_per_byte``), plus epilogue operations per output element (where a template
   reports ``overlapped_epilogue``, e.g. the ping-pong wgmma kernel, only one tile's epilogue per block counts: the
   others run while the other consumer warpgroup's MMAs do);
+- the wgmma kernels (resources ``wgmma``, ``narrow_stores``, ``launch_registers``): main loops at ``wgmma_tc_eff``
+  (their tensor-core flops are scaled by ``gemm_tc_eff / wgmma_tc_eff``), ``narrow_store_ops`` more per output
+  element where the epilogue stores one 2-byte element per instruction (not ``staged``; never overlapped), and the
+  registers per thread at launch (``setmaxnreg`` moves them to the consumers later);
 - L2 traffic = every block's A and W panels (``(BM + BN) * K``) plus its outputs; DRAM = the arguments once;
 - registers = accumulators + operands + addressing; configurations past the register, shared-memory or thread
   limits are infeasible (the template's own space already drops most).
@@ -90,20 +96,31 @@ def _launch_columns(template, shape, dtype: str, space, invariants, cal: Calibra
     warps_n = np.array([knobs.get("warps_n", 1) for knobs in space], dtype=np.float64)
     grid = np.maximum(res["grid"], 1)
     eb = _DTYPE_BYTES.get(dtype, 2)
-    per_block = flops / grid
-    if "block_m" in res:  # a tiled main loop: count its k steps and the panels every block reads through L2
+    # units of work: one per block, or the tiles that persistent blocks loop over (the busiest block: whole tiles)
+    units = np.maximum(res["tiles"], 1) if "tiles" in res else grid
+    per_unit = flops / units
+    rounds = np.ceil(units / grid)
+    per_block = per_unit * rounds
+    if "block_m" in res:  # a tiled main loop: count its k steps and the panels every tile reads through L2
         bm, bn, bk = res["block_m"], res["block_n"], res["block_k"]
         trips = per_block / (2.0 * bm * bn * bk)
-        l2 = grid * trips * (bm + bn) * bk * eb + out_bytes
+        l2 = units * (per_unit / (2.0 * bm * bn * bk)) * (bm + bn) * bk * eb + out_bytes
         smem = trips * bk * eb * ((bm + bn) + bm * warps_n + bn * warps_m)
     else:
         trips, l2, smem = 0.0, dram, 0.0
     regs = res.get("acc_registers", 0) + res.get("operand_registers", 0) + _ADDRESSING_REGISTERS
+    if "launch_registers" in res:  # a kernel that redistributes registers between warps (setmaxnreg)
+        regs = res["launch_registers"]
     latency = trips * cal.gemm_iter_cycles * _pipeline_factor(stages) + cal.gemm_block_cycles
-    epilogue = cal.epilogue_ops * out_elems / grid
+    block_elems = out_elems / units * rounds
+    epilogue = cal.epilogue_ops * block_elems
     if "overlapped_epilogue" in res:  # hidden behind tensor-core work except the block's last tile
         epilogue = np.where(res["overlapped_epilogue"], cal.epilogue_ops * out_elems / np.maximum(res["tiles"], 1),
                             epilogue)
+    if "narrow_stores" in res:  # one 2-byte store per element: not hidden by the ping-pong overlap
+        epilogue = epilogue + np.where(res["narrow_stores"], cal.narrow_store_ops * block_elems, 0.0)
+    if "wgmma" in res:  # priced at wgmma's main-loop efficiency instead of gemm_tc_eff (mma.sync-equivalent flops)
+        per_block = np.where(res["wgmma"], per_block * (cal.gemm_tc_eff / cal.wgmma_tc_eff), per_block)
     cuda_ops = epilogue + cal.smem_ops_per_byte * smem
     terms = (res["threads"], res["shared_bytes"], regs, grid, per_block, cuda_ops, latency, dram, l2)
     return [np.broadcast_to(np.asarray(term, dtype=np.float64), grid.shape) for term in terms]
