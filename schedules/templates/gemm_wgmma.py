@@ -2,12 +2,12 @@
 
 Names: ``gemm_wgmma``, ``gemm_bias_wgmma``, ``gemm_bias_<act>_wgmma`` (act in relu, gelu_erf, gelu_tanh); the
 weight is [n, k] (``torch.nn.Linear``) only. Same parameters, semantics and float64 reference as the
-mma.sync ``gemm*`` templates of :mod:`.gemm`, so they are drop-in alternatives for a caller that opts in.
+mma.sync ``gemm*`` templates of :mod:`.gemm`, so they are drop-in alternatives on sm_90a.
 
-**Not a default anywhere.** No compile or tuning path picks these templates by itself: the compile path
-maps GEMM calls to the ``gemm*`` names, and the tuner plans only the names it is given. Their numerics have
-only been checked through compilation (nvcc sm_90a, SASS with HGMMA and no spills; tests/test_templates_wgmma.py)
-until ``scripts/check_wgmma_gpu.py`` has run on an H200; use them explicitly (``get_template("gemm_wgmma")``).
+**Where they are used.** ``stof_tvm.compile`` maps GEMM calls to these templates on sm_90 (``gemm="auto"`` or
+``"wgmma"``), and the tuner measures their knob sets. Every knob set's numerics were checked on an H200 against torch
+float32 (``scripts/check_wgmma_gpu.py``, ``scripts/bench_wgmma_small_k.py``; BENCHMARKS.md); CPU tests compile them
+with nvcc for sm_90a (tests/test_templates_wgmma.py).
 
 Why the Template API differs here: the kernel (:mod:`.wgmma_kernel`) is written at thread level, because
 TensorIR's schedule primitives cannot produce it: warp-specialized roles with ``setmaxnreg``, mbarrier

@@ -9,8 +9,8 @@ Knobs of an mma.sync template on CUDA, in order of trust:
 
 A wgmma template (thread-level kernel, one build per knob set) gets the fastest knob set that stage 2 measured
 for its call (the choice of its task group, :func:`stof_tvm.tuning.template_tasks.wgmma_group`), else its own
-first configuration (``default``: the knob order was set from H200 measurements; the model is not calibrated for
-these kernels). On the CPU the definitions run unscheduled, or with the record of the definition measured there
+first configuration (``default``: the knob order was set from H200 measurements, and the analytical model, fitted
+to the same measurements, ranks the same sets first). On the CPU the definitions run unscheduled, or with the record of the definition measured there
 (``database``; ``stof-tvm tune --target llvm``). The tuner plans exactly the calls these choices are made for
 (:func:`stof_tvm.tuning.plan_model` runs the same rewrite), so a tuned work dir always has their records.
 
