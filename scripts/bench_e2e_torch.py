@@ -23,8 +23,9 @@ combined with what the model imposes itself:
   baselines and the float32 reference use the same combined mask;
 - T5 encoder: its relative position bias is added to the scores, a real bias: ``ours`` passes it to the sparse
   kernel (the block-wise one on the GPU), which adds it at each kept key; its bias-free linears
-  run on the GEMM templates (ReLU and QKV with a zero bias), its RMSNorm on TVM's default path (the bias, a
-  constant of the weights, is folded into the module: ~190 MB at S = 2048, 0.2 MB packed);
+  run on the GEMM templates (ReLU and QKV with a zero bias), its RMSNorms on the ``rmsnorm`` template (each
+  residual add fused into the next one: ``residual_rmsnorm``) (the bias, a constant of the weights, is folded into
+  the module: ~190 MB at S = 2048, 0.2 MB packed);
 - ViT: the sequence is the patch grid (no class token: ``torch_models.Vit`` takes ``S`` patches, the image
   is ``rows*16 x cols*16`` with ``rows*cols == S`` as square as possible: 8x16, 16x32, 32x64 patches for
   S = 128, 512, 2048); one export per S (its position table has S rows);

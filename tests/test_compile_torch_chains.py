@@ -8,7 +8,8 @@ scripts/bench_e2e_torch.py exports them), beyond BERT's forms:
   for the block-wise kernel;
 - the exported tanh GELU in the GEMM epilogue (``gemm_bias_gelu_tanh``), no tanh left;
 - T5's bias-free linears on the GEMM templates (plain GEMM; ReLU with a zero bias; QKV with zero biases), no
-  matmul left;
+  matmul left; its RMSNorms on the ``rmsnorm`` / ``residual_rmsnorm`` templates (each residual add fused into the
+  next RMSNorm, the residual stream 16-bit);
 - outputs on llvm match the torch model in float32; the tuner plans exactly the compiled calls.
 
 The tiny models are exported by torch in another interpreter (``STOF_TORCH_PYTHON``, default
@@ -31,7 +32,8 @@ BATCH, SEQ = 2, 128
 LAYERS = 2                               # torch_models' tiny configurations
 GPT2_CALLS = {"qkv_projection_kn": 2, "gemm_bias_kn": 3, "gemm_bias_gelu_tanh_kn": 2, "gemm_kn": 1,
               "layernorm": 3, "bias_residual_layernorm": 1}       # the last block's sum feeds only the final LN
-T5_CALLS = {"qkv_projection_kn": 2, "gemm_kn": 4, "gemm_bias_relu_kn": 2}
+T5_CALLS = {"qkv_projection_kn": 2, "gemm_kn": 4, "gemm_bias_relu_kn": 2,
+            "rmsnorm": 1, "residual_rmsnorm": 2 * LAYERS}     # the embeddings' RMSNorm; every later one with its sum
 GEMMS = ("qkv_projection", "gemm")
 
 
@@ -102,6 +104,33 @@ def test_t5_bias_free_linears_on_templates(exported):
     assert _gemm_calls(T5_CALLS) == _linears(exported["tiny-t5-encoder"]) - 2 * LAYERS    # q, k, v: one call
     ops = _ops(front)
     assert "relax.matmul" not in ops and "relax.nn.relu" not in ops
+
+
+def test_t5_rmsnorms_on_the_templates_for_cuda(exported):
+    """Every RMSNorm on the RMSNorm templates (the embeddings' plain, each later one with its residual add): nothing
+    of the normalisation and no residual add left in the graph; the CUDA build (not run) carries their kernels,
+    scheduled with the cost model's knobs."""
+    from stof_tvm.schedules.templates import get_template
+    from stof_tvm.schedules.templates.build import cuda_source
+
+    stem = exported["tiny-t5-encoder"]
+    front = _front(stem, schedule=True)
+    assert front.template_entry["calls"] == T5_CALLS
+    ops = _ops(front)
+    for absent in ("relax.mean", "relax.sqrt", "relax.rsqrt", "relax.divide"):
+        assert absent not in ops, absent
+    adds = [b for block in front.mod["main"].body.blocks for b in block.bindings
+            if getattr(getattr(b.value, "op", None), "name", None) == "relax.add" and len(b.var.ty.shape) == 3]
+    assert not adds                                       # the residual sums are made by residual_rmsnorm
+    art = stof_tvm.compile(onnx.load(stem + ".onnx"), mask="bigbird", batch=BATCH, seq_len=SEQ, target="cuda",
+                           dtype="float16", gemm="mma", kernel="row")
+    for site in art.manifest["templates"]["sites"]:
+        if site["chain"] in ("rmsnorm", "residual_rmsnorm"):
+            (stage,) = site["stages"]
+            assert stage["knobs"] in get_template(stage["template"]).knob_space(stage["shape"])
+    src = cuda_source(art.executable)
+    for name in ("rmsnorm", "residual_rmsnorm"):
+        assert f"stof_{name}_m{BATCH * SEQ}_n128_kernel(" in src, name
 
 
 @pytest.mark.parametrize("name", MODELS)

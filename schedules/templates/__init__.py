@@ -13,6 +13,8 @@ name (``_kn``: weight as [k, n])     computes                                   
 ``gemm_bias_residual_layernorm``    ``LayerNorm(A @ W^T + bias + residual)``          m, n, k
 ``bias_residual_layernorm``         ``LayerNorm(x + bias + residual)``                m, n
 ``layernorm``                       ``LayerNorm(x)``                                  m, n
+``rmsnorm``                         ``RMSNorm(x)`` (T5)                               m, n
+``residual_rmsnorm``                ``sum = x + residual``, ``RMSNorm(sum)``: both    m, n
 ``qkv_projection``                  ``x @ W^T + bias`` written as [3, B, H, S, D]     batch, seq, heads, head_dim
 ``split_heads``                     [B*S, 3*H*D] -> [3, B, H, S, D] (unfused QKV)     batch, seq, heads, head_dim
 ==================================  ================================================  ======================
@@ -36,7 +38,7 @@ The Template API (what the tuner and the compiler use)::
 
 Knobs (GEMM families): ``warps_m, frag_m, warps_n, frag_n`` (block tile 16*warps*frag per side, warp tile
 16*frag), ``k_frags`` (block_k = 16*k_frags), ``stages`` (cp.async pipeline depth), ``vec`` (epilogue
-access width); LayerNorm: ``rows`` (per block), ``lanes`` (threads per row), ``vec``; split_heads: ``rows``,
+access width); LayerNorm and RMSNorm: ``rows`` (per block), ``lanes`` (threads per row), ``vec``; split_heads: ``rows``,
 ``vec``. With :meth:`Template.sample`, each knob is one ``sample_categorical`` whose value feeds the
 schedule directly (splits take the random variable), so MetaSchedule's trace replay and evolutionary
 search see real decisions; steps needing products of knobs run in the :class:`.registry.Finalize`
@@ -53,7 +55,7 @@ an H200 run of ``scripts/check_wgmma_gpu.py``).
 Builds must use :data:`.build.BUILD_CONFIG` (``tirx.use_async_copy``): :func:`.build.build`,
 :func:`.build.ms_builder` for MetaSchedule, or a PassContext with it around other compiles.
 """
-from . import ffn_wgmma, gemm, gemm_layernorm, gemm_wgmma, layernorm, qkv  # noqa: F401  (register the families)
+from . import ffn_wgmma, gemm, gemm_layernorm, gemm_wgmma, layernorm, qkv, rmsnorm  # noqa: F401  (registers them)
 from .build import BUILD_CONFIG, cuda_source, cuda_target, ms_builder
 from .chains import CHAINS, chain_stages
 from .registry import H200, TEMPLATES, Hardware, Template, get_template, register, template_of

@@ -140,11 +140,13 @@ def _is_reduction(sch: s_tir.Schedule, block) -> bool:
 
 
 def _stage_io(sch: s_tir.Schedule, block, thread_loop, vec_loop) -> None:
-    """Read the block's non-local inputs into registers and write its output from registers, v wide."""
+    """Read the block's non-local inputs into registers and write its outputs from registers, v wide."""
     sch.unroll(vec_loop)
-    out = sch.cache_write(block, 0, "local")
-    sch.reverse_compute_at(out, thread_loop)
-    sch.vectorize(sch.get_loops(out)[-1])
+    # one output, or several (residual_rmsnorm: sum and out); all cached before any moves under the thread loop
+    outs = [sch.cache_write(block, index, "local") for index in range(len(sch.get(block).writes))]
+    for out in outs:
+        sch.reverse_compute_at(out, thread_loop)
+        sch.vectorize(sch.get_loops(out)[-1])
     for buffer in [region.source for region in sch.get(block).reads]:
         if buffer.scope() == "local":
             continue

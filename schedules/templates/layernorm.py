@@ -23,6 +23,24 @@ LANE_CHOICES = (32, 64, 128, 256)
 VEC_CHOICES = (2, 4, 8)
 
 
+def row_knob_space(shape, hw) -> list[dict]:
+    """The (rows, lanes, vec) configurations that tile an [m, n] row kernel, best guess first (shared by the
+    row-normalisation families: LayerNorm here, RMSNorm in :mod:`.rmsnorm`)."""
+    m, n = shape["m"], shape["n"]
+    space = [{"rows": r, "lanes": l, "vec": v} for r in ROW_CHOICES for l in LANE_CHOICES for v in VEC_CHOICES
+             if m % r == 0 and n % (l * v) == 0]
+    # fill the SMs first, then 16-byte accesses, then fewer lanes per row (cheaper reductions)
+    space.sort(key=lambda k: (m // k["rows"] < 2 * hw.sm_count, -k["vec"], k["lanes"], -k["rows"]))
+    return space
+
+
+def row_resources(shape, knobs) -> dict:
+    """Per-block resources of a row kernel: ``rows`` float32 rows (plus two statistics) staged in shared memory."""
+    n = shape["n"]
+    return {"threads": knobs["rows"] * knobs["lanes"], "shared_bytes": knobs["rows"] * (n + 2) * 4,
+            "acc_registers": 0, "operand_registers": 4 * knobs["vec"], "grid": shape["m"] // knobs["rows"]}
+
+
 def layernorm_compute(y, gamma, beta, dtype: str, eps: float = LN_EPS):
     """TE stages of a row LayerNorm of ``y`` ([m, n] float32 tensor): (mean_sum, var_sum, out).
 
@@ -108,17 +126,10 @@ class LayerNormTemplate(Template):
         return [layernorm_np(y, inputs["gamma"], inputs["beta"])]
 
     def _knob_space(self, shape, dtype, hw):
-        m, n = shape["m"], shape["n"]
-        space = [{"rows": r, "lanes": l, "vec": v} for r in ROW_CHOICES for l in LANE_CHOICES for v in VEC_CHOICES
-                 if m % r == 0 and n % (l * v) == 0]
-        # fill the SMs first, then 16-byte accesses, then fewer lanes per row (cheaper reductions)
-        space.sort(key=lambda k: (m // k["rows"] < 2 * hw.sm_count, -k["vec"], k["lanes"], -k["rows"]))
-        return space
+        return row_knob_space(shape, hw)
 
     def resources(self, shape, dtype, knobs):
-        n = shape["n"]
-        return {"threads": knobs["rows"] * knobs["lanes"], "shared_bytes": knobs["rows"] * (n + 2) * 4,
-                "acc_registers": 0, "operand_registers": 4 * knobs["vec"], "grid": shape["m"] // knobs["rows"]}
+        return row_resources(shape, knobs)
 
     def _schedule(self, sch, spec, knobs):
         out = sch.get_sblock("out")

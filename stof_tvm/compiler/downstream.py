@@ -17,6 +17,8 @@ projection, FFN down-projection; either add order)      measured faster), or ``g
 the same where the sum also feeds the next residual     the linear on its own GEMM (below), the sum one 16-bit
 add (pre-LN: GPT-2, ViT)                                add, ``layernorm`` of it (folded into the LayerNorm,
                                                         the GEMM would run twice: once more for the sum)
+RMSNorm ``w * (X * rsqrt(mean(X * X) + eps))`` (T5,     ``residual_rmsnorm`` (the sum also written, 16-bit) where
+pre-norm; :mod:`.rmsnorm_match`)                        ``X`` is a residual add, else ``rmsnorm``
 ``linear`` + erf GELU / tanh GELU / ReLU (FFN           ``gemm_bias_gelu_erf_kn`` / ``gemm_bias_gelu_tanh_kn``
 up-projection)                                          / ``gemm_bias_relu_kn``
 any other ``linear``                                    ``gemm_bias_kn``, ``gemm_kn`` without bias
@@ -59,6 +61,7 @@ from .layout import fold_permute_pairs
 from .linear_match import (ANY_LINEAR, LINEAR, LINEAR_BIAS, LINEAR_W, LINEAR_X, MATMUL, TEMPLATE_DTYPES, is_call,
                            linear_bias, linear_dims, transposed, users_of, wgmma_misfit, zero_bias)
 from .qkv_heads import rewrite_qkv
+from .rmsnorm_match import rewrite_rmsnorms
 from .template_choice import KnobChoice, TemplateChooser
 
 GEMMS = ("mma", "wgmma")
@@ -141,10 +144,14 @@ class _Templates:
         return sch.mod["main"]
 
     def call(self, name, shape, dtype, args, out_shape, eps=None) -> tuple[relax.Expr, dict]:
+        """A call of template ``name``; ``out_shape`` its output's shape, or a list of shapes for a template with
+        several outputs (the call returns a tuple)."""
         gv, choice = self.function(name, shape, dtype, eps)
         stage = {"template": name, "shape": shape, "dtype": dtype, **({"eps": eps} if eps is not None else {}),
                  **choice.to_json()}
-        return relax.call_tir(gv, args, out_ty=relax.TensorType(list(out_shape), dtype)), stage
+        out_ty = ([relax.TensorType(list(s), dtype) for s in out_shape] if isinstance(out_shape, list)
+                  else relax.TensorType(list(out_shape), dtype))
+        return relax.call_tir(gv, args, out_ty=out_ty), stage
 
     def record(self, chain: str, stages: list[dict], note: str | None = None) -> None:
         key = (chain, json.dumps(stages, sort_keys=True), note)
@@ -379,6 +386,7 @@ def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | 
     func = rewrite_call(LINEAR, lambda e, m: _rewrite_linear(t, "linear", "none", e, m, e), func)
     # after the biased pass: matched first, MATMUL would take the matmul out of a biased linear
     func = rewrite_call(MATMUL, lambda e, m: _rewrite_linear(t, "linear", "none", e, m, e), func)
+    func = rewrite_rmsnorms(t, relax.analysis.remove_all_unused(func))
     func = relax.analysis.remove_all_unused(_simplify(func))
     out = t.mod
     out["main"] = func
