@@ -48,6 +48,19 @@ def test_every_configuration_fits_the_budgets(shape):
         assert {kn["stages"] for kn in space} == {2}   # the 64 KiB x tile + 64 KiB per slot
 
 
+@pytest.mark.parametrize("shape", [TINY, {"m": 32768, "hidden": 128, "ffn": 512}, {"m": 32768, "hidden": 256, "ffn": 1024}])
+def test_the_model_prices_every_offered_configuration(shape):
+    """Every knob set the space offers is feasible to the analytical model too: the kernel launches with 168
+    registers per thread (setmaxnreg then redistributes them), not the consumers' 232, which would leave no room
+    for one 384-thread block and made the model reject the only configuration at hidden 256."""
+    from stof_tvm.cost_model.templates import price_knobs
+
+    t = get_template("ffn_gelu_erf_wgmma")
+    space = t.knob_space(shape, "float16")
+    seconds = price_knobs(t, shape, "float16", space)
+    assert np.isfinite(seconds).all() and (seconds > 0).all()
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda t: t.kernel({"m": 100, "hidden": 128, "ffn": 512}), "multiple of 128"),
     (lambda t: t.kernel({"m": 128, "hidden": 768, "ffn": 3072}), r"in \[128, 256\]"),

@@ -28,7 +28,7 @@ from .ffn_kernel import (ADDRESSING_REGS, CHUNK_F_CHOICES, FfnConfig, check_ffn_
                          ffn_primfunc)
 from .gemm import gemm_compute
 from .registry import H200, Hardware, Template, register
-from .wgmma_kernel import BLOCK_M, CONSUMER_REGS, STAGE_CHOICES, THREADS
+from .wgmma_kernel import BLOCK_M, CONSUMER_REGS, LAUNCH_REGISTERS, STAGE_CHOICES, THREADS
 
 ACTS = ("relu", "gelu_erf", "gelu_tanh")
 
@@ -110,6 +110,7 @@ class FfnWgmmaTemplate(Template):
         acc, operand = config.fragment_registers(shape["hidden"])
         return {"threads": THREADS, "shared_bytes": config.shared_bytes(shape["hidden"]), "acc_registers": acc,
                 "operand_registers": operand, "max_registers_per_thread": CONSUMER_REGS,
+                "launch_registers": LAUNCH_REGISTERS,
                 "grid": shape["m"] // BLOCK_M, "chunks": shape["ffn"] // config.chunk_f}
 
     def _fits_space(self, shape, dtype, space, hw: Hardware):

@@ -45,16 +45,13 @@ from .epilogue import ACTIVATIONS
 from .gemm import GemmTemplate
 from .qkv import QKVTemplate
 from .registry import H200, Hardware, Template, register
-from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_M_CHOICES, BLOCK_N_CHOICES, CONSUMER_REGS, PINGPONG_TILE_M,
-                           PRODUCER_REGS, STAGE_CHOICES, THREADS, WG, WgmmaConfig, check_wgmma_shape,
+from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_M_CHOICES, BLOCK_N_CHOICES, CONSUMER_REGS, LAUNCH_REGISTERS,
+                           PINGPONG_TILE_M, STAGE_CHOICES, THREADS, WgmmaConfig, check_wgmma_shape,
                            wgmma_gemm_primfunc)
 
 ARCH = "sm_90a"
 TALL_BLOCK_M = max(BLOCK_M_CHOICES)   # 256-row cooperative tiles: 128 rows per consumer warpgroup
 TALL_BLOCK_N = (128, 192)             # block_n accumulators per thread: 256 would not fit the 232 registers
-# Registers per thread at launch (ptxas reports 168 for every knob set): setmaxnreg then moves them from the producer
-# warpgroup (40 each) to the two consumer warpgroups (232 each), so one block holds the whole register file.
-LAUNCH_REGISTERS = (PRODUCER_REGS * WG + CONSUMER_REGS * (THREADS - WG)) // THREADS
 # The staged knob sets measured fastest on the H200 (scripts/bench_wgmma_small_k.py at BERT-Base's 32768-token GEMMs,
 # out/results/wgmma_small_k_s4.json; BENCHMARKS.md, session 4), as (block_m, block_n, stages, persistent) in order of
 # preference, cooperative: 256 x 192 with 3 stages was the fastest of 19-21 timed sets at the attention-output GEMM

@@ -82,6 +82,9 @@ ROW_BYTES = BLOCK_K * 2  # bytes per shared row
 CHUNKS = ROW_BYTES // 16
 ALIGN = 1024             # 128-byte swizzle atoms (8 rows x 128 bytes) must start 1024-aligned
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
+# Registers per thread at launch (ptxas reports 168 for these kernels): setmaxnreg then moves them from the producer
+# warpgroup (40 each) to the two consumer warpgroups (232 each), so one block holds the whole register file.
+LAUNCH_REGISTERS = (PRODUCER_REGS * WG + CONSUMER_REGS * (THREADS - WG)) // THREADS
 BLOCK_N_CHOICES = (128, 192, 256)   # 64 leaves too few registers in use for setmaxnreg to apply (ptxas C7508)
 STAGE_CHOICES = (2, 3, 4, 5)
 PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
