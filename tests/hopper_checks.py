@@ -1,4 +1,5 @@
-"""Shared checks of Hopper (sm_90a) kernels built here: ptxas's report and, where cuobjdump exists, the SASS."""
+"""Shared checks of CUDA kernels built here for Hopper (sm_90 / sm_90a): ptxas's report and, where cuobjdump
+exists, the SASS."""
 from __future__ import annotations
 
 import os
@@ -18,6 +19,19 @@ def disassembler():
         if candidate and Path(candidate).is_file():
             return candidate
     return None
+
+
+def sm90_ptxas_report(src: str, tmp_path) -> str:
+    """ptxas's ``-v`` report (registers, spills, stack frame, shared memory) of CUDA source ``src`` compiled for
+    sm_90 into ``tmp_path / "kernel.cubin"``; fails the test if nvcc rejects it, skips it without nvcc."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    cu = tmp_path / "kernel.cu"
+    cu.write_text(src)
+    proc = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "-o",
+                           str(tmp_path / "kernel.cubin"), str(cu)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stderr
 
 
 def clean_sm90a_sass(src: str, tmp_path) -> str:

@@ -4,8 +4,6 @@ present, no spills), and the MetaSchedule design space (sampled knobs flow into 
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ from stof_tvm.schedules.templates.gemm import GemmTemplate
 from stof_tvm.schedules.templates.registry import Finalize, KeepCandidates
 
 from attention_reference import relative_error
+from hopper_checks import sm90_ptxas_report
 
 LLVM = tvm.target.Target({"kind": "llvm"})
 TOL = {"float16": 2e-3, "bfloat16": 1.5e-2}
@@ -167,15 +166,6 @@ CUDA_CASES = [("gemm_bias_gelu_erf", {"m": 256, "n": 256, "k": 128}, "float16", 
               ("split_heads", {"batch": 2, "seq": 64, "heads": 4, "head_dim": 64}, "float16", False)]
 
 
-def _nvcc_report(src: str, tmp_path) -> str:
-    cu = tmp_path / "kernel.cu"
-    cu.write_text(src)
-    proc = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "-o",
-                           str(tmp_path / "kernel.cubin"), str(cu)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stderr
-
-
 @pytest.mark.parametrize("name, shape, dtype, tensor_cores", CUDA_CASES)
 def test_cuda_codegen_compiles_to_sm90_without_spills(name, shape, dtype, tensor_cores, tmp_path):
     t = get_template(name)
@@ -189,9 +179,7 @@ def test_cuda_codegen_compiles_to_sm90_without_spills(name, shape, dtype, tensor
         assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx_type}.{ptx_type}.f32" in src
         assert "ldmatrix.sync.aligned" in src
         assert "cp.async.cg.shared.global" in src and "cp.async.wait_group" in src
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not installed")
-    report = _nvcc_report(src, tmp_path)
+    report = sm90_ptxas_report(src, tmp_path)
     assert re.search(r"0 bytes spill stores, 0 bytes spill loads", report), report
     assert re.search(r"\b0 bytes stack frame", report), report
 

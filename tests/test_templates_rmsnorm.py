@@ -12,8 +12,6 @@ The torch-exported tiny T5 is covered by tests/test_compile_torch_chains.py."""
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -32,6 +30,7 @@ from stof_tvm.schedules.templates.rmsnorm import rmsnorm_np
 from stof_tvm.tuning.template_tasks import template_task
 
 from attention_reference import relative_error
+from hopper_checks import sm90_ptxas_report
 
 LLVM = tvm.target.Target({"kind": "llvm"})
 TOL = {"float16": 2e-3, "bfloat16": 1.5e-2}
@@ -125,15 +124,6 @@ def test_epsilon_option_reaches_the_definition():
 
 # ---- CUDA code generation ------------------------------------------------------------------------------------
 
-def _nvcc_report(src: str, tmp_path) -> str:
-    cu = tmp_path / "kernel.cu"
-    cu.write_text(src)
-    proc = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "-o",
-                           str(tmp_path / "kernel.cubin"), str(cu)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stderr
-
-
 @pytest.mark.parametrize("name, dtype, knobs", [
     ("rmsnorm", "float16", None), ("residual_rmsnorm", "float16", None),
     ("residual_rmsnorm", "bfloat16", {"rows": 1, "lanes": 128, "vec": 2}),
@@ -152,9 +142,7 @@ def test_cuda_source_compiles_to_sm90_without_spills(name, dtype, knobs, tmp_pat
     else:
         for ptr in outputs:
             assert re.search(rf"\({ptr} \+", src), ptr
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not installed")
-    report = _nvcc_report(src, tmp_path)
+    report = sm90_ptxas_report(src, tmp_path)
     assert re.search(r"0 bytes spill stores, 0 bytes spill loads", report), report
     smem = int(re.search(r"(\d+) bytes smem", report).group(1))
     # the staged rows; a row spanning several warps adds the reduction's scratch (under 32 floats per row)

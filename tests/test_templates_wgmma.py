@@ -65,6 +65,20 @@ def test_every_configuration_fits_the_h200(shape):
     assert space[0]["persistent"] == (tiles >= 4 * H200.sm_count)
 
 
+def _launches(template, shape, knobs):
+    """``(WgmmaConfig, [(grid, threads, dynamic shared bytes)] of the lowered host's kernel launches)``."""
+    from stof_tvm.schedules.templates.build import cuda_target
+    from stof_tvm.schedules.templates.wgmma_kernel import WgmmaConfig
+
+    target = tvm.target.Target(cuda_target("sm_90a"))
+    mod = tvm.IRModule({"main": template.kernel(shape, "float16", knobs)})
+    with target:
+        lowered = tvm.tirx.get_tir_pipeline("default")[0](tvm.tirx.transform.BindTarget(target)(mod))
+    launches = re.findall(r'call_ffi_kernel\("gemm_wgmma_kernel", [^)]*?, (\d+), (\d+), T\.int64\((\d+)\)',
+                          lowered.script())
+    return WgmmaConfig(**knobs), launches
+
+
 @pytest.mark.parametrize("knobs, grid, shared", [
     ({"block_n": 128, "stages": 2}, 8, 2 * 256 * 128),
     ({"block_n": 256, "stages": 4}, 4, 4 * 384 * 128),
@@ -75,18 +89,9 @@ def test_kernel_launch_reserves_the_whole_shared_ring(knobs, grid, shared):
     """The host launches the kernel with 384 threads, one block per tile (at most one per SM) and the ring's
     dynamic shared size (buffer compaction once cut it to 8 bytes, which only the GPU noticed, as an illegal
     address)."""
-    from stof_tvm.schedules.templates.build import cuda_target
-    from stof_tvm.schedules.templates.wgmma_kernel import WgmmaConfig
-
     t = get_template("gemm_wgmma")
     shape = {"m": 256, "n": 512, "k": 128}
-    target = tvm.target.Target(cuda_target("sm_90a"))
-    mod = tvm.IRModule({"main": t.kernel(shape, "float16", knobs)})
-    with target:
-        lowered = tvm.tirx.get_tir_pipeline("default")[0](tvm.tirx.transform.BindTarget(target)(mod))
-    launches = re.findall(r'call_ffi_kernel\("gemm_wgmma_kernel", [^)]*?, (\d+), (\d+), T\.int64\((\d+)\)',
-                          lowered.script())
-    config = WgmmaConfig(**knobs)
+    config, launches = _launches(t, shape, knobs)
     assert config.shared_bytes == shared + 16 * knobs["stages"] + 1024  # ring, mbarriers, alignment slack
     assert launches == [(str(grid), "384", str(config.shared_bytes))]
     assert t.resources(shape, "float16", knobs)["grid"] == grid
@@ -346,18 +351,9 @@ def test_default_values_of_the_new_knobs_build_the_older_kernels():
 def test_new_knobs_launch_and_reserve_their_shared_memory(knobs, grid, shared):
     """256-row tiles halve the tiles (grid) and carry 256 + block_n rows per stage; the staged epilogue adds a 2 KiB
     buffer per consumer warp after the mbarriers."""
-    from stof_tvm.schedules.templates.build import cuda_target
-    from stof_tvm.schedules.templates.wgmma_kernel import WgmmaConfig
-
     t = get_template("gemm_wgmma")
     shape = {"m": 512, "n": 256, "k": 128}
-    target = tvm.target.Target(cuda_target("sm_90a"))
-    mod = tvm.IRModule({"main": t.kernel(shape, "float16", knobs)})
-    with target:
-        lowered = tvm.tirx.get_tir_pipeline("default")[0](tvm.tirx.transform.BindTarget(target)(mod))
-    launches = re.findall(r'call_ffi_kernel\("gemm_wgmma_kernel", [^)]*?, (\d+), (\d+), T\.int64\((\d+)\)',
-                          lowered.script())
-    config = WgmmaConfig(**knobs)
+    config, launches = _launches(t, shape, knobs)
     assert config.shared_bytes == shared + 16 * knobs["stages"] + 1024
     assert launches == [(str(grid), "384", str(config.shared_bytes))]
     res = t.resources(shape, "float16", dict(knobs, persistent=knobs.get("persistent", True), pingpong=False))

@@ -23,24 +23,6 @@ LANE_CHOICES = (32, 64, 128, 256)
 VEC_CHOICES = (2, 4, 8)
 
 
-def row_knob_space(shape, hw) -> list[dict]:
-    """The (rows, lanes, vec) configurations that tile an [m, n] row kernel, best guess first (shared by the
-    row-normalisation families: LayerNorm here, RMSNorm in :mod:`.rmsnorm`)."""
-    m, n = shape["m"], shape["n"]
-    space = [{"rows": r, "lanes": l, "vec": v} for r in ROW_CHOICES for l in LANE_CHOICES for v in VEC_CHOICES
-             if m % r == 0 and n % (l * v) == 0]
-    # fill the SMs first, then 16-byte accesses, then fewer lanes per row (cheaper reductions)
-    space.sort(key=lambda k: (m // k["rows"] < 2 * hw.sm_count, -k["vec"], k["lanes"], -k["rows"]))
-    return space
-
-
-def row_resources(shape, knobs) -> dict:
-    """Per-block resources of a row kernel: ``rows`` float32 rows (plus two statistics) staged in shared memory."""
-    n = shape["n"]
-    return {"threads": knobs["rows"] * knobs["lanes"], "shared_bytes": knobs["rows"] * (n + 2) * 4,
-            "acc_registers": 0, "operand_registers": 4 * knobs["vec"], "grid": shape["m"] // knobs["rows"]}
-
-
 def layernorm_compute(y, gamma, beta, dtype: str, eps: float = LN_EPS):
     """TE stages of a row LayerNorm of ``y`` ([m, n] float32 tensor): (mean_sum, var_sum, out).
 
@@ -66,22 +48,54 @@ def layernorm_compute(y, gamma, beta, dtype: str, eps: float = LN_EPS):
     return mean_sum, var_sum, out
 
 
-class LayerNormTemplate(Template):
+class RowNormTemplate(Template):
+    """What the row-normalisation families share (LayerNorm here, RMSNorm in :mod:`.rmsnorm`): an [m, n] activation
+    normalised per row, ``rows`` rows per thread block, each spread over ``lanes`` threads reading ``vec`` elements
+    per access, the row staged in shared memory as float32. ``row_producers`` names the blocks that the schedule
+    computes per row before the ``out`` block (the row, its statistics)."""
+
+    shape_keys = ("m", "n")
+    knob_names = ("rows", "lanes", "vec")
+    row_producers: tuple[str, ...] = ()
+
+    def _check(self, shape):
+        if shape["n"] % 64:
+            raise ValueError(f"{self.name}: shape['n'] must be a multiple of 64, got {shape['n']}")
+
+    def _knob_space(self, shape, dtype, hw):
+        m, n = shape["m"], shape["n"]
+        space = [{"rows": r, "lanes": l, "vec": v} for r in ROW_CHOICES for l in LANE_CHOICES for v in VEC_CHOICES
+                 if m % r == 0 and n % (l * v) == 0]
+        # fill the SMs first, then 16-byte accesses, then fewer lanes per row (cheaper reductions)
+        space.sort(key=lambda k: (m // k["rows"] < 2 * hw.sm_count, -k["vec"], k["lanes"], -k["rows"]))
+        return space
+
+    def resources(self, shape, dtype, knobs):
+        # ``rows`` float32 rows (plus two statistics) staged in shared memory
+        n = shape["n"]
+        return {"threads": knobs["rows"] * knobs["lanes"], "shared_bytes": knobs["rows"] * (n + 2) * 4,
+                "acc_registers": 0, "operand_registers": 4 * knobs["vec"], "grid": shape["m"] // knobs["rows"]}
+
+    def _schedule(self, sch, spec, knobs):
+        out = sch.get_sblock("out")
+        rows, _ = sch.get_loops(out)
+        block_loop, _ = sch.split(rows, [None, knobs["rows"]])
+        sch.bind(block_loop, "blockIdx.x")
+        producers = [sch.get_sblock(name) for name in self.row_producers]
+        row_epilogue(sch, out, producers, knobs["vec"], knobs["lanes"])
+
+
+class LayerNormTemplate(RowNormTemplate):
     """(bias +) (residual +) LayerNorm of an [m, n] activation."""
 
     family = "layernorm"
-    shape_keys = ("m", "n")
-    knob_names = ("rows", "lanes", "vec")
+    row_producers = ("y", "mean_sum", "var_sum")
 
     def __init__(self, bias: bool, residual: bool):
         self.bias, self.residual = bias, residual
         self.name = "_".join((["bias"] if bias else []) + (["residual"] if residual else []) + ["layernorm"])
         self.fused = bias or residual
         self.description = "out = LayerNorm(x" + (" + bias" if bias else "") + (" + residual" if residual else "") + ")"
-
-    def _check(self, shape):
-        if shape["n"] % 64:
-            raise ValueError(f"{self.name}: shape['n'] must be a multiple of 64, got {shape['n']}")
 
     def arguments(self, shape, dtype="float16"):
         m, n = shape["m"], shape["n"]
@@ -124,20 +138,6 @@ class LayerNormTemplate(Template):
         if self.residual:
             y = y + np.asarray(inputs["residual"], np.float64)
         return [layernorm_np(y, inputs["gamma"], inputs["beta"])]
-
-    def _knob_space(self, shape, dtype, hw):
-        return row_knob_space(shape, hw)
-
-    def resources(self, shape, dtype, knobs):
-        return row_resources(shape, knobs)
-
-    def _schedule(self, sch, spec, knobs):
-        out = sch.get_sblock("out")
-        rows, _ = sch.get_loops(out)
-        block_loop, _ = sch.split(rows, [None, knobs["rows"]])
-        sch.bind(block_loop, "blockIdx.x")
-        producers = [sch.get_sblock(name) for name in ("y", "mean_sum", "var_sum")]
-        row_epilogue(sch, out, producers, knobs["vec"], knobs["lanes"])
 
 
 register(LayerNormTemplate(bias=False, residual=False))

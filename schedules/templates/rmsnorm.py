@@ -17,9 +17,8 @@ import numpy as np
 from tvm import te, tirx
 from tvm.script import tirx as T
 
-from .deferred import row_epilogue
-from .layernorm import row_knob_space, row_resources
-from .registry import Template, register
+from .layernorm import RowNormTemplate
+from .registry import register
 
 RMS_EPS = 1e-6  # T5's
 
@@ -83,22 +82,17 @@ def _residual_rmsnorm(m: int, n: int, dtype: str, eps: float):
     return main          # global symbol "main", as te.create_prim_func names the other templates' functions
 
 
-class RmsNormTemplate(Template):
+class RmsNormTemplate(RowNormTemplate):
     """(residual +) RMSNorm of an [m, n] activation; with the residual, the rounded sum is an output too."""
 
     family = "rmsnorm"
-    shape_keys = ("m", "n")
-    knob_names = ("rows", "lanes", "vec")
+    row_producers = ("y", "sq_sum")
 
     def __init__(self, residual: bool):
         self.residual = residual
         self.name = "residual_rmsnorm" if residual else "rmsnorm"
         self.fused = residual
         self.description = ("sum = x + residual; out = RMSNorm(sum)" if residual else "out = RMSNorm(x)")
-
-    def _check(self, shape):
-        if shape["n"] % 64:
-            raise ValueError(f"{self.name}: shape['n'] must be a multiple of 64, got {shape['n']}")
 
     def arguments(self, shape, dtype="float16"):
         m, n = shape["m"], shape["n"]
@@ -125,20 +119,6 @@ class RmsNormTemplate(Template):
             y = y + np.asarray(inputs["residual"], np.float64)
             return [y, rmsnorm_np(y, inputs["weight"])]
         return [rmsnorm_np(y, inputs["weight"])]
-
-    def _knob_space(self, shape, dtype, hw):
-        return row_knob_space(shape, hw)
-
-    def resources(self, shape, dtype, knobs):
-        return row_resources(shape, knobs)
-
-    def _schedule(self, sch, spec, knobs):
-        out = sch.get_sblock("out")
-        rows, _ = sch.get_loops(out)
-        block_loop, _ = sch.split(rows, [None, knobs["rows"]])
-        sch.bind(block_loop, "blockIdx.x")
-        producers = [sch.get_sblock(name) for name in ("y", "sq_sum")]
-        row_epilogue(sch, out, producers, knobs["vec"], knobs["lanes"])
 
 
 register(RmsNormTemplate(residual=False))

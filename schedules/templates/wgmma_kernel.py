@@ -324,6 +324,37 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                 store(acc, out, bias_buf, row0 + q * 64 + (wt // 32) * 16, col0, wt % 32, q * NACC)
 
     @T.macro
+    def mma_tile(acc, flag, base, r, a_rows_offset):
+        """The consumer main loop of round ``r``'s tile: per k step, wait for its slot, issue the step's wgmma
+        (operand A ``a_rows_offset`` bytes into the slot's A tile: this consumer's rows), keep one batch in flight and
+        free the previous step's slot."""
+        for t in range(KT):
+            g: T.let = r * KT + t
+            wait_parity(flag, full_bar(base, g % ST), T.Cast("uint32", (g // ST) % 2))
+            T.ptx["fence.proxy.async.shared::cta"]()
+            a_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE + a_rows_offset)
+            b_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE + A_BYTES)
+            T.ptx["wgmma.fence.sync.aligned"]()
+            for kk in T.unroll(BLOCK_K // 16):
+                for q in T.unroll(HALVES):
+                    mma_step(acc, descriptor(a_tile + T.uint32(q * 64 * ROW_BYTES + kk * 32)),
+                             descriptor(b_tile + T.uint32(kk * 32)), q * NACC)
+            T.ptx["wgmma.commit_group.sync.aligned"]()
+            T.ptx["wgmma.wait_group.sync.aligned"](1)
+            if t > 0:
+                T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (g - 1) % ST))
+
+    @T.macro
+    def drain_and_store(acc, out, bias_buf, base, r, row0, col0, wt, warp, words):
+        """After round ``r``'s main loop: retire the last wgmma batch, free the tile's last slot (the producer may
+        refill it for the next tile) and store the tile's rows from ``row0``."""
+        T.ptx["wgmma.wait_group.sync.aligned"](0)
+        T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (r * KT + KT - 1) % ST))
+        for i in T.unroll(HALVES * NACC):
+            FENCE_REG(acc[i], acc[i], T.float32(-0.0))
+        store_tile(acc, out, bias_buf, row0, col0, base, wt, warp, words)
+
+    @T.macro
     def body(A, W, bias_buf, out):
         for bx in T.thread_binding(GRID, thread="blockIdx.x"):
             for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
@@ -376,58 +407,20 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                                     acc[i] = T.float32(0)
                                 if r > 0:  # the other consumer has issued round r - 1
                                     T.ptx["bar.sync"](T.Cast("uint32", ORDER_BAR - 1 + wg), T.uint32(2 * WG))
-                                for t in range(KT):
-                                    g: T.let = r * KT + t
-                                    wait_parity(flag, full_bar(base, g % ST), T.Cast("uint32", (g // ST) % 2))
-                                    T.ptx["fence.proxy.async.shared::cta"]()
-                                    a_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE)
-                                    b_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE + A_BYTES)
-                                    T.ptx["wgmma.fence.sync.aligned"]()
-                                    for kk in T.unroll(BLOCK_K // 16):
-                                        for q in T.unroll(HALVES):
-                                            mma_step(acc, descriptor(a_tile + T.uint32(q * 64 * ROW_BYTES + kk * 32)),
-                                                     descriptor(b_tile + T.uint32(kk * 32)), q * NACC)
-                                    T.ptx["wgmma.commit_group.sync.aligned"]()
-                                    T.ptx["wgmma.wait_group.sync.aligned"](1)
-                                    if t > 0:
-                                        T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (g - 1) % ST))
+                                mma_tile(acc, flag, base, r, 0)
                                 if tile + GRID < NUM_TILES:  # round r + 1 exists: the other consumer may start it
                                     T.ptx["bar.arrive"](T.Cast("uint32", ORDER_BAR + 2 - wg), T.uint32(2 * WG))
-                                T.ptx["wgmma.wait_group.sync.aligned"](0)
-                                T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (r * KT + KT - 1) % ST))
-                                for i in T.unroll(HALVES * NACC):
-                                    FENCE_REG(acc[i], acc[i], T.float32(-0.0))
-                                store_tile(acc, out, bias_buf, (tile // GRID_N) * TM, (tile % GRID_N) * BN, base, wt,
-                                           tx // 32 - WG // 32, words)
+                                drain_and_store(acc, out, bias_buf, base, r, (tile // GRID_N) * TM,
+                                                (tile % GRID_N) * BN, wt, tx // 32 - WG // 32, words)
                     else:
                         for r in range(ROUNDS):
                             tile: T.let = bx + r * GRID
                             if tile < NUM_TILES:
                                 for i in T.unroll(HALVES * NACC):
                                     acc[i] = T.float32(0)
-                                for t in range(KT):
-                                    g: T.let = r * KT + t
-                                    wait_parity(flag, full_bar(base, g % ST), T.Cast("uint32", (g // ST) % 2))
-                                    T.ptx["fence.proxy.async.shared::cta"]()
-                                    a_tile: T.let = base + T.Cast("uint32",
-                                                                  (g % ST) * STAGE + (wg - 1) * CR * ROW_BYTES)
-                                    b_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE + A_BYTES)
-                                    T.ptx["wgmma.fence.sync.aligned"]()
-                                    for kk in T.unroll(BLOCK_K // 16):
-                                        for q in T.unroll(HALVES):
-                                            mma_step(acc, descriptor(a_tile + T.uint32(q * 64 * ROW_BYTES + kk * 32)),
-                                                     descriptor(b_tile + T.uint32(kk * 32)), q * NACC)
-                                    T.ptx["wgmma.commit_group.sync.aligned"]()
-                                    T.ptx["wgmma.wait_group.sync.aligned"](1)
-                                    if t > 0:
-                                        T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (g - 1) % ST))
-                                T.ptx["wgmma.wait_group.sync.aligned"](0)
-                                # the tile's last slot is free too: the producer may refill it for the next tile
-                                T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (r * KT + KT - 1) % ST))
-                                for i in T.unroll(HALVES * NACC):
-                                    FENCE_REG(acc[i], acc[i], T.float32(-0.0))
-                                store_tile(acc, out, bias_buf, (tile // GRID_N) * TM + (wg - 1) * CR,
-                                           (tile % GRID_N) * BN, base, wt, tx // 32 - WG // 32, words)
+                                mma_tile(acc, flag, base, r, (wg - 1) * CR * ROW_BYTES)
+                                drain_and_store(acc, out, bias_buf, base, r, (tile // GRID_N) * TM + (wg - 1) * CR,
+                                                (tile % GRID_N) * BN, wt, tx // 32 - WG // 32, words)
 
     if bias:
         @T.prim_func
