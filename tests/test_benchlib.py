@@ -3,6 +3,7 @@ import importlib.util
 import json
 import math
 import os
+import struct
 import sys
 import time
 
@@ -119,3 +120,61 @@ def test_ptxas_report_reads_the_figures():
     assert bl.ptxas_report("")["registers"] is None
     assert bl.source_key("abc") == bl.source_key("abc") != bl.source_key("abd")
     assert len(bl.source_key("abc")) == 24
+
+
+# ------------------------------------------------------------------------- scripts/ort_parts.py (fatbin pruning)
+def _ort_parts():
+    spec = importlib.util.spec_from_file_location("ort_parts", os.path.join(ROOT, "scripts", "ort_parts.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fatbin(entries) -> bytes:
+    """One fatbin container of ``(kind, arch, payload)`` entries, 64-byte entry headers (arch at byte 28)."""
+    body = b""
+    for kind, arch, payload in entries:
+        header = bytearray(64)
+        struct.pack_into("<HHIQ", header, 0, kind, 0x101, 64, len(payload))
+        struct.pack_into("<I", header, 28, arch)
+        body += bytes(header) + payload
+    return struct.pack("<IHHQ", 0xBA55ED50, 1, 16, len(body)) + body
+
+
+def _elf(sections: dict[str, bytes]) -> bytearray:
+    """A minimal 64-bit little-endian ELF file holding ``sections`` (and its section-name table)."""
+    names = b"\0" + b"".join(n.encode() + b"\0" for n in list(sections) + [".shstrtab"])
+    blobs = list(sections.items()) + [(".shstrtab", names)]
+    data = bytearray(64)
+    offsets = []
+    for _, blob in blobs:
+        data += bytes(-len(data) % 8)
+        offsets.append(len(data))
+        data += blob
+    data += bytes(-len(data) % 8)
+    shoff = len(data)
+    data += bytes(64)                                                    # the null section
+    for (name, blob), offset in zip(blobs, offsets):
+        data += struct.pack("<IIQQQQIIQQ", names.index(name.encode() + b"\0"), 1, 0, 0, offset, len(blob),
+                            0, 0, 8, 0)
+    data[:6] = b"\x7fELF\x02\x01"
+    struct.pack_into("<Q", data, 0x28, shoff)
+    struct.pack_into("<HHH", data, 0x3A, 64, len(blobs) + 1, len(blobs))
+    return data
+
+
+def test_prune_fatbins_zeroes_other_architectures_only_where_sm90_exists():
+    op = _ort_parts()
+    with_90 = _fatbin([(2, 80, b"A" * 40), (2, 90, b"N" * 24), (1, 80, b"P" * 8), (2, 120, b"B" * 16)])
+    without = _fatbin([(2, 86, b"C" * 32)])
+    data = _elf({".text": b"\x90" * 24, ".nv_fatbin": with_90 + bytes(8) + without})
+    before = bytes(data)
+    report = op.prune_fatbins(data, 90)
+    assert report == {"zeroed": 56, "kept": 24 + 8, "containers": 2}     # kept: in the containers pruned
+    assert len(data) == len(before)
+    for kept in (b"N" * 24, b"P" * 8, b"C" * 32, b"\x90" * 24):             # sm_90, PTX, a lone container, code
+        assert kept in data
+    assert b"A" * 40 not in data and b"B" * 16 not in data
+    assert before.count(b"A" * 40) == 1
+    assert op.part_sizes(10 * 2**20 + 5, [4, 4]) == [4 * 2**20, 4 * 2**20, 2 * 2**20 + 5]
+    assert op.part_sizes(3 * 2**20, [4, 4]) == [3 * 2**20]
