@@ -214,7 +214,6 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     PACK = T.ptx[f"cvt.rn.{ab}x2.f32"]
     CP_ASYNC_16 = T.ptx["cp.async.cg.shared.global"]
     EX2 = T.ptx["ex2.approx.ftz.f32"]
-    FENCE_REG = T.ptx["add.rn.f32"]     # acc + (-0.0) after a wait: keeps nvcc from hoisting reads above it
     OUT_SHAPE = (B, SQ, H, D) if bshd else (B, H, SQ, D)
 
     def q_bar(base):
@@ -296,41 +295,36 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
             if give_turn:
                 T.ptx["bar.arrive"](T.Cast("uint32", ORDER_BAR + 1 - c), T.uint32(2 * WG))
 
+    def advance(desc, offset):
+        """The descriptor ``desc`` moved ``offset`` bytes (a multiple of 16) on: its start-address field (address
+        >> 4, 14 bits) grows by ``offset >> 4`` and every shared address stays below 256 KiB, so no carry leaves it."""
+        return desc + T.Cast("uint64", offset // 16)
+
     @T.macro
-    def issue_s(s_acc, base, c, i):
+    def issue_s(s_acc, q_desc, k_desc, i):
         """S(i) = Q K(i)^T: one m64n{BN}k16 per 16 head-dim columns, both operands from shared memory."""
         for kk in T.unroll(KD):
-            MMA_S(*[s_acc[x] for x in range(NS)],
-                  descriptor(base + T.Cast("uint32", (kk // 4) * Q_PANEL + c * (64 * ROW_BYTES) + (kk % 4) * 32)),
-                  descriptor(base + T.Cast("uint32", K_OFF + (i % ST) * KV_BYTES + (kk // 4) * KV_PANEL
-                                           + (kk % 4) * 32)),
-                  kk > 0, 1, 1, 0, 0)
+            MMA_S(*[s_acc[x] for x in range(NS)], advance(q_desc, (kk // 4) * Q_PANEL + (kk % 4) * 32),
+                  advance(k_desc, (i % ST) * KV_BYTES + (kk // 4) * KV_PANEL + (kk % 4) * 32), kk > 0, 1, 1, 0, 0)
         T.ptx["wgmma.commit_group.sync.aligned"]()
 
     @T.macro
-    def issue_pv(o_acc, p_frag, base, i):
+    def issue_pv(o_acc, p_frag, v_desc, i):
         """O += P(i) V(i): one m64n{D}k16 per 16 keys, P from registers, V transposed from shared memory."""
         for kk in T.unroll(KN):
             MMA_PV(*[o_acc[x] for x in range(NO)], p_frag[kk * 4], p_frag[kk * 4 + 1], p_frag[kk * 4 + 2],
-                   p_frag[kk * 4 + 3],
-                   descriptor_mn(base + T.Cast("uint32", V_OFF + (i % ST) * KV_BYTES + kk * 16 * ROW_BYTES),
-                                 KV_PANEL),
-                   True, 1, 1, 1)
+                   p_frag[kk * 4 + 3], advance(v_desc, (i % ST) * KV_BYTES + kk * 16 * ROW_BYTES), True, 1, 1, 1)
         T.ptx["wgmma.commit_group.sync.aligned"]()
 
     @T.macro
     def retire_pv(o_acc, base, i):
         """Wait for every product, then free V(i)'s slot."""
         T.ptx["wgmma.wait_group.sync.aligned"](0)
-        for x in T.unroll(NO):
-            FENCE_REG(o_acc[x], o_acc[x], T.float32(-0.0))
         T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 3, i % ST))
 
     @T.macro
     def softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0, c, w, g, qd, i, n_part_row):
         """Tile i's mask (partial tiles) and online softmax on S(i) in place; tile i's rescale into ``corr``."""
-        for x in T.unroll(NS):
-            FENCE_REG(s_acc[x], s_acc[x], T.float32(-0.0))
         if i < n_part_row:
             # register e of n8 tile j, row half hh: sub-tile (row block 8c + 2w + hh, column block j); bit
             # g * 8 + 2 qd + e of its uint64, i.e. bit (g % 4) * 8 + 2 qd + e of the 32-bit half g // 4
@@ -428,6 +422,9 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                         g: T.let = (tx % 32) // 4
                         qd: T.let = tx % 4
                         mw0: T.let = T.Cast("int32", (base - raw) // T.uint32(4))   # smem word of the aligned base
+                        q_desc: T.let = descriptor(base + T.Cast("uint32", c * (64 * ROW_BYTES)))   # this consumer's rows
+                        k_desc: T.let = descriptor(base + T.uint32(K_OFF))
+                        v_desc: T.let = descriptor_mn(base + T.uint32(V_OFF), KV_PANEL)
                         for x in T.unroll(NO):
                             o_acc[x] = T.float32(0)
                         for hh in T.unroll(2):
@@ -439,7 +436,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                             wait_parity(flag, ring_bar(base, 0, 0), T.uint32(0))
                             T.ptx["fence.proxy.async.shared::cta"]()
                             turn_start(o_acc, corr, c, False, c == 1)
-                            issue_s(s_acc, base, c, 0)
+                            issue_s(s_acc, q_desc, k_desc, 0)
                             turn_end(c, True)
                             T.ptx["wgmma.wait_group.sync.aligned"](0)
                             softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + M_OFF // 4, c, w, g, qd, 0,
@@ -452,8 +449,8 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                                 wait_parity(flag, ring_bar(base, 2, (i - 1) % ST), T.Cast("uint32", ((i - 1) // ST) % 2))
                                 T.ptx["fence.proxy.async.shared::cta"]()
                                 turn_start(o_acc, corr, c, True, True)
-                                issue_s(s_acc, base, c, i)
-                                issue_pv(o_acc, p_frag, base, i - 1)
+                                issue_s(s_acc, q_desc, k_desc, i)
+                                issue_pv(o_acc, p_frag, v_desc, i - 1)
                                 turn_end(c, True)
                                 T.ptx["wgmma.wait_group.sync.aligned"](1)
                                 softmax(s_acc, corr, m_run, l_run, red, word, smem,
@@ -466,7 +463,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                                         T.Cast("uint32", ((n_tiles - 1) // ST) % 2))
                             T.ptx["fence.proxy.async.shared::cta"]()
                             turn_start(o_acc, corr, c, True, True)
-                            issue_pv(o_acc, p_frag, base, n_tiles - 1)
+                            issue_pv(o_acc, p_frag, v_desc, n_tiles - 1)
                             turn_end(c, c == 0)
                             retire_pv(o_acc, base, n_tiles - 1)
                         store_rows(out_words, o_acc, l_run, red, word, b, h, tr, c, w, g, qd)

@@ -46,6 +46,8 @@ MODULES = {
     "time_d128": ("time", 4, 16, 8192, 128, "float16", "bhsd", 128, 2, True),
     "time_d64_nopp": ("time", 16, 12, 4096, 64, "float16", "bhsd", 128, 3, False),
     "time_d128_nopp": ("time", 4, 16, 8192, 128, "float16", "bhsd", 128, 2, False),
+    "time_d64_s2": ("time", 16, 12, 4096, 64, "float16", "bhsd", 128, 2, True),
+    "time_d128_bn64": ("time", 4, 16, 8192, 128, "float16", "bhsd", 64, 4, True),
 }
 GOALS_MS = {("causal", 64): 0.92, ("causal", 128): 1.77}   # issue 16: 1.1x SDPA causal on the H200
 
