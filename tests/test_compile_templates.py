@@ -19,7 +19,15 @@ from attention_reference import relative_error
 from stof_tvm.schedules.templates import get_template
 
 needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
-TINY_CALLS = {"qkv_projection_kn": 2, "gemm_kn": 4, "bias_residual_layernorm": 4, "gemm_bias_gelu_erf_kn": 2}
+# per layer: the QKV projection, two GEMM + residual LayerNorm pairs, the GELU GEMM; once: the embeddings' LayerNorm
+LAYER_CALLS = {"qkv_projection_kn": 1, "gemm_kn": 2, "bias_residual_layernorm": 2, "gemm_bias_gelu_erf_kn": 1}
+
+
+def bert_calls(layers: int) -> dict:
+    return {**{name: layers * count for name, count in LAYER_CALLS.items()}, "layernorm": 1}
+
+
+TINY_CALLS = bert_calls(2)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +46,7 @@ def test_bert_base_templates_match_reference():
     model = builtin_model("bert-base")
     art = stof_tvm.compile(model, mask="bigbird", batch=1, seq_len=16, target="llvm", dtype="float16",
                            templates=True)
-    assert art.manifest["templates"]["calls"] == {name: 6 * count for name, count in TINY_CALLS.items()}
+    assert art.manifest["templates"]["calls"] == bert_calls(12)
     data = random_inputs(model, {"input_ids": (1, 16), "attention_mask": (1, 16)}, seed=2)
     data["attention_mask"][0, 13:] = 0
     out = art.load()(data)["last_hidden_state"]
@@ -79,9 +87,10 @@ def test_manifest_lists_each_site(tiny_cuda_graph):
     assert entry["gemm"] == "mma" and entry["calls"] == TINY_CALLS
     assert _chains(tiny_cuda_graph.manifest) == {
         "qkv": ["qkv_projection_kn"], "attn_out_ln": ["gemm_kn", "bias_residual_layernorm"],
-        "ffn_down_ln": ["gemm_kn", "bias_residual_layernorm"], "linear_gelu": ["gemm_bias_gelu_erf_kn"]}
+        "ffn_down_ln": ["gemm_kn", "bias_residual_layernorm"], "linear_gelu": ["gemm_bias_gelu_erf_kn"],
+        "layernorm": ["layernorm"]}
     for site in entry["sites"]:
-        assert site["count"] == 2
+        assert site["count"] == (1 if site["chain"] == "layernorm" else 2)
         for stage in site["stages"]:     # no database: stage 1's top-ranked knob set, with its predicted time
             assert stage["source"] == "model" and stage["seconds"] > 0
             ranked = rank_template(get_template(stage["template"]), stage["shape"], "float16")
