@@ -169,3 +169,21 @@ def test_cuda_source_compiles_for_sm90a_without_spills(head_dim, dtype, config, 
                           check=True).stdout
     assert re.search(rf"HGMMA\.64x{config.block_n}x16\.F32", sass)
     assert not re.search(r"\b(LDL|STL)\b", sass)
+
+
+def test_attention_plan_opt_in_kernel_builds_for_sm90a(tmp_path):
+    """``AttentionPlan(kernel="wgmma")``: a CUDA sm_90 plan is built for sm_90a with the tiled format at 128 x
+    block_n (here without a GPU, saved to run elsewhere); other targets are refused."""
+    from stof_tvm.attention import AttentionPlan
+
+    plan = AttentionPlan("causal", (2, 3, 300, 64), "float16", kernel="wgmma",
+                         target={"kind": "cuda", "arch": "sm_90"})
+    assert plan.kernel == "wgmma" and plan.target["arch"] == "sm_90a"
+    assert plan.config == default_config(64)
+    assert plan.formats[4].shape[1:] == (BLOCK_M // 8, plan.config.block_n // 8)
+    saved = plan.save(tmp_path / "plan")
+    assert (tmp_path / "plan" / "plan.json").read_text().count('"wgmma"') == 1 and saved
+    with pytest.raises(ValueError, match="sm_90"):
+        AttentionPlan("causal", (2, 3, 300, 64), "float16", kernel="wgmma", target={"kind": "cuda", "arch": "sm_80"})
+    with pytest.raises(ValueError, match="Hopper"):
+        AttentionPlan("causal", (2, 3, 300, 64), "float16", kernel="wgmma", target="llvm")
