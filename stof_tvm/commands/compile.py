@@ -86,4 +86,14 @@ def run(args) -> int:
     if artifact.manifest["templates"]:
         entry = artifact.manifest["templates"]
         print(f"  templates ({entry['gemm']}): {entry['calls']}")
+    _print_coverage(artifact.manifest)
     return 0
+
+
+def _print_coverage(manifest: dict) -> None:
+    """The manifest's coverage report: per operator kind, how many run on stof-tvm's kernels, and each fallback."""
+    from stof_tvm.compiler.coverage import coverage_lines
+
+    if manifest.get("coverage"):
+        for line in coverage_lines(manifest["coverage"]):
+            print("  " + line)

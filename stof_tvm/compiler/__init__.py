@@ -34,6 +34,7 @@ from stof_tvm.sparse_formats.masks import normalize_mask
 
 from .attention_match import find_attention_sites
 from .canonical import canonicalize
+from .coverage import coverage
 from .downstream import use_templates
 from .kernels import KERNELS, choose_kernel, kernel_primfunc
 from .mask_sources import plan_masks, score_bias
@@ -120,7 +121,10 @@ class FrontEnd:
     """The model after steps 1-5 (imported, attention rewritten, chains on templates), before the build.
 
     ``template_entry`` is the manifest's ``templates`` entry: the template calls the build will make (the
-    tuner plans exactly these, :func:`stof_tvm.tuning.plan_model`)."""
+    tuner plans exactly these, :func:`stof_tvm.tuning.plan_model`).
+
+    ``coverage``: the manifest's ``coverage`` entry (:func:`.coverage.coverage`): per operator kind, how many run
+    on stof-tvm's kernels and templates and why the others fell back."""
 
     onnx_model: object
     mod: tvm.IRModule
@@ -137,6 +141,7 @@ class FrontEnd:
     tspec: dict
     gemm: str
     target: tvm.target.Target
+    coverage: dict = dataclasses.field(default_factory=dict)
 
 
 def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
@@ -165,7 +170,8 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     if dtype == "float16":                                          # again: mixed precision adds no-op casts
         mod = canonicalize(fold_constant_casts(relax.transform.ToMixedPrecision(out_dtype="float32")(mod)))
 
-    sites = find_attention_sites(mod["main"])
+    canonical = mod["main"]
+    sites = find_attention_sites(canonical)
     if not sites:
         raise ValueError("model: no attention subgraph (matmul -> softmax -> matmul over [B, H, S, D]) was found")
     site = sites[0]
@@ -195,8 +201,20 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     if templates:
         mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule)
     mod["main"] = relax.analysis.remove_all_unused(fold_permute_pairs(mod["main"]))  # transposes around attention
+    report = coverage(canonical, mod["main"], attention_kernel=choice.kind, attention_sites=len(sites),
+                      attention_reason=f"dense kernel: {choice.reason}",
+                      templates=None if templates else _templates_off(tspec, dtype), template_entry=template_entry)
     return FrontEnd(onnx_model, mod, inputs, weights, outputs, sites, plan, user_mask, combined, choice,
-                    format_inputs, template_entry, tspec, gemm, tvm_target)
+                    format_inputs, template_entry, tspec, gemm, tvm_target, coverage=report)
+
+
+def _templates_off(tspec: dict, dtype: str) -> str:
+    """Why the fusion templates did not run (the coverage report's reason for every chain)."""
+    if tspec["kind"] != "cuda":
+        return f"fusion templates off: target {tspec['kind']} (they are CUDA kernels)"
+    if dtype != "float16":
+        return f"fusion templates off: dtype {dtype} (they are 16-bit)"
+    return "fusion templates off (templates=False)"
 
 
 def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
@@ -277,6 +295,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         transform_params=TRANSFORM_PARAMS if has_transform else None, tspec=tspec, dtype=dtype,
         tuning={"database": database, "trials": tune_trials})
     manifest["templates"] = front.template_entry
+    manifest["coverage"] = front.coverage
     manifest["cuda_graph"] = cuda_graph
     if binaries:
         manifest["cuda_binaries"] = {"arch": tspec["arch"], "files": sorted(binaries)}
