@@ -463,9 +463,11 @@ def measure_row(args, row: "Row") -> None:
         data["ort_fused"] = e2e_ort.optimize(str(onnx_path), str(optimized), model.family, info["heads"],
                                              info["hidden"], fp16=args.dtype == "float16", gpu=dev == "cuda")
         data["ort_optimize_s"] = round(time.time() - start, 1)
+        print(f"    ort fused: {data['ort_fused']}", flush=True)
         shape = tuple(refs["dense"].shape)
         runners = [e2e_ort.OrtRunner(str(optimized), feeds, shape, dev) for feeds in sets]
         data["ort_providers"] = runners[0].providers
+        data["ort_session"] = runners[0].session_note or "full graph optimisations"
         row.check("ort", runners[0].run(), refs["dense"], args.tolerance)
         row.timed("ort", lambda r: r.run(), [(r,) for r in runners], args)
     if onnx_path.exists():
