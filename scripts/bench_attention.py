@@ -23,7 +23,6 @@ S 8192/16384 with D=128). Effective TFLOP/s counts kept pairs only: ``4 * kept *
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -33,6 +32,10 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402  (the scripts' shared timing, checking and CUDA tool-chain helpers)
+from benchlib import source_key  # noqa: E402
 
 import numpy as np
 
@@ -221,25 +224,7 @@ def _primfunc(case: dict):
 
 def _nvcc_cubin(src: str, cubin_path: Path) -> dict:
     """Compile ``src`` for sm_90 with nvcc -Xptxas -v into ``cubin_path``; return registers / spill figures."""
-    import re
-
-    cu = cubin_path.with_suffix(".cu")
-    cu.write_text(src)
-    proc = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-O3", "--use_fast_math", "-Xptxas", "-v",
-                           "-o", str(cubin_path), str(cu)], capture_output=True, text=True)
-    cu.unlink()
-    text = proc.stdout + proc.stderr
-    if proc.returncode:
-        raise RuntimeError(f"nvcc failed for {cubin_path.name}:\n{text}")
-    regs = re.search(r"Used (\d+) registers", text)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    stack = re.search(r"(\d+) bytes stack frame", text)
-    return {"registers": int(regs.group(1)), "spill_stores": int(spill.group(1)),
-            "spill_loads": int(spill.group(2)), "stack_frame": int(stack.group(1)), "cubin": cubin_path.name}
-
-
-def source_key(src: str) -> str:
-    return hashlib.sha256(src.encode()).hexdigest()[:24]
+    return bl.nvcc_cubin(src, cubin_path, "sm_90", fast_math=True)
 
 
 def build(args) -> None:
