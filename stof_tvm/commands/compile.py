@@ -80,6 +80,10 @@ def run(args) -> int:
     att = artifact.manifest["attention"]
     kernel = att["kernel"]
     print(f"compiled {args.builtin or args.model} -> {path}")
+    if kernel["kind"] == "none":
+        print(f"  attention not on stof-tvm's kernels ({att['fallback']}): TVM's default pipeline")
+        _print_coverage(artifact.manifest)
+        return 0
     print(f"  {att['sites']} attention sites [B={att['batch']}, H={att['heads']}, S={att['seq_q']}, "
           f"D={att['head_dim']}] {att['dtype']} on {artifact.manifest['target']['kind']}")
     print(f"  kernel: {kernel['kind']} {kernel['config'] or ''} ({kernel['reason']})")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import numpy as np
 import tvm
@@ -91,10 +92,14 @@ def _mask_groups(user_mask: np.ndarray, const_keep, runtime) -> tuple[int, int]:
 
 def _manifest(*, source: dict, onnx_model, inputs, weights, outputs, format_inputs, mask_entry: dict,
               user_mask: np.ndarray, model_keep: str | None, plan, sites, choice, batch: int,
-              transform_params: str | None, tspec: dict, dtype: str, tuning: dict) -> dict:
+              transform_params: str | None, tspec: dict, dtype: str, tuning: dict, fallback: str | None) -> dict:
     """The JSON manifest the runtime reads (see :mod:`stof_tvm.artifact`)."""
-    site = sites[0]
-    sparse = choice.kind != "dense"
+    if fallback is not None:    # compiled by TVM's default pipeline (:func:`front_end`'s fallback): no mask input
+        mask = {"spec": "dense", "batch": 1, "heads": 1, "seq_q": None, "seq_k": None, "model_keep": None,
+                "model_terms": []}
+        attention = {"sites": 0, "batch": batch, "kernel": {"kind": "none"}, "fallback": fallback}
+    else:
+        mask, attention = _attention_entries(mask_entry, user_mask, model_keep, plan, sites, choice, batch)
     return {
         "format_version": 1,
         "source": source,
@@ -103,17 +108,27 @@ def _manifest(*, source: dict, onnx_model, inputs, weights, outputs, format_inpu
         "transform_params": transform_params,
         "outputs": [s.to_json() for s in outputs],
         "mask_inputs": [f.to_json() for f in format_inputs],
-        "mask": {**mask_entry, "batch": int(user_mask.shape[0]), "heads": int(user_mask.shape[1]),
-                 "seq_q": site.seq_q, "seq_k": site.seq_k, "model_keep": model_keep,
-                 "model_terms": [s.to_json() for s in plan.runtime] if sparse else []},
-        "attention": {"sites": len(sites), "batch": batch, "heads": site.heads, "seq_q": site.seq_q,
-                      "seq_k": site.seq_k, "head_dim": site.head_dim, "dtype": site.dtype, "scale": site.scale,
-                      "kernel": choice.to_json()},
+        "mask": mask,
+        "attention": attention,
         "target": tspec,
         "dtype": dtype,
         "tuning": tuning,
         "tvm_version": tvm.__version__,
     }
+
+
+def _attention_entries(mask_entry: dict, user_mask: np.ndarray, model_keep: str | None, plan, sites, choice,
+                       batch: int) -> tuple[dict, dict]:
+    """The manifest's ``mask`` and ``attention`` entries of a model whose attention runs on a stof-tvm kernel."""
+    site = sites[0]
+    sparse = choice.kind != "dense"
+    mask = {**mask_entry, "batch": int(user_mask.shape[0]), "heads": int(user_mask.shape[1]),
+            "seq_q": site.seq_q, "seq_k": site.seq_k, "model_keep": model_keep,
+            "model_terms": [s.to_json() for s in plan.runtime] if sparse else []}
+    attention = {"sites": len(sites), "batch": batch, "heads": site.heads, "seq_q": site.seq_q,
+                 "seq_k": site.seq_k, "head_dim": site.head_dim, "dtype": site.dtype, "scale": site.scale,
+                 "kernel": choice.to_json()}
+    return mask, attention
 
 
 @dataclasses.dataclass
@@ -124,7 +139,10 @@ class FrontEnd:
     tuner plans exactly these, :func:`stof_tvm.tuning.plan_model`).
 
     ``coverage``: the manifest's ``coverage`` entry (:func:`.coverage.coverage`): per operator kind, how many run
-    on stof-tvm's kernels and templates and why the others fell back."""
+    on stof-tvm's kernels and templates and why the others fell back.
+
+    ``fallback``: why the model's attention is not on a stof-tvm kernel, when it is not (then ``sites`` is empty,
+    ``plan`` and ``choice`` are None and the module is the imported model, for TVM's default pipeline)."""
 
     onnx_model: object
     mod: tvm.IRModule
@@ -141,6 +159,7 @@ class FrontEnd:
     tspec: dict
     gemm: str
     target: tvm.target.Target
+    fallback: str | None = None
     coverage: dict = dataclasses.field(default_factory=dict)
 
 
@@ -172,12 +191,25 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
 
     canonical = mod["main"]
     sites = find_attention_sites(canonical)
+    plan, reason = None, None
     if not sites:
-        raise ValueError("model: no attention subgraph (matmul -> softmax -> matmul over [B, H, S, D]) was found")
+        reason = "no attention subgraph (matmul -> softmax -> matmul over [B, H, S, D]) was found"
+    elif len({s.scale for s in sites}) != 1:
+        reason = "attention sites use different score scales"
+    else:
+        try:
+            plan = plan_masks(mod["main"], sites)
+        except ValueError as err:       # the model's own masking is not one a sparse format can take
+            reason = str(err).removeprefix("model: ")
+    if reason is not None:
+        _check_fallback_mask(mask, batch, seq_len, reason)
+        warnings.warn(f"model: {reason}; compiling it through TVM's default pipeline (its attention as the model "
+                      f"computes it), without stof-tvm's sparse attention kernels or fusion templates", stacklevel=2)
+        report = coverage(canonical, canonical, attention_kernel=None, attention_sites=0, attention_reason=reason,
+                          templates=f"TVM's default pipeline ({reason})")
+        return FrontEnd(onnx_model, mod, inputs, weights, outputs, [], None, None, None, None, [], {}, tspec, gemm,
+                        tvm_target, fallback=reason, coverage=report)
     site = sites[0]
-    if len({s.scale for s in sites}) != 1:
-        raise ValueError("model: attention sites use different score scales")
-    plan = plan_masks(mod["main"], sites)
 
     user_mask = normalize_mask(mask, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k)
     combined = user_mask if plan.const_keep is None else user_mask & plan.const_keep
@@ -215,6 +247,18 @@ def _templates_off(tspec: dict, dtype: str) -> str:
     if dtype != "float16":
         return f"fusion templates off: dtype {dtype} (they are 16-bit)"
     return "fusion templates off (templates=False)"
+
+
+def _check_fallback_mask(mask, batch: int, seq_len: int, reason: str) -> None:
+    """A model compiled without stof-tvm's attention kernels cannot take a mask: refuse any mask that drops a
+    pair (it would be ignored), naming why the kernels do not apply."""
+    try:
+        keeps_all = bool(normalize_mask(mask, batch=batch, heads=1, seq_q=seq_len, seq_k=seq_len).all())
+    except (ValueError, TypeError):
+        keeps_all = False
+    if not keeps_all:
+        raise ValueError(f"mask: stof-tvm cannot apply a sparse mask to this model ({reason}); compile it with "
+                         f"mask='dense' to run it through TVM's default pipeline")
 
 
 def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
@@ -266,7 +310,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
                       templates=templates, gemm=gemm, database=database)
     mod, tspec, tvm_target, choice, user_mask = front.mod, front.tspec, front.target, front.choice, front.user_mask
     report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
-           f"(attention kernel {choice.kind}, templates {front.gemm if front.template_entry else 'off'})")
+           f"(attention kernel {choice.kind if choice else 'none: ' + front.fallback}, "
+           f"templates {front.gemm if front.template_entry else 'off'})")
     # Weight casts and other weight-only work move to main_transform_params, which the runtime runs once.
     mod = relax.transform.LiftTransformParams()(mod)
 
@@ -281,9 +326,9 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
 
     mask_entry = _mask_entry(mask)
     arrays = {}
-    if mask_entry.get("array"):
+    if mask_entry.get("array") and front.fallback is None:
         arrays["mask.npy"] = np.ascontiguousarray(user_mask)
-    if front.plan.const_keep is not None and choice.kind != "dense":
+    if front.plan is not None and front.plan.const_keep is not None and choice.kind != "dense":
         arrays["model_keep.npy"] = np.ascontiguousarray(front.plan.const_keep)
     has_transform = any(gv.name_hint == TRANSFORM_PARAMS for gv, _ in mod.functions_items())
     manifest = _manifest(
@@ -293,7 +338,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         model_keep="model_keep.npy" if "model_keep.npy" in arrays else None,
         plan=front.plan, sites=front.sites, choice=choice, batch=batch,
         transform_params=TRANSFORM_PARAMS if has_transform else None, tspec=tspec, dtype=dtype,
-        tuning={"database": database, "trials": tune_trials})
+        tuning={"database": database, "trials": tune_trials}, fallback=front.fallback)
     manifest["templates"] = front.template_entry
     manifest["coverage"] = front.coverage
     manifest["cuda_graph"] = cuda_graph

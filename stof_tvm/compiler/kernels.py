@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import warnings
 
 import numpy as np
 
@@ -141,6 +142,12 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
     bias = tuple(bias) if bias is not None and requested != "dense" else None
     if requested == "dense":
         return KernelChoice("dense", {}, mask_batch, mask_heads, "requested")
+    head_dims = {kind: _schedule_module(kind).SUPPORTED_HEAD_DIMS for kind in _SPARSE_MODULES}
+    if requested == "auto" and not any(head_dim in dims for dims in head_dims.values()):
+        reason = (f"head_dim {head_dim}: the sparse kernels take head_dim in {sorted(set().union(*head_dims.values()))}"
+                  f"; dense attention with the mask as an input (exact, not accelerated)")
+        warnings.warn(f"attention: {reason}", stacklevel=3)
+        return KernelChoice("dense", {}, mask_batch, mask_heads, reason)
     tuned = tuned_choice(database, mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype) \
         if database is not None else None
     if tuned is not None and requested in ("auto", tuned["meta"]["kind"]):
