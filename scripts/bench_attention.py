@@ -580,6 +580,8 @@ def run(args) -> None:
     cases = runner.manifest["cases"]
     if args.only:
         cases = [c for c in cases if c["kind"] in args.only.split(",")]
+    if args.head_dims:
+        cases = [c for c in cases if c["head_dim"] in {int(d) for d in args.head_dims.split(",")}]
     if args.skip_failed_in:
         # Kernel configurations that failed a check in an earlier run (its JSON) are not timed.
         failed = {(r["family"], r["head_dim"], str(r["config"])) for r in
@@ -634,6 +636,7 @@ def main(argv=None) -> None:
     r.add_argument("--json", default=None, help="write results here (rewritten after every case)")
     r.add_argument("--budget", type=float, default=480.0, help="seconds after which no new case starts")
     r.add_argument("--only", default=None, help="run only these case kinds (check,time)")
+    r.add_argument("--head-dims", default=None, help="run only the cases of these head dims (e.g. 80,96)")
     r.add_argument("--skip-failed-in", default=None, help="JSON of an earlier run: skip configs that failed there")
     args = parser.parse_args(argv)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
