@@ -7,17 +7,17 @@ are never loaded. Inputs follow the tiled-format contract of :mod:`stof_tvm.spar
 
 Two PrimFuncs with the same signature and semantics are built here:
 
-- ``target_kind="cuda"`` (sm_80+, tuned for sm_90): a **thread-level** TVMScript kernel. Each warp owns
-  ``16 * MT`` query rows; ``QK^T`` and ``PV`` run on ``mma.sync.m16n8k16`` (fp32 accumulate) fed by ``ldmatrix``
-  from XOR-swizzled shared memory; K/V tiles (and the bitmaps of partial tiles) stream in through a
-  ``stages``-deep ``cp.async`` ring; Q's fragments stay in registers (reloaded from shared memory per tile
-  where they would not fit beside the accumulators: large head dims); the probabilities stay in registers and are repacked as the A operand of
-  the ``PV`` product (FlashAttention-2's trick); the output is staged through shared memory and written with
-  16-byte stores. It is written at thread level because TensorIR's schedule primitives cannot express this
-  kernel: the tile walk is data dependent (two CSR lists per tile row), the softmax state must live in the
-  registers of the very threads that hold the ``mma`` accumulators (a layout ``tensorize`` does not expose),
-  and the mask is applied per accumulator register. TVM 0.27's ``T.ptx`` dialect provides every instruction
-  used (see :mod:`stof_tvm.schedules.mma`).
+- ``target_kind="cuda"`` (sm_80+, tuned for sm_90): a **thread-level** TVMScript kernel. Each warp owns ``16 * MT``
+  query rows; ``QK^T`` and ``PV`` run on ``mma.sync.m16n8k16`` (fp32 accumulate) fed by ``ldmatrix`` from
+  conflict-free shared memory (XOR-swizzled rows; an odd row stride where rows are not a multiple of 128 bytes); K/V
+  tiles (and the bitmaps of partial tiles) stream in through a ``stages``-deep ``cp.async`` ring; Q's fragments stay
+  in registers (reloaded from shared memory per tile where they would not fit beside the accumulators: large head
+  dims); the probabilities stay in registers and are repacked as the A operand of the ``PV`` product
+  (FlashAttention-2's trick); the output is staged through shared memory and written with 16-byte stores. It is
+  written at thread level because TensorIR's schedule primitives cannot express this kernel: the tile walk is data
+  dependent (two CSR lists per tile row), the softmax state must live in the registers of the very threads that hold
+  the ``mma`` accumulators (a layout ``tensorize`` does not expose), and the mask is applied per accumulator
+  register. TVM 0.27's ``T.ptx`` dialect provides every instruction used (see :mod:`stof_tvm.schedules.mma`).
 - ``target_kind="llvm"``: a plain loop nest (parallel over tile rows, scalar online softmax per query row) that
   computes the same function, so correctness of the format walk and of the masking semantics is tested on the
   CPU. The CUDA kernel itself is checked against a float reference on the GPU (``scripts/bench_attention.py``;

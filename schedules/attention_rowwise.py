@@ -13,13 +13,13 @@ GPU runs:
   accumulator (a split-K online softmax) and a final ``merge`` combines the KG partial states exactly.
 - Per step a group takes ``keys_per_step`` (U) keys: U index loads, U key-row loads, U dot products, one rescale,
   U value-row loads. (Issuing the value loads together with the key loads measured no faster on the H200.)
-- On CUDA a group is ``lanes`` threads (threadIdx.x), each owning 8 of the D channels, so every K/V row is
-  read as one 16-byte vector per lane; the dot product is a cross-thread reduction that TVM lowers to warp
-  shuffles within the group. ``lanes`` is D / 8 rounded up to a power of two (shuffles stay inside a warp and
-  a group never straddles two), so at D = 80 or 96 the last 6 or 4 of 16 lanes idle. KG groups (threadIdx.y) fill one or more whole warps, so every shuffle runs with the
-  whole warp converged; ``rows_per_block`` rows (threadIdx.z) share a thread block and, being neighbours, mostly
-  the same keys in L1. The partial states go through shared memory to the merge (one barrier, outside every
-  data-dependent loop).
+- On CUDA a group is ``lanes`` threads (threadIdx.x), each owning 8 of the D channels, so every K/V row is read as one
+  16-byte vector per lane; the dot product is a cross-thread reduction that TVM lowers to warp shuffles within the
+  group. ``lanes`` is D / 8 rounded up to a power of two (shuffles stay inside a warp and a group never straddles
+  two), so at D = 80 or 96 the last 6 or 4 of 16 lanes idle. KG groups (threadIdx.y) fill one or more whole warps,
+  so every shuffle runs with the whole warp converged; ``rows_per_block`` rows (threadIdx.z) share a thread block
+  and, being neighbours, mostly the same keys in L1. The partial states go through shared memory to the merge (one
+  barrier, outside every data-dependent loop).
 - On the CPU (llvm) rows run in parallel and each row is plain loops.
 
 Scores are computed in the log2 domain (the query is pre-multiplied by ``scale * log2(e)``) so the softmax uses
