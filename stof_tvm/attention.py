@@ -34,7 +34,9 @@ KERNELS = ("auto", "row", "block", "wgmma")   # "wgmma": opt-in Hopper block-wis
 _SYMBOLS = {"row": "rowwise_attention", "block": "blockwise_attention", "wgmma": "wgmma_attention"}
 _CUDA_DTYPES = ("float16", "bfloat16")
 _CPU_DTYPES = ("float16", "bfloat16", "float32")
-_HEAD_DIMS = (64, 128)
+# The sparse kernels' SUPPORTED_HEAD_DIMS (multiples of 16 from 32 to 256), kept here so that importing this module
+# does not import the kernels; tests/test_attention_api.py checks that they agree.
+_HEAD_DIMS = tuple(range(32, 257, 16))
 _LIBRARY, _PLAN_FILE = "kernel.so", "plan.json"
 
 
@@ -266,7 +268,8 @@ class AttentionPlan:
         if dtype not in allowed:
             raise TypeError(f"dtype must be one of {allowed} on {kind}, got {dtype!r}")
         if head_dim not in _HEAD_DIMS:
-            raise ValueError(f"head dimension D must be one of {_HEAD_DIMS}, got {head_dim} (shape {tuple(shape)})")
+            raise ValueError(f"head dimension D must be a multiple of 16 from 32 to 256, got {head_dim} "
+                             f"(shape {tuple(shape)})")
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"scale must be a positive finite number, got {scale!r}")
