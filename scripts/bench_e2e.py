@@ -89,7 +89,7 @@ STAGE_COST_S = {"export": 30, "reference": 15, "torch-eager": 15, "torch-compile
                 "ort": 60, "ours": 30, "ours-nograph": 30, "tvm-dense": 30}
 COMPILED = ("ours", "ours-nograph", "tvm-dense")           # stages whose module compiles in the background
 ROW_MIN_S = 60             # a row starts only with this much of the budget left
-RESERVE_S = 15             # kept back for the final JSON and table
+RESERVE_S = 20             # kept back for the final JSON and table (and a child's exit)
 # Relax symbol substrings -> kernel class, first match wins (the per-kernel-class breakdown of --profile)
 KERNEL_CLASSES = (("attention", ("attention", "blockwise", "rowwise", "softmax")),
                   ("gemm", ("gemm", "matmul", "qkv", "ffn", "dense", "linear", "conv")),
@@ -248,12 +248,16 @@ def run_child(args, name: str, batch: int, length: int, row_path: Path, deadline
                str(row_path), "--deadline", str(deadline)] + args.child_argv
     proc = subprocess.Popen(command, start_new_session=True)
     try:
-        return proc.wait(timeout=max(1.0, deadline - time.time() + 5))
+        code = proc.wait(timeout=max(1.0, deadline - time.time() + 10))
     except subprocess.TimeoutExpired:
         print(f"  {name} {batch}x{length}: past the budget, stopped", flush=True)
+        code = -9
+    try:                                  # the child, if still there, and compile jobs it left running
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return -9
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    return code
 
 
 # ------------------------------------------------------------------------------------------ compile jobs
@@ -509,6 +513,9 @@ def measure_row(args, row: "Row") -> None:
     for stage in COMPILED:
         if stage in jobs:
             row.stage(stage, ours_stage, stage)
+    for job in jobs.values():              # a compile skipped for the budget must not outlive the row
+        if job.poll() is None:
+            job.kill()
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
