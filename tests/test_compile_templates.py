@@ -156,6 +156,16 @@ def test_small_or_ragged_gemms_stay_on_mma_sync(m, n, k, why):
     assert (note is None) if why is None else (why in note and note.endswith("mma.sync"))
 
 
+@pytest.mark.parametrize("m, gemm, rows", [
+    (394, "mma", 400), (394, "wgmma", 400),       # ViT-Base at 2x197: 512 rows would add 30%: mma.sync at 400
+    (6304, "mma", 6304), (6304, "wgmma", 6400),   # at 32x197: 1.5% more rows put the GEMM on wgmma
+    (4096, "wgmma", 4096), (34, "mma", 48),
+])
+def test_gemm_rows_padded_for_the_templates(m, gemm, rows):
+    """Any row count takes a template: rows are padded to 16, or to wgmma's 128 for at most 1/8 more work."""
+    assert linear_match.padded_rows(m, 2304, 768, gemm) == rows
+
+
 @pytest.mark.parametrize("gemm, templates, target, expected", [
     ("auto", True, {"kind": "cuda", "arch": "sm_90"}, ("wgmma", "sm_90a")),
     ("auto", True, {"kind": "cuda", "arch": "sm_80"}, ("mma", "sm_80")),
