@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 OUT = ROOT / "out" / "attn_wgmma"
 CHECK_MASKS = ("causal", "dense", "sliding", "bigbird", "random:0.3", "random_empty:0.05", "padding")
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
-# key: (kind, batch, heads, seq, head_dim, dtype, out_layout, block_n, stages, pingpong)
+# key: (kind, batch, heads, seq, head_dim, dtype, out_layout, block_n, stages, pingpong[, persistent, sm_count]);
+# the persistent check modules use a few blocks only, so each walks several work items
 MODULES = {
     "check_d64": ("check", 2, 3, 300, 64, "float16", "bhsd", 128, 3, True),
     "check_d128_bshd": ("check", 2, 3, 300, 128, "float16", "bshd", 128, 2, True),
@@ -48,6 +49,10 @@ MODULES = {
     "time_d128_nopp": ("time", 4, 16, 8192, 128, "float16", "bhsd", 128, 2, False),
     "time_d64_s2": ("time", 16, 12, 4096, 64, "float16", "bhsd", 128, 2, True),
     "time_d128_bn64": ("time", 4, 16, 8192, 128, "float16", "bhsd", 64, 4, True),
+    "check_d64_persist": ("check", 2, 3, 300, 64, "float16", "bhsd", 128, 3, True, True, 4),
+    "check_d128_persist_bshd": ("check", 2, 3, 300, 128, "bfloat16", "bshd", 128, 2, True, True, 5),
+    "time_d64_persist": ("time", 16, 12, 4096, 64, "float16", "bhsd", 128, 3, True, True, 132),
+    "time_d128_persist": ("time", 4, 16, 8192, 128, "float16", "bhsd", 128, 2, True, True, 132),
 }
 GOALS_MS = {("causal", 64): 0.92, ("causal", 128): 1.77}   # issue 16: 1.1x SDPA causal on the H200
 
@@ -57,9 +62,10 @@ def source_key(src: str) -> str:
 
 
 def _spec(key):
-    kind, batch, heads, seq, head_dim, dtype, layout, block_n, stages, pingpong = MODULES[key]
+    kind, batch, heads, seq, head_dim, dtype, layout, block_n, stages, pingpong, *rest = MODULES[key]
+    persistent, sm_count = rest or (False, 132)
     return dict(kind=kind, batch=batch, heads=heads, seq=seq, head_dim=head_dim, dtype=dtype, out_layout=layout,
-                block_n=block_n, stages=stages, pingpong=pingpong,
+                block_n=block_n, stages=stages, pingpong=pingpong, persistent=persistent, sm_count=sm_count,
                 # check modules: one mask group per (batch, head), so every mask kind runs through one module
                 mask_batch=batch if kind == "check" else 1, mask_heads=heads if kind == "check" else 1)
 
@@ -81,7 +87,8 @@ def build(args) -> None:
         func = wgmma_attention_primfunc(
             batch=s["batch"], heads=s["heads"], seq_q=s["seq"], seq_k=s["seq"], head_dim=s["head_dim"],
             dtype=s["dtype"], mask_batch=s["mask_batch"], mask_heads=s["mask_heads"], out_layout=s["out_layout"],
-            config=WgmmaAttentionConfig(block_n=s["block_n"], stages=s["stages"], pingpong=s["pingpong"]))
+            config=WgmmaAttentionConfig(block_n=s["block_n"], stages=s["stages"], pingpong=s["pingpong"],
+                                        persistent=s["persistent"]), sm_count=s["sm_count"])
         ex = tvm.compile(tvm.IRModule({"main": func}), target=cuda_target("sm_90a"))
         src = cuda_source(ex)
         ex.export_library(str(OUT / f"{key}.so"))
