@@ -352,7 +352,13 @@ class Row:
                             budget_s=budget)
         self.data[f"{label}_ms"] = timing.median_ms
         self.data[f"{label}_timing"] = timing.as_dict()
-        print(f"    {label}: {timing.median_ms:.3f} ms (median of {timing.samples} x {timing.calls_per_sample})",
+        wall = ""
+        if device == "cuda":          # cross-check: device-wide syncs see work on any stream, events only torch's
+            check = bl.time_ms(fn, device="cuda-wall", inputs=inputs, warmup=1, samples=max(3, args.samples // 2),
+                               number=timing.calls_per_sample, budget_s=budget / 2)
+            self.data[f"{label}_wall_ms"] = check.median_ms
+            wall = f", {check.median_ms:.3f} ms by the wall clock between device syncs"
+        print(f"    {label}: {timing.median_ms:.3f} ms (median of {timing.samples} x {timing.calls_per_sample}{wall})",
               flush=True)
 
 
