@@ -131,3 +131,17 @@ def test_the_whole_flow_on_the_cpu(tmp_path):
     assert row["torch-compile_skipped"] == "--skip"
     assert row["ours_vs_best"] > 0 and row["mask_density"] < 1
     assert "roberta-tiny  2x256" in proc.stdout
+
+
+def test_benchmark_configs_use_published_init_and_hold_the_shape():
+    """Base sizes: initializer_range 0.02 and position tables long enough for the shape (RoBERTa: L + 2); a
+    length the table cannot hold is refused with a ValueError naming it, before any export or device work."""
+    pytest.importorskip("transformers")
+    roberta = e2e_models.config(e2e_models.spec("roberta-base"), "eager", 2048)
+    assert roberta.initializer_range == 0.02 and roberta.max_position_embeddings == 2050
+    gpt2 = e2e_models.config(e2e_models.spec("gpt2"), "eager", 512)
+    assert gpt2.initializer_range == 0.02 and gpt2.n_positions == 1024
+    tiny = e2e_models.spec("bert-tiny")
+    with pytest.raises(ValueError, match="position embeddings"):
+        e2e_models.check_length(tiny, e2e_models.config(tiny, "eager", 1024), 1024)
+    e2e_models.check_length(tiny, e2e_models.config(tiny, "eager", 512), 512)
