@@ -172,9 +172,9 @@ def blockwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: i
 
     ``padding=True`` (self-attention, Sq == Sk) adds ``pad_range[B, 3] int32, pad_bits[B, ceil(Sk/32)] uint32``
     after the format arrays (:mod:`stof_tvm.schedules.key_padding`): batch b keeps only keys in
-    ``[lo, hi)`` whose bit is set (the bits are read only where ``holes``), and its query rows outside
-    ``[lo, hi)`` are written as 0. Key tiles wholly outside the range are neither loaded nor computed, the tiles
-    that cross it are masked by a column predicate, tile rows wholly outside it do no work.
+    ``[lo, hi)`` whose bit is set (the bits are read only where ``holes``), at every query row (padded query rows
+    too, as the model computes them). Key tiles wholly outside the range are neither loaded nor computed; the
+    tiles that cross it, and every tile of a row with holes, are masked by a column predicate.
     """
     if out_layout not in OUT_LAYOUTS:
         raise ValueError(f"out_layout must be one of {OUT_LAYOUTS}, got {out_layout!r}")
@@ -270,9 +270,6 @@ class _Padding:
         """Positions ``[start, start + length)`` meet the kept span ``[lo, hi)``."""
         return tvm.tirx.all(start < hi, start + length > lo) if self.on else True
 
-    def row_tiles(self, n_tiles, lo, hi, start, length):
-        """Tiles to walk for query rows ``[start, start + length)``: none when they are all outside the span."""
-        return T.Select(self.overlaps(lo, hi, start, length), n_tiles, 0) if self.on else n_tiles
 
     def loads(self, key, lo, hi):
         """Key row ``key`` is read from memory: inside Sk and, with padding, inside the kept span (hi <= Sk; the
@@ -291,9 +288,6 @@ class _Padding:
         bit = T.bitwise_and(T.shift_right(word, T.Cast("uint32", key % 32)), T.uint32(1))
         return tvm.tirx.all(lo <= key, key < hi, tvm.tirx.any(holes == 0, bit != T.uint32(0)))
 
-    def keep_row(self, cond, lo, hi, row):
-        """``cond`` and, with padding, query row ``row`` inside the kept span (rows outside it are written as 0)."""
-        return tvm.tirx.all(cond, lo <= row, row < hi) if self.on else cond
 
 
 def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
@@ -484,11 +478,11 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     f0: T.let = full_indptr[r]
                     p0: T.let = part_indptr[r]
                     n_part_row: T.let = part_indptr[r + 1] - p0
-                    # Padding: batch row b keeps keys [lo, hi) (minus holes); a tile row outside it does no work.
+                    n_tiles: T.let = n_part_row + full_indptr[r + 1] - f0
+                    # Padding: batch row b keeps keys [lo, hi), minus its holes.
                     lo: T.let = pad.lo(pad_range, b)
                     hi: T.let = pad.hi(pad_range, b)
                     holes: T.let = pad.holes(pad_range, b)
-                    n_tiles: T.let = pad.row_tiles(n_part_row + full_indptr[r + 1] - f0, lo, hi, tr * BM, BM)
                     g: T.let = lane // 4
                     qd: T.let = lane % 4
                     q_base: T.let = T.cuda.cvta_generic_to_shared(T.address_of(smem[0]))
@@ -662,8 +656,7 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                             red[0] = l_run[mt * 2 + hh]
                             red[0] = red[0] + quad_xor(red[0], 1)
                             red[0] = red[0] + quad_xor(red[0], 2)
-                            red[1] = T.Select(pad.keep_row(red[0] > T.float32(0), lo, hi, tr * BM + warp * (MT * 16)
-                                                           + mt * 16 + hh * 8 + g), T.float32(1) / red[0], T.float32(0))
+                            red[1] = T.Select(red[0] > T.float32(0), T.float32(1) / red[0], T.float32(0))
                             for dn in T.unroll(ND):
                                 PACK(word[1], o_acc[o_at(mt, dn, hh * 2 + 1)] * red[1],
                                      o_acc[o_at(mt, dn, hh * 2)] * red[1])
@@ -725,7 +718,7 @@ def _cpu_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     for d in range(D):
                         q_row[d] = T.Cast("float32", q[b, h, tr * BM + a, d]) * T.float32(SCALE)
                         acc[d] = T.float32(0)
-                    for t in range(pad.row_tiles(n_tiles, lo, hi, tr * BM + a, 1)):    # padded rows: 0
+                    for t in range(n_tiles):
                         col: T.let = T.if_then_else(t < n_part_row, part_indices[p0 + t],
                                                     full_indices[f0 + t - n_part_row])
                         for c in range(BN):

@@ -138,7 +138,7 @@ def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int
 
     ``padding=True`` (Sq == Sk) adds ``pad_range[B, 3] int32, pad_bits[B, ceil(Sk/32)] uint32`` after
     ``indices`` (:mod:`stof_tvm.schedules.key_padding`): batch b keeps only keys in ``[lo, hi)`` whose bit is set
-    (read only where ``holes``), and its query rows outside ``[lo, hi)`` are 0.
+    (read only where ``holes``), at every query row.
     """
     B, H, Sq, Sk, D, KG, U = batch, heads, seq_q, seq_k, head_dim, key_groups, keys_per_step
     G = mask_batch * mask_heads
@@ -171,12 +171,6 @@ def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int
         return tvm.tirx.all(slot_valid, pad_range[b, 0] <= key, key < pad_range[b, 1],
                             tvm.tirx.any(pad_range[b, 2] == 0, bit != T.uint32(0)))
 
-    def row_keys(pad_range, b, i, n_keys):
-        """Keys of the row to walk: none for a query row outside batch b's kept span (written as 0)."""
-        if not PAD:
-            return n_keys
-        return T.Select(tvm.tirx.all(pad_range[b, 0] <= i, i < pad_range[b, 1]), n_keys, 0)
-
     @T.macro
     def body(q, k, v, indptr, indices, bias_buf, pad_range, pad_bits, out, nnz):
         # Per (row, key group) online-softmax state: running max (log2 domain), running sum, accumulator.
@@ -207,7 +201,7 @@ def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int
                         state = T.alloc_buffer((4,), "float32", scope="local")
                         row = (vb * group_of_b + vh * group_of_h) * Sq + vi
                         start = indptr[row]
-                        n_keys = row_keys(pad_range, vb, vi, indptr[row + 1] - start)
+                        n_keys = indptr[row + 1] - start
                         for d in range(D):
                             with T.sblock("load_q"):
                                 vd = T.axis.remap("S", [d])

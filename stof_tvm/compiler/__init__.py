@@ -33,6 +33,7 @@ from stof_tvm.sparse_formats.masks import normalize_mask
 
 from .attention_match import find_attention_sites
 from .downstream import use_templates
+from .input_checks import ValueCheck, add_value_checks, clip_gathers
 from .kernels import KERNELS, choose_kernel, kernel_primfunc
 from .mask_sources import plan_masks, score_bias
 from .onnx_import import TensorSpec, embedding_rows, import_onnx, load_model, output_names
@@ -70,6 +71,19 @@ def _input_entry(spec: TensorSpec, model) -> dict:
     return entry
 
 
+def value_checks(inputs, onnx_model, padding: str | None) -> list[ValueCheck]:
+    """The value ranges ``main`` checks on the device: token ids within their embedding table, the padding
+    input (applied by the kernels as ``!= 0``) 0 or 1 like the probes that proved it is key padding."""
+    checks = []
+    for spec in inputs:
+        rows = embedding_rows(onnx_model, spec.name)
+        if rows is not None and np.dtype(spec.dtype).kind in "iu":
+            checks.append(ValueCheck(spec.name, 0, int(rows)))
+        elif spec.name == padding:
+            checks.append(ValueCheck(spec.name, 0, 2))
+    return checks
+
+
 def _mask_entry(mask) -> dict:
     """Manifest entry for the user's mask: a spec string is kept as is, any other form as mask.npy."""
     if isinstance(mask, str):
@@ -102,7 +116,8 @@ def _manifest(*, source: dict, onnx_model, inputs, weights, outputs, format_inpu
         "mask_inputs": [f.to_json() for f in format_inputs],
         "mask": {**mask_entry, "batch": int(user_mask.shape[0]), "heads": int(user_mask.shape[1]),
                  "seq_q": site.seq_q, "seq_k": site.seq_k, "model_keep": model_keep,
-                 "model_terms": [s.to_json() for s in plan.runtime] if sparse else []},
+                 "model_terms": [s.to_json() for s in plan.runtime] if sparse else [],
+                 "padding": {"input": plan.padding, "on": "device"} if choice.padding else None},
         "attention": {"sites": len(sites), "batch": batch, "heads": site.heads, "seq_q": site.seq_q,
                       "seq_k": site.seq_k, "head_dim": site.head_dim, "dtype": site.dtype, "scale": site.scale,
                       "kernel": choice.to_json()},
@@ -131,6 +146,8 @@ class FrontEnd:
     combined: np.ndarray
     choice: object
     format_inputs: list
+    checks: list
+    checks_output: int | None
     template_entry: dict
     tspec: dict
     gemm: str
@@ -181,6 +198,8 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
                            database=database)
     if choice.kind == "dense":      # the model's own masking stays in the dense graph: only the user's mask is input
         choice = dataclasses.replace(choice, mask_batch=user_mask.shape[0], mask_heads=user_mask.shape[1])
+    elif plan.padding is not None:  # the model's key padding, applied by the sparse kernel from its input
+        choice = dataclasses.replace(choice, padding=True)
     primfunc = None
     if choice.kind != "dense":
         primfunc = kernel_primfunc(choice, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k,
@@ -188,13 +207,16 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
                                    target_kind=tspec["kind"])
     for source in plan.runtime if choice.kind != "dense" else []:
         mod[source.name] = source.function
-    mod, format_inputs = rewrite_attention(mod, sites, choice, primfunc, plan.bias_terms)
+    mod, format_inputs = rewrite_attention(mod, sites, choice, primfunc, plan.bias_terms,
+                                           padding=plan.padding if choice.padding else None, target_kind=tspec["kind"])
     template_entry = {}
     if templates:
         mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule)
     mod["main"] = relax.analysis.remove_all_unused(fold_permute_pairs(mod["main"]))  # transposes around attention
+    checks = value_checks(inputs, onnx_model, plan.padding if choice.padding else None)
+    mod, checks_output = add_value_checks(clip_gathers(mod), checks)
     return FrontEnd(onnx_model, mod, inputs, weights, outputs, sites, plan, user_mask, combined, choice,
-                    format_inputs, template_entry, tspec, gemm, tvm_target)
+                    format_inputs, checks, checks_output, template_entry, tspec, gemm, tvm_target)
 
 
 def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
@@ -275,6 +297,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         transform_params=TRANSFORM_PARAMS if has_transform else None, tspec=tspec, dtype=dtype,
         tuning={"database": database, "trials": tune_trials})
     manifest["templates"] = front.template_entry
+    manifest["value_checks"] = {"output": front.checks_output, "inputs": [c.to_json() for c in front.checks]} \
+        if front.checks else None
     manifest["cuda_graph"] = cuda_graph
     if binaries:
         manifest["cuda_binaries"] = {"arch": tspec["arch"], "files": sorted(binaries)}
