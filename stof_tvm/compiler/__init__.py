@@ -3,7 +3,8 @@
 Steps, data flowing one way:
 
 1. load the ONNX model, refuse unsupported operators by name, import it to Relax with static shapes
-   (:mod:`.onnx_import`); float16 runs through Relax's mixed-precision pass (float32 accumulation);
+   (:mod:`.onnx_import`); bring every exporter's spelling to one canonical form (:mod:`.canonical`); float16
+   runs through Relax's mixed-precision pass (float32 accumulation);
 2. find every attention site with Relax dataflow patterns (:mod:`.attention_match`) and work out what the
    model's own masking means (:mod:`.mask_sources`);
 3. normalise the user's mask, combine it with the model's constant masks, and choose the kernel and its
@@ -32,12 +33,13 @@ from tvm import relax
 from stof_tvm.sparse_formats.masks import normalize_mask
 
 from .attention_match import find_attention_sites
+from .canonical import canonicalize
 from .downstream import use_templates
 from .input_checks import ValueCheck, add_value_checks, clip_gathers
 from .kernels import KERNELS, choose_kernel, kernel_primfunc
 from .mask_sources import plan_masks, score_bias
 from .onnx_import import TensorSpec, embedding_rows, import_onnx, load_model, output_names
-from .pipeline import build, fold_constant_casts, make_target, optimize, square_powers, target_dict
+from .pipeline import build, fold_constant_casts, make_target, optimize, target_dict
 from .layout import fold_permute_pairs
 from .rewrite import rewrite_attention
 
@@ -176,9 +178,9 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     onnx_model = load_model(model)
     mod, inputs, weights = import_onnx(onnx_model, batch, seq_len)
     outputs = _output_specs(mod["main"], output_names(onnx_model))
-    mod = square_powers(relax.transform.FoldConstant()(mod))
-    if dtype == "float16":
-        mod = fold_constant_casts(relax.transform.ToMixedPrecision(out_dtype="float32")(mod))
+    mod = canonicalize(relax.transform.FoldConstant()(mod))       # one form of every exporter's spelling
+    if dtype == "float16":                                          # again: mixed precision adds no-op casts
+        mod = canonicalize(fold_constant_casts(relax.transform.ToMixedPrecision(out_dtype="float32")(mod)))
 
     sites = find_attention_sites(mod["main"])
     if not sites:

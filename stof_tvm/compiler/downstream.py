@@ -56,7 +56,7 @@ from tvm import relax
 from tvm.ir.expr import Constant
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
-from .attention_match import resolve, scalar_value, static_shape
+from .attention_match import resolve, static_shape
 from .layout import fold_permute_pairs
 from .linear_match import (ANY_LINEAR, LINEAR, LINEAR_BIAS, LINEAR_W, LINEAR_X, MATMUL, TEMPLATE_DTYPES, is_call,
                            linear_bias, linear_dims, transposed, users_of, wgmma_misfit, zero_bias)
@@ -68,20 +68,11 @@ GEMMS = ("mma", "wgmma")
 OPAQUE = 8    # relax OpPatternKind kOpaque
 
 
-_SQRT2, _ONE, _HALF = is_const(), is_const(), is_const()
-_ERF_ADD = is_op("relax.add")(is_op("relax.erf")(is_op("relax.divide")(ANY_LINEAR, _SQRT2)), _ONE)
-LINEAR_GELU = is_op("relax.multiply")(is_op("relax.multiply")(ANY_LINEAR, _ERF_ADD), _HALF)
+# GELU and its tanh approximation as operators: every exporter's spelling of them was brought to nn.gelu /
+# nn.gelu_tanh by the canonical form (:mod:`.canonical.activations`)
+LINEAR_GELU = is_op("relax.nn.gelu")(ANY_LINEAR)
+LINEAR_GELU_TANH = is_op("relax.nn.gelu_tanh")(ANY_LINEAR)
 LINEAR_RELU = is_op("relax.nn.relu")(ANY_LINEAR)
-# tanh GELU as torch.onnx exports it (GPT-2): 0.5 * (x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x*x*x)))), the
-# cube as x * (x * x) once compile's square_powers rewrote pow(x, 2) (Relax's patterns match multiply and add in
-# either operand order), or 0.5 * x taken first
-_CUBIC, _TANH_SCALE, _TANH_ONE, _TANH_HALF = is_const(), is_const(), is_const(), is_const()
-_CUBE = is_op("relax.multiply")(ANY_LINEAR, is_op("relax.multiply")(ANY_LINEAR, ANY_LINEAR))
-_INNER_TANH = is_op("relax.tanh")(is_op("relax.multiply")(
-    _TANH_SCALE, is_op("relax.add")(ANY_LINEAR, is_op("relax.multiply")(_CUBIC, _CUBE))))
-_TANH_ADD = is_op("relax.add")(_TANH_ONE, _INNER_TANH)
-LINEAR_GELU_TANH = (is_op("relax.multiply")(_TANH_HALF, is_op("relax.multiply")(ANY_LINEAR, _TANH_ADD))
-                    | is_op("relax.multiply")(is_op("relax.multiply")(_TANH_HALF, ANY_LINEAR), _TANH_ADD))
 _RES, _GAMMA, _BETA = wildcard(), is_const(), is_const()
 _LIN_OUT = is_op("relax.astype")(LINEAR) | LINEAR
 _SUM = is_op("relax.add")(_LIN_OUT, _RES) | is_op("relax.add")(_RES, _LIN_OUT)
@@ -177,11 +168,6 @@ class _Templates:
 
 def _cast_const(const: Constant, dtype: str) -> Constant:
     return relax.const(const.value.numpy().astype(dtype), dtype)
-
-
-def _is(matches, pattern, value: float, var2val) -> bool:
-    found = scalar_value(matches[pattern], var2val)
-    return found is not None and math.isclose(found, value, rel_tol=1e-3)
 
 
 # ---- the chains -----------------------------------------------------------------------------------------------
@@ -313,8 +299,7 @@ def _fused_ffn(t: _Templates, x, w2, var2val, users, m: int, hidden: int, ffn: i
     if var is None or len(users.get(var, [])) != 1:
         return None
     up = LINEAR_GELU.extract_matched_expr(resolve(var, var2val), var2val)
-    if up is None or not all(_is(up, pattern, value, var2val)
-                             for pattern, value in ((_SQRT2, math.sqrt(2.0)), (_ONE, 1.0), (_HALF, 0.5))):
+    if up is None:
         return None
     dims = linear_dims(up, str(up[ANY_LINEAR].ty.dtype))
     if dims is None or dims[1:] != (m, ffn, hidden, dtype) or linear_bias(up) is None:
@@ -359,18 +344,6 @@ def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | 
     func = mod["main"]
     var2val = relax.analysis.get_var2val(func)
 
-    def gelu(expr, matches):
-        if not (_is(matches, _SQRT2, math.sqrt(2.0), var2val) and _is(matches, _ONE, 1.0, var2val)
-                and _is(matches, _HALF, 0.5, var2val)):
-            return expr
-        return _rewrite_linear(t, "linear_gelu", "gelu_erf", expr, matches, matches[ANY_LINEAR])
-
-    def gelu_tanh(expr, matches):
-        if not all(_is(matches, pattern, value, var2val) for pattern, value in (
-                (_CUBIC, 0.044715), (_TANH_SCALE, math.sqrt(2.0 / math.pi)), (_TANH_ONE, 1.0), (_TANH_HALF, 0.5))):
-            return expr
-        return _rewrite_linear(t, "linear_gelu_tanh", "gelu_tanh", expr, matches, matches[ANY_LINEAR])
-
     func = rewrite_qkv(t, func)
     func = relax.analysis.remove_all_unused(func)
     var2val, users = relax.analysis.get_var2val(func), users_of(func)
@@ -379,8 +352,10 @@ def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | 
                         func)
     func = _narrow_sums(func, shared_sums)
     func = relax.analysis.remove_all_unused(func)   # the GELU linears a fused FFN took over
-    func = rewrite_call(LINEAR_GELU, gelu, func)
-    func = rewrite_call(LINEAR_GELU_TANH, gelu_tanh, func)
+    func = rewrite_call(LINEAR_GELU, lambda e, m: _rewrite_linear(t, "linear_gelu", "gelu_erf", e, m, m[ANY_LINEAR]),
+                        func)
+    func = rewrite_call(LINEAR_GELU_TANH,
+                        lambda e, m: _rewrite_linear(t, "linear_gelu_tanh", "gelu_tanh", e, m, m[ANY_LINEAR]), func)
     func = rewrite_call(LINEAR_RELU, lambda e, m: _rewrite_linear(t, "linear_relu", "relu", e, m, m[ANY_LINEAR]),
                         func)
     func = rewrite_call(LINEAR, lambda e, m: _rewrite_linear(t, "linear", "none", e, m, e), func)
