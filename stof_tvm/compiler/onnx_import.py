@@ -195,8 +195,11 @@ def fold_shape_computations(model: onnx.ModelProto, specs: list[TensorSpec]) -> 
             attrs = {a.name: a.i for a in node.attribute}
             value = np.array(shapes[node.input[0]], np.int64)[attrs.get("start", 0):attrs.get("end", None)]
         elif _foldable(node, known, shapes):
-            candidate = np.asarray(_evaluate(node, known, model.opset_import))
-            value = candidate if candidate.size <= FOLD_MAX_ELEMENTS else None
+            try:
+                candidate = np.asarray(_evaluate(node, known, model.opset_import))
+            except (ValueError, TypeError, IndexError):     # onnx.reference's limits (GatherElements on > 64
+                candidate = None                            # rows: np.choose): the node stays for TVM's import
+            value = candidate if candidate is not None and candidate.size <= FOLD_MAX_ELEMENTS else None
         if value is None:
             nodes.append(node)
             continue
