@@ -64,10 +64,12 @@ class MaskFormats:
         self._default = info["spec"] if info.get("spec") else arrays[info["array"]]
         self._model_keep = arrays[info["model_keep"]] if info.get("model_keep") and kernel["kind"] != "dense" else None
         self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._default_tensors = None
 
     def clear(self) -> None:
         """Forget every cached format (the next call of each mask builds it again)."""
         self._cache.clear()
+        self._default_tensors = None
 
     def _normalized(self, mask) -> np.ndarray:
         if is_torch(mask):
@@ -94,12 +96,16 @@ class MaskFormats:
     def tensors(self, mask=None, keeps: tuple = ()) -> list:
         """The mask inputs for ``mask`` (None: the artifact's default) and the host path's keep-masks ``keeps``
         of this call (boolean arrays broadcastable to the format's dims)."""
+        if mask is None and not keeps and self._default_tensors is not None:
+            return self._default_tensors                # the common call: nothing to look up
         key = _cache_key(mask) + tuple(k.tobytes() for k in keeps)
         entry = self._cache.get(key)
         if entry is not None and (key[0] != "object" or entry[0] is mask):
             self._cache.move_to_end(key)
             return entry[1]
         tensors = self._build(self._normalized(mask), keeps)
+        if mask is None and not keeps:
+            self._default_tensors = tensors
         self._cache[key] = (mask, tensors)
         while len(self._cache) > self.limit:
             self._cache.popitem(last=False)

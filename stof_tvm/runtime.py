@@ -32,7 +32,7 @@ import numpy as np
 import tvm
 from tvm.runtime.vm import VirtualMachine
 
-from stof_tvm.call_inputs import BoundInputs, bind_inputs, check_host_values, value_error
+from stof_tvm.call_inputs import BoundInputs, InputBinder, check_host_values, value_error
 from stof_tvm.mask_formats import MaskFormats
 
 LIBRARY = "module.so"
@@ -124,6 +124,7 @@ class CompiledModel:
         checks = manifest.get("value_checks") or {}
         self._checks, self._checks_output = checks.get("inputs", []), checks.get("output")
         self.formats = MaskFormats(manifest, arrays, device)
+        self._binder = InputBinder(self.inputs, device)
         if not self._host_terms:
             self.formats.tensors(None)          # the default mask's format, built once at load
 
@@ -184,7 +185,7 @@ class CompiledModel:
 
     # -- running --------------------------------------------------------------------------------------------
     def _bind(self, inputs: dict) -> BoundInputs:
-        bound = bind_inputs(self.inputs, inputs, self.device)
+        bound = self._binder.bind(inputs)
         check_host_values(self._checks, bound)
         return bound
 
