@@ -168,3 +168,26 @@ def test_bad_masks_raise_before_any_kernel(tiny, row_model, kernel_calls, mask, 
     with pytest.raises(ValueError, match=match):
         row_model(feeds_with(tiny, ragged()), mask=mask)
     assert kernel_calls == []
+
+
+def test_masking_that_is_not_key_padding_takes_the_exact_host_path():
+    """A mask input meaning 1 = drop (the inverse of HF's) fails the key padding probes: the runtime evaluates the
+    term on every call and builds the format on the host, and the result stays exact."""
+    from onnx import numpy_helper
+    from test_compile_patterns import B as PB, S as PS, _attention_model
+
+    model = _attention_model("div", "direct", "hf_pad")
+    sub = next(n for n in model.graph.node if n.op_type == "Sub")
+    sub.input[:] = [sub.input[1], "stof_test_zero"]                 # ext = mask * lowest: 1 drops the key
+    model.graph.initializer.append(numpy_helper.from_array(np.array(0.0, np.float32), "stof_test_zero"))
+    art = stof_tvm.compile(model, mask="bigbird", batch=PB, seq_len=PS, target="llvm", dtype="float32")
+    assert art.manifest["mask"]["padding"] is None and len(art.manifest["mask"]["model_terms"]) == 1
+    compiled = art.load()
+    rng = np.random.default_rng(2)
+    for dropped in (40, 50):
+        feeds = {"x": rng.standard_normal((PB, PS, 128)).astype(np.float32),
+                 "attention_mask": np.zeros((PB, PS), np.int64)}
+        feeds["attention_mask"][1, dropped:] = 1
+        out = compiled(feeds)["y"]
+        ref = reference_outputs(model, make_mask("bigbird", PS)[None, None], feeds)["y"]
+        assert relative_error(out, ref) < 1e-5
