@@ -7,7 +7,7 @@ groups; ``bhsd`` or ``bshd`` output; Q/K/V may be views at any multiple of 8 ele
 sm_90a instead of ``mma.sync``. Its CPU twin is the block-wise kernel's llvm loop nest at the same tile shape
 (:func:`cpu_twin_primfunc`).
 
-One thread block owns one (batch, head, tile row of ``BM = 128`` queries); 3 warpgroups (384 threads):
+A thread block works on one (batch, head, tile row of ``BM = 128`` queries) at a time; 3 warpgroups (384 threads):
 
 - warpgroup 0, the *producer* (``setmaxnreg`` down to 40 registers): copies the Q tile once, then for each tile
   of the row the K tile (with the partial tile's bitmap words) and the V tile global -> shared with 16-byte
@@ -23,7 +23,13 @@ One thread block owns one (batch, head, tile row of ``BM = 128`` queries); 3 war
   Between consumers (``pingpong``): the two take turns issuing (named barriers 1 and 2), so one's softmax runs
   under the other's products.
 - The K slot is released (``empty`` mbarrier, 256 arrivals) once the tile's mask has been read, the V slot once
-  its product has retired.
+  its product has retired; ring slots and phases count the block's tiles over all its work items.
+- Work items are (batch, head, tile row), tile rows last to first across all heads (causal-like masks put the
+  most tiles in the last rows). One block per item, or (``persistent``) one block per SM walking items
+  ``bx, bx + grid, ...``: the producer loads the next item's Q (after both consumers have released this one's, a
+  second Q mbarrier) and first tiles while the consumers finish this item's products and write its rows.
+  Ping-pong turns run on over items: consumer 0 waits before every turn but its first, consumer 1 gives a turn
+  after every one of its own, and consumer 0 takes the last of those after its last item.
 
 Shared tiles are 64-column panels of 128-byte rows in the 128-byte swizzle of the wgmma descriptors (chunk ``c``
 of row ``r`` at ``r * 128 + ((c ^ r % 8) * 16)``, panels 1024-aligned), the layout of
@@ -33,6 +39,10 @@ MN-major (head dim contiguous, keys the reduction): a k16 step is 16 rows (2048 
 1024 (eight key rows) and the leading byte offset the panel size (the next 64 head-dim columns).
 
 Everything comes from TVM 0.27's ``T.ptx`` table, as in the wgmma GEMM. Build for ``arch="sm_90a"``.
+
+Status: checked on an H200 at commit 2161894 (``scripts/check_attention_wgmma_gpu.py``; 7 masks x 3 shapes correct,
+causal 0.83x / 0.85x SDPA at D 64 / 128; numbers in ``scripts/NOTES_attention_wgmma.md``); opt-in only
+(``AttentionPlan(kernel="wgmma")``), not chosen by ``"auto"``.
 """
 from __future__ import annotations
 
@@ -44,7 +54,7 @@ from tvm.script import tirx as T
 
 from .attention_blockwise import BlockConfig, blockwise_attention_primfunc
 from .templates.wgmma_kernel import (ALIGN, CONSUMER_REGS, PRODUCER_REGS, PTX_TYPE, SWIZZLE_128B, descriptor,
-                                     swizzled, wait_parity, whole_buffer)
+                                     swizzled, wait_parity)
 
 __all__ = ["WgmmaAttentionConfig", "wgmma_attention_primfunc", "cpu_twin_primfunc", "SUPPORTED_HEAD_DIMS",
            "SUPPORTED_DTYPES", "ARCH"]
@@ -68,11 +78,14 @@ _FULL_MASK = 0xFFFFFFFF
 @dataclass(frozen=True)
 class WgmmaAttentionConfig:
     """Knobs: ``block_n`` keys per tile (wgmma N of ``S``), ``stages`` depth of the K and V rings, ``pingpong``
-    (consumers take turns issuing their products). The tiled format must be built at ``BLOCK_M x block_n``."""
+    (consumers take turns issuing their products), ``persistent`` (one block per SM walking work items, so the
+    producer loads the next item's first tiles and Q under this item's last products and epilogue). The tiled
+    format must be built at ``BLOCK_M x block_n``."""
 
     block_n: int = 128
     stages: int = 2
     pingpong: bool = True
+    persistent: bool = False
 
     block_m = BLOCK_M
 
@@ -81,8 +94,9 @@ class WgmmaAttentionConfig:
             raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {self.block_n!r}")
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"stages must be an int >= 2, got {self.stages!r}")
-        if not isinstance(self.pingpong, bool):
-            raise ValueError(f"pingpong must be a bool, got {self.pingpong!r}")
+        for name in ("pingpong", "persistent"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.shared_bytes(head_dim) > 227 * 1024:
             raise ValueError(f"{self} needs {self.shared_bytes(head_dim)} bytes of shared memory at head_dim "
                              f"{head_dim}, more than the 227 KiB of sm_90")
@@ -97,7 +111,7 @@ class WgmmaAttentionConfig:
         m_off = v_off + self.stages * kv_bytes
         bar_off = m_off + self.stages * mw_bytes
         return {"kv_bytes": kv_bytes, "mw_bytes": mw_bytes, "k_off": k_off, "v_off": v_off, "m_off": m_off,
-                "bar_off": bar_off, "end": bar_off + 8 * (1 + 4 * self.stages)}
+                "bar_off": bar_off, "end": bar_off + 8 * (2 + 4 * self.stages)}
 
     def shared_bytes(self, head_dim: int) -> int:
         """Dynamic shared memory: Q, the K, V and bitmap rings, the mbarriers, and slack for the 1024 alignment."""
@@ -146,11 +160,11 @@ def cpu_twin_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_di
 
 def wgmma_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: str,
                              mask_batch: int, mask_heads: int, scale: float | None = None,
-                             config: WgmmaAttentionConfig | None = None, out_layout: str = "bhsd"
-                             ) -> tvm.tirx.PrimFunc:
+                             config: WgmmaAttentionConfig | None = None, out_layout: str = "bhsd",
+                             sm_count: int = 132) -> tvm.tirx.PrimFunc:
     """The sm_90a PrimFunc ``wgmma_attention(q, k, v, full_indptr, full_indices, part_indptr, part_indices,
     part_bitmaps, out)``: the parameter list of the block-wise kernel without a score bias, the format built at
-    ``128 x config.block_n``."""
+    ``128 x config.block_n``. ``sm_count``: blocks of a persistent grid (the H200's 132 SMs)."""
     _check_problem(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, out_layout)
     scale = _scale(scale, head_dim)
     config = default_config(head_dim) if config is None else config
@@ -158,7 +172,7 @@ def wgmma_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, 
         raise TypeError(f"config must be a WgmmaAttentionConfig, got {type(config).__name__}")
     config.validate(head_dim)
     return _kernel(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, scale, config,
-                   out_layout == "bshd")
+                   out_layout == "bshd", sm_count)
 
 
 def descriptor_mn(addr, leading_bytes: int):
@@ -190,10 +204,14 @@ def fragment_position(c, w, lane, j, hh, e):
     return c * 64 + w * 16 + hh * 8 + lane // 4, j * 8 + (lane % 4) * 2 + e
 
 
-def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd: bool) -> tvm.tirx.PrimFunc:
+def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd: bool,
+            sm_count: int) -> tvm.tirx.PrimFunc:
     BM, BN, ST, PP = BLOCK_M, cfg.block_n, cfg.stages, cfg.pingpong
     TR = -(-SQ // BM)
     NROWS = MB * MH * TR + 1
+    ITEMS = TR * B * H
+    GRID = min(ITEMS, sm_count) if cfg.persistent else ITEMS
+    ROUNDS = -(-ITEMS // GRID)
     GB, GH = (MH if MB > 1 else 0), (1 if MH > 1 else 0)
     lay = cfg.layout(D)
     KV_BYTES, MW_BYTES = lay["kv_bytes"], lay["mw_bytes"]
@@ -214,14 +232,16 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     PACK = T.ptx[f"cvt.rn.{ab}x2.f32"]
     CP_ASYNC_16 = T.ptx["cp.async.cg.shared.global"]
     EX2 = T.ptx["ex2.approx.ftz.f32"]
-    FENCE_REG = T.ptx["add.rn.f32"]     # acc + (-0.0) after a wait: keeps nvcc from hoisting reads above it
     OUT_SHAPE = (B, SQ, H, D) if bshd else (B, H, SQ, D)
 
-    def q_bar(base):
-        return base + T.uint32(BAR_OFF)
+    def q_bar(base, empty=0):          # Q tile landed (128 arrivals) / read by both consumers (256)
+        return base + T.uint32(BAR_OFF + 8 * empty)
 
-    def ring_bar(base, ring, s):       # ring 0..3 = k_full, k_empty, v_full, v_empty
-        return base + T.uint32(BAR_OFF + 8 + 8 * (ring * ST + s))
+    def ring_bar(base, ring, gt):      # ring 0..3 = k_full, k_empty, v_full, v_empty; slot of block tile gt
+        return base + T.Cast("uint32", BAR_OFF + 16 + 8 * (ring * ST + gt % ST))
+
+    def phase(gt):                     # parity of block tile gt's phase of its slot
+        return T.Cast("uint32", (gt // ST) % 2)
 
     def quad_xor(value, lane_mask):
         return T.tvm_warp_shuffle_xor(T.uint32(_FULL_MASK), value, lane_mask, 32, 32)
@@ -232,53 +252,59 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
         return ((b * H + h) * SQ + row) * (D // 2) + col // 2
 
     @T.macro
+    def load_q(q, base, b, h, tr, wt):
+        for it in T.unroll(Q_ITERS):
+            row: T.let = (it * WG + wt) // CPR
+            ch: T.let = (it * WG + wt) % CPR
+            qrow: T.let = tr * BM + row
+            CP_ASYNC_16(base + T.Cast("uint32", (ch // 8) * Q_PANEL + swizzled(row, ch % 8)),
+                        T.address_of(q[b, h, T.min(qrow, SQ - 1), ch * 8]), 16,
+                        T.Cast("uint32", T.Select(qrow < SQ, 16, 0)))
+        T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](q_bar(base))
+
+    @T.macro
+    def load_kv(src, dst_off, base, b, h, col, gt, wt):
+        """K or V rows of column tile ``col`` into block tile ``gt``'s slot (keys >= Sk zero-filled)."""
+        for it in T.unroll(KV_ITERS):
+            row: T.let = (it * WG + wt) // CPR
+            ch: T.let = (it * WG + wt) % CPR
+            key: T.let = col * BN + row
+            CP_ASYNC_16(base + T.Cast("uint32", dst_off + (gt % ST) * KV_BYTES + (ch // 8) * KV_PANEL
+                                      + swizzled(row, ch % 8)),
+                        T.address_of(src[b, h, T.min(key, SK - 1), ch * 8]), 16,
+                        T.Cast("uint32", T.Select(key < SK, 16, 0)))
+
+    @T.macro
     def producer(q, k, v, full_indices, part_indices, part_bitmaps, base, flag, b, h, tr, wt, n_tiles,
-                 n_part_row, p0, f0):
+                 n_part_row, p0, f0, g0, jq):
+        """One work item's copies: its Q tile, once the consumers have read the previous item's (``jq``: the block's
+        items with tiles before this one), then its tiles into the rings (block tiles g0 ..)."""
         if n_tiles > 0:
-            for it in T.unroll(Q_ITERS):
-                row: T.let = (it * WG + wt) // CPR
-                ch: T.let = (it * WG + wt) % CPR
-                qrow: T.let = tr * BM + row
-                CP_ASYNC_16(base + T.Cast("uint32", (ch // 8) * Q_PANEL + swizzled(row, ch % 8)),
-                            T.address_of(q[b, h, T.min(qrow, SQ - 1), ch * 8]), 16,
-                            T.Cast("uint32", T.Select(qrow < SQ, 16, 0)))
-            T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](q_bar(base))
+            if jq > 0:
+                wait_parity(flag, q_bar(base, 1), T.Cast("uint32", (jq - 1) % 2))
+            load_q(q, base, b, h, tr, wt)
         for t in range(n_tiles):
-            slot: T.let = t % ST
+            gt: T.let = g0 + t
             col: T.let = T.if_then_else(t < n_part_row, part_indices[p0 + t], full_indices[f0 + t - n_part_row])
-            if t >= ST:
-                wait_parity(flag, ring_bar(base, 1, slot), T.Cast("uint32", (t // ST - 1) % 2))
-            for it in T.unroll(KV_ITERS):
-                row: T.let = (it * WG + wt) // CPR
-                ch: T.let = (it * WG + wt) % CPR
-                key: T.let = col * BN + row
-                CP_ASYNC_16(base + T.Cast("uint32", K_OFF + slot * KV_BYTES + (ch // 8) * KV_PANEL
-                                          + swizzled(row, ch % 8)),
-                            T.address_of(k[b, h, T.min(key, SK - 1), ch * 8]), 16,
-                            T.Cast("uint32", T.Select(key < SK, 16, 0)))
+            if gt >= ST:
+                wait_parity(flag, ring_bar(base, 1, gt), T.Cast("uint32", (gt // ST - 1) % 2))
+            load_kv(k, K_OFF, base, b, h, col, gt, wt)
             if t < n_part_row:
                 for it in T.unroll(M_ITERS):
                     if it * WG + wt < MW_CHUNKS:
-                        CP_ASYNC_16(base + T.Cast("uint32", M_OFF + slot * MW_BYTES + (it * WG + wt) * 16),
+                        CP_ASYNC_16(base + T.Cast("uint32", M_OFF + (gt % ST) * MW_BYTES + (it * WG + wt) * 16),
                                     T.address_of(part_bitmaps[p0 + t, ((it * WG + wt) * 2) // NJ,
                                                               ((it * WG + wt) * 2) % NJ]), 16, T.uint32(16))
-            T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](ring_bar(base, 0, slot))
-            if t >= ST:
-                wait_parity(flag, ring_bar(base, 3, slot), T.Cast("uint32", (t // ST - 1) % 2))
-            for it in T.unroll(KV_ITERS):
-                row: T.let = (it * WG + wt) // CPR
-                ch: T.let = (it * WG + wt) % CPR
-                key: T.let = col * BN + row
-                CP_ASYNC_16(base + T.Cast("uint32", V_OFF + slot * KV_BYTES + (ch // 8) * KV_PANEL
-                                          + swizzled(row, ch % 8)),
-                            T.address_of(v[b, h, T.min(key, SK - 1), ch * 8]), 16,
-                            T.Cast("uint32", T.Select(key < SK, 16, 0)))
-            T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](ring_bar(base, 2, slot))
+            T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](ring_bar(base, 0, gt))
+            if gt >= ST:
+                wait_parity(flag, ring_bar(base, 3, gt), T.Cast("uint32", (gt // ST - 1) % 2))
+            load_kv(v, V_OFF, base, b, h, col, gt, wt)
+            T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](ring_bar(base, 2, gt))
 
     @T.macro
     def turn_start(o_acc, corr, c, rescale, wait_turn):
         """Before a consumer issues: tile i-1's rescale of O (idle: the previous turn retired its product), then
-        (ping-pong) its turn. ``wait_turn``: False only for consumer 0's first turn."""
+        (ping-pong) its turn. ``wait_turn``: False only for consumer 0's first turn in the block."""
         if rescale:
             for dn in T.unroll(ND):
                 for hh in T.unroll(2):
@@ -290,47 +316,43 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
         T.ptx["wgmma.fence.sync.aligned"]()
 
     @T.macro
-    def turn_end(c, give_turn):
-        """After a consumer has issued: the other consumer's turn (ping-pong), unless it has none left."""
+    def turn_end(c):
+        """After a consumer has issued: the other consumer's turn (ping-pong). Consumer 1 gives one turn more than
+        consumer 0 takes; consumer 0 takes it after its last item (:func:`body`), so the counts of both named
+        barriers match."""
         if PP:
-            if give_turn:
-                T.ptx["bar.arrive"](T.Cast("uint32", ORDER_BAR + 1 - c), T.uint32(2 * WG))
+            T.ptx["bar.arrive"](T.Cast("uint32", ORDER_BAR + 1 - c), T.uint32(2 * WG))
+
+    def advance(desc, offset):
+        """The descriptor ``desc`` moved ``offset`` bytes (a multiple of 16) on: its start-address field (address
+        >> 4, 14 bits) grows by ``offset >> 4`` and every shared address stays below 256 KiB, so no carry leaves it."""
+        return desc + T.Cast("uint64", offset // 16)
 
     @T.macro
-    def issue_s(s_acc, base, c, i):
+    def issue_s(s_acc, q_desc, k_desc, i):
         """S(i) = Q K(i)^T: one m64n{BN}k16 per 16 head-dim columns, both operands from shared memory."""
         for kk in T.unroll(KD):
-            MMA_S(*[s_acc[x] for x in range(NS)],
-                  descriptor(base + T.Cast("uint32", (kk // 4) * Q_PANEL + c * (64 * ROW_BYTES) + (kk % 4) * 32)),
-                  descriptor(base + T.Cast("uint32", K_OFF + (i % ST) * KV_BYTES + (kk // 4) * KV_PANEL
-                                           + (kk % 4) * 32)),
-                  kk > 0, 1, 1, 0, 0)
+            MMA_S(*[s_acc[x] for x in range(NS)], advance(q_desc, (kk // 4) * Q_PANEL + (kk % 4) * 32),
+                  advance(k_desc, (i % ST) * KV_BYTES + (kk // 4) * KV_PANEL + (kk % 4) * 32), kk > 0, 1, 1, 0, 0)
         T.ptx["wgmma.commit_group.sync.aligned"]()
 
     @T.macro
-    def issue_pv(o_acc, p_frag, base, i):
+    def issue_pv(o_acc, p_frag, v_desc, i):
         """O += P(i) V(i): one m64n{D}k16 per 16 keys, P from registers, V transposed from shared memory."""
         for kk in T.unroll(KN):
             MMA_PV(*[o_acc[x] for x in range(NO)], p_frag[kk * 4], p_frag[kk * 4 + 1], p_frag[kk * 4 + 2],
-                   p_frag[kk * 4 + 3],
-                   descriptor_mn(base + T.Cast("uint32", V_OFF + (i % ST) * KV_BYTES + kk * 16 * ROW_BYTES),
-                                 KV_PANEL),
-                   True, 1, 1, 1)
+                   p_frag[kk * 4 + 3], advance(v_desc, (i % ST) * KV_BYTES + kk * 16 * ROW_BYTES), True, 1, 1, 1)
         T.ptx["wgmma.commit_group.sync.aligned"]()
 
     @T.macro
     def retire_pv(o_acc, base, i):
         """Wait for every product, then free V(i)'s slot."""
         T.ptx["wgmma.wait_group.sync.aligned"](0)
-        for x in T.unroll(NO):
-            FENCE_REG(o_acc[x], o_acc[x], T.float32(-0.0))
-        T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 3, i % ST))
+        T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 3, i))
 
     @T.macro
     def softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0, c, w, g, qd, i, n_part_row):
         """Tile i's mask (partial tiles) and online softmax on S(i) in place; tile i's rescale into ``corr``."""
-        for x in T.unroll(NS):
-            FENCE_REG(s_acc[x], s_acc[x], T.float32(-0.0))
         if i < n_part_row:
             # register e of n8 tile j, row half hh: sub-tile (row block 8c + 2w + hh, column block j); bit
             # g * 8 + 2 qd + e of its uint64, i.e. bit (g % 4) * 8 + 2 qd + e of the 32-bit half g // 4
@@ -380,96 +402,131 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                     PACK(word[0], o_acc[dn * 4 + hh * 2 + 1] * red[1], o_acc[dn * 4 + hh * 2] * red[1])
                     out_words[out_word(b, h, row, dn * 8 + qd * 2)] = word[0]
 
+    def work_item(u):
+        """(batch, head, tile row) of work item ``u``: tile rows last to first across all heads (causal-like masks
+        put the most tiles in the last rows, so the longest items start first)."""
+        return (u % (B * H)) // H, u % H, TR - 1 - u // (B * H)
+
+    @T.macro
+    def consume(s_acc, o_acc, p_frag, corr, m_run, l_run, red, word, flag, started, smem, base, mw0, q_desc, k_desc,
+                v_desc, c, w, g, qd, n_tiles, n_part_row, g0, jq):
+        """One work item's turns (block tiles g0 ..): S(0); then S(i) with P(i-1) V(i-1); then P(n-1) V(n-1)."""
+        wait_parity(flag, q_bar(base), T.Cast("uint32", jq % 2))
+        wait_parity(flag, ring_bar(base, 0, g0), phase(g0))
+        T.ptx["fence.proxy.async.shared::cta"]()
+        turn_start(o_acc, corr, c, False, c == 1 or started[0] != 0)
+        started[0] = 1
+        issue_s(s_acc, q_desc, k_desc, g0)
+        turn_end(c)
+        T.ptx["wgmma.wait_group.sync.aligned"](0)
+        softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + (M_OFF + (g0 % ST) * MW_BYTES) // 4, c, w, g, qd,
+                0, n_part_row)
+        T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 1, g0))
+        pack_p(s_acc, p_frag)
+        for i in range(1, n_tiles):
+            gi: T.let = g0 + i
+            wait_parity(flag, ring_bar(base, 0, gi), phase(gi))
+            wait_parity(flag, ring_bar(base, 2, gi - 1), phase(gi - 1))
+            T.ptx["fence.proxy.async.shared::cta"]()
+            turn_start(o_acc, corr, c, True, True)
+            issue_s(s_acc, q_desc, k_desc, gi)
+            issue_pv(o_acc, p_frag, v_desc, gi - 1)
+            turn_end(c)
+            T.ptx["wgmma.wait_group.sync.aligned"](1)
+            softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + (M_OFF + (gi % ST) * MW_BYTES) // 4, c, w, g,
+                    qd, i, n_part_row)
+            T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 1, gi))
+            retire_pv(o_acc, base, gi - 1)
+            pack_p(s_acc, p_frag)
+        wait_parity(flag, ring_bar(base, 2, g0 + n_tiles - 1), phase(g0 + n_tiles - 1))
+        T.ptx["fence.proxy.async.shared::cta"]()
+        turn_start(o_acc, corr, c, True, True)
+        issue_pv(o_acc, p_frag, v_desc, g0 + n_tiles - 1)
+        turn_end(c)
+        retire_pv(o_acc, base, g0 + n_tiles - 1)
+        T.ptx["mbarrier.arrive.shared::cta.b64"](q_bar(base, 1))    # this item's Q is no longer read
+
     @T.macro
     def body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, out):
-        for bx in T.thread_binding(TR, thread="blockIdx.x"):
-            for by in T.thread_binding(B * H, thread="blockIdx.y"):
-                for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                    smem = T.alloc_buffer((SMEM_WORDS,), "uint32", scope="shared.dyn")
-                    s_acc = T.alloc_buffer((NS,), "float32", scope="local")
-                    o_acc = T.alloc_buffer((NO,), "float32", scope="local")
-                    p_frag = T.alloc_buffer((BN // 4,), "uint32", scope="local")
-                    m_run = T.alloc_buffer((2,), "float32", scope="local")
-                    l_run = T.alloc_buffer((2,), "float32", scope="local")
-                    corr = T.alloc_buffer((2,), "float32", scope="local")
-                    red = T.alloc_buffer((4,), "float32", scope="local")
-                    word = T.alloc_buffer((1,), "uint32", scope="local")
-                    flag = T.alloc_buffer((1,), "uint32", scope="local")
-                    out_words = T.decl_buffer((B * H * SQ * D // 2,), "uint32", data=out.data)
-                    raw: T.let = T.cuda.cvta_generic_to_shared(
-                        T.tvm_access_ptr(T.type_annotation("uint32"), smem.data, 0, SMEM_WORDS, 3))
-                    base: T.let = T.bitwise_and(raw + T.uint32(ALIGN - 1), T.uint32(0xFFFFFFFF - (ALIGN - 1)))
-                    b: T.let = by // H
-                    h: T.let = by % H
-                    tr: T.let = TR - 1 - bx       # last tile row first: causal-like masks put most tiles there
-                    r: T.let = (b * GB + h * GH) * TR + tr
-                    f0: T.let = full_indptr[r]
-                    p0: T.let = part_indptr[r]
-                    n_part_row: T.let = part_indptr[r + 1] - p0
-                    n_tiles: T.let = n_part_row + full_indptr[r + 1] - f0
-                    wg: T.let = tx // WG
-                    if tx == 0:
-                        T.ptx["mbarrier.init.shared::cta.b64"](q_bar(base), T.uint32(WG))
-                        for s in T.unroll(ST):
-                            T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 0, s), T.uint32(WG))
-                            T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 1, s), T.uint32(2 * WG))
-                            T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 2, s), T.uint32(WG))
-                            T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 3, s), T.uint32(2 * WG))
-                        T.ptx["fence.mbarrier_init.release.cluster"]()
-                    T.tvm_storage_sync("shared")
-                    if wg == 0:
-                        T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
-                        producer(q, k, v, full_indices, part_indices, part_bitmaps, base, flag, b, h, tr, tx % WG,
-                                 n_tiles, n_part_row, p0, f0)
-                    else:
-                        T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
-                        c: T.let = wg - 1
-                        w: T.let = (tx % WG) // 32
-                        g: T.let = (tx % 32) // 4
-                        qd: T.let = tx % 4
-                        mw0: T.let = T.Cast("int32", (base - raw) // T.uint32(4))   # smem word of the aligned base
-                        for x in T.unroll(NO):
-                            o_acc[x] = T.float32(0)
-                        for hh in T.unroll(2):
-                            m_run[hh] = NEG_INF
-                            l_run[hh] = T.float32(0)
-                        if n_tiles > 0:
-                            # turn 0: S(0) alone
-                            wait_parity(flag, q_bar(base), T.uint32(0))
-                            wait_parity(flag, ring_bar(base, 0, 0), T.uint32(0))
-                            T.ptx["fence.proxy.async.shared::cta"]()
-                            turn_start(o_acc, corr, c, False, c == 1)
-                            issue_s(s_acc, base, c, 0)
-                            turn_end(c, True)
-                            T.ptx["wgmma.wait_group.sync.aligned"](0)
-                            softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + M_OFF // 4, c, w, g, qd, 0,
-                                    n_part_row)
-                            T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 1, 0))
-                            pack_p(s_acc, p_frag)
-                            # turns 1 .. n-1: S(i) and P(i-1) V(i-1); tile i's softmax under the latter
-                            for i in range(1, n_tiles):
-                                wait_parity(flag, ring_bar(base, 0, i % ST), T.Cast("uint32", (i // ST) % 2))
-                                wait_parity(flag, ring_bar(base, 2, (i - 1) % ST), T.Cast("uint32", ((i - 1) // ST) % 2))
-                                T.ptx["fence.proxy.async.shared::cta"]()
-                                turn_start(o_acc, corr, c, True, True)
-                                issue_s(s_acc, base, c, i)
-                                issue_pv(o_acc, p_frag, base, i - 1)
-                                turn_end(c, True)
-                                T.ptx["wgmma.wait_group.sync.aligned"](1)
-                                softmax(s_acc, corr, m_run, l_run, red, word, smem,
-                                        mw0 + (M_OFF + (i % ST) * MW_BYTES) // 4, c, w, g, qd, i, n_part_row)
-                                T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 1, i % ST))
-                                retire_pv(o_acc, base, i - 1)
-                                pack_p(s_acc, p_frag)
-                            # turn n: P(n-1) V(n-1) alone
-                            wait_parity(flag, ring_bar(base, 2, (n_tiles - 1) % ST),
-                                        T.Cast("uint32", ((n_tiles - 1) // ST) % 2))
-                            T.ptx["fence.proxy.async.shared::cta"]()
-                            turn_start(o_acc, corr, c, True, True)
-                            issue_pv(o_acc, p_frag, base, n_tiles - 1)
-                            turn_end(c, c == 0)
-                            retire_pv(o_acc, base, n_tiles - 1)
-                        store_rows(out_words, o_acc, l_run, red, word, b, h, tr, c, w, g, qd)
+        for bx in T.thread_binding(GRID, thread="blockIdx.x"):
+            for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                smem = T.alloc_buffer((SMEM_WORDS,), "uint32", scope="shared.dyn")
+                s_acc = T.alloc_buffer((NS,), "float32", scope="local")
+                o_acc = T.alloc_buffer((NO,), "float32", scope="local")
+                p_frag = T.alloc_buffer((BN // 4,), "uint32", scope="local")
+                m_run = T.alloc_buffer((2,), "float32", scope="local")
+                l_run = T.alloc_buffer((2,), "float32", scope="local")
+                corr = T.alloc_buffer((2,), "float32", scope="local")
+                red = T.alloc_buffer((4,), "float32", scope="local")
+                word = T.alloc_buffer((1,), "uint32", scope="local")
+                flag = T.alloc_buffer((1,), "uint32", scope="local")
+                # block tiles and items with tiles so far (ring and Q phases); has consumer 0 issued yet
+                done = T.alloc_buffer((2,), "int32", scope="local")
+                started = T.alloc_buffer((1,), "int32", scope="local")
+                out_words = T.decl_buffer((B * H * SQ * D // 2,), "uint32", data=out.data)
+                raw: T.let = T.cuda.cvta_generic_to_shared(
+                    T.tvm_access_ptr(T.type_annotation("uint32"), smem.data, 0, SMEM_WORDS, 3))
+                base: T.let = T.bitwise_and(raw + T.uint32(ALIGN - 1), T.uint32(0xFFFFFFFF - (ALIGN - 1)))
+                wg: T.let = tx // WG
+                if tx == 0:
+                    T.ptx["mbarrier.init.shared::cta.b64"](q_bar(base), T.uint32(WG))
+                    T.ptx["mbarrier.init.shared::cta.b64"](q_bar(base, 1), T.uint32(2 * WG))
+                    for s in T.unroll(ST):
+                        T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 0, s), T.uint32(WG))
+                        T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 1, s), T.uint32(2 * WG))
+                        T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 2, s), T.uint32(WG))
+                        T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 3, s), T.uint32(2 * WG))
+                    T.ptx["fence.mbarrier_init.release.cluster"]()
+                T.tvm_storage_sync("shared")
+                done[0] = 0
+                done[1] = 0
+                if wg == 0:
+                    T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
+                    for j in range(ROUNDS):
+                        if bx + j * GRID < ITEMS:
+                            b: T.let = work_item(bx + j * GRID)[0]
+                            h: T.let = work_item(bx + j * GRID)[1]
+                            tr: T.let = work_item(bx + j * GRID)[2]
+                            r: T.let = (b * GB + h * GH) * TR + tr
+                            n_part_row: T.let = part_indptr[r + 1] - part_indptr[r]
+                            n_tiles: T.let = n_part_row + full_indptr[r + 1] - full_indptr[r]
+                            producer(q, k, v, full_indices, part_indices, part_bitmaps, base, flag, b, h, tr, tx % WG,
+                                     n_tiles, n_part_row, part_indptr[r], full_indptr[r], done[0], done[1])
+                            done[0] = done[0] + n_tiles
+                            done[1] = done[1] + T.Select(n_tiles > 0, 1, 0)
+                else:
+                    T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
+                    c: T.let = wg - 1
+                    w: T.let = (tx % WG) // 32
+                    g: T.let = (tx % 32) // 4
+                    qd: T.let = tx % 4
+                    mw0: T.let = T.Cast("int32", (base - raw) // T.uint32(4))   # smem word of the aligned base
+                    q_desc: T.let = descriptor(base + T.Cast("uint32", c * (64 * ROW_BYTES)))   # this consumer's rows
+                    k_desc: T.let = descriptor(base + T.uint32(K_OFF))
+                    v_desc: T.let = descriptor_mn(base + T.uint32(V_OFF), KV_PANEL)
+                    started[0] = 0
+                    for j in range(ROUNDS):
+                        if bx + j * GRID < ITEMS:
+                            b: T.let = work_item(bx + j * GRID)[0]
+                            h: T.let = work_item(bx + j * GRID)[1]
+                            tr: T.let = work_item(bx + j * GRID)[2]
+                            r: T.let = (b * GB + h * GH) * TR + tr
+                            n_part_row: T.let = part_indptr[r + 1] - part_indptr[r]
+                            n_tiles: T.let = n_part_row + full_indptr[r + 1] - full_indptr[r]
+                            for x in T.unroll(NO):
+                                o_acc[x] = T.float32(0)
+                            for hh in T.unroll(2):
+                                m_run[hh] = NEG_INF
+                                l_run[hh] = T.float32(0)
+                            if n_tiles > 0:
+                                consume(s_acc, o_acc, p_frag, corr, m_run, l_run, red, word, flag, started, smem, base,
+                                        mw0, q_desc, k_desc, v_desc, c, w, g, qd, n_tiles, n_part_row, done[0], done[1])
+                            store_rows(out_words, o_acc, l_run, red, word, b, h, tr, c, w, g, qd)
+                            done[0] = done[0] + n_tiles
+                            done[1] = done[1] + T.Select(n_tiles > 0, 1, 0)
+                    if PP:
+                        if c == 0 and started[0] != 0:   # consumer 1's arrival after its last turn
+                            T.ptx["bar.sync"](T.uint32(ORDER_BAR), T.uint32(2 * WG))
 
     @T.prim_func
     def wgmma_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, full_indptr_h: T.handle,

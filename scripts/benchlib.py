@@ -73,15 +73,18 @@ def time_ms(fn, *, device: str = "cuda", inputs=None, warmup: int = 3, samples: 
 
     After ``warmup`` calls, each of ``samples`` samples times ``number`` back-to-back calls (``None``: as many as
     fill about ``sample_ms``, 1 to 50) and divides: on ``device="cuda"`` between CUDA events on torch's current
-    stream (the GPU's time for the work, also what host overhead adds when the host cannot keep up), on the CPU
-    by the wall clock. Sample ``i`` uses input set ``i % len(inputs)``, so repeated calls do not all see one
-    set of values. ``budget_s``: stop sampling after this many seconds (at least 3 samples are always taken).
+    stream (the GPU's time for the work, also what host overhead adds when the host cannot keep up); on
+    ``"cuda-wall"`` by the wall clock between device-wide synchronisations (counts work on any stream, e.g. a
+    runtime that launches on its own); on the CPU by the wall clock. Sample ``i`` uses input set
+    ``i % len(inputs)``, so repeated calls do not all see one set of values. ``budget_s``: stop sampling after
+    this many seconds (at least 3 samples are always taken).
     """
     if warmup < 0 or samples < 1:
         raise ValueError(f"time_ms: expected warmup >= 0 and samples >= 1, got {warmup}, {samples}")
     call = _cycle(fn, inputs)
-    cuda = device == "cuda"
-    if cuda:
+    if device not in ("cuda", "cuda-wall", "cpu"):
+        raise ValueError(f"device: expected 'cuda', 'cuda-wall' or 'cpu', got {device!r}")
+    if device == "cuda":
         import torch
 
         sync = torch.cuda.synchronize
@@ -94,12 +97,19 @@ def time_ms(fn, *, device: str = "cuda", inputs=None, warmup: int = 3, samples: 
             stop.synchronize()
             return start.elapsed_time(stop)
     else:
-        def sync():
-            return None
+        if device == "cuda-wall":
+            import torch
+
+            sync = torch.cuda.synchronize
+        else:
+            def sync():
+                return None
 
         def elapsed(body) -> float:
+            sync()
             start = time.perf_counter()
             body()
+            sync()
             return (time.perf_counter() - start) * 1e3
 
     for i in range(warmup):

@@ -25,6 +25,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -37,7 +38,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 OUT = ROOT / "out" / "attn_wgmma"
 CHECK_MASKS = ("causal", "dense", "sliding", "bigbird", "random:0.3", "random_empty:0.05", "padding")
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
-# key: (kind, batch, heads, seq, head_dim, dtype, out_layout, block_n, stages, pingpong)
+# key: (kind, batch, heads, seq, head_dim, dtype, out_layout, block_n, stages, pingpong[, persistent, sm_count]);
+# the persistent check modules use a few blocks only, so each walks several work items
 MODULES = {
     "check_d64": ("check", 2, 3, 300, 64, "float16", "bhsd", 128, 3, True),
     "check_d128_bshd": ("check", 2, 3, 300, 128, "float16", "bshd", 128, 2, True),
@@ -46,7 +48,14 @@ MODULES = {
     "time_d128": ("time", 4, 16, 8192, 128, "float16", "bhsd", 128, 2, True),
     "time_d64_nopp": ("time", 16, 12, 4096, 64, "float16", "bhsd", 128, 3, False),
     "time_d128_nopp": ("time", 4, 16, 8192, 128, "float16", "bhsd", 128, 2, False),
+    "time_d64_s2": ("time", 16, 12, 4096, 64, "float16", "bhsd", 128, 2, True),
+    "time_d128_bn64": ("time", 4, 16, 8192, 128, "float16", "bhsd", 64, 4, True),
+    "check_d64_persist": ("check", 2, 3, 300, 64, "float16", "bhsd", 128, 3, True, True, 4),
+    "check_d128_persist_bshd": ("check", 2, 3, 300, 128, "bfloat16", "bshd", 128, 2, True, True, 5),
+    "time_d64_persist": ("time", 16, 12, 4096, 64, "float16", "bhsd", 128, 3, True, True, 132),
+    "time_d128_persist": ("time", 4, 16, 8192, 128, "float16", "bhsd", 128, 2, True, True, 132),
 }
+HANG_S = 10.0            # a launch not finished by then is reported as a hang and ends the run
 GOALS_MS = {("causal", 64): 0.92, ("causal", 128): 1.77}   # issue 16: 1.1x SDPA causal on the H200
 
 
@@ -55,9 +64,10 @@ def source_key(src: str) -> str:
 
 
 def _spec(key):
-    kind, batch, heads, seq, head_dim, dtype, layout, block_n, stages, pingpong = MODULES[key]
+    kind, batch, heads, seq, head_dim, dtype, layout, block_n, stages, pingpong, *rest = MODULES[key]
+    persistent, sm_count = rest or (False, 132)
     return dict(kind=kind, batch=batch, heads=heads, seq=seq, head_dim=head_dim, dtype=dtype, out_layout=layout,
-                block_n=block_n, stages=stages, pingpong=pingpong,
+                block_n=block_n, stages=stages, pingpong=pingpong, persistent=persistent, sm_count=sm_count,
                 # check modules: one mask group per (batch, head), so every mask kind runs through one module
                 mask_batch=batch if kind == "check" else 1, mask_heads=heads if kind == "check" else 1)
 
@@ -79,7 +89,8 @@ def build(args) -> None:
         func = wgmma_attention_primfunc(
             batch=s["batch"], heads=s["heads"], seq_q=s["seq"], seq_k=s["seq"], head_dim=s["head_dim"],
             dtype=s["dtype"], mask_batch=s["mask_batch"], mask_heads=s["mask_heads"], out_layout=s["out_layout"],
-            config=WgmmaAttentionConfig(block_n=s["block_n"], stages=s["stages"], pingpong=s["pingpong"]))
+            config=WgmmaAttentionConfig(block_n=s["block_n"], stages=s["stages"], pingpong=s["pingpong"],
+                                        persistent=s["persistent"]), sm_count=s["sm_count"])
         ex = tvm.compile(tvm.IRModule({"main": func}), target=cuda_target("sm_90a"))
         src = cuda_source(ex)
         ex.export_library(str(OUT / f"{key}.so"))
@@ -153,9 +164,20 @@ def run(args) -> None:
             results.append({"module": key, "error": f"load: {err}"[:300]})
             continue
         runner = _check_module if info["kind"] == "check" else _time_module
-        results.extend(runner(key, info, func, torch, triton, tvm, dev, build_mask))
+        rows = []
+        try:
+            runner(key, info, func, torch, triton, tvm, dev, build_mask, rows)
+        except Hang:
+            hung = True
+        else:
+            hung = False
+        results.extend(rows)
         if args.json:
             Path(args.json).write_text(json.dumps({"results": results, "cubin_misses": misses}, indent=1))
+        if hung:
+            _table(results)
+            print(f"{key} hung: run ended (the GPU context is lost)", flush=True)
+            os._exit(3)
     _table(results)
     print(f"cubins compiled on the GPU machine instead of prebuilt: {len(misses)}")
 
@@ -178,22 +200,36 @@ def _call(torch, tvm, func, info, q, k, v, fmt):
     return out, (lambda: func(*args))
 
 
+class Hang(RuntimeError):
+    """A kernel launch that did not finish within HANG_S (a deadlock: the run ends with what it has)."""
+
+
+def _launch_or_give_up(torch, call, key, recipe, rows) -> None:
+    done = torch.cuda.Event()
+    call()
+    done.record()
+    deadline = time.time() + HANG_S
+    while not done.query():
+        if time.time() > deadline:
+            rows.append({"module": key, "mask": recipe, "error": f"hang: not finished after {HANG_S:.0f} s"})
+            raise Hang(key)
+        time.sleep(0.01)
+
+
 def _error(torch, out, ref, layout):
     out = out.float().transpose(1, 2) if layout == "bshd" else out.float()
     finite = bool(torch.isfinite(out).all())
     return finite, float(torch.linalg.norm(out - ref) / max(float(torch.linalg.norm(ref)), 1e-30))
 
 
-def _check_module(key, info, func, torch, triton, tvm, dev, build_mask):
-    rows = []
+def _check_module(key, info, func, torch, triton, tvm, dev, build_mask, rows):
     b, h, s, d = info["batch"], info["heads"], info["seq"], info["head_dim"]
     for n, recipe in enumerate(CHECK_MASKS):
         mask4 = np.broadcast_to(build_mask(recipe, b, h, s, seed=n), (b, h, s, s))
         fmt = _format(torch, dev, np.ascontiguousarray(mask4), info["block_n"])
         q, k, v = _inputs(torch, dev, info, seed=n, packed=info["out_layout"] == "bshd")
         out, call = _call(torch, tvm, func, info, q, k, v, fmt)
-        call()
-        torch.cuda.synchronize()
+        _launch_or_give_up(torch, call, key, recipe, rows)
         ref = _reference(torch, q, k, v, torch.from_numpy(np.ascontiguousarray(mask4)).to(dev), 1 / math.sqrt(d))
         finite, err = _error(torch, out, ref, info["out_layout"])
         ok = finite and err < TOLERANCE[info["dtype"]]
@@ -201,21 +237,18 @@ def _check_module(key, info, func, torch, triton, tvm, dev, build_mask):
                      "hgmma": info.get("hgmma"), "local_mem": info.get("local_mem"), "registers": info["registers"],
                      "spills": info["spill_stores"] + info["spill_loads"]})
         print(f"{key} {recipe}: err {err:.2e} {'ok' if ok else 'WRONG'}", flush=True)
-    return rows
 
 
-def _time_module(key, info, func, torch, triton, tvm, dev, build_mask):
+def _time_module(key, info, func, torch, triton, tvm, dev, build_mask, rows):
     import torch.nn.functional as F
 
-    rows = []
     b, h, s, d = info["batch"], info["heads"], info["seq"], info["head_dim"]
     for n, recipe in enumerate(("causal", "dense")):
         mask4 = build_mask(recipe, 1, 1, s, seed=0)
         fmt = _format(torch, dev, mask4, info["block_n"])
         q, k, v = _inputs(torch, dev, info, seed=100 + n)
         out, call = _call(torch, tvm, func, info, q, k, v, fmt)
-        call()
-        torch.cuda.synchronize()
+        _launch_or_give_up(torch, call, key, recipe, rows)
         causal = recipe == "causal"
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
         finite, err = _error(torch, out, ref, info["out_layout"])
@@ -238,14 +271,13 @@ def _time_module(key, info, func, torch, triton, tvm, dev, build_mask):
         print(f"{key} {recipe}: err {err:.2e} {'ok' if ok else 'WRONG'}"
               + (f", {row['ms']:.3f} ms ({row['tflops']:.0f} TFLOP/s), SDPA {row['sdpa_ms']:.3f} ms, "
                  f"{row['vs_sdpa']:.2f}x" if ok else ""), flush=True)
-    return rows
 
 
 def _table(results) -> None:
     print(f"{'module':<22}{'mask':<18}{'err':>10}{'ok':>4}{'ms':>8}{'TF/s':>6}{'sdpa':>8}{'x':>6}{'goal':>7}"
           f"{'hgmma':>6}{'ldl':>4}{'regs':>5}")
     for r in results:
-        if "error" in r:
+        if "error" in r:   # a failed load or a hang
             print(f"{r['module']:<22}{r['error']}")
             continue
         ms = f"{r['ms']:.3f}" if "ms" in r else "-"

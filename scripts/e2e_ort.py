@@ -46,9 +46,7 @@ class OrtRunner:
             providers = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
         else:
             providers = ["CPUExecutionProvider"]
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        self.session = ort.InferenceSession(onnx_path, options, providers=providers)
+        self.session, self.session_note = _session(ort, onnx_path, providers)
         self.providers = self.session.get_providers()
         if device == "cuda" and self.providers[0] != "CUDAExecutionProvider":
             raise RuntimeError(f"onnxruntime: no CUDA execution provider (have {self.providers}; "
@@ -65,6 +63,22 @@ class OrtRunner:
     def run(self):
         self.session.run_with_iobinding(self.binding)
         return self.output
+
+
+def _session(ort, onnx_path: str, providers) -> tuple:
+    """A session with ORT's full graph optimisations, or without any when building it fails (ORT 1.31.1 fails
+    with "Attempt to replace the existing tensor" on the optimizer's output for HF RoBERTa; the transformer
+    optimizer's fusions are in the file either way). Returns the session and what was given up, if anything."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    try:
+        return ort.InferenceSession(onnx_path, options, providers=providers), None
+    except Exception as err:      # noqa: BLE001 - retried below, and the reason recorded
+        note = f"session optimisations off ({type(err).__name__}: {str(err)[-160:]})"
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(onnx_path, options, providers=providers), note
 
 
 def _numpy_dtype(tensor):

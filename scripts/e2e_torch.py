@@ -74,6 +74,8 @@ def flex(module, query, key, value, attention_mask, dropout=0.0, scaling=None, p
 
         def score_mod(score, b, h, q_idx, kv_idx):
             return score + bias[0 if one_batch else b, h, q_idx, kv_idx]
+    if query.device.type == "cpu":      # inductor's CPU lowering of flex_attention (torch 2.13) rejects these
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()   # transposed views
     out = _FLEX["compiled"](query, key, value, score_mod=score_mod, block_mask=MASKS["block"], scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 

@@ -119,13 +119,13 @@ class CompiledModel:
         self.vm = VirtualMachine(module, device)
         self._main = self.vm["main"]
         self._params = self._prepare_weights(weights)
-        self.kernel = manifest["attention"]["kernel"]["kind"]
+        self.kernel = manifest["attention"]["kernel"]["kind"]   # "none": no stof-tvm attention (no mask input)
         self._host_terms = manifest["mask"].get("model_terms", []) if self.kernel != "dense" else []
         checks = manifest.get("value_checks") or {}
         self._checks, self._checks_output = checks.get("inputs", []), checks.get("output")
-        self.formats = MaskFormats(manifest, arrays, device)
+        self.formats = MaskFormats(manifest, arrays, device) if self.kernel != "none" else None
         self._binder = InputBinder(self.inputs, device)
-        if not self._host_terms:
+        if self.formats is not None and not self._host_terms:
             self.formats.tensors(None)          # the default mask's format, built once at load
 
     @property
@@ -180,6 +180,11 @@ class CompiledModel:
     def mask_tensors(self, mask=None, bound: BoundInputs | None = None) -> list:
         """The module's mask inputs (format arrays or dense keep-mask, on the device) for ``mask``; ``bound``:
         the call's inputs, needed only on the host path."""
+        if self.formats is None:
+            if mask is not None:
+                raise ValueError(f"mask: this artifact takes no mask: its attention runs as the model computes it "
+                                 f"({self.manifest['attention']['fallback']})")
+            return []
         keeps = self._host_keeps(bound) if self._host_terms and bound is not None else ()
         return self.formats.tensors(mask, keeps)
 

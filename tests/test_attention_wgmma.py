@@ -41,6 +41,7 @@ def test_default_configs_fit_and_follow_the_head_dim():
     (WgmmaAttentionConfig(stages=1), "stages"),
     (WgmmaAttentionConfig(stages=True), "stages"),
     (WgmmaAttentionConfig(pingpong=1), "pingpong"),
+    (WgmmaAttentionConfig(persistent=0), "persistent"),
     (WgmmaAttentionConfig(block_n=128, stages=3), "shared memory"),   # at head_dim 128: 230 KiB
 ])
 def test_bad_configs_are_refused(config, error):
@@ -142,6 +143,7 @@ def test_cpu_twin_computes_the_kernels_function(mask, dtype, head_dim, block_n, 
 @pytest.mark.parametrize("head_dim, dtype, config, out_layout", [
     (64, "float16", WgmmaAttentionConfig(block_n=128, stages=3, pingpong=True), "bhsd"),
     (128, "bfloat16", WgmmaAttentionConfig(block_n=128, stages=2, pingpong=False), "bshd"),
+    (128, "float16", WgmmaAttentionConfig(block_n=128, stages=2, persistent=True), "bhsd"),
 ])
 def test_cuda_source_compiles_for_sm90a_without_spills(head_dim, dtype, config, out_layout, tmp_path):
     if shutil.which("nvcc") is None:
@@ -169,3 +171,28 @@ def test_cuda_source_compiles_for_sm90a_without_spills(head_dim, dtype, config, 
                           check=True).stdout
     assert re.search(rf"HGMMA\.64x{config.block_n}x16\.F32", sass)
     assert not re.search(r"\b(LDL|STL)\b", sass)
+
+
+def test_attention_plan_opt_in_kernel_builds_for_sm90a(tmp_path):
+    """``AttentionPlan(kernel="wgmma")``: a CUDA sm_90 plan is built for sm_90a with the tiled format at 128 x
+    block_n (here without a GPU, saved to run elsewhere); other targets are refused."""
+    from stof_tvm.attention import AttentionPlan
+
+    plan = AttentionPlan("causal", (2, 3, 300, 64), "float16", kernel="wgmma",
+                         target={"kind": "cuda", "arch": "sm_90"})
+    assert plan.kernel == "wgmma" and plan.target["arch"] == "sm_90a"
+    assert plan.config == default_config(64)
+    assert plan.formats[4].shape[1:] == (BLOCK_M // 8, plan.config.block_n // 8)
+    saved = plan.save(tmp_path / "plan")
+    assert (tmp_path / "plan" / "plan.json").read_text().count('"wgmma"') == 1 and saved
+    with pytest.raises(ValueError, match="sm_90"):
+        AttentionPlan("causal", (2, 3, 300, 64), "float16", kernel="wgmma", target={"kind": "cuda", "arch": "sm_80"})
+    with pytest.raises(ValueError, match="Hopper"):
+        AttentionPlan("causal", (2, 3, 300, 64), "float16", kernel="wgmma", target="llvm")
+
+
+@pytest.mark.parametrize("persistent, blocks", [(False, 3 * 2 * 3), (True, 7)])
+def test_grid_is_one_block_per_work_item_or_sm_count_when_persistent(persistent, blocks):
+    """3 tile rows x 2 batches x 3 heads = 18 work items: 18 blocks, or 7 persistent blocks walking them."""
+    func = wgmma_attention_primfunc(**BASE, config=WgmmaAttentionConfig(persistent=persistent), sm_count=7)
+    assert re.search(rf"T\.thread_binding\({blocks}, thread=\"blockIdx\.x\"\)", func.script())

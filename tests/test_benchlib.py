@@ -178,3 +178,8 @@ def test_prune_fatbins_zeroes_other_architectures_only_where_sm90_exists():
     assert before.count(b"A" * 40) == 1
     assert op.part_sizes(10 * 2**20 + 5, [4, 4]) == [4 * 2**20, 4 * 2**20, 2 * 2**20 + 5]
     assert op.part_sizes(3 * 2**20, [4, 4]) == [3 * 2**20]
+
+
+def test_time_ms_rejects_an_unknown_device():
+    with pytest.raises(ValueError, match="device"):
+        bl.time_ms(lambda: None, device="gpu")

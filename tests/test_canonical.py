@@ -286,3 +286,20 @@ def test_rules_reach_a_fixed_point_on_every_form():
     assert applied
     assert canonical.canonicalize_function(out)[1] == {}
     assert canonical.canonicalize_function(_attention("scores", "select"))[1] == {}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_flat_linear_runs_on_the_inputs_shape(bias):
+    """HF Conv1D (GPT-2): reshape to [M, K], matmul (+ bias), reshape back; also through a head merge."""
+    def body(bb, x, w):
+        flat = bb.emit(relax.op.reshape(x, [B * S, H * D]))
+        y = bb.emit(relax.op.matmul(flat, w))
+        if bias:
+            y = bb.emit(relax.op.add(y, relax.const(np.arange(3 * H * D, dtype=F32) / 10)))
+        return relax.op.reshape(y, [B, S, 3 * H * D])
+
+    func = _function([_tensor("x", (B, S, H, D)), _tensor("w", (H * D, 3 * H * D))], body)
+    out = _check(layout.FlatLinear(), func, ["relax.matmul"])
+    matmul = next(b.value for block in out.body.blocks for b in block.bindings
+                  if isinstance(b.value, relax.Call) and b.value.op.name == "relax.matmul")
+    assert [int(v) for v in matmul.args[0].ty.shape.values] == [B, S, H * D]

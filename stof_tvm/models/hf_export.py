@@ -14,8 +14,8 @@ These are the graphs users bring: ``torch.onnx.export`` of a transformers model,
   one ONNX file, inputs named ``input_ids`` / ``attention_mask`` (``pixel_values``), one output
   ``last_hidden_state``; dynamic axes named ``batch`` and ``sequence``;
 - :func:`torch_outputs`: the torch model's ``last_hidden_state`` in float32 on the CPU;
-- :func:`cached_export`: :func:`export` through a disk cache keyed by the torch and transformers versions and
-  every export parameter (exports take seconds each; the corpus makes dozens).
+- :func:`cached_export`: :func:`export` through a disk cache keyed by the torch and transformers versions, this
+  module's source and every export parameter (exports take seconds each; the corpus makes dozens).
 
 Families (:data:`FAMILIES`): ``bert``, ``roberta``, ``distilbert``, ``gpt2``, ``vit``, ``t5`` (T5EncoderModel),
 ``bigbird`` (original_full attention), ``bigbird-sparse`` (block_sparse), ``longformer``. Sizes
@@ -94,8 +94,8 @@ def make_config(family: str, size: str = "tiny", attn: str = "eager"):
         return tf.DistilBertConfig(dim=hidden, n_layers=layers, n_heads=heads, hidden_dim=ffn, **vocab, **common)
     if family == "gpt2":
         special = {"bos_token_id": VOCAB_TINY - 1, "eos_token_id": VOCAB_TINY - 1} if tiny else {}
-        return tf.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=ffn, **vocab, **special, use_cache=False,
-                             **({"n_positions": 512} if tiny else {}), **common)
+        return tf.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=ffn, **vocab, **special,
+                             use_cache=False, **({"n_positions": 512} if tiny else {}), **common)
     if family == "vit":
         image, patch = _VIT_IMAGE[size]
         return tf.ViTConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
@@ -251,12 +251,15 @@ def export(model_or_family, path, *, exporter: str = "torchscript", opset: int =
 
 
 def export_key(**params) -> str:
-    """A short hash of the torch and transformers versions and the export parameters ``params``."""
+    """A short hash of the torch and transformers versions, this module's source (the configs and weights it
+    builds) and the export parameters ``params``."""
     import torch
     import transformers
 
-    text = json.dumps({"torch": torch.__version__, "transformers": transformers.__version__, **params},
-                      sort_keys=True)
+    with open(__file__, "rb") as f:
+        source = hashlib.sha256(f.read()).hexdigest()
+    text = json.dumps({"torch": torch.__version__, "transformers": transformers.__version__, "source": source,
+                       **params}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

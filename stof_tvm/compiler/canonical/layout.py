@@ -7,11 +7,17 @@
   ``permute_dims(x, [0, 1, 3, 2])`` (the dynamo exporter's K^T of SDPA's decomposition, over 3-D batches).
 - :class:`PermutePairs`: ``permute_dims(permute_dims(x, a), b)`` -> one permute (or ``x``), so that K's head split
   reads ``permute_dims(reshape(linear), [0, 2, 3, 1])``, the form the QKV projection matcher takes.
+- :class:`FlatLinear`: ``reshape(matmul(reshape(x, [M, K]), W) (+ b), [..., N])`` -> ``matmul(x', W) (+ b)`` with
+  ``x'`` = ``x`` on the output's leading shape: HF's ``Conv1D`` (GPT-2) flattens its input to 2-D around
+  ``addmm``; on the model's own shape the linear layer reads the LayerNorm (or the GELU reads the linear)
+  directly, as in every other model.
 """
 from __future__ import annotations
 
+import math
+
 from tvm import relax
-from tvm.relax.dpl import is_op, wildcard
+from tvm.relax.dpl import is_const, is_op, wildcard
 
 from ..layout import fold_permute_pairs
 from .base import Rule, op_name, resolve, rewrite_matches, tensor_shape
@@ -79,3 +85,39 @@ class PermutePairs(Rule):
         if not pairs:
             return None
         return relax.analysis.remove_all_unused(fold_permute_pairs(func))
+
+
+class FlatLinear(Rule):
+    """A linear layer written on a 2-D view of its input and reshaped back -> the linear on the input's shape."""
+
+    name = "flat_linear"
+    _x, _w, _b = wildcard(), wildcard(), is_const()
+    _matmul = is_op("relax.matmul")(is_op("relax.reshape")(_x, wildcard()), _w)
+    _linear = is_op("relax.add")(_matmul, _b) | is_op("relax.add")(_b, _matmul) | _matmul
+    pattern = is_op("relax.reshape")(_linear, wildcard())
+
+    def apply(self, func):
+        var2val = relax.analysis.get_var2val(func)
+
+        def rewrite(expr, matches):
+            x, w = matches[self._x], matches[self._w]
+            x_shape, w_shape, out = tensor_shape(x), tensor_shape(w), tensor_shape(expr)
+            flat = tensor_shape(resolve(matches[self._matmul], var2val).args[0])
+            if None in (x_shape, w_shape, out, flat) or len(w_shape) != 2 or len(out) < 3 or len(flat) != 2:
+                return None
+            k, n = w_shape
+            if out[-1] != n or flat[1] != k or math.prod(out[:-1]) != flat[0] or math.prod(x_shape) != flat[0] * k:
+                return None
+            if x_shape != out[:-1] + (k,):       # the flattening also merged heads (attention's output projection)
+                x = relax.op.reshape(x, list(out[:-1]) + [k])
+            matmul = matches[self._matmul]
+            y = relax.op.matmul(x, w, out_dtype=str(matmul.ty.dtype))
+            if self._b in matches:
+                bias = matches[self._b]
+                if tensor_shape(bias) not in ((n,), (), (1,)):
+                    return None
+                added = resolve(matches[self._linear], var2val)
+                y = relax.op.add(y, bias) if added.args[1].same_as(bias) else relax.op.add(bias, y)
+            return y
+
+        return rewrite_matches(self.pattern, rewrite, func)
