@@ -14,6 +14,7 @@ alone, e.g. built on a CPU machine for CUDA and run on the GPU machine. This mod
 """
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -136,8 +137,10 @@ _KERNEL_CACHE: dict[tuple, object] = {}
 
 
 def clear_kernel_cache() -> None:
-    """Forget every compiled kernel (the next plan of each kind compiles again)."""
+    """Forget every compiled kernel and every cached :func:`sparse_attention` plan (the next plan of each kind
+    compiles again)."""
     _KERNEL_CACHE.clear()
+    _PLAN_CACHE.clear()
 
 
 def _default_config(kernel: str, problem: Problem, target_kind: str):
@@ -208,7 +211,7 @@ def _check_inputs(q, k, v, problem: Problem) -> None:
             raise ValueError(f"{name} must have shape {want[name]} ([B, H, S, D]), got {tuple(tensor.shape)}")
         if _dtype_name(tensor) != p.dtype:
             raise TypeError(f"{name} must have dtype {p.dtype} like the plan, got {_dtype_name(tensor)}")
-    if _is_torch(q) and len({str(t.device) for t in (q, k, v)}) != 1:
+    if _is_torch(q) and not q.device == k.device == v.device:
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
@@ -295,6 +298,7 @@ class AttentionPlan:
         self._formats = _format_arrays(kernel, mask4, self.config)
         self._target_kind = kind
         self._device_formats = {}
+        self._function = None
 
     @property
     def formats(self) -> list[np.ndarray]:
@@ -365,7 +369,9 @@ class AttentionPlan:
         key = (dev.dlpack_device_type(), dev.index)
         if key not in self._device_formats:
             self._device_formats[key] = [tvm.runtime.tensor(a, dev) for a in self._formats]
-        self._module[_SYMBOLS[self.kernel]](*args, *self._device_formats[key], out)
+        if self._function is None:          # looked up once: a module lookup walks its import tree (~80 us)
+            self._function = self._module[_SYMBOLS[self.kernel]]
+        self._function(*args, *self._device_formats[key], out)
 
     # -- saving and loading ------------------------------------------------------------------------------------
 
@@ -404,7 +410,32 @@ class AttentionPlan:
         plan._formats = [np.load(os.path.join(path, f"format{i}.npy"), allow_pickle=False)
                          for i in range(description["formats"])]
         plan._device_formats = {}
+        plan._function = None
         return plan
+
+
+_PLAN_CACHE: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+_PLAN_CACHE_SIZE = 16
+
+
+def _cached_plan(mask, shape, dtype, seq_k, kernel, target, scale) -> "AttentionPlan":
+    """The plan of these arguments, built once: a mask is keyed by its spec string or by the identity of the
+    array / tensor / callable (a mask changed in place must be passed as a new object)."""
+    mask_key = ("spec", mask) if isinstance(mask, str) else ("object", id(mask))
+    target_key = json.dumps(target, sort_keys=True) if isinstance(target, dict) else str(target)
+    key = (mask_key, tuple(int(s) for s in shape), dtype, seq_k, kernel, target_key, scale)
+    entry = _PLAN_CACHE.get(key)
+    if entry is not None and (mask_key[0] == "spec" or entry[0] is mask):
+        _PLAN_CACHE.move_to_end(key)
+        return entry[1]
+    resolved = resolve_target(target)
+    if resolved.kind.name == "cuda" and not tvm.cuda(0).exist:
+        raise ValueError(f"target: {resolved.kind.name} was asked for but no GPU is present on this machine")
+    plan = AttentionPlan(mask, shape, dtype, seq_k=seq_k, kernel=kernel, target=resolved, scale=scale)
+    _PLAN_CACHE[key] = (mask, plan)
+    while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+        _PLAN_CACHE.popitem(last=False)
+    return plan
 
 
 def sparse_attention(q, k, v, mask, *, kernel="auto", target=None, scale=None):
@@ -412,18 +443,15 @@ def sparse_attention(q, k, v, mask, *, kernel="auto", target=None, scale=None):
 
     ``softmax(scale * q k^T restricted to kept pairs) v``; rows with no kept key are 0. ``mask`` takes any form
     :func:`stof_tvm.normalize_mask` accepts. numpy in, numpy out; torch in, torch out (CUDA tensors without a
-    copy). Kernels are compiled once per problem and cached; use :class:`AttentionPlan` to also reuse the
-    sparse format across calls with the same mask.
+    copy). The plan (kernel choice, sparse format, compiled kernel) is built once per mask, shape, dtype and
+    target and reused by later calls (the last 16 are kept; a mask array is recognised by identity, so pass a
+    new array after changing one in place); :class:`AttentionPlan` holds one explicitly.
     """
     if not hasattr(q, "shape") or len(q.shape) != 4:
         raise ValueError(f"q must be a [B, H, S, D] array or tensor, got {getattr(q, 'shape', type(q).__name__)}")
     if not hasattr(k, "shape") or len(k.shape) != 4:
         raise ValueError(f"k must be a [B, H, S, D] array or tensor, got {getattr(k, 'shape', type(k).__name__)}")
     if target is None and _is_torch(q):
-        target = "cuda" if q.device.type == "cuda" else "llvm"
-    resolved = resolve_target(target)
-    if resolved.kind.name == "cuda" and not tvm.cuda(0).exist:
-        raise ValueError(f"target: {resolved.kind.name} was asked for but no GPU is present on this machine")
-    plan = AttentionPlan(mask, tuple(q.shape), _dtype_name(q), seq_k=int(k.shape[2]), kernel=kernel,
-                         target=resolved, scale=scale)
+        target = "cuda" if q.is_cuda else "llvm"
+    plan = _cached_plan(mask, tuple(q.shape), _dtype_name(q), int(k.shape[2]), kernel, target, scale)
     return plan.run(q, k, v)

@@ -205,3 +205,20 @@ def test_torch_cuda_tensors_without_copies(kernel):
     as_numpy = [t.float().cpu().numpy().astype(numpy_dtype("bfloat16")) for t in (q, k, v)]
     for got in (out, result):
         check(got.float().cpu().numpy().astype(numpy_dtype("bfloat16")), *as_numpy, mask, "bfloat16")
+
+
+def test_sparse_attention_plans_once_per_mask(monkeypatch):
+    """Repeated calls reuse the plan (no format build, no kernel choice per call); a new array is a new plan."""
+    attention_api.clear_kernel_cache()
+    builds = []
+    original = attention_api._format_arrays
+    monkeypatch.setattr(attention_api, "_format_arrays", lambda *a: builds.append(1) or original(*a))
+    q, k, v = random_qkv(1, 2, 40, 40, 64, "float16", seed=7)
+    mask = stof_tvm.make_mask("local:window=6", 40)
+    first = stof_tvm.sparse_attention(q, k, v, mask, target="llvm")
+    for _ in range(3):
+        np.testing.assert_array_equal(stof_tvm.sparse_attention(q, k, v, mask, target="llvm"), first)
+        stof_tvm.sparse_attention(q, k, v, "causal", target="llvm")
+    assert len(builds) == 2
+    stof_tvm.sparse_attention(q, k, v, mask.copy(), target="llvm")
+    assert len(builds) == 3

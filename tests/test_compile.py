@@ -60,8 +60,9 @@ def test_float16_kernels_match_reference(tiny, feeds, kernel):
                            kernel=kernel)
     assert art.manifest["attention"]["kernel"]["kind"] == kernel
     assert art.manifest["attention"]["dtype"] == "float16"
-    # sparse kernels fold the per-batch padding into the format; dense keeps it in the graph (shared mask input)
-    assert art.manifest["attention"]["kernel"]["mask_batch"] == (B if kernel != "dense" else 1)
+    # sparse kernels apply the per-batch padding on the device and dense keeps it in the graph: one shared format
+    assert art.manifest["attention"]["kernel"]["mask_batch"] == 1
+    assert art.manifest["attention"]["kernel"]["padding"] == (kernel != "dense")
     out = art.load()(feeds)["last_hidden_state"]
     ref = reference_outputs(tiny, make_mask("longformer", S)[None, None], feeds)["last_hidden_state"]
     assert relative_error(out, ref) < 2e-2

@@ -37,6 +37,7 @@ from .attention_match import find_attention_sites
 from .canonical import canonicalize
 from .coverage import coverage
 from .downstream import use_templates
+from .input_checks import ValueCheck, add_value_checks, clip_gathers
 from .kernels import KERNELS, choose_kernel, kernel_primfunc
 from .mask_sources import plan_masks, score_bias
 from .onnx_import import TensorSpec, embedding_rows, import_onnx, load_model, output_names
@@ -72,6 +73,19 @@ def _input_entry(spec: TensorSpec, model) -> dict:
     if rows is not None:
         entry["index_range"] = rows
     return entry
+
+
+def value_checks(inputs, onnx_model, padding: str | None) -> list[ValueCheck]:
+    """The value ranges ``main`` checks on the device: token ids within their embedding table, the padding
+    input (applied by the kernels as ``!= 0``) 0 or 1 like the probes that proved it is key padding."""
+    checks = []
+    for spec in inputs:
+        rows = embedding_rows(onnx_model, spec.name)
+        if rows is not None and np.dtype(spec.dtype).kind in "iu":
+            checks.append(ValueCheck(spec.name, 0, int(rows)))
+        elif spec.name == padding:
+            checks.append(ValueCheck(spec.name, 0, 2))
+    return checks
 
 
 def _mask_entry(mask) -> dict:
@@ -124,7 +138,8 @@ def _attention_entries(mask_entry: dict, user_mask: np.ndarray, model_keep: str 
     sparse = choice.kind != "dense"
     mask = {**mask_entry, "batch": int(user_mask.shape[0]), "heads": int(user_mask.shape[1]),
             "seq_q": site.seq_q, "seq_k": site.seq_k, "model_keep": model_keep,
-            "model_terms": [s.to_json() for s in plan.runtime] if sparse else []}
+            "model_terms": [s.to_json() for s in plan.runtime] if sparse else [],
+            "padding": {"input": plan.padding, "on": "device"} if choice.padding else None}
     attention = {"sites": len(sites), "batch": batch, "heads": site.heads, "seq_q": site.seq_q,
                  "seq_k": site.seq_k, "head_dim": site.head_dim, "dtype": site.dtype, "scale": site.scale,
                  "kernel": choice.to_json()}
@@ -161,6 +176,8 @@ class FrontEnd:
     target: tvm.target.Target
     fallback: str | None = None
     coverage: dict = dataclasses.field(default_factory=dict)
+    checks: list = dataclasses.field(default_factory=list)      # the ValueChecks main reports (input_checks)
+    checks_output: int | None = None                            # position of stof_value_errors in main's outputs
 
 
 def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
@@ -207,8 +224,10 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
                       f"computes it), without stof-tvm's sparse attention kernels or fusion templates", stacklevel=2)
         report = coverage(canonical, canonical, attention_kernel=None, attention_sites=0, attention_reason=reason,
                           templates=f"TVM's default pipeline ({reason})")
+        checks = value_checks(inputs, onnx_model, None)
+        mod, checks_output = add_value_checks(clip_gathers(mod), checks)
         return FrontEnd(onnx_model, mod, inputs, weights, outputs, [], None, None, None, None, [], {}, tspec, gemm,
-                        tvm_target, fallback=reason, coverage=report)
+                        tvm_target, fallback=reason, coverage=report, checks=checks, checks_output=checks_output)
     site = sites[0]
 
     user_mask = normalize_mask(mask, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k)
@@ -221,6 +240,8 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
                            database=database)
     if choice.kind == "dense":      # the model's own masking stays in the dense graph: only the user's mask is input
         choice = dataclasses.replace(choice, mask_batch=user_mask.shape[0], mask_heads=user_mask.shape[1])
+    elif plan.padding is not None:  # the model's key padding, applied by the sparse kernel from its input
+        choice = dataclasses.replace(choice, padding=True)
     primfunc = None
     if choice.kind != "dense":
         primfunc = kernel_primfunc(choice, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k,
@@ -228,7 +249,8 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
                                    target_kind=tspec["kind"])
     for source in plan.runtime if choice.kind != "dense" else []:
         mod[source.name] = source.function
-    mod, format_inputs = rewrite_attention(mod, sites, choice, primfunc, plan.bias_terms)
+    mod, format_inputs = rewrite_attention(mod, sites, choice, primfunc, plan.bias_terms,
+                                           padding=plan.padding if choice.padding else None, target_kind=tspec["kind"])
     template_entry = {}
     if templates:
         mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule)
@@ -236,8 +258,11 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     report = coverage(canonical, mod["main"], attention_kernel=choice.kind, attention_sites=len(sites),
                       attention_reason=f"dense kernel: {choice.reason}",
                       templates=None if templates else _templates_off(tspec, dtype), template_entry=template_entry)
+    checks = value_checks(inputs, onnx_model, plan.padding if choice.padding else None)
+    mod, checks_output = add_value_checks(clip_gathers(mod), checks)
     return FrontEnd(onnx_model, mod, inputs, weights, outputs, sites, plan, user_mask, combined, choice,
-                    format_inputs, template_entry, tspec, gemm, tvm_target, coverage=report)
+                    format_inputs, template_entry, tspec, gemm, tvm_target, coverage=report, checks=checks,
+                    checks_output=checks_output)
 
 
 def _templates_off(tspec: dict, dtype: str) -> str:
@@ -341,6 +366,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         tuning={"database": database, "trials": tune_trials}, fallback=front.fallback)
     manifest["templates"] = front.template_entry
     manifest["coverage"] = front.coverage
+    manifest["value_checks"] = {"output": front.checks_output, "inputs": [c.to_json() for c in front.checks]} \
+        if front.checks else None
     manifest["cuda_graph"] = cuda_graph
     if binaries:
         manifest["cuda_binaries"] = {"arch": tspec["arch"], "files": sorted(binaries)}

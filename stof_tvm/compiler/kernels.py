@@ -49,6 +49,7 @@ class KernelChoice:
     mask_heads: int
     reason: str
     bias: tuple | None = None       # (bias_batch, bias_heads, dtype) of the sparse kernel's score bias input
+    padding: bool = False           # the sparse kernel applies the model's key padding (pad_range / pad_bits)
 
     def format_inputs(self, seq_q: int, seq_k: int) -> list[FormatInput]:
         groups = self.mask_batch * self.mask_heads
@@ -78,7 +79,7 @@ class KernelChoice:
     def to_json(self) -> dict:
         return {"kind": self.kind, "config": self.config, "mask_batch": self.mask_batch,
                 "mask_heads": self.mask_heads, "reason": self.reason,
-                "bias": list(self.bias) if self.bias is not None else None}
+                "bias": list(self.bias) if self.bias is not None else None, "padding": self.padding}
 
 
 _SPARSE_MODULES = {"row": "stof_tvm.schedules.attention_rowwise", "block": "stof_tvm.schedules.attention_blockwise"}
@@ -187,6 +188,8 @@ def kernel_primfunc(choice: KernelChoice, *, batch: int, heads: int, seq_q: int,
     module = _schedule_module(choice.kind)
     build = module.rowwise_attention_primfunc if choice.kind == "row" else module.blockwise_attention_primfunc
     extra = {"bias": tuple(choice.bias)} if choice.bias is not None else {}
+    if choice.padding:
+        extra["padding"] = True
     if choice.kind == "block":
         extra["out_layout"] = choice.out_layout
     return build(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim, dtype=dtype,
