@@ -39,6 +39,7 @@ from .mask_sources import plan_masks, score_bias
 from .onnx_import import TensorSpec, embedding_rows, import_onnx, load_model, output_names
 from .pipeline import build, fold_constant_casts, make_target, optimize, square_powers, target_dict
 from .layout import fold_permute_pairs
+from .record_calls import record_calls
 from .rewrite import rewrite_attention
 
 DTYPES = ("float32", "float16")
@@ -270,7 +271,9 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         model_keep="model_keep.npy" if "model_keep.npy" in arrays else None,
         plan=front.plan, sites=front.sites, choice=choice, batch=batch,
         transform_params=TRANSFORM_PARAMS if has_transform else None, tspec=tspec, dtype=dtype,
-        tuning={"database": records.work_dir if records else None, **(usage.summary(records) if records else {})})
+        tuning={"database": records.work_dir if records else None,
+                **(usage.summary(record_calls(front.template_entry, choice, front.sites[0]), records)
+                   if records else {})})
     manifest["templates"] = front.template_entry
     manifest["cuda_graph"] = cuda_graph
     if binaries:

@@ -37,11 +37,6 @@ RECORD_CANDIDATES = 16
 FUSED_FFN_MIN_BLOCKS = 132
 
 
-def _call_label(template, shape: dict, dtype: str) -> str:
-    """A template call as the usage ledger names it: ``gemm_kn m=128,n=512,k=128 float16``."""
-    return f"{template.name} {','.join(f'{k}={v}' for k, v in shape.items())} {dtype}"
-
-
 @dataclasses.dataclass
 class KnobChoice:
     """Knobs of one template call, where they came from, and the model's or the record's time."""
@@ -104,8 +99,7 @@ class TemplateChooser:
 
     def _cpu(self, template, shape, dtype, options) -> KnobChoice:
         if self.database is not None:
-            record = self.database.best_record(template.primfunc(shape, dtype, **options),
-                                               _call_label(template, shape, dtype))
+            record = self.database.best_record(template.primfunc(shape, dtype, **options))
             if record is not None:
                 return KnobChoice(None, "database", mean_seconds(record), record.trace)
         return KnobChoice(None, "unscheduled")
@@ -129,7 +123,7 @@ class TemplateChooser:
 
     def _from_database(self, template, shape, dtype, options, ranked) -> KnobChoice | None:
         func = template.primfunc(shape, dtype, **options)
-        record = self.database.best_record(func, _call_label(template, shape, dtype))
+        record = self.database.best_record(func)
         if record is None:
             return None
         candidates = [dict(r.candidate) for r in ranked[:RECORD_CANDIDATES]]

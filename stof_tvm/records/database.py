@@ -108,21 +108,18 @@ class TuningDatabase:
 
     def candidate_index(self, mod: tvm.IRModule, candidates, apply, record) -> int | None:
         """Which of ``candidates`` (knob sets that ``apply(sch, knobs)`` schedules ``mod`` with) a record
-        measured; None when none matches."""
-        if not candidates:
-            return None
-        sch = tvm.s_tir.Schedule(mod)
-        record.trace.apply_to_schedule(sch, remove_postproc=True)
-        target = tvm_ffi.structural_hash(sch.mod)
-        for index, knobs in enumerate(candidates):
-            candidate = tvm.s_tir.Schedule(mod)
-            try:
-                apply(candidate, knobs)
-            except (tvm.s_tir.ScheduleError, ValueError):
-                continue
-            if tvm_ffi.structural_hash(candidate.mod) == target:
-                return index
-        return None
+        measured (the first that schedules the same module); None when none matches."""
+        target = _replayed(mod, record)
+        return next((i for i, knobs in enumerate(candidates) if _scheduled(mod, apply, knobs) == target), None)
+
+    def measured_candidates(self, mod: tvm.IRModule, candidates, apply) -> set[int]:
+        """Indices of the ``candidates`` whose schedule some record of ``mod`` measured (failures included):
+        a schedule is measured once, whichever trace reached it (a resumed search, the untuned first candidate)."""
+        records = self._all_records(mod)
+        if not records or not candidates:
+            return set()
+        measured = {_replayed(mod, record) for record in records}
+        return {i for i, knobs in enumerate(candidates) if _scheduled(mod, apply, knobs) in measured}
 
     # -- the tuner's tasks -----------------------------------------------------------------------------------
 
@@ -151,7 +148,8 @@ class TuningDatabase:
         records = self.records(task.mod)
         if records:
             status["best_s"] = mean_seconds(records[0])
-            status["best_candidate"] = self.candidate_index(task.mod, task.candidates, task.apply, records[0])
+            status["best_candidate"] = (self.candidate_index(task.mod, task.candidates, task.apply, records[0])
+                                        if task.candidates else None)
         return status
 
     # -- groups of alternatives ------------------------------------------------------------------------------
@@ -178,17 +176,16 @@ class TuningDatabase:
 
     # -- what a compile reads ----------------------------------------------------------------------------------
 
-    def best_record(self, func: tvm.tirx.PrimFunc, label: str):
-        """The fastest successful record of ``func``'s workload, or None; noted in the usage ledger as ``label``."""
-        mod = normalize_workload(func)
-        records = self.records(mod)
-        note_lookup(workload_key(func), label, bool(records))
+    def best_record(self, func: tvm.tirx.PrimFunc):
+        """The fastest successful record of ``func``'s workload, or None; noted in the usage ledger."""
+        records = self.records(normalize_workload(func))
+        note_lookup(workload_key(func), bool(records))
         return records[0] if records else None
 
     def choice(self, group: str):
         """The group's recorded choice, or None; noted in the usage ledger."""
         best = self.group_choice(group)
-        note_lookup(group, group, best is not None)
+        note_lookup(group, best is not None)
         return best
 
     def best_schedule(self, func: tvm.tirx.PrimFunc, target) -> tvm.s_tir.Schedule | None:
@@ -202,6 +199,23 @@ class TuningDatabase:
             if not status.get("group") and status.get("best_s") is not None:
                 jobs[key] = status.get("name", key)
         return jobs
+
+
+def _replayed(mod: tvm.IRModule, record) -> int:
+    """Structural hash of ``mod`` scheduled by ``record``'s trace."""
+    sch = tvm.s_tir.Schedule(mod)
+    record.trace.apply_to_schedule(sch, remove_postproc=True)
+    return tvm_ffi.structural_hash(sch.mod)
+
+
+def _scheduled(mod: tvm.IRModule, apply, knobs) -> int | None:
+    """Structural hash of ``mod`` scheduled by ``apply(sch, knobs)``; None when the knobs do not apply."""
+    sch = tvm.s_tir.Schedule(mod)
+    try:
+        apply(sch, knobs)
+    except (tvm.s_tir.ScheduleError, ValueError):
+        return None
+    return tvm_ffi.structural_hash(sch.mod)
 
 
 _OPEN: dict[str, tuple[tuple, TuningDatabase]] = {}

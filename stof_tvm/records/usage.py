@@ -1,10 +1,11 @@
 """Which tuning records a compile used: the ledger behind "N tuning records applied" (CLI line and manifest).
 
 While :func:`record_usage` is active, every look-up the compile path makes through
-:class:`~stof_tvm.records.database.TuningDatabase` (a template call's best record, a group's choice) is noted
-with whether it found a measurement. :meth:`RecordUsage.summary` then says how many were applied, which calls
-found none, and which measured jobs of the database no call asked for (a database tuned for this very compile
-has none: the tuner plans exactly the calls the compile makes).
+:class:`~stof_tvm.records.database.TuningDatabase` (a template call's best record, a group's choice) that finds
+a measurement is noted, including look-ups that only decide between forms (fused or unfused LayerNorm).
+:meth:`RecordUsage.summary` takes the calls the compile made, each with whether a record decided it, and says how
+many were applied, which found none, and which measured jobs of the database nothing consulted (a database tuned
+for this very compile has none: the tuner plans exactly the calls the compile makes).
 """
 from __future__ import annotations
 
@@ -17,30 +18,27 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("stof_tvm_record_usage"
 
 
 class RecordUsage:
-    """Look-ups of one compile: ``{job: (label, found)}``; a job is a workload key or a group name."""
+    """The jobs (workload keys, group names) whose records one compile consulted."""
 
     def __init__(self):
-        self.lookups: dict[str, tuple[str, bool]] = {}
+        self.consulted: set[str] = set()
 
-    def note(self, job: str, label: str, found: bool) -> None:
-        previous = self.lookups.get(job)
-        self.lookups[job] = (label, found or (previous is not None and previous[1]))
+    def note(self, job: str, found: bool) -> None:
+        if found:
+            self.consulted.add(job)
 
-    @property
-    def applied(self) -> list[str]:
-        return sorted(label for label, found in self.lookups.values() if found)
-
-    @property
-    def missing(self) -> list[str]:
-        return sorted(label for label, found in self.lookups.values() if not found)
-
-    def summary(self, database=None) -> dict:
-        """``{"applied", "missing", "unused"}``: counts of records applied, the calls that found none (by name),
-        and the measured jobs of ``database`` (a :class:`TuningDatabase`) that nothing looked up."""
+    def summary(self, calls, database=None) -> dict:
+        """``{"applied", "missing", "unused"}`` for ``calls`` (``[(label, decided by a record)]``): how many calls
+        a record decided, the labels of those none did, and the names of ``database``'s measured jobs (a
+        :class:`TuningDatabase`) that nothing consulted."""
+        decided: dict[str, bool] = {}
+        for label, applied in calls:
+            decided[label] = decided.get(label, False) or bool(applied)
         unused = []
         if database is not None:
-            unused = sorted(name for job, name in database.jobs().items() if job not in self.lookups)
-        return {"applied": len(self.applied), "missing": self.missing, "unused": unused}
+            unused = sorted(name for job, name in database.jobs().items() if job not in self.consulted)
+        return {"applied": sum(decided.values()), "missing": sorted(k for k, v in decided.items() if not v),
+                "unused": unused}
 
 
 @contextlib.contextmanager
@@ -54,8 +52,8 @@ def record_usage():
         _ACTIVE.reset(token)
 
 
-def note_lookup(job: str, label: str, found: bool) -> None:
+def note_lookup(job: str, found: bool) -> None:
     """Record one look-up in the active ledger (none active: nothing to do)."""
     usage = _ACTIVE.get()
     if usage is not None:
-        usage.note(job, label, found)
+        usage.note(job, found)

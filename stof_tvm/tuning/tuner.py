@@ -207,18 +207,19 @@ def tune_tasks(tasks, target, work_dir, *, trials: int | None = None, num_trials
         pass_builder = builder or make_builder(build_workers)
         pass_runner = runner or make_runner(target.kind.name, arguments=factory, rpc_tracker=rpc_tracker,
                                             rpc_key=rpc_key)
-        direct, searched = _measured_directly(members, db)
+        direct, spaces = _measured_directly(members, db)
         try:
             with interrupt_handler(stop) if handle_interrupt else contextlib.nullcontext():
                 if direct:        # one build per kernel, in parallel batches (see .prebuilt)
                     measure_prebuilt([members[i] for i, _ in direct], target, db.ms, pass_builder, pass_runner,
                                      progress, [i for i, _ in direct], chunk=num_trials_per_iter,
                                      schedules=[sch for _, sch in direct])
-                rest = {members[i].key: left[members[i].key] - progress.trials[i] for i in searched}
-                searched = [i for i in searched if rest[members[i].key] > 0]
+                rest = {i: min(left[members[i].key] - progress.trials[i], len(space)) for i, space in spaces.items()}
+                searched = [i for i in spaces if rest[i] > 0]
                 if searched and not progress.should_stop():
-                    _run_scheduler([members[i] for i in searched], searched, target, db, progress, rest,
-                                   num_trials_per_iter, pass_builder, pass_runner, seed)
+                    _run_scheduler([members[i] for i in searched], searched, [spaces[i] for i in searched],
+                                   [rest[i] for i in searched], target, db, progress, num_trials_per_iter,
+                                   pass_builder, pass_runner, seed)
         finally:
             progress.close()
             for i, task in enumerate(members):
@@ -263,17 +264,19 @@ def _check_local_device(target: tvm.target.Target) -> None:
                          "with --target llvm")
 
 
-def _measured_directly(members: list[TuningTask], db: TuningDatabase) -> tuple[list, list[int]]:
+def _measured_directly(members: list[TuningTask], db: TuningDatabase) -> tuple[list, dict[int, list]]:
     """What :func:`measure_prebuilt` measures, in order, as ``[(member index, schedule or None)]``: the untuned
     choices first (pre-built group members marked ``meta["untuned"]``, and the first candidate of each searched
-    task with no record yet), then the other pre-built tasks; and the indices of the searched tasks."""
-    untuned, first, others, searched = [], [], [], []
+    task unless a record has it), then the other pre-built tasks. Also ``{member index: candidates}`` of each
+    searched task: the ones left for the search, none that a record already measured."""
+    untuned, first, others, spaces = [], [], [], {}
     for i, task in enumerate(members):
         if not task.candidates:
             (untuned if task.meta.get("untuned") else others).append((i, None))
             continue
-        searched.append(i)
-        if db.measured(task.mod):
+        done = db.measured_candidates(task.mod, task.candidates, task.apply)
+        spaces[i] = [knobs for j, knobs in enumerate(task.candidates) if j not in done]
+        if 0 in done:
             continue
         sch = tvm.s_tir.Schedule(task.mod)
         try:
@@ -281,24 +284,24 @@ def _measured_directly(members: list[TuningTask], db: TuningDatabase) -> tuple[l
         except (tvm.s_tir.ScheduleError, ValueError):
             continue                  # the survivor space skips it too
         first.append((i, sch))
-    return untuned + first + others, searched
+        spaces[i] = spaces[i][1:]
+    return untuned + first + others, spaces
 
 
-def _run_scheduler(members, ids, target, db, progress, left, num_trials_per_iter, builder, runner, seed):
+def _run_scheduler(members, ids, spaces, budget, target, db, progress, num_trials_per_iter, builder, runner, seed):
     """MetaSchedule's task scheduler over ``members`` (tasks with candidates), counted in ``progress`` under
-    ``ids``."""
+    ``ids``: task i searches the candidates ``spaces[i]`` for at most ``budget[i]`` trials."""
     names = [t.name for t in members]
     loggers = ms.logging.get_loggers_from_work_dir(db.work_dir, names)
     seeds = ms.utils.fork_seed(seed, n=len(members))
     cores = int(target.attrs.get("num-cores", 0)) or _physical_cores()
     contexts = [
-        ms.TuneContext(mod=task.mod, target=target, space_generator=survivor_space(task, target),
-                       search_strategy=planned_search(task.space_size, left[task.key], progress.should_stop),
+        ms.TuneContext(mod=task.mod, target=target, space_generator=survivor_space(task, target, space),
+                       search_strategy=planned_search(len(space), plan, progress.should_stop),
                        task_name=task.name,
                        rand_state=rand, num_threads=cores, logger=log).clone()
-        for task, log, rand in zip(members, loggers, seeds)
+        for task, space, plan, log, rand in zip(members, spaces, budget, loggers, seeds)
     ]
-    budget = [left[t.key] for t in members]
     cost_model = ms.cost_model.XGBModel(num_warmup_samples=min(8, sum(budget)), num_tuning_cores=cores)
     ms.tune.tune_tasks(
         tasks=contexts, task_weights=[t.weight for t in members], work_dir=db.work_dir,
