@@ -7,16 +7,17 @@ are never loaded. Inputs follow the tiled-format contract of :mod:`stof_tvm.spar
 
 Two PrimFuncs with the same signature and semantics are built here:
 
-- ``target_kind="cuda"`` (sm_80+, tuned for sm_90): a **thread-level** TVMScript kernel. Each warp owns
-  ``16 * MT`` query rows; ``QK^T`` and ``PV`` run on ``mma.sync.m16n8k16`` (fp32 accumulate) fed by ``ldmatrix``
-  from XOR-swizzled shared memory; K/V tiles (and the bitmaps of partial tiles) stream in through a
-  ``stages``-deep ``cp.async`` ring; the probabilities stay in registers and are repacked as the A operand of
-  the ``PV`` product (FlashAttention-2's trick); the output is staged through shared memory and written with
-  16-byte stores. It is written at thread level because TensorIR's schedule primitives cannot express this
-  kernel: the tile walk is data dependent (two CSR lists per tile row), the softmax state must live in the
-  registers of the very threads that hold the ``mma`` accumulators (a layout ``tensorize`` does not expose),
-  and the mask is applied per accumulator register. TVM 0.27's ``T.ptx`` dialect provides every instruction
-  used (see :mod:`stof_tvm.schedules.mma`).
+- ``target_kind="cuda"`` (sm_80+, tuned for sm_90): a **thread-level** TVMScript kernel. Each warp owns ``16 * MT``
+  query rows; ``QK^T`` and ``PV`` run on ``mma.sync.m16n8k16`` (fp32 accumulate) fed by ``ldmatrix`` from
+  conflict-free shared memory (XOR-swizzled rows; an odd row stride where rows are not a multiple of 128 bytes); K/V
+  tiles (and the bitmaps of partial tiles) stream in through a ``stages``-deep ``cp.async`` ring; Q's fragments stay
+  in registers (reloaded from shared memory per tile where they would not fit beside the accumulators: large head
+  dims); the probabilities stay in registers and are repacked as the A operand of the ``PV`` product
+  (FlashAttention-2's trick); the output is staged through shared memory and written with 16-byte stores. It is
+  written at thread level because TensorIR's schedule primitives cannot express this kernel: the tile walk is data
+  dependent (two CSR lists per tile row), the softmax state must live in the registers of the very threads that hold
+  the ``mma`` accumulators (a layout ``tensorize`` does not expose), and the mask is applied per accumulator
+  register. TVM 0.27's ``T.ptx`` dialect provides every instruction used (see :mod:`stof_tvm.schedules.mma`).
 - ``target_kind="llvm"``: a plain loop nest (parallel over tile rows, scalar online softmax per query row) that
   computes the same function, so correctness of the format walk and of the masking semantics is tested on the
   CPU. The CUDA kernel itself is checked against a float reference on the GPU (``scripts/bench_attention.py``;
@@ -38,19 +39,24 @@ from dataclasses import dataclass
 import tvm
 from tvm.script import tirx as T
 
-from .mma import (CP_ASYNC_16, EX2, LD_SHARED_V4, LDMATRIX_X4, LDMATRIX_X4_TRANS, ST_GLOBAL_V4, mma_m16n8k16,
-                  pack_f32x2, swizzle_offset)
+from .mma import (CP_ASYNC_16, EX2, LD_SHARED_V4, LDMATRIX_X4, LDMATRIX_X4_TRANS, ST_GLOBAL_V4, chunk_offset,
+                  chunk_stride, mma_m16n8k16, pack_f32x2)
 from .attention_rowwise import check_score_bias
 
 __all__ = ["BlockConfig", "default_block_config", "blockwise_attention_primfunc", "SUPPORTED_DTYPES",
            "SUPPORTED_HEAD_DIMS", "OUT_LAYOUTS"]
 
 SUPPORTED_DTYPES = ("float16", "bfloat16")
-SUPPORTED_HEAD_DIMS = (64, 128)
+# Every multiple of 16 from 32 to 256: a k16 step of QK^T and two n8 tiles of PV per 16 channels.
+SUPPORTED_HEAD_DIMS = tuple(range(32, 257, 16))
 OUT_LAYOUTS = ("bhsd", "bshd")
 VIEW_ALIGN = 8           # Q/K/V may start at any multiple of 8 elements (16 bytes: the kernel's cp.async width)
 _LOG2E = 1.4426950408889634
 _FULL_MASK = 0xFFFFFFFF
+# Fragment-register estimate above which Q is reloaded per tile at head dims > 128: ptxas (nvcc 13, sm_90) spilled
+# at estimates 236 (D=224, 64x32 tiles) and 248 (D=208, 128x64), never at 232 or below.
+_Q_REGISTER_LIMIT = 232
+_BASE_REGISTERS = 40     # addresses, loop counters, softmax row state beyond the fragments
 
 
 @dataclass(frozen=True)
@@ -97,18 +103,46 @@ class BlockConfig:
                              f"times num_warps ({self.num_warps})")
         if self.stages < 2:
             raise ValueError(f"BlockConfig.stages must be >= 2, got {self.stages}")
-        if (self.block_n * head_dim // 8) % self.threads:
-            raise ValueError(f"a {self.block_n}x{head_dim} K/V tile must split evenly into 16-byte copies over "
-                             f"{self.threads} threads")
+        if self.block_n * head_dim // 8 < self.threads:
+            raise ValueError(f"a {self.block_n}x{head_dim} K/V tile must give each of the {self.threads} threads "
+                             "at least one 16-byte copy")
         if self.shared_bytes(head_dim) > 227 * 1024:
             raise ValueError(f"BlockConfig {self} needs {self.shared_bytes(head_dim)} bytes of shared memory, "
                              f"more than the 227 KiB of sm_90")
 
     def shared_bytes(self, head_dim: int) -> int:
-        """Shared memory of the CUDA kernel: the Q tile plus ``stages`` K, V and bitmap tiles (16-bit data);
-        ``heavy_first`` adds a few words for the row selection."""
-        kv = self.block_n * head_dim * 2
-        return self.block_m * head_dim * 2 + self.stages * (2 * kv + self.block_m * self.block_n // 8)
+        """Shared memory of the CUDA kernel: the Q tile plus ``stages`` K, V and bitmap tiles (16-bit data, rows
+        padded to :func:`~stof_tvm.schedules.mma.chunk_stride`); ``heavy_first`` adds a few words for the row
+        selection."""
+        row_bytes = shared_row_bytes(head_dim)
+        kv = self.block_n * row_bytes
+        return self.block_m * row_bytes + self.stages * (2 * kv + self.block_m * self.block_n // 8)
+
+    def fragment_registers(self, head_dim: int, q_in_registers: bool = True) -> int:
+        """Per-thread registers the kernel's fragments take (mma.m16n8k16 layouts) plus a fixed base: fp32 S
+        and O accumulators, Q's A operands (all k16 steps when ``q_in_registers``, else one), P repacked."""
+        mt = self.m_tiles_per_warp
+        q_steps = head_dim // 16 if q_in_registers else 1
+        return (mt * (self.block_n // 8) * 4 + mt * (head_dim // 8) * 4 + mt * q_steps * 4
+                + mt * (self.block_n // 16) * 4 + 4 * mt + _BASE_REGISTERS)
+
+    def q_in_registers(self, head_dim: int) -> bool:
+        """Whether Q's fragments are loaded once and kept in registers, else reloaded from shared memory at each
+        tile (one more ``ldmatrix`` per k16 step). They are reloaded only for head dims above 128 with one m16
+        tile per warp, where keeping them would put the estimate above ``_Q_REGISTER_LIMIT`` (from D=192 with
+        64-key tiles, D=224 with 32-key tiles); at 128 and below every configuration keeps them (measured
+        spill-free), and two m16 tiles per warp at such head dims are over the register limit anyway."""
+        return (self.m_tiles_per_warp == 2 or head_dim <= 128
+                or self.fragment_registers(head_dim, True) <= _Q_REGISTER_LIMIT)
+
+    def registers(self, head_dim: int) -> int:
+        """The kernel's per-thread register estimate for ``head_dim`` (the cost model's feasibility input)."""
+        return self.fragment_registers(head_dim, self.q_in_registers(head_dim))
+
+
+def shared_row_bytes(head_dim: int) -> int:
+    """Bytes one 16-bit Q/K/V row of ``head_dim`` channels takes in shared memory (conflict-free layout)."""
+    return chunk_stride(head_dim // 8) * 16
 
 
 def default_block_config(head_dim: int, dtype: str, seq_q: int, *, sparse: bool = False) -> BlockConfig:
@@ -117,14 +151,15 @@ def default_block_config(head_dim: int, dtype: str, seq_q: int, *, sparse: bool 
     Measured there (scripts/NOTES_attention.md, BENCHMARKS.md): masks made mostly of full tiles (dense, causal)
     run best with 128-row tiles and two m16 tiles per warp; sparse masks (``sparse=True``: sliding windows,
     Longformer, BigBird, random) with 64x32 tiles, four warps and the heavy-first launch order, which starts
-    the long global rows first.
+    the long global rows first. Head dims above 64 take one m16 tile per warp (eight warps for 128-row tiles),
+    so the output accumulators of the wider rows fit in registers.
     """
     _check_dtype(dtype)
     _check_head_dim(head_dim)
     _check_positive("seq_q", seq_q)
     if sparse:
         return BlockConfig(block_m=64, block_n=32, num_warps=4, stages=2, heavy_first=True)
-    if head_dim == 128:
+    if head_dim > 64:
         return BlockConfig(block_m=128, block_n=64, num_warps=8, stages=2)
     if seq_q <= 64:
         return BlockConfig(block_m=64, block_n=64, num_warps=4, stages=2)
@@ -138,7 +173,7 @@ def _check_dtype(dtype) -> None:
 
 def _check_head_dim(head_dim) -> None:
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim!r}")
+        raise ValueError(f"head_dim must be a multiple of 16 from 32 to 256, got {head_dim!r}")
 
 
 def _check_positive(name: str, value) -> None:
@@ -247,14 +282,16 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     TR, NROWS = p.tile_rows, p.groups * p.tile_rows + 1
     GB, GH = p.group_strides
     NJ, KD, ND = BN // 8, D // 16, D // 8         # n8 tiles of S, k16 steps of QK^T, n8 tiles of O
-    CPR, ROW_BYTES = D // 8, D * 2                # 16-byte chunks and bytes per Q/K/V row
+    CPR, ROW_BYTES = D // 8, shared_row_bytes(D)  # 16-byte chunks per Q/K/V row, bytes per row in shared memory
+    QREG = cfg.q_in_registers(D)                  # Q's A fragments loaded once (else per tile, from shared memory)
     KV_BYTES = BN * ROW_BYTES                     # one K (or V) tile in shared memory
     MW_BYTES = BM * BN // 8                       # one bitmap tile (BM/8 x BN/8 uint64 words)
     MW_CHUNKS = MW_BYTES // 16
     Q_OFF, K_OFF = 0, BM * ROW_BYTES
     V_OFF = K_OFF + ST * KV_BYTES
     M_OFF = V_OFF + ST * KV_BYTES
-    KV_ITERS, Q_ITERS = BN * CPR // NT, BM * CPR // NT
+    KV_ITERS, Q_ITERS = -(-BN * CPR // NT), BM * CPR // NT
+    KV_EVEN = BN * CPR % NT == 0                  # else the last K/V copy pass runs on the first threads only
     M_ITERS = -(-MW_CHUNKS // NT)
     OUT_ITERS = MT * 16 * CPR // 32
     NW = cfg.num_warps
@@ -282,7 +319,7 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     INV_SCALE = T.float32(1.0 / p.scale)
 
     def swz(row, chunk):
-        return swizzle_offset(row, chunk, ROW_BYTES)
+        return chunk_offset(row, chunk, CPR)
 
     def mask_word(smem, t, warp, g, qd, mt, hh, j):
         # Bits (e=0, e=1) of the thread's two score columns in n8 tile j, rows hh*8+g of m-tile mt: the 32-bit
@@ -303,8 +340,11 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     def o_at(mt, dn, e):       # output accumulator: m-tile mt, n8 tile dn of the head dim, register e
         return (mt * ND + dn) * 4 + e
 
-    def q_at(mt, kk):          # first register of Q's A fragment for m-tile mt, k16 step kk
-        return (mt * KD + kk) * 4
+    def kv_copy_live(it, tx):  # copy pass it of a K/V tile has a chunk for thread tx (always when it splits evenly)
+        return True if KV_EVEN else it * NT + tx < BN * CPR
+
+    def q_at(mt, kk):          # first register of Q's A fragment for m-tile mt, k16 step kk (QREG: all kept)
+        return (mt * KD + kk) * 4 if QREG else mt * 4
 
     def bias_at(bias, b, h, tr, warp, g, mt, hh, key):   # bias of the thread's row hh*8+g of m-tile mt, clamped
         return bias[b * BSB, h * BSH, T.min(tr * BM + warp * (MT * 16) + mt * 16 + hh * 8 + g, SQ - 1),
@@ -338,6 +378,12 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     bias, b, h, tr, warp, g, mt, hh, bcol * BN + j * 8 + qd * 2 + 1))), T.uint32(16)))
 
     @T.macro
+    def load_q_fragment(q_frag, q_base, warp, lane, mt, kk):
+        # Q's A fragment of m-tile mt, k16 step kk (the warp's own rows of the Q tile) by one ldmatrix.x4.
+        LDMATRIX_X4(q_frag[q_at(mt, kk)], q_frag[q_at(mt, kk) + 1], q_frag[q_at(mt, kk) + 2], q_frag[q_at(mt, kk) + 3],
+                    q_base + T.Cast("uint32", swz(warp * (MT * 16) + mt * 16 + lane % 16, kk * 2 + lane // 16)))
+
+    @T.macro
     def issue_tile(tt, n_tiles, n_part_row, p0, f0, tx, b, h, k_base, v_base, m_base, k, v, part_indices,
                    full_indices, part_bitmaps):
         # cp.async of tile tt's K, V (rows >= Sk zero-filled) and, for a partial tile, its bitmap words.
@@ -345,14 +391,15 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
             slot: T.let = tt % ST
             col: T.let = T.if_then_else(tt < n_part_row, part_indices[p0 + tt], full_indices[f0 + tt - n_part_row])
             for it in T.unroll(KV_ITERS):
-                row: T.let = (it * NT + tx) // CPR
-                key: T.let = col * BN + row
-                dst: T.let = T.Cast("uint32", slot * KV_BYTES + swz(row, (it * NT + tx) % CPR))
-                fill: T.let = T.Cast("uint32", T.Select(key < SK, 16, 0))
-                CP_ASYNC_16(k_base + dst, T.address_of(k[b, h, T.min(key, SK - 1), ((it * NT + tx) % CPR) * 8]),
-                            16, fill)
-                CP_ASYNC_16(v_base + dst, T.address_of(v[b, h, T.min(key, SK - 1), ((it * NT + tx) % CPR) * 8]),
-                            16, fill)
+                if kv_copy_live(it, tx):
+                    row: T.let = (it * NT + tx) // CPR
+                    key: T.let = col * BN + row
+                    dst: T.let = T.Cast("uint32", slot * KV_BYTES + swz(row, (it * NT + tx) % CPR))
+                    fill: T.let = T.Cast("uint32", T.Select(key < SK, 16, 0))
+                    CP_ASYNC_16(k_base + dst, T.address_of(k[b, h, T.min(key, SK - 1),
+                                                             ((it * NT + tx) % CPR) * 8]), 16, fill)
+                    CP_ASYNC_16(v_base + dst, T.address_of(v[b, h, T.min(key, SK - 1),
+                                                             ((it * NT + tx) % CPR) * 8]), 16, fill)
             if tt < n_part_row:
                 for it in T.unroll(M_ITERS):
                     if it * NT + tx < MW_CHUNKS:
@@ -368,7 +415,7 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
             for by in T.thread_binding(GY, thread="blockIdx.y"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     smem = T.alloc_buffer((SMEM_WORDS,), "uint32", scope="shared.dyn")
-                    q_frag = T.alloc_buffer((MT * KD * 4,), "uint32", scope="local")
+                    q_frag = T.alloc_buffer((MT * (KD if QREG else 1) * 4,), "uint32", scope="local")
                     b_frag = T.alloc_buffer((4,), "uint32", scope="local")
                     p_frag = T.alloc_buffer((MT * 4,), "uint32", scope="local")
                     s_acc = T.alloc_buffer((MT * NJ * 4,), "float32", scope="local")
@@ -448,12 +495,10 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                         l_run[i] = T.float32(0)
                     T.ptx.cp.async_.wait_group(ST - 1)
                     T.tvm_storage_sync("shared")
-                    for mt in T.unroll(MT):
-                        for kk in T.unroll(KD):
-                            LDMATRIX_X4(q_frag[q_at(mt, kk)], q_frag[q_at(mt, kk) + 1], q_frag[q_at(mt, kk) + 2],
-                                        q_frag[q_at(mt, kk) + 3],
-                                        q_base + T.Cast("uint32", swz(warp * (MT * 16) + mt * 16 + lane % 16,
-                                                                      kk * 2 + lane // 16)))
+                    if QREG:
+                        for mt in T.unroll(MT):
+                            for kk in T.unroll(KD):
+                                load_q_fragment(q_frag, q_base, warp, lane, mt, kk)
                     for t in range(n_tiles):
                         # Tile t has landed for every thread, and every thread is done with tile t-1's slot,
                         # which the copy of tile t+STAGES-1 now refills.
@@ -499,6 +544,9 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                 for i in T.unroll(MT * NJ * 4):
                                     s_acc[i] = T.float32(0)
                             for kk in T.unroll(KD):
+                                if not QREG:
+                                    for mt in T.unroll(MT):
+                                        load_q_fragment(q_frag, q_base, warp, lane, mt, kk)
                                 for jp in T.unroll(NJ // 2):
                                     LDMATRIX_X4(b_frag[0], b_frag[1], b_frag[2], b_frag[3],
                                                 k_base + kv_off + T.Cast("uint32", swz(

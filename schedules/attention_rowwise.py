@@ -13,12 +13,13 @@ GPU runs:
   accumulator (a split-K online softmax) and a final ``merge`` combines the KG partial states exactly.
 - Per step a group takes ``keys_per_step`` (U) keys: U index loads, U key-row loads, U dot products, one rescale,
   U value-row loads. (Issuing the value loads together with the key loads measured no faster on the H200.)
-- On CUDA a group is ``lanes`` = D / 8 threads (threadIdx.x), each owning 8 of the D channels, so every K/V row is
-  read as one 16-byte vector per lane; the dot product is a cross-thread reduction that TVM lowers to warp
-  shuffles within the group. KG groups (threadIdx.y) fill one or more whole warps, so every shuffle runs with the
-  whole warp converged; ``rows_per_block`` rows (threadIdx.z) share a thread block and, being neighbours, mostly
-  the same keys in L1. The partial states go through shared memory to the merge (one barrier, outside every
-  data-dependent loop).
+- On CUDA a group is ``lanes`` threads (threadIdx.x), each owning 8 of the D channels, so every K/V row is read as one
+  16-byte vector per lane; the dot product is a cross-thread reduction that TVM lowers to warp shuffles within the
+  group. ``lanes`` is D / 8 rounded up to a power of two (shuffles stay inside a warp and a group never straddles
+  two), so at D = 80 or 96 the last 6 or 4 of 16 lanes idle. KG groups (threadIdx.y) fill one or more whole warps,
+  so every shuffle runs with the whole warp converged; ``rows_per_block`` rows (threadIdx.z) share a thread block
+  and, being neighbours, mostly the same keys in L1. The partial states go through shared memory to the merge (one
+  barrier, outside every data-dependent loop).
 - On the CPU (llvm) rows run in parallel and each row is plain loops.
 
 Scores are computed in the log2 domain (the query is pre-multiplied by ``scale * log2(e)``) so the softmax uses
@@ -34,10 +35,12 @@ from tvm import s_tir
 from tvm.script import tirx as T
 
 __all__ = ["RowConfig", "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "default_row_config", "rowwise_attention_template",
-           "schedule_rowwise", "rowwise_attention_primfunc", "ROWWISE_SYMBOL", "check_score_bias"]
+           "schedule_rowwise", "rowwise_attention_primfunc", "ROWWISE_SYMBOL", "check_score_bias", "cuda_lanes",
+           "cuda_config_fits"]
 
 ROWWISE_SYMBOL = "rowwise_attention"
-SUPPORTED_HEAD_DIMS = (64, 128)
+# Every multiple of 16 from 32 to 256 (as the block-wise kernel): a K/V row is 4 to 32 16-byte vectors.
+SUPPORTED_HEAD_DIMS = tuple(range(32, 257, 16))
 # Storage dtypes per target kind; all arithmetic is float32.
 SUPPORTED_DTYPES = {"cuda": ("float16", "bfloat16"), "llvm": ("float16", "bfloat16", "float32")}
 _VECTOR_BYTES = 16          # one K/V load per lane on CUDA
@@ -68,13 +71,19 @@ class RowConfig:
 def default_row_config(head_dim: int, dtype: str, target_kind: str) -> RowConfig:
     """A sound starting configuration: one warp per row on CUDA, one group per row on the CPU."""
     if target_kind == "cuda":
-        return RowConfig(key_groups=_WARP // _lanes(head_dim, dtype), keys_per_step=2, rows_per_block=4)
+        return RowConfig(key_groups=_WARP // cuda_lanes(head_dim, dtype), keys_per_step=2, rows_per_block=4)
     return RowConfig(key_groups=1, keys_per_step=4, rows_per_block=1)
 
 
-def _lanes(head_dim: int, dtype: str) -> int:
-    """Threads per key on CUDA: each lane loads one 16-byte vector of a K or V row."""
-    return head_dim * tvm.DataType(dtype).bits // 8 // _VECTOR_BYTES
+def _vector(dtype: str) -> int:
+    """Elements of ``dtype`` in one 16-byte vector: what one lane loads of a K or V row."""
+    return _VECTOR_BYTES * 8 // tvm.DataType(dtype).bits
+
+
+def cuda_lanes(head_dim: int, dtype: str) -> int:
+    """Threads per key on CUDA: each lane loads one 16-byte vector of a K or V row; the count is rounded up to
+    a power of two so that a group's shuffles stay inside one warp."""
+    return 1 << (-(-head_dim // _vector(dtype)) - 1).bit_length()
 
 
 def _check_problem(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, scale, target_kind):
@@ -98,14 +107,20 @@ def _check_problem(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask
 def _check_config(config, head_dim, dtype, target_kind):
     if not isinstance(config, RowConfig):
         raise TypeError(f"config must be a RowConfig, got {type(config).__name__}")
-    if target_kind == "cuda":
-        lanes = _lanes(head_dim, dtype)
-        threads = lanes * config.key_groups
-        if threads % _WARP or head_dim % threads or threads * config.rows_per_block > 1024:
-            raise ValueError(
-                f"on CUDA, lanes ({lanes}) x key_groups must be a multiple of {_WARP} that divides head_dim "
-                f"({head_dim}), and times rows_per_block at most 1024; got key_groups={config.key_groups}, "
-                f"rows_per_block={config.rows_per_block}")
+    if target_kind == "cuda" and not cuda_config_fits(config, head_dim, dtype, 1024):
+        lanes = cuda_lanes(head_dim, dtype)
+        raise ValueError(
+            f"on CUDA, lanes ({lanes}) x key_groups must be a multiple of {_WARP} and at most head_dim "
+            f"({head_dim}), and times rows_per_block at most 1024; got key_groups={config.key_groups}, "
+            f"rows_per_block={config.rows_per_block}")
+
+
+def cuda_config_fits(config: RowConfig, head_dim: int, dtype: str, max_threads: int) -> bool:
+    """Whether the CUDA schedule takes ``config``: a row's lanes x key_groups threads fill whole warps and do not
+    outnumber the head dim (each finishes at least one channel in the merge), and a block has at most
+    ``max_threads`` threads."""
+    threads = cuda_lanes(head_dim, dtype) * config.key_groups
+    return threads % _WARP == 0 and threads <= head_dim and threads * config.rows_per_block <= max_threads
 
 
 def check_score_bias(bias, batch: int, heads: int):
@@ -310,8 +325,8 @@ def schedule_rowwise(func: tvm.tirx.PrimFunc, *, head_dim: int, dtype: str, seq_
     if target_kind == "llvm":
         sch.parallel(sch.fuse(*sch.get_loops("row")))
         return sch.mod["main"]
-    lanes = _lanes(head_dim, dtype)
-    vec = head_dim // lanes
+    lanes = cuda_lanes(head_dim, dtype)
+    vec = _vector(dtype)        # lanes * vec >= head_dim: lanes past the row's last vector are predicated off
     b, h, i = sch.get_loops("row")
     sch.bind(sch.fuse(b, h), "blockIdx.y")
     # Rows per block divide Sq so no block runs past the end: the merge barrier is then reached by every thread.
@@ -332,7 +347,7 @@ def schedule_rowwise(func: tvm.tirx.PrimFunc, *, head_dim: int, dtype: str, seq_
     sch.bind(lane, "threadIdx.x")
     lane, _ = sch.split(sch.get_loops("update")[-2], [lanes, vec])
     sch.bind(lane, "threadIdx.x")
-    # Merge: the row's KG x lanes threads each finish head_dim / (KG x lanes) consecutive channels.
+    # Merge: the row's KG x lanes threads each finish ceil(head_dim / (KG x lanes)) consecutive channels.
     group, lane, _ = sch.split(sch.get_loops("merge")[-1], [config.key_groups, lanes, None])
     sch.bind(group, "threadIdx.y")
     sch.bind(lane, "threadIdx.x")

@@ -28,7 +28,7 @@ from tvm.script import tirx as T
 
 __all__ = [
     "PTX_TYPE", "mma_m16n8k16", "pack_f32x2", "LDMATRIX_X4", "LDMATRIX_X4_TRANS", "CP_ASYNC_16",
-    "LD_SHARED_V4", "ST_GLOBAL_V4", "EX2", "swizzle_offset",
+    "LD_SHARED_V4", "ST_GLOBAL_V4", "EX2", "swizzle_offset", "chunk_stride", "chunk_offset",
 ]
 
 # TVM dtype -> PTX type token of the 16-bit multiplicands.
@@ -87,3 +87,28 @@ def swizzle_offset(row, chunk, row_bytes: int):
     if row_bytes % 128:
         raise ValueError(f"swizzled rows must be a multiple of 128 bytes, got {row_bytes}")
     return row * row_bytes + ((chunk ^ (row & 7)) << 4)
+
+
+def chunk_stride(chunks_per_row: int) -> int:
+    """16-byte chunks one row of ``chunks_per_row`` chunks takes in a shared tile laid out by
+    :func:`chunk_offset`: the same number when it is a multiple of 8 (XOR-swizzled rows), else the next odd
+    number (one padding chunk for an even count)."""
+    if chunks_per_row < 1:
+        raise ValueError(f"a shared row needs at least one 16-byte chunk, got {chunks_per_row}")
+    return chunks_per_row if chunks_per_row % 8 == 0 else chunks_per_row | 1
+
+
+def chunk_offset(row, chunk, chunks_per_row: int):
+    """Byte offset of 16-byte chunk ``chunk`` of row ``row`` in a shared tile whose rows hold ``chunks_per_row``
+    chunks, free of bank conflicts for any row width.
+
+    ``ldmatrix`` (and a warp's 4-byte stores to eight rows at one chunk) touch eight rows at the same logical
+    chunk in one pass; those must fall in the eight different 16-byte bank groups of a 128-byte line. Rows of a
+    multiple of 8 chunks (head dims 64, 128, 192, 256 in 16-bit) are XOR-swizzled (:func:`swizzle_offset`, no
+    padding). Other widths (32, 80, 96, ...: 4, 10, 12 chunks, where an XOR would leave the row) get an odd row
+    stride instead: rows r and r' then start ``stride * (r - r')`` chunks apart, never a multiple of 8 for
+    ``|r - r'| < 8``, at the cost of at most one padding chunk per row.
+    """
+    if chunks_per_row % 8 == 0:
+        return swizzle_offset(row, chunk, chunks_per_row * 16)
+    return row * (chunk_stride(chunks_per_row) * 16) + chunk * 16

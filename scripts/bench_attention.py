@@ -15,7 +15,8 @@ Two steps, because the GPU machine has TVM's runtime but builds nothing:
 Plans: ``check`` (small shapes: every config, fp16/bf16, D 64/128, shared / per-batch / per-head masks,
 padding, empty rows, S not a multiple of the tile), ``tune`` (tile configurations at B=16, S=4096 and S=16384),
 ``grid`` (issue 3's grid: causal/sliding/longformer/bigbird x B {1,8,16} x S {128..4096}, H=12, D=64, fp16; plus
-S 8192/16384 with D=128). Effective TFLOP/s counts kept pairs only: ``4 * kept * D`` per head.
+S 8192/16384 with D=128), ``headdims`` (issue 16: D 32-256 checked at small shapes, D 32/64/80/96/128/256 timed
+on causal/sliding/bigbird). Effective TFLOP/s counts kept pairs only: ``4 * kept * D`` per head.
 
     python scripts/bench_attention.py build --plan check,tune --out out/attn
     python3 scripts/bench_attention.py run --out out/attn --json $OUT/attn.json      # on the GPU machine
@@ -23,7 +24,6 @@ S 8192/16384 with D=128). Effective TFLOP/s counts kept pairs only: ``4 * kept *
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -33,6 +33,10 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402  (the scripts' shared timing, checking and CUDA tool-chain helpers)
+from benchlib import source_key  # noqa: E402
 
 import numpy as np
 
@@ -193,7 +197,49 @@ def plan_pick() -> list[dict]:
     return cases
 
 
-PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick}
+def _config_tuple(config) -> tuple:
+    return (config.block_m, config.block_n, config.num_warps, config.stages, config.heavy_first)
+
+
+HEAD_DIM_CHECKS = (32, 80, 96, 192, 256)          # odd-stride rows (32, 80, 96); Q reloaded per tile (192, 256)
+HEAD_DIM_TIMES = (80, 96, 32, 256, 64, 128)       # new widths first, then the two measured before
+HEAD_DIM_SHAPES = {256: (4, 8, 4096)}             # (B, H, S); every other width: HEAD_DIM_SHAPE
+HEAD_DIM_SHAPE = (8, 12, 4096)
+
+
+def plan_headdims() -> list[dict]:
+    """Head dims other than 64 and 128 (issue 16). Checks at small shapes: both default configurations of each
+    width in HEAD_DIM_CHECKS (dense default: causal, per-head random with empty rows; sparse default: bigbird,
+    padding; bf16), the row-wise kernel too. Timed, D in HEAD_DIM_TIMES: causal on the dense default, sliding and
+    bigbird on the sparse default, each also on the model's top-ranked block configuration, against
+    FlexAttention (BlockMask of the same mask) and SDPA."""
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile, choose_attention
+    from stof_tvm.schedules.attention_blockwise import default_block_config
+
+    cases = []
+    seq, batch, heads = 200, 2, 3
+    for head_dim in HEAD_DIM_CHECKS:
+        dense = _config_tuple(default_block_config(head_dim, "float16", seq))
+        sparse = _config_tuple(default_block_config(head_dim, "float16", seq, sparse=True))
+        for config, recipes in ((dense, ("causal", "random_empty:0.05")), (sparse, ("bigbird", "padding"))):
+            for recipe in recipes:
+                cases.append(_case("check", "block", recipe, batch, heads, seq, head_dim, "float16", config))
+        cases.append(_case("check", "block", "random_empty:0.05", batch, heads, seq, head_dim, "bfloat16", sparse))
+        if head_dim != 192:
+            cases.append(_case("check", "row", "random_empty:0.05", batch, heads, seq, head_dim, "float16", None))
+    for head_dim in HEAD_DIM_TIMES:
+        batch, heads, seq = HEAD_DIM_SHAPES.get(head_dim, HEAD_DIM_SHAPE)
+        for recipe in ("causal", "sliding", "bigbird"):
+            default = _config_tuple(default_block_config(head_dim, "float16", seq, sparse=recipe != "causal"))
+            problem = AttentionProblem(batch=batch, heads=heads, head_dim=head_dim, dtype="float16",
+                                       mask=MaskProfile(build_mask(recipe, batch, heads, seq, 0)))
+            best = choose_attention(problem, kinds=("block",)).candidate.config
+            for config in dict.fromkeys((default, _config_tuple(best))):
+                cases.append(_case("time", "block", recipe, batch, heads, seq, head_dim, "float16", config))
+    return cases
+
+
+PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -221,25 +267,7 @@ def _primfunc(case: dict):
 
 def _nvcc_cubin(src: str, cubin_path: Path) -> dict:
     """Compile ``src`` for sm_90 with nvcc -Xptxas -v into ``cubin_path``; return registers / spill figures."""
-    import re
-
-    cu = cubin_path.with_suffix(".cu")
-    cu.write_text(src)
-    proc = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-O3", "--use_fast_math", "-Xptxas", "-v",
-                           "-o", str(cubin_path), str(cu)], capture_output=True, text=True)
-    cu.unlink()
-    text = proc.stdout + proc.stderr
-    if proc.returncode:
-        raise RuntimeError(f"nvcc failed for {cubin_path.name}:\n{text}")
-    regs = re.search(r"Used (\d+) registers", text)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    stack = re.search(r"(\d+) bytes stack frame", text)
-    return {"registers": int(regs.group(1)), "spill_stores": int(spill.group(1)),
-            "spill_loads": int(spill.group(2)), "stack_frame": int(stack.group(1)), "cubin": cubin_path.name}
-
-
-def source_key(src: str) -> str:
-    return hashlib.sha256(src.encode()).hexdigest()[:24]
+    return bl.nvcc_cubin(src, cubin_path, "sm_90", fast_math=True)
 
 
 def build(args) -> None:
@@ -537,6 +565,8 @@ def run(args) -> None:
     cases = runner.manifest["cases"]
     if args.only:
         cases = [c for c in cases if c["kind"] in args.only.split(",")]
+    if args.head_dims:
+        cases = [c for c in cases if c["head_dim"] in {int(d) for d in args.head_dims.split(",")}]
     if args.skip_failed_in:
         # Kernel configurations that failed a check in an earlier run (its JSON) are not timed.
         failed = {(r["family"], r["head_dim"], str(r["config"])) for r in
@@ -591,6 +621,7 @@ def main(argv=None) -> None:
     r.add_argument("--json", default=None, help="write results here (rewritten after every case)")
     r.add_argument("--budget", type=float, default=480.0, help="seconds after which no new case starts")
     r.add_argument("--only", default=None, help="run only these case kinds (check,time)")
+    r.add_argument("--head-dims", default=None, help="run only the cases of these head dims (e.g. 80,96)")
     r.add_argument("--skip-failed-in", default=None, help="JSON of an earlier run: skip configs that failed there")
     args = parser.parse_args(argv)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -30,11 +30,13 @@ from stof_tvm.sparse_formats.tiled import build_tiled
 __all__ = ["sparse_attention", "AttentionPlan", "choose_kernel", "choose_kernel_config", "resolve_target", "KERNELS",
            "clear_kernel_cache"]
 
-KERNELS = ("auto", "row", "block")
-_SYMBOLS = {"row": "rowwise_attention", "block": "blockwise_attention"}
+KERNELS = ("auto", "row", "block", "wgmma")   # "wgmma": opt-in Hopper block-wise kernel (sm_90a), never "auto"
+_SYMBOLS = {"row": "rowwise_attention", "block": "blockwise_attention", "wgmma": "wgmma_attention"}
 _CUDA_DTYPES = ("float16", "bfloat16")
 _CPU_DTYPES = ("float16", "bfloat16", "float32")
-_HEAD_DIMS = (64, 128)
+# The sparse kernels' SUPPORTED_HEAD_DIMS (multiples of 16 from 32 to 256), kept here so that importing this module
+# does not import the kernels; tests/test_attention_api.py checks that they agree.
+_HEAD_DIMS = tuple(range(32, 257, 16))
 _LIBRARY, _PLAN_FILE = "kernel.so", "plan.json"
 
 
@@ -115,6 +117,18 @@ def resolve_target(target=None):
     return Target(target, host={"kind": "llvm"})
 
 
+def _hopper_target(target):
+    """The sm_90a twin of a CUDA sm_90 / sm_90a target (the wgmma kernel's instructions exist only there)."""
+    from tvm.target import Target
+
+    spec = json.loads(str(target))
+    if spec["kind"] != "cuda" or spec.get("arch") not in ("sm_90", "sm_90a"):
+        raise ValueError(f"kernel 'wgmma' needs a CUDA sm_90 / sm_90a (Hopper) target, got {spec.get('kind')} "
+                         f"{spec.get('arch', '')}".rstrip())
+    spec.pop("host", None)
+    return Target({**spec, "arch": "sm_90a"}, host={"kind": "llvm"})
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Compiled-kernel cache
 
@@ -127,6 +141,9 @@ def clear_kernel_cache() -> None:
 
 
 def _default_config(kernel: str, problem: Problem, target_kind: str):
+    if kernel == "wgmma":
+        from stof_tvm.schedules.attention_wgmma import default_config
+        return default_config(problem.head_dim)
     if kernel == "row":
         from stof_tvm.schedules.attention_rowwise import default_row_config
         return default_row_config(problem.head_dim, problem.dtype, target_kind)
@@ -137,6 +154,14 @@ def _default_config(kernel: str, problem: Problem, target_kind: str):
 def _compiled_kernel(kernel: str, problem: Problem, config, target):
     """The compiled module of ``kernel`` for this problem, config and target: built once, then reused."""
     key = (kernel, problem, config, str(target))
+    if key not in _KERNEL_CACHE and kernel == "wgmma":
+        from stof_tvm.schedules.attention_wgmma import wgmma_attention_primfunc
+
+        p = problem
+        func = wgmma_attention_primfunc(batch=p.batch, heads=p.heads, seq_q=p.seq_q, seq_k=p.seq_k,
+                                        head_dim=p.head_dim, dtype=p.dtype, mask_batch=p.mask_batch,
+                                        mask_heads=p.mask_heads, scale=p.scale, config=config)
+        _KERNEL_CACHE[key] = tvm.compile(func, target=target)
     if key not in _KERNEL_CACHE:
         if kernel == "row":
             from stof_tvm.schedules.attention_rowwise import rowwise_attention_primfunc as make_primfunc
@@ -217,11 +242,13 @@ class AttentionPlan:
         shape: the shape of q, ``(B, H, Sq, D)``.
         dtype: "float16" or "bfloat16" ("float32" too on the CPU); q, k, v and the output share it.
         seq_k: key/value length (default Sq).
-        kernel: "auto" (:func:`choose_kernel`), "row" or "block".
+        kernel: "auto" (:func:`choose_kernel`), "row", "block" or "wgmma" (opt-in: the block-wise kernel on
+            Hopper wgmma, :mod:`stof_tvm.schedules.attention_wgmma`; CUDA sm_90 targets, built for sm_90a).
         target: None (cuda if a GPU is present, else llvm), "cuda", "llvm", a target dict or a tvm Target.
             A CUDA plan can be built without a GPU (to :meth:`save` it), but not run.
         scale: softmax scale, default 1/sqrt(D).
-        config: kernel configuration (``RowConfig`` / ``BlockConfig``), default the kernel's own.
+        config: kernel configuration (``RowConfig`` / ``BlockConfig`` / ``WgmmaAttentionConfig``), default the
+            kernel's own.
 
     Attributes: ``kernel`` ("row"/"block"), ``problem`` (:class:`Problem`), ``target`` (the target as a dict),
     ``config`` (a dict in loaded plans).
@@ -241,7 +268,8 @@ class AttentionPlan:
         if dtype not in allowed:
             raise TypeError(f"dtype must be one of {allowed} on {kind}, got {dtype!r}")
         if head_dim not in _HEAD_DIMS:
-            raise ValueError(f"head dimension D must be one of {_HEAD_DIMS}, got {head_dim} (shape {tuple(shape)})")
+            raise ValueError(f"head dimension D must be a multiple of 16 from 32 to 256, got {head_dim} "
+                             f"(shape {tuple(shape)})")
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"scale must be a positive finite number, got {scale!r}")
@@ -254,8 +282,10 @@ class AttentionPlan:
         if kernel == "auto":
             kernel, chosen = choose_kernel_config(mask4, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
                                                   target_kind=kind)
-        if kernel == "block" and dtype == "float32":
-            raise TypeError("the block-wise kernel supports float16 and bfloat16, not float32")
+        if kernel in ("block", "wgmma") and dtype == "float32":
+            raise TypeError(f"the {kernel} kernel supports float16 and bfloat16, not float32")
+        if kernel == "wgmma":
+            resolved = _hopper_target(resolved)
         self.kernel = kernel
         if config is None:
             config = chosen if chosen is not None else _default_config(kernel, self.problem, kind)

@@ -120,8 +120,9 @@ class CompiledModel:
         self._arrays = arrays
         self._format_cache: dict = {}
         att = manifest["attention"]
-        self.kernel = att["kernel"]["kind"]
-        self._mask_dims = (att["kernel"]["mask_batch"], att["kernel"]["mask_heads"], att["seq_q"], att["seq_k"])
+        self.kernel = att["kernel"]["kind"]           # "none": compiled without stof-tvm's attention (no mask input)
+        self._mask_dims = None if self.kernel == "none" else (att["kernel"]["mask_batch"], att["kernel"]["mask_heads"],
+                                                               att["seq_q"], att["seq_k"])
         self._default_mask = None
 
     @property
@@ -217,6 +218,11 @@ class CompiledModel:
 
     def mask_arrays(self, mask=None, host_inputs: dict | None = None) -> list[np.ndarray]:
         """The arrays of the module's mask inputs (format or dense keep-mask) for ``mask`` and these inputs."""
+        if self.kernel == "none":
+            if mask is not None:
+                raise ValueError(f"mask: this artifact takes no mask: its attention runs as the model computes it "
+                                 f"({self.manifest['attention']['fallback']})")
+            return []
         user = self._normalized(mask)
         bm, hm, sq, sk = self._mask_dims
         if user.shape[0] > bm or user.shape[1] > hm:

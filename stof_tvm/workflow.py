@@ -48,14 +48,20 @@ def tune_for_compile(model, *, mask, batch: int, seq_len: int, database: str, tr
     ``report``: called with each stage line; ``progress_stream``: where stage 2's progress bar goes (None: off).
     """
     from stof_tvm.tuning import plan, tune_tasks, tuning_target
+    from stof_tvm.tuning.plan import NothingToTune
 
     say = report if report is not None else (lambda line: None)
     started = time.monotonic()
     summary = {"trials": trials, "top_k": top_k, "measured": 0, "tasks": 0, "rounds": 0, "stopped": ""}
     for _ in range(_ROUNDS):
         say("stage 1: planning the calls this compile makes (front end, then the analytical model's ranking)")
-        stage1 = plan(model, mask=mask, batch=batch, seq_len=seq_len, dtype=dtype, target=tuning_target(target),
-                      top_k=top_k, kernel=kernel, templates=templates, gemm=gemm, database=database)
+        try:
+            stage1 = plan(model, mask=mask, batch=batch, seq_len=seq_len, dtype=dtype, target=tuning_target(target),
+                          top_k=top_k, kernel=kernel, templates=templates, gemm=gemm, database=database)
+        except NothingToTune as err:
+            say(f"stage 1: {err}; compiling without tuning")
+            summary["stopped"] = str(err)
+            break
         target_of_calls = tuning_target(stage1.target)
         say(f"stage 1: {len(stage1.tasks)} tasks, {sum(t.space_size for t in stage1.tasks)} candidates "
             f"(model {stage1.model_seconds:.2f} s); " + ("; ".join(stage1.notes) or "every call planned"))

@@ -31,6 +31,20 @@ def test_both_kernels_match_reference(kernel, dtype, head_dim):
     check(sparse_attention(q, k, v, "bigbird", kernel=kernel), q, k, v, "bigbird", dtype)
 
 
+@pytest.mark.parametrize("kernel", ["auto", "row", "block"])
+@pytest.mark.parametrize("dtype,head_dim", [("float16", 32), ("bfloat16", 80), ("float16", 96), ("float16", 256)])
+def test_head_dims_of_real_models(kernel, dtype, head_dim):
+    """Head dims other than 64 and 128 (small BERTs and Swin: 32, Phi: 80, 96, Gemma: 256) through the plan."""
+    q, k, v = random_qkv(1, 2, 50, 50, head_dim, dtype)
+    plan = AttentionPlan("sliding:window=8", q.shape, dtype, kernel=kernel)
+    check(plan.run(q, k, v), q, k, v, "sliding:window=8", dtype)
+
+
+def test_head_dims_agree_with_the_kernels():
+    from stof_tvm.schedules import attention_blockwise, attention_rowwise
+    assert attention_api._HEAD_DIMS == attention_blockwise.SUPPORTED_HEAD_DIMS == attention_rowwise.SUPPORTED_HEAD_DIMS
+
+
 @pytest.mark.parametrize("kernel", ["row", "block"])
 @pytest.mark.parametrize("seq,mask", [(1, "causal"), (7, "sliding:window=2"), (64, "longformer:window=4,globals=2"),
                                       (100, "dilated:window=16"), (128, "bigbird:window=8,globals=8,block=16")])
@@ -138,9 +152,9 @@ def test_bad_inputs_raise_clear_errors():
         sparse_attention(q, k, v.astype(np.float32), "causal")
     with pytest.raises(TypeError, match="dtype must be one of"):
         sparse_attention(q.astype(np.int16), k.astype(np.int16), v.astype(np.int16), "causal")
-    q96, k96, v96 = random_qkv(1, 1, 8, 8, 96, "float16")
-    with pytest.raises(ValueError, match="head dimension D"):
-        sparse_attention(q96, k96, v96, "causal")
+    q72, k72, v72 = random_qkv(1, 1, 8, 8, 72, "float16")
+    with pytest.raises(ValueError, match="head dimension D must be a multiple of 16 from 32 to 256, got 72"):
+        sparse_attention(q72, k72, v72, "causal")
     with pytest.raises(ValueError, match=r"last two dimensions must be \(16, 16\)"):
         sparse_attention(q, k, v, np.ones((16, 17), bool))
     with pytest.raises(ValueError, match="heads dimension must be 1 or 2"):

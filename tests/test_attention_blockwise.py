@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import tvm
 
-from stof_tvm.schedules.attention_blockwise import (BlockConfig, blockwise_attention_primfunc,
-                                                    default_block_config)
+from stof_tvm.schedules.attention_blockwise import (SUPPORTED_HEAD_DIMS, BlockConfig, blockwise_attention_primfunc,
+                                                    default_block_config, shared_row_bytes)
+from stof_tvm.schedules.mma import chunk_offset, chunk_stride
 from stof_tvm.sparse_formats import build_tiled, normalize_mask
 
 from attention_reference import assert_attention_close, reference_attention
@@ -219,6 +220,65 @@ def test_head_dim_128_and_custom_scale():
     run_and_check("causal", scale=0.05, seq=72, heads=1)
 
 
+def _per_head_random(batch, heads, seq, seed=5):
+    rng = np.random.default_rng(seed)
+    mask = rng.random((batch, heads, seq, seq)) < 0.15
+    mask[:, :, 3:9] = False                          # empty rows in every head
+    return mask
+
+
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 256])
+@pytest.mark.parametrize("mask", ["sliding", "bigbird", "causal", "per_head_random"])
+def test_head_dims_beyond_64_and_128(head_dim, mask):
+    """Every supported head dim computes the same function (llvm twin): here the widths of real models
+    (32: small BERTs, Swin; 80: Phi; 96; 256: Gemma) under each mask kind, at the dense and sparse defaults'
+    tile shapes."""
+    batch, heads, seq = 1, 2, 70
+    sparse = mask != "causal"
+    mask = _per_head_random(batch, heads, seq) if mask == "per_head_random" else mask
+    run_and_check(mask, batch=batch, heads=heads, seq=seq, head_dim=head_dim,
+                  config=default_block_config(head_dim, "float16", seq, sparse=sparse))
+
+
+def test_head_dim_80_bfloat16_with_padding_lengths():
+    run_and_check(np.array([61]), batch=1, heads=2, seq=61, head_dim=80, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("chunks", sorted({d // 8 for d in SUPPORTED_HEAD_DIMS} | {1, 2, 3, 5, 7}))
+def test_shared_row_layout_is_a_conflict_free_permutation(chunks):
+    """chunk_offset places every (row, 16-byte chunk) of a tile at its own aligned slot inside the tile's rows,
+    and the eight rows an ldmatrix 8x8 matrix reads at one chunk (rows 8i..8i+7; any eight consecutive rows when
+    the stride is odd) land in the eight different 16-byte bank groups of a 128-byte line."""
+    rows, stride = 32, chunk_stride(chunks)
+    offsets = np.array([[chunk_offset(r, c, chunks) for c in range(chunks)] for r in range(rows)])
+    assert len(set(offsets.ravel().tolist())) == rows * chunks
+    assert (offsets % 16 == 0).all() and offsets.min() == 0 and offsets.max() < rows * stride * 16
+    assert stride == chunks if chunks % 8 == 0 else (stride % 2 == 1 and stride - chunks <= 1)
+    starts = range(0, rows - 7) if stride % 2 else range(0, rows - 7, 8)
+    for start in starts:
+        for c in range(chunks):
+            banks = offsets[start:start + 8, c] // 16 % 8
+            assert len(set(banks.tolist())) == 8, (start, c, banks)
+
+
+def test_resources_of_every_head_dim():
+    """The defaults of every supported head dim fit sm_90 (shared memory, register estimate), rows padded to
+    an odd chunk count only where an XOR swizzle cannot work (not a multiple of 8 chunks)."""
+    assert SUPPORTED_HEAD_DIMS == tuple(range(32, 257, 16))
+    for head_dim in SUPPORTED_HEAD_DIMS:
+        assert shared_row_bytes(head_dim) == (2 * head_dim if head_dim % 64 == 0 else 2 * head_dim + 16)
+        for sparse in (False, True):
+            config = default_block_config(head_dim, "float16", 4096, sparse=sparse)
+            config.validate(head_dim)
+            assert config.registers(head_dim) <= 255
+            assert config.shared_bytes(head_dim) <= 227 * 1024
+    # Q is reloaded from shared memory only above D=128, where keeping it would take too many registers.
+    assert [d for d in SUPPORTED_HEAD_DIMS if not default_block_config(d, "float16", 4096).q_in_registers(d)] == \
+        [192, 208, 224, 240, 256]
+    assert all(BlockConfig(bm, bn, w).q_in_registers(d) for d in (64, 128) for bm, bn, w in
+               ((128, 128, 8), (64, 128, 4), (128, 64, 4), (64, 32, 2)))
+
+
 def test_bfloat16():
     run_and_check("bigbird", dtype="bfloat16", seq=90)
     run_and_check(np.array([5, 90]), dtype="bfloat16", seq=90, head_dim=128)
@@ -233,14 +293,18 @@ def test_default_config():
     assert default_block_config(64, "float16", 4096) == BlockConfig(128, 64, 4, 2)
     assert default_block_config(128, "bfloat16", 4096).num_warps == 8
     assert default_block_config(64, "float16", 4096, sparse=True) == BlockConfig(64, 32, 4, 2, heavy_first=True)
-    for head_dim in (64, 128):
+    assert default_block_config(80, "float16", 4096) == BlockConfig(128, 64, 8, 2)
+    assert default_block_config(32, "float16", 4096) == BlockConfig(128, 64, 4, 2)
+    for head_dim in SUPPORTED_HEAD_DIMS:
         for seq in (7, 64, 4096):
             for sparse in (False, True):
                 default_block_config(head_dim, "float16", seq, sparse=sparse).validate(head_dim)
 
 
 @pytest.mark.parametrize("kwargs, error", [
-    (dict(head_dim=96), ValueError),
+    (dict(head_dim=72), ValueError),
+    (dict(head_dim=16), ValueError),
+    (dict(head_dim=272), ValueError),
     (dict(dtype="float32"), ValueError),
     (dict(mask_batch=3), ValueError),
     (dict(mask_heads=2), ValueError),
@@ -301,11 +365,35 @@ def test_cuda_source_compiles_for_sm90(dtype, head_dim, config, out_layout, seq,
         assert needle in src, needle
     report = sm90_ptxas_report(src, tmp_path)
     assert (tmp_path / "kernel.cubin").stat().st_size > 0
+    assert_no_spills(report)
     if bias is not None:         # 16-bit biases with an even Sk load two columns per 32-bit word
         pair = bias[2] != "float32" and seq % 2 == 0
         assert ("((uint*)bias_ptr)[" in src) == pair
+
+
+def assert_no_spills(report: str) -> None:
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and spills.groups() == ("0", "0"), report
+    assert "0 bytes stack frame" in report, report
+
+
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 256])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_cuda_source_of_every_head_dim_compiles_without_spills(head_dim, sparse, tmp_path):
+    """nvcc sm_90 builds the tensor-core kernel of the widths real models use at both default tile shapes with
+    0 spill bytes (ptxas -v); at D=256 Q's fragments are reloaded from shared memory at every tile."""
+    config = default_block_config(head_dim, "float16", 4096, sparse=sparse)
+    func = blockwise_attention_primfunc(batch=2, heads=4, seq_q=1000, seq_k=1000, head_dim=head_dim,
+                                        dtype="bfloat16" if sparse else "float16", mask_batch=1, mask_heads=4,
+                                        config=config, target_kind="cuda", out_layout="bshd")
+    mod = tvm.compile(func, target=CUDA)
+    src = mod.mod.imports[0].inspect_source()
+    assert "mma.sync.aligned.m16n8k16" in src and "ldmatrix.sync.aligned.m8n8.x4.trans.shared" in src
+    assert_no_spills(sm90_ptxas_report(src, tmp_path))
+    # Q's A fragments: all k16 steps of every m-tile kept, or one m-tile's worth reloaded per k16 step (D=256).
+    kept = config.m_tiles_per_warp * (head_dim // 16 if config.q_in_registers(head_dim) else 1) * 4
+    assert f"uint q_frag_ptr[{kept}];" in src
+    assert config.q_in_registers(head_dim) == (head_dim != 256)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from attention_reference import assert_attention_close, numpy_dtype, random_qkv, reference_attention
 from stof_tvm import normalize_mask
-from stof_tvm.schedules.attention_rowwise import ROWWISE_SYMBOL, RowConfig, rowwise_attention_primfunc
+from stof_tvm.schedules.attention_rowwise import (ROWWISE_SYMBOL, SUPPORTED_HEAD_DIMS, RowConfig, cuda_config_fits,
+                                                  cuda_lanes, default_row_config, rowwise_attention_primfunc)
 from stof_tvm.sparse_formats import MASK_NAMES, build_rows
 
 LLVM = tvm.target.Target({"kind": "llvm"})
@@ -96,9 +97,31 @@ def test_sequence_lengths(seq):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
 def test_dtypes_and_head_dims(dtype, head_dim):
     run_rowwise("longformer:window=8,globals=4", 2, 2, 40, head_dim, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 256])
+@pytest.mark.parametrize("mask", ["sliding", "bigbird", "causal", "per_head_random"])
+def test_head_dims_under_each_mask_kind(head_dim, mask):
+    if mask == "per_head_random":
+        mask = np.random.default_rng(head_dim).random((1, 2, 60, 60)) < 0.1
+        mask[:, :, 4] = False
+    run_rowwise(mask, 1, 2, 60, head_dim, "float16")
+
+
+def test_cuda_lanes_and_configs_of_every_head_dim():
+    """One 16-byte vector per lane, lanes a power of two (a group's shuffles stay in its warp): 80 and 96
+    channels take 16 lanes, 6 or 4 of them idle; the default fills one warp per row and fits."""
+    assert {d: cuda_lanes(d, "float16") for d in (32, 64, 80, 96, 128, 256)} == \
+        {32: 4, 64: 8, 80: 16, 96: 16, 128: 16, 256: 32}
+    for head_dim in SUPPORTED_HEAD_DIMS:
+        config = default_row_config(head_dim, "float16", "cuda")
+        assert cuda_lanes(head_dim, "float16") * config.key_groups == 32
+        assert cuda_config_fits(config, head_dim, "float16", 1024)
+    assert not cuda_config_fits(RowConfig(key_groups=8), 80, "float16", 1024)     # 128 threads > 80 channels
+    assert cuda_config_fits(RowConfig(key_groups=4, rows_per_block=2), 80, "float16", 1024)
 
 
 @pytest.mark.parametrize("layout", [(1, 1), (2, 1), (1, 3), (2, 3)])
@@ -145,7 +168,9 @@ def test_long_sequence(name):
 def test_rejects_bad_arguments():
     base = dict(batch=2, heads=2, seq_q=8, seq_k=8, head_dim=64, dtype="float16", mask_batch=1, mask_heads=1)
     with pytest.raises(ValueError, match="head_dim"):
-        rowwise_attention_primfunc(**{**base, "head_dim": 96}, target_kind="llvm")
+        rowwise_attention_primfunc(**{**base, "head_dim": 72}, target_kind="llvm")
+    with pytest.raises(ValueError, match="head_dim"):
+        rowwise_attention_primfunc(**{**base, "head_dim": 16}, target_kind="llvm")
     with pytest.raises(TypeError, match="dtype"):
         rowwise_attention_primfunc(**{**base, "dtype": "float32"}, target_kind="cuda")
     with pytest.raises(TypeError, match="dtype"):
@@ -170,7 +195,9 @@ def _cuda_source(dtype, head_dim, layout, config=None):
 
 
 @pytest.mark.parametrize("dtype,head_dim,layout,config", [
-    ("float16", 64, (1, 1), None), ("bfloat16", 128, (4, 12), None), ("float16", 128, (4, 1), RowConfig(4, 4, 2))])
+    ("float16", 64, (1, 1), None), ("bfloat16", 128, (4, 12), None), ("float16", 128, (4, 1), RowConfig(4, 4, 2)),
+    ("float16", 32, (1, 1), None), ("bfloat16", 80, (4, 1), None), ("float16", 96, (1, 12), RowConfig(4, 2, 2)),
+    ("float16", 256, (1, 1), None)])
 def test_cuda_codegen_compiles_for_sm90(dtype, head_dim, layout, config, tmp_path):
     """Generated CUDA: 16-byte K/V loads, shuffles for the dot products; nvcc builds it without local memory."""
     src = _cuda_source(dtype, head_dim, layout, config)

@@ -8,6 +8,7 @@ from onnx import TensorProto, helper
 import stof_tvm
 from stof_tvm import make_mask
 from stof_tvm.models import builtin_model
+from stof_tvm.models.bert import BertConfig, make_bert
 from stof_tvm.models.reference import random_inputs, reference_outputs
 
 from attention_reference import relative_error
@@ -64,6 +65,34 @@ def test_float16_kernels_match_reference(tiny, feeds, kernel):
     out = art.load()(feeds)["last_hidden_state"]
     ref = reference_outputs(tiny, make_mask("longformer", S)[None, None], feeds)["last_hidden_state"]
     assert relative_error(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize("head_dim", [32, 80])
+def test_head_dims_other_than_64_and_128(head_dim):
+    """A BERT with head dim 32 (two 32-wide heads, small BERTs) or 80 (Phi's) compiles onto the block-wise kernel
+    (auto on llvm: STOF's rule picks it for longformer) and matches onnx's reference."""
+    model = make_bert(BertConfig(hidden=2 * head_dim, layers=1, heads=2, ffn=128, vocab=100, max_positions=256))
+    data = random_inputs(model, {"input_ids": (1, 64), "attention_mask": (1, 64)}, seed=5)
+    art = stof_tvm.compile(model, mask="longformer:window=8,globals=4", batch=1, seq_len=64, target="llvm",
+                           dtype="float16", kernel="block")
+    assert art.manifest["attention"]["kernel"]["kind"] == "block"
+    out = art.load()(data)["last_hidden_state"]
+    ref = reference_outputs(model, make_mask("longformer:window=8,globals=4", 64)[None, None], data)
+    assert relative_error(out, ref["last_hidden_state"]) < 2e-2
+
+
+def test_unsupported_head_dim_falls_back_to_dense_with_a_reason():
+    """Head dim 72 (not a multiple of 16): auto keeps the dense attention and says why; a sparse kernel asked for
+    by name is refused with the model's head dim."""
+    model = make_bert(BertConfig(hidden=144, layers=1, heads=2, ffn=128, vocab=100, max_positions=256))
+    art = stof_tvm.compile(model, mask="sliding", batch=1, seq_len=32, target="llvm", dtype="float32")
+    kernel = art.manifest["attention"]["kernel"]
+    assert kernel["kind"] == "dense" and "head dim 72" in kernel["reason"]
+    data = random_inputs(model, {"input_ids": (1, 32), "attention_mask": (1, 32)}, seed=6)
+    ref = reference_outputs(model, make_mask("sliding", 32)[None, None], data)["last_hidden_state"]
+    assert relative_error(art.load()(data)["last_hidden_state"], ref) < 1e-4
+    with pytest.raises(ValueError, match="head dims that are multiples of 16 from 32 to 256, the model's is 72"):
+        stof_tvm.compile(model, mask="sliding", batch=1, seq_len=32, target="llvm", dtype="float32", kernel="row")
 
 
 def test_per_head_mask_array(tiny, feeds):

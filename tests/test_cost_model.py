@@ -176,6 +176,32 @@ def test_configurations_that_would_spill_are_infeasible():
     assert all(e.prediction.terms["regs_per_thread"] <= 255 for e in rank_attention(prob, H200))
 
 
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 256])
+def test_every_head_dim_has_feasible_candidates_of_both_kinds(head_dim):
+    """Head dims beyond 64/128 are priced: both kinds offer feasible configurations (within the register and
+    shared-memory limits, Q reloaded per tile where D=256 needs it), and the choice is one of them."""
+    prob = problem("bigbird", seq=1024, head_dim=head_dim)
+    ranked = rank_attention(prob, H200)
+    kinds = {r.candidate.kind for r in ranked}
+    assert kinds == {"block", "row"}
+    for r in ranked:
+        assert r.prediction.terms["regs_per_thread"] <= 255 and r.prediction.terms["smem_bytes"] <= H200.smem_per_block
+        if r.candidate.kind == "block":
+            assert r.prediction.terms["regs_per_thread"] == r.candidate.config.registers(head_dim)
+    assert choose_attention(prob).candidate == ranked[0].candidate
+
+
+def test_wider_heads_cost_more():
+    config = BlockConfig(64, 32, 4, 2)
+    times = [time_of(problem("bigbird", seq=1024, head_dim=d), "block", config) for d in (32, 80, 96, 256)]
+    assert all(a < b for a, b in zip(times, times[1:])), times
+
+
+def test_unsupported_head_dim_has_no_candidate():
+    with pytest.raises(ValueError, match="no feasible attention kernel for head_dim=72"):
+        choose_attention(problem("causal", seq=256, head_dim=72))
+
+
 def test_register_estimate_tracks_ptxas():
     # ptxas (nvcc 13, sm_90) reported 237 registers for 128x64x4 warps and 128 for 64x64x4, D=64.
     prob = problem("causal", seq=256)

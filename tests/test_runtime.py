@@ -108,8 +108,13 @@ def test_cli_main_job(tmp_path, capsys):
     out = str(tmp_path / "tiny")
     assert cli_main(["compile", "--builtin", "tiny-bert", "--mask", "bigbird", "--batch", "1", "--seq-len", "128",
                      "--target", "llvm", "-o", out]) == 0
-    steps = capsys.readouterr().err.splitlines()      # progress of the long steps, timed, on stderr
+    captured = capsys.readouterr()
+    steps = captured.err.splitlines()                  # progress of the long steps, timed, on stderr
     assert [line.split("] ", 1)[1].split(" ")[0] for line in steps] == ["importing", "building"]
+    layers = BERT_CONFIGS["tiny-bert"].layers          # the coverage report: no templates on llvm, and why
+    assert (f"coverage (on stof-tvm kernels / templates): attention {layers}/{layers} (row), qkv 0/{layers}, "
+            f"linear 0/{6 * layers}") in captured.out
+    assert f"linear: {6 * layers} fell back: fusion templates off: target llvm" in captured.out
     assert "building for llvm (attention kernel row, templates off)" in steps[1]
     assert cli_main(["run", out, "--check"]) == 0
     printed = capsys.readouterr().out

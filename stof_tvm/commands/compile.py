@@ -88,15 +88,31 @@ def run(args) -> int:
     att = artifact.manifest["attention"]
     kernel = att["kernel"]
     print(f"compiled {args.builtin or args.model} -> {path}")
+    if kernel["kind"] == "none":
+        print(f"  attention not on stof-tvm's kernels ({att['fallback']}): TVM's default pipeline")
+        _print_coverage(artifact.manifest)
+        if args.database:
+            print("  " + records_line(artifact.manifest["tuning"]))
+        return 0
     print(f"  {att['sites']} attention sites [B={att['batch']}, H={att['heads']}, S={att['seq_q']}, "
           f"D={att['head_dim']}] {att['dtype']} on {artifact.manifest['target']['kind']}")
     print(f"  kernel: {kernel['kind']} {kernel['config'] or ''} ({kernel['reason']})")
     if artifact.manifest["templates"]:
         entry = artifact.manifest["templates"]
         print(f"  templates ({entry['gemm']}): {entry['calls']}")
+    _print_coverage(artifact.manifest)
     if args.database:
         print("  " + records_line(artifact.manifest["tuning"]))
     return 0
+
+
+def _print_coverage(manifest: dict) -> None:
+    """The manifest's coverage report: per operator kind, how many run on stof-tvm's kernels, and each fallback."""
+    from stof_tvm.compiler.coverage import coverage_lines
+
+    if manifest.get("coverage"):
+        for line in coverage_lines(manifest["coverage"]):
+            print("  " + line)
 
 
 def records_line(tuning: dict) -> str:

@@ -3,7 +3,8 @@
 Steps, data flowing one way:
 
 1. load the ONNX model, refuse unsupported operators by name, import it to Relax with static shapes
-   (:mod:`.onnx_import`); float16 runs through Relax's mixed-precision pass (float32 accumulation);
+   (:mod:`.onnx_import`); bring every exporter's spelling to one canonical form (:mod:`.canonical`); float16
+   runs through Relax's mixed-precision pass (float32 accumulation);
 2. find every attention site with Relax dataflow patterns (:mod:`.attention_match`) and work out what the
    model's own masking means (:mod:`.mask_sources`);
 3. normalise the user's mask, combine it with the model's constant masks, and choose the kernel and its
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import numpy as np
 import tvm
@@ -33,11 +35,13 @@ from tvm import relax
 from stof_tvm.sparse_formats.masks import normalize_mask
 
 from .attention_match import find_attention_sites
+from .canonical import canonicalize
+from .coverage import coverage
 from .downstream import use_templates
 from .kernels import KERNELS, choose_kernel, kernel_primfunc
 from .mask_sources import plan_masks, score_bias
 from .onnx_import import TensorSpec, embedding_rows, import_onnx, load_model, output_names
-from .pipeline import build, fold_constant_casts, make_target, optimize, square_powers, target_dict
+from .pipeline import build, fold_constant_casts, make_target, optimize, target_dict
 from .layout import fold_permute_pairs
 from .record_calls import record_calls
 from .rewrite import rewrite_attention
@@ -90,10 +94,14 @@ def _mask_groups(user_mask: np.ndarray, const_keep, runtime) -> tuple[int, int]:
 
 def _manifest(*, source: dict, onnx_model, inputs, weights, outputs, format_inputs, mask_entry: dict,
               user_mask: np.ndarray, model_keep: str | None, plan, sites, choice, batch: int,
-              transform_params: str | None, tspec: dict, dtype: str, tuning: dict) -> dict:
+              transform_params: str | None, tspec: dict, dtype: str, tuning: dict, fallback: str | None) -> dict:
     """The JSON manifest the runtime reads (see :mod:`stof_tvm.artifact`)."""
-    site = sites[0]
-    sparse = choice.kind != "dense"
+    if fallback is not None:    # compiled by TVM's default pipeline (:func:`front_end`'s fallback): no mask input
+        mask = {"spec": "dense", "batch": 1, "heads": 1, "seq_q": None, "seq_k": None, "model_keep": None,
+                "model_terms": []}
+        attention = {"sites": 0, "batch": batch, "kernel": {"kind": "none"}, "fallback": fallback}
+    else:
+        mask, attention = _attention_entries(mask_entry, user_mask, model_keep, plan, sites, choice, batch)
     return {
         "format_version": 1,
         "source": source,
@@ -102,12 +110,8 @@ def _manifest(*, source: dict, onnx_model, inputs, weights, outputs, format_inpu
         "transform_params": transform_params,
         "outputs": [s.to_json() for s in outputs],
         "mask_inputs": [f.to_json() for f in format_inputs],
-        "mask": {**mask_entry, "batch": int(user_mask.shape[0]), "heads": int(user_mask.shape[1]),
-                 "seq_q": site.seq_q, "seq_k": site.seq_k, "model_keep": model_keep,
-                 "model_terms": [s.to_json() for s in plan.runtime] if sparse else []},
-        "attention": {"sites": len(sites), "batch": batch, "heads": site.heads, "seq_q": site.seq_q,
-                      "seq_k": site.seq_k, "head_dim": site.head_dim, "dtype": site.dtype, "scale": site.scale,
-                      "kernel": choice.to_json()},
+        "mask": mask,
+        "attention": attention,
         "target": tspec,
         "dtype": dtype,
         "tuning": tuning,
@@ -115,12 +119,32 @@ def _manifest(*, source: dict, onnx_model, inputs, weights, outputs, format_inpu
     }
 
 
+def _attention_entries(mask_entry: dict, user_mask: np.ndarray, model_keep: str | None, plan, sites, choice,
+                       batch: int) -> tuple[dict, dict]:
+    """The manifest's ``mask`` and ``attention`` entries of a model whose attention runs on a stof-tvm kernel."""
+    site = sites[0]
+    sparse = choice.kind != "dense"
+    mask = {**mask_entry, "batch": int(user_mask.shape[0]), "heads": int(user_mask.shape[1]),
+            "seq_q": site.seq_q, "seq_k": site.seq_k, "model_keep": model_keep,
+            "model_terms": [s.to_json() for s in plan.runtime] if sparse else []}
+    attention = {"sites": len(sites), "batch": batch, "heads": site.heads, "seq_q": site.seq_q,
+                 "seq_k": site.seq_k, "head_dim": site.head_dim, "dtype": site.dtype, "scale": site.scale,
+                 "kernel": choice.to_json()}
+    return mask, attention
+
+
 @dataclasses.dataclass
 class FrontEnd:
     """The model after steps 1-5 (imported, attention rewritten, chains on templates), before the build.
 
     ``template_entry`` is the manifest's ``templates`` entry: the template calls the build will make (the
-    tuner plans exactly these, :func:`stof_tvm.tuning.plan_model`)."""
+    tuner plans exactly these, :func:`stof_tvm.tuning.plan_model`).
+
+    ``coverage``: the manifest's ``coverage`` entry (:func:`.coverage.coverage`): per operator kind, how many run
+    on stof-tvm's kernels and templates and why the others fell back.
+
+    ``fallback``: why the model's attention is not on a stof-tvm kernel, when it is not (then ``sites`` is empty,
+    ``plan`` and ``choice`` are None and the module is the imported model, for TVM's default pipeline)."""
 
     onnx_model: object
     mod: tvm.IRModule
@@ -137,6 +161,8 @@ class FrontEnd:
     tspec: dict
     gemm: str
     target: tvm.target.Target
+    fallback: str | None = None
+    coverage: dict = dataclasses.field(default_factory=dict)
 
 
 def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
@@ -161,17 +187,31 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     onnx_model = load_model(model)
     mod, inputs, weights = import_onnx(onnx_model, batch, seq_len)
     outputs = _output_specs(mod["main"], output_names(onnx_model))
-    mod = square_powers(relax.transform.FoldConstant()(mod))
-    if dtype == "float16":
-        mod = fold_constant_casts(relax.transform.ToMixedPrecision(out_dtype="float32")(mod))
+    mod = canonicalize(relax.transform.FoldConstant()(mod))       # one form of every exporter's spelling
+    if dtype == "float16":                                          # again: mixed precision adds no-op casts
+        mod = canonicalize(fold_constant_casts(relax.transform.ToMixedPrecision(out_dtype="float32")(mod)))
 
-    sites = find_attention_sites(mod["main"])
+    canonical = mod["main"]
+    sites = find_attention_sites(canonical)
+    plan, reason = None, None
     if not sites:
-        raise ValueError("model: no attention subgraph (matmul -> softmax -> matmul over [B, H, S, D]) was found")
+        reason = "no attention subgraph (matmul -> softmax -> matmul over [B, H, S, D]) was found"
+    elif len({s.scale for s in sites}) != 1:
+        reason = "attention sites use different score scales"
+    else:
+        try:
+            plan = plan_masks(mod["main"], sites)
+        except ValueError as err:       # the model's own masking is not one a sparse format can take
+            reason = str(err).removeprefix("model: ")
+    if reason is not None:
+        _check_fallback_mask(mask, batch, seq_len, reason)
+        warnings.warn(f"model: {reason}; compiling it through TVM's default pipeline (its attention as the model "
+                      f"computes it), without stof-tvm's sparse attention kernels or fusion templates", stacklevel=2)
+        report = coverage(canonical, canonical, attention_kernel=None, attention_sites=0, attention_reason=reason,
+                          templates=f"TVM's default pipeline ({reason})")
+        return FrontEnd(onnx_model, mod, inputs, weights, outputs, [], None, None, None, None, [], {}, tspec, gemm,
+                        tvm_target, fallback=reason, coverage=report)
     site = sites[0]
-    if len({s.scale for s in sites}) != 1:
-        raise ValueError("model: attention sites use different score scales")
-    plan = plan_masks(mod["main"], sites)
 
     user_mask = normalize_mask(mask, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k)
     combined = user_mask if plan.const_keep is None else user_mask & plan.const_keep
@@ -195,8 +235,32 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     if templates:
         mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule)
     mod["main"] = relax.analysis.remove_all_unused(fold_permute_pairs(mod["main"]))  # transposes around attention
+    report = coverage(canonical, mod["main"], attention_kernel=choice.kind, attention_sites=len(sites),
+                      attention_reason=f"dense kernel: {choice.reason}",
+                      templates=None if templates else _templates_off(tspec, dtype), template_entry=template_entry)
     return FrontEnd(onnx_model, mod, inputs, weights, outputs, sites, plan, user_mask, combined, choice,
-                    format_inputs, template_entry, tspec, gemm, tvm_target)
+                    format_inputs, template_entry, tspec, gemm, tvm_target, coverage=report)
+
+
+def _templates_off(tspec: dict, dtype: str) -> str:
+    """Why the fusion templates did not run (the coverage report's reason for every chain)."""
+    if tspec["kind"] != "cuda":
+        return f"fusion templates off: target {tspec['kind']} (they are CUDA kernels)"
+    if dtype != "float16":
+        return f"fusion templates off: dtype {dtype} (they are 16-bit)"
+    return "fusion templates off (templates=False)"
+
+
+def _check_fallback_mask(mask, batch: int, seq_len: int, reason: str) -> None:
+    """A model compiled without stof-tvm's attention kernels cannot take a mask: refuse any mask that drops a
+    pair (it would be ignored), naming why the kernels do not apply."""
+    try:
+        keeps_all = bool(normalize_mask(mask, batch=batch, heads=1, seq_q=seq_len, seq_k=seq_len).all())
+    except (ValueError, TypeError):
+        keeps_all = False
+    if not keeps_all:
+        raise ValueError(f"mask: stof-tvm cannot apply a sparse mask to this model ({reason}); compile it with "
+                         f"mask='dense' to run it through TVM's default pipeline")
 
 
 def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
@@ -244,7 +308,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
                           kernel=kernel, templates=templates, gemm=gemm, database=database)
         mod, tspec, tvm_target, choice = front.mod, front.tspec, front.target, front.choice
         report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
-               f"(attention kernel {choice.kind}, templates {front.gemm if front.template_entry else 'off'})")
+               f"(attention kernel {choice.kind if choice else 'none: ' + front.fallback}, "
+               f"templates {front.gemm if front.template_entry else 'off'})")
         # Weight casts and other weight-only work move to main_transform_params, which the runtime runs once.
         mod = relax.transform.LiftTransformParams()(mod)
         executable = build(optimize(mod, tvm_target, database), tvm_target, templates=bool(front.template_entry),
@@ -259,9 +324,9 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
 
     mask_entry = _mask_entry(mask)
     arrays = {}
-    if mask_entry.get("array"):
+    if mask_entry.get("array") and front.fallback is None:
         arrays["mask.npy"] = np.ascontiguousarray(user_mask)
-    if front.plan.const_keep is not None and choice.kind != "dense":
+    if front.plan is not None and front.plan.const_keep is not None and choice.kind != "dense":
         arrays["model_keep.npy"] = np.ascontiguousarray(front.plan.const_keep)
     has_transform = any(gv.name_hint == TRANSFORM_PARAMS for gv, _ in mod.functions_items())
     manifest = _manifest(
@@ -272,9 +337,10 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         plan=front.plan, sites=front.sites, choice=choice, batch=batch,
         transform_params=TRANSFORM_PARAMS if has_transform else None, tspec=tspec, dtype=dtype,
         tuning={"database": records.work_dir if records else None,
-                **(usage.summary(record_calls(front.template_entry, choice, front.sites[0]), records)
-                   if records else {})})
+                **(usage.summary(record_calls(front.template_entry, choice, front.sites), records)
+                   if records else {})}, fallback=front.fallback)
     manifest["templates"] = front.template_entry
+    manifest["coverage"] = front.coverage
     manifest["cuda_graph"] = cuda_graph
     if binaries:
         manifest["cuda_binaries"] = {"arch": tspec["arch"], "files": sorted(binaries)}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import warnings
 
 import numpy as np
 
@@ -87,6 +88,10 @@ def _schedule_module(kind: str):
     return importlib.import_module(_SPARSE_MODULES[kind])
 
 
+def _supports_head_dim(kind: str, head_dim: int) -> bool:
+    return head_dim in _schedule_module(kind).SUPPORTED_HEAD_DIMS
+
+
 def _supports(kind: str, dtype: str, target_kind: str) -> bool:
     supported = _schedule_module(kind).SUPPORTED_DTYPES
     return dtype in (supported[target_kind] if isinstance(supported, dict) else supported)
@@ -140,6 +145,14 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
     bias = tuple(bias) if bias is not None and requested != "dense" else None
     if requested == "dense":
         return KernelChoice("dense", {}, mask_batch, mask_heads, "requested")
+    if not _supports_head_dim("block", head_dim):       # the row-wise kernel takes the same head dims
+        if requested != "auto":
+            raise ValueError(f"kernel: {requested!r} supports head dims that are multiples of 16 from 32 to 256, "
+                             f"the model's is {head_dim}; use kernel='dense' or 'auto'")
+        reason = (f"head dim {head_dim}: the sparse kernels take multiples of 16 from 32 to 256; dense attention "
+                  f"with the mask as an input (exact, not accelerated)")
+        warnings.warn(f"attention: {reason}", stacklevel=3)
+        return KernelChoice("dense", {}, mask_batch, mask_heads, reason)
     tuned = tuned_choice(database, mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype) \
         if database is not None else None
     if tuned is not None and requested in ("auto", tuned["meta"]["kind"]):

@@ -7,9 +7,9 @@ For one attention problem (shapes, dtype, mask) every candidate ``(kind, config)
   (batch, head, tile row). A block's work is what its tile row visits: ``4*BM*BN*D`` tensor-core flops and
   ``BM*BN`` softmax element operations per full or partial tile, bitmap work on partial tiles only, a fixed
   latency per tile (shorter with deeper ``cp.async`` pipelines) and per block. K and V tiles stream through
-  L2 once per visiting tile row. Shared memory comes from the kernel's own formula; registers from the
-  fragments each thread holds (score and output accumulators, Q and P operands), so configurations that
-  would spill are infeasible.
+  L2 once per visiting tile row. Shared memory and registers come from the kernel's own formulas
+  (``BlockConfig.shared_bytes`` / ``registers``: the fragments each thread holds, score and output
+  accumulators, Q and P operands), so configurations that would spill are infeasible.
 - **row-wise** (:class:`~stof_tvm.schedules.attention_rowwise.RowConfig`): ``rows_per_block`` query rows per
   thread block, ``key_groups * keys_per_step`` key slots per loop step. Work counts key *slots* (padding of
   the last step included) at CUDA-core rates, latency counts the block's longest row in steps, and L2
@@ -26,8 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..hardware import H200, HardwareProfile
-from ..schedules.attention_blockwise import SUPPORTED_HEAD_DIMS, BlockConfig
-from ..schedules.attention_rowwise import RowConfig
+from ..schedules.attention_blockwise import SUPPORTED_HEAD_DIMS as BLOCK_HEAD_DIMS
+from ..schedules.attention_blockwise import BlockConfig
+from ..schedules.attention_rowwise import SUPPORTED_HEAD_DIMS as ROW_HEAD_DIMS
+from ..schedules.attention_rowwise import RowConfig, cuda_config_fits, cuda_lanes
 from .core import DEFAULT_CALIBRATION, Calibration, KernelWork, Prediction, predict
 from .mask_profile import MaskProfile
 
@@ -44,7 +46,6 @@ _KEYS_PER_STEP = (1, 2, 4)
 _ROWS_PER_BLOCK = (1, 2, 4, 8)
 _HEAVY_SELECT_CYCLES = 600  # heavy-first: rating the rows, two barriers, the selection loop
 _BASE_REGISTERS = 40        # addresses, loop counters, softmax row state beyond the fragments
-_WARP = 32
 _VECTOR_BYTES = 16
 
 
@@ -152,25 +153,16 @@ def block_candidates(head_dim: int, hw: HardwareProfile = H200,
     return out
 
 
-def _lanes(head_dim: int, dtype: str) -> int:
-    """Threads per key of the row-wise kernel: each lane moves one 16-byte vector of a K or V row."""
-    return max(1, head_dim * _DTYPE_BYTES[dtype] // _VECTOR_BYTES)
-
-
 def row_candidates(head_dim: int, dtype: str, hw: HardwareProfile = H200) -> list[AttentionCandidate]:
-    """Every row-wise configuration that the CUDA schedule accepts: lanes x key_groups threads per row fill
-    whole warps and divide the head dim (each finishes a slice of it in the merge), at most a full block."""
-    lanes = _lanes(head_dim, dtype)
+    """Every row-wise configuration that the CUDA schedule accepts
+    (:func:`~stof_tvm.schedules.attention_rowwise.cuda_config_fits` within ``hw``'s threads per block)."""
     out = []
     for groups in _KEY_GROUPS:
-        per_row = lanes * groups
-        if per_row % _WARP or head_dim % per_row:
-            continue
         for step in _KEYS_PER_STEP:
             for rows in _ROWS_PER_BLOCK:
-                if per_row * rows <= hw.threads_per_block:
-                    out.append(AttentionCandidate("row", RowConfig(key_groups=groups, keys_per_step=step,
-                                                                   rows_per_block=rows)))
+                config = RowConfig(key_groups=groups, keys_per_step=step, rows_per_block=rows)
+                if cuda_config_fits(config, head_dim, dtype, hw.threads_per_block):
+                    out.append(AttentionCandidate("row", config))
     return out
 
 
@@ -181,11 +173,11 @@ def attention_candidates(problem: AttentionProblem, hw: HardwareProfile = H200,
     if unknown:
         raise ValueError(f"kinds must be 'block' and/or 'row', got {sorted(unknown)}")
     out = []
-    if "block" in kinds and problem.head_dim in SUPPORTED_HEAD_DIMS and problem.dtype != "float32":
+    if "block" in kinds and problem.head_dim in BLOCK_HEAD_DIMS and problem.dtype != "float32":
         # The heavy-first launch order only differs when some tile row holds > 2x its group's mean tiles.
         orders = (False, True) if _has_heavy_rows(problem.mask, 64, 64) else (False,)
         out += block_candidates(problem.head_dim, hw, orders)
-    if "row" in kinds:
+    if "row" in kinds and problem.head_dim in ROW_HEAD_DIMS:
         out += row_candidates(problem.head_dim, problem.dtype, hw)
     return out
 
@@ -222,16 +214,6 @@ def _block_order(problem: AttentionProblem, tiles: np.ndarray, heavy_first: bool
     return (g[None, :] * rows + position_rows[g].T).ravel()
 
 
-def _block_registers(config: BlockConfig, head_dim: int) -> int:
-    """Per-thread registers of the block-wise kernel's fragments (mma.m16n8k16 layouts) plus a fixed base."""
-    m_tiles = config.block_m // (16 * config.num_warps)
-    scores = m_tiles * (config.block_n // 8) * 4          # fp32 S accumulators
-    output = m_tiles * (head_dim // 8) * 4                # fp32 O accumulators
-    q_frag = m_tiles * (head_dim // 16) * 4               # Q kept as A operands (packed halves)
-    p_frag = m_tiles * (config.block_n // 16) * 4         # P repacked as A operands
-    return scores + output + q_frag + p_frag + 4 * m_tiles + _BASE_REGISTERS
-
-
 def _block_work(problem: AttentionProblem, config: BlockConfig, cal: Calibration) -> KernelWork:
     bm, bn, d, eb = config.block_m, config.block_n, problem.head_dim, problem.element_bytes
     full2d, part2d = problem.mask.tile_counts(bm, bn)
@@ -246,7 +228,7 @@ def _block_work(problem: AttentionProblem, config: BlockConfig, cal: Calibration
     format_bytes = (part.sum() * (bitmap_bytes + 4) + full.sum() * 4 + 8 * (tiles.size + 1))
     return KernelWork(
         name=str(AttentionCandidate("block", config)), threads=config.threads,
-        smem_bytes=config.shared_bytes(d), regs_per_thread=_block_registers(config, d), count=count,
+        smem_bytes=config.shared_bytes(d), regs_per_thread=config.registers(d), count=count,
         tc_flops=tiles * 4.0 * bm * bn * d,
         cuda_ops=(tiles * cal.softmax_ops + part * cal.mask_ops) * bm * bn,
         latency_cycles=tiles * cal.tile_cycles * pipeline + cal.block_cycles
@@ -261,7 +243,7 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
 
 def _row_work(problem: AttentionProblem, config: RowConfig, cal: Calibration) -> KernelWork:
     d, eb, mask = problem.head_dim, problem.element_bytes, problem.mask
-    lanes = _lanes(d, problem.dtype)
+    lanes = cuda_lanes(d, problem.dtype)
     rows = _largest_divisor_at_most(problem.seq_q, config.rows_per_block)   # as the schedule does
     per_step = config.key_groups * config.keys_per_step
     steps = -(-mask.keys_per_row // per_step)                               # [G, Sq]
@@ -272,7 +254,7 @@ def _row_work(problem: AttentionProblem, config: RowConfig, cal: Calibration) ->
     count = np.full(slots.shape, float(problem.replicas))
     n_runs = runs.shape[1]
     order = (_group_of_heads(problem)[:, None] * n_runs + np.arange(n_runs)[None, :]).ravel()
-    vec = d // lanes
+    vec = _VECTOR_BYTES // eb                 # channels per lane (lanes past the row's last vector idle)
     registers = 2 * vec + config.keys_per_step * vec + 3 * config.keys_per_step + _BASE_REGISTERS
     kept_keys = mask.keys_per_row.reshape(mask.groups, -1, rows).sum(axis=-1).ravel()
     per_block_l2 = union * 2 * d * eb + kept_keys * 4 + 2 * rows * d * eb
@@ -281,7 +263,7 @@ def _row_work(problem: AttentionProblem, config: RowConfig, cal: Calibration) ->
         name=str(AttentionCandidate("row", config)), threads=lanes * config.key_groups * rows,
         smem_bytes=rows * config.key_groups * (d + 2) * 4, regs_per_thread=int(registers), count=count,
         tc_flops=np.zeros_like(slots),
-        cuda_ops=slots * (cal.pair_ops_per_dim * d + cal.pair_ops_fixed * lanes) + merge_ops,
+        cuda_ops=slots * (cal.pair_ops_per_dim * lanes * vec + cal.pair_ops_fixed * lanes) + merge_ops,
         latency_cycles=longest * cal.step_cycles + cal.row_cycles,
         dram_bytes=problem.dram_floor_bytes() + mask.kept * 4.0 + 4.0 * (mask.groups * problem.seq_q + 1),
         l2_bytes=float((count * per_block_l2).sum()), useful_flops=problem.useful_flops, order=order)

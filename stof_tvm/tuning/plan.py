@@ -26,7 +26,11 @@ from .attention_tasks import attention_tasks
 from .task import TuningTask
 from .template_tasks import definition_task, template_task, wgmma_tasks
 
-__all__ = ["TuningPlan", "plan_model", "plan_template", "plan_attention"]
+__all__ = ["TuningPlan", "NothingToTune", "plan_model", "plan_template", "plan_attention"]
+
+
+class NothingToTune(ValueError):
+    """A model compile makes no call that tuning can decide (no template calls, attention dense or not ours)."""
 
 
 @dataclass
@@ -136,10 +140,12 @@ def plan_model(model, *, batch: int, seq_len: int, mask, target, dtype: str = "f
                                       baseline=baseline))
         except ValueError as err:
             plan.notes.append(f"{name} {dict(shape)} x{count}: {err}")
-    site = front.sites[0]
-    if front.choice.kind == "dense" or front.choice.bias is not None:
+    if front.fallback is not None:
+        plan.notes.append(f"attention: not on a stof-tvm kernel ({front.fallback}); nothing to tune")
+    elif front.choice.kind == "dense" or front.choice.bias is not None:
         plan.notes.append(f"attention: {front.choice.kind} ({front.choice.reason}); nothing to tune")
     else:
+        site = front.sites[0]
         problem = AttentionProblem.build(front.combined, batch=batch, heads=site.heads, seq_len=site.seq_q,
                                          head_dim=site.head_dim, dtype=site.dtype)
         plan.extend(plan_attention(problem, target, top_k=top_k, hw=hw, cal=cal,
@@ -148,7 +154,7 @@ def plan_model(model, *, batch: int, seq_len: int, mask, target, dtype: str = "f
                                    baseline=_untuned_attention(front, kernel)))
     plan.target = front.tspec
     if not plan.tasks:
-        raise ValueError("model: nothing to tune" + (" (" + "; ".join(plan.notes) + ")" if plan.notes else ""))
+        raise NothingToTune("model: nothing to tune" + (" (" + "; ".join(plan.notes) + ")" if plan.notes else ""))
     return plan
 
 
