@@ -165,7 +165,10 @@ def test_tuning_records_choose_the_kernel(tiny, tmp_path):
                            tune_trials=2, database=str(tmp_path / "db"))
     kernel = art.manifest["attention"]["kernel"]
     assert kernel["reason"].startswith("tuned: attention_")
-    assert art.manifest["tuning"] == {"database": str(tmp_path / "db"), "trials": 2}
+    tuning = art.manifest["tuning"]
+    assert {k: tuning[k] for k in ("database", "applied", "missing", "unused")} == {
+        "database": str(tmp_path / "db"), "applied": 1, "missing": [], "unused": []}     # the attention problem
+    assert tuning["tuned"]["trials"] == 2 and tuning["tuned"]["measured"] >= 1
     out = art.load()(data)["last_hidden_state"]
     ref = reference_outputs(tiny, make_mask("bigbird", S)[None, None], data)["last_hidden_state"]
     assert relative_error(out, ref) < 1e-5

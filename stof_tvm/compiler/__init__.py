@@ -14,7 +14,8 @@ Steps, data flowing one way:
 5. optionally replace the chains around attention (QKV projection, output projection + residual + LayerNorm,
    FFN) with the fusion templates (:mod:`.downstream`, knobs from :mod:`.template_choice`), before the weight
    transform is lifted so that weight concatenations and transposes run once at load;
-6. fuse, apply tuning records, schedule the rest with dlight, build (:mod:`.pipeline`); with ``gemm="wgmma"``
+6. fuse, apply tuning records (read through :mod:`stof_tvm.records`; tuning first is :mod:`stof_tvm.workflow`'s,
+   above this package), schedule the rest with dlight, build (:mod:`.pipeline`); with ``gemm="wgmma"``
    the CUDA code is also compiled here by nvcc for sm_90a and the cubins travel in the artifact
    (:mod:`.cubins`).
 
@@ -43,6 +44,7 @@ from .mask_sources import plan_masks, score_bias
 from .onnx_import import TensorSpec, embedding_rows, import_onnx, load_model, output_names
 from .pipeline import build, fold_constant_casts, make_target, optimize, target_dict
 from .layout import fold_permute_pairs
+from .record_calls import record_calls
 from .rewrite import rewrite_attention
 
 DTYPES = ("float32", "float16")
@@ -288,7 +290,7 @@ def _check_fallback_mask(mask, batch: int, seq_len: int, reason: str) -> None:
 
 def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
             kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
-            tune_trials: int = 0, database: str | None = None, progress=None):
+            database: str | None = None, progress=None):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
 
     ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
@@ -306,42 +308,38 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     fill half the GPU with 128-row tiles stay on mma.sync, see :func:`.linear_match.wgmma_misfit`).
     ``cuda_graph``: capture the module's static
     regions in CUDA graphs (Relax's ``RewriteCUDAGraph``; CUDA only; see :mod:`.pipeline`).
-    ``tune_trials``: trials per task spent tuning exactly the calls this compile makes, before building
-    (:func:`stof_tvm.tune`; records go to ``database``).
-    ``database``: a MetaSchedule work dir whose records are applied.
+    ``database``: a tuning work dir (``stof-tvm tune``; :func:`stof_tvm.compile` can tune into it first) whose
+    records are applied; the manifest's ``tuning`` entry counts them (``applied``), names the calls that found
+    none (``missing``) and the database's measured jobs no call asked for (``unused``).
     ``progress``: called with a short line as each long step starts (the CLI prints them; a large model spends
     most of a minute in TVM's build).
     """
     from stof_tvm.artifact import Artifact
+    from stof_tvm.records import open_database, record_usage
 
     report = progress if progress is not None else (lambda line: None)
 
-    if isinstance(tune_trials, bool) or not isinstance(tune_trials, int) or tune_trials < 0:
-        raise ValueError(f"tune_trials: expected an integer >= 0, got {tune_trials!r}")
-    if tune_trials and database is None:
-        raise ValueError("database: tuning (tune_trials > 0) needs a MetaSchedule work dir to write records to")
     if cuda_graph not in (False, True):
         raise TypeError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
     if cuda_graph and target_dict(target)["kind"] != "cuda":
         raise ValueError(f"cuda_graph: CUDA graphs need target 'cuda', got {target_dict(target)['kind']!r}")
-    if tune_trials:
-        from stof_tvm.tuning import tune
-
-        report(f"tuning the model's calls ({tune_trials} trials per task, records in {database})")
-        tune(model, mask=mask, batch=batch, seq_len=seq_len, dtype=dtype, target=target, kernel=kernel,
-             templates=templates, gemm=gemm, database=database, trials=tune_trials, progress=False)
+    records = None
+    if database is not None:
+        report(f"reading the tuning records in {database}")
+        records = open_database(database)
     report("importing the ONNX graph, matching attention and the chains after it")
-    front = front_end(model, mask=mask, batch=batch, seq_len=seq_len, target=target, dtype=dtype, kernel=kernel,
-                      templates=templates, gemm=gemm, database=database)
-    mod, tspec, tvm_target, choice, user_mask = front.mod, front.tspec, front.target, front.choice, front.user_mask
-    report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
-           f"(attention kernel {choice.kind if choice else 'none: ' + front.fallback}, "
-           f"templates {front.gemm if front.template_entry else 'off'})")
-    # Weight casts and other weight-only work move to main_transform_params, which the runtime runs once.
-    mod = relax.transform.LiftTransformParams()(mod)
-
-    executable = build(optimize(mod, tvm_target, database), tvm_target, templates=bool(front.template_entry),
-                       cuda_graph=cuda_graph)
+    with record_usage() as usage:
+        front = front_end(model, mask=mask, batch=batch, seq_len=seq_len, target=target, dtype=dtype,
+                          kernel=kernel, templates=templates, gemm=gemm, database=database)
+        mod, tspec, tvm_target, choice = front.mod, front.tspec, front.target, front.choice
+        report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
+               f"(attention kernel {choice.kind if choice else 'none: ' + front.fallback}, "
+               f"templates {front.gemm if front.template_entry else 'off'})")
+        # Weight casts and other weight-only work move to main_transform_params, which the runtime runs once.
+        mod = relax.transform.LiftTransformParams()(mod)
+        executable = build(optimize(mod, tvm_target, database), tvm_target, templates=bool(front.template_entry),
+                           cuda_graph=cuda_graph)
+    user_mask = front.user_mask
     binaries = {}
     if front.gemm == "wgmma":
         from .cubins import prebuild_cubins
@@ -363,7 +361,9 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         model_keep="model_keep.npy" if "model_keep.npy" in arrays else None,
         plan=front.plan, sites=front.sites, choice=choice, batch=batch,
         transform_params=TRANSFORM_PARAMS if has_transform else None, tspec=tspec, dtype=dtype,
-        tuning={"database": database, "trials": tune_trials}, fallback=front.fallback)
+        tuning={"database": records.work_dir if records else None,
+                **(usage.summary(record_calls(front.template_entry, choice, front.sites), records)
+                   if records else {})}, fallback=front.fallback)
     manifest["templates"] = front.template_entry
     manifest["coverage"] = front.coverage
     manifest["value_checks"] = {"output": front.checks_output, "inputs": [c.to_json() for c in front.checks]} \

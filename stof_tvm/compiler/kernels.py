@@ -118,12 +118,11 @@ def tuned_choice(database: str, mask4d: np.ndarray, *, batch: int, heads: int, h
     Returns the tuner's record for the problem's group: ``{"name", "best_s", "meta": {"kind", "config"}}``.
     """
     from stof_tvm.cost_model import AttentionProblem
-    from stof_tvm.tuning import TuningDatabase
-    from stof_tvm.tuning.attention_tasks import attention_group
+    from stof_tvm.records import attention_group, open_database
 
     problem = AttentionProblem.build(mask4d, batch=batch, heads=heads, seq_len=mask4d.shape[-1],
                                      head_dim=head_dim, dtype=dtype)
-    return TuningDatabase(database).group_choice(attention_group(problem))
+    return open_database(database).choice(attention_group(problem))
 
 
 def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int, head_dim: int, dtype: str,

@@ -7,7 +7,7 @@ attention kernels arrive already scheduled (``tirx.is_scheduled``), so dlight le
 """
 from __future__ import annotations
 
-import os
+import contextlib
 
 import tvm
 from tvm import relax
@@ -57,15 +57,21 @@ def fold_constant_casts(mod: tvm.IRModule) -> tvm.IRModule:
 
 
 def optimize(mod: tvm.IRModule, target: tvm.target.Target, database: str | None) -> tvm.IRModule:
-    """Legalize and fuse; apply MetaSchedule records from ``database``; dlight for the rest on CUDA."""
-    if database is not None and not os.path.isdir(database):
-        raise FileNotFoundError(f"database: no MetaSchedule work dir at {database!r}")
-    with target, tvm.transform.PassContext(opt_level=3):       # MetaScheduleApplyDatabase reads the target here
+    """Legalize and fuse; apply MetaSchedule records from ``database``; dlight for the rest on CUDA.
+
+    The records are the database the rest of the compile read (:func:`stof_tvm.records.open_database`: loaded
+    once, with every intrinsic a record names registered), handed to the pass as the current database."""
+    records = contextlib.nullcontext()
+    if database is not None:
+        from stof_tvm.records import open_database
+
+        records = open_database(database).ms
+    with target, tvm.transform.PassContext(opt_level=3), records:   # MetaScheduleApplyDatabase reads both here
         passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
                   relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
                   relax.transform.DeadCodeElimination()]
         if database is not None:
-            passes.append(relax.transform.MetaScheduleApplyDatabase(work_dir=database))
+            passes.append(relax.transform.MetaScheduleApplyDatabase())
         if target.kind.name == "cuda":
             from tvm.s_tir import dlight as dl
 
