@@ -179,7 +179,7 @@ def example_inputs(family: str, batch: int, seq_len: int, padded_rows: int = 1, 
                    size: str = "tiny") -> dict[str, np.ndarray]:
     """Inputs by name. Text models: ``input_ids`` [batch, seq_len] int64 (random ids of the model's vocabulary,
     avoiding special ids) and ``attention_mask`` [batch, seq_len] int64 whose last ``padded_rows`` rows
-    (at most batch - 1, so one row stays full) keep only their first ~5/8 tokens; padded positions hold the
+    keep only their first ~5/8 tokens (at batch 1 the only row is padded); padded positions hold the
     pad token (RoBERTa's and Longformer's position ids depend on it). ViT: ``pixel_values`` [batch, 3, H, W]
     float32 (``seq_len`` and ``padded_rows`` do not apply)."""
     _check_family(family)
@@ -192,7 +192,7 @@ def example_inputs(family: str, batch: int, seq_len: int, padded_rows: int = 1, 
     mask = np.ones((batch, seq_len), np.int64)
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
     keep = max(1, (seq_len * 5) // 8)
-    for row in range(max(0, batch - min(padded_rows, batch - 1)), batch):
+    for row in range(batch - min(padded_rows, batch), batch):
         mask[row, keep:] = 0
         ids[row, keep:] = pad_id
     return {"input_ids": ids, "attention_mask": mask}
