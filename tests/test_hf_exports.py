@@ -93,13 +93,21 @@ def _rel(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
+# The TorchScript export of HF Longformer does not compute what torch does: onnx's own reference evaluator of the
+# exported graph differs from the torch model by 0.61 / 0.44 relative (rows 0 / 1), so the compiled module cannot
+# match torch either (it compiles, falls back as it should, and runs; 0.53 relative to torch)
+UNFAITHFUL_EXPORT = pytest.mark.xfail(strict=True, reason="the TorchScript export of HF Longformer differs from "
+                                      "torch itself (onnx reference evaluator: 0.4-0.6 relative)")
+
+
 def _compile_params():
     params = []
     for case in CASES:
         family, _, exporter, opset, dynamic = case
         shape = (DYN_BATCH, DYN_SEQ) if dynamic else (BATCH, SEQ)
         dtypes = ("float32",) if dynamic or opset == 18 or family in CHUNKED else ("float32", "float16")
-        params += [pytest.param(case, dtype, shape, id=f"{case_id(case)}-{dtype}") for dtype in dtypes]
+        marks = [UNFAITHFUL_EXPORT] if family == "longformer" else []
+        params += [pytest.param(case, dtype, shape, id=f"{case_id(case)}-{dtype}", marks=marks) for dtype in dtypes]
     return params
 
 
