@@ -234,8 +234,9 @@ def tune_tasks(tasks, target, work_dir, *, trials: int | None = None, num_trials
 
     results = []
     for task in tasks:
+        # A task with nothing left but no status yet (its records outlived a killed run) is complete.
         status = db.refresh(task) if db.task_status(task) else db.update_task(
-            task, planned=planned[task.key], measured=0, complete=False)
+            task, planned=planned[task.key], measured=0, complete=left[task.key] == 0)
         if left[task.key] == 0:
             state = "cached"
         elif task.key in finished:
