@@ -25,6 +25,7 @@ import numpy as np
 import tvm
 
 ALIGNMENT = 64          # bytes: the module's kernels assume their inputs start on this boundary
+_UNSIGNED = {np.dtype(f"int{bits}"): np.dtype(f"uint{bits}") for bits in (8, 16, 32, 64)}
 
 
 def is_torch(value) -> bool:
@@ -179,8 +180,9 @@ def _range_message(check: dict, values: np.ndarray | None, count: int | None = N
 def _out_of_range(values: np.ndarray, low: int, high: int) -> bool:
     """Whether any value is outside [low, high): for integers with low == 0 one reduction over the values as
     unsigned (a negative one becomes huge), else a min and a max."""
-    if low == 0 and values.dtype.kind == "i":
-        return bool(np.maximum.reduce(values.view(values.dtype.str.replace("i", "u")), axis=None) >= high)
+    unsigned = _UNSIGNED.get(values.dtype) if low == 0 else None
+    if unsigned is not None:
+        return bool(np.maximum.reduce(values.view(unsigned), axis=None) >= high)
     return bool(np.minimum.reduce(values, axis=None) < low or np.maximum.reduce(values, axis=None) >= high)
 
 
