@@ -38,6 +38,15 @@ def feeds_with(tiny, attention_mask, seed=3):
     return feeds
 
 
+def aligned(array: np.ndarray) -> np.ndarray:
+    """A copy of ``array`` starting on a 64-byte boundary (what a CPU module binds without copying)."""
+    raw = np.empty(array.nbytes + 64, np.uint8)
+    start = -raw.__array_interface__["data"][0] % 64
+    copy = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    copy[...] = array
+    return copy
+
+
 def ragged() -> np.ndarray:
     """Right padding: batch row b keeps its first b tokens (row 0: none, row S: all)."""
     return (np.arange(S)[None, :] < np.arange(B)[:, None]).astype(np.int64)
@@ -124,14 +133,18 @@ def test_token_ids_outside_the_table_raise_before_any_kernel(tiny, row_model, ke
 def test_the_module_counts_and_clamps_out_of_range_ids(tiny, row_model):
     """Inputs on the device are checked by the module itself: its count output says which input is out of range,
     and the clamped gather reads no memory outside the table (no crash even for -1000000 / 1000000)."""
-    feeds = feeds_with(tiny, ragged())
+    feeds = {name: aligned(value) for name, value in feeds_with(tiny, ragged()).items()}    # bound without copies
     feeds["input_ids"][0, 0], feeds["input_ids"][5, 9] = -1000000, 1000000
     feeds["attention_mask"][2, 3] = 7
+    given = {name: value.copy() for name, value in feeds.items()}
     bound = call_inputs.bind_inputs(row_model.inputs, feeds, row_model.device)
+    assert np.shares_memory(np.from_dlpack(bound.args[0]), feeds["input_ids"])
     outs = row_model._invoke(bound.args + row_model.mask_tensors())
     counts = outs[row_model.manifest["value_checks"]["output"]]
     assert counts.numpy().tolist() == [2, 1]
     assert np.isfinite(outs[0].numpy()).all()
+    for name, value in given.items():                               # the module clamps a copy, never its inputs
+        np.testing.assert_array_equal(feeds[name], value)
     bound.on_device = {"input_ids", "attention_mask"}                     # as a CUDA tensor would be
     message = call_inputs.value_error(row_model.manifest["value_checks"]["inputs"], counts, bound)
     assert message.startswith("input 'input_ids': token ids must be in [0, 1000)") and "2 value(s)" in message
