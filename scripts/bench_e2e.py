@@ -53,9 +53,15 @@ On the GPU machine (the lead's calls; the devkit's README: /work/shared/device/R
     3. carry [".devkit/bootstrap.sh", ".whl/ort-part-3-of-3"], timeout_s 600
        command: source .devkit/bootstrap.sh && source scripts/ort_install.sh && python3 -m pip install -q
          --no-deps --no-build-isolation --no-index -e . && PYTHONUNBUFFERED=1 python3 scripts/bench_e2e.py
-         --models roberta-base --shapes 8x512 16x2048 1x128 --budget-s 520 2>&1 | tee $OUT/log.txt
+         --rows bert-base:8x512 vit-base-384:8x512 roberta-base:8x512 --budget-s 520 2>&1 | tee $OUT/log.txt
 
 Later calls while warm carry only ``.devkit/bootstrap.sh`` and start with both ``source`` lines.
+
+Splitting a large set into calls: ``--rows MODEL:BxS ...`` runs exactly those rows in that order (``--models`` x
+``--shapes`` runs every pair). With every stage on, a base-size row took 100-150 s on the H200 (2026-12-01, session
+5: ~25 s of process start and model build, export 6-9 s, the stof-tvm compile 36-48 s in the background, which
+the first timing waits for, torch.compile 13-18 s, Flex 12-37 s, onnxruntime 11-17 s); rows the budget cannot
+fit are reported as skipped, so order them by importance and give each call 3 rows (``--budget-s 520``).
 
 On the CPU (the whole flow on tiny models, llvm, float32; what tests/test_bench_e2e.py runs):
 
@@ -111,17 +117,26 @@ def parse_shape(text: str) -> tuple[int, int]:
     return batch, length
 
 
-def rows_to_run(models: list[str], shapes: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
-    """(model, batch, length) of every row, in order; ViT's length is its own, so shapes that differ only in
-    length give one ViT row."""
-    rows = []
-    for name in models:
-        model = e2e_models.spec(name)
-        for batch, length in shapes:
-            row = (name, batch, e2e_models.seq_len(model, length))
-            if row not in rows:
-                rows.append(row)
-    return rows
+def parse_row(text: str) -> tuple[str, tuple[int, int]]:
+    """``MODEL:BxS`` (one row of ``--rows``) -> (model, (batch, length))."""
+    name, sep, shape = text.partition(":")
+    if not sep or name not in e2e_models.MODELS:
+        raise argparse.ArgumentTypeError(f"row: expected MODEL:BxS with MODEL one of {sorted(e2e_models.MODELS)}, "
+                                         f"got {text!r}")
+    return name, parse_shape(shape)
+
+
+def rows_to_run(models: list[str], shapes: list[tuple[int, int]],
+                rows: list[tuple[str, tuple[int, int]]] | None = None) -> list[tuple[str, int, int]]:
+    """(model, batch, length) of every row, in order: ``rows`` (``--rows``) as given when there are any, else
+    every model at every shape; ViT's length is its own, so shapes that differ only in length give one ViT row."""
+    pairs = rows or [(name, shape) for name in models for shape in shapes]
+    found = []
+    for name, (batch, length) in pairs:
+        row = (name, batch, e2e_models.seq_len(e2e_models.spec(name), length))
+        if row not in found:
+            found.append(row)
+    return found
 
 
 def compile_options(stage: str, args) -> dict:
@@ -225,7 +240,7 @@ def print_results(rows: list[dict]) -> None:
             bl.print_table(row["ours-nograph_classes"], [("class", "class", ""), ("ms", "ms/fwd", ".3f"),
                                                         ("calls", "calls", "d"), ("share", "share", ".1%")])
     bl.print_table(shown, TABLE, title="ms per forward pass (sparse: ours, flex; dense: eager, compile, ort, "
-                                       "tvm = TVM's default pipeline); linears / attn: ours on templates / sparse "
+                                       "tvm = TVM's default pipeline)\nlinears / attn: ours on templates / sparse "
                                        "kernels; 'of limit' = hardware floor / ours; of 790T / of 4.2TB: ours' "
                                        "useful TFLOP/s and least bytes/s over the H200's peaks")
 
@@ -239,7 +254,7 @@ def run_parent(args) -> int:
     rows_dir.mkdir(parents=True, exist_ok=True)
     header = {"environment": bl.environment(), "command": sys.argv, "args": vars(args)}
     rows = []
-    for name, batch, length in rows_to_run(args.models, args.shapes):
+    for name, batch, length in rows_to_run(args.models, args.shapes, args.rows):
         base = {"model": name, "batch": batch, "seq_len": length}
         if not budget.allows(ROW_MIN_S + RESERVE_S):
             rows.append({**base, "status": f"skipped: {budget.left():.0f} s of --budget-s left"})
@@ -590,6 +605,9 @@ def parser() -> argparse.ArgumentParser:
                    metavar="MODEL", help=f"models (default roberta-base; GPU set: {' '.join(e2e_models.GPU_MODELS)})")
     p.add_argument("--shapes", nargs="+", type=parse_shape, default=[(8, 512), (16, 2048), (1, 128)],
                    metavar="BxS", help="batch x sequence length (default 8x512 16x2048 1x128)")
+    p.add_argument("--rows", nargs="+", type=parse_row, metavar="MODEL:BxS",
+                   help="exactly these rows, in this order (e.g. bert-base:8x512 gpt2:16x2048), instead of every "
+                        "--models at every --shapes")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--target", help="stof-tvm target (default: cuda on --device cuda, else llvm)")
     p.add_argument("--dtype", choices=("float16", "float32"),
