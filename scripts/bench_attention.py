@@ -16,7 +16,7 @@ Plans: ``check`` (small shapes: every config, fp16/bf16, D 64/128, shared / per-
 padding, empty rows, S not a multiple of the tile), ``tune`` (tile configurations at B=16, S=4096 and S=16384),
 ``grid`` (issue 3's grid: causal/sliding/longformer/bigbird x B {1,8,16} x S {128..4096}, H=12, D=64, fp16; plus
 S 8192/16384 with D=128), ``headdims`` (issue 16: D 32-256 checked at small shapes, D 32/64/80/96/128/256 timed
-on causal/sliding/bigbird). Effective TFLOP/s counts kept pairs only: ``4 * kept * D`` per head.
+on causal/sliding/bigbird), ``splitkv`` (split-KV checks, and B=1-2 long-context timings). Effective TFLOP/s counts kept pairs only: ``4 * kept * D`` per head.
 
     python scripts/bench_attention.py build --plan check,tune --out out/attn
     python3 scripts/bench_attention.py run --out out/attn --json $OUT/attn.json      # on the GPU machine
@@ -195,7 +195,9 @@ def plan_pick() -> list[dict]:
 
 
 def _config_tuple(config) -> tuple:
-    return (config.block_m, config.block_n, config.num_warps, config.stages, config.heavy_first)
+    """A block configuration as a case's list: the five classic fields, plus the split-KV pair where it splits."""
+    fields = (config.block_m, config.block_n, config.num_warps, config.stages, config.heavy_first)
+    return fields + ((config.kv_splits, config.split_rows) if config.kv_splits > 1 else ())
 
 
 HEAD_DIM_CHECKS = (32, 80, 96, 192, 256)          # odd-stride rows (32, 80, 96); Q reloaded per tile (192, 256)
@@ -236,7 +238,39 @@ def plan_headdims() -> list[dict]:
     return cases
 
 
-PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims}
+SPLIT_CHECK_CONFIGS = ((64, 32, 4, 2, True, 4, 1), (64, 32, 4, 2, True, 16, 2), (32, 32, 2, 2, True, 8, 4))
+SPLIT_TIME_SHAPES = (("bigbird", 1, 12, 8192, 64), ("longformer", 1, 12, 8192, 64), ("bigbird", 1, 12, 16384, 128),
+                     ("bigbird", 2, 12, 8192, 64))
+
+
+def plan_splitkv() -> list[dict]:
+    """Split-KV (issue 16). Checks at S=1000 (not tile-aligned): masks with fewer, as many and more heavy rows than
+    the configuration splits (longformer: 2 per head, bigbird: 1), none (random, dense: every slice block but
+    the first idles) and padding with an empty batch; D=128 and D=80 bf16 too. Timed at B=1-2 and long S: the
+    model's best split configuration against its best unsplit one and the sparse default."""
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile, rank_attention
+    from stof_tvm.schedules.attention_blockwise import default_block_config
+
+    cases = []
+    for config in SPLIT_CHECK_CONFIGS:
+        for recipe in ("longformer", "bigbird", "random:0.3", "padding", "dense"):
+            cases.append(_case("check", "block", recipe, 2, 3, 1000, 64, "float16", config))
+    cases.append(_case("check", "block", "longformer", 2, 3, 1000, 128, "float16", (64, 32, 4, 2, True, 4, 2)))
+    cases.append(_case("check", "block", "bigbird", 2, 3, 1000, 80, "bfloat16", (64, 32, 4, 2, True, 8, 3)))
+    for recipe, batch, heads, seq, head_dim in SPLIT_TIME_SHAPES:
+        problem = AttentionProblem(batch=batch, heads=heads, head_dim=head_dim, dtype="float16",
+                                   mask=MaskProfile(build_mask(recipe, batch, heads, seq, 0)))
+        blocks = [r.candidate.config for r in rank_attention(problem) if r.candidate.kind == "block"]
+        split = next(c for c in blocks if c.kv_splits > 1)
+        unsplit = next(c for c in blocks if c.kv_splits == 1)
+        default = default_block_config(head_dim, "float16", seq, sparse=True)
+        for config in dict.fromkeys(_config_tuple(c) for c in (split, unsplit, default)):
+            cases.append(_case("time", "block", recipe, batch, heads, seq, head_dim, "float16", config))
+    return cases
+
+
+PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
+         "splitkv": plan_splitkv}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -274,11 +308,13 @@ def _nvcc_cubin(src: str, cubin_path: Path) -> dict:
     text = proc.stdout + proc.stderr
     if proc.returncode:
         raise RuntimeError(f"nvcc failed for {cubin_path.name}:\n{text}")
-    regs = re.search(r"Used (\d+) registers", text)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    stack = re.search(r"(\d+) bytes stack frame", text)
-    return {"registers": int(regs.group(1)), "spill_stores": int(spill.group(1)),
-            "spill_loads": int(spill.group(2)), "stack_frame": int(stack.group(1)), "cubin": cubin_path.name}
+    # Every kernel of the module (split-KV has two): the most registers, the spills and stack frames summed.
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", text)]
+    spills = [(int(a), int(b)) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)]
+    stacks = [int(x) for x in re.findall(r"(\d+) bytes stack frame", text)]
+    return {"registers": max(regs), "spill_stores": sum(a for a, _ in spills),
+            "spill_loads": sum(b for _, b in spills), "stack_frame": sum(stacks), "kernels": len(regs),
+            "cubin": cubin_path.name}
 
 
 def source_key(src: str) -> str:
