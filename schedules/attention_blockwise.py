@@ -42,6 +42,7 @@ from tvm.script import tirx as T
 from .mma import (CP_ASYNC_16, EX2, LD_SHARED_V4, LDMATRIX_X4, LDMATRIX_X4_TRANS, ST_GLOBAL_V4, chunk_offset,
                   chunk_stride, mma_m16n8k16, pack_f32x2)
 from .attention_rowwise import check_score_bias
+from .key_padding import bit_words
 
 __all__ = ["BlockConfig", "default_block_config", "blockwise_attention_primfunc", "SUPPORTED_DTYPES",
            "SUPPORTED_HEAD_DIMS", "OUT_LAYOUTS"]
@@ -195,8 +196,8 @@ def _check_positive(name: str, value) -> None:
 def blockwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: str,
                                  mask_batch: int, mask_heads: int, scale: float | None = None,
                                  config: BlockConfig | None = None, target_kind: str = "cuda",
-                                 out_layout: str = "bhsd", bias: tuple[int, int, str] | None = None
-                                 ) -> tvm.tirx.PrimFunc:
+                                 out_layout: str = "bhsd", bias: tuple[int, int, str] | None = None,
+                                 padding: bool = False) -> tvm.tirx.PrimFunc:
     """The block-wise attention PrimFunc for one problem shape.
 
     Parameters (in order): ``q[B,H,Sq,D], k[B,H,Sk,D], v[B,H,Sk,D], full_indptr[G*TR+1] int32,
@@ -214,6 +215,12 @@ def blockwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: i
     arrays and ``out`` (Bb 1 or B, Hb 1 or H; float16, bfloat16 or float32), as in the row-wise kernel: it is
     added to each kept score after scaling (T5's position bias) and read only in the tiles the format lists
     (never at rows >= Sq or keys >= Sk); values at keys the mask drops are ignored, whatever they are.
+
+    ``padding=True`` (self-attention, Sq == Sk) adds ``pad_range[B, 3] int32, pad_bits[B, ceil(Sk/32)] uint32``
+    after the format arrays (:mod:`stof_tvm.schedules.key_padding`): batch b keeps only keys in
+    ``[lo, hi)`` whose bit is set (the bits are read only where ``holes``), at every query row (padded query rows
+    too, as the model computes them). Key tiles wholly outside the range are neither loaded nor computed; the
+    tiles that cross it, and every tile of a row with holes, are masked by a column predicate.
     """
     if out_layout not in OUT_LAYOUTS:
         raise ValueError(f"out_layout must be one of {OUT_LAYOUTS}, got {out_layout!r}")
@@ -236,8 +243,10 @@ def blockwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: i
     if bias is not None and bias[0] * bias[1] * seq_q * seq_k >= 2 ** 31:
         raise ValueError(f"bias: [{bias[0]}, {bias[1]}, {seq_q}, {seq_k}] has 2**31 elements or more (the kernel "
                          "indexes it with 32-bit integers)")
+    if padding not in (False, True) or (padding and seq_q != seq_k):
+        raise ValueError(f"padding must be a bool and needs seq_q == seq_k, got {padding!r} ({seq_q} x {seq_k})")
     shape = _Shape(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, scale, config,
-                   out_layout == "bshd", bias)
+                   out_layout == "bshd", bias, bool(padding))
     if target_kind == "cuda":
         return _cuda_kernel(shape)
     if target_kind == "llvm":
@@ -259,6 +268,7 @@ class _Shape:
     config: BlockConfig
     rows_then_heads: bool           # out_layout "bshd"
     bias: tuple | None = None       # (bias_batch, bias_heads, dtype) of the score bias input
+    padding: bool = False           # pad_range / pad_bits inputs (key padding applied in the kernel)
 
     @property
     def bias_select(self) -> tuple[int, int]:
@@ -284,6 +294,46 @@ class _Shape:
     def group_strides(self) -> tuple[int, int]:
         """(batch, head) multipliers of the mask group id: ``g = b * gb + h * gh``."""
         return (self.mask_heads if self.mask_batch > 1 else 0), (1 if self.mask_heads > 1 else 0)
+
+
+class _Padding:
+    """Expressions of the key padding inputs of batch row ``b`` (``padding=True``). Without padding they are the
+    constants of an unpadded row (every key kept, no holes), so the padding code of both kernels folds away."""
+
+    def __init__(self, p: _Shape):
+        self.on, self.seq_k, self.words = p.padding, p.seq_k, bit_words(p.seq_k)
+
+    def lo(self, pad_range, b):
+        return pad_range[b, 0] if self.on else 0
+
+    def hi(self, pad_range, b):
+        return pad_range[b, 1] if self.on else self.seq_k
+
+    def holes(self, pad_range, b):
+        return pad_range[b, 2] if self.on else 0
+
+    def overlaps(self, lo, hi, start, length):
+        """Positions ``[start, start + length)`` meet the kept span ``[lo, hi)``."""
+        return tvm.tirx.all(start < hi, start + length > lo) if self.on else True
+
+
+    def loads(self, key, lo, hi):
+        """Key row ``key`` is read from memory: inside Sk and, with padding, inside the kept span (hi <= Sk; the
+        others are zero-filled and masked)."""
+        return tvm.tirx.all(lo <= key, key < hi) if self.on else key < self.seq_k
+
+    def needs_predicate(self, lo, hi, holes, start, length):
+        """Some position of ``[start, start + length)`` (a key tile) is dropped by the padding."""
+        return tvm.tirx.any(start < lo, start + length > hi, holes != 0) if self.on else False
+
+    def key_kept(self, pad_bits, b, lo, hi, holes, key):
+        """Key ``key`` survives the padding: inside ``[lo, hi)`` and, when the span has holes, its bit set."""
+        if not self.on:
+            return True
+        word = pad_bits[b, T.min(key // 32, self.words - 1)]
+        bit = T.bitwise_and(T.shift_right(word, T.Cast("uint32", key % 32)), T.uint32(1))
+        return tvm.tirx.all(lo <= key, key < hi, tvm.tirx.any(holes == 0, bit != T.uint32(0)))
+
 
 
 def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
@@ -332,6 +382,8 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     PAIR = HAS_BIAS and not WIDE and SK % 2 == 0
     STAGE = HAS_BIAS and not WIDE and MT * 2 * NJ <= 16
     INV_SCALE = T.float32(1.0 / p.scale)
+    pad = _Padding(p)
+    PAD = p.padding
 
     def swz(row, chunk):
         return chunk_offset(row, chunk, CPR)
@@ -443,8 +495,9 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
 
     @T.macro
     def issue_tile(tt, n_tiles, n_part_row, p0, f0, tx, b, h, k_base, v_base, m_base, k, v, part_indices,
-                   full_indices, part_bitmaps):
-        # cp.async of tile tt's K, V (rows >= Sk zero-filled) and, for a partial tile, its bitmap words.
+                   full_indices, part_bitmaps, lo, hi):
+        # cp.async of tile tt's K, V (rows >= Sk, or outside the batch row's kept key span [lo, hi), zero-filled:
+        # a zero-byte source reads no memory) and, for a partial tile, its bitmap words.
         if tt < n_tiles:
             slot: T.let = tt % ST
             col: T.let = T.if_then_else(tt < n_part_row, part_indices[p0 + tt], full_indices[f0 + tt - n_part_row])
@@ -453,7 +506,7 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     row: T.let = (it * NT + tx) // CPR
                     key: T.let = col * BN + row
                     dst: T.let = T.Cast("uint32", slot * KV_BYTES + swz(row, (it * NT + tx) % CPR))
-                    fill: T.let = T.Cast("uint32", T.Select(key < SK, 16, 0))
+                    fill: T.let = T.Cast("uint32", T.Select(pad.loads(key, lo, hi), 16, 0))
                     CP_ASYNC_16(k_base + dst, T.address_of(k[b, h, T.min(key, SK - 1),
                                                              ((it * NT + tx) % CPR) * 8]), 16, fill)
                     CP_ASYNC_16(v_base + dst, T.address_of(v[b, h, T.min(key, SK - 1),
@@ -468,7 +521,8 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
         T.ptx.cp.async_.commit_group()
 
     @T.macro
-    def kernel_body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, bias, out):
+    def kernel_body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, pad_range,
+                    pad_bits, bias, out):
         if SPLIT:   # per split slice: its rows' normalised partial output and log2-sum-exp; the split rows' ids
             ws_o = T.alloc_buffer((B * H * SR * KS * BM * D,), "float32", scope="global")
             ws_lse = T.alloc_buffer((B * H * SR * KS * BM,), "float32", scope="global")
@@ -537,6 +591,10 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     p0: T.let = part_indptr[r]
                     n_part_row: T.let = part_indptr[r + 1] - p0
                     n_tiles: T.let = n_part_row + full_indptr[r + 1] - f0
+                    # Padding: batch row b keeps keys [lo, hi), minus its holes.
+                    lo: T.let = pad.lo(pad_range, b)
+                    hi: T.let = pad.hi(pad_range, b)
+                    holes: T.let = pad.holes(pad_range, b)
                     n_heavy: T.let = heavy_rows(smem)
                     if SPLIT:   # the slice bounds, held in registers (not re-derived at every use)
                         span = T.alloc_buffer((2,), "int32", scope="local")
@@ -564,9 +622,8 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                     16, T.Cast("uint32", T.Select(qrow < SQ, 16, 0)))
                     T.ptx.cp.async_.commit_group()
                     for s in T.unroll(ST - 1):
-                        issue_tile(tile_at(t_first, s), t_end,
-                                   n_part_row, p0, f0, tx, b, h, k_base, v_base, m_base, k, v, part_indices,
-                                   full_indices, part_bitmaps)
+                        issue_tile(tile_at(t_first, s), t_end, n_part_row, p0, f0, tx, b, h, k_base, v_base,
+                                   m_base, k, v, part_indices, full_indices, part_bitmaps, lo, hi)
                     for i in T.unroll(MT * ND * 4):
                         o_acc[i] = T.float32(0)
                     for i in T.unroll(MT * 2):
@@ -584,7 +641,7 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                         T.ptx.cp.async_.wait_group(ST - 2)
                         T.tvm_storage_sync("shared")
                         issue_tile(t + ST - 1, t_end, n_part_row, p0, f0, tx, b, h, k_base, v_base, m_base,
-                                   k, v, part_indices, full_indices, part_bitmaps)
+                                   k, v, part_indices, full_indices, part_bitmaps, lo, hi)
                         kv_off: T.let = T.Cast("uint32", (t % ST) * KV_BYTES)
                         # A partial tile whose bitmap keeps nothing in this warp's rows is skipped by the warp.
                         live[0] = 1
@@ -596,6 +653,10 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                         word[0] = T.bitwise_or(word[0], mask_word(smem, t, warp, g, qd, mt, hh, j))
                             live[0] = T.cuda.any_sync(T.uint32(_FULL_MASK),
                                                       T.Cast("int32", T.bitwise_and(word[0], T.uint32(3))))
+                        if PAD:                 # a key tile outside the batch row's kept span is skipped too
+                            tcol: T.let = T.if_then_else(t < n_part_row, part_indices[p0 + t],
+                                                         full_indices[f0 + t - n_part_row])
+                            live[0] = T.Select(pad.overlaps(lo, hi, tcol * BN, BN), live[0], 0)
                         if live[0] != 0:
                             if HAS_BIAS:        # column tile of tile t; STAGE: the bias of all pairs, before QK^T
                                 bcol: T.let = T.if_then_else(t < n_part_row, part_indices[p0 + t],
@@ -659,6 +720,18 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                             s_acc[s_at(mt, j, hh * 2 + 1)] = T.Select(
                                                 T.bitwise_and(word[0], T.uint32(2)) != T.uint32(0),
                                                 s_acc[s_at(mt, j, hh * 2 + 1)], NEG_INF)
+                            if PAD:             # keys the padding drops: in a tile crossing [lo, hi), or at holes
+                                pcol: T.let = T.if_then_else(t < n_part_row, part_indices[p0 + t],
+                                                             full_indices[f0 + t - n_part_row])
+                                if pad.needs_predicate(lo, hi, holes, pcol * BN, BN):
+                                    for j in T.unroll(NJ):
+                                        for e in T.unroll(2):
+                                            for mt in T.unroll(MT):
+                                                for hh in T.unroll(2):
+                                                    s_acc[s_at(mt, j, hh * 2 + e)] = T.Select(
+                                                        pad.key_kept(pad_bits, b, lo, hi, holes,
+                                                                     pcol * BN + j * 8 + qd * 2 + e),
+                                                        s_acc[s_at(mt, j, hh * 2 + e)], NEG_INF)
                             # Online softmax, one pass per query row the thread holds (rows g and g+8 of each m-tile);
                             # the four lanes of a quad share a row. red = [tile max, new max, base, correction, sum].
                             for mt in T.unroll(MT):
@@ -742,27 +815,27 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     for ctx in T.thread_binding(NT, thread="threadIdx.x"):
                         merge = T.alloc_buffer((4,), "float32", scope="local")   # max, weight sum, sum, weight
                         crow: T.let = ws_row[cb * SR + cr]
+                        slot0: T.let = (cb * SR + cr) * KS          # workspace slot of the row's slice 0
                         if crow >= 0:
                             for it in range(COMBINE_ITERS):
                                 ma: T.let = (it * NT + ctx) // D
+                                col: T.let = (it * NT + ctx) % D
                                 if crow * BM + ma < SQ:
                                     merge[0] = NEG_INF
                                     for sp in T.unroll(KS):
-                                        merge[0] = T.max(merge[0], ws_lse[((cb * SR + cr) * KS + sp) * BM + ma])
+                                        merge[0] = T.max(merge[0], ws_lse[(slot0 + sp) * BM + ma])
                                     merge[1] = T.float32(0)
                                     merge[2] = T.float32(0)
                                     for sp in T.unroll(KS):
-                                        merge[3] = T.Select(ws_lse[((cb * SR + cr) * KS + sp) * BM + ma] == NEG_INF,
-                                                            T.float32(0), T.exp2(
-                                                                ws_lse[((cb * SR + cr) * KS + sp) * BM + ma] - merge[0]))
+                                        lse: T.let = ws_lse[(slot0 + sp) * BM + ma]
+                                        merge[3] = T.Select(lse == NEG_INF, T.float32(0), T.exp2(lse - merge[0]))
                                         merge[1] = merge[1] + merge[3]
-                                        merge[2] = merge[2] + merge[3] * ws_o[(((cb * SR + cr) * KS + sp) * BM + ma) * D
-                                                                              + (it * NT + ctx) % D]
+                                        merge[2] = merge[2] + merge[3] * ws_o[((slot0 + sp) * BM + ma) * D + col]
                                     merge[2] = T.Select(merge[1] > T.float32(0), merge[2] / merge[1], T.float32(0))
                                     if BSHD:
-                                        out[cb // H, crow * BM + ma, cb % H, (it * NT + ctx) % D] = T.Cast(DT, merge[2])
+                                        out[cb // H, crow * BM + ma, cb % H, col] = T.Cast(DT, merge[2])
                                     else:
-                                        out[cb // H, cb % H, crow * BM + ma, (it * NT + ctx) % D] = T.Cast(DT, merge[2])
+                                        out[cb // H, cb % H, crow * BM + ma, col] = T.Cast(DT, merge[2])
 
     return _entry(p, kernel_body)
 
@@ -778,9 +851,12 @@ def _cpu_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     OUT_SHAPE, BSHD = p.out_shape, p.rows_then_heads
     HAS_BIAS = p.bias is not None
     BSB, BSH = p.bias_select if HAS_BIAS else (0, 0)
+    pad = _Padding(p)
+    PAD = p.padding
 
     @T.macro
-    def kernel_body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, bias, out):
+    def kernel_body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, pad_range,
+                    pad_bits, bias, out):
         for task in T.parallel(B * H * TR):
             q_row = T.alloc_buffer((D,), "float32", scope="local")
             acc = T.alloc_buffer((D,), "float32", scope="local")
@@ -795,6 +871,9 @@ def _cpu_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
             p0: T.let = part_indptr[r]
             n_part_row: T.let = part_indptr[r + 1] - p0
             n_tiles: T.let = n_part_row + full_indptr[r + 1] - f0
+            lo: T.let = pad.lo(pad_range, b)
+            hi: T.let = pad.hi(pad_range, b)
+            holes: T.let = pad.holes(pad_range, b)
             for a in range(BM):
                 if tr * BM + a < SQ:
                     st[0] = NEG_INF
@@ -811,6 +890,8 @@ def _cpu_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                 kept[0] = T.Cast("int32", T.bitwise_and(T.shift_right(
                                     part_bitmaps[p0 + t, a // 8, c // 8], T.Cast("uint64", (a % 8) * 8 + c % 8)),
                                     T.uint64(1)))
+                            if PAD:
+                                kept[0] = T.Select(pad.key_kept(pad_bits, b, lo, hi, holes, col * BN + c), kept[0], 0)
                             if kept[0] != 0 and col * BN + c < SK:
                                 st[2] = T.float32(0)
                                 for d in range(D):
@@ -840,49 +921,40 @@ def _cpu_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
 
 
 def _entry(p: _Shape, kernel_body) -> tvm.tirx.PrimFunc:
-    """The PrimFunc around a target's kernel body: buffers of the parameter list, with ``bias`` before ``out``
-    when the problem has a score bias."""
+    """The PrimFunc around a target's kernel body: buffers of the parameter list, with ``pad_range, pad_bits``
+    after the format arrays when the problem has padding and ``bias`` before ``out`` when it has a score bias
+    (written once with every parameter; the ones the problem does not have are dropped)."""
     B, H, SQ, SK, D, DT = p.batch, p.heads, p.seq_q, p.seq_k, p.head_dim, p.dtype
     BM, BN = p.config.block_m, p.config.block_n
     NROWS, OUT_SHAPE = p.groups * p.tile_rows + 1, p.out_shape
     BB, BH, BIAS_DT = p.bias if p.bias is not None else (1, 1, "float32")
+    KW = bit_words(SK)
+    HAS_BIAS, PAD = p.bias is not None, p.padding
 
-    if p.bias is None:
-        @T.prim_func
-        def blockwise_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, full_indptr_h: T.handle,
-                                full_indices_h: T.handle, part_indptr_h: T.handle, part_indices_h: T.handle,
-                                part_bitmaps_h: T.handle, out_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "global_symbol": "blockwise_attention"})
-            n_full = T.int32()
-            n_part = T.int32()
-            q = T.match_buffer(q_h, (B, H, SQ, D), DT, offset_factor=VIEW_ALIGN)
-            k = T.match_buffer(k_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
-            v = T.match_buffer(v_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
-            full_indptr = T.match_buffer(full_indptr_h, (NROWS,), "int32")
-            full_indices = T.match_buffer(full_indices_h, (n_full,), "int32")
-            part_indptr = T.match_buffer(part_indptr_h, (NROWS,), "int32")
-            part_indices = T.match_buffer(part_indices_h, (n_part,), "int32")
-            part_bitmaps = T.match_buffer(part_bitmaps_h, (n_part, BM // 8, BN // 8), "uint64")
-            out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            kernel_body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, None, out)
-    else:
-        @T.prim_func
-        def blockwise_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, full_indptr_h: T.handle,
-                                full_indices_h: T.handle, part_indptr_h: T.handle, part_indices_h: T.handle,
-                                part_bitmaps_h: T.handle, bias_h: T.handle, out_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "global_symbol": "blockwise_attention"})
-            n_full = T.int32()
-            n_part = T.int32()
-            q = T.match_buffer(q_h, (B, H, SQ, D), DT, offset_factor=VIEW_ALIGN)
-            k = T.match_buffer(k_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
-            v = T.match_buffer(v_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
-            full_indptr = T.match_buffer(full_indptr_h, (NROWS,), "int32")
-            full_indices = T.match_buffer(full_indices_h, (n_full,), "int32")
-            part_indptr = T.match_buffer(part_indptr_h, (NROWS,), "int32")
-            part_indices = T.match_buffer(part_indices_h, (n_part,), "int32")
-            part_bitmaps = T.match_buffer(part_bitmaps_h, (n_part, BM // 8, BN // 8), "uint64")
-            bias = T.match_buffer(bias_h, (BB, BH, SQ, SK), BIAS_DT)
-            out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            kernel_body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, bias, out)
+    @T.prim_func
+    def blockwise_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, full_indptr_h: T.handle,
+                            full_indices_h: T.handle, part_indptr_h: T.handle, part_indices_h: T.handle,
+                            part_bitmaps_h: T.handle, pad_range_h: T.handle, pad_bits_h: T.handle,
+                            bias_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "global_symbol": "blockwise_attention"})
+        n_full = T.int32()
+        n_part = T.int32()
+        q = T.match_buffer(q_h, (B, H, SQ, D), DT, offset_factor=VIEW_ALIGN)
+        k = T.match_buffer(k_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
+        v = T.match_buffer(v_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
+        full_indptr = T.match_buffer(full_indptr_h, (NROWS,), "int32")
+        full_indices = T.match_buffer(full_indices_h, (n_full,), "int32")
+        part_indptr = T.match_buffer(part_indptr_h, (NROWS,), "int32")
+        part_indices = T.match_buffer(part_indices_h, (n_part,), "int32")
+        part_bitmaps = T.match_buffer(part_bitmaps_h, (n_part, BM // 8, BN // 8), "uint64")
+        pad_range = T.match_buffer(pad_range_h, (B, 3), "int32")
+        pad_bits = T.match_buffer(pad_bits_h, (B, KW), "uint32")
+        bias = T.match_buffer(bias_h, (BB, BH, SQ, SK), BIAS_DT)
+        out = T.match_buffer(out_h, OUT_SHAPE, DT)
+        kernel_body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps,
+                    pad_range if PAD else None, pad_bits if PAD else None, bias if HAS_BIAS else None, out)
 
-    return blockwise_attention
+    dropped = ({"pad_range", "pad_bits"} if not PAD else set()) | ({"bias"} if not HAS_BIAS else set())
+    params = [param for param in blockwise_attention.params if param.name not in dropped]
+    return tvm.tirx.PrimFunc(params, blockwise_attention.body, blockwise_attention.ret_type,
+                             blockwise_attention.attrs)

@@ -34,6 +34,8 @@ import tvm
 from tvm import s_tir
 from tvm.script import tirx as T
 
+from .key_padding import bit_words
+
 __all__ = ["RowConfig", "SUPPORTED_HEAD_DIMS", "SUPPORTED_DTYPES", "default_row_config", "rowwise_attention_template",
            "schedule_rowwise", "rowwise_attention_primfunc", "ROWWISE_SYMBOL", "check_score_bias", "cuda_lanes",
            "cuda_config_fits"]
@@ -140,13 +142,18 @@ def check_score_bias(bias, batch: int, heads: int):
 
 def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: str,
                                mask_batch: int, mask_heads: int, scale: float, key_groups: int,
-                               keys_per_step: int, bias: tuple[int, int, str] | None = None) -> tvm.tirx.PrimFunc:
+                               keys_per_step: int, bias: tuple[int, int, str] | None = None,
+                               padding: bool = False) -> tvm.tirx.PrimFunc:
     """The unscheduled row-wise PrimFunc. ``nnz`` (length of ``indices``) is symbolic.
 
     Params: ``q[B,H,Sq,D], k[B,H,Sk,D], v[B,H,Sk,D], indptr[G*Sq+1] int32, indices[nnz] int32, out[B,H,Sq,D]``.
     ``bias = (bias_batch, bias_heads, dtype)`` adds a parameter ``bias[Bb, Hb, Sq, Sk]`` before ``out`` (Bb 1 or B,
     Hb 1 or H) that is added to each kept score after scaling, as models with a position bias (T5) add it to their
     scores; it is read only where the mask keeps a key.
+
+    ``padding=True`` (Sq == Sk) adds ``pad_range[B, 3] int32, pad_bits[B, ceil(Sk/32)] uint32`` after
+    ``indices`` (:mod:`stof_tvm.schedules.key_padding`): batch b keeps only keys in ``[lo, hi)`` whose bit is set
+    (read only where ``holes``), at every query row.
     """
     B, H, Sq, Sk, D, KG, U = batch, heads, seq_q, seq_k, head_dim, key_groups, keys_per_step
     G = mask_batch * mask_heads
@@ -159,9 +166,28 @@ def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int
     BB, BH, BIAS_DTYPE = bias if HAS_BIAS else (1, 1, "float32")
     bias_b = 1 if BB > 1 else 0                            # the bias row of (b, h): [b * bias_b, h * bias_h]
     bias_h = 1 if BH > 1 else 0
+    PAD, KW = padding, bit_words(seq_k)
+
+    def row_reads(q, k, v, indptr, indices, bias_buf, pad_range, pad_bits, nnz, b, h, i):
+        """What computing row (b, h, i) reads: its query, the format, K and V (and the bias row, the padding)."""
+        regions = [q[b, h, i, 0:D], indptr[0:G * Sq + 1], indices[0:nnz], k[b, h, 0:Sk, 0:D], v[b, h, 0:Sk, 0:D]]
+        if HAS_BIAS:
+            regions.append(bias_buf[b * bias_b, h * bias_h, i, 0:Sk])
+        if PAD:
+            regions += [pad_range[b, 0:3], pad_bits[b, 0:KW]]
+        return regions
+
+    def kept_key(pad_range, pad_bits, b, slot_valid, key):
+        """Key slot in use and, with padding, its key inside batch b's kept span and not at a hole."""
+        if not PAD:
+            return slot_valid
+        word = pad_bits[b, T.min(key // 32, KW - 1)]
+        bit = T.bitwise_and(T.shift_right(word, T.Cast("uint32", key % 32)), T.uint32(1))
+        return tvm.tirx.all(slot_valid, pad_range[b, 0] <= key, key < pad_range[b, 1],
+                            tvm.tirx.any(pad_range[b, 2] == 0, bit != T.uint32(0)))
 
     @T.macro
-    def body(q, k, v, indptr, indices, bias_buf, out, nnz):
+    def body(q, k, v, indptr, indices, bias_buf, pad_range, pad_bits, out, nnz):
         # Per (row, key group) online-softmax state: running max (log2 domain), running sum, accumulator.
         part_max = T.sblock_alloc_buffer((B, H, Sq, KG), "float32")
         part_sum = T.sblock_alloc_buffer((B, H, Sq, KG), "float32")
@@ -169,12 +195,7 @@ def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int
         for b, h, i in T.grid(B, H, Sq):
             with T.sblock("row"):
                 rb, rh, ri = T.axis.remap("SSS", [b, h, i])
-                if HAS_BIAS:
-                    T.reads(q[rb, rh, ri, 0:D], indptr[0:G * Sq + 1], indices[0:nnz], k[rb, rh, 0:Sk, 0:D],
-                            v[rb, rh, 0:Sk, 0:D], bias_buf[rb * bias_b, rh * bias_h, ri, 0:Sk])
-                else:
-                    T.reads(q[rb, rh, ri, 0:D], indptr[0:G * Sq + 1], indices[0:nnz], k[rb, rh, 0:Sk, 0:D],
-                            v[rb, rh, 0:Sk, 0:D])
+                T.reads(row_reads(q, k, v, indptr, indices, bias_buf, pad_range, pad_bits, nnz, rb, rh, ri))
                 T.writes(out[rb, rh, ri, 0:D])
                 for kg in range(KG):
                     with T.sblock("partial"):
@@ -182,13 +203,7 @@ def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int
                         vh = T.axis.spatial(H, rh)
                         vi = T.axis.spatial(Sq, ri)
                         vg = T.axis.spatial(KG, kg)
-                        if HAS_BIAS:
-                            T.reads(q[vb, vh, vi, 0:D], indptr[0:G * Sq + 1], indices[0:nnz],
-                                    k[vb, vh, 0:Sk, 0:D], v[vb, vh, 0:Sk, 0:D],
-                                    bias_buf[vb * bias_b, vh * bias_h, vi, 0:Sk])
-                        else:
-                            T.reads(q[vb, vh, vi, 0:D], indptr[0:G * Sq + 1], indices[0:nnz],
-                                    k[vb, vh, 0:Sk, 0:D], v[vb, vh, 0:Sk, 0:D])
+                        T.reads(row_reads(q, k, v, indptr, indices, bias_buf, pad_range, pad_bits, nnz, vb, vh, vi))
                         T.writes(part_max[vb, vh, vi, vg], part_sum[vb, vh, vi, vg], part_acc[vb, vh, vi, vg, 0:D])
                         qf = T.alloc_buffer((D,), "float32", scope="local")
                         acc = T.alloc_buffer((D,), "float32", scope="local")
@@ -233,12 +248,12 @@ def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int
                                         "float32", bias_buf[vb * bias_b, vh * bias_h, vi, key[u]]) * T.float32(log2e)
                             state[2] = state[0]
                             for u in range(U):
-                                if (it * U + u) * KG + vg < n_keys:
+                                if kept_key(pad_range, pad_bits, vb, (it * U + u) * KG + vg < n_keys, key[u]):
                                     state[2] = T.max(state[2], score[u])
                             state[3] = T.exp2(state[0] - state[2])
                             for u in range(U):
-                                prob[u] = T.Select((it * U + u) * KG + vg < n_keys, T.exp2(score[u] - state[2]),
-                                                   T.float32(0))
+                                prob[u] = T.Select(kept_key(pad_range, pad_bits, vb, (it * U + u) * KG + vg < n_keys,
+                                                            key[u]), T.exp2(score[u] - state[2]), T.float32(0))
                             state[1] = state[1] * state[3]
                             for u in range(U):
                                 state[1] = state[1] + prob[u]
@@ -283,35 +298,33 @@ def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int
                                                                      T.float32(0)))
 
 
-    if HAS_BIAS:
-        @T.prim_func(s_tir=True)
-        def rowwise_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, indptr_h: T.handle,
-                              indices_h: T.handle, bias_h: T.handle, out_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "global_symbol": ROWWISE_SYMBOL})
-            nnz = T.int32()
-            q = T.match_buffer(q_h, (B, H, Sq, D), dtype)
-            k = T.match_buffer(k_h, (B, H, Sk, D), dtype)
-            v = T.match_buffer(v_h, (B, H, Sk, D), dtype)
-            indptr = T.match_buffer(indptr_h, (G * Sq + 1,), "int32")
-            indices = T.match_buffer(indices_h, (nnz,), "int32")
-            bias_buf = T.match_buffer(bias_h, (BB, BH, Sq, Sk), BIAS_DTYPE)
-            out = T.match_buffer(out_h, (B, H, Sq, D), dtype)
-            body(q, k, v, indptr, indices, bias_buf, out, nnz)
-    else:
-        @T.prim_func(s_tir=True)
-        def rowwise_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, indptr_h: T.handle,
-                              indices_h: T.handle, out_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "global_symbol": ROWWISE_SYMBOL})
-            nnz = T.int32()
-            q = T.match_buffer(q_h, (B, H, Sq, D), dtype)
-            k = T.match_buffer(k_h, (B, H, Sk, D), dtype)
-            v = T.match_buffer(v_h, (B, H, Sk, D), dtype)
-            indptr = T.match_buffer(indptr_h, (G * Sq + 1,), "int32")
-            indices = T.match_buffer(indices_h, (nnz,), "int32")
-            out = T.match_buffer(out_h, (B, H, Sq, D), dtype)
-            body(q, k, v, indptr, indices, None, out, nnz)
+    # Written once with every parameter; the padding and bias parameters the problem does not have are dropped.
+    @T.prim_func(s_tir=True)
+    def rowwise_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, indptr_h: T.handle, indices_h: T.handle,
+                          pad_range_h: T.handle, pad_bits_h: T.handle, bias_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "global_symbol": ROWWISE_SYMBOL})
+        nnz = T.int32()
+        q = T.match_buffer(q_h, (B, H, Sq, D), dtype)
+        k = T.match_buffer(k_h, (B, H, Sk, D), dtype)
+        v = T.match_buffer(v_h, (B, H, Sk, D), dtype)
+        indptr = T.match_buffer(indptr_h, (G * Sq + 1,), "int32")
+        indices = T.match_buffer(indices_h, (nnz,), "int32")
+        pad_range = T.match_buffer(pad_range_h, (B, 3), "int32")
+        pad_bits = T.match_buffer(pad_bits_h, (B, KW), "uint32")
+        bias_buf = T.match_buffer(bias_h, (BB, BH, Sq, Sk), BIAS_DTYPE)
+        out = T.match_buffer(out_h, (B, H, Sq, D), dtype)
+        body(q, k, v, indptr, indices, bias_buf if HAS_BIAS else None, pad_range if PAD else None,
+             pad_bits if PAD else None, out, nnz)
 
-    return rowwise_attention
+    dropped = ({"pad_range", "pad_bits"} if not PAD else set()) | ({"bias_buf"} if not HAS_BIAS else set())
+    params = [param for param in rowwise_attention.params if param.name not in dropped]
+    return tvm.tirx.PrimFunc(params, rowwise_attention.body, rowwise_attention.ret_type, rowwise_attention.attrs)
+
+
+def _check_padding(padding, seq_q: int, seq_k: int) -> bool:
+    if padding not in (False, True) or (padding and seq_q != seq_k):
+        raise ValueError(f"padding must be a bool and needs seq_q == seq_k, got {padding!r} ({seq_q} x {seq_k})")
+    return bool(padding)
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
@@ -359,12 +372,13 @@ def schedule_rowwise(func: tvm.tirx.PrimFunc, *, head_dim: int, dtype: str, seq_
 def rowwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: str,
                                mask_batch: int, mask_heads: int, scale: float | None = None,
                                config: RowConfig | None = None, target_kind: str = "cuda",
-                               bias: tuple[int, int, str] | None = None) -> tvm.tirx.PrimFunc:
+                               bias: tuple[int, int, str] | None = None, padding: bool = False) -> tvm.tirx.PrimFunc:
     """The scheduled row-wise attention PrimFunc for ``target_kind`` ("cuda" or "llvm"), ready for tvm.compile.
 
     ``scale`` defaults to 1/sqrt(head_dim); ``config`` to :func:`default_row_config`. The function's symbol is
     :data:`ROWWISE_SYMBOL`; ``nnz`` is symbolic, so one build serves every mask of this shape and group layout.
-    ``bias``: ``(bias_batch, bias_heads, dtype)`` of an additive score bias input (see the template).
+    ``bias``: ``(bias_batch, bias_heads, dtype)`` of an additive score bias input (see the template);
+    ``padding``: the key padding inputs (see the template).
     """
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     _check_problem(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, scale, target_kind)
@@ -373,6 +387,7 @@ def rowwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int
     func = rowwise_attention_template(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim,
                                       dtype=dtype, mask_batch=mask_batch, mask_heads=mask_heads, scale=scale,
                                       key_groups=config.key_groups, keys_per_step=config.keys_per_step,
-                                      bias=check_score_bias(bias, batch, heads))
+                                      bias=check_score_bias(bias, batch, heads),
+                                      padding=_check_padding(padding, seq_q, seq_k))
     return schedule_rowwise(func, head_dim=head_dim, dtype=dtype, seq_q=seq_q, config=config,
                             target_kind=target_kind)

@@ -16,7 +16,8 @@ Plans: ``check`` (small shapes: every config, fp16/bf16, D 64/128, shared / per-
 padding, empty rows, S not a multiple of the tile), ``tune`` (tile configurations at B=16, S=4096 and S=16384),
 ``grid`` (issue 3's grid: causal/sliding/longformer/bigbird x B {1,8,16} x S {128..4096}, H=12, D=64, fp16; plus
 S 8192/16384 with D=128), ``headdims`` (issue 16: D 32-256 checked at small shapes, D 32/64/80/96/128/256 timed
-on causal/sliding/bigbird), ``splitkv`` (split-KV checks, and B=1-2 long-context timings). Effective TFLOP/s counts kept pairs only: ``4 * kept * D`` per head.
+on causal/sliding/bigbird), ``splitkv`` (split-KV checks, and B=1-2 long-context timings). Effective TFLOP/s
+counts kept pairs only: ``4 * kept * D`` per head.
 
     python scripts/bench_attention.py build --plan check,tune --out out/attn
     python3 scripts/bench_attention.py run --out out/attn --json $OUT/attn.json      # on the GPU machine
@@ -24,7 +25,6 @@ on causal/sliding/bigbird), ``splitkv`` (split-KV checks, and B=1-2 long-context
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -34,6 +34,10 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402  (the scripts' shared timing, checking and CUDA tool-chain helpers)
+from benchlib import source_key  # noqa: E402
 
 import numpy as np
 
@@ -298,27 +302,7 @@ def _primfunc(case: dict):
 
 def _nvcc_cubin(src: str, cubin_path: Path) -> dict:
     """Compile ``src`` for sm_90 with nvcc -Xptxas -v into ``cubin_path``; return registers / spill figures."""
-    import re
-
-    cu = cubin_path.with_suffix(".cu")
-    cu.write_text(src)
-    proc = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-O3", "--use_fast_math", "-Xptxas", "-v",
-                           "-o", str(cubin_path), str(cu)], capture_output=True, text=True)
-    cu.unlink()
-    text = proc.stdout + proc.stderr
-    if proc.returncode:
-        raise RuntimeError(f"nvcc failed for {cubin_path.name}:\n{text}")
-    # Every kernel of the module (split-KV has two): the most registers, the spills and stack frames summed.
-    regs = [int(x) for x in re.findall(r"Used (\d+) registers", text)]
-    spills = [(int(a), int(b)) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)]
-    stacks = [int(x) for x in re.findall(r"(\d+) bytes stack frame", text)]
-    return {"registers": max(regs), "spill_stores": sum(a for a, _ in spills),
-            "spill_loads": sum(b for _, b in spills), "stack_frame": sum(stacks), "kernels": len(regs),
-            "cubin": cubin_path.name}
-
-
-def source_key(src: str) -> str:
-    return hashlib.sha256(src.encode()).hexdigest()[:24]
+    return bl.nvcc_cubin(src, cubin_path, "sm_90", fast_math=True)
 
 
 def build(args) -> None:

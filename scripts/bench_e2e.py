@@ -1,343 +1,589 @@
-"""End-to-end benchmark: stof-tvm vs PyTorch and TVM's default pipeline on whole models, same mask.
+"""End-to-end benchmark: Hugging Face models exported by torch.onnx, compiled by stof-tvm with a sparse mask, timed
+against torch and onnxruntime on the same models, in one run on the GPU machine.
 
-Two steps, because the GPU machine has TVM's runtime only (artifacts are built here, without weights; the
-GPU machine regenerates the weights from the built-in models' seed):
+Per model and shape (each in a child process, so a crash or a sticky CUDA error costs only that row):
 
-    # 1. here (CPU, TVM compiler + nvcc): every variant of BERT-Base and BERT-Large at the three shapes
-    rm -rf out/e2e && .venv/bin/python scripts/bench_e2e.py build --models bert-base bert-large \
-        --shapes 1x128 8x512 16x2048      # ~1.2 MB per artifact, 30 artifacts, a few minutes
-    du -sh out/e2e          # must stay under the device tool's 64 MiB carry limit (with .devkit/runtime.tar.xz)
+1. build the transformers model from its config with seeded random weights (``stof_tvm.models.hf_export``) and
+   export it with ``torch.onnx.export`` (TorchScript exporter, static shapes, opset ``--opset``);
+2. compile that ONNX file with stof-tvm in background processes while the torch baselines run: ``ours``
+   (``--mask``, default BigBird; cuda float16 with CUDA graphs; the compile's defaults otherwise: attention kernel
+   chosen from the mask, fusion templates, wgmma GEMMs on sm_90) and ``tvm-dense``, TVM's default pipeline on
+   the same graph as the project builds it (``kernel="dense", templates=False``: dense attention with the mask as
+   an additive input, dlight schedules for everything);
+3. float32 references on the device (TF32 off): the model with dense SDPA, and with the sparse mask (AND the
+   model's own: GPT-2's causality, T5's position bias) through ``scripts/e2e_torch.py``;
+4. time (CUDA events after warm-up, median of ``--samples`` samples of back-to-back calls, cycling
+   ``--input-sets`` sets of fresh random inputs; ``scripts/benchlib.py``) and check against the matching
+   reference (relative Frobenius error <= ``--tolerance``, every output element finite; outputs poisoned first
+   where we own the buffer):
 
-    # 2. the GPU call (device tool), one run for everything:
-    run(command="source .devkit/bootstrap.sh && python3 -m pip install -q --no-deps --no-build-isolation "
-                "--no-index -e . && python3 scripts/bench_e2e.py run --models bert-base bert-large "
-                "--json $OUT/e2e.json",
-        carry=[".devkit/runtime.tar.xz", ".devkit/bootstrap.sh", "out/e2e"], timeout_s=600)
+   | label | what runs | checked against |
+   |---|---|---|
+   | ``ours-call`` | ``model(input_ids=..., attention_mask=...)``, torch CUDA tensors (the call users write) | sparse |
+   | ``ours`` | the module alone: ``run`` on inputs ``prepare``d once | sparse |
+   | ``torch-eager`` | the HF model in float16, ``attn_implementation="sdpa"`` (dense) | dense |
+   | ``torch-compile`` | the same through ``torch.compile`` | dense |
+   | ``torch-flex`` | ``torch.compile`` of the model, FlexAttention on a BlockMask of the same sparse mask | sparse |
+   | ``ort`` | onnxruntime (CUDA EP) on the same ONNX after its transformer optimizer, float16, IOBinding | dense |
+   | ``tvm-dense`` | TVM's default pipeline (see 2.) | sparse |
+   | ``ours-nograph`` | with ``--profile``: ``ours`` without CUDA graphs, timed and profiled per kernel class | sparse |
 
-If the carry is too large, build and run one model per call (``--models bert-base``, then ``bert-large``).
-For each model and (B, S), ``build`` compiles these artifacts from the same ONNX graph with the BigBird mask
-(fp16; ``--variants`` picks a subset):
+Reported per row: ms of each, the hardware limit of the useful work (``scripts/e2e_models.work``: matrix FLOPs
+plus attention FLOPs of the kept pairs at 790 TFLOP/s, least bytes at 4.2 TB/s) and each ``ours`` time's
+fraction of it, ``vs best`` = the best correct baseline's ms / ours (``torch-*`` and ``ort``), ``vs tvm`` =
+tvm-dense / ours. ``results.json`` (rewritten after every row, and by each child after every stage) and a table
+go to ``$OUT`` (the device tool's) or ``--out``. ``--budget-s`` bounds the whole run: a row or a stage that would
+not fit is skipped and reported, never cut off mid-write.
 
-- ``ours``: attention kernel chosen from the mask, TVM's dlight schedules for the rest;
-- ``templates``: the same plus the fusion templates on mma.sync (``gemm="mma"``) for every chain (QKV projection into heads,
-  GEMM + bias/residual/LayerNorm, GEMM + bias + GELU; knobs: stage 1's top-ranked set, the manifest lists them);
-- ``graph``: ``templates`` with CUDA graphs over the static regions between attention calls;
-- ``wgmma``: ``templates`` with the Hopper wgmma GEMM and QKV kernels (sm_90a cubins prebuilt here by nvcc and
-  carried in the artifact; what ``compile`` does by default for an sm_90 target), ``wgmma-graph`` the same with
-  CUDA graphs;
-- ``dense``: TVM's default pipeline (dense attention with the mask applied as an input, dlight schedules).
+ViT's sequence is its patch grid: ``vit-base`` 197 tokens, ``vit-base-384`` 577; a shape's batch applies, its
+length is replaced. Models: ``scripts/e2e_models.py`` (``bert-base roberta-base bert-large gpt2 vit-base
+vit-base-384 t5-base``, and ``*-tiny`` for the CPU).
 
-``run`` regenerates the model's weights (seeded, the same numpy generator as the build) and times, with fresh
-random token ids and CUDA-event / time_evaluator medians after warm-up:
+On the GPU machine (the lead's calls; the devkit's README: /work/shared/device/README.md). Here, once:
+``../shared/device/pack`` and ``.venv/bin/python scripts/ort_parts.py prepare`` (parts of 24 + 32 + 7.7 MiB in
+.whl/). Then three calls back to back (the machine keeps .devkit-site/ and /tmp only while warm, ~30 s):
 
-- every artifact above (module time, time_evaluator; a variant that fails to load or run is reported, not fatal);
-- ``torch-eager``: a PyTorch BERT with the same weights, fp16, SDPA with the boolean mask;
-- ``torch-flex``: the same model with FlexAttention (compiled, BlockMask built from the same mask);
-- ``torch-compile`` and ``torch-compile-graph`` (``--baselines``): the whole FlexAttention forward through
-  ``torch.compile`` (``dynamic=False``), then the same captured into a CUDA graph and replayed.
+    1. carry [".devkit/runtime.tar.xz", ".devkit/bootstrap.sh", ".devkit/compiler.a", ".whl/ort-part-1-of-3"]
+       command: source .devkit/bootstrap.sh; source scripts/ort_install.sh
+    2. carry [".devkit/bootstrap.sh", ".devkit/compiler.b", ".whl/ort-part-2-of-3"]
+       command: source .devkit/bootstrap.sh; source scripts/ort_install.sh
+    3. carry [".devkit/bootstrap.sh", ".whl/ort-part-3-of-3"], timeout_s 600
+       command: source .devkit/bootstrap.sh && source scripts/ort_install.sh && python3 -m pip install -q
+         --no-deps --no-build-isolation --no-index -e . && PYTHONUNBUFFERED=1 python3 scripts/bench_e2e.py
+         --models roberta-base --shapes 8x512 16x2048 1x128 --budget-s 520 2>&1 | tee $OUT/log.txt
 
-Every output is checked against the PyTorch model in float32 (relative Frobenius error) in the same run; only
-variants within ``--tolerance`` count towards "ours best". GPT-2, the T5 encoder and ViT need torch's ONNX
-exporter to build their artifacts (``stof_tvm.models.torch_models``), which this CPU machine does not have;
-they are not in this script.
+Later calls while warm carry only ``.devkit/bootstrap.sh`` and start with both ``source`` lines.
+
+On the CPU (the whole flow on tiny models, llvm, float32; what tests/test_bench_e2e.py runs):
+
+    .venv/bin/python scripts/bench_e2e.py --device cpu --models bert-tiny --shapes 2x256 \\
+        --skip torch-compile torch-flex --out out/e2e-cpu
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
-import numpy as np
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for path in (str(HERE), str(ROOT)):
+    if path not in sys.path:
+        sys.path.insert(0, path)
 
-OUT = os.path.join("out", "e2e")
-MASK = "bigbird"
-# artifact variant -> compile options (besides the mask, shape, target and dtype)
-VARIANTS = {
-    "ours": {"kernel": "auto", "templates": False},
-    "templates": {"kernel": "auto", "templates": True, "gemm": "mma"},
-    "graph": {"kernel": "auto", "templates": True, "gemm": "mma", "cuda_graph": True},
-    "wgmma": {"kernel": "auto", "templates": True, "gemm": "wgmma"},
-    "wgmma-graph": {"kernel": "auto", "templates": True, "gemm": "wgmma", "cuda_graph": True},
-    "dense": {"kernel": "dense", "templates": False},
-}
-LABELS = {"ours": "ours", "templates": "ours+templates", "graph": "ours+templates+graph",
-          "wgmma": "ours+templates-wgmma", "wgmma-graph": "ours+templates-wgmma+graph", "dense": "tvm-dense"}
-# torch baselines: label, attention, whole forward through torch.compile, captured in a CUDA graph
-BASELINES = [("torch-eager", "sdpa", False, False), ("torch-flex", "flex", False, False),
-             ("torch-compile", "flex", True, False), ("torch-compile-graph", "flex", True, True)]
-OURS = tuple(label for variant, label in LABELS.items() if variant != "dense")
+import benchlib as bl  # noqa: E402
+import e2e_models  # noqa: E402
 
-
-def _shape_arg(text: str) -> tuple[int, int]:
-    b, s = text.lower().split("x")
-    return int(b), int(s)
-
-
-def _artifact_dir(model: str, batch: int, seq_len: int, variant: str) -> str:
-    return os.path.join(OUT, f"{model}_{batch}x{seq_len}_{variant}")
+BASELINES = ("torch-eager", "torch-compile", "torch-flex", "ort")
+OURS = ("ours", "ours-call")
+STAGES = ("export", "reference") + BASELINES + ("ours", "ours-nograph", "tvm-dense")
+# seconds a stage may take on the H200 machine at the largest shapes: a stage starts only if this fits
+STAGE_COST_S = {"export": 30, "reference": 15, "torch-eager": 15, "torch-compile": 90, "torch-flex": 120,
+                "ort": 60, "ours": 30, "ours-nograph": 30, "tvm-dense": 30}
+COMPILED = ("ours", "ours-nograph", "tvm-dense")           # stages whose module compiles in the background
+ROW_MIN_S = 60             # a row starts only with this much of the budget left
+RESERVE_S = 20             # kept back for the final JSON and table (and a child's exit)
+# Relax symbol substrings -> kernel class, first match wins (the per-kernel-class breakdown of --profile)
+KERNEL_CLASSES = (("attention", ("attention", "blockwise", "rowwise", "softmax")),
+                  ("gemm", ("gemm", "matmul", "qkv", "ffn", "dense", "linear", "conv")),
+                  ("norm", ("layernorm", "layer_norm", "rmsnorm", "rms_norm")),
+                  ("vm/memory", ("vm.builtin", "alloc", "null_value", "reshape", "view", "copy", "shape", "kill")))
 
 
-# ------------------------------------------------------------------------------------------------ build (CPU)
-def build(args) -> None:
+# -------------------------------------------------------------------------------------------- pure helpers
+def parse_shape(text: str) -> tuple[int, int]:
+    try:
+        batch, length = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape: expected BxS such as 8x512, got {text!r}") from None
+    if batch < 1 or length < 1:
+        raise argparse.ArgumentTypeError(f"shape: batch and length must be positive, got {text!r}")
+    return batch, length
+
+
+def rows_to_run(models: list[str], shapes: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
+    """(model, batch, length) of every row, in order; ViT's length is its own, so shapes that differ only in
+    length give one ViT row."""
+    rows = []
+    for name in models:
+        model = e2e_models.spec(name)
+        for batch, length in shapes:
+            row = (name, batch, e2e_models.seq_len(model, length))
+            if row not in rows:
+                rows.append(row)
+    return rows
+
+
+def compile_options(stage: str, args) -> dict:
+    """``stof_tvm.compile`` keyword arguments of a compiled stage (besides the model, mask and shape)."""
+    cuda = args.target == "cuda"
+    if stage == "tvm-dense":
+        return {"target": args.target, "dtype": args.dtype, "kernel": "dense", "templates": False}
+    options = {"target": args.target, "dtype": args.dtype, "cuda_graph": cuda and stage == "ours"}
+    options.update(json.loads(args.ours_options))
+    if stage == "ours-nograph":
+        options["cuda_graph"] = False
+    return options
+
+
+def kernel_class(symbol: str) -> str:
+    name = symbol.lower()
+    return next((cls for cls, keys in KERNEL_CLASSES if any(k in name for k in keys)), "other")
+
+
+def class_breakdown(profile_rows: list[dict]) -> list[dict]:
+    """:class:`stof_tvm.profiling.CallProfile` rows folded into kernel classes: ms per forward, calls, share."""
+    classes: dict[str, dict] = {}
+    for row in profile_rows:
+        entry = classes.setdefault(kernel_class(row["symbol"]), {"ms": 0.0, "calls": 0, "share": 0.0})
+        entry["ms"] += row["ms"]
+        entry["calls"] += row["calls"]
+        entry["share"] += row["share"]
+    return [{"class": c, **v} for c, v in sorted(classes.items(), key=lambda kv: -kv[1]["ms"])]
+
+
+def summarise(row: dict, tolerance: float) -> dict:
+    """Add the row's comparisons: the best correct baseline, ``ours`` and ``ours-call`` against it and against
+    tvm-dense, and every timed stage's fraction of the hardware limit. A stage counts only if it was checked
+    and passed (``<label>_ok``)."""
+    def ok_ms(label):
+        return row.get(f"{label}_ms") if row.get(f"{label}_ok") else None
+
+    baselines = [(ok_ms(b), b) for b in BASELINES if ok_ms(b) is not None]
+    if baselines:
+        best_ms, best = min(baselines)
+        row["best_baseline"], row["best_baseline_ms"] = best, best_ms
+    limit_ms = None
+    if row.get("flops") and row.get("device") == "cuda":
+        limit_ms = bl.limit(1.0, row["flops"], row["bytes"])["limit_ms"]
+        row["limit_ms"] = limit_ms
+    for label in OURS:
+        ms = ok_ms(label)
+        if ms is None:
+            continue
+        if baselines:
+            row[f"{label}_vs_best"] = row["best_baseline_ms"] / ms
+        if ok_ms("tvm-dense") is not None:
+            row[f"{label}_vs_tvm"] = row["tvm-dense_ms"] / ms
+    if limit_ms is not None:
+        for label in STAGES + ("ours-call",):
+            if row.get(f"{label}_ms"):
+                row[f"{label}_fraction"] = limit_ms / row[f"{label}_ms"]
+    failed = [label for label in STAGES + ("ours-call",) if row.get(f"{label}_ok") is False]
+    errors = [label for label in STAGES + ("ours-call", "row") if f"{label}_failed" in row]
+    problems = [f"wrong:{x}" for x in failed] + [f"error:{x}" for x in errors]
+    if row.get("child_exit"):
+        problems.append(f"exit:{row['child_exit']}")
+    row["status"] = " ".join(problems) or "ok"
+    return row
+
+
+TABLE = [("model", "model", ""), ("shape", "B x S", ""), ("ours_ms", "ours", ".3f"), ("ours-call_ms", "call", ".3f"),
+         ("torch-eager_ms", "eager", ".3f"), ("torch-compile_ms", "compile", ".3f"), ("torch-flex_ms", "flex", ".3f"),
+         ("ort_ms", "ort", ".3f"), ("tvm-dense_ms", "tvm-dense", ".3f"), ("best_baseline", "best", ""),
+         ("ours_vs_best", "vs best", ".2f"), ("ours-call_vs_best", "call vs best", ".2f"),
+         ("ours_vs_tvm", "vs tvm", ".2f"), ("limit_ms", "limit", ".3f"), ("ours_fraction", "of limit", ".2f"),
+         ("status", "status", "")]
+
+
+def print_results(rows: list[dict]) -> None:
+    shown = [{**r, "shape": f"{r['batch']}x{r['seq_len']}"} for r in rows]
+    for row in shown:
+        if row.get("ours-nograph_classes"):
+            print(f"\n{row['model']} {row['shape']}: where ours (no CUDA graph, "
+                  f"{row.get('ours-nograph_ms', float('nan')):.3f} ms) spends its time "
+                  f"(device synchronised around each call)")
+            bl.print_table(row["ours-nograph_classes"], [("class", "class", ""), ("ms", "ms/fwd", ".3f"),
+                                                        ("calls", "calls", "d"), ("share", "share", ".1%")])
+    bl.print_table(shown, TABLE, title="ms per forward pass (sparse: ours, flex, tvm-dense; dense: eager, "
+                                       "compile, ort); 'of limit' = hardware floor / ours")
+
+
+# ------------------------------------------------------------------------------------------ parent process
+def run_parent(args) -> int:
+    budget = bl.Budget(args.budget_s)
+    out = Path(args.out) if args.out else bl.out_dir(os.path.join("out", "e2e"))
+    out.mkdir(parents=True, exist_ok=True)
+    rows_dir = Path(args.work) / "rows"
+    rows_dir.mkdir(parents=True, exist_ok=True)
+    header = {"environment": bl.environment(), "command": sys.argv, "args": vars(args)}
+    rows = []
+    for name, batch, length in rows_to_run(args.models, args.shapes):
+        base = {"model": name, "batch": batch, "seq_len": length}
+        if not budget.allows(ROW_MIN_S + RESERVE_S):
+            rows.append({**base, "status": f"skipped: {budget.left():.0f} s of --budget-s left"})
+            continue
+        row_path = rows_dir / f"{name}_{batch}x{length}.json"
+        row_path.unlink(missing_ok=True)
+        deadline = time.time() + budget.left() - RESERVE_S
+        code = run_child(args, name, batch, length, row_path, deadline)
+        row = {**base, **(json.loads(row_path.read_text()) if row_path.exists() else {})}
+        if code:
+            row["child_exit"] = code
+        rows.append(summarise(row, args.tolerance))
+        print(f"== {name} {batch}x{length}: {row['status']} ({json.dumps(_brief(row))})", flush=True)
+        bl.write_json(out / "results.json", {**header, "rows": rows})
+    bl.write_json(out / "results.json", {**header, "rows": rows})
+    print_results(rows)
+    print(f"\n{out / 'results.json'} ({budget.used():.0f} s)")
+    return 0
+
+
+def _brief(row: dict) -> dict:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()
+            if k.endswith(("_ms", "_vs_best")) or k in ("best_baseline",)}
+
+
+def run_child(args, name: str, batch: int, length: int, row_path: Path, deadline: float) -> int:
+    """Run one row in a child process (its own process group: on timeout it and its compile jobs are killed
+    together); returns its exit code (-9 when killed at the deadline)."""
+    command = [sys.executable, os.path.abspath(__file__), "--row", name, f"{batch}x{length}", "--row-json",
+               str(row_path), "--deadline", str(deadline)] + args.child_argv
+    proc = subprocess.Popen(command, start_new_session=True)
+    try:
+        code = proc.wait(timeout=max(1.0, deadline - time.time() + 10))
+    except subprocess.TimeoutExpired:
+        print(f"  {name} {batch}x{length}: past the budget, stopped", flush=True)
+        code = -9
+    try:                                  # the child, if still there, and compile jobs it left running
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    return code
+
+
+# ------------------------------------------------------------------------------------------ compile jobs
+def start_compile(stage: str, onnx_path: Path, artifact: Path, mask: str, batch: int, length: int, args):
+    """Compile ``onnx_path`` for ``stage`` in a background process (CPU work overlapping the torch stages)."""
+    shutil.rmtree(artifact, ignore_errors=True)
+    job = {"onnx": str(onnx_path), "artifact": str(artifact), "mask": mask, "batch": batch, "seq_len": length,
+           "options": compile_options(stage, args)}
+    env = {**os.environ, "TVM_FFI_DISABLE_TORCH_C_DLPACK": "1"}      # the job needs no torch or CUDA
+    log = open(str(artifact) + ".log", "w")
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--compile-job", json.dumps(job)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def compile_job(spec: str) -> int:
+    """The background compile: ``stof_tvm.compile`` then ``save``; its report (or error) beside the artifact."""
+    job = json.loads(spec)
+    report_path = Path(job["artifact"] + ".json")
+    start = time.time()
+    try:
+        import stof_tvm
+
+        art = stof_tvm.compile(job["onnx"], mask=job["mask"], batch=job["batch"], seq_len=job["seq_len"],
+                               **job["options"])
+        art.save(job["artifact"])
+        manifest = art.manifest
+        report = {"compile_s": time.time() - start, "kernel": manifest["attention"]["kernel"]["kind"],
+                  "templates": (manifest.get("templates") or {}).get("calls", {}),
+                  "cuda_graph": manifest.get("cuda_graph"), "options": job["options"]}
+    except Exception as err:      # noqa: BLE001 - reported to the row, never fatal
+        report = {"failed": f"{type(err).__name__}: {err}"[:600], "compile_s": time.time() - start}
+    bl.write_json(report_path, report)
+    return 0
+
+
+def wait_compile(proc, artifact: Path, deadline: float) -> dict:
+    """Wait for a compile job until ``deadline``; its report; raises on failure or timeout."""
+    try:
+        proc.wait(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise TimeoutError("compile did not finish within the budget") from None
+    report_path = Path(str(artifact) + ".json")
+    if not report_path.exists():
+        tail = Path(str(artifact) + ".log").read_text()[-400:]
+        raise RuntimeError(f"compile job exited {proc.returncode} without a report: {tail}")
+    report = json.loads(report_path.read_text())
+    if "failed" in report:
+        raise RuntimeError(report["failed"])
+    return report
+
+
+# --------------------------------------------------------------------------------------------- one row
+class Row:
+    """One (model, shape) measurement: its dict, written after every stage; stages run only if they fit."""
+
+    def __init__(self, path: Path, deadline: float, skip: set, base: dict):
+        self.path, self.deadline, self.skip, self.data = path, deadline, skip, dict(base)
+        self.save()
+
+    def save(self) -> None:
+        bl.write_json(self.path, self.data)
+
+    def quiet(self) -> None:
+        """Wait for the background compile jobs (``self.jobs``) before a timed measurement: no timing may share
+        the CPU with a compile. A job still running at the deadline is killed (its stage reports it)."""
+        for stage, job in getattr(self, "jobs", {}).items():
+            try:
+                job.wait(timeout=max(1.0, self.deadline - time.time() - 30))
+            except subprocess.TimeoutExpired:
+                job.kill()
+                self.data[f"{stage}_killed"] = "still compiling at the row's deadline"
+
+    def stage(self, label: str, fn, *args):
+        if label in self.skip:
+            self.data[f"{label}_skipped"] = "--skip"
+            return None
+        left = self.deadline - time.time()
+        if left < STAGE_COST_S.get(label, 30) * 0.5:
+            self.data[f"{label}_skipped"] = f"budget ({left:.0f} s left)"
+            print(f"  {label}: skipped, {left:.0f} s left", flush=True)
+            self.save()
+            return None
+        start = time.time()
+        print(f"  {label} ...", flush=True)
+        result = bl.guarded(self.data, label, fn, *args)
+        self.data[f"{label}_s"] = round(time.time() - start, 2)
+        self.save()
+        return result
+
+    def check(self, label: str, out, ref, tolerance: float) -> None:
+        errs = bl.errors(out, ref)
+        self.data[f"{label}_err"] = errs
+        self.data[f"{label}_ok"] = bl.within(errs, tolerance)
+        flag = "ok" if self.data[f"{label}_ok"] else f"WRONG (tolerance {tolerance:g})"
+        print(f"    {label}: rel {errs['rel']:.2e}, max rel {errs['max_rel']:.2e} {flag}", flush=True)
+
+    def timed(self, label: str, fn, inputs, args) -> None:
+        self.quiet()
+        device = "cuda" if args.device == "cuda" else "cpu"
+        budget = max(1.0, min(20.0, (self.deadline - time.time()) / 4))
+        timing = bl.time_ms(fn, device=device, inputs=inputs, warmup=args.warmup, samples=args.samples,
+                            budget_s=budget)
+        self.data[f"{label}_ms"] = timing.median_ms
+        self.data[f"{label}_timing"] = timing.as_dict()
+        wall = ""
+        if device == "cuda":          # cross-check: device-wide syncs see work on any stream, events only torch's
+            check = bl.time_ms(fn, device="cuda-wall", inputs=inputs, warmup=1, samples=max(3, args.samples // 2),
+                               number=timing.calls_per_sample, budget_s=budget / 2)
+            self.data[f"{label}_wall_ms"] = check.median_ms
+            wall = f", {check.median_ms:.3f} ms by the wall clock between device syncs"
+        print(f"    {label}: {timing.median_ms:.3f} ms (median of {timing.samples} x {timing.calls_per_sample}{wall})",
+              flush=True)
+
+
+def run_row(args) -> int:
+    """The child process of one row; an error outside the guarded stages is recorded as ``row_failed``."""
+    row = Row(Path(args.row_json), args.deadline, set(args.skip), {})
+    try:
+        measure_row(args, row)
+    except Exception as err:      # noqa: BLE001 - the row file says what broke
+        bl.guarded(row.data, "row", _raise, err)
+        row.save()
+        return 1
+    return 0
+
+
+def _raise(err):
+    raise err
+
+
+def measure_row(args, row: "Row") -> None:
+    import numpy as np
+    import torch
+
+    import e2e_torch
     import stof_tvm
-    from stof_tvm.models import builtin_model
 
-    for name in args.models:
-        model = builtin_model(name)
-        for batch, seq_len in args.shapes:
-            for variant in args.variants:
-                options = dict(VARIANTS[variant])
-                if options["kernel"] == "auto":
-                    options["kernel"] = args.kernel
-                start = time.time()
-                art = stof_tvm.compile(model, mask=MASK, batch=batch, seq_len=seq_len, target="cuda",
-                                       dtype="float16", **options)
-                art.manifest["source"] = {"builtin": name, "seed": 0}
-                path = art.save(_artifact_dir(name, batch, seq_len, variant), weights=False)
-                kernel_info = art.manifest["attention"]["kernel"]
-                calls = art.manifest["templates"].get("calls", {})
-                print(f"{path}: kernel {kernel_info['kind']} {kernel_info['config']}, templates {calls} "
-                      f"({time.time() - start:.0f} s)", flush=True)
-
-
-# ------------------------------------------------------------------------------------------- torch reference
-def torch_bert(weights: dict, cfg, mask_bool, dtype, attention: str, dev: str = "cuda"):
-    """A PyTorch BERT encoder computing what stof_tvm.models.bert builds, from the same weights.
-
-    ``mask_bool``: [B or 1, 1, S, S] boolean (sparse mask AND padding); ``attention``: "sdpa" or "flex".
-    """
-    import torch
-    import torch.nn.functional as F
-
-    w = {k: torch.tensor(v, device=dev, dtype=dtype) for k, v in weights.items()}
-    heads, head_dim = cfg.heads, cfg.head_dim
-    block_mask = None
-    if attention == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        dense = mask_bool.to(dev)
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return dense[b if dense.shape[0] > 1 else 0, 0, q_idx, kv_idx]
-
-        seq = mask_bool.shape[-1]
-        block_mask = create_block_mask(mask_mod, B=dense.shape[0] if dense.shape[0] > 1 else None, H=None,
-                                       Q_LEN=seq, KV_LEN=seq, device=dev)
-        flex = torch.compile(flex_attention, dynamic=False)
-
-    def attend(q, k, v):
-        if attention == "flex":
-            return flex(q, k, v, block_mask=block_mask)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_bool.to(dev))
-
-    def forward(ids, names):
-        hidden = F.embedding(ids, w[names["word"]]) + w[names["pos"]][: ids.shape[1]][None]
-        hidden = F.layer_norm(hidden, (cfg.hidden,), w[names["emb_ln"][0]], w[names["emb_ln"][1]], cfg.eps)
-        bsz, seq = ids.shape
-        for layer in names["layers"]:
-            def split(x):
-                return x.view(bsz, seq, heads, head_dim).transpose(1, 2)
-
-            q, k, v = (split(hidden @ w[layer[t][0]] + w[layer[t][1]]) for t in ("q", "k", "v"))
-            ctx = attend(q, k, v).transpose(1, 2).reshape(bsz, seq, cfg.hidden)
-            hidden = F.layer_norm(ctx @ w[layer["out"][0]] + w[layer["out"][1]] + hidden, (cfg.hidden,),
-                                  w[layer["ln1"][0]], w[layer["ln1"][1]], cfg.eps)
-            ff = F.gelu(hidden @ w[layer["ffn1"][0]] + w[layer["ffn1"][1]])
-            hidden = F.layer_norm(ff @ w[layer["ffn2"][0]] + w[layer["ffn2"][1]] + hidden, (cfg.hidden,),
-                                  w[layer["ln2"][0]], w[layer["ln2"][1]], cfg.eps)
-        return hidden
-
-    return forward
-
-
-def weight_names(initializers: list[str], layers: int) -> dict:
-    """Map the built-in BERT's initializer names (``<hint>_<counter>``) to their roles."""
-    def find(prefix):
-        return next(n for n in initializers if n.rsplit("_", 1)[0] == prefix)
-
-    names = {"word": find("word_embeddings"), "pos": find("position_embeddings"),
-             "emb_ln": (find("embeddings.LayerNorm.gamma"), find("embeddings.LayerNorm.beta")), "layers": []}
-    for i in range(layers):
-        p = f"layer{i}"
-        layer = {t: (find(f"{p}.{t}.weight"), find(f"{p}.{t}.bias")) for t in ("q", "k", "v", "out", "ffn1", "ffn2")}
-        layer["ln1"] = (find(f"{p}.ln1.gamma"), find(f"{p}.ln1.beta"))
-        layer["ln2"] = (find(f"{p}.ln2.gamma"), find(f"{p}.ln2.beta"))
-        names["layers"].append(layer)
-    return names
-
-
-# --------------------------------------------------------------------------------------------------- run (GPU)
-def _cuda_time(fn, warmup: int, iters: int) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(np.median(times))
-
-
-def _torch_variant(torch, forward, ids, names, compiled: bool, graphed: bool):
-    """``forward`` as a no-argument callable: optionally the whole forward through ``torch.compile``
-    (``dynamic=False``; inductor's fused kernels), optionally captured once into a CUDA graph and replayed
-    (no launch overhead: the strongest form for small shapes)."""
-    fn = torch.compile(forward, dynamic=False) if compiled else forward
-    if compiled:
-        start = time.time()
-        fn(ids, names)
-        torch.cuda.synchronize()
-        print(f"  torch.compile: first call {time.time() - start:.0f} s", flush=True)
-    if not graphed:
-        return lambda: fn(ids, names)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture, as capture requires
-        for _ in range(3):
-            fn(ids, names)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(ids, names)
-
-    def replay():
-        graph.replay()
-        return out
-    return replay
-
-
-def _rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-
-
-def run(args) -> None:
-    import torch
-    from onnx import numpy_helper
-
-    from stof_tvm import make_mask, runtime
-    from stof_tvm.models import BERT_CONFIGS, builtin_model
-
+    name, (batch, length) = args.row[0], parse_shape(args.row[1])
+    model = e2e_models.spec(name)
+    dev = args.device
+    data = row.data
+    data.update({"model": name, "batch": batch, "seq_len": length, "mask": args.mask, "device": dev,
+                 "dtype": args.dtype, "target": args.target, "seed": args.seed})
+    row.save()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     torch._dynamo.config.cache_size_limit = 64
-    results = []
-    for name in args.models:
-        cfg = BERT_CONFIGS[name]
+    e2e_torch.register()
+    dtype = getattr(torch, args.dtype)
+    work_dir = Path(args.work) / f"{name}_{batch}x{length}"
+    work_dir.mkdir(parents=True, exist_ok=True)
+
+    sets = [e2e_models.inputs(model, batch, length, args.seed + i) for i in range(args.input_sets)]
+    e2e_torch.check_unpadded(sets[0])
+    model32 = e2e_models.build(model, args.export_attn, args.seed, length).to(dev)   # ValueError: table too short
+    info = e2e_models.shape_info(model32)
+    keep = np.asarray(stof_tvm.make_mask(args.mask, length), dtype=bool)
+    causal = model.family == "gpt2"
+    combined = keep & np.tril(np.ones_like(keep)) if causal else keep
+    data.update(info)
+    data.update(e2e_models.work(info, batch, length, int(combined.sum()), 2 if args.dtype == "float16" else 4))
+    data["mask_density"] = float(combined.mean())
+    data["mask_applied"] = args.mask + (" AND causal" if causal else "") + (" + bias" if model.family == "t5" else "")
+
+    onnx_path = work_dir / "model.onnx"
+    row.stage("export", e2e_models.export, model32, sets[0], str(onnx_path), args.opset)
+    jobs = {}
+    if onnx_path.exists():
+        for stage in COMPILED:
+            if stage not in row.skip and (stage != "ours-nograph" or args.profile):
+                jobs[stage] = start_compile(stage, onnx_path, work_dir / stage, args.mask, batch, length, args)
+    row.jobs = jobs
+
+    input_names = tuple(model32.input_names)
+
+    def torch_args(feeds, float_dtype):
+        tensors = []
+        for input_name in input_names:
+            t = torch.from_numpy(feeds[input_name]).to(dev)
+            tensors.append(t.to(float_dtype) if t.is_floating_point() else t)
+        return tuple(tensors)
+
+    e2e_torch.set_mask(keep, causal, dev, flex_mask="torch-flex" not in row.skip)
+    refs = {}
+
+    def reference():
+        fp32 = torch_args(sets[0], torch.float32)
+        e2e_torch.use_attention(model32, "sdpa")
+        refs["dense"] = e2e_torch.forward(model32, fp32)().float().cpu()
+        e2e_torch.use_attention(model32, e2e_torch.MASKED_SDPA)
+        refs["sparse"] = e2e_torch.forward(model32, fp32)().float().cpu()
+        data["sparse_vs_dense_rel"] = bl.errors(refs["sparse"], refs["dense"])["rel"]
+    row.stage("reference", reference)
+    if not refs:
+        return
+    model16 = copy.deepcopy(model32).to(dtype)
+    del model32
+    half_sets = [torch_args(s, dtype) for s in sets]
+
+    def torch_variant(label, attention, compiled, ref):
+        e2e_torch.use_attention(model16, attention)
+        torch._dynamo.reset()
+        target = torch.compile(model16, dynamic=False) if compiled else model16
         start = time.time()
-        model = builtin_model(name)
-        all_weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-        names = weight_names(list(all_weights), cfg.layers)
-        float_weights = {k: v for k, v in all_weights.items() if v.dtype == np.float32}
-        print(f"{name}: weights regenerated in {time.time() - start:.1f} s", flush=True)
-        for batch, seq_len in args.shapes:
-            rng = np.random.default_rng(batch * 100003 + seq_len)
-            ids = rng.integers(0, cfg.vocab, (batch, seq_len)).astype(np.int64)
-            pad = np.ones((batch, seq_len), np.int64)
-            keep = torch.from_numpy(make_mask(MASK, seq_len)[None, None].copy())
-            ids_t = torch.from_numpy(ids).cuda()
-            row = {"model": name, "batch": batch, "seq_len": seq_len, "mask": MASK}
-            with torch.no_grad():
-                ref = torch_bert(float_weights, cfg, keep, torch.float32, "sdpa")(ids_t, names).cpu().numpy()
-                baselines = [b for b in BASELINES if b[0] in args.baselines]
-                for label, attention, compiled, graphed in baselines:
-                    try:
-                        fwd = _torch_variant(torch, torch_bert(float_weights, cfg, keep, torch.float16, attention),
-                                             ids_t, names, compiled, graphed)
-                        out = fwd()
-                        row[label + "_err"] = _rel_err(out.float().cpu().numpy(), ref)
-                        row[label + "_ms"] = _cuda_time(fwd, args.warmup, args.iters)
-                        del fwd, out
-                    except Exception as err:  # a baseline that cannot run is reported, not fatal
-                        row[label + "_failed"] = f"{type(err).__name__}: {err}"[:400]
-                        print(f"  {label} failed: {row[label + '_failed']}", flush=True)
-            for variant, label in LABELS.items():
-                if variant not in args.variants:
-                    continue
-                path = _artifact_dir(name, batch, seq_len, variant)
-                if not os.path.isdir(path):
-                    print(f"  skip {label}: no artifact at {path}", flush=True)
-                    continue
-                try:
-                    _time_artifact(row, label, path, runtime, all_weights, ids, pad, ref, args)
-                except Exception as err:     # one broken variant must not cost the rest of the run
-                    row[label + "_failed"] = f"{type(err).__name__}: {err}"[:400]
-                    print(f"  {label} failed: {row[label + '_failed']}", flush=True)
-            torch_best = min((row[label + "_ms"] for label, *_ in baselines if label + "_ms" in row), default=None)
-            ours = min((row[k + "_ms"] for k in OURS if k + "_ms" in row and row[k + "_err"] < args.tolerance),
-                       default=None)
-            if ours is not None and torch_best is not None:
-                row["speedup_vs_best_torch"] = torch_best / ours
-                if "tvm-dense_ms" in row:
-                    row["speedup_vs_tvm_dense"] = row["tvm-dense_ms"] / ours
-            results.append(row)
-            print(json.dumps(row), flush=True)
-    _print_table(results)
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=2)
+        out = e2e_torch.forward(target, half_sets[0])()
+        if compiled:
+            data[f"{label}_compile_s"] = round(time.time() - start, 1)
+        row.check(label, out, ref, args.tolerance)
+        row.timed(label, lambda *a: e2e_torch.forward(target, a)(), half_sets, args)
+    row.stage("torch-eager", torch_variant, "torch-eager", "sdpa", False, refs["dense"])
+    row.stage("torch-compile", torch_variant, "torch-compile", "sdpa", True, refs["dense"])
+    row.stage("torch-flex", torch_variant, "torch-flex", e2e_torch.FLEX, True, refs["sparse"])
+    del model16
+    torch._dynamo.reset()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+
+    def onnxruntime_stage():
+        import e2e_ort
+
+        data["ort_version"] = e2e_ort.version()
+        optimized = work_dir / "ort.onnx"
+        start = time.time()
+        data["ort_fused"] = e2e_ort.optimize(str(onnx_path), str(optimized), model.family, info["heads"],
+                                             info["hidden"], fp16=args.dtype == "float16", gpu=dev == "cuda")
+        data["ort_optimize_s"] = round(time.time() - start, 1)
+        print(f"    ort fused: {data['ort_fused']}", flush=True)
+        shape = tuple(refs["dense"].shape)
+        runners = [e2e_ort.OrtRunner(str(optimized), feeds, shape, dev) for feeds in sets]
+        data["ort_providers"] = runners[0].providers
+        data["ort_session"] = runners[0].session_note or "full graph optimisations"
+        row.check("ort", runners[0].run(), refs["dense"], args.tolerance)
+        row.timed("ort", lambda r: r.run(), [(r,) for r in runners], args)
+    if onnx_path.exists():
+        row.stage("ort", onnxruntime_stage)
+
+    def load(stage):
+        report = wait_compile(jobs[stage], work_dir / stage, row.deadline)
+        data[f"{stage}_compile"] = report
+        from stof_tvm import runtime
+
+        return runtime.load(str(work_dir / stage))
+
+    def device_feeds(feeds):
+        # torch's own allocations (aligned as TVM's DLPack import requires; from_numpy's buffers may not be)
+        return {k: torch.from_numpy(v).to(dev).clone() for k, v in feeds.items()}
+
+    def first_output(outs):
+        return outs[0] if isinstance(outs, (list, tuple)) else outs
+
+    def ours_stage(stage):
+        compiled = load(stage)
+        data[f"{stage}_kernel"] = compiled.kernel
+        feeds = [device_feeds(s) for s in sets]
+        if stage == "ours":
+            out = compiled(**feeds[0])
+            row.check("ours-call", first_output(list(out.values())), refs["sparse"], args.tolerance)
+            row.timed("ours-call", lambda f: compiled(**f), [(f,) for f in feeds], args)
+            row.save()
+        prepared = [compiled.prepare(f) for f in feeds]
+        row.check(stage, first_output(compiled.run(prepared[0])), refs["sparse"], args.tolerance)
+        row.timed(stage, lambda p: compiled.run(p), [(p,) for p in prepared], args)
+        if stage == "ours-nograph":
+            from stof_tvm.profiling import profile_calls
+
+            profile = profile_calls(compiled.vm, compiled.device, prepared[0] + compiled.params)
+            data["ours-nograph_profile"] = profile.rows()[:30]
+            data["ours-nograph_classes"] = class_breakdown(profile.rows())
+            print(profile.table(), flush=True)
+    for stage in COMPILED:
+        if stage in jobs:
+            row.stage(stage, ours_stage, stage)
+    for job in jobs.values():              # a compile skipped for the budget must not outlive the row
+        if job.poll() is None:
+            job.kill()
 
 
-def _time_artifact(row, label, path, runtime, all_weights, ids, pad, ref, args) -> None:
-    """Load one artifact (weights from the regenerated model), check it against ``ref`` and time it."""
-    t0 = time.time()
-    with open(os.path.join(path, "manifest.json")) as f:
-        wanted = [w["name"] for w in json.load(f)["weights"]]
-    compiled = runtime.load(path, weights={name: all_weights[name] for name in wanted})
-    prepared = compiled.prepare({"input_ids": ids, "attention_mask": pad})
-    outs = compiled.run(prepared)
-    row[label + "_err"] = _rel_err(outs[0].numpy(), ref)
-    row[label + "_kernel"] = compiled.kernel
-    timer = compiled.vm.time_evaluator("main", compiled.device, number=args.iters, repeat=5, min_repeat_ms=0)
-    compiled.run(prepared)
-    row[label + "_ms"] = float(np.median(timer(*prepared, *compiled.params).results) * 1e3)
-    if label in args.profile:
-        from stof_tvm.profiling import profile_artifact
-
-        profile_artifact(compiled, prepared, label, row)
-    row[label + "_load_s"] = time.time() - t0
-
-
-def _print_table(results: list[dict]) -> None:
-    cols = list(LABELS.values()) + ["torch-eager", "torch-flex", "torch-compile", "torch-compile-graph"]
-    print("\nmodel       B     S  " + "".join(f"{c + ' ms':>24}" for c in cols) + "  vs torch  vs tvm   max err")
-    for row in results:
-        cells = "".join(f"{row.get(c + '_ms', float('nan')):24.3f}" for c in cols)
-        err = max(row.get(c + "_err", 0.0) for c in cols)
-        vs_torch = row.get("speedup_vs_best_torch", float("nan"))
-        vs_tvm = row.get("speedup_vs_tvm_dense", float("nan"))
-        print(f"{row['model']:<10}{row['batch']:>3}{row['seq_len']:>6}  {cells}  {vs_torch:7.2f}x {vs_tvm:6.2f}x"
-              f"  {err:.1e}")
+# ------------------------------------------------------------------------------------------------------ CLI
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["roberta-base"], choices=sorted(e2e_models.MODELS),
+                   metavar="MODEL", help=f"models (default roberta-base; GPU set: {' '.join(e2e_models.GPU_MODELS)})")
+    p.add_argument("--shapes", nargs="+", type=parse_shape, default=[(8, 512), (16, 2048), (1, 128)],
+                   metavar="BxS", help="batch x sequence length (default 8x512 16x2048 1x128)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--target", help="stof-tvm target (default: cuda on --device cuda, else llvm)")
+    p.add_argument("--dtype", choices=("float16", "float32"),
+                   help="compute dtype of ours and the torch / ort baselines (default float16 on cuda, float32 else)")
+    p.add_argument("--mask", default="bigbird", help="sparse mask spec (stof_tvm.make_mask), default bigbird")
+    p.add_argument("--skip", nargs="*", default=[], choices=STAGES, metavar="STAGE",
+                   help=f"stages left out: {' '.join(STAGES)}")
+    p.add_argument("--profile", action="store_true",
+                   help="also build ours without CUDA graphs, time it and break its time down by kernel class")
+    p.add_argument("--ours-options", default="{}", metavar="JSON",
+                   help='extra stof_tvm.compile options for ours, e.g. \'{"gemm": "mma"}\'')
+    p.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the whole run (default 540)")
+    p.add_argument("--tolerance", type=float, default=2e-3, help="largest relative error that passes (default 2e-3)")
+    p.add_argument("--samples", type=int, default=20, help="timed samples per variant (default 20)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--input-sets", type=int, default=2, help="sets of fresh random inputs cycled while timing")
+    p.add_argument("--seed", type=int, default=0, help="weights' seed (inputs: seed, seed + 1, ...)")
+    p.add_argument("--export-attn", choices=("eager", "sdpa"), default="eager",
+                   help="attn_implementation of the model exported to ONNX (default eager)")
+    p.add_argument("--opset", type=int, default=17)
+    p.add_argument("--work", default=os.path.join("out", "e2e-work"), help="exports, artifacts, row files")
+    p.add_argument("--out", help="results.json goes here (default $OUT, else out/e2e)")
+    p.add_argument("--row", nargs=2, metavar=("MODEL", "BxS"), help=argparse.SUPPRESS)
+    p.add_argument("--row-json", help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--compile-job", help=argparse.SUPPRESS)
+    return p
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="step", required=True)
-    for step in ("build", "run"):
-        p = sub.add_parser(step)
-        p.add_argument("--models", nargs="+", default=["bert-base"])
-        p.add_argument("--shapes", nargs="+", type=_shape_arg, default=[(1, 128), (8, 512), (16, 2048)])
-        p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
-    sub.choices["build"].add_argument("--kernel", default="auto", choices=["auto", "block", "row"])
-    sub.choices["run"].add_argument("--warmup", type=int, default=5)
-    sub.choices["run"].add_argument("--iters", type=int, default=20)
-    sub.choices["run"].add_argument("--json", help="write the results here")
-    sub.choices["run"].add_argument("--profile", nargs="*", default=[], metavar="LABEL",
-                                    help="variant labels (as in the table) whose kernel calls are also timed one by one")
-    sub.choices["run"].add_argument("--baselines", nargs="*", default=["torch-eager", "torch-flex"],
-                                    choices=[b[0] for b in BASELINES], help="torch baselines to time")
-    sub.choices["run"].add_argument("--tolerance", type=float, default=2e-2,
-                                    help="largest relative error of a variant that counts as correct")
-    args = parser.parse_args(argv)
-    build(args) if args.step == "build" else run(args)
-    return 0
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser().parse_args(argv)
+    if args.compile_job:
+        return compile_job(args.compile_job)
+    args.target = args.target or ("cuda" if args.device == "cuda" else "llvm")
+    args.dtype = args.dtype or ("float16" if args.device == "cuda" else "float32")
+    json.loads(args.ours_options)                                   # a bad --ours-options fails here, at once
+    if args.row:
+        return run_row(args)
+    args.child_argv = argv
+    return run_parent(args)
 
 
 if __name__ == "__main__":

@@ -11,20 +11,18 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
+import sys
+from pathlib import Path
 
 from stof_tvm.sparse_formats import build_rows, build_tiled, normalize_mask
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402  (the scripts' shared timing, checking and CUDA tool-chain helpers)
+
 
 def median_ms(fn, repeats: int) -> float:
-    fn()                                            # warm-up (page faults, caches)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    """Median wall-clock ms of ``repeats`` calls after one warm-up (page faults, caches)."""
+    return bl.time_ms(fn, device="cpu", warmup=1, samples=repeats, number=1).median_ms
 
 
 def main() -> None:

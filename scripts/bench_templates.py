@@ -34,12 +34,15 @@ import argparse
 import hashlib
 import json
 import re
-import statistics
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402  (the scripts' shared timing, checking and CUDA tool-chain helpers)
+from benchlib import source_key  # noqa: E402
 
 MODELS = {"bert-base": {"hidden": 768, "ffn": 3072, "heads": 12},
           "bert-large": {"hidden": 1024, "ffn": 4096, "heads": 16}}
@@ -114,30 +117,12 @@ def module_key(kind: str, template: str, shape: dict, dtype: str, knobs: dict | 
     return f"{kind}_{template}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
-def source_key(src: str) -> str:
-    return hashlib.sha256(src.encode()).hexdigest()[:24]
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # build (CPU machine)
 
 def _nvcc(src: str, cubin: Path, arch: str = "sm_90") -> dict:
-    cu = cubin.with_suffix(".cu")
-    cu.write_text(src)
-    digits = arch.removeprefix("sm_")    # sm_90a needs the explicit gencode (the shorthand adds an sm_90 pass)
-    proc = subprocess.run(["nvcc", f"-gencode=arch=compute_{digits},code=sm_{digits}", "-cubin", "-O3", "-Xptxas",
-                           "-v", "-o", str(cubin), str(cu)], capture_output=True, text=True)
-    cu.unlink()
-    if proc.returncode:
-        raise RuntimeError(f"nvcc failed for {cubin.name}:\n{proc.stderr[-3000:]}")
-    text = proc.stderr
-    regs = re.search(r"Used (\d+) registers", text)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    stack = re.search(r"(\d+) bytes stack frame", text)
-    return {"registers": int(regs.group(1)) if regs else None,
-            "spill_stores": int(spill.group(1)) if spill else None,
-            "spill_loads": int(spill.group(2)) if spill else None,
-            "stack_frame": int(stack.group(1)) if stack else None, "cubin": cubin.name}
+    # sm_90a needs the explicit gencode (the -arch shorthand adds an sm_90 pass)
+    return bl.nvcc_cubin(src, cubin, arch, gencode=True)
 
 
 def build(args) -> None:
@@ -289,25 +274,9 @@ class Runner:
         return self.functions[key]
 
     def timeit(self, fn, repeats: int = 7) -> float:
-        """Median milliseconds per call: CUDA events around back-to-back calls after warm-up."""
-        torch = self.torch
-        fn()
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        reps = max(1, min(50, int(5.0 / max(start.elapsed_time(stop), 1e-3))))
-        times = []
-        for _ in range(repeats):
-            start.record()
-            for _ in range(reps):
-                fn()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop) / reps)
-        return statistics.median(times)
+        """Median milliseconds per call: CUDA events around back-to-back calls (as many as fill ~5 ms) after a
+        warm-up call (:func:`benchlib.time_ms`)."""
+        return bl.time_ms(fn, warmup=1, samples=repeats, sample_ms=5.0).median_ms
 
     def inputs(self, arguments, dtype, outputs: int):
         """Random inputs (scaled like activations and weights) and NaN-poisoned outputs, as torch tensors."""

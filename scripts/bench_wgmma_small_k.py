@@ -187,8 +187,8 @@ def run_case(case, modules, torch, tvm, args, checkpoint) -> dict:
     ref = torch_forms(torch, name, shape, a.float(), w.float(), bias.float())[1]()
     flops = 2 * m * n * k
     row = {"case": case["key"], "template": name, "shape": shape, "flops": flops, "kernels": {},
-           "cublas_ms": common._median_ms(torch, gemm, args.iters, args.reps),
-           "eager_ms": common._median_ms(torch, eager, args.iters, args.reps)}
+           "cublas_ms": common.median_ms(gemm, args.iters, args.reps),
+           "eager_ms": common.median_ms(eager, args.iters, args.reps)}
     args_in = [a, w] + ([bias] if name != "gemm_wgmma" else [])
     for key in case["modules"]:
         info = modules[key]
@@ -202,7 +202,7 @@ def run_case(case, modules, torch, tvm, args, checkpoint) -> dict:
         out = torch.full(tuple(ref.shape), float("nan"), device=dev, dtype=torch.float16)
         tv = [tvm.runtime.from_dlpack(t) for t in args_in + [out]]
         func(*tv)
-        if not common._finished(torch, common.HANG_S):
+        if not common.bl.finished(common.HANG_S):
             row["kernels"][key] = dict(entry, error=f"hang: not finished after {common.HANG_S:.0f} s")
             print(f"{key}: HANG; stopping the run", flush=True)
             checkpoint()
@@ -211,7 +211,7 @@ def run_case(case, modules, torch, tvm, args, checkpoint) -> dict:
         entry.update(rel_err=err, finite=bool(torch.isfinite(out).all()))
         entry["correct"] = entry["finite"] and err < common.TOL[DTYPE]
         if entry["correct"]:
-            entry["ms"] = common._median_ms(torch, lambda: func(*tv), args.iters, args.reps)
+            entry["ms"] = common.median_ms(lambda: func(*tv), args.iters, args.reps)
             entry["tflops"] = flops / entry["ms"] / 1e9
             entry["vs_cublas"] = row["cublas_ms"] / entry["ms"]
         else:

@@ -25,15 +25,16 @@ plus masks where gathering rows should win (random 1% and 0.1%, dilated) at B=8,
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
-import re
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402  (the scripts' shared timing, checking and CUDA tool-chain helpers)
+from benchlib import source_key  # noqa: E402
 
 import numpy as np
 
@@ -83,10 +84,6 @@ def module_key(kind: str, config: tuple, batch: int, seq: int) -> str:
     return f"{kind}_b{batch}s{seq}_" + "x".join(str(int(v)) for v in config)
 
 
-def source_key(src: str) -> str:
-    return hashlib.sha256(src.encode()).hexdigest()[:24]
-
-
 # -- build (here) --------------------------------------------------------------------------------------------
 
 def _primfunc(kind: str, config: tuple, batch: int, seq: int):
@@ -103,16 +100,8 @@ def _primfunc(kind: str, config: tuple, batch: int, seq: int):
 
 def _nvcc(src: str, path: Path) -> dict:
     """cubin of ``src`` with TVM's nvcc flags, plus ptxas' register and spill report."""
-    cu = path.with_suffix(".cu")
-    cu.write_text(src)
-    proc = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-O3", "--use_fast_math", "-Xptxas", "-v", "-o",
-                           str(path), str(cu)], capture_output=True, text=True)
-    cu.unlink()
-    if proc.returncode:
-        raise RuntimeError(f"nvcc failed for {path.name}:\n{proc.stderr[-2000:]}")
-    regs = re.search(r"Used (\d+) registers", proc.stderr)
-    spill = re.search(r"(\d+) bytes spill stores", proc.stderr)
-    return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": int(spill.group(1)) if spill else 0}
+    report = bl.nvcc_cubin(src, path, "sm_90", fast_math=True)
+    return {"registers": report["registers"], "spill_bytes": report["spill_stores"] or 0}
 
 
 def build(args) -> None:

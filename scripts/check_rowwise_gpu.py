@@ -18,8 +18,12 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402  (the scripts' shared timing, checking and CUDA tool-chain helpers)
 
 CORRECTNESS = [
     # name, (B, H, S, D), dtype, mask maker (numpy, from B, H, S), row config (key_groups, keys_per_step, rows)
@@ -91,20 +95,7 @@ def _reference(q, k, v, mask, scale, dtype, torch):
 
 def _time(fn, inputs, torch, repeats=7, calls=20):
     """Median ms per call: CUDA events around ``calls`` back-to-back calls, ``repeats`` times, fresh inputs."""
-    for args in inputs[:2]:
-        fn(*args)
-    times = []
-    for r in range(repeats):
-        args = inputs[r % len(inputs)]
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(calls):
-            fn(*args)
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) / calls)
-    return float(np.median(times))
+    return bl.time_ms(fn, inputs=inputs, warmup=2, samples=repeats, number=calls).median_ms
 
 
 def run(folder: str) -> None:

@@ -52,12 +52,14 @@ microseconds, so each CUDA-event sample spans ``--reps`` back-to-back calls. A l
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402  (timing, hang guard, CUDA graphs, cubin keys)
+from benchlib import source_key  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTS = {"gemm": ROOT / "out" / "wgmma", "ffn": ROOT / "out" / "ffn_wgmma"}
@@ -93,8 +95,10 @@ FFN_CASES = [(m, h, f, "float16") for m in (4096, 32768) for h in (128, 256) for
 FFN_TEMPLATE = "ffn_gelu_erf_bias_wgmma"
 
 
-def source_key(src: str) -> str:
-    return hashlib.sha256(src.encode()).hexdigest()[:24]
+def median_ms(fn, iters, reps=1):
+    """Median over ``iters`` CUDA-event samples of the time per call, each sample ``reps`` back-to-back calls
+    after 5 warm-up calls (:func:`benchlib.time_ms`)."""
+    return bl.time_ms(fn, warmup=5, samples=iters, number=reps).median_ms
 
 
 def case_key(base, m, n, k, dtype) -> str:
@@ -250,22 +254,6 @@ def _torch_epilogue(torch, base, y, bias):
     return y
 
 
-def _median_ms(torch, fn, iters, reps=1):
-    """Median over ``iters`` CUDA-event samples of the time per call, each sample ``reps`` back-to-back calls."""
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return statistics.median(times)
-
-
 def _run_case(case, modules, torch, tvm, dev, iters, results, misses) -> dict:
     base, dtype, shape = case["template"], case["dtype"], case["shape"]
     m, n, k = shape["m"], shape["n"], shape["k"]
@@ -278,7 +266,7 @@ def _run_case(case, modules, torch, tvm, dev, iters, results, misses) -> dict:
     args = [a, w] + ([bias] if "bias" in base or base == "qkv_projection" else [])
     flops = 2 * m * n * k
     row = {"case": case["key"], "template": base, "shape": shape, "dtype": dtype, "kernels": {}}
-    row["cublas_ms"] = _median_ms(torch, lambda: _torch_epilogue(torch, base, torch.matmul(a, w.T), bias), iters)
+    row["cublas_ms"] = median_ms(lambda: _torch_epilogue(torch, base, torch.matmul(a, w.T), bias), iters)
     for key in case["modules"]:
         info = modules[key]
         print(f"{key}: launching", flush=True)  # a kernel that hangs is the last one named
@@ -292,7 +280,7 @@ def _run_case(case, modules, torch, tvm, dev, iters, results, misses) -> dict:
         out = torch.full(tuple(ref.shape), float("nan"), device=dev, dtype=tdt)
         tv = [tvm.runtime.from_dlpack(t) for t in args + [out]]
         func(*tv)
-        if not _finished(torch, HANG_S):
+        if not bl.finished(HANG_S):
             row["kernels"][key] = dict(entry, error=f"hang: not finished after {HANG_S:.0f} s")
             _give_up(row, results, misses, key, _table)
         err = float(torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref))
@@ -302,7 +290,7 @@ def _run_case(case, modules, torch, tvm, dev, iters, results, misses) -> dict:
         if not entry["correct"]:
             entry["diagnosis"] = _diagnose(torch, out.float().reshape(-1, ref.shape[-1]), ref.reshape(-1, ref.shape[-1]))
         if entry["correct"]:
-            entry["ms"] = _median_ms(torch, lambda: func(*tv), iters)
+            entry["ms"] = median_ms(lambda: func(*tv), iters)
             entry["tflops"] = flops / entry["ms"] / 1e9
             entry["vs_cublas"] = row["cublas_ms"] / entry["ms"]
         row["kernels"][key] = entry
@@ -370,32 +358,6 @@ def _give_up(row, results, misses, key, table) -> None:
     os._exit(3)
 
 
-def _finished(torch, seconds) -> bool:
-    """Whether the work queued so far finishes within ``seconds`` (a wrong mbarrier protocol hangs forever)."""
-    done = torch.cuda.Event()
-    done.record()
-    deadline = time.time() + seconds
-    while not done.query():
-        if time.time() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
-
-
-def _graphed(torch, fn):
-    """``fn`` captured in a CUDA graph (torch eager without its launch overhead); returns the replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def _run_ffn_case(case, modules, torch, tvm, dev, args, results, misses) -> dict:
     import os
 
@@ -412,9 +374,9 @@ def _run_ffn_case(case, modules, torch, tvm, dev, args, results, misses) -> dict
     ref = F.linear(F.gelu(F.linear(x.float(), w1.float(), b1.float())), w2.float(), b2.float())
     row = {"case": case["key"], "shape": case["shape"], "dtype": dtype, "kernels": {}, "flops": 4 * m * h * f}
     chain = lambda: F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)  # noqa: E731
-    row["eager_ms"] = _median_ms(torch, chain, args.iters, args.reps)
+    row["eager_ms"] = median_ms(chain, args.iters, args.reps)
     try:
-        row["graph_ms"] = _median_ms(torch, _graphed(torch, chain), args.iters, args.reps)
+        row["graph_ms"] = median_ms(bl.graphed(chain)[0], args.iters, args.reps)
     except RuntimeError as err:  # the stronger baseline when capture works; eager alone otherwise
         row["graph_ms"], row["graph_error"] = None, str(err)[:300]
     tv = lambda *ts: [tvm.runtime.from_dlpack(t) for t in ts]  # noqa: E731
@@ -443,7 +405,7 @@ def _run_ffn_case(case, modules, torch, tvm, dev, args, results, misses) -> dict
             row["kernels"][key] = entry
             continue
         call()
-        if not _finished(torch, HANG_S):
+        if not bl.finished(HANG_S):
             row["kernels"][key] = dict(entry, error=f"hang: not finished after {HANG_S:.0f} s")
             results.append(row)
             (OUT / "results.json").write_text(json.dumps({"results": results, "cubin_misses": misses}, indent=1))
@@ -453,7 +415,7 @@ def _run_ffn_case(case, modules, torch, tvm, dev, args, results, misses) -> dict
         entry.update(rel_err=err, finite=bool(torch.isfinite(out).all()))
         entry["correct"] = entry["finite"] and err < TOL[dtype]
         if entry["correct"]:
-            entry["ms"] = _median_ms(torch, call, args.iters, args.reps)
+            entry["ms"] = median_ms(call, args.iters, args.reps)
             entry["tflops"] = row["flops"] / entry["ms"] / 1e9
         else:
             entry["diagnosis"] = _diagnose(torch, out.float(), ref)

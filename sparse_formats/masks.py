@@ -195,10 +195,21 @@ def _check_positive_int(name: str, value) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 # The named masks (design.md section 3). Each returns a fresh boolean [S, S] array.
 
-def _offsets(seq_len: int) -> np.ndarray:
-    """``i - j`` for every query i (rows) and key j (columns)."""
-    idx = np.arange(seq_len)
-    return idx[:, None] - idx[None, :]
+def _band(seq_len: int, low: int, high: int) -> np.ndarray:
+    """``low <= i - j <= high`` for every query i (rows) and key j (columns): a narrow band diagonal by diagonal,
+    a wide one from boolean triangles (no [S, S] integer offsets: at S = 16384 those were 2 GiB and seconds)."""
+    low, high = max(low, 1 - seq_len), min(high, seq_len - 1)
+    if high - low < 1024:
+        keep = np.zeros((seq_len, seq_len), dtype=bool)
+        flat = keep.reshape(-1)
+        for offset in range(low, high + 1):         # i - j = offset: S - |offset| cells, step S + 1
+            start = offset * seq_len if offset >= 0 else -offset
+            flat[start:start + (seq_len - abs(offset)) * (seq_len + 1):seq_len + 1] = True
+        return keep
+    keep = np.tri(seq_len, k=-low, dtype=bool)
+    if high < seq_len - 1:
+        keep &= ~np.tri(seq_len, k=-high - 1, dtype=bool)
+    return keep
 
 
 def _dense(seq_len: int) -> np.ndarray:
@@ -206,16 +217,15 @@ def _dense(seq_len: int) -> np.ndarray:
 
 
 def _causal(seq_len: int) -> np.ndarray:
-    return _offsets(seq_len) >= 0
+    return _band(seq_len, 0, seq_len)
 
 
 def _sliding(seq_len: int, window: int) -> np.ndarray:
-    diff = _offsets(seq_len)
-    return (diff >= 0) & (diff <= window)
+    return _band(seq_len, 0, window)
 
 
 def _local(seq_len: int, window: int) -> np.ndarray:
-    return np.abs(_offsets(seq_len)) <= window
+    return _band(seq_len, -window, window)
 
 
 def _global_positions(seq_len: int, starts: list[int], width: int) -> np.ndarray:
@@ -227,7 +237,10 @@ def _global_positions(seq_len: int, starts: list[int], width: int) -> np.ndarray
 
 def _longformer(seq_len: int, window: int, globals: int) -> np.ndarray:
     marks = _global_positions(seq_len, [0, seq_len // 2], globals)
-    return _local(seq_len, window) | marks[:, None] | marks[None, :]
+    mask = _local(seq_len, window)
+    mask[marks, :] = True                   # global rows and columns, written in place
+    mask[:, marks] = True
+    return mask
 
 
 def _bigbird(seq_len: int, window: int, globals: int, block: int, density: float, seed: int) -> np.ndarray:
@@ -239,21 +252,26 @@ def _bigbird(seq_len: int, window: int, globals: int, block: int, density: float
     shape [n_blocks, block, block] makes it reproducible.
     """
     marks = _global_positions(seq_len, [0], globals)
-    mask = _local(seq_len, window) | marks[:, None] | marks[None, :]
+    mask = _local(seq_len, window)
+    mask[marks, :] = True                   # global rows and columns, written in place
+    mask[:, marks] = True
     n_blocks = -(-seq_len // block)
     draws = np.random.default_rng(seed).random((n_blocks, block, block)) < density
     neighbour = np.arange(n_blocks) + 1
     neighbour[-1] = max(n_blocks - 2, 0)
-    padded = n_blocks * block
-    random = np.zeros((n_blocks, block, n_blocks, block), dtype=bool)
-    random[np.arange(n_blocks), :, neighbour, :] = draws
-    mask |= random.reshape(padded, padded)[:seq_len, :seq_len]
+    for row_block, key_block in enumerate(neighbour):     # one small block each, no [S, S] temporary
+        rows = slice(row_block * block, min((row_block + 1) * block, seq_len))
+        keys = slice(key_block * block, min((key_block + 1) * block, seq_len))
+        mask[rows, keys] |= draws[row_block, :rows.stop - rows.start, :keys.stop - keys.start]
     return mask
 
 
 def _dilated(seq_len: int, window: int, dilation: int) -> np.ndarray:
-    diff = _offsets(seq_len)
-    return (diff >= 0) & (diff <= window) & (diff % dilation == 0)
+    keep = np.zeros((seq_len, seq_len), dtype=bool)
+    flat = keep.reshape(-1)
+    for offset in range(0, min(window, seq_len - 1) + 1, dilation):     # the diagonal i - j = offset
+        flat[offset * seq_len::seq_len + 1] = True
+    return keep
 
 
 def _blocksparse(seq_len: int, file: str, block: int) -> np.ndarray:

@@ -8,8 +8,8 @@ __all__ = ["AttentionPlan", "sparse_attention", "make_mask", "normalize_mask", "
 def __getattr__(name):
     # stof_tvm.compile imports TVM's compiler (tvm.relax); load it on first use so that processes running
     # with TVM's runtime alone (stof_tvm.runtime) can still import stof_tvm.
-    if name == "compile":
-        from stof_tvm.compiler import compile
+    if name == "compile":              # the compiler, tuning first when asked (stof_tvm.workflow)
+        from stof_tvm.workflow import compile
 
         return compile
     if name == "tune":                 # MetaSchedule and the compiler too: same reason

@@ -75,4 +75,4 @@ class Artifact:
     def __repr__(self) -> str:
         att = self.manifest["attention"]
         return (f"Artifact(kernel={att['kernel']['kind']!r}, target={self.manifest['target']['kind']!r}, "
-                f"batch={att['batch']}, seq_len={att['seq_q']}, dtype={self.manifest['dtype']!r})")
+                f"batch={att['batch']}, seq_len={att.get('seq_q')}, dtype={self.manifest['dtype']!r})")

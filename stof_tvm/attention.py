@@ -14,6 +14,7 @@ alone, e.g. built on a CPU machine for CUDA and run on the GPU machine. This mod
 """
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -30,8 +31,8 @@ from stof_tvm.sparse_formats.tiled import build_tiled
 __all__ = ["sparse_attention", "AttentionPlan", "choose_kernel", "choose_kernel_config", "resolve_target", "KERNELS",
            "clear_kernel_cache"]
 
-KERNELS = ("auto", "row", "block")
-_SYMBOLS = {"row": "rowwise_attention", "block": "blockwise_attention"}
+KERNELS = ("auto", "row", "block", "wgmma")   # "wgmma": opt-in Hopper block-wise kernel (sm_90a), never "auto"
+_SYMBOLS = {"row": "rowwise_attention", "block": "blockwise_attention", "wgmma": "wgmma_attention"}
 _CUDA_DTYPES = ("float16", "bfloat16")
 _CPU_DTYPES = ("float16", "bfloat16", "float32")
 # The sparse kernels' SUPPORTED_HEAD_DIMS (multiples of 16 from 32 to 256), kept here so that importing this module
@@ -117,6 +118,18 @@ def resolve_target(target=None):
     return Target(target, host={"kind": "llvm"})
 
 
+def _hopper_target(target):
+    """The sm_90a twin of a CUDA sm_90 / sm_90a target (the wgmma kernel's instructions exist only there)."""
+    from tvm.target import Target
+
+    spec = json.loads(str(target))
+    if spec["kind"] != "cuda" or spec.get("arch") not in ("sm_90", "sm_90a"):
+        raise ValueError(f"kernel 'wgmma' needs a CUDA sm_90 / sm_90a (Hopper) target, got {spec.get('kind')} "
+                         f"{spec.get('arch', '')}".rstrip())
+    spec.pop("host", None)
+    return Target({**spec, "arch": "sm_90a"}, host={"kind": "llvm"})
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Compiled-kernel cache
 
@@ -124,11 +137,16 @@ _KERNEL_CACHE: dict[tuple, object] = {}
 
 
 def clear_kernel_cache() -> None:
-    """Forget every compiled kernel (the next plan of each kind compiles again)."""
+    """Forget every compiled kernel and every cached :func:`sparse_attention` plan (the next plan of each kind
+    compiles again)."""
     _KERNEL_CACHE.clear()
+    _PLAN_CACHE.clear()
 
 
 def _default_config(kernel: str, problem: Problem, target_kind: str):
+    if kernel == "wgmma":
+        from stof_tvm.schedules.attention_wgmma import default_config
+        return default_config(problem.head_dim)
     if kernel == "row":
         from stof_tvm.schedules.attention_rowwise import default_row_config
         return default_row_config(problem.head_dim, problem.dtype, target_kind)
@@ -139,6 +157,14 @@ def _default_config(kernel: str, problem: Problem, target_kind: str):
 def _compiled_kernel(kernel: str, problem: Problem, config, target):
     """The compiled module of ``kernel`` for this problem, config and target: built once, then reused."""
     key = (kernel, problem, config, str(target))
+    if key not in _KERNEL_CACHE and kernel == "wgmma":
+        from stof_tvm.schedules.attention_wgmma import wgmma_attention_primfunc
+
+        p = problem
+        func = wgmma_attention_primfunc(batch=p.batch, heads=p.heads, seq_q=p.seq_q, seq_k=p.seq_k,
+                                        head_dim=p.head_dim, dtype=p.dtype, mask_batch=p.mask_batch,
+                                        mask_heads=p.mask_heads, scale=p.scale, config=config)
+        _KERNEL_CACHE[key] = tvm.compile(func, target=target)
     if key not in _KERNEL_CACHE:
         if kernel == "row":
             from stof_tvm.schedules.attention_rowwise import rowwise_attention_primfunc as make_primfunc
@@ -185,7 +211,7 @@ def _check_inputs(q, k, v, problem: Problem) -> None:
             raise ValueError(f"{name} must have shape {want[name]} ([B, H, S, D]), got {tuple(tensor.shape)}")
         if _dtype_name(tensor) != p.dtype:
             raise TypeError(f"{name} must have dtype {p.dtype} like the plan, got {_dtype_name(tensor)}")
-    if _is_torch(q) and len({str(t.device) for t in (q, k, v)}) != 1:
+    if _is_torch(q) and not q.device == k.device == v.device:
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
@@ -219,11 +245,13 @@ class AttentionPlan:
         shape: the shape of q, ``(B, H, Sq, D)``.
         dtype: "float16" or "bfloat16" ("float32" too on the CPU); q, k, v and the output share it.
         seq_k: key/value length (default Sq).
-        kernel: "auto" (:func:`choose_kernel`), "row" or "block".
+        kernel: "auto" (:func:`choose_kernel`), "row", "block" or "wgmma" (opt-in: the block-wise kernel on
+            Hopper wgmma, :mod:`stof_tvm.schedules.attention_wgmma`; CUDA sm_90 targets, built for sm_90a).
         target: None (cuda if a GPU is present, else llvm), "cuda", "llvm", a target dict or a tvm Target.
             A CUDA plan can be built without a GPU (to :meth:`save` it), but not run.
         scale: softmax scale, default 1/sqrt(D).
-        config: kernel configuration (``RowConfig`` / ``BlockConfig``), default the kernel's own.
+        config: kernel configuration (``RowConfig`` / ``BlockConfig`` / ``WgmmaAttentionConfig``), default the
+            kernel's own.
 
     Attributes: ``kernel`` ("row"/"block"), ``problem`` (:class:`Problem`), ``target`` (the target as a dict),
     ``config`` (a dict in loaded plans).
@@ -257,8 +285,10 @@ class AttentionPlan:
         if kernel == "auto":
             kernel, chosen = choose_kernel_config(mask4, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
                                                   target_kind=kind)
-        if kernel == "block" and dtype == "float32":
-            raise TypeError("the block-wise kernel supports float16 and bfloat16, not float32")
+        if kernel in ("block", "wgmma") and dtype == "float32":
+            raise TypeError(f"the {kernel} kernel supports float16 and bfloat16, not float32")
+        if kernel == "wgmma":
+            resolved = _hopper_target(resolved)
         self.kernel = kernel
         if config is None:
             config = chosen if chosen is not None else _default_config(kernel, self.problem, kind)
@@ -268,6 +298,7 @@ class AttentionPlan:
         self._formats = _format_arrays(kernel, mask4, self.config)
         self._target_kind = kind
         self._device_formats = {}
+        self._function = None
 
     @property
     def formats(self) -> list[np.ndarray]:
@@ -338,7 +369,9 @@ class AttentionPlan:
         key = (dev.dlpack_device_type(), dev.index)
         if key not in self._device_formats:
             self._device_formats[key] = [tvm.runtime.tensor(a, dev) for a in self._formats]
-        self._module[_SYMBOLS[self.kernel]](*args, *self._device_formats[key], out)
+        if self._function is None:          # looked up once: a module lookup walks its import tree (~80 us)
+            self._function = self._module[_SYMBOLS[self.kernel]]
+        self._function(*args, *self._device_formats[key], out)
 
     # -- saving and loading ------------------------------------------------------------------------------------
 
@@ -377,7 +410,32 @@ class AttentionPlan:
         plan._formats = [np.load(os.path.join(path, f"format{i}.npy"), allow_pickle=False)
                          for i in range(description["formats"])]
         plan._device_formats = {}
+        plan._function = None
         return plan
+
+
+_PLAN_CACHE: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+_PLAN_CACHE_SIZE = 16
+
+
+def _cached_plan(mask, shape, dtype, seq_k, kernel, target, scale) -> "AttentionPlan":
+    """The plan of these arguments, built once: a mask is keyed by its spec string or by the identity of the
+    array / tensor / callable (a mask changed in place must be passed as a new object)."""
+    mask_key = ("spec", mask) if isinstance(mask, str) else ("object", id(mask))
+    target_key = json.dumps(target, sort_keys=True) if isinstance(target, dict) else str(target)
+    key = (mask_key, tuple(int(s) for s in shape), dtype, seq_k, kernel, target_key, scale)
+    entry = _PLAN_CACHE.get(key)
+    if entry is not None and (mask_key[0] == "spec" or entry[0] is mask):
+        _PLAN_CACHE.move_to_end(key)
+        return entry[1]
+    resolved = resolve_target(target)
+    if resolved.kind.name == "cuda" and not tvm.cuda(0).exist:
+        raise ValueError(f"target: {resolved.kind.name} was asked for but no GPU is present on this machine")
+    plan = AttentionPlan(mask, shape, dtype, seq_k=seq_k, kernel=kernel, target=resolved, scale=scale)
+    _PLAN_CACHE[key] = (mask, plan)
+    while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+        _PLAN_CACHE.popitem(last=False)
+    return plan
 
 
 def sparse_attention(q, k, v, mask, *, kernel="auto", target=None, scale=None):
@@ -385,18 +443,15 @@ def sparse_attention(q, k, v, mask, *, kernel="auto", target=None, scale=None):
 
     ``softmax(scale * q k^T restricted to kept pairs) v``; rows with no kept key are 0. ``mask`` takes any form
     :func:`stof_tvm.normalize_mask` accepts. numpy in, numpy out; torch in, torch out (CUDA tensors without a
-    copy). Kernels are compiled once per problem and cached; use :class:`AttentionPlan` to also reuse the
-    sparse format across calls with the same mask.
+    copy). The plan (kernel choice, sparse format, compiled kernel) is built once per mask, shape, dtype and
+    target and reused by later calls (the last 16 are kept; a mask array is recognised by identity, so pass a
+    new array after changing one in place); :class:`AttentionPlan` holds one explicitly.
     """
     if not hasattr(q, "shape") or len(q.shape) != 4:
         raise ValueError(f"q must be a [B, H, S, D] array or tensor, got {getattr(q, 'shape', type(q).__name__)}")
     if not hasattr(k, "shape") or len(k.shape) != 4:
         raise ValueError(f"k must be a [B, H, S, D] array or tensor, got {getattr(k, 'shape', type(k).__name__)}")
     if target is None and _is_torch(q):
-        target = "cuda" if q.device.type == "cuda" else "llvm"
-    resolved = resolve_target(target)
-    if resolved.kind.name == "cuda" and not tvm.cuda(0).exist:
-        raise ValueError(f"target: {resolved.kind.name} was asked for but no GPU is present on this machine")
-    plan = AttentionPlan(mask, tuple(q.shape), _dtype_name(q), seq_k=int(k.shape[2]), kernel=kernel,
-                         target=resolved, scale=scale)
+        target = "cuda" if q.is_cuda else "llvm"
+    plan = _cached_plan(mask, tuple(q.shape), _dtype_name(q), int(k.shape[2]), kernel, target, scale)
     return plan.run(q, k, v)

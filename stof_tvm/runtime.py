@@ -3,19 +3,25 @@
 This module imports only ``tvm``'s runtime, numpy and :mod:`stof_tvm.sparse_formats`, so it works in a
 process started with ``TVM_USE_RUNTIME_LIB=1`` (no compiler library, no ``tvm.relax``).
 
-The mask at run time: every call may pass ``mask=`` in any form :func:`stof_tvm.make_mask` accepts (default:
-the mask the artifact was compiled with). For sparse kernels the runtime combines it with the model's own
-masking before building the sparse format it passes to the module:
+A call (``model(input_ids=..., attention_mask=...)``) does no per-call host work beyond binding its inputs:
 
-- constant masks found in the model (a causal buffer) are stored in the artifact and ANDed in;
-- masks computed from model inputs (Hugging Face ``attention_mask`` padding) are evaluated by a small function
-  of the module (same graph as in the model), checked to be a mask (added values 0 or very negative), and
-  ANDed in per batch.
+- inputs are checked from their metadata and bound without copies (:mod:`stof_tvm.call_inputs`); torch CUDA
+  tensors run on torch's current stream and the outputs come back as torch tensors sharing the module's memory;
+- the mask's sparse format is built once per mask (the default at load, a new ``mask=`` the first time it is
+  given: any form :func:`stof_tvm.make_mask` accepts) and stays on the device (:mod:`stof_tvm.mask_formats`);
+  the model's constant masks (a causal buffer) are ANDed into it;
+- the model's own padding (Hugging Face ``attention_mask``) is applied by the kernels on the device, from the
+  input itself (:mod:`stof_tvm.schedules.key_padding`), nothing is built per call; a query row left with no
+  kept key (a fully padded batch row) gives 0, where the model's additive mask would spread its weight evenly;
+- token ids are clamped into their embedding table inside the module (never read out of bounds) and counted
+  when out of range; the call raises a ``ValueError`` naming the input if any were (inputs on the host are
+  checked before any kernel runs; for device inputs the module's few-byte count is read after the call, which
+  waits for it: ``check_values=False`` at :func:`load` skips that read, and then out-of-range ids silently use
+  the nearest table row).
 
-Formats for the default mask are cached per distinct padding, so repeated calls with the same inputs build
-nothing. A query row left with no kept key (under causal or sliding masks this happens only at padded query
-positions, whose outputs models ignore) gets output 0, stof-tvm's defined behaviour; the model's additive mask
-would instead spread such a row's weight over masked keys.
+Models whose input-dependent masking is not key padding of one input (the compiler says so in the manifest:
+``mask.model_terms``) take the exact, slower host path: the term is evaluated by the module, copied back,
+checked to be a mask and ANDed into the format on the host (cached per distinct value).
 """
 from __future__ import annotations
 
@@ -26,16 +32,14 @@ import numpy as np
 import tvm
 from tvm.runtime.vm import VirtualMachine
 
-from stof_tvm.sparse_formats.masks import normalize_mask
-from stof_tvm.sparse_formats.rows import build_rows
-from stof_tvm.sparse_formats.tiled import build_tiled
+from stof_tvm.call_inputs import BoundInputs, InputBinder, check_host_values, value_error
+from stof_tvm.mask_formats import MaskFormats
 
 LIBRARY = "module.so"
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.npz"
 FORMAT_VERSION = 1
 MASKED_FILL = -1.0e4
-DENSE_MASKED = -1.0e30      # the dense kernel's additive bias at masked pairs
 
 
 def device_for(manifest: dict):
@@ -56,10 +60,13 @@ def device_for(manifest: dict):
     return dev
 
 
-def load(path: str | os.PathLike, device=None, weights: dict | None = None) -> "CompiledModel":
+def load(path: str | os.PathLike, device=None, weights: dict | None = None,
+         check_values: bool = True) -> "CompiledModel":
     """Load an artifact directory written by :meth:`stof_tvm.artifact.Artifact.save`.
 
     ``weights``: the model's weights by name (numpy arrays) when the artifact was saved without weights.npz.
+    ``check_values``: read the module's out-of-range count of device inputs after each call (see the module
+    docstring).
     """
     path = os.fspath(path)
     manifest_path = os.path.join(path, MANIFEST)
@@ -94,15 +101,7 @@ def load(path: str | os.PathLike, device=None, weights: dict | None = None) -> "
                 cubins[key] = f.read()
         serve_cubins(cubins)
     module = tvm.runtime.load_module(os.path.join(path, LIBRARY))
-    return CompiledModel(module, manifest, arrays, device, weights or {})
-
-
-def _at_least_one(array: np.ndarray) -> np.ndarray:
-    return array if array.shape[0] else np.zeros((1,) + array.shape[1:], array.dtype)
-
-
-def _is_torch(value) -> bool:
-    return type(value).__module__.startswith("torch")
+    return CompiledModel(module, manifest, arrays, device, weights or {}, check_values=check_values)
 
 
 class CompiledModel:
@@ -112,17 +111,22 @@ class CompiledModel:
     on the module's device); outputs come back as the same kind (torch if any input was torch).
     """
 
-    def __init__(self, module, manifest: dict, arrays: dict[str, np.ndarray], device, weights: dict):
+    def __init__(self, module, manifest: dict, arrays: dict[str, np.ndarray], device, weights: dict,
+                 check_values: bool = True):
         self.manifest = manifest
         self.device = device
+        self.check_values = check_values
         self.vm = VirtualMachine(module, device)
+        self._main = self.vm["main"]
         self._params = self._prepare_weights(weights)
-        self._arrays = arrays
-        self._format_cache: dict = {}
-        att = manifest["attention"]
-        self.kernel = att["kernel"]["kind"]
-        self._mask_dims = (att["kernel"]["mask_batch"], att["kernel"]["mask_heads"], att["seq_q"], att["seq_k"])
-        self._default_mask = None
+        self.kernel = manifest["attention"]["kernel"]["kind"]   # "none": no stof-tvm attention (no mask input)
+        self._host_terms = manifest["mask"].get("model_terms", []) if self.kernel != "dense" else []
+        checks = manifest.get("value_checks") or {}
+        self._checks, self._checks_output = checks.get("inputs", []), checks.get("output")
+        self.formats = MaskFormats(manifest, arrays, device) if self.kernel != "none" else None
+        self._binder = InputBinder(self.inputs, device)
+        if self.formats is not None and not self._host_terms:
+            self.formats.tensors(None)          # the default mask's format, built once at load
 
     @property
     def params(self) -> list:
@@ -154,56 +158,14 @@ class CompiledModel:
             return tensors
         return list(self.vm[self.manifest["transform_params"]](tensors))
 
-    # -- inputs ---------------------------------------------------------------------------------------------
-    def _check_names(self, given: dict) -> None:
-        names = [spec["name"] for spec in self.inputs]
-        missing = [n for n in names if n not in given]
-        unknown = [n for n in given if n not in names]
-        if missing:
-            raise ValueError(f"inputs: missing {missing}; the model takes {names}")
-        if unknown:
-            raise ValueError(f"inputs: unknown {unknown}; the model takes {names}")
-
-    def _host_input(self, spec: dict, value) -> np.ndarray:
-        """Validate one input's shape and dtype; return it as a numpy array (for host-side mask work)."""
-        array = value.detach().cpu().numpy() if _is_torch(value) else np.asarray(value)
-        want = tuple(spec["shape"])
-        if array.shape != want:
-            raise ValueError(f"input {spec['name']!r}: expected shape {list(want)}, got {list(array.shape)}")
-        if array.dtype != np.dtype(spec["dtype"]):
-            if np.dtype(spec["dtype"]).kind != array.dtype.kind or _is_torch(value):
-                raise TypeError(f"input {spec['name']!r}: expected dtype {spec['dtype']}, got {array.dtype}")
-            array = array.astype(spec["dtype"])
-        return array
-
-    def _device_tensor(self, value, host: np.ndarray):
-        if _is_torch(value) and str(host.dtype) == str(value.dtype).removeprefix("torch."):
-            try:
-                return tvm.runtime.from_dlpack(value.contiguous())
-            except (RuntimeError, ValueError, tvm.error.TVMError):
-                pass
-        return tvm.runtime.tensor(np.ascontiguousarray(host), self.device)
-
     # -- the mask -------------------------------------------------------------------------------------------
-    def _normalized(self, mask) -> np.ndarray:
-        info = self.manifest["mask"]
-        if mask is None:
-            if self._default_mask is None:
-                source = info["spec"] if info.get("spec") else self._arrays[info["array"]]
-                self._default_mask = self._normalized(source)
-            return self._default_mask
-        batch, heads = self.manifest["attention"]["batch"], self.manifest["attention"]["heads"]
-        try:
-            return normalize_mask(mask, batch=batch, heads=heads, seq_q=info["seq_q"], seq_k=info["seq_k"])
-        except (ValueError, TypeError) as err:
-            raise type(err)(f"mask: {err}") from None
-
-    def _model_keep(self, host_inputs: dict) -> list[np.ndarray]:
-        """Keep-masks of the model's own masking: the stored constants, then the terms computed from inputs."""
-        info = self.manifest["mask"]
-        keeps = [self._arrays[info["model_keep"]]] if info.get("model_keep") else []
-        for term in info.get("model_terms", []):
-            args = [tvm.runtime.tensor(np.ascontiguousarray(host_inputs[name]), self.device) for name in term["inputs"]]
+    def _host_keeps(self, bound: BoundInputs) -> tuple:
+        """The host path: keep-masks of the model's input-dependent terms, evaluated by the module and copied
+        back (checked to be a mask: added values 0 or very negative)."""
+        names = [spec["name"] for spec in self.inputs]
+        keeps = []
+        for term in self._host_terms:
+            args = [bound.args[names.index(name)] for name in term["inputs"]]
             values = self.vm[term["function"]](*args).numpy()
             if term["kind"] == "where":
                 keep = values.astype(bool) == term["keep_if_true"]
@@ -213,67 +175,49 @@ class CompiledModel:
                     raise ValueError(f"inputs {term['inputs']}: the model's attention mask term has values that are "
                                      f"neither 0 nor <= {MASKED_FILL:g}; it is a bias, not a mask")
             keeps.append(keep.reshape((1,) * (4 - keep.ndim) + keep.shape))
-        return keeps
+        return tuple(keeps)
 
-    def mask_arrays(self, mask=None, host_inputs: dict | None = None) -> list[np.ndarray]:
-        """The arrays of the module's mask inputs (format or dense keep-mask) for ``mask`` and these inputs."""
-        user = self._normalized(mask)
-        bm, hm, sq, sk = self._mask_dims
-        if user.shape[0] > bm or user.shape[1] > hm:
-            raise ValueError(f"mask: this artifact was compiled for a mask of {bm} batch x {hm} head groups, got "
-                             f"{user.shape[0]} x {user.shape[1]}; recompile with a mask of this kind")
-        keeps = self._model_keep(host_inputs or {}) if self.kernel != "dense" else []
-        key = None
-        if mask is None or isinstance(mask, str):
-            key = (mask, tuple(k.tobytes() for k in keeps))
-            if key in self._format_cache:
-                return self._format_cache[key]
-        combined = user
-        for keep in keeps:
-            combined = combined & keep
-        combined = np.ascontiguousarray(np.broadcast_to(combined, (bm, hm, sq, sk)))
-        arrays = self._format(combined)
-        if key is not None:
-            self._format_cache[key] = arrays
-        return arrays
-
-    def _format(self, mask4d: np.ndarray) -> list[np.ndarray]:
-        """The kernel's format arrays; empty index lists get one dummy entry (never visited: the row pointers
-        stay as they are) because the kernels' symbolic lengths must be at least 1."""
-        if self.kernel == "dense":
-            return [np.where(mask4d, np.float32(0), np.float32(DENSE_MASKED)), mask4d.astype(np.float32)]
-        if self.kernel == "row":
-            fmt = build_rows(mask4d)
-            return [fmt.indptr, _at_least_one(fmt.indices)]
-        config = self.manifest["attention"]["kernel"]["config"]
-        fmt = build_tiled(mask4d, config["block_m"], config["block_n"])
-        return [fmt.full_indptr, _at_least_one(fmt.full_indices), fmt.part_indptr,
-                _at_least_one(fmt.part_indices), _at_least_one(fmt.part_bitmaps)]
+    def mask_tensors(self, mask=None, bound: BoundInputs | None = None) -> list:
+        """The module's mask inputs (format arrays or dense keep-mask, on the device) for ``mask``; ``bound``:
+        the call's inputs, needed only on the host path."""
+        if self.formats is None:
+            if mask is not None:
+                raise ValueError(f"mask: this artifact takes no mask: its attention runs as the model computes it "
+                                 f"({self.manifest['attention']['fallback']})")
+            return []
+        keeps = self._host_keeps(bound) if self._host_terms and bound is not None else ()
+        return self.formats.tensors(mask, keeps)
 
     # -- running --------------------------------------------------------------------------------------------
+    def _bind(self, inputs: dict) -> BoundInputs:
+        bound = self._binder.bind(inputs)
+        check_host_values(self._checks, bound)
+        return bound
+
     def prepare(self, inputs: dict, mask=None) -> list:
         """Device tensors for one call (model inputs then mask inputs), checked; reuse with :meth:`run`."""
-        self._check_names(inputs)
-        host = {spec["name"]: self._host_input(spec, inputs[spec["name"]]) for spec in self.inputs}
-        args = [self._device_tensor(inputs[spec["name"]], host[spec["name"]]) for spec in self.inputs]
-        args += [tvm.runtime.tensor(a, self.device) for a in self.mask_arrays(mask, host)]
-        return args
+        bound = self._bind(inputs)
+        with bound.stream_scope(self.device):
+            return bound.args + self.mask_tensors(mask, bound)
 
-    def run(self, args: list) -> list:
-        """Run the module on prepared device tensors; returns the output tensors (TVM)."""
-        out = self.vm["main"](*args, *self._params)
+    def _invoke(self, args: list) -> list:
+        out = self._main(*args, *self._params)
         return list(out) if isinstance(out, (tuple, list)) or type(out).__name__ == "Array" else [out]
 
-    def __call__(self, inputs: dict | None = None, *, mask=None, **kwargs) -> dict:
-        inputs = {**(inputs or {}), **kwargs}
-        as_torch = any(_is_torch(v) for v in inputs.values())
-        outs = self.run(self.prepare(inputs, mask))
-        result = {}
-        for spec, out in zip(self.outputs, outs):
-            if as_torch:
-                import torch
+    def run(self, args: list) -> list:
+        """Run the module on prepared device tensors; returns the model's output tensors (TVM)."""
+        return self._invoke(args)[:len(self.outputs)]
 
-                result[spec["name"]] = torch.from_dlpack(out)
-            else:
-                result[spec["name"]] = out.numpy()
-        return result
+    def __call__(self, inputs: dict | None = None, *, mask=None, **kwargs) -> dict:
+        bound = self._bind({**(inputs or {}), **kwargs})
+        with bound.stream_scope(self.device):
+            outs = self._invoke(bound.args + self.mask_tensors(mask, bound))
+            if self._checks and self.check_values:
+                message = value_error(self._checks, outs[self._checks_output], bound)
+                if message is not None:
+                    raise ValueError(message)
+        if bound.torch:
+            import torch
+
+            return {spec["name"]: torch.from_dlpack(out) for spec, out in zip(self.outputs, outs)}
+        return {spec["name"]: out.numpy() for spec, out in zip(self.outputs, outs)}

@@ -109,6 +109,22 @@ def test_kernel_choice_covers_both_kernels():
     assert choose(sparse, **args) == "row" and choose(dense, **args) == "block"
 
 
+@pytest.mark.parametrize("spec, seq, head_dim", [("longformer", 8192, 64), ("bigbird", 8192, 128),
+                                                  ("longformer", 16384, 128)])
+def test_cuda_choice_splits_the_global_rows_of_one_long_sequence(spec, seq, head_dim):
+    """B=1 with global rows (Longformer/BigBird at S >= 8192): each head's global tile row would run alone long
+    after the rest of the grid; the automatic CUDA choice shares it between split-KV blocks (heavy-first). At
+    B=16, S=4096 the grid is long enough, and the same mask is walked unsplit."""
+    mask4 = normalize_mask(spec, seq_q=seq)
+    kind, config = attention_api.choose_kernel_config(mask4, batch=1, heads=16, head_dim=head_dim,
+                                                      dtype="float16", target_kind="cuda")
+    assert kind == "block" and config.heavy_first and config.kv_splits > 1 and config.split_rows >= 1
+    short = normalize_mask(spec, seq_q=4096)
+    kind, config = attention_api.choose_kernel_config(short, batch=16, heads=16, head_dim=head_dim,
+                                                      dtype="float16", target_kind="cuda")
+    assert kind == "row" or config.kv_splits == 1
+
+
 def test_compiled_kernels_are_cached(monkeypatch):
     attention_api.clear_kernel_cache()
     builds = []
@@ -205,3 +221,20 @@ def test_torch_cuda_tensors_without_copies(kernel):
     as_numpy = [t.float().cpu().numpy().astype(numpy_dtype("bfloat16")) for t in (q, k, v)]
     for got in (out, result):
         check(got.float().cpu().numpy().astype(numpy_dtype("bfloat16")), *as_numpy, mask, "bfloat16")
+
+
+def test_sparse_attention_plans_once_per_mask(monkeypatch):
+    """Repeated calls reuse the plan (no format build, no kernel choice per call); a new array is a new plan."""
+    attention_api.clear_kernel_cache()
+    builds = []
+    original = attention_api._format_arrays
+    monkeypatch.setattr(attention_api, "_format_arrays", lambda *a: builds.append(1) or original(*a))
+    q, k, v = random_qkv(1, 2, 40, 40, 64, "float16", seed=7)
+    mask = stof_tvm.make_mask("local:window=6", 40)
+    first = stof_tvm.sparse_attention(q, k, v, mask, target="llvm")
+    for _ in range(3):
+        np.testing.assert_array_equal(stof_tvm.sparse_attention(q, k, v, mask, target="llvm"), first)
+        stof_tvm.sparse_attention(q, k, v, "causal", target="llvm")
+    assert len(builds) == 2
+    stof_tvm.sparse_attention(q, k, v, mask.copy(), target="llvm")
+    assert len(builds) == 3

@@ -386,20 +386,24 @@ def assert_no_spills(report: str) -> None:
     assert "0 bytes stack frame" in report, report
 
 
-@pytest.mark.parametrize("head_dim, out_layout, splits, rows", [(64, "bshd", 16, 2), (128, "bhsd", 4, 1),
-                                                                 (80, "bshd", 8, 3)])
-def test_split_kv_cuda_source_compiles_without_spills(head_dim, out_layout, splits, rows, tmp_path):
+@pytest.mark.parametrize("head_dim, out_layout, splits, rows, padding", [(64, "bshd", 16, 2, True),
+                                                                          (128, "bhsd", 4, 1, False),
+                                                                          (80, "bshd", 8, 3, True)])
+def test_split_kv_cuda_source_compiles_without_spills(head_dim, out_layout, splits, rows, padding, tmp_path):
     """Split-KV: the tile-row kernel (grid TR + rows*(splits-1) per head) and the merge kernel (one block per
     split row and head) build for sm_90 with 0 spill bytes; the workspace is float32 partial rows and log-sum-exps.
-    Without splits no workspace and no second kernel exist."""
+    With the key padding inputs (the compile path's models) the slices read them too. Without splits no workspace
+    and no second kernel exist."""
     config = BlockConfig(64, 32, 4, 2, heavy_first=True, kv_splits=splits, split_rows=rows)
     func = blockwise_attention_primfunc(batch=1, heads=12, seq_q=4000, seq_k=4000, head_dim=head_dim,
                                         dtype="float16", mask_batch=1, mask_heads=1, config=config,
-                                        target_kind="cuda", out_layout=out_layout)
+                                        target_kind="cuda", out_layout=out_layout, padding=padding)
+    assert ("pad_range" in [param.name for param in func.params]) == padding
     src = tvm.compile(func, target=CUDA).mod.imports[0].inspect_source()
     kernels = re.findall(r"__global__ void __launch_bounds__\((\d+)\) (\w+)\(", src)
     assert sorted(set(kernels)) == [("128", "blockwise_attention_kernel"), ("128", "blockwise_attention_kernel_1")]
     assert "float* __restrict__ ws_o_ptr" in src and "float* __restrict__ ws_lse_ptr" in src
+    assert ("pad_range" in src) == padding
     assert "exp2f(" in src and "log2f(" in src
     report = sm90_ptxas_report(src, tmp_path)
     assert report.count("0 bytes spill stores") == 2, report

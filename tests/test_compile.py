@@ -60,8 +60,9 @@ def test_float16_kernels_match_reference(tiny, feeds, kernel):
                            kernel=kernel)
     assert art.manifest["attention"]["kernel"]["kind"] == kernel
     assert art.manifest["attention"]["dtype"] == "float16"
-    # sparse kernels fold the per-batch padding into the format; dense keeps it in the graph (shared mask input)
-    assert art.manifest["attention"]["kernel"]["mask_batch"] == (B if kernel != "dense" else 1)
+    # sparse kernels apply the per-batch padding on the device and dense keeps it in the graph: one shared format
+    assert art.manifest["attention"]["kernel"]["mask_batch"] == 1
+    assert art.manifest["attention"]["kernel"]["padding"] == (kernel != "dense")
     out = art.load()(feeds)["last_hidden_state"]
     ref = reference_outputs(tiny, make_mask("longformer", S)[None, None], feeds)["last_hidden_state"]
     assert relative_error(out, ref) < 2e-2
@@ -164,7 +165,10 @@ def test_tuning_records_choose_the_kernel(tiny, tmp_path):
                            tune_trials=2, database=str(tmp_path / "db"))
     kernel = art.manifest["attention"]["kernel"]
     assert kernel["reason"].startswith("tuned: attention_")
-    assert art.manifest["tuning"] == {"database": str(tmp_path / "db"), "trials": 2}
+    tuning = art.manifest["tuning"]
+    assert {k: tuning[k] for k in ("database", "applied", "missing", "unused")} == {
+        "database": str(tmp_path / "db"), "applied": 1, "missing": [], "unused": []}     # the attention problem
+    assert tuning["tuned"]["trials"] == 2 and tuning["tuned"]["measured"] >= 1
     out = art.load()(data)["last_hidden_state"]
     ref = reference_outputs(tiny, make_mask("bigbird", S)[None, None], data)["last_hidden_state"]
     assert relative_error(out, ref) < 1e-5
@@ -176,7 +180,7 @@ def test_fusion_templates_replace_linear_layers(tiny, feeds):
     layouts and epilogues against the reference (tests/test_compile_templates.py has the rest)."""
     art = stof_tvm.compile(tiny, mask="bigbird", batch=B, seq_len=S, target="llvm", dtype="float16", templates=True)
     assert art.manifest["templates"]["calls"] == {"bias_residual_layernorm": 4, "gemm_bias_gelu_erf_kn": 2,
-                                                  "gemm_kn": 4, "qkv_projection_kn": 2}
+                                                  "gemm_kn": 4, "qkv_projection_kn": 2, "layernorm": 1}
     out = art.load()(feeds)["last_hidden_state"]
     ref = reference_outputs(tiny, make_mask("bigbird", S)[None, None], feeds)["last_hidden_state"]
     assert relative_error(out, ref) < 2e-2

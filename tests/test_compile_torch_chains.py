@@ -1,5 +1,5 @@
-"""The fusion templates on the chains of the torch-exported GPT-2 and T5 encoder (tiny versions, as
-scripts/bench_e2e_torch.py exports them), beyond BERT's forms:
+"""The fusion templates on the chains of the torch-exported GPT-2 and T5 encoder (tiny versions of
+``stof_tvm.models.torch_models``), beyond BERT's forms:
 
 - pre-LN (GPT-2): the residual sum feeds the next LayerNorm and the next residual add; each linear still runs as
   ONE GEMM (template GEMM calls == the model's linears), the sum is one 16-bit add, the LayerNorm template reads
@@ -10,12 +10,13 @@ scripts/bench_e2e_torch.py exports them), beyond BERT's forms:
 - T5's bias-free linears on the GEMM templates (plain GEMM; ReLU with a zero bias; QKV with zero biases), no
   matmul left; its RMSNorms on the ``rmsnorm`` / ``residual_rmsnorm`` templates (each residual add fused into the
   next RMSNorm, the residual stream 16-bit);
-- outputs on llvm match the torch model in float32; the tuner plans exactly the compiled calls.
+- outputs on llvm match the exported graph under the same mask in float32 (onnx's reference evaluator); the
+  tuner plans exactly the compiled calls.
 
-The tiny models are exported by torch in another interpreter (``STOF_TORCH_PYTHON``, default
-/work/torchvenv/bin/python); the tests skip without it."""
+The tiny models are exported by torch in this process (the tests skip without torch)."""
 import os
 
+import numpy as np
 import onnx
 import pytest
 
@@ -23,15 +24,15 @@ import stof_tvm
 import stof_tvm.compiler
 from stof_tvm import runtime
 from stof_tvm.compiler import cubins, linear_match
+from stof_tvm.models.reference import reference_outputs
 from stof_tvm.tuning import plan
-
-from test_bench_e2e_torch import _rel, bench, export_reference, load_reference
 
 MODELS = ("tiny-gpt2", "tiny-t5-encoder")
 BATCH, SEQ = 2, 128
 LAYERS = 2                               # torch_models' tiny configurations
 GPT2_CALLS = {"qkv_projection_kn": 2, "gemm_bias_kn": 3, "gemm_bias_gelu_tanh_kn": 2, "gemm_kn": 1,
-              "layernorm": 3, "bias_residual_layernorm": 1}       # the last block's sum feeds only the final LN
+              "layernorm": 4, "bias_residual_layernorm": 1}       # the last block's sum feeds only the final LN;
+# layernorm: the embeddings' ln_1 (a plain LayerNorm) and the three pre-LN sums
 T5_CALLS = {"qkv_projection_kn": 2, "gemm_kn": 4, "gemm_bias_relu_kn": 2,
             "rmsnorm": 1, "residual_rmsnorm": 2 * LAYERS}     # the embeddings' RMSNorm; every later one with its sum
 GEMMS = ("qkv_projection", "gemm")
@@ -39,8 +40,28 @@ GEMMS = ("qkv_projection", "gemm")
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    out = export_reference(tmp_path_factory, MODELS, f"{BATCH}x{SEQ}")
-    return {name: os.path.join(out, f"{name}_{BATCH}x{SEQ}") for name in MODELS}
+    """``{model: stem}``: ``stem.onnx`` (the torch export, weights included) and ``stem.npz`` (inputs)."""
+    tm = pytest.importorskip("stof_tvm.models.torch_models", reason="the torch exports need torch")
+    out = tmp_path_factory.mktemp("torch_exports")
+    stems = {}
+    for name in MODELS:
+        stems[name] = stem = os.path.join(out, f"{name}_{BATCH}x{SEQ}")
+        tm.export(name, stem + ".onnx", seq_len=SEQ)
+        np.savez(stem + ".npz", **{k: v.numpy() for k, v in tm.example_inputs(name, BATCH, SEQ, seed=7).items()})
+    return stems
+
+
+def _rel(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def _inputs_and_reference(stem) -> tuple[dict, np.ndarray]:
+    """The inputs and the exported graph's float32 output under the BigBird mask (and the model's own masks)."""
+    with np.load(stem + ".npz") as data:
+        feeds = {k: data[k] for k in data.files}
+    keep = stof_tvm.make_mask("bigbird", SEQ)[None, None]
+    return feeds, reference_outputs(onnx.load(stem + ".onnx"), keep, feeds)["last_hidden_state"]
 
 
 def _front(stem, **kwargs):
@@ -81,7 +102,7 @@ def test_gpt2_one_gemm_per_linear_fused_qkv_and_tanh_gelu(exported):
     for absent in ("relax.split", "relax.tanh", "relax.matmul", "relax.permute_dims"):
         assert absent not in ops, absent
     assert ops.count("relax.memory.view") == 3 * LAYERS                           # Q, K, V read in place
-    assert ops.count("relax.nn.layer_norm") == 1                                   # only the embeddings' ln_1
+    assert "relax.nn.layer_norm" not in ops                                        # the embeddings' ln_1 too
     chains = {site["chain"] for site in front.template_entry["sites"]}
     assert {"qkv", "linear_gelu_tanh", "residual_sum_ln", "linear"} <= chains
     # the residual stream is 16-bit (one add per sum, no float32 round trip): float32 adds only before layer 0
@@ -134,31 +155,45 @@ def test_t5_rmsnorms_on_the_templates_for_cuda(exported):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_templates_match_torch_float32(exported, tmp_path, name):
-    """fp16 with every chain on templates vs the torch model in float32 (same mask), within fp16 rounding (the
+def test_templates_match_float32(exported, tmp_path, name):
+    """fp16 with every chain on templates vs the exported graph in float32 (same mask), within fp16 rounding (the
     rewrite gives 5e-4 here)."""
     stem = exported[name]
-    mapping, state, feeds, torch_out = load_reference(stem)
-    expected = torch_out["sdpa"]
+    feeds, expected = _inputs_and_reference(stem)
     art = stof_tvm.compile(onnx.load(stem + ".onnx"), mask="bigbird", batch=BATCH, seq_len=SEQ, target="llvm",
                            dtype="float16", templates=True)
     assert art.manifest["templates"]["calls"] == (GPT2_CALLS if "gpt2" in name else T5_CALLS)
-    weights = bench.artifact_weights(art.manifest, mapping, state)
-    out = runtime.load(art.save(tmp_path / "artifact", weights=False), weights=weights)(feeds)
+    out = runtime.load(art.save(tmp_path / "artifact"))(feeds)
     assert _rel(out["last_hidden_state"], expected) < 1.5e-3
 
 
-def test_t5_position_bias_on_the_block_kernel_matches_torch_float32(exported, tmp_path):
+def test_t5_position_bias_on_the_block_kernel_matches_float32(exported, tmp_path):
     """kernel="block": the block-wise kernel adds T5's position bias (an input after the format arrays)."""
     stem = exported["tiny-t5-encoder"]
-    mapping, state, feeds, torch_out = load_reference(stem)
+    feeds, expected = _inputs_and_reference(stem)
     art = stof_tvm.compile(onnx.load(stem + ".onnx"), mask="bigbird", batch=BATCH, seq_len=SEQ, target="llvm",
                            dtype="float16", kernel="block")
     kernel = art.manifest["attention"]["kernel"]
     assert kernel["kind"] == "block" and kernel["bias"] is not None
-    weights = bench.artifact_weights(art.manifest, mapping, state)
-    out = runtime.load(art.save(tmp_path / "artifact", weights=False), weights=weights)(feeds)
-    assert _rel(out["last_hidden_state"], torch_out["sdpa"]) < 1.5e-3
+    out = runtime.load(art.save(tmp_path / "artifact"))(feeds)
+    assert _rel(out["last_hidden_state"], expected) < 1.5e-3
+
+
+def test_t5_padding_goes_to_the_mask_and_the_position_bias_stays_per_head(exported, tmp_path):
+    """T5 adds ``position_bias + padding`` to its scores as one tensor; compiled, the padding is a run-time mask
+    term of the sparse format and the bias input is the position bias alone ([1, H, S, S]), and a padded batch
+    still matches the exported graph under the same mask."""
+    stem = exported["tiny-t5-encoder"]
+    model = onnx.load(stem + ".onnx")
+    feeds, _ = _inputs_and_reference(stem)
+    feeds["attention_mask"] = feeds["attention_mask"].copy()
+    feeds["attention_mask"][1, 90:] = 0
+    art = stof_tvm.compile(model, mask="bigbird", batch=BATCH, seq_len=SEQ, target="llvm", dtype="float32")
+    kernel = art.manifest["attention"]["kernel"]
+    assert kernel["kind"] == "row" and kernel["bias"][:2] == [1, kernel["bias"][1]] and kernel["bias"][1] > 1
+    out = runtime.load(art.save(tmp_path / "t5"))(feeds)
+    ref = reference_outputs(model, stof_tvm.make_mask("bigbird", SEQ)[None, None], feeds)["last_hidden_state"]
+    assert _rel(out["last_hidden_state"], ref) < 1e-5
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -40,7 +40,7 @@ def run(args) -> int:
     samples = np.array(result.results) * 1e3
     att = model.manifest["attention"]
     report = {"artifact": args.artifact, "kernel": att["kernel"]["kind"], "batch": att["batch"],
-              "seq_len": att["seq_q"], "dtype": model.manifest["dtype"], "target": model.manifest["target"]["kind"],
+              "seq_len": att.get("seq_q"), "dtype": model.manifest["dtype"], "target": model.manifest["target"]["kind"],
               "median_ms": float(np.median(samples)), "min_ms": float(samples.min()),
               "max_ms": float(samples.max()), "repeat": args.repeat, "number": args.number}
     if args.profile:

@@ -38,8 +38,15 @@ def register(subparsers) -> None:
                              "(mma.sync) or auto (default: wgmma on sm_90 when nvcc is found, else mma)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="capture the static regions between attention calls in CUDA graphs (cuda only)")
-    parser.add_argument("--tune-trials", type=int, default=0, help="MetaSchedule trials (needs --database)")
-    parser.add_argument("--database", help="MetaSchedule work dir whose tuning records are applied")
+    parser.add_argument("--tune-trials", type=int, default=0, metavar="N",
+                        help="tune the calls this compile makes first, at most N measurements per task (needs "
+                             "--database; complete tasks there are not measured again)")
+    parser.add_argument("--top-k", type=int, default=8, help="with --tune-trials: stage-1 survivors per job "
+                                                             "(default 8)")
+    parser.add_argument("--time-budget", type=float, metavar="SECONDS", help="with --tune-trials: stop tuning "
+                                                                             "after this long")
+    parser.add_argument("--database", metavar="DIR", help="tuning work directory whose records are applied "
+                                                          "('stof-tvm tune' writes one; so does --tune-trials)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed of a built-in model (default 0)")
     parser.add_argument("-o", "--output", required=True, metavar="OUT", help="artifact directory to write")
     parser.set_defaults(func=run)
@@ -55,7 +62,7 @@ def load_mask_arg(text: str):
 
 
 def run(args) -> int:
-    from stof_tvm.compiler import compile as compile_model
+    from stof_tvm.workflow import compile as compile_model
 
     if args.builtin:
         from stof_tvm.models import builtin_model
@@ -73,17 +80,50 @@ def run(args) -> int:
     artifact = compile_model(model, mask=load_mask_arg(args.mask), batch=args.batch, seq_len=args.seq_len,
                              target=target, dtype=dtype, kernel=args.kernel, templates=args.templates,
                              gemm=args.gemm, cuda_graph=args.cuda_graph, tune_trials=args.tune_trials,
-                             database=args.database, progress=progress)
+                             database=args.database, top_k=args.top_k, time_budget_s=args.time_budget,
+                             progress=progress)
     if args.builtin:
         artifact.manifest["source"] = {"builtin": args.builtin, "seed": args.seed}
     path = artifact.save(args.output)
     att = artifact.manifest["attention"]
     kernel = att["kernel"]
     print(f"compiled {args.builtin or args.model} -> {path}")
+    if kernel["kind"] == "none":
+        print(f"  attention not on stof-tvm's kernels ({att['fallback']}): TVM's default pipeline")
+        _print_coverage(artifact.manifest)
+        if args.database:
+            print("  " + records_line(artifact.manifest["tuning"]))
+        return 0
     print(f"  {att['sites']} attention sites [B={att['batch']}, H={att['heads']}, S={att['seq_q']}, "
           f"D={att['head_dim']}] {att['dtype']} on {artifact.manifest['target']['kind']}")
     print(f"  kernel: {kernel['kind']} {kernel['config'] or ''} ({kernel['reason']})")
     if artifact.manifest["templates"]:
         entry = artifact.manifest["templates"]
         print(f"  templates ({entry['gemm']}): {entry['calls']}")
+    _print_coverage(artifact.manifest)
+    if args.database:
+        print("  " + records_line(artifact.manifest["tuning"]))
     return 0
+
+
+def _print_coverage(manifest: dict) -> None:
+    """The manifest's coverage report: per operator kind, how many run on stof-tvm's kernels, and each fallback."""
+    from stof_tvm.compiler.coverage import coverage_lines
+
+    if manifest.get("coverage"):
+        for line in coverage_lines(manifest["coverage"]):
+            print("  " + line)
+
+
+def records_line(tuning: dict) -> str:
+    """The manifest's ``tuning`` entry in one line: records applied, calls without one, database jobs unused."""
+    line = f"tuning records: {tuning['applied']} applied from {tuning['database']}"
+    if tuning["missing"]:
+        line += f"; {len(tuning['missing'])} calls without a record ({', '.join(tuning['missing'])})"
+    if tuning["unused"]:
+        line += f"; {len(tuning['unused'])} measured jobs there not used by this compile"
+    tuned = tuning.get("tuned")
+    if tuned:
+        line += (f"; tuned here: {tuned['measured']} trials over {tuned['tasks']} tasks in {tuned['seconds']:.1f} s"
+                 + (f" (stopped: {tuned['stopped']})" if tuned["stopped"] else ""))
+    return line

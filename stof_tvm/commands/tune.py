@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from stof_tvm.models import BUILTIN
 
@@ -27,7 +28,10 @@ def register(subparsers) -> None:
     parser.add_argument("--seq-len", type=int, default=128, help="sequence length S (default 128)")
     parser.add_argument("--heads", type=int, default=12, help="heads, for one attention problem (default 12)")
     parser.add_argument("--head-dim", type=int, default=64, help="head dim, for one attention problem (default 64)")
-    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"], help="default float16")
+    parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
+                        help="compute dtype (default float16; for --model on llvm float32, as for compile)")
+    parser.add_argument("--kernel", default="auto", choices=["auto", "block", "row", "dense"],
+                        help="--model: the attention kernel, as for compile (default auto)")
     parser.add_argument("--target", default="cuda", choices=["cuda", "llvm"], help="default cuda")
     parser.add_argument("--arch", default="sm_90", help="CUDA architecture (default sm_90)")
     parser.add_argument("--gemm", default="auto", choices=["auto", "mma", "wgmma"],
@@ -77,11 +81,15 @@ def run(args) -> int:
     target = tuning_target({"kind": "cuda", "arch": args.arch} if args.target == "cuda" else "llvm")
     if args.template and not args.shape:
         raise ValueError("--template needs --shape (e.g. m=4096,n=3072,k=768)")
+    dtype = args.dtype or ("float32" if args.model and args.target == "llvm" else "float16")
+    print("stage 1: " + ("planning the calls 'stof-tvm compile' makes with these arguments (front end, then the "
+                         "analytical model)" if args.model else "ranking the candidates with the analytical model"),
+          file=sys.stderr, flush=True)
     stage1 = make_plan(args.model, template=args.template, shape=_parse_shape(args.shape),
                        mask=load_mask_arg(args.mask), batch=args.batch, seq_len=args.seq_len, heads=args.heads,
-                       head_dim=args.head_dim, dtype=args.dtype, target=target, top_k=args.top_k,
-                       hardware=args.hardware, calibration=args.calibration, kinds=kinds, templates=args.templates,
-                       gemm=args.gemm, database=args.database, explain=args.explain)
+                       head_dim=args.head_dim, dtype=dtype, target=target, top_k=args.top_k,
+                       hardware=args.hardware, calibration=args.calibration, kinds=kinds, kernel=args.kernel,
+                       templates=args.templates, gemm=args.gemm, database=args.database, explain=args.explain)
     if stage1.target is not None:     # a model: measure on the target its compile builds for (sm_90a for wgmma)
         target = tuning_target(stage1.target)
     for text in stage1.explanations:
@@ -94,6 +102,8 @@ def run(args) -> int:
         for task in stage1.tasks:
             print(f"  {task.name} (weight {task.weight:g}, {task.space_size} candidates)")
         return 0
+    print(f"stage 2: measuring on {target.kind.name} {target.attrs.get('arch', '')}".rstrip()
+          + f", records in {args.database}", file=sys.stderr, flush=True)
     report = tune_tasks(stage1.tasks, target, args.database, trials=args.trials, time_budget_s=args.time_budget,
                         rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key, build_workers=args.build_workers)
     print(report.table())

@@ -3,7 +3,8 @@
 Steps, data flowing one way:
 
 1. load the ONNX model, refuse unsupported operators by name, import it to Relax with static shapes
-   (:mod:`.onnx_import`); float16 runs through Relax's mixed-precision pass (float32 accumulation);
+   (:mod:`.onnx_import`); bring every exporter's spelling to one canonical form (:mod:`.canonical`); float16
+   runs through Relax's mixed-precision pass (float32 accumulation);
 2. find every attention site with Relax dataflow patterns (:mod:`.attention_match`) and work out what the
    model's own masking means (:mod:`.mask_sources`);
 3. normalise the user's mask, combine it with the model's constant masks, and choose the kernel and its
@@ -13,7 +14,8 @@ Steps, data flowing one way:
 5. optionally replace the chains around attention (QKV projection, output projection + residual + LayerNorm,
    FFN) with the fusion templates (:mod:`.downstream`, knobs from :mod:`.template_choice`), before the weight
    transform is lifted so that weight concatenations and transposes run once at load;
-6. fuse, apply tuning records, schedule the rest with dlight, build (:mod:`.pipeline`); with ``gemm="wgmma"``
+6. fuse, apply tuning records (read through :mod:`stof_tvm.records`; tuning first is :mod:`stof_tvm.workflow`'s,
+   above this package), schedule the rest with dlight, build (:mod:`.pipeline`); with ``gemm="wgmma"``
    the CUDA code is also compiled here by nvcc for sm_90a and the cubins travel in the artifact
    (:mod:`.cubins`).
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import numpy as np
 import tvm
@@ -32,12 +35,16 @@ from tvm import relax
 from stof_tvm.sparse_formats.masks import normalize_mask
 
 from .attention_match import find_attention_sites
+from .canonical import canonicalize
+from .coverage import coverage
 from .downstream import use_templates
+from .input_checks import ValueCheck, add_value_checks, clip_gathers
 from .kernels import KERNELS, choose_kernel, kernel_primfunc
 from .mask_sources import plan_masks, score_bias
 from .onnx_import import TensorSpec, embedding_rows, import_onnx, load_model, output_names
-from .pipeline import build, fold_constant_casts, make_target, optimize, square_powers, target_dict
+from .pipeline import build, fold_constant_casts, make_target, optimize, target_dict
 from .layout import fold_permute_pairs
+from .record_calls import record_calls
 from .rewrite import rewrite_attention
 
 DTYPES = ("float32", "float16")
@@ -70,6 +77,19 @@ def _input_entry(spec: TensorSpec, model) -> dict:
     return entry
 
 
+def value_checks(inputs, onnx_model, padding: str | None) -> list[ValueCheck]:
+    """The value ranges ``main`` checks on the device: token ids within their embedding table, the padding
+    input (applied by the kernels as ``!= 0``) 0 or 1 like the probes that proved it is key padding."""
+    checks = []
+    for spec in inputs:
+        rows = embedding_rows(onnx_model, spec.name)
+        if rows is not None and np.dtype(spec.dtype).kind in "iu":
+            checks.append(ValueCheck(spec.name, 0, int(rows)))
+        elif spec.name == padding:
+            checks.append(ValueCheck(spec.name, 0, 2))
+    return checks
+
+
 def _mask_entry(mask) -> dict:
     """Manifest entry for the user's mask: a spec string is kept as is, any other form as mask.npy."""
     if isinstance(mask, str):
@@ -88,10 +108,14 @@ def _mask_groups(user_mask: np.ndarray, const_keep, runtime) -> tuple[int, int]:
 
 def _manifest(*, source: dict, onnx_model, inputs, weights, outputs, format_inputs, mask_entry: dict,
               user_mask: np.ndarray, model_keep: str | None, plan, sites, choice, batch: int,
-              transform_params: str | None, tspec: dict, dtype: str, tuning: dict) -> dict:
+              transform_params: str | None, tspec: dict, dtype: str, tuning: dict, fallback: str | None) -> dict:
     """The JSON manifest the runtime reads (see :mod:`stof_tvm.artifact`)."""
-    site = sites[0]
-    sparse = choice.kind != "dense"
+    if fallback is not None:    # compiled by TVM's default pipeline (:func:`front_end`'s fallback): no mask input
+        mask = {"spec": "dense", "batch": 1, "heads": 1, "seq_q": None, "seq_k": None, "model_keep": None,
+                "model_terms": []}
+        attention = {"sites": 0, "batch": batch, "kernel": {"kind": "none"}, "fallback": fallback}
+    else:
+        mask, attention = _attention_entries(mask_entry, user_mask, model_keep, plan, sites, choice, batch)
     return {
         "format_version": 1,
         "source": source,
@@ -100,12 +124,8 @@ def _manifest(*, source: dict, onnx_model, inputs, weights, outputs, format_inpu
         "transform_params": transform_params,
         "outputs": [s.to_json() for s in outputs],
         "mask_inputs": [f.to_json() for f in format_inputs],
-        "mask": {**mask_entry, "batch": int(user_mask.shape[0]), "heads": int(user_mask.shape[1]),
-                 "seq_q": site.seq_q, "seq_k": site.seq_k, "model_keep": model_keep,
-                 "model_terms": [s.to_json() for s in plan.runtime] if sparse else []},
-        "attention": {"sites": len(sites), "batch": batch, "heads": site.heads, "seq_q": site.seq_q,
-                      "seq_k": site.seq_k, "head_dim": site.head_dim, "dtype": site.dtype, "scale": site.scale,
-                      "kernel": choice.to_json()},
+        "mask": mask,
+        "attention": attention,
         "target": tspec,
         "dtype": dtype,
         "tuning": tuning,
@@ -113,12 +133,33 @@ def _manifest(*, source: dict, onnx_model, inputs, weights, outputs, format_inpu
     }
 
 
+def _attention_entries(mask_entry: dict, user_mask: np.ndarray, model_keep: str | None, plan, sites, choice,
+                       batch: int) -> tuple[dict, dict]:
+    """The manifest's ``mask`` and ``attention`` entries of a model whose attention runs on a stof-tvm kernel."""
+    site = sites[0]
+    sparse = choice.kind != "dense"
+    mask = {**mask_entry, "batch": int(user_mask.shape[0]), "heads": int(user_mask.shape[1]),
+            "seq_q": site.seq_q, "seq_k": site.seq_k, "model_keep": model_keep,
+            "model_terms": [s.to_json() for s in plan.runtime] if sparse else [],
+            "padding": {"input": plan.padding, "on": "device"} if choice.padding else None}
+    attention = {"sites": len(sites), "batch": batch, "heads": site.heads, "seq_q": site.seq_q,
+                 "seq_k": site.seq_k, "head_dim": site.head_dim, "dtype": site.dtype, "scale": site.scale,
+                 "kernel": choice.to_json()}
+    return mask, attention
+
+
 @dataclasses.dataclass
 class FrontEnd:
     """The model after steps 1-5 (imported, attention rewritten, chains on templates), before the build.
 
     ``template_entry`` is the manifest's ``templates`` entry: the template calls the build will make (the
-    tuner plans exactly these, :func:`stof_tvm.tuning.plan_model`)."""
+    tuner plans exactly these, :func:`stof_tvm.tuning.plan_model`).
+
+    ``coverage``: the manifest's ``coverage`` entry (:func:`.coverage.coverage`): per operator kind, how many run
+    on stof-tvm's kernels and templates and why the others fell back.
+
+    ``fallback``: why the model's attention is not on a stof-tvm kernel, when it is not (then ``sites`` is empty,
+    ``plan`` and ``choice`` are None and the module is the imported model, for TVM's default pipeline)."""
 
     onnx_model: object
     mod: tvm.IRModule
@@ -135,6 +176,10 @@ class FrontEnd:
     tspec: dict
     gemm: str
     target: tvm.target.Target
+    fallback: str | None = None
+    coverage: dict = dataclasses.field(default_factory=dict)
+    checks: list = dataclasses.field(default_factory=list)      # the ValueChecks main reports (input_checks)
+    checks_output: int | None = None                            # position of stof_value_errors in main's outputs
 
 
 def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
@@ -159,17 +204,33 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     onnx_model = load_model(model)
     mod, inputs, weights = import_onnx(onnx_model, batch, seq_len)
     outputs = _output_specs(mod["main"], output_names(onnx_model))
-    mod = square_powers(relax.transform.FoldConstant()(mod))
-    if dtype == "float16":
-        mod = fold_constant_casts(relax.transform.ToMixedPrecision(out_dtype="float32")(mod))
+    mod = canonicalize(relax.transform.FoldConstant()(mod))       # one form of every exporter's spelling
+    if dtype == "float16":                                          # again: mixed precision adds no-op casts
+        mod = canonicalize(fold_constant_casts(relax.transform.ToMixedPrecision(out_dtype="float32")(mod)))
 
-    sites = find_attention_sites(mod["main"])
+    canonical = mod["main"]
+    sites = find_attention_sites(canonical)
+    plan, reason = None, None
     if not sites:
-        raise ValueError("model: no attention subgraph (matmul -> softmax -> matmul over [B, H, S, D]) was found")
+        reason = "no attention subgraph (matmul -> softmax -> matmul over [B, H, S, D]) was found"
+    elif len({s.scale for s in sites}) != 1:
+        reason = "attention sites use different score scales"
+    else:
+        try:
+            plan = plan_masks(mod["main"], sites)
+        except ValueError as err:       # the model's own masking is not one a sparse format can take
+            reason = str(err).removeprefix("model: ")
+    if reason is not None:
+        _check_fallback_mask(mask, batch, seq_len, reason)
+        warnings.warn(f"model: {reason}; compiling it through TVM's default pipeline (its attention as the model "
+                      f"computes it), without stof-tvm's sparse attention kernels or fusion templates", stacklevel=2)
+        report = coverage(canonical, canonical, attention_kernel=None, attention_sites=0, attention_reason=reason,
+                          templates=f"TVM's default pipeline ({reason})")
+        checks = value_checks(inputs, onnx_model, None)
+        mod, checks_output = add_value_checks(clip_gathers(mod), checks)
+        return FrontEnd(onnx_model, mod, inputs, weights, outputs, [], None, None, None, None, [], {}, tspec, gemm,
+                        tvm_target, fallback=reason, coverage=report, checks=checks, checks_output=checks_output)
     site = sites[0]
-    if len({s.scale for s in sites}) != 1:
-        raise ValueError("model: attention sites use different score scales")
-    plan = plan_masks(mod["main"], sites)
 
     user_mask = normalize_mask(mask, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k)
     combined = user_mask if plan.const_keep is None else user_mask & plan.const_keep
@@ -181,6 +242,8 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
                            database=database)
     if choice.kind == "dense":      # the model's own masking stays in the dense graph: only the user's mask is input
         choice = dataclasses.replace(choice, mask_batch=user_mask.shape[0], mask_heads=user_mask.shape[1])
+    elif plan.padding is not None:  # the model's key padding, applied by the sparse kernel from its input
+        choice = dataclasses.replace(choice, padding=True)
     primfunc = None
     if choice.kind != "dense":
         primfunc = kernel_primfunc(choice, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k,
@@ -188,18 +251,46 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
                                    target_kind=tspec["kind"])
     for source in plan.runtime if choice.kind != "dense" else []:
         mod[source.name] = source.function
-    mod, format_inputs = rewrite_attention(mod, sites, choice, primfunc, plan.bias_terms)
+    mod, format_inputs = rewrite_attention(mod, sites, choice, primfunc, plan.bias_terms,
+                                           padding=plan.padding if choice.padding else None, target_kind=tspec["kind"])
     template_entry = {}
     if templates:
         mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule)
     mod["main"] = relax.analysis.remove_all_unused(fold_permute_pairs(mod["main"]))  # transposes around attention
+    report = coverage(canonical, mod["main"], attention_kernel=choice.kind, attention_sites=len(sites),
+                      attention_reason=f"dense kernel: {choice.reason}",
+                      templates=None if templates else _templates_off(tspec, dtype), template_entry=template_entry)
+    checks = value_checks(inputs, onnx_model, plan.padding if choice.padding else None)
+    mod, checks_output = add_value_checks(clip_gathers(mod), checks)
     return FrontEnd(onnx_model, mod, inputs, weights, outputs, sites, plan, user_mask, combined, choice,
-                    format_inputs, template_entry, tspec, gemm, tvm_target)
+                    format_inputs, template_entry, tspec, gemm, tvm_target, coverage=report, checks=checks,
+                    checks_output=checks_output)
+
+
+def _templates_off(tspec: dict, dtype: str) -> str:
+    """Why the fusion templates did not run (the coverage report's reason for every chain)."""
+    if tspec["kind"] != "cuda":
+        return f"fusion templates off: target {tspec['kind']} (they are CUDA kernels)"
+    if dtype != "float16":
+        return f"fusion templates off: dtype {dtype} (they are 16-bit)"
+    return "fusion templates off (templates=False)"
+
+
+def _check_fallback_mask(mask, batch: int, seq_len: int, reason: str) -> None:
+    """A model compiled without stof-tvm's attention kernels cannot take a mask: refuse any mask that drops a
+    pair (it would be ignored), naming why the kernels do not apply."""
+    try:
+        keeps_all = bool(normalize_mask(mask, batch=batch, heads=1, seq_q=seq_len, seq_k=seq_len).all())
+    except (ValueError, TypeError):
+        keeps_all = False
+    if not keeps_all:
+        raise ValueError(f"mask: stof-tvm cannot apply a sparse mask to this model ({reason}); compile it with "
+                         f"mask='dense' to run it through TVM's default pipeline")
 
 
 def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
             kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
-            tune_trials: int = 0, database: str | None = None, progress=None):
+            database: str | None = None, progress=None):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
 
     ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
@@ -217,41 +308,38 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     fill half the GPU with 128-row tiles stay on mma.sync, see :func:`.linear_match.wgmma_misfit`).
     ``cuda_graph``: capture the module's static
     regions in CUDA graphs (Relax's ``RewriteCUDAGraph``; CUDA only; see :mod:`.pipeline`).
-    ``tune_trials``: trials per task spent tuning exactly the calls this compile makes, before building
-    (:func:`stof_tvm.tune`; records go to ``database``).
-    ``database``: a MetaSchedule work dir whose records are applied.
+    ``database``: a tuning work dir (``stof-tvm tune``; :func:`stof_tvm.compile` can tune into it first) whose
+    records are applied; the manifest's ``tuning`` entry counts them (``applied``), names the calls that found
+    none (``missing``) and the database's measured jobs no call asked for (``unused``).
     ``progress``: called with a short line as each long step starts (the CLI prints them; a large model spends
     most of a minute in TVM's build).
     """
     from stof_tvm.artifact import Artifact
+    from stof_tvm.records import open_database, record_usage
 
     report = progress if progress is not None else (lambda line: None)
 
-    if isinstance(tune_trials, bool) or not isinstance(tune_trials, int) or tune_trials < 0:
-        raise ValueError(f"tune_trials: expected an integer >= 0, got {tune_trials!r}")
-    if tune_trials and database is None:
-        raise ValueError("database: tuning (tune_trials > 0) needs a MetaSchedule work dir to write records to")
     if cuda_graph not in (False, True):
         raise TypeError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
     if cuda_graph and target_dict(target)["kind"] != "cuda":
         raise ValueError(f"cuda_graph: CUDA graphs need target 'cuda', got {target_dict(target)['kind']!r}")
-    if tune_trials:
-        from stof_tvm.tuning import tune
-
-        report(f"tuning the model's calls ({tune_trials} trials per task, records in {database})")
-        tune(model, mask=mask, batch=batch, seq_len=seq_len, dtype=dtype, target=target, kernel=kernel,
-             templates=templates, gemm=gemm, database=database, trials=tune_trials, progress=False)
+    records = None
+    if database is not None:
+        report(f"reading the tuning records in {database}")
+        records = open_database(database)
     report("importing the ONNX graph, matching attention and the chains after it")
-    front = front_end(model, mask=mask, batch=batch, seq_len=seq_len, target=target, dtype=dtype, kernel=kernel,
-                      templates=templates, gemm=gemm, database=database)
-    mod, tspec, tvm_target, choice, user_mask = front.mod, front.tspec, front.target, front.choice, front.user_mask
-    report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
-           f"(attention kernel {choice.kind}, templates {front.gemm if front.template_entry else 'off'})")
-    # Weight casts and other weight-only work move to main_transform_params, which the runtime runs once.
-    mod = relax.transform.LiftTransformParams()(mod)
-
-    executable = build(optimize(mod, tvm_target, database), tvm_target, templates=bool(front.template_entry),
-                       cuda_graph=cuda_graph)
+    with record_usage() as usage:
+        front = front_end(model, mask=mask, batch=batch, seq_len=seq_len, target=target, dtype=dtype,
+                          kernel=kernel, templates=templates, gemm=gemm, database=database)
+        mod, tspec, tvm_target, choice = front.mod, front.tspec, front.target, front.choice
+        report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
+               f"(attention kernel {choice.kind if choice else 'none: ' + front.fallback}, "
+               f"templates {front.gemm if front.template_entry else 'off'})")
+        # Weight casts and other weight-only work move to main_transform_params, which the runtime runs once.
+        mod = relax.transform.LiftTransformParams()(mod)
+        executable = build(optimize(mod, tvm_target, database), tvm_target, templates=bool(front.template_entry),
+                           cuda_graph=cuda_graph)
+    user_mask = front.user_mask
     binaries = {}
     if front.gemm == "wgmma":
         from .cubins import prebuild_cubins
@@ -261,9 +349,9 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
 
     mask_entry = _mask_entry(mask)
     arrays = {}
-    if mask_entry.get("array"):
+    if mask_entry.get("array") and front.fallback is None:
         arrays["mask.npy"] = np.ascontiguousarray(user_mask)
-    if front.plan.const_keep is not None and choice.kind != "dense":
+    if front.plan is not None and front.plan.const_keep is not None and choice.kind != "dense":
         arrays["model_keep.npy"] = np.ascontiguousarray(front.plan.const_keep)
     has_transform = any(gv.name_hint == TRANSFORM_PARAMS for gv, _ in mod.functions_items())
     manifest = _manifest(
@@ -273,8 +361,13 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         model_keep="model_keep.npy" if "model_keep.npy" in arrays else None,
         plan=front.plan, sites=front.sites, choice=choice, batch=batch,
         transform_params=TRANSFORM_PARAMS if has_transform else None, tspec=tspec, dtype=dtype,
-        tuning={"database": database, "trials": tune_trials})
+        tuning={"database": records.work_dir if records else None,
+                **(usage.summary(record_calls(front.template_entry, choice, front.sites), records)
+                   if records else {})}, fallback=front.fallback)
     manifest["templates"] = front.template_entry
+    manifest["coverage"] = front.coverage
+    manifest["value_checks"] = {"output": front.checks_output, "inputs": [c.to_json() for c in front.checks]} \
+        if front.checks else None
     manifest["cuda_graph"] = cuda_graph
     if binaries:
         manifest["cuda_binaries"] = {"arch": tspec["arch"], "files": sorted(binaries)}

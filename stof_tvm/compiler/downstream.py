@@ -56,36 +56,30 @@ from tvm import relax
 from tvm.ir.expr import Constant
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
-from .attention_match import resolve, scalar_value, static_shape
+from .attention_match import resolve, static_shape
 from .layout import fold_permute_pairs
 from .linear_match import (ANY_LINEAR, LINEAR, LINEAR_BIAS, LINEAR_W, LINEAR_X, MATMUL, TEMPLATE_DTYPES, is_call,
-                           linear_bias, linear_dims, transposed, users_of, wgmma_misfit, zero_bias)
+                           ROW_MULTIPLE, linear_bias, linear_dims, padded_rows, transposed, users_of, wgmma_misfit,
+                           zero_bias)
 from .qkv_heads import rewrite_qkv
-from .rmsnorm_match import rewrite_rmsnorms
+from .rmsnorm_match import compute_dtype, rewrite_rmsnorms
 from .template_choice import KnobChoice, TemplateChooser
 
 GEMMS = ("mma", "wgmma")
 OPAQUE = 8    # relax OpPatternKind kOpaque
 
 
-_SQRT2, _ONE, _HALF = is_const(), is_const(), is_const()
-_ERF_ADD = is_op("relax.add")(is_op("relax.erf")(is_op("relax.divide")(ANY_LINEAR, _SQRT2)), _ONE)
-LINEAR_GELU = is_op("relax.multiply")(is_op("relax.multiply")(ANY_LINEAR, _ERF_ADD), _HALF)
+# GELU and its tanh approximation as operators: every exporter's spelling of them was brought to nn.gelu /
+# nn.gelu_tanh by the canonical form (:mod:`.canonical.activations`)
+LINEAR_GELU = is_op("relax.nn.gelu")(ANY_LINEAR)
+LINEAR_GELU_TANH = is_op("relax.nn.gelu_tanh")(ANY_LINEAR)
 LINEAR_RELU = is_op("relax.nn.relu")(ANY_LINEAR)
-# tanh GELU as torch.onnx exports it (GPT-2): 0.5 * (x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x*x*x)))), the
-# cube as x * (x * x) once compile's square_powers rewrote pow(x, 2) (Relax's patterns match multiply and add in
-# either operand order), or 0.5 * x taken first
-_CUBIC, _TANH_SCALE, _TANH_ONE, _TANH_HALF = is_const(), is_const(), is_const(), is_const()
-_CUBE = is_op("relax.multiply")(ANY_LINEAR, is_op("relax.multiply")(ANY_LINEAR, ANY_LINEAR))
-_INNER_TANH = is_op("relax.tanh")(is_op("relax.multiply")(
-    _TANH_SCALE, is_op("relax.add")(ANY_LINEAR, is_op("relax.multiply")(_CUBIC, _CUBE))))
-_TANH_ADD = is_op("relax.add")(_TANH_ONE, _INNER_TANH)
-LINEAR_GELU_TANH = (is_op("relax.multiply")(_TANH_HALF, is_op("relax.multiply")(ANY_LINEAR, _TANH_ADD))
-                    | is_op("relax.multiply")(is_op("relax.multiply")(_TANH_HALF, ANY_LINEAR), _TANH_ADD))
 _RES, _GAMMA, _BETA = wildcard(), is_const(), is_const()
-_LIN_OUT = is_op("relax.astype")(LINEAR) | LINEAR
+_LIN_OUT = is_op("relax.astype")(ANY_LINEAR) | ANY_LINEAR      # a linear with or without bias (GPT-2 dynamo: none)
 _SUM = is_op("relax.add")(_LIN_OUT, _RES) | is_op("relax.add")(_RES, _LIN_OUT)
 LINEAR_RESIDUAL_LN = is_op("relax.nn.layer_norm")(_SUM, _GAMMA, _BETA)
+LN_INPUT = wildcard()
+PLAIN_LN = is_op("relax.nn.layer_norm")(LN_INPUT, _GAMMA, _BETA)
 _INNER = wildcard()
 _INNER_CAST = is_op("relax.astype")(_INNER)
 DOUBLE_CAST = is_op("relax.astype")(_INNER_CAST)
@@ -161,27 +155,29 @@ class _Templates:
 
     # ---- GEMM stage (mma.sync or wgmma) ---------------------------------------------------------------------
     def gemm_stage(self, act: str, x2d, w, bias, m: int, n: int, k: int, dtype: str) -> tuple[relax.Expr, dict, str]:
-        """One GEMM (+ bias) (+ act) call on [m, k] x [k, n]; returns (call, stage, note)."""
+        """One GEMM (+ bias) (+ act) call on [m, k] x [k, n]; returns (call, stage, note). Rows are zero-padded to
+        :func:`.linear_match.padded_rows` and the padding sliced off the result."""
+        rows = padded_rows(m, n, k, self.gemm)
+        if rows != m:
+            x2d = relax.op.nn.pad(x2d, [0, rows - m, 0, 0])
         base = "gemm" + ("_bias" if bias is not None else "") + (f"_{act}" if act != "none" else "")
-        shape = {"m": m, "n": n, "k": k}
+        shape = {"m": rows, "n": n, "k": k}
         args = [x2d] + [None] + ([bias] if bias is not None else [])
-        note = wgmma_misfit(m, n, k) if self.gemm == "wgmma" else None
+        note = wgmma_misfit(rows, n, k) if self.gemm == "wgmma" else None
         if self.gemm == "wgmma" and note is None:
             args[1] = transposed(w)
-            call, stage = self.call(base + "_wgmma", shape, dtype, args, (m, n))
-            return call, stage, None
-        args[1] = w
-        call, stage = self.call(base + "_kn", shape, dtype, args, (m, n))
+            call, stage = self.call(base + "_wgmma", shape, dtype, args, (rows, n))
+        else:
+            args[1] = w
+            call, stage = self.call(base + "_kn", shape, dtype, args, (rows, n))
+        if rows != m:
+            call = relax.op.strided_slice(call, axes=[0], begin=[0], end=[m])
+            note = f"rows padded {m} -> {rows}" + (f"; {note}" if note else "")
         return call, stage, note
 
 
 def _cast_const(const: Constant, dtype: str) -> Constant:
     return relax.const(const.value.numpy().astype(dtype), dtype)
-
-
-def _is(matches, pattern, value: float, var2val) -> bool:
-    found = scalar_value(matches[pattern], var2val)
-    return found is not None and math.isclose(found, value, rel_tol=1e-3)
 
 
 # ---- the chains -----------------------------------------------------------------------------------------------
@@ -209,7 +205,7 @@ def _rewrite_residual_ln(t: _Templates, expr, matches, var2val, users, shared_su
     from stof_tvm.schedules.templates import get_template
     from stof_tvm.schedules.templates.epilogue import LN_EPS
 
-    lin = matches[LINEAR]
+    lin = matches[LINEAR] if LINEAR in matches else matches[MATMUL]
     dims = linear_dims(matches, str(lin.ty.dtype))
     attrs = expr.attrs
     axes = [int(a) for a in attrs.axes]
@@ -227,6 +223,7 @@ def _rewrite_residual_ln(t: _Templates, expr, matches, var2val, users, shared_su
     chain = "attn_out_ln" if k == n else "ffn_down_ln"
     r2d = relax.op.reshape(residual if str(residual.ty.dtype) == dtype else relax.op.astype(residual, dtype), [m, n])
     g16, b16 = _cast_const(gamma, dtype), _cast_const(beta, dtype)
+    bias = linear_bias(matches) if linear_bias(matches) is not None else zero_bias(n, dtype)
     x2d = relax.op.reshape(matches[LINEAR_X], [m, k])
     gemm_shape, ln_shape = {"m": m, "n": n, "k": k}, {"m": m, "n": n}
     total = expr.args[0]
@@ -240,28 +237,55 @@ def _rewrite_residual_ln(t: _Templates, expr, matches, var2val, users, shared_su
         t.record("residual_sum_ln", [stage])
         out = relax.op.reshape(call, out_shape)
         return out if str(expr.ty.dtype) == dtype else relax.op.astype(out, str(expr.ty.dtype))
-    ffn = _fused_ffn(t, matches[LINEAR_X], matches[LINEAR_W], var2val, users, m, n, k, dtype)
+    whole_tiles = m % ROW_MULTIPLE == 0     # the fused forms take no padded rows
+    ffn = _fused_ffn(t, matches[LINEAR_X], matches[LINEAR_W], var2val, users, m, n, k, dtype) if whole_tiles else None
     if ffn is not None:
         y, ffn_stage, why = ffn
-        call, ln_stage = t.call("bias_residual_layernorm", ln_shape, dtype, [y, matches[LINEAR_BIAS], r2d, g16, b16],
+        call, ln_stage = t.call("bias_residual_layernorm", ln_shape, dtype, [y, bias, r2d, g16, b16],
                                 (m, n), eps)
         t.record("ffn_ln", [ffn_stage, ln_stage], why)
         out = relax.op.reshape(call, out_shape)
         return out if str(expr.ty.dtype) == dtype else relax.op.astype(out, str(expr.ty.dtype))
-    fused, why = t.chooser.fused_layernorm(
-        get_template("gemm_bias_residual_layernorm_kn"), get_template("gemm_kn"),
-        get_template("bias_residual_layernorm"), gemm_shape, ln_shape, dtype, None if eps is None else {"eps": eps})
+    fused, why = (False, f"{m} rows, not a multiple of {ROW_MULTIPLE}: unfused") if not whole_tiles else \
+        t.chooser.fused_layernorm(get_template("gemm_bias_residual_layernorm_kn"), get_template("gemm_kn"),
+                                  get_template("bias_residual_layernorm"), gemm_shape, ln_shape, dtype,
+                                  None if eps is None else {"eps": eps})
     if fused:
         call, stage = t.call("gemm_bias_residual_layernorm_kn", gemm_shape, dtype,
-                             [x2d, matches[LINEAR_W], matches[LINEAR_BIAS], r2d, g16, b16], (m, n), eps)
+                             [x2d, matches[LINEAR_W], bias, r2d, g16, b16], (m, n), eps)
         stages, note = [stage], why
     else:
         y, gemm_stage, gemm_note = t.gemm_stage("none", x2d, matches[LINEAR_W], None, m, n, k, dtype)
-        call, ln_stage = t.call("bias_residual_layernorm", ln_shape, dtype, [y, matches[LINEAR_BIAS], r2d, g16, b16],
+        call, ln_stage = t.call("bias_residual_layernorm", ln_shape, dtype, [y, bias, r2d, g16, b16],
                                 (m, n), eps)
         stages, note = [gemm_stage, ln_stage], why + (f"; {gemm_note}" if gemm_note else "")
     t.record(chain, stages, note)
     out = relax.op.reshape(call, out_shape)
+    return out if str(expr.ty.dtype) == dtype else relax.op.astype(out, str(expr.ty.dtype))
+
+
+def _rewrite_plain_ln(t: _Templates, expr, matches, dtype: str | None):
+    """A LayerNorm of anything but a linear + residual sum (the embeddings' LayerNorm in BERT, and pre-LN models'
+    first and final ones: GPT-2's ``ln_1`` of layer 0 and ``ln_f``, ViT's) -> the ``layernorm`` template of a 16-bit
+    cast of its input; ``dtype`` is the model's 16-bit dtype (None: no rewrite)."""
+    from stof_tvm.schedules.templates.epilogue import LN_EPS
+
+    attrs = expr.attrs
+    x, gamma, beta = matches[LN_INPUT], matches[_GAMMA], matches[_BETA]
+    shape = static_shape(x)
+    if dtype is None or shape is None or len(shape) < 2 or not (attrs.center and attrs.scale):
+        return expr
+    n, axes = shape[-1], [int(a) for a in attrs.axes]
+    if axes not in ([-1], [len(shape) - 1]) or static_shape(gamma) != (n,) or static_shape(beta) != (n,) or n % 64:
+        return expr
+    eps = float(attrs.epsilon)
+    eps = None if math.isclose(eps, LN_EPS, rel_tol=1e-6) else eps
+    m = math.prod(shape[:-1])
+    x2d = relax.op.reshape(x if str(x.ty.dtype) == dtype else relax.op.astype(x, dtype), [m, n])
+    call, stage = t.call("layernorm", {"m": m, "n": n}, dtype, [x2d, _cast_const(gamma, dtype), _cast_const(beta, dtype)],
+                         (m, n), eps)
+    t.record("layernorm", [stage])
+    out = relax.op.reshape(call, list(shape))
     return out if str(expr.ty.dtype) == dtype else relax.op.astype(out, str(expr.ty.dtype))
 
 
@@ -313,8 +337,7 @@ def _fused_ffn(t: _Templates, x, w2, var2val, users, m: int, hidden: int, ffn: i
     if var is None or len(users.get(var, [])) != 1:
         return None
     up = LINEAR_GELU.extract_matched_expr(resolve(var, var2val), var2val)
-    if up is None or not all(_is(up, pattern, value, var2val)
-                             for pattern, value in ((_SQRT2, math.sqrt(2.0)), (_ONE, 1.0), (_HALF, 0.5))):
+    if up is None:
         return None
     dims = linear_dims(up, str(up[ANY_LINEAR].ty.dtype))
     if dims is None or dims[1:] != (m, ffn, hidden, dtype) or linear_bias(up) is None:
@@ -359,18 +382,6 @@ def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | 
     func = mod["main"]
     var2val = relax.analysis.get_var2val(func)
 
-    def gelu(expr, matches):
-        if not (_is(matches, _SQRT2, math.sqrt(2.0), var2val) and _is(matches, _ONE, 1.0, var2val)
-                and _is(matches, _HALF, 0.5, var2val)):
-            return expr
-        return _rewrite_linear(t, "linear_gelu", "gelu_erf", expr, matches, matches[ANY_LINEAR])
-
-    def gelu_tanh(expr, matches):
-        if not all(_is(matches, pattern, value, var2val) for pattern, value in (
-                (_CUBIC, 0.044715), (_TANH_SCALE, math.sqrt(2.0 / math.pi)), (_TANH_ONE, 1.0), (_TANH_HALF, 0.5))):
-            return expr
-        return _rewrite_linear(t, "linear_gelu_tanh", "gelu_tanh", expr, matches, matches[ANY_LINEAR])
-
     func = rewrite_qkv(t, func)
     func = relax.analysis.remove_all_unused(func)
     var2val, users = relax.analysis.get_var2val(func), users_of(func)
@@ -379,13 +390,17 @@ def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | 
                         func)
     func = _narrow_sums(func, shared_sums)
     func = relax.analysis.remove_all_unused(func)   # the GELU linears a fused FFN took over
-    func = rewrite_call(LINEAR_GELU, gelu, func)
-    func = rewrite_call(LINEAR_GELU_TANH, gelu_tanh, func)
+    func = rewrite_call(LINEAR_GELU, lambda e, m: _rewrite_linear(t, "linear_gelu", "gelu_erf", e, m, m[ANY_LINEAR]),
+                        func)
+    func = rewrite_call(LINEAR_GELU_TANH,
+                        lambda e, m: _rewrite_linear(t, "linear_gelu_tanh", "gelu_tanh", e, m, m[ANY_LINEAR]), func)
     func = rewrite_call(LINEAR_RELU, lambda e, m: _rewrite_linear(t, "linear_relu", "relu", e, m, m[ANY_LINEAR]),
                         func)
     func = rewrite_call(LINEAR, lambda e, m: _rewrite_linear(t, "linear", "none", e, m, e), func)
     # after the biased pass: matched first, MATMUL would take the matmul out of a biased linear
     func = rewrite_call(MATMUL, lambda e, m: _rewrite_linear(t, "linear", "none", e, m, e), func)
+    dtype = compute_dtype(func)
+    func = rewrite_call(PLAIN_LN, lambda e, m: _rewrite_plain_ln(t, e, m, dtype), func)
     func = rewrite_rmsnorms(t, relax.analysis.remove_all_unused(func))
     func = relax.analysis.remove_all_unused(_simplify(func))
     out = t.mod

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import warnings
 
 import numpy as np
 
@@ -48,6 +49,7 @@ class KernelChoice:
     mask_heads: int
     reason: str
     bias: tuple | None = None       # (bias_batch, bias_heads, dtype) of the sparse kernel's score bias input
+    padding: bool = False           # the sparse kernel applies the model's key padding (pad_range / pad_bits)
 
     def format_inputs(self, seq_q: int, seq_k: int) -> list[FormatInput]:
         groups = self.mask_batch * self.mask_heads
@@ -77,7 +79,7 @@ class KernelChoice:
     def to_json(self) -> dict:
         return {"kind": self.kind, "config": self.config, "mask_batch": self.mask_batch,
                 "mask_heads": self.mask_heads, "reason": self.reason,
-                "bias": list(self.bias) if self.bias is not None else None}
+                "bias": list(self.bias) if self.bias is not None else None, "padding": self.padding}
 
 
 _SPARSE_MODULES = {"row": "stof_tvm.schedules.attention_rowwise", "block": "stof_tvm.schedules.attention_blockwise"}
@@ -116,12 +118,11 @@ def tuned_choice(database: str, mask4d: np.ndarray, *, batch: int, heads: int, h
     Returns the tuner's record for the problem's group: ``{"name", "best_s", "meta": {"kind", "config"}}``.
     """
     from stof_tvm.cost_model import AttentionProblem
-    from stof_tvm.tuning import TuningDatabase
-    from stof_tvm.tuning.attention_tasks import attention_group
+    from stof_tvm.records import attention_group, open_database
 
     problem = AttentionProblem.build(mask4d, batch=batch, heads=heads, seq_len=mask4d.shape[-1],
                                      head_dim=head_dim, dtype=dtype)
-    return TuningDatabase(database).group_choice(attention_group(problem))
+    return open_database(database).choice(attention_group(problem))
 
 
 def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int, head_dim: int, dtype: str,
@@ -149,8 +150,10 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
         if requested != "auto":
             raise ValueError(f"kernel: {requested!r} supports head dims that are multiples of 16 from 32 to 256, "
                              f"the model's is {head_dim}; use kernel='dense' or 'auto'")
-        return KernelChoice("dense", {}, mask_batch, mask_heads,
-                            f"head dim {head_dim}: the sparse kernels take multiples of 16 from 32 to 256")
+        reason = (f"head dim {head_dim}: the sparse kernels take multiples of 16 from 32 to 256; dense attention "
+                  f"with the mask as an input (exact, not accelerated)")
+        warnings.warn(f"attention: {reason}", stacklevel=3)
+        return KernelChoice("dense", {}, mask_batch, mask_heads, reason)
     tuned = tuned_choice(database, mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype) \
         if database is not None else None
     if tuned is not None and requested in ("auto", tuned["meta"]["kind"]):
@@ -184,6 +187,8 @@ def kernel_primfunc(choice: KernelChoice, *, batch: int, heads: int, seq_q: int,
     module = _schedule_module(choice.kind)
     build = module.rowwise_attention_primfunc if choice.kind == "row" else module.blockwise_attention_primfunc
     extra = {"bias": tuple(choice.bias)} if choice.bias is not None else {}
+    if choice.padding:
+        extra["padding"] = True
     if choice.kind == "block":
         extra["out_layout"] = choice.out_layout
     return build(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim, dtype=dtype,

@@ -5,9 +5,13 @@ fill) or a real *bias* (a T5-style position bias: any other values). Masks are f
 
 - a term that depends on no model input (a causal constant, a sliced causal buffer) is evaluated now and
   stored in the artifact as a boolean "keep" array;
-- a term computed from model inputs (Hugging Face's ``attention_mask`` padding) is extracted into its own
-  Relax function of those inputs. The runtime calls it, checks that its values are a mask, and ANDs the result
-  into the user's mask before building the sparse format (see :mod:`stof_tvm.runtime`).
+- a term computed from model inputs is extracted into its own Relax function of those inputs and probed on the
+  CPU. When it is *key padding* of one ``[B, S]`` input (Hugging Face's ``attention_mask``: for every probe the
+  term keeps exactly ``C[i, j] and input[b, j] != 0`` at the query rows the input keeps, C a constant such as a
+  causal mask), the sparse kernels apply it on the device from that input (:mod:`stof_tvm.schedules.key_padding`;
+  C joins the constant masks). Any other term is evaluated by the runtime on every call, checked to be a mask
+  and ANDed into the user's mask before the sparse format is built on the host (exact, slower; see
+  :mod:`stof_tvm.runtime`).
 
 A real bias cannot be expressed as a mask: its terms stay expressions of the graph, which the sparse kernels
 add to each kept score (an input after the format arrays; "dense" also keeps them).
@@ -43,14 +47,19 @@ class MaskPlan:
     """The model's own masking, common to every attention site.
 
     ``const_keep``: boolean array broadcastable to ``[B, H, Sq, Sk]`` (4-D) or None; ``runtime``: sources
-    evaluated at run time; ``bias_terms``: positions in each site's ``terms`` of the terms that are a real bias
-    (added to the scores); ``dense_only``: a term no sparse kernel can apply (a ``where`` computed from weights).
+    evaluated at run time on the host path; ``bias_terms``: positions in each site's ``terms`` of the terms that
+    are a real bias (added to the scores); ``dense_only``: a term no sparse kernel can apply (a ``where`` computed
+    from weights); ``padding``: the model input whose key padding the kernels apply on the device (None: none);
+    ``padding_terms``: the sources that padding replaces (what a dense kernel, which keeps the graph's own
+    masking, would still need).
     """
 
     const_keep: np.ndarray | None
     runtime: list[RuntimeSource]
     bias_terms: list[int] = dataclasses.field(default_factory=list)
     dense_only: bool = False
+    padding: str | None = None
+    padding_terms: list[RuntimeSource] = dataclasses.field(default_factory=list)
 
 
 def _upstream_vars(expr: relax.Expr, var2val) -> set:
@@ -99,16 +108,70 @@ def _extract_function(func: relax.Function, expr: relax.Expr, upstream: set, nam
     return extracted.with_attr("num_input", len(params))     # all runtime inputs: nothing to lift
 
 
-def _is_mask_when_nothing_is_padded(function: relax.Function) -> bool:
+def _cpu_evaluator(function: relax.Function):
+    """``evaluate(*numpy arrays) -> numpy array`` of a term's function, compiled for the CPU."""
+    executable = tvm.compile(tvm.IRModule({"main": function.with_attr("global_symbol", "main")}), target="llvm")
+    entry = relax.VirtualMachine(executable, tvm.cpu())["main"]
+    dtypes = [str(param.ty.dtype) for param in function.params]
+    return lambda *arrays: entry(*[tvm.runtime.tensor(np.ascontiguousarray(a, dtype=t))
+                                   for a, t in zip(arrays, dtypes)]).numpy()
+
+
+def _param_shapes(function: relax.Function) -> list[tuple]:
+    return [tuple(int(d) for d in param.ty.shape.values) for param in function.params]
+
+
+def _is_mask_when_nothing_is_padded(evaluate, function: relax.Function) -> bool:
     """Evaluate an additive term (on the CPU) for all-ones inputs, i.e. no padding: a mask term then adds only
     0 (or masks with very negative values); anything else means the term carries a real bias."""
-    args = []
-    for param in function.params:
-        shape = tuple(int(d) for d in param.ty.shape.values)
-        args.append(tvm.runtime.tensor(np.ones(shape, dtype=str(param.ty.dtype))))
-    executable = tvm.compile(tvm.IRModule({"main": function.with_attr("global_symbol", "main")}), target="llvm")
-    values = relax.VirtualMachine(executable, tvm.cpu())["main"](*args).numpy()
-    return additive_keep(values) is not None
+    return additive_keep(evaluate(*[np.ones(shape) for shape in _param_shapes(function)])) is not None
+
+
+def _term_keep(values: np.ndarray, kind: str, keep_if_true: bool) -> np.ndarray | None:
+    """The keep-mask of a term's values (None: an additive term whose values are not a mask)."""
+    if kind == "where":
+        return values.astype(bool) == keep_if_true
+    return additive_keep(values)
+
+
+def _padding_probes(batch: int, seq: int) -> list[np.ndarray]:
+    """0/1 ``[batch, seq]`` inputs covering right padding of many lengths, left padding, a fully padded row and
+    random gaps."""
+    positions = np.arange(seq)
+    lengths = 1 + (np.arange(batch) * 7919 + seq // 3) % seq
+    rng = np.random.default_rng(0)
+    probes = [positions[None, :] < lengths[:, None], positions[None, :] >= seq - lengths[:, None],
+              np.zeros((batch, seq), bool), rng.random((batch, seq)) < 0.5]
+    probes.append(np.concatenate([np.zeros((1, seq), bool), rng.random((batch - 1, seq)) < 0.7])
+                  if batch > 1 else positions[None, :] % 3 != 1)
+    return [probe.astype(np.int64) for probe in probes]
+
+
+def key_padding_constant(source: RuntimeSource, evaluate, batch: int, seq: int) -> np.ndarray | None:
+    """If term ``source`` is key padding by its one ``[batch, seq]`` input, its constant part C (a 4-D keep
+    broadcastable to [B, H, Sq, Sk] with batch dim 1): for every probe, the term keeps ``C & (input[b, j] != 0)``
+    at every query row the input keeps (padded query rows are free: the kernels write them as 0). Else None."""
+    shapes = _param_shapes(source.function)
+    if len(shapes) != 1 or shapes[0] != (batch, seq):
+        return None
+    full = _term_keep(evaluate(np.ones((batch, seq))), source.kind, source.keep_if_true)
+    if full is None:
+        return None
+    full = _as_4d(full)
+    if full.shape[2] not in (1, seq) or full.shape[3] not in (1, seq) or not (full == full[:1]).all():
+        return None
+    constant = full[:1]
+    for probe in _padding_probes(batch, seq):
+        got = _term_keep(evaluate(probe), source.kind, source.keep_if_true)
+        if got is None:
+            return None
+        kept = probe != 0
+        want = constant & kept[:, None, None, :]
+        got = _as_4d(got)
+        rows = kept[:, None, :, None] if max(got.shape[2], want.shape[2]) > 1 else kept.any(1)[:, None, None, None]
+        if ((got != want) & rows).any():
+            return None
+    return constant
 
 
 def _same_terms(a: list[MaskTerm], b: list[MaskTerm], var2val) -> bool:
@@ -129,7 +192,7 @@ def plan_masks(func: relax.Function, sites: list[AttentionSite]) -> MaskPlan:
                              "one mask shared by every attention layer (encoders and decoder-only models)")
     model_inputs = list(func.params[:int(func.attrs["num_input"])])
     weights = set(func.params[len(model_inputs):])
-    const_keep, runtime, bias_terms, dense_only = None, [], [], False
+    const_keep, runtime, bias_terms, dense_only, padding, padding_terms = None, [], [], False, None, []
     for index, term in enumerate(first.terms):
         upstream = _upstream_vars(term.expr, var2val)
         if upstream & weights:
@@ -142,10 +205,20 @@ def plan_masks(func: relax.Function, sites: list[AttentionSite]) -> MaskPlan:
         if inputs:
             name = f"stof_mask_term{index}"
             function = _extract_function(func, term.expr, upstream, name)
-            if term.kind == "add" and not _is_mask_when_nothing_is_padded(function):
+            evaluate = _cpu_evaluator(function)
+            if term.kind == "add" and not _is_mask_when_nothing_is_padded(evaluate, function):
                 bias_terms.append(index)    # an input-dependent term that is not a mask (summands are split)
                 continue
-            runtime.append(RuntimeSource(name, inputs, term.kind, term.keep_if_true, function))
+            source = RuntimeSource(name, inputs, term.kind, term.keep_if_true, function)
+            constant = key_padding_constant(source, evaluate, first.batch, first.seq_k) \
+                if first.seq_q == first.seq_k and padding in (None, inputs[0]) else None
+            if constant is None:
+                runtime.append(source)      # evaluated per call by the runtime: the host path
+                continue
+            padding = inputs[0]
+            padding_terms.append(source)
+            if not constant.all():
+                const_keep = constant if const_keep is None else const_keep & constant
             continue
         values = _constant_value(term.expr, var2val)
         if values is None:
@@ -160,7 +233,7 @@ def plan_masks(func: relax.Function, sites: list[AttentionSite]) -> MaskPlan:
                 continue
         keep = _as_4d(keep)
         const_keep = keep if const_keep is None else const_keep & keep
-    return MaskPlan(const_keep, runtime, bias_terms, dense_only)
+    return MaskPlan(const_keep, runtime, bias_terms, dense_only, padding, padding_terms)
 
 
 def score_bias(site: AttentionSite, bias_terms: list[int]) -> tuple[relax.Expr, tuple[int, int, str]] | None:

@@ -12,6 +12,8 @@ import os
 import numpy as np
 import onnx
 
+from .onnx_rules import apply_rules
+
 _BATCH_NAMES = {"batch", "batch_size", "batchsize", "n", "b", "bs"}
 _SEQ_NAMES = {"sequence", "sequence_length", "seq", "seq_len", "seqlen", "tokens", "s", "length"}
 
@@ -166,9 +168,24 @@ def _foldable(node: onnx.NodeProto, known: dict, shapes: dict) -> bool:
             and not node.op_type.startswith("Random"))
 
 
+def _gather_elements(node: onnx.NodeProto, data: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+    indices = np.where(indices < 0, indices + data.shape[axis], indices)
+    return np.take_along_axis(data, indices, axis=axis)
+
+
+# Ops folded with numpy instead of onnx's reference implementation, whose GatherElements cannot gather from a
+# larger axis than the indices have (BertModel's token-type buffer [1, 512] gathered at [1, S]: it raised
+# "cannot reshape array of size 1 into shape (1,S)")
+_NUMPY_FOLDS = {"GatherElements": _gather_elements}
+
+
 def _evaluate(node: onnx.NodeProto, known: dict, opset_import) -> np.ndarray:
-    """Run one node on known inputs with onnx's reference implementation."""
+    """Run one node on known inputs with onnx's reference implementation (numpy for :data:`_NUMPY_FOLDS`)."""
     from onnx.reference import ReferenceEvaluator
+
+    if node.op_type in _NUMPY_FOLDS:
+        return _NUMPY_FOLDS[node.op_type](node, *(known[name] for name in node.input))
 
     out = onnx.helper.make_tensor_value_info(node.output[0], onnx.TensorProto.UNDEFINED, None)
     graph = onnx.helper.make_graph([node], "fold", [], [out], initializer=[
@@ -180,8 +197,31 @@ def fold_shape_computations(model: onnx.ModelProto, specs: list[TensorSpec]) -> 
     """Fix the input shapes and fold what then becomes constant: ``Shape`` of statically shaped tensors and
     every small computation on constants (the ``Shape -> Gather -> Concat -> Reshape`` chains exporters emit
     for dynamic axes, which TVM's importer cannot always follow). Each node is evaluated with onnx's reference
-    implementation; outputs larger than ``FOLD_MAX_ELEMENTS`` stay as nodes."""
+    implementation; outputs larger than ``FOLD_MAX_ELEMENTS`` stay as nodes.
+
+    Folding runs again while it folds something new (at most ``FOLD_ROUNDS`` times): a folded ``Range`` (the
+    position ids of a dynamic-axes export) lets shape inference find the static shapes downstream of it, whose
+    ``Shape`` nodes then fold in the next round."""
     model = _static_inputs(model, specs)
+    folded = _folded_constants(model)
+    for _ in range(FOLD_ROUNDS):
+        model = _fold_once(model)
+        count = _folded_constants(model)
+        if count == folded:
+            break
+        folded = count
+    return model
+
+
+FOLD_ROUNDS = 4
+
+
+def _folded_constants(model: onnx.ModelProto) -> int:
+    return sum(1 for node in model.graph.node if node.op_type == "Constant")
+
+
+def _fold_once(model: onnx.ModelProto) -> onnx.ModelProto:
+    """One pass of :func:`fold_shape_computations` over ``model`` (static inputs)."""
     shapes = _inferred_shapes(model)
     known = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
     nodes = []
@@ -209,7 +249,8 @@ def fold_shape_computations(model: onnx.ModelProto, specs: list[TensorSpec]) -> 
 
 
 def import_onnx(model: onnx.ModelProto, batch: int, seq_len: int):
-    """Check operators and import to Relax with static shapes.
+    """Check operators, fold the shape computations for the static shapes, rewrite the exporter forms TVM's importer
+    cannot take (:mod:`.onnx_rules`) and import to Relax with static shapes.
 
     Returns ``(IRModule, input specs, weight specs)``; ``main`` takes the inputs, then the weights (its
     ``num_input`` attribute counts the inputs).
@@ -218,7 +259,7 @@ def import_onnx(model: onnx.ModelProto, batch: int, seq_len: int):
 
     check_supported_ops(model)
     specs = input_specs(model, batch, seq_len)
-    split, weights = split_weights(fold_shape_computations(model, specs))
+    split, weights = split_weights(apply_rules(fold_shape_computations(model, specs))[0])
     try:
         mod = from_onnx(split, shape_dict={s.name: list(s.shape) for s in specs},
                         dtype_dict={s.name: s.dtype for s in specs}, keep_params_in_input=True,

@@ -7,7 +7,7 @@ attention kernels arrive already scheduled (``tirx.is_scheduled``), so dlight le
 """
 from __future__ import annotations
 
-import os
+import contextlib
 
 import tvm
 from tvm import relax
@@ -56,39 +56,22 @@ def fold_constant_casts(mod: tvm.IRModule) -> tvm.IRModule:
     return mod
 
 
-def square_powers(mod: tvm.IRModule) -> tvm.IRModule:
-    """``power(x, 2)`` -> ``x * x`` (RMSNorm's and LayerNorm's variance, as exporters emit it).
-
-    TVM builds CUDA with fast math, where ``powf`` becomes ``exp2(y * log2(x))``: NaN for every negative ``x``,
-    so a T5 encoder's RMSNorm (``mean(pow(x, 2))``) turned its whole output into NaN on the H200 while the same
-    module was exact on the CPU. A product is exact and cheaper on every target."""
-    from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
-
-    base, exponent = wildcard(), is_const()
-    pattern = is_op("relax.power")(base, exponent)
-
-    def square(expr, matches):
-        value = matches[exponent].value.numpy()
-        if value.size != 1 or float(value.reshape(())) != 2.0:
-            return expr
-        return relax.op.multiply(matches[base], matches[base])
-
-    for gv, func in list(mod.functions_items()):
-        if isinstance(func, relax.Function):
-            mod[gv] = rewrite_call(pattern, square, func)
-    return mod
-
-
 def optimize(mod: tvm.IRModule, target: tvm.target.Target, database: str | None) -> tvm.IRModule:
-    """Legalize and fuse; apply MetaSchedule records from ``database``; dlight for the rest on CUDA."""
-    if database is not None and not os.path.isdir(database):
-        raise FileNotFoundError(f"database: no MetaSchedule work dir at {database!r}")
-    with target, tvm.transform.PassContext(opt_level=3):       # MetaScheduleApplyDatabase reads the target here
+    """Legalize and fuse; apply MetaSchedule records from ``database``; dlight for the rest on CUDA.
+
+    The records are the database the rest of the compile read (:func:`stof_tvm.records.open_database`: loaded
+    once, with every intrinsic a record names registered), handed to the pass as the current database."""
+    records = contextlib.nullcontext()
+    if database is not None:
+        from stof_tvm.records import open_database
+
+        records = open_database(database).ms
+    with target, tvm.transform.PassContext(opt_level=3), records:   # MetaScheduleApplyDatabase reads both here
         passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
                   relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
                   relax.transform.DeadCodeElimination()]
         if database is not None:
-            passes.append(relax.transform.MetaScheduleApplyDatabase(work_dir=database))
+            passes.append(relax.transform.MetaScheduleApplyDatabase())
         if target.kind.name == "cuda":
             from tvm.s_tir import dlight as dl
 

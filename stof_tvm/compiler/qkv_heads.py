@@ -124,9 +124,10 @@ def _concat_weights(ws: list, axis: int) -> relax.Expr:
 
 def rewrite_qkv(t, func: relax.Function) -> relax.Function:
     """Replace every :class:`_QKVGroup` the QKV template fits by one template call and its heads (views or a
-    split); ``t`` is the template adder of :func:`.downstream.use_templates` (its ``call``, ``record``, ``gemm``,
-    ``mod``)."""
-    groups = []
+    split); ``t`` is the template adder of :func:`.downstream.use_templates` (its ``call``, ``record``,
+    ``gemm_stage``, ``gemm``, ``mod``). Three linears whose sequence the template does not take (ViT's 197 tokens)
+    become one GEMM on the concatenated weights, split into thirds before the graph's own head splits."""
+    groups, gemms = [], []
     users = users_of(func)
     for group in _find_qkv(func, users):
         x_shape = static_shape(group.x)
@@ -135,14 +136,19 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
         group.shape = {"batch": x_shape[0], "seq": x_shape[1], "heads": group.heads, "head_dim": group.head_dim}
         if _qkv_fits(group.shape, str(group.x.ty.dtype)):
             groups.append(group)
-    if not groups:
+        elif len(group.linears) == 3:
+            gemms.append(group)
+    if not groups and not gemms:
         return func
     emit_at = {group.linears[-1][0]: group for group in groups}
+    gemm_at = {group.linears[0][0]: group for group in gemms}
     replace: dict = {}
 
     @relax.expr_functor.mutator
     class QKV(relax.PyExprMutator):
         def visit_var_binding_(self, binding):
+            if binding.var in gemm_at:
+                self._emit_gemm(gemm_at[binding.var])
             if binding.var in replace:
                 self.set_var_remap(binding.var, replace[binding.var])
                 return
@@ -150,13 +156,31 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
             if binding.var in emit_at:
                 self._emit_group(emit_at[binding.var])
 
-        def _emit_group(self, group: _QKVGroup):
+        def _weights(self, group: _QKVGroup, dtype: str):
             matches = [m for _, m in group.linears]
-            dtype = str(group.x.ty.dtype)
-            b, s, h, d = (group.shape[key] for key in ("batch", "seq", "heads", "head_dim"))
             w = _concat_weights([self.visit_expr(m[LINEAR_W]) for m in matches], 1)
             bias = _concat_weights([m[LINEAR_BIAS] if LINEAR_BIAS in m else zero_bias(static_shape(m[LINEAR_W])[1], dtype)
                                     for m in matches], 0)
+            return w, bias
+
+        def _emit_gemm(self, group: _QKVGroup):
+            """The three linears as one GEMM at the first one's place; each linear's value becomes a third."""
+            dtype = str(group.x.ty.dtype)
+            b, s, hd = static_shape(group.x)
+            w, bias = self._weights(group, dtype)
+            x2d = relax.op.reshape(self.visit_expr(group.x), [b * s, hd])
+            call, stage, note = t.gemm_stage("none", x2d, w, bias, b * s, 3 * hd, hd, dtype)
+            why = f"seq {s} not a multiple of 16: one GEMM, the graph's head split"
+            t.record("qkv_gemm", [stage], why + (f"; {note}" if note else ""))
+            out = self.builder_.emit(relax.op.reshape(call, [b, s, 3 * hd]))
+            parts = self.builder_.emit(relax.op.split(out, 3, axis=2))
+            for i, (var, _) in enumerate(group.linears):
+                replace[var] = self.builder_.emit(relax.TupleGetItem(parts, i))
+
+        def _emit_group(self, group: _QKVGroup):
+            dtype = str(group.x.ty.dtype)
+            b, s, h, d = (group.shape[key] for key in ("batch", "seq", "heads", "head_dim"))
+            w, bias = self._weights(group, dtype)
             x2d = relax.op.reshape(self.visit_expr(group.x), [b * s, h * d])
             note = wgmma_misfit(b * s, 3 * h * d, h * d) if t.gemm == "wgmma" else None
             if t.gemm == "wgmma" and note is None:

@@ -32,7 +32,7 @@ _INV_RMS = is_op("relax.rsqrt")(_VARIANCE) | is_op("relax.divide")(_ONE, is_op("
 RMSNORM = is_op("relax.multiply")(_WEIGHT, is_op("relax.multiply")(_X, _INV_RMS))
 
 
-def _compute_dtype(func: relax.Function) -> str | None:
+def compute_dtype(func: relax.Function) -> str | None:
     """The model's 16-bit dtype: the one mixed precision casts to (None unless exactly one)."""
     found = {str(b.value.attrs.dtype) for block in func.body.blocks for b in block.bindings
              if is_call(b.value, "relax.astype") and str(b.value.attrs.dtype) in TEMPLATE_DTYPES}
@@ -79,7 +79,7 @@ def rewrite_rmsnorms(t, func: relax.Function) -> relax.Function:
     rewrite's :class:`.downstream._Templates` (functions, manifest sites)."""
     from stof_tvm.schedules.templates.rmsnorm import RMS_EPS
 
-    dtype = _compute_dtype(func)
+    dtype = compute_dtype(func)
     if dtype is None:
         return func
     var2val = relax.analysis.get_var2val(func)

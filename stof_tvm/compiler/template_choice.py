@@ -8,7 +8,7 @@ Knobs of an mma.sync template on CUDA, in order of trust:
 3. ``default``: the template's own first configuration (when the model ranks nothing).
 
 A wgmma template (thread-level kernel, one build per knob set) gets the fastest knob set that stage 2 measured
-for its call (the choice of its task group, :func:`stof_tvm.tuning.template_tasks.wgmma_group`), else its own
+for its call (the choice of its task group, :func:`stof_tvm.records.wgmma_group`), else its own
 first configuration (``default``: the knob order was set from H200 measurements, and the analytical model, fitted
 to the same measurements, ranks the same sets first). On the CPU the definitions run unscheduled, or with the record of the definition measured there
 (``database``; ``stof-tvm tune --target llvm``). The tuner plans exactly the calls these choices are made for
@@ -27,6 +27,7 @@ import tvm
 
 from ..cost_model import DEFAULT_CALIBRATION
 from ..cost_model.templates import rank_template
+from ..records import mean_seconds, normalize_workload, wgmma_group
 
 # Stage-1 candidates compared with a database record to recover its knobs.
 RECORD_CANDIDATES = 16
@@ -60,9 +61,9 @@ class TemplateChooser:
         self.cuda = target.kind.name == "cuda"
         self.database = None
         if database is not None:
-            from ..tuning import TuningDatabase
+            from ..records import open_database
 
-            self.database = TuningDatabase(database)
+            self.database = open_database(database)
         self._hw = None
         self._cache: dict = {}
 
@@ -98,20 +99,14 @@ class TemplateChooser:
 
     def _cpu(self, template, shape, dtype, options) -> KnobChoice:
         if self.database is not None:
-            from ..tuning.template_tasks import definition_task
-
-            records = self.database.records(definition_task(template, shape, dtype, options=options))
-            if records:
-                from ..tuning.database import _mean_seconds
-
-                return KnobChoice(None, "database", float(_mean_seconds(records[0])), records[0].trace)
+            record = self.database.best_record(template.primfunc(shape, dtype, **options))
+            if record is not None:
+                return KnobChoice(None, "database", mean_seconds(record), record.trace)
         return KnobChoice(None, "unscheduled")
 
     def _wgmma(self, template, shape, dtype) -> KnobChoice:
         if self.database is not None:
-            from ..tuning.template_tasks import wgmma_group
-
-            best = self.database.group_choice(wgmma_group(template, shape, dtype))
+            best = self.database.choice(wgmma_group(template, shape, dtype))
             if best is not None:
                 return KnobChoice(dict(best["meta"]["knobs"]), "database", float(best["best_s"]))
         return KnobChoice(dict(template.default_knobs(shape, dtype)), "default")
@@ -127,19 +122,15 @@ class TemplateChooser:
         return KnobChoice(dict(template.default_knobs(shape, dtype)), "default")
 
     def _from_database(self, template, shape, dtype, options, ranked) -> KnobChoice | None:
-        from ..tuning.template_tasks import template_task
-
-        task = template_task(template, shape, dtype, top_k=min(RECORD_CANDIDATES, len(ranked)), ranked=ranked,
-                             options=options)
-        records = self.database.records(task)
-        if not records:
+        func = template.primfunc(shape, dtype, **options)
+        record = self.database.best_record(func)
+        if record is None:
             return None
-        from ..tuning.database import _mean_seconds
-
-        index = self.database.candidate_index(task, records[0])
+        candidates = [dict(r.candidate) for r in ranked[:RECORD_CANDIDATES]]
+        index = self.database.candidate_index(normalize_workload(func), candidates, template.apply, record)
         if index is not None:
-            return KnobChoice(dict(task.candidates[index]), "database", float(_mean_seconds(records[0])))
-        return KnobChoice(None, "database", float(_mean_seconds(records[0])), records[0].trace)
+            return KnobChoice(candidates[index], "database", mean_seconds(record))
+        return KnobChoice(None, "database", mean_seconds(record), record.trace)
 
     def fused_layernorm(self, fused, gemm, layernorm, gemm_shape: dict, ln_shape: dict, dtype: str,
                         options: dict | None = None) -> tuple[bool, str]:

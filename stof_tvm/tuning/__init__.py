@@ -3,15 +3,17 @@
 - :mod:`.task`: :class:`TuningTask`, a workload plus its stage-1 survivors;
 - :mod:`.space`: survivor design spaces for MetaSchedule;
 - :mod:`.runners`: builders, local/RPC runners, valid sparse-format inputs;
-- :mod:`.database`: the work directory (MetaSchedule JSON database + per-task status);
 - :mod:`.progress`: progress bar, time budget, Ctrl-C;
 - :mod:`.prebuilt`: pre-built tasks (attention kernels, wgmma knob sets) measured in parallel-built batches;
 - :mod:`.tuner`: :func:`tune_tasks`, stage 2 over many tasks, resumable;
 - :mod:`.attention_tasks`, :mod:`.template_tasks`, :mod:`.plan`: stage 1 (the model's top K per job);
 - :mod:`.api`: :func:`tune` and :func:`plan` for a model, a template call or an attention problem.
+
+Records go to the work directory of :mod:`stof_tvm.records` (:class:`TuningDatabase`, re-exported here), which
+the compiler reads; a model's plan reads the compiler's front end, so this package sits above the compiler.
 """
+from ..records import TuningDatabase
 from .api import plan, resolve_hardware, tune
-from .database import TuningDatabase
 from .progress import StopFlag
 from .runners import ArgumentFactory, make_builder, make_runner, parse_tracker
 from .task import TuningTask, normalize_workload, workload_key

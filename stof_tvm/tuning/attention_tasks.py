@@ -2,8 +2,11 @@
 
 Our attention kernels are written per configuration (the block-wise kernel is thread-level TensorIR; the
 row-wise kernel's key groups shape its loop nest), so each surviving configuration is its own workload: a
-task with no knobs left, measured as it is. All tasks of one problem share a ``group``; after stage 2 the
-group's fastest task is the problem's kernel choice (:meth:`TuningDatabase.group_choice`).
+task with no knobs left, measured as it is. All tasks of one problem share a ``group``
+(:func:`stof_tvm.records.attention_group`); after stage 2 the group's fastest task is the problem's kernel choice
+(:meth:`TuningDatabase.group_choice`). The first task is the compile's untuned choice (``baseline``, marked
+``meta["untuned"]``): it is measured first, and the group only gets a choice once it is, so a tuned compile never
+runs a slower kernel than an untuned one.
 
 Each workload is specialised to the mask's format sizes (``n_full``/``n_part``/``nnz`` are symbolic in the
 kernels; MetaSchedule's runners need static shapes), and the format arrays ride along as fixed arguments so
@@ -13,12 +16,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import numpy as np
 import tvm
 
 from ..cost_model import AttentionProblem, Calibration, DEFAULT_CALIBRATION, attention_candidates, rank_attention
 from ..hardware import H200, HardwareProfile
+from ..records import attention_group
 from ..sparse_formats import build_rows, build_tiled
 from .task import TuningTask
 
@@ -35,12 +40,6 @@ def _short(config: dict) -> dict:
     if config.get("kv_splits", 1) == 1:
         config = {k: v for k, v in config.items() if k not in ("kv_splits", "split_rows")}
     return {"".join(part[0] for part in key.split("_")): value for key, value in config.items()}
-
-
-def attention_group(problem: AttentionProblem) -> str:
-    """The group name of a problem's alternatives: shapes, dtype and the mask's content hash."""
-    return (f"attention:B{problem.batch}xH{problem.heads}xSq{problem.seq_q}xSk{problem.seq_k}xD{problem.head_dim}"
-            f":{problem.dtype}:mask{problem.mask.digest()}")
 
 
 def _padded(arrays):
@@ -84,28 +83,34 @@ def attention_workload(problem: AttentionProblem, kind: str, config, target_kind
     return func, fixed
 
 
-def _selection_order(ranked, margin: float):
+def _selection_order(ranked, margin: float, baseline=None):
     """Ranked candidates, with the best of the other kernel kind moved up to second place when it is predicted
-    within ``margin`` of the winner: stage 2 then measures the kind decision, not only configurations."""
-    if not ranked:
+    within ``margin`` of the winner: stage 2 then measures the kind decision, not only configurations.
+    ``baseline`` (an :class:`AttentionCandidate`) goes first, unranked (``time_s`` None) when the model has not
+    ranked it."""
+    if ranked:
+        best = ranked[0]
+        rival = next((r for r in ranked if r.candidate.kind != best.candidate.kind), None)
+        if rival is not None and rival.time_s <= margin * best.time_s:
+            ranked = [best, rival] + [r for r in ranked[1:] if r is not rival]
+    if baseline is None:
         return ranked
-    best = ranked[0]
-    rival = next((r for r in ranked if r.candidate.kind != best.candidate.kind), None)
-    if rival is None or rival.time_s > margin * best.time_s:
-        return ranked
-    return [best, rival] + [r for r in ranked[1:] if r is not rival]
+    same = [r for r in ranked if r.candidate == baseline]
+    first = same[0] if same else SimpleNamespace(candidate=baseline, time_s=None)
+    return [first] + [r for r in ranked if r is not first]
 
 
 def attention_tasks(problem: AttentionProblem, target, *, top_k: int = 8, hw: HardwareProfile = H200,
                     cal: Calibration = DEFAULT_CALIBRATION, kinds=("block", "row"), scale: float | None = None,
                     weight: float = 1.0, name: str = "attention", margin: float = 2.0,
-                    ranked=None) -> list[TuningTask]:
+                    ranked=None, baseline=None) -> list[TuningTask]:
     """Tasks for the ``top_k`` best-predicted distinct kernels of ``problem`` on ``target``.
 
     The best kernel of the other kind is included when predicted within ``margin`` x of the best. On ``llvm``
     the kernels are the CPU twins (several GPU configurations collapse into one CPU kernel; duplicates are
     skipped so the K tasks are distinct workloads). ``ranked``: a ranking from :func:`rank_attention` to
-    reuse instead of ranking again.
+    reuse instead of ranking again. ``baseline``: the compile's untuned choice (an :class:`AttentionCandidate`),
+    made the first task (by default the model's best is).
     """
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
@@ -118,16 +123,18 @@ def attention_tasks(problem: AttentionProblem, target, *, top_k: int = 8, hw: Ha
     group = attention_group(problem)
     tasks: list[TuningTask] = []
     seen: set[str] = set()
-    for entry in _selection_order(ranked, margin):
+    for entry in _selection_order(ranked, margin, baseline):
         kind, config = entry.candidate.kind, entry.candidate.config
         func, fixed = attention_workload(problem, kind, config, target_kind, scale)
         task = TuningTask(
             name=f"{name}_{kind}_" + "_".join(f"{k}{int(v)}" for k, v in _short(asdict(config)).items()), func=func,
-            predicted_s=[entry.time_s], fixed_args=fixed, weight=weight, group=group,
+            predicted_s=[entry.time_s] if entry.time_s is not None else [], fixed_args=fixed, weight=weight,
+            group=group,
             meta={"kind": kind, "config": asdict(config), "predicted_s": entry.time_s,
                   "problem": {"batch": problem.batch, "heads": problem.heads, "seq_q": problem.seq_q,
                               "seq_k": problem.seq_k, "head_dim": problem.head_dim, "dtype": problem.dtype,
-                              "scale": scale if scale is not None else 1.0 / math.sqrt(problem.head_dim)}})
+                              "scale": scale if scale is not None else 1.0 / math.sqrt(problem.head_dim)},
+                  **({"untuned": True} if not tasks else {})})
         if task.key in seen:
             continue
         seen.add(task.key)

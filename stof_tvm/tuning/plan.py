@@ -17,8 +17,8 @@ from typing import Mapping
 
 import tvm
 
-from ..cost_model import (AttentionProblem, Calibration, DEFAULT_CALIBRATION, attention_candidates,
-                          rank_attention)
+from ..cost_model import (AttentionCandidate, AttentionProblem, Calibration, DEFAULT_CALIBRATION,
+                          attention_candidates, rank_attention)
 from ..cost_model.explain import explain_ranking
 from ..cost_model.templates import rank_template
 from ..hardware import H200, HardwareProfile
@@ -26,7 +26,11 @@ from .attention_tasks import attention_tasks
 from .task import TuningTask
 from .template_tasks import definition_task, template_task, wgmma_tasks
 
-__all__ = ["TuningPlan", "plan_model", "plan_template", "plan_attention"]
+__all__ = ["TuningPlan", "NothingToTune", "plan_model", "plan_template", "plan_attention"]
+
+
+class NothingToTune(ValueError):
+    """A model compile makes no call that tuning can decide (no template calls, attention dense or not ours)."""
 
 
 @dataclass
@@ -62,13 +66,13 @@ def _kind(target) -> str:
 
 def plan_attention(problem: AttentionProblem, target, *, top_k: int = 8, hw: HardwareProfile = H200,
                    cal: Calibration = DEFAULT_CALIBRATION, kinds=("block", "row"), weight: float = 1.0,
-                   explain: bool = False) -> TuningPlan:
-    """Tasks for one attention problem (its top ``top_k`` kernels)."""
+                   explain: bool = False, baseline=None) -> TuningPlan:
+    """Tasks for one attention problem (its top ``top_k`` kernels; ``baseline``: the untuned kernel, first)."""
     started = time.perf_counter()
     ranked = rank_attention(problem, hw, cal, attention_candidates(problem, hw, kinds))
     plan = TuningPlan(model_seconds=time.perf_counter() - started)
     plan.tasks = attention_tasks(problem, target, top_k=top_k, hw=hw, cal=cal, kinds=kinds, weight=weight,
-                                 ranked=ranked)
+                                 ranked=ranked, baseline=baseline)
     if explain:
         title = (f"attention B={problem.batch} H={problem.heads} S={problem.seq_q} D={problem.head_dim} "
                  f"{problem.dtype}, mask density {problem.mask.density:.2%}: {len(ranked)} feasible kernels")
@@ -78,10 +82,11 @@ def plan_attention(problem: AttentionProblem, target, *, top_k: int = 8, hw: Har
 
 def plan_template(template, shape: Mapping[str, int], target, *, dtype: str = "float16", top_k: int = 8,
                   hw: HardwareProfile = H200, cal: Calibration = DEFAULT_CALIBRATION, weight: float = 1.0,
-                  options: Mapping | None = None, explain: bool = False) -> TuningPlan:
+                  options: Mapping | None = None, explain: bool = False, baseline: Mapping | None = None) -> TuningPlan:
     """The tasks of one template call: on CUDA its top ``top_k`` knob sets (one task, or one task per knob set
-    for a wgmma template); on llvm its definition as it is (:mod:`.template_tasks`). ``options``: the
-    definition's constants (``eps``)."""
+    for a wgmma template, the template's default first); on llvm its definition as it is
+    (:mod:`.template_tasks`). ``options``: the definition's constants (``eps``); ``baseline``: an mma.sync
+    template's untuned knobs (the compile's choice without records), made its first candidate."""
     plan = TuningPlan(calls=[(template.name, dict(shape), dtype, dict(options or {}), weight)])
     if _kind(target) != "cuda":
         plan.tasks = [definition_task(template, shape, dtype, options=options, weight=weight)]
@@ -93,7 +98,7 @@ def plan_template(template, shape: Mapping[str, int], target, *, dtype: str = "f
         plan.tasks = wgmma_tasks(template, shape, dtype, top_k=top_k, hw=hw, cal=cal, weight=weight, ranked=ranked)
     else:
         plan.tasks = [template_task(template, shape, dtype, top_k=top_k, hw=hw, cal=cal, weight=weight,
-                                    ranked=ranked, options=options)]
+                                    ranked=ranked, options=options, baseline=baseline)]
     if explain:
         plan.explanations.append(explain_ranking(f"{template.name} {dict(shape)} {dtype}: {len(ranked)} feasible "
                                                  "knob sets", ranked))
@@ -111,9 +116,12 @@ def plan_model(model, *, batch: int, seq_len: int, mask, target, dtype: str = "f
     mma.sync, fused or unfused LayerNorm). Each distinct template call becomes one job weighted by its count;
     the attention problem (user mask combined with the model's own masking) one job weighted by the number of
     sites, unless the attention is dense or carries a score bias (whose row-wise kernel takes its default
-    configuration: the tuned kernels have no bias input).
+    configuration: the tuned kernels have no bias input). Every job's first candidate is what the compile runs
+    without records (its untuned choice), so that stage 2 measures it and tuning never makes a call slower; with
+    ``kernel="block"`` or ``"row"`` only that kind is tuned (the compile takes no other).
     """
     from ..compiler import front_end
+    from ..compiler.template_choice import TemplateChooser
     from ..schedules.templates import get_template
 
     target_spec = _target_spec(target)
@@ -121,25 +129,45 @@ def plan_model(model, *, batch: int, seq_len: int, mask, target, dtype: str = "f
         database = None               # nothing recorded yet (and planning must not create the directory)
     front = front_end(_onnx_model(model), mask=mask, batch=batch, seq_len=seq_len, target=target_spec,
                       dtype=dtype, kernel=kernel, templates=templates, gemm=gemm, database=database, schedule=False)
+    untuned = TemplateChooser(front.target, None)
     plan = TuningPlan()
     for (name, shape, call_dtype, options), count in _template_calls(front.template_entry).items():
+        template = get_template(name)
         try:
-            plan.extend(plan_template(get_template(name), dict(shape), target, dtype=call_dtype, top_k=top_k,
-                                      hw=hw, cal=cal, weight=float(count), options=dict(options), explain=explain))
+            baseline = untuned.knobs(template, dict(shape), call_dtype, dict(options)).knobs
+            plan.extend(plan_template(template, dict(shape), target, dtype=call_dtype, top_k=top_k, hw=hw, cal=cal,
+                                      weight=float(count), options=dict(options), explain=explain,
+                                      baseline=baseline))
         except ValueError as err:
             plan.notes.append(f"{name} {dict(shape)} x{count}: {err}")
-    site = front.sites[0]
-    if front.choice.kind == "dense" or front.choice.bias is not None:
+    if front.fallback is not None:
+        plan.notes.append(f"attention: not on a stof-tvm kernel ({front.fallback}); nothing to tune")
+    elif front.choice.kind == "dense" or front.choice.bias is not None:
         plan.notes.append(f"attention: {front.choice.kind} ({front.choice.reason}); nothing to tune")
     else:
+        site = front.sites[0]
         problem = AttentionProblem.build(front.combined, batch=batch, heads=site.heads, seq_len=site.seq_q,
                                          head_dim=site.head_dim, dtype=site.dtype)
-        plan.extend(plan_attention(problem, target, top_k=top_k, hw=hw, cal=cal, kinds=kinds,
-                                   weight=float(len(front.sites)), explain=explain))
+        plan.extend(plan_attention(problem, target, top_k=top_k, hw=hw, cal=cal,
+                                   kinds=(kernel,) if kernel in ("block", "row") else kinds,
+                                   weight=float(len(front.sites)), explain=explain,
+                                   baseline=_untuned_attention(front, kernel)))
     plan.target = front.tspec
     if not plan.tasks:
-        raise ValueError("model: nothing to tune" + (" (" + "; ".join(plan.notes) + ")" if plan.notes else ""))
+        raise NothingToTune("model: nothing to tune" + (" (" + "; ".join(plan.notes) + ")" if plan.notes else ""))
     return plan
+
+
+def _untuned_attention(front, kernel: str) -> AttentionCandidate:
+    """The attention kernel and configuration a compile of ``front`` takes without records."""
+    from ..compiler.kernels import choose_kernel, config_object
+
+    site = front.sites[0]
+    choice = choose_kernel(kernel, front.combined, batch=site.batch,
+                           heads=site.heads, head_dim=site.head_dim, dtype=site.dtype, seq_q=site.seq_q,
+                           target_kind=front.tspec["kind"], mask_batch=front.choice.mask_batch,
+                           mask_heads=front.choice.mask_heads)
+    return AttentionCandidate(choice.kind, config_object(choice.kind, choice.config))
 
 
 def _template_calls(entry: dict) -> dict:

@@ -8,6 +8,9 @@ tasks are measured directly instead: ``chunk`` of them are built in one builder 
 run while the next one builds, and each result is committed to the MetaSchedule database as the scheduler
 would (same workload, an empty trace, the measured seconds, or 1e10 s for a failure), so later look-ups, the
 task status and the group choices treat them exactly like scheduler records.
+
+The same path measures one given schedule of a searched task (its untuned first candidate, which the tuner
+measures before the search starts), committed with that schedule's trace.
 """
 from __future__ import annotations
 
@@ -18,44 +21,45 @@ from concurrent.futures import ThreadPoolExecutor
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
+from ..records import FAILED_SECONDS
 from .task import TuningTask
 
 __all__ = ["measure_prebuilt"]
 
-# What MetaSchedule records for a candidate that failed to build or run (its kMaxMeanTime).
-FAILED_SECONDS = 1e10
 
-
-def _build(builder, tasks, target):
-    return builder.build([ms.builder.BuilderInput(task.mod, target) for task in tasks])
+def _build(builder, schedules, target):
+    return builder.build([ms.builder.BuilderInput(sch.mod, target) for sch in schedules])
 
 
 def measure_prebuilt(tasks: list[TuningTask], target: tvm.target.Target, database, builder, runner, progress,
-                     task_ids: list[int], chunk: int = 32) -> None:
-    """Measure each of ``tasks`` (all without candidates) once and commit the records to ``database`` (a
-    MetaSchedule database); ``progress`` (a :class:`~stof_tvm.tuning.progress.Progress`) counts each under its
-    ``task_ids`` entry and says when to stop: between chunks, never inside one."""
-    if any(task.candidates for task in tasks):
-        raise ValueError("measure_prebuilt takes tasks without candidates (pre-built kernels) only")
-    if len(task_ids) != len(tasks):
-        raise ValueError(f"{len(task_ids)} task ids for {len(tasks)} tasks")
+                     task_ids: list[int], chunk: int = 32, schedules: list | None = None) -> None:
+    """Measure each of ``tasks`` once and commit the records to ``database`` (a MetaSchedule database);
+    ``progress`` (a :class:`~stof_tvm.tuning.progress.Progress`) counts each under its ``task_ids`` entry and
+    says when to stop: between chunks, never inside one. ``schedules[i]``: the schedule of ``tasks[i]`` to
+    measure (a searched task's candidate); None, or no list, for a pre-built task (measured as it is)."""
+    schedules = list(schedules) if schedules is not None else [None] * len(tasks)
+    if len(task_ids) != len(tasks) or len(schedules) != len(tasks):
+        raise ValueError(f"{len(task_ids)} task ids and {len(schedules)} schedules for {len(tasks)} tasks")
+    if any(task.candidates and sch is None for task, sch in zip(tasks, schedules)):
+        raise ValueError("measure_prebuilt measures a task with candidates only through a given schedule")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    schedules = [tvm.s_tir.Schedule(task.mod) if sch is None else sch for task, sch in zip(tasks, schedules)]
     order = list(range(len(tasks)))
     chunks = [order[i:i + chunk] for i in range(0, len(order), chunk)]
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(_build, builder, [tasks[i] for i in chunks[0]], target) if chunks else None
+        pending = pool.submit(_build, builder, [schedules[i] for i in chunks[0]], target) if chunks else None
         for n, part in enumerate(chunks):
             built = pending.result()
             more = n + 1 < len(chunks) and not progress.should_stop()
-            pending = pool.submit(_build, builder, [tasks[i] for i in chunks[n + 1]], target) if more else None
-            _run_and_commit([tasks[i] for i in part], [task_ids[i] for i in part], built, target, database,
-                            runner, progress)
+            pending = pool.submit(_build, builder, [schedules[i] for i in chunks[n + 1]], target) if more else None
+            _run_and_commit([tasks[i] for i in part], [schedules[i] for i in part], [task_ids[i] for i in part],
+                            built, target, database, runner, progress)
             if progress.should_stop() or not more:
                 break
 
 
-def _run_and_commit(tasks, ids, built, target, database, runner, progress) -> None:
+def _run_and_commit(tasks, schedules, ids, built, target, database, runner, progress) -> None:
     infos = [ms.arg_info.ArgInfo.from_prim_func(task.mod["main"]) for task in tasks]
     ready = [i for i, result in enumerate(built) if result.error_msg is None]
     device = "cuda" if target.kind.name == "cuda" else "cpu"      # the runner's device name of the target
@@ -70,6 +74,6 @@ def _run_and_commit(tasks, ids, built, target, database, runner, progress) -> No
             shutil.rmtree(os.path.dirname(built[i].artifact_path), ignore_errors=True)
         workload = database.commit_workload(task.mod)
         database.commit_tuning_record(ms.database.TuningRecord(
-            tvm.s_tir.Schedule(task.mod).trace, workload, secs or [FAILED_SECONDS], target, infos[i]))
+            schedules[i].trace, workload, secs or [FAILED_SECONDS], target, infos[i]))
         progress.record(ids[i], [secs])
         progress.show(ids[i])

@@ -22,14 +22,16 @@ __all__ = ["survivor_space"]
 _LOG = logging.getLogger(__name__)
 
 
-def survivor_space(task: TuningTask, target: tvm.target.Target) -> ms.space_generator.ScheduleFn:
-    """The design space of ``task``: one schedule per survivor (or the pre-scheduled function as it is)."""
+def survivor_space(task: TuningTask, target: tvm.target.Target, candidates=None) -> ms.space_generator.ScheduleFn:
+    """The design space of ``task``: one schedule per survivor (or the pre-scheduled function as it is);
+    ``candidates``: the survivors to offer instead of all of ``task.candidates`` (those not measured yet)."""
+    candidates = list(task.candidates if candidates is None else candidates)
 
     def schedules(sch):
         if not task.candidates:
             return [sch]
         out = []
-        for knobs in task.candidates:
+        for knobs in candidates:
             copy = sch.copy()
             try:
                 task.apply(copy, knobs)
@@ -39,7 +41,7 @@ def survivor_space(task: TuningTask, target: tvm.target.Target) -> ms.space_gene
                 continue
             out.append(copy)
         if not out:
-            raise ValueError(f"task {task.name}: none of the {len(task.candidates)} candidates could be applied")
+            raise ValueError(f"task {task.name}: none of the {len(candidates)} candidates could be applied")
         return out
 
     return ms.space_generator.ScheduleFn(schedules, sch_rules=[], postprocs=[], mutator_probs={})

@@ -4,7 +4,8 @@ Stage 1 (the analytical model) turns a template's knob space, or the attention c
 into a short list of candidates, best predicted first. Stage 2 measures them with MetaSchedule. A
 :class:`TuningTask` carries what stage 2 needs:
 
-- ``func``: the workload MetaSchedule tunes and records under (its structural hash keys the database);
+- ``func``: the workload MetaSchedule tunes and records under (its structural hash keys the database;
+  :mod:`stof_tvm.records.names`);
 - ``candidates`` and ``apply``: each candidate is a knob set that ``apply(sch, knobs)`` turns into a complete
   schedule; the design space is exactly these schedules. With no candidates the function is already
   scheduled (our attention kernels are written per configuration) and is measured as it is;
@@ -20,23 +21,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import tvm
-import tvm_ffi
+
+from ..records import normalize_workload, workload_key
 
 __all__ = ["TuningTask", "normalize_workload", "workload_key"]
-
-
-def normalize_workload(func: tvm.tirx.PrimFunc) -> tvm.IRModule:
-    """The IRModule MetaSchedule tunes and stores for ``func``: ``{"main": func}`` with ``global_symbol="main"``
-    and ``tirx.noalias`` (what ``tune_tir`` does, made explicit so database look-ups match)."""
-    if not isinstance(func, tvm.tirx.PrimFunc):
-        raise TypeError(f"a tuning workload must be a tvm.tirx.PrimFunc, got {type(func).__name__}")
-    func = func.with_attr("global_symbol", "main").with_attr("tirx.noalias", True)
-    return tvm.IRModule({"main": func})
-
-
-def workload_key(func: tvm.tirx.PrimFunc) -> str:
-    """Hex structural hash of the normalised workload (the key the JSON database uses for it)."""
-    return f"{tvm_ffi.structural_hash(normalize_workload(func)) & 0xFFFF_FFFF_FFFF_FFFF:016x}"
 
 
 @dataclass

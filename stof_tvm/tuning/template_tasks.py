@@ -2,12 +2,13 @@
 
 - mma.sync templates on CUDA (:func:`template_task`): the workload is the template's unscheduled PrimFunc and
   its design space exactly the model's top K knob sets, each applied with ``template.apply(sch, knobs)``
-  (which completes the schedule). The compile path reads the measured-best record back into its knob set
-  (:class:`~stof_tvm.compiler.template_choice.TemplateChooser`).
+  (which completes the schedule), led by the compile's untuned choice (``baseline``), which stage 2 measures
+  first so that tuning never ends slower than not tuning. The compile path reads the measured-best record back
+  into its knob set (:class:`~stof_tvm.compiler.template_choice.TemplateChooser`).
 - wgmma templates (:func:`wgmma_tasks`): thread-level kernels with no TIR schedule to search, so each knob set
   is its own pre-built task (``template.kernel(shape, dtype, knobs)``, measured as it is by the same builder,
   runner and database); the tasks of one call form a group (:func:`wgmma_group`) whose fastest member the
-  database records with its knobs, which is what a later compile reads.
+  database records with its knobs, which is what a later compile reads (group names: :mod:`stof_tvm.records`).
 - any template on llvm (:func:`definition_task`): the templates have no CPU schedule; the definition is measured
   as TVM lowers it, so that a CPU compile finds the record of every call it makes.
 """
@@ -19,7 +20,8 @@ from typing import Mapping
 from ..cost_model import Calibration, DEFAULT_CALIBRATION
 from ..cost_model.templates import rank_template
 from ..hardware import H200, HardwareProfile
-from .task import TuningTask, workload_key
+from ..records import wgmma_group, workload_key
+from .task import TuningTask
 
 __all__ = ["template_task", "wgmma_tasks", "wgmma_group", "definition_task"]
 
@@ -35,27 +37,29 @@ def _check_top_k(top_k) -> None:
 
 def template_task(template, shape: Mapping[str, int], dtype: str = "float16", *, top_k: int = 8,
                   hw: HardwareProfile = H200, cal: Calibration = DEFAULT_CALIBRATION, weight: float = 1.0,
-                  name: str | None = None, ranked=None, options: Mapping | None = None) -> TuningTask:
+                  name: str | None = None, ranked=None, options: Mapping | None = None,
+                  baseline: Mapping | None = None) -> TuningTask:
     """The tuning task of ``template`` at ``shape``/``dtype`` restricted to its ``top_k`` predicted best knobs
     (``ranked``: a ranking from :func:`rank_template` to reuse; ``options``: the definition's constants, e.g.
-    a model's LayerNorm ``eps``, which change the workload but not the knobs)."""
+    a model's LayerNorm ``eps``, which change the workload but not the knobs). ``baseline``: the knobs a compile
+    takes without records, made the first candidate (default: the model's best, already first)."""
     _check_top_k(top_k)
     if ranked is None:
         ranked = rank_template(template, shape, dtype, hw, cal)
     if not ranked:
         raise ValueError(f"{template.name}: no knob set of shape {dict(shape)} fits {hw.name}")
-    survivors = ranked[:top_k]
+    survivors = [(r.candidate, r.time_s) for r in ranked[:top_k]]
+    if baseline is not None and dict(baseline) != survivors[0][0]:
+        predicted = {json.dumps(r.candidate, sort_keys=True): r.time_s for r in ranked}
+        rest = [s for s in survivors if s[0] != dict(baseline)]
+        first = (dict(baseline), predicted.get(json.dumps(dict(baseline), sort_keys=True), ranked[0].time_s))
+        survivors = [first] + rest[:top_k - 1]
     options = dict(options or {})
     return TuningTask(
         name=name or f"{template.name}_{_label(template, shape)}", func=template.primfunc(shape, dtype, **options),
-        candidates=[r.candidate for r in survivors], apply=template.apply,
-        predicted_s=[r.time_s for r in survivors], weight=weight,
+        candidates=[knobs for knobs, _ in survivors], apply=template.apply,
+        predicted_s=[time_s for _, time_s in survivors], weight=weight,
         meta={"template": template.name, "shape": dict(shape), "dtype": dtype, "space": len(ranked), **options})
-
-
-def wgmma_group(template, shape: Mapping[str, int], dtype: str) -> str:
-    """The task group of one wgmma template call: its tasks are that call's knob sets."""
-    return f"template:{template.name}:{json.dumps(dict(shape), sort_keys=True)}:{dtype}"
 
 
 def wgmma_tasks(template, shape: Mapping[str, int], dtype: str = "float16", *, top_k: int = 8,
@@ -84,7 +88,8 @@ def wgmma_tasks(template, shape: Mapping[str, int], dtype: str = "float16", *, t
         tasks.append(TuningTask(
             name=f"{template.name}_{label}_{tag}", func=func, weight=weight,
             predicted_s=[time_s] if time_s is not None else [], group=group,
-            meta={"template": template.name, "shape": dict(shape), "dtype": dtype, "knobs": dict(knobs)}))
+            meta={"template": template.name, "shape": dict(shape), "dtype": dtype, "knobs": dict(knobs),
+                  **({"untuned": True} if not tasks else {})}))
     return tasks
 
 

@@ -3,15 +3,19 @@
 :func:`tune_tasks` takes :class:`~stof_tvm.tuning.task.TuningTask` objects and a work directory and
 
 1. skips every task the directory already holds complete (never measured twice) and plans the rest: a task's
-   plan is its survivor count, capped by ``trials``; a task stopped part-way earlier keeps only what it has left;
-2. measures the pre-built tasks (no knobs: attention kernels, wgmma knob sets) in parallel-built batches
-   (:mod:`.prebuilt`), then runs MetaSchedule's task scheduler over the others: one ``TuneContext`` per task
+   plan is its survivor count, capped by ``trials``; a task stopped (or killed) part-way earlier keeps only what
+   it has left, counted from the records themselves;
+2. measures first what the compile runs without records (the untuned choice: the group member marked
+   ``meta["untuned"]``, a searched task's first candidate), so every later choice is among measured candidates
+   that include it; then the other pre-built tasks (no knobs: attention kernels, wgmma knob sets) in
+   parallel-built batches (:mod:`.prebuilt`), then MetaSchedule's task scheduler over the others: one
+   ``TuneContext`` per task
    whose design space is its survivors (:func:`~stof_tvm.tuning.space.survivor_space`), evolutionary search
    ranked by the XGBoost cost model, the local builder, and the local or RPC runner with valid sparse-format
    inputs;
 3. reports progress after every batch and stops cleanly on a time budget or Ctrl-C (records already measured
    stay in the database);
-4. writes each task's status and each group's winner (:class:`~stof_tvm.tuning.database.TuningDatabase`).
+4. writes each task's status and each group's winner (:class:`~stof_tvm.records.TuningDatabase`).
 
 Tasks whose fixed input arrays clash with another task's under the same argument signature are measured in a
 second scheduler run, since a runner only sees the signature.
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
-from .database import TuningDatabase
+from ..records import TuningDatabase
 from .prebuilt import measure_prebuilt
 from .progress import Progress, StopFlag, interrupt_handler
 from .runners import ArgumentFactory, make_builder, make_runner
@@ -179,6 +183,8 @@ def tune_tasks(tasks, target, work_dir, *, trials: int | None = None, num_trials
     tasks = _dedup(list(tasks))
     if not tasks:
         raise ValueError("no tasks to tune")
+    if runner is None and rpc_tracker is None:
+        _check_local_device(target)
     db = TuningDatabase(work_dir)
     logger = logging.getLogger(_MS_LOGGER)
     if logger.level == logging.NOTSET:
@@ -201,16 +207,19 @@ def tune_tasks(tasks, target, work_dir, *, trials: int | None = None, num_trials
         pass_builder = builder or make_builder(build_workers)
         pass_runner = runner or make_runner(target.kind.name, arguments=factory, rpc_tracker=rpc_tracker,
                                             rpc_key=rpc_key)
-        prebuilt = [i for i, task in enumerate(members) if not task.candidates]
-        searched = [i for i, task in enumerate(members) if task.candidates]
+        direct, spaces = _measured_directly(members, db)
         try:
             with interrupt_handler(stop) if handle_interrupt else contextlib.nullcontext():
-                if prebuilt:      # one build per kernel, in parallel batches (see .prebuilt)
-                    measure_prebuilt([members[i] for i in prebuilt], target, db.ms, pass_builder, pass_runner,
-                                     progress, prebuilt, chunk=num_trials_per_iter)
+                if direct:        # one build per kernel, in parallel batches (see .prebuilt)
+                    measure_prebuilt([members[i] for i, _ in direct], target, db.ms, pass_builder, pass_runner,
+                                     progress, [i for i, _ in direct], chunk=num_trials_per_iter,
+                                     schedules=[sch for _, sch in direct])
+                rest = {i: min(left[members[i].key] - progress.trials[i], len(space)) for i, space in spaces.items()}
+                searched = [i for i in spaces if rest[i] > 0]
                 if searched and not progress.should_stop():
-                    _run_scheduler([members[i] for i in searched], searched, target, db, progress, left,
-                                   num_trials_per_iter, pass_builder, pass_runner, seed)
+                    _run_scheduler([members[i] for i in searched], searched, [spaces[i] for i in searched],
+                                   [rest[i] for i in searched], target, db, progress, num_trials_per_iter,
+                                   pass_builder, pass_runner, seed)
         finally:
             progress.close()
             for i, task in enumerate(members):
@@ -225,8 +234,9 @@ def tune_tasks(tasks, target, work_dir, *, trials: int | None = None, num_trials
 
     results = []
     for task in tasks:
+        # A task with nothing left but no status yet (its records outlived a killed run) is complete.
         status = db.refresh(task) if db.task_status(task) else db.update_task(
-            task, planned=planned[task.key], measured=0, complete=False)
+            task, planned=planned[task.key], measured=0, complete=left[task.key] == 0)
         if left[task.key] == 0:
             state = "cached"
         elif task.key in finished:
@@ -247,21 +257,52 @@ def tune_tasks(tasks, target, work_dir, *, trials: int | None = None, num_trials
     return TuningReport(results, time.monotonic() - started, db.work_dir, stop.reason if stop else "", choices)
 
 
-def _run_scheduler(members, ids, target, db, progress, left, num_trials_per_iter, builder, runner, seed):
+def _check_local_device(target: tvm.target.Target) -> None:
+    """Stage 2 measures on this machine's device unless an RPC tracker is given: refuse a CUDA target without one."""
+    if target.kind.name == "cuda" and not tvm.cuda(0).exist:
+        raise ValueError("stage 2 measures on the GPU, and no CUDA device is visible here: tune on the GPU machine, "
+                         "measure on remote GPUs with --rpc-tracker HOST:PORT --rpc-key KEY, or tune for the CPU "
+                         "with --target llvm")
+
+
+def _measured_directly(members: list[TuningTask], db: TuningDatabase) -> tuple[list, dict[int, list]]:
+    """What :func:`measure_prebuilt` measures, in order, as ``[(member index, schedule or None)]``: the untuned
+    choices first (pre-built group members marked ``meta["untuned"]``, and the first candidate of each searched
+    task unless a record has it), then the other pre-built tasks. Also ``{member index: candidates}`` of each
+    searched task: the ones left for the search, none that a record already measured."""
+    untuned, first, others, spaces = [], [], [], {}
+    for i, task in enumerate(members):
+        if not task.candidates:
+            (untuned if task.meta.get("untuned") else others).append((i, None))
+            continue
+        done = db.measured_candidates(task.mod, task.candidates, task.apply)
+        spaces[i] = [knobs for j, knobs in enumerate(task.candidates) if j not in done]
+        if 0 in done:
+            continue
+        sch = tvm.s_tir.Schedule(task.mod)
+        try:
+            task.apply(sch, task.candidates[0])
+        except (tvm.s_tir.ScheduleError, ValueError):
+            continue                  # the survivor space skips it too
+        first.append((i, sch))
+        spaces[i] = spaces[i][1:]
+    return untuned + first + others, spaces
+
+
+def _run_scheduler(members, ids, spaces, budget, target, db, progress, num_trials_per_iter, builder, runner, seed):
     """MetaSchedule's task scheduler over ``members`` (tasks with candidates), counted in ``progress`` under
-    ``ids``."""
+    ``ids``: task i searches the candidates ``spaces[i]`` for at most ``budget[i]`` trials."""
     names = [t.name for t in members]
     loggers = ms.logging.get_loggers_from_work_dir(db.work_dir, names)
     seeds = ms.utils.fork_seed(seed, n=len(members))
     cores = int(target.attrs.get("num-cores", 0)) or _physical_cores()
     contexts = [
-        ms.TuneContext(mod=task.mod, target=target, space_generator=survivor_space(task, target),
-                       search_strategy=planned_search(task.space_size, left[task.key], progress.should_stop),
+        ms.TuneContext(mod=task.mod, target=target, space_generator=survivor_space(task, target, space),
+                       search_strategy=planned_search(len(space), plan, progress.should_stop),
                        task_name=task.name,
                        rand_state=rand, num_threads=cores, logger=log).clone()
-        for task, log, rand in zip(members, loggers, seeds)
+        for task, space, plan, log, rand in zip(members, spaces, budget, loggers, seeds)
     ]
-    budget = [left[t.key] for t in members]
     cost_model = ms.cost_model.XGBModel(num_warmup_samples=min(8, sum(budget)), num_tuning_cores=cores)
     ms.tune.tune_tasks(
         tasks=contexts, task_weights=[t.weight for t in members], work_dir=db.work_dir,

@@ -1,0 +1,549 @@
+"""Block-wise sparse attention on Hopper ``wgmma`` (sm_90a), FlashAttention-3 style, written at thread level.
+
+The same inputs and semantics as :func:`.attention_blockwise.blockwise_attention_primfunc` (the tiled format of
+:mod:`stof_tvm.sparse_formats.tiled`: per tile row CSR lists of *partial* tiles, walked first, whose 8x8 bitmaps
+are applied exactly, then *full* tiles with no mask work; rows with no kept key give 0; per-batch/per-head mask
+groups; ``bhsd`` or ``bshd`` output; Q/K/V may be views at any multiple of 8 elements), on the tensor cores of
+sm_90a instead of ``mma.sync``. Its CPU twin is the block-wise kernel's llvm loop nest at the same tile shape
+(:func:`cpu_twin_primfunc`).
+
+A thread block works on one (batch, head, tile row of ``BM = 128`` queries) at a time; 3 warpgroups (384 threads):
+
+- warpgroup 0, the *producer* (``setmaxnreg`` down to 40 registers): copies the Q tile once, then for each tile
+  of the row the K tile (with the partial tile's bitmap words) and the V tile global -> shared with 16-byte
+  ``cp.async`` into two ``stages``-deep rings (K and V apart, so K of the next tile can land while V of this one
+  is still read), each thread arriving on the slot's *full* mbarrier with ``cp.async.mbarrier.arrive.noinc``.
+- warpgroups 1 and 2, the *consumers* (232 registers): consumer ``c`` owns query rows ``64c .. 64c+63``.
+  ``S = Q K^T`` is one ``wgmma m64n{BN}k16`` per 16 head-dim columns with both operands in shared memory;
+  ``O += P V`` is one ``wgmma m64n{D}k16`` per 16 keys with **P from registers** (the D fragment of S, rounded
+  pairwise to 16 bits, is the A fragment of the next product: FlashAttention's register trick carried over
+  to wgmma) and V read transposed from shared memory (``imm-trans-b``). The softmax runs in float32 in base 2.
+- Overlap, within a consumer: turn ``i`` issues ``S(i)`` and ``O += P(i-1) V(i-1)`` back to back, then waits for
+  ``S(i)`` only and runs the mask and softmax of tile ``i`` while ``P(i-1) V(i-1)`` is still on the tensor cores.
+  Between consumers (``pingpong``): the two take turns issuing (named barriers 1 and 2), so one's softmax runs
+  under the other's products.
+- The K slot is released (``empty`` mbarrier, 256 arrivals) once the tile's mask has been read, the V slot once
+  its product has retired; ring slots and phases count the block's tiles over all its work items.
+- Work items are (batch, head, tile row), tile rows last to first across all heads (causal-like masks put the
+  most tiles in the last rows). One block per item, or (``persistent``) one block per SM walking items
+  ``bx, bx + grid, ...``: the producer loads the next item's Q (after both consumers have released this one's, a
+  second Q mbarrier) and first tiles while the consumers finish this item's products and write its rows.
+  Ping-pong turns run on over items: consumer 0 waits before every turn but its first, consumer 1 gives a turn
+  after every one of its own, and consumer 0 takes the last of those after its last item.
+
+Shared tiles are 64-column panels of 128-byte rows in the 128-byte swizzle of the wgmma descriptors (chunk ``c``
+of row ``r`` at ``r * 128 + ((c ^ r % 8) * 16)``, panels 1024-aligned), the layout of
+:mod:`.templates.wgmma_kernel`. For ``S``, Q and K are K-major (head dim contiguous): the k16 steps advance the
+start address by 32 bytes inside a panel and move to the next panel every four steps. For ``P V``, V is
+MN-major (head dim contiguous, keys the reduction): a k16 step is 16 rows (2048 bytes); the stride byte offset is
+1024 (eight key rows) and the leading byte offset the panel size (the next 64 head-dim columns).
+
+Everything comes from TVM 0.27's ``T.ptx`` table, as in the wgmma GEMM. Build for ``arch="sm_90a"``.
+
+Status: checked on an H200 at commit 2161894 (``scripts/check_attention_wgmma_gpu.py``; 7 masks x 3 shapes correct,
+causal 0.83x / 0.85x SDPA at D 64 / 128; numbers in ``scripts/NOTES_attention_wgmma.md``); opt-in only
+(``AttentionPlan(kernel="wgmma")``), not chosen by ``"auto"``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import tvm
+from tvm.script import tirx as T
+
+from .attention_blockwise import BlockConfig, blockwise_attention_primfunc
+from .templates.wgmma_kernel import (ALIGN, CONSUMER_REGS, PRODUCER_REGS, PTX_TYPE, SWIZZLE_128B, descriptor,
+                                     swizzled, wait_parity)
+
+__all__ = ["WgmmaAttentionConfig", "wgmma_attention_primfunc", "cpu_twin_primfunc", "SUPPORTED_HEAD_DIMS",
+           "SUPPORTED_DTYPES", "ARCH"]
+
+ARCH = "sm_90a"
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = tuple(PTX_TYPE)
+OUT_LAYOUTS = ("bhsd", "bshd")
+BLOCK_M = 128            # two consumer warpgroups x 64 query rows
+BLOCK_N_CHOICES = (64, 128)
+WG = 128
+THREADS = 3 * WG
+PANEL_COLS = 64          # head-dim columns of one 128-byte swizzled row
+ROW_BYTES = PANEL_COLS * 2
+ORDER_BAR = 1            # named barriers 1 and 2: consumer c may issue its next turn
+VIEW_ALIGN = 8
+_LOG2E = 1.4426950408889634
+_FULL_MASK = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class WgmmaAttentionConfig:
+    """Knobs: ``block_n`` keys per tile (wgmma N of ``S``), ``stages`` depth of the K and V rings, ``pingpong``
+    (consumers take turns issuing their products), ``persistent`` (one block per SM walking work items, so the
+    producer loads the next item's first tiles and Q under this item's last products and epilogue). The tiled
+    format must be built at ``BLOCK_M x block_n``."""
+
+    block_n: int = 128
+    stages: int = 2
+    pingpong: bool = True
+    persistent: bool = False
+
+    block_m = BLOCK_M
+
+    def validate(self, head_dim: int) -> None:
+        if self.block_n not in BLOCK_N_CHOICES:
+            raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {self.block_n!r}")
+        if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
+            raise ValueError(f"stages must be an int >= 2, got {self.stages!r}")
+        for name in ("pingpong", "persistent"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.shared_bytes(head_dim) > 227 * 1024:
+            raise ValueError(f"{self} needs {self.shared_bytes(head_dim)} bytes of shared memory at head_dim "
+                             f"{head_dim}, more than the 227 KiB of sm_90")
+
+    def layout(self, head_dim: int) -> dict:
+        """Byte offsets of the shared regions from the 1024-aligned base."""
+        q_bytes = BLOCK_M * head_dim * 2
+        kv_bytes = self.block_n * head_dim * 2
+        mw_bytes = BLOCK_M * self.block_n // 8
+        k_off = q_bytes
+        v_off = k_off + self.stages * kv_bytes
+        m_off = v_off + self.stages * kv_bytes
+        bar_off = m_off + self.stages * mw_bytes
+        return {"kv_bytes": kv_bytes, "mw_bytes": mw_bytes, "k_off": k_off, "v_off": v_off, "m_off": m_off,
+                "bar_off": bar_off, "end": bar_off + 8 * (2 + 4 * self.stages)}
+
+    def shared_bytes(self, head_dim: int) -> int:
+        """Dynamic shared memory: Q, the K, V and bitmap rings, the mbarriers, and slack for the 1024 alignment."""
+        return self.layout(head_dim)["end"] + ALIGN
+
+
+def default_config(head_dim: int) -> WgmmaAttentionConfig:
+    """128-key tiles; as many ring stages as fit (2 at head dim 128, 3 at 64)."""
+    return WgmmaAttentionConfig(block_n=128, stages=2 if head_dim == 128 else 3)
+
+
+def _check_problem(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, out_layout):
+    for name, value in (("batch", batch), ("heads", heads), ("seq_q", seq_q), ("seq_k", seq_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim!r}")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
+    if mask_batch not in (1, batch):
+        raise ValueError(f"mask_batch must be 1 or batch ({batch}), got {mask_batch!r}")
+    if mask_heads not in (1, heads):
+        raise ValueError(f"mask_heads must be 1 or heads ({heads}), got {mask_heads!r}")
+    if out_layout not in OUT_LAYOUTS:
+        raise ValueError(f"out_layout must be one of {OUT_LAYOUTS}, got {out_layout!r}")
+
+
+def _scale(scale, head_dim) -> float:
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if not (scale > 0.0 and math.isfinite(scale)):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    return scale
+
+
+def cpu_twin_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: str,
+                      mask_batch: int, mask_heads: int, scale: float | None = None,
+                      config: WgmmaAttentionConfig | None = None, out_layout: str = "bhsd") -> tvm.tirx.PrimFunc:
+    """The llvm PrimFunc computing the same function with the same parameters (the block-wise kernel's CPU loop
+    nest at this kernel's tile shape)."""
+    config = default_config(head_dim) if config is None else config
+    return blockwise_attention_primfunc(
+        batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim, dtype=dtype, mask_batch=mask_batch,
+        mask_heads=mask_heads, scale=scale, config=BlockConfig(block_m=BLOCK_M, block_n=config.block_n, num_warps=4),
+        target_kind="llvm", out_layout=out_layout)
+
+
+def wgmma_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: str,
+                             mask_batch: int, mask_heads: int, scale: float | None = None,
+                             config: WgmmaAttentionConfig | None = None, out_layout: str = "bhsd",
+                             sm_count: int = 132) -> tvm.tirx.PrimFunc:
+    """The sm_90a PrimFunc ``wgmma_attention(q, k, v, full_indptr, full_indices, part_indptr, part_indices,
+    part_bitmaps, out)``: the parameter list of the block-wise kernel without a score bias, the format built at
+    ``128 x config.block_n``. ``sm_count``: blocks of a persistent grid (the H200's 132 SMs)."""
+    _check_problem(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, out_layout)
+    scale = _scale(scale, head_dim)
+    config = default_config(head_dim) if config is None else config
+    if not isinstance(config, WgmmaAttentionConfig):
+        raise TypeError(f"config must be a WgmmaAttentionConfig, got {type(config).__name__}")
+    config.validate(head_dim)
+    return _kernel(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, scale, config,
+                   out_layout == "bshd", sm_count)
+
+
+def descriptor_mn(addr, leading_bytes: int):
+    """64-bit MN-major SWIZZLE_128B matrix descriptor at shared address ``addr``: eight-row groups of the
+    reduction dimension 1024 bytes apart (stride byte offset), 64-column panels ``leading_bytes`` apart."""
+    start = T.Cast("uint64", T.bitwise_and(T.shift_right(addr, T.uint32(4)), T.uint32(0x3FFF)))
+    lead = T.uint64(leading_bytes >> 4) << T.uint64(16)
+    stride = T.uint64(ALIGN >> 4) << T.uint64(32)
+    return start | lead | stride | (T.uint64(SWIZZLE_128B) << T.uint64(62))
+
+
+def mask_word(c, w, g, hh, j, n8_tiles: int):
+    """32-bit word, within a tile's bitmap (``BM/8 x BN/8`` uint64, little-endian), holding the mask bits of the
+    accumulator registers of n8 tile ``j``, row half ``hh`` for consumer ``c``, warp ``w`` (of its warpgroup),
+    lane group ``g = lane // 4``: that row's 8x8 sub-tile is (row block ``8c + 2w + hh``, column block ``j``) and
+    its row ``g`` sits in the low (``g < 4``) or high half of the uint64."""
+    return ((c * 8 + w * 2 + hh) * n8_tiles + j) * 2 + g // 4
+
+
+def mask_bit(g, qd, e):
+    """Bit of that word for register ``e`` (column ``2 qd + e`` of the n8 tile) of row ``g``."""
+    return (g % 4) * 8 + qd * 2 + e
+
+
+def fragment_position(c, w, lane, j, hh, e):
+    """(row in the tile, column in the tile) of accumulator register ``j * 4 + hh * 2 + e`` of consumer ``c``,
+    warp ``w``, ``lane``: the wgmma D fragment (per warp the mma.sync C layout, warp w holding rows 16w..16w+15
+    of its warpgroup's 64)."""
+    return c * 64 + w * 16 + hh * 8 + lane // 4, j * 8 + (lane % 4) * 2 + e
+
+
+def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd: bool,
+            sm_count: int) -> tvm.tirx.PrimFunc:
+    BM, BN, ST, PP = BLOCK_M, cfg.block_n, cfg.stages, cfg.pingpong
+    TR = -(-SQ // BM)
+    NROWS = MB * MH * TR + 1
+    ITEMS = TR * B * H
+    GRID = min(ITEMS, sm_count) if cfg.persistent else ITEMS
+    ROUNDS = -(-ITEMS // GRID)
+    GB, GH = (MH if MB > 1 else 0), (1 if MH > 1 else 0)
+    lay = cfg.layout(D)
+    KV_BYTES, MW_BYTES = lay["kv_bytes"], lay["mw_bytes"]
+    K_OFF, V_OFF, M_OFF, BAR_OFF = lay["k_off"], lay["v_off"], lay["m_off"], lay["bar_off"]
+    SMEM_WORDS = cfg.shared_bytes(D) // 4
+    CPR = D // 8                       # 16-byte chunks per Q/K/V row
+    Q_PANEL, KV_PANEL = BM * ROW_BYTES, BN * ROW_BYTES
+    Q_ITERS, KV_ITERS = BM * CPR // WG, BN * CPR // WG
+    MW_CHUNKS = MW_BYTES // 16
+    M_ITERS = -(-MW_CHUNKS // WG)
+    NJ, KD, KN, ND = BN // 8, D // 16, BN // 16, D // 8   # n8 tiles of S, k16 steps of S and of PV, n8 tiles of O
+    NS, NO = BN // 2, D // 2           # accumulators per thread: S and O
+    SL = scale * _LOG2E
+    NEG_INF = T.float32(float("-inf"))
+    ab = PTX_TYPE[DT]
+    MMA_S = T.ptx[f"wgmma.mma_async.sync.aligned.m64n{BN}k16.f32.{ab}.{ab}"]
+    MMA_PV = T.ptx[f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}"]
+    PACK = T.ptx[f"cvt.rn.{ab}x2.f32"]
+    CP_ASYNC_16 = T.ptx["cp.async.cg.shared.global"]
+    EX2 = T.ptx["ex2.approx.ftz.f32"]
+    OUT_SHAPE = (B, SQ, H, D) if bshd else (B, H, SQ, D)
+
+    def q_bar(base, empty=0):          # Q tile landed (128 arrivals) / read by both consumers (256)
+        return base + T.uint32(BAR_OFF + 8 * empty)
+
+    def ring_bar(base, ring, gt):      # ring 0..3 = k_full, k_empty, v_full, v_empty; slot of block tile gt
+        return base + T.Cast("uint32", BAR_OFF + 16 + 8 * (ring * ST + gt % ST))
+
+    def phase(gt):                     # parity of block tile gt's phase of its slot
+        return T.Cast("uint32", (gt // ST) % 2)
+
+    def quad_xor(value, lane_mask):
+        return T.tvm_warp_shuffle_xor(T.uint32(_FULL_MASK), value, lane_mask, 32, 32)
+
+    def out_word(b, h, row, col):      # index of the 32-bit word holding out[.., row, .., col:col+2]
+        if bshd:
+            return ((b * SQ + row) * H + h) * (D // 2) + col // 2
+        return ((b * H + h) * SQ + row) * (D // 2) + col // 2
+
+    @T.macro
+    def load_q(q, base, b, h, tr, wt):
+        for it in T.unroll(Q_ITERS):
+            row: T.let = (it * WG + wt) // CPR
+            ch: T.let = (it * WG + wt) % CPR
+            qrow: T.let = tr * BM + row
+            CP_ASYNC_16(base + T.Cast("uint32", (ch // 8) * Q_PANEL + swizzled(row, ch % 8)),
+                        T.address_of(q[b, h, T.min(qrow, SQ - 1), ch * 8]), 16,
+                        T.Cast("uint32", T.Select(qrow < SQ, 16, 0)))
+        T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](q_bar(base))
+
+    @T.macro
+    def load_kv(src, dst_off, base, b, h, col, gt, wt):
+        """K or V rows of column tile ``col`` into block tile ``gt``'s slot (keys >= Sk zero-filled)."""
+        for it in T.unroll(KV_ITERS):
+            row: T.let = (it * WG + wt) // CPR
+            ch: T.let = (it * WG + wt) % CPR
+            key: T.let = col * BN + row
+            CP_ASYNC_16(base + T.Cast("uint32", dst_off + (gt % ST) * KV_BYTES + (ch // 8) * KV_PANEL
+                                      + swizzled(row, ch % 8)),
+                        T.address_of(src[b, h, T.min(key, SK - 1), ch * 8]), 16,
+                        T.Cast("uint32", T.Select(key < SK, 16, 0)))
+
+    @T.macro
+    def producer(q, k, v, full_indices, part_indices, part_bitmaps, base, flag, b, h, tr, wt, n_tiles,
+                 n_part_row, p0, f0, g0, jq):
+        """One work item's copies: its Q tile, once the consumers have read the previous item's (``jq``: the block's
+        items with tiles before this one), then its tiles into the rings (block tiles g0 ..)."""
+        if n_tiles > 0:
+            if jq > 0:
+                wait_parity(flag, q_bar(base, 1), T.Cast("uint32", (jq - 1) % 2))
+            load_q(q, base, b, h, tr, wt)
+        for t in range(n_tiles):
+            gt: T.let = g0 + t
+            col: T.let = T.if_then_else(t < n_part_row, part_indices[p0 + t], full_indices[f0 + t - n_part_row])
+            if gt >= ST:
+                wait_parity(flag, ring_bar(base, 1, gt), T.Cast("uint32", (gt // ST - 1) % 2))
+            load_kv(k, K_OFF, base, b, h, col, gt, wt)
+            if t < n_part_row:
+                for it in T.unroll(M_ITERS):
+                    if it * WG + wt < MW_CHUNKS:
+                        CP_ASYNC_16(base + T.Cast("uint32", M_OFF + (gt % ST) * MW_BYTES + (it * WG + wt) * 16),
+                                    T.address_of(part_bitmaps[p0 + t, ((it * WG + wt) * 2) // NJ,
+                                                              ((it * WG + wt) * 2) % NJ]), 16, T.uint32(16))
+            T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](ring_bar(base, 0, gt))
+            if gt >= ST:
+                wait_parity(flag, ring_bar(base, 3, gt), T.Cast("uint32", (gt // ST - 1) % 2))
+            load_kv(v, V_OFF, base, b, h, col, gt, wt)
+            T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](ring_bar(base, 2, gt))
+
+    @T.macro
+    def turn_start(o_acc, corr, c, rescale, wait_turn):
+        """Before a consumer issues: tile i-1's rescale of O (idle: the previous turn retired its product), then
+        (ping-pong) its turn. ``wait_turn``: False only for consumer 0's first turn in the block."""
+        if rescale:
+            for dn in T.unroll(ND):
+                for hh in T.unroll(2):
+                    for e in T.unroll(2):
+                        o_acc[dn * 4 + hh * 2 + e] = o_acc[dn * 4 + hh * 2 + e] * corr[hh]
+        if PP:
+            if wait_turn:
+                T.ptx["bar.sync"](T.Cast("uint32", ORDER_BAR + c), T.uint32(2 * WG))
+        T.ptx["wgmma.fence.sync.aligned"]()
+
+    @T.macro
+    def turn_end(c):
+        """After a consumer has issued: the other consumer's turn (ping-pong). Consumer 1 gives one turn more than
+        consumer 0 takes; consumer 0 takes it after its last item (:func:`body`), so the counts of both named
+        barriers match."""
+        if PP:
+            T.ptx["bar.arrive"](T.Cast("uint32", ORDER_BAR + 1 - c), T.uint32(2 * WG))
+
+    def advance(desc, offset):
+        """The descriptor ``desc`` moved ``offset`` bytes (a multiple of 16) on: its start-address field (address
+        >> 4, 14 bits) grows by ``offset >> 4`` and every shared address stays below 256 KiB, so no carry leaves it."""
+        return desc + T.Cast("uint64", offset // 16)
+
+    @T.macro
+    def issue_s(s_acc, q_desc, k_desc, i):
+        """S(i) = Q K(i)^T: one m64n{BN}k16 per 16 head-dim columns, both operands from shared memory."""
+        for kk in T.unroll(KD):
+            MMA_S(*[s_acc[x] for x in range(NS)], advance(q_desc, (kk // 4) * Q_PANEL + (kk % 4) * 32),
+                  advance(k_desc, (i % ST) * KV_BYTES + (kk // 4) * KV_PANEL + (kk % 4) * 32), kk > 0, 1, 1, 0, 0)
+        T.ptx["wgmma.commit_group.sync.aligned"]()
+
+    @T.macro
+    def issue_pv(o_acc, p_frag, v_desc, i):
+        """O += P(i) V(i): one m64n{D}k16 per 16 keys, P from registers, V transposed from shared memory."""
+        for kk in T.unroll(KN):
+            MMA_PV(*[o_acc[x] for x in range(NO)], p_frag[kk * 4], p_frag[kk * 4 + 1], p_frag[kk * 4 + 2],
+                   p_frag[kk * 4 + 3], advance(v_desc, (i % ST) * KV_BYTES + kk * 16 * ROW_BYTES), True, 1, 1, 1)
+        T.ptx["wgmma.commit_group.sync.aligned"]()
+
+    @T.macro
+    def retire_pv(o_acc, base, i):
+        """Wait for every product, then free V(i)'s slot."""
+        T.ptx["wgmma.wait_group.sync.aligned"](0)
+        T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 3, i))
+
+    @T.macro
+    def softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0, c, w, g, qd, i, n_part_row):
+        """Tile i's mask (partial tiles) and online softmax on S(i) in place; tile i's rescale into ``corr``."""
+        if i < n_part_row:
+            # register e of n8 tile j, row half hh: sub-tile (row block 8c + 2w + hh, column block j); bit
+            # g * 8 + 2 qd + e of its uint64, i.e. bit (g % 4) * 8 + 2 qd + e of the 32-bit half g // 4
+            for hh in T.unroll(2):
+                for j in T.unroll(NJ):
+                    word[0] = T.shift_right(smem[mw0 + mask_word(c, w, g, hh, j, NJ)],
+                                            T.Cast("uint32", mask_bit(g, qd, 0)))
+                    s_acc[j * 4 + hh * 2] = T.Select(T.bitwise_and(word[0], T.uint32(1)) != T.uint32(0),
+                                                     s_acc[j * 4 + hh * 2], NEG_INF)
+                    s_acc[j * 4 + hh * 2 + 1] = T.Select(T.bitwise_and(word[0], T.uint32(2)) != T.uint32(0),
+                                                         s_acc[j * 4 + hh * 2 + 1], NEG_INF)
+        for hh in T.unroll(2):
+            red[0] = T.max(s_acc[hh * 2], s_acc[hh * 2 + 1])
+            for j in T.unroll(1, NJ):
+                red[0] = T.max(red[0], T.max(s_acc[j * 4 + hh * 2], s_acc[j * 4 + hh * 2 + 1]))
+            red[0] = T.max(red[0], quad_xor(red[0], 1))
+            red[0] = T.max(red[0], quad_xor(red[0], 2))
+            red[1] = T.max(m_run[hh], red[0])
+            red[2] = T.Select(red[1] == NEG_INF, T.float32(0), red[1] * T.float32(SL))
+            EX2(corr[hh], m_run[hh] * T.float32(SL) - red[2])
+            m_run[hh] = red[1]
+            red[3] = T.float32(0)
+            for j in T.unroll(NJ):
+                for e in T.unroll(2):
+                    EX2(s_acc[j * 4 + hh * 2 + e], s_acc[j * 4 + hh * 2 + e] * T.float32(SL) - red[2])
+                    red[3] = red[3] + s_acc[j * 4 + hh * 2 + e]
+            l_run[hh] = l_run[hh] * corr[hh] + red[3]
+
+    @T.macro
+    def pack_p(s_acc, p_frag):
+        # A fragment of k16 step kk: a0 = row g of n8 tile 2kk, a1 = row g+8 of it, a2 / a3 the same of 2kk+1
+        for kk in T.unroll(KN):
+            for a in T.unroll(4):
+                PACK(p_frag[kk * 4 + a], s_acc[(2 * kk + a // 2) * 4 + (a % 2) * 2 + 1],
+                     s_acc[(2 * kk + a // 2) * 4 + (a % 2) * 2])
+
+    @T.macro
+    def store_rows(out_words, o_acc, l_run, red, word, b, h, tr, c, w, g, qd):
+        for hh in T.unroll(2):
+            red[0] = l_run[hh]
+            red[0] = red[0] + quad_xor(red[0], 1)
+            red[0] = red[0] + quad_xor(red[0], 2)
+            red[1] = T.Select(red[0] > T.float32(0), T.float32(1) / red[0], T.float32(0))
+            row: T.let = tr * BM + fragment_position(c, w, g * 4, 0, hh, 0)[0]
+            if row < SQ:
+                for dn in T.unroll(ND):
+                    PACK(word[0], o_acc[dn * 4 + hh * 2 + 1] * red[1], o_acc[dn * 4 + hh * 2] * red[1])
+                    out_words[out_word(b, h, row, dn * 8 + qd * 2)] = word[0]
+
+    def work_item(u):
+        """(batch, head, tile row) of work item ``u``: tile rows last to first across all heads (causal-like masks
+        put the most tiles in the last rows, so the longest items start first)."""
+        return (u % (B * H)) // H, u % H, TR - 1 - u // (B * H)
+
+    @T.macro
+    def consume(s_acc, o_acc, p_frag, corr, m_run, l_run, red, word, flag, started, smem, base, mw0, q_desc, k_desc,
+                v_desc, c, w, g, qd, n_tiles, n_part_row, g0, jq):
+        """One work item's turns (block tiles g0 ..): S(0); then S(i) with P(i-1) V(i-1); then P(n-1) V(n-1)."""
+        wait_parity(flag, q_bar(base), T.Cast("uint32", jq % 2))
+        wait_parity(flag, ring_bar(base, 0, g0), phase(g0))
+        T.ptx["fence.proxy.async.shared::cta"]()
+        turn_start(o_acc, corr, c, False, c == 1 or started[0] != 0)
+        started[0] = 1
+        issue_s(s_acc, q_desc, k_desc, g0)
+        turn_end(c)
+        T.ptx["wgmma.wait_group.sync.aligned"](0)
+        softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + (M_OFF + (g0 % ST) * MW_BYTES) // 4, c, w, g, qd,
+                0, n_part_row)
+        T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 1, g0))
+        pack_p(s_acc, p_frag)
+        for i in range(1, n_tiles):
+            gi: T.let = g0 + i
+            wait_parity(flag, ring_bar(base, 0, gi), phase(gi))
+            wait_parity(flag, ring_bar(base, 2, gi - 1), phase(gi - 1))
+            T.ptx["fence.proxy.async.shared::cta"]()
+            turn_start(o_acc, corr, c, True, True)
+            issue_s(s_acc, q_desc, k_desc, gi)
+            issue_pv(o_acc, p_frag, v_desc, gi - 1)
+            turn_end(c)
+            T.ptx["wgmma.wait_group.sync.aligned"](1)
+            softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + (M_OFF + (gi % ST) * MW_BYTES) // 4, c, w, g,
+                    qd, i, n_part_row)
+            T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 1, gi))
+            retire_pv(o_acc, base, gi - 1)
+            pack_p(s_acc, p_frag)
+        wait_parity(flag, ring_bar(base, 2, g0 + n_tiles - 1), phase(g0 + n_tiles - 1))
+        T.ptx["fence.proxy.async.shared::cta"]()
+        turn_start(o_acc, corr, c, True, True)
+        issue_pv(o_acc, p_frag, v_desc, g0 + n_tiles - 1)
+        turn_end(c)
+        retire_pv(o_acc, base, g0 + n_tiles - 1)
+        T.ptx["mbarrier.arrive.shared::cta.b64"](q_bar(base, 1))    # this item's Q is no longer read
+
+    @T.macro
+    def body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, out):
+        for bx in T.thread_binding(GRID, thread="blockIdx.x"):
+            for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                smem = T.alloc_buffer((SMEM_WORDS,), "uint32", scope="shared.dyn")
+                s_acc = T.alloc_buffer((NS,), "float32", scope="local")
+                o_acc = T.alloc_buffer((NO,), "float32", scope="local")
+                p_frag = T.alloc_buffer((BN // 4,), "uint32", scope="local")
+                m_run = T.alloc_buffer((2,), "float32", scope="local")
+                l_run = T.alloc_buffer((2,), "float32", scope="local")
+                corr = T.alloc_buffer((2,), "float32", scope="local")
+                red = T.alloc_buffer((4,), "float32", scope="local")
+                word = T.alloc_buffer((1,), "uint32", scope="local")
+                flag = T.alloc_buffer((1,), "uint32", scope="local")
+                # block tiles and items with tiles so far (ring and Q phases); has consumer 0 issued yet
+                done = T.alloc_buffer((2,), "int32", scope="local")
+                started = T.alloc_buffer((1,), "int32", scope="local")
+                out_words = T.decl_buffer((B * H * SQ * D // 2,), "uint32", data=out.data)
+                raw: T.let = T.cuda.cvta_generic_to_shared(
+                    T.tvm_access_ptr(T.type_annotation("uint32"), smem.data, 0, SMEM_WORDS, 3))
+                base: T.let = T.bitwise_and(raw + T.uint32(ALIGN - 1), T.uint32(0xFFFFFFFF - (ALIGN - 1)))
+                wg: T.let = tx // WG
+                if tx == 0:
+                    T.ptx["mbarrier.init.shared::cta.b64"](q_bar(base), T.uint32(WG))
+                    T.ptx["mbarrier.init.shared::cta.b64"](q_bar(base, 1), T.uint32(2 * WG))
+                    for s in T.unroll(ST):
+                        T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 0, s), T.uint32(WG))
+                        T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 1, s), T.uint32(2 * WG))
+                        T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 2, s), T.uint32(WG))
+                        T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 3, s), T.uint32(2 * WG))
+                    T.ptx["fence.mbarrier_init.release.cluster"]()
+                T.tvm_storage_sync("shared")
+                done[0] = 0
+                done[1] = 0
+                if wg == 0:
+                    T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
+                    for j in range(ROUNDS):
+                        if bx + j * GRID < ITEMS:
+                            b: T.let = work_item(bx + j * GRID)[0]
+                            h: T.let = work_item(bx + j * GRID)[1]
+                            tr: T.let = work_item(bx + j * GRID)[2]
+                            r: T.let = (b * GB + h * GH) * TR + tr
+                            n_part_row: T.let = part_indptr[r + 1] - part_indptr[r]
+                            n_tiles: T.let = n_part_row + full_indptr[r + 1] - full_indptr[r]
+                            producer(q, k, v, full_indices, part_indices, part_bitmaps, base, flag, b, h, tr, tx % WG,
+                                     n_tiles, n_part_row, part_indptr[r], full_indptr[r], done[0], done[1])
+                            done[0] = done[0] + n_tiles
+                            done[1] = done[1] + T.Select(n_tiles > 0, 1, 0)
+                else:
+                    T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
+                    c: T.let = wg - 1
+                    w: T.let = (tx % WG) // 32
+                    g: T.let = (tx % 32) // 4
+                    qd: T.let = tx % 4
+                    mw0: T.let = T.Cast("int32", (base - raw) // T.uint32(4))   # smem word of the aligned base
+                    q_desc: T.let = descriptor(base + T.Cast("uint32", c * (64 * ROW_BYTES)))   # this consumer's rows
+                    k_desc: T.let = descriptor(base + T.uint32(K_OFF))
+                    v_desc: T.let = descriptor_mn(base + T.uint32(V_OFF), KV_PANEL)
+                    started[0] = 0
+                    for j in range(ROUNDS):
+                        if bx + j * GRID < ITEMS:
+                            b: T.let = work_item(bx + j * GRID)[0]
+                            h: T.let = work_item(bx + j * GRID)[1]
+                            tr: T.let = work_item(bx + j * GRID)[2]
+                            r: T.let = (b * GB + h * GH) * TR + tr
+                            n_part_row: T.let = part_indptr[r + 1] - part_indptr[r]
+                            n_tiles: T.let = n_part_row + full_indptr[r + 1] - full_indptr[r]
+                            for x in T.unroll(NO):
+                                o_acc[x] = T.float32(0)
+                            for hh in T.unroll(2):
+                                m_run[hh] = NEG_INF
+                                l_run[hh] = T.float32(0)
+                            if n_tiles > 0:
+                                consume(s_acc, o_acc, p_frag, corr, m_run, l_run, red, word, flag, started, smem, base,
+                                        mw0, q_desc, k_desc, v_desc, c, w, g, qd, n_tiles, n_part_row, done[0], done[1])
+                            store_rows(out_words, o_acc, l_run, red, word, b, h, tr, c, w, g, qd)
+                            done[0] = done[0] + n_tiles
+                            done[1] = done[1] + T.Select(n_tiles > 0, 1, 0)
+                    if PP:
+                        if c == 0 and started[0] != 0:   # consumer 1's arrival after its last turn
+                            T.ptx["bar.sync"](T.uint32(ORDER_BAR), T.uint32(2 * WG))
+
+    @T.prim_func
+    def wgmma_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, full_indptr_h: T.handle,
+                        full_indices_h: T.handle, part_indptr_h: T.handle, part_indices_h: T.handle,
+                        part_bitmaps_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "global_symbol": "wgmma_attention"})
+        n_full = T.int32()
+        n_part = T.int32()
+        q = T.match_buffer(q_h, (B, H, SQ, D), DT, offset_factor=VIEW_ALIGN)
+        k = T.match_buffer(k_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
+        v = T.match_buffer(v_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
+        full_indptr = T.match_buffer(full_indptr_h, (NROWS,), "int32")
+        full_indices = T.match_buffer(full_indices_h, (n_full,), "int32")
+        part_indptr = T.match_buffer(part_indptr_h, (NROWS,), "int32")
+        part_indices = T.match_buffer(part_indices_h, (n_part,), "int32")
+        part_bitmaps = T.match_buffer(part_bitmaps_h, (n_part, BM // 8, BN // 8), "uint64")
+        out = T.match_buffer(out_h, OUT_SHAPE, DT)
+        body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, out)
+
+    return wgmma_attention

@@ -1,0 +1,375 @@
+"""Timing, checking and device-kit helpers shared by the benchmark and check scripts in scripts/.
+
+One place for what every measurement needs, so that figures from different scripts mean the same thing:
+
+- **timing**: :func:`time_ms` (CUDA events around back-to-back calls after warm-up, the median of many samples,
+  each sample on the next input set of a pool of fresh random inputs; wall clock on the CPU), :func:`graphed`
+  (a callable captured in a CUDA graph), :func:`finished` (a hang guard);
+- **checking**: :func:`poison` (outputs filled with NaN / an impossible integer before a run, so an element a
+  kernel never writes cannot pass), :func:`errors` against a float32 reference (max absolute, max relative to the
+  reference's largest magnitude, relative Frobenius) and :func:`within`;
+- **the hardware limit**: :func:`limit` (useful FLOPs / time against the H200's 790 TFLOP/s, bytes / time against
+  its 4.2 TB/s: how far a figure is from what the chip can do);
+- **robust runs**: :class:`Budget` (a run's wall-clock allowance, so it stops cleanly inside the device tool's
+  10-minute limit), :func:`guarded` (one failing stage is recorded in its row, never fatal), :func:`write_json`
+  (atomic: a run cut short leaves the last complete file), :func:`out_dir` ($OUT on the GPU machine);
+- **output**: :func:`format_table` / :func:`print_table`, :func:`environment` (device, versions, commit);
+- **the CUDA tool chain**: :func:`source_key` (the cubin cache key TVM's compile callback is looked up by) and
+  :func:`nvcc_cubin` (a cubin and ptxas' register / spill report).
+
+Imports only the standard library and numpy at module level: torch and TVM are imported where a helper needs
+them, so the scripts' CPU-side steps (and the tests) load this without either.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+# NVIDIA H200 (sm_90, 132 SMs): the dense fp16/bf16 tensor-core rate an 8192^3 matrix product reaches (769-798
+# TFLOP/s measured on the lent machines) and the HBM bandwidth a device-to-device copy reaches (~4.3 TB/s).
+PEAK_TFLOPS = 790.0
+PEAK_TBPS = 4.2
+
+
+# ------------------------------------------------------------------------------------------------------ timing
+@dataclass
+class Timing:
+    """Milliseconds per call: the median (what scripts report), the spread, and how it was sampled."""
+
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    samples: int
+    calls_per_sample: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _cycle(fn, inputs):
+    """A no-argument callable per sample: ``fn`` itself, or ``fn(*inputs[i])`` for sample ``i`` of the pool."""
+    if inputs is None:
+        return lambda i: fn
+    if not inputs:
+        raise ValueError("inputs: expected at least one input set")
+    return lambda i: (lambda args=inputs[i % len(inputs)]: fn(*args))
+
+
+def time_ms(fn, *, device: str = "cuda", inputs=None, warmup: int = 3, samples: int = 20,
+            number: int | None = None, sample_ms: float = 5.0, budget_s: float | None = None) -> Timing:
+    """Time ``fn`` (no arguments, or ``fn(*inputs[i])`` cycling through a pool of input sets).
+
+    After ``warmup`` calls, each of ``samples`` samples times ``number`` back-to-back calls (``None``: as many as
+    fill about ``sample_ms``, 1 to 50) and divides: on ``device="cuda"`` between CUDA events on torch's current
+    stream (the GPU's time for the work, also what host overhead adds when the host cannot keep up); on
+    ``"cuda-wall"`` by the wall clock between device-wide synchronisations (counts work on any stream, e.g. a
+    runtime that launches on its own); on the CPU by the wall clock. Sample ``i`` uses input set
+    ``i % len(inputs)``, so repeated calls do not all see one set of values. ``budget_s``: stop sampling after
+    this many seconds (at least 3 samples are always taken).
+    """
+    if warmup < 0 or samples < 1:
+        raise ValueError(f"time_ms: expected warmup >= 0 and samples >= 1, got {warmup}, {samples}")
+    call = _cycle(fn, inputs)
+    if device not in ("cuda", "cuda-wall", "cpu"):
+        raise ValueError(f"device: expected 'cuda', 'cuda-wall' or 'cpu', got {device!r}")
+    if device == "cuda":
+        import torch
+
+        sync = torch.cuda.synchronize
+
+        def elapsed(body) -> float:
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            body()
+            stop.record()
+            stop.synchronize()
+            return start.elapsed_time(stop)
+    else:
+        if device == "cuda-wall":
+            import torch
+
+            sync = torch.cuda.synchronize
+        else:
+            def sync():
+                return None
+
+        def elapsed(body) -> float:
+            sync()
+            start = time.perf_counter()
+            body()
+            sync()
+            return (time.perf_counter() - start) * 1e3
+
+    for i in range(warmup):
+        call(i)()
+    sync()
+    if number is None:
+        once = elapsed(call(0))
+        number = max(1, min(50, int(sample_ms / max(once, 1e-3))))
+    started, times = time.perf_counter(), []
+    for i in range(samples):
+        body = call(i)
+        times.append(elapsed(lambda: [body() for _ in range(number)]) / number)
+        if budget_s is not None and len(times) >= 3 and time.perf_counter() - started > budget_s:
+            break
+    return Timing(float(statistics.median(times)), float(min(times)), float(max(times)), len(times), number)
+
+
+def graphed(fn, warmup: int = 3):
+    """``fn`` (no arguments) captured once in a torch CUDA graph; returns ``(replay, outputs)``: ``replay()``
+    reruns the captured kernels with no launch overhead and refills ``outputs`` (what the captured call
+    returned) in place. The warm-up runs on a side stream, as capture requires."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph.replay, outputs
+
+
+def finished(seconds: float) -> bool:
+    """Whether the GPU work queued so far finishes within ``seconds`` (a kernel that hangs would block a plain
+    synchronize forever: the caller reports it and exits instead)."""
+    import torch
+
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.time() + seconds
+    while not done.query():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def random_token_ids(rng: np.random.Generator, batch: int, seq_len: int, vocab: int) -> np.ndarray:
+    """Token ids drawn uniformly from ``[0, vocab)``, int64 ``[batch, seq_len]``."""
+    return rng.integers(0, vocab, (batch, seq_len), dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------------------------------- checking
+def poison(value):
+    """Fill ``value`` (a torch tensor or numpy array) in place with NaN, or for integers with their dtype's
+    minimum, and return it: a result buffer poisoned before a run shows every element the run never wrote."""
+    if hasattr(value, "fill_"):
+        import torch
+
+        fill = float("nan") if value.is_floating_point() else torch.iinfo(value.dtype).min
+        return value.fill_(fill)
+    array = np.asarray(value)
+    array.fill(np.nan if array.dtype.kind in "fc" else np.iinfo(array.dtype).min)
+    return array
+
+
+def as_float64(value) -> np.ndarray:
+    """A float64 numpy copy of a numpy array, torch tensor (any device or dtype) or TVM tensor."""
+    if hasattr(value, "detach"):
+        value = value.detach().float().cpu().numpy()
+    elif hasattr(value, "numpy") and not isinstance(value, np.ndarray):
+        value = value.numpy()
+    return np.asarray(value, dtype=np.float64)
+
+
+def errors(out, ref) -> dict:
+    """How far ``out`` is from the reference ``ref`` (float32 or better): ``max_abs``, ``max_rel`` (max
+    absolute error over the reference's largest magnitude), ``rel`` (relative Frobenius norm, the figure the
+    benchmarks check), and ``nonfinite`` (elements of ``out`` that are NaN or infinite). A shape mismatch
+    raises."""
+    out, ref = as_float64(out), as_float64(ref)
+    if out.shape != ref.shape:
+        raise ValueError(f"output shape {list(out.shape)} differs from the reference's {list(ref.shape)}")
+    nonfinite = int(out.size - np.isfinite(out).sum())
+    if nonfinite:
+        return {"max_abs": math.inf, "max_rel": math.inf, "rel": math.inf, "nonfinite": nonfinite}
+    diff = np.abs(out - ref)
+    scale = float(np.abs(ref).max()) if ref.size else 0.0
+    norm = float(np.linalg.norm(ref))
+    max_abs = float(diff.max()) if diff.size else 0.0
+    return {"max_abs": max_abs, "max_rel": max_abs / scale if scale else max_abs,
+            "rel": float(np.linalg.norm(diff)) / norm if norm else max_abs, "nonfinite": 0}
+
+
+def within(errs: dict, tolerance: float) -> bool:
+    """Whether :func:`errors`' result passes: every element finite and the relative error at most ``tolerance``."""
+    return errs["nonfinite"] == 0 and errs["rel"] <= tolerance
+
+
+# ---------------------------------------------------------------------------------------------- hardware limit
+def limit(ms: float, flops: float = 0.0, bytes_moved: float = 0.0, peak_tflops: float = PEAK_TFLOPS,
+          peak_tbps: float = PEAK_TBPS) -> dict:
+    """Where a measured ``ms`` stands against the chip: ``tflops`` and ``tbps`` achieved (useful FLOPs and the
+    least bytes the work must move, over the time), ``limit_ms`` (the longer of the compute and memory floors)
+    and ``fraction`` = limit_ms / ms (1.0 = at the physical limit)."""
+    if ms <= 0:
+        raise ValueError(f"ms: expected a positive time, got {ms}")
+    floor_ms = max(flops / (peak_tflops * 1e12), bytes_moved / (peak_tbps * 1e12)) * 1e3
+    return {"tflops": flops / ms * 1e-9, "tbps": bytes_moved / ms * 1e-9, "limit_ms": floor_ms,
+            "fraction": floor_ms / ms}
+
+
+# ------------------------------------------------------------------------------------------------ robust runs
+class Budget:
+    """A run's wall-clock allowance: scripts check :meth:`allows` before each stage and stop cleanly (writing
+    what finished) instead of being killed at the device tool's limit."""
+
+    def __init__(self, seconds: float):
+        self.seconds = float(seconds)
+        self.started = time.monotonic()
+
+    def used(self) -> float:
+        return time.monotonic() - self.started
+
+    def left(self) -> float:
+        return self.seconds - self.used()
+
+    def allows(self, estimate_s: float = 0.0) -> bool:
+        """Whether a stage expected to take ``estimate_s`` seconds still fits."""
+        return self.left() > estimate_s
+
+
+def guarded(row: dict, label: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, or None when it raises: the error goes into ``row[label + "_failed"]`` (type and
+    message, 400 characters) and is printed with the last frames of its traceback, so one failing stage costs
+    only its own result."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as err:      # noqa: BLE001 - any failure of one stage is a result to report
+        row[label + "_failed"] = f"{type(err).__name__}: {err}"[:400]
+        frames = traceback.format_exception(type(err), err, err.__traceback__)
+        print(f"  {label} failed: {row[label + '_failed']}\n    " + "    ".join(frames[-3:]).rstrip(), flush=True)
+        return None
+
+
+def out_dir(default: str = "out") -> Path:
+    """Where results go: ``$OUT`` (set by the device tool on the GPU machine) or ``default``; created."""
+    path = Path(os.environ.get("OUT") or default)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_json(path, payload) -> Path:
+    """Write ``payload`` as indented JSON atomically (a temporary file renamed over ``path``), so a run killed
+    while writing still leaves the previous complete file. Non-JSON values (numpy scalars, paths) become
+    numbers or strings."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=_json_default))
+    os.replace(tmp, path)
+    return path
+
+
+def _json_default(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)
+
+
+# ------------------------------------------------------------------------------------------------------ output
+def _cell(value, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, str):
+        return value
+    return format(value, fmt)
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """A plain-text table: ``columns`` are ``(key, header, format)``; missing or NaN cells print as ``-``;
+    strings print as they are; each column as wide as its widest cell, numbers right-aligned."""
+    cells = [[_cell(row.get(key), fmt) for key, _, fmt in columns] for row in rows]
+    widths = [max([len(header)] + [len(r[i]) for r in cells]) for i, (_, header, _) in enumerate(columns)]
+    numeric = [any(isinstance(row.get(key), (int, float)) for row in rows) for key, _, _ in columns]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    return "\n".join([line([h for _, h, _ in columns]), line(["-" * w for w in widths])] + [line(r) for r in cells])
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]], title: str | None = None) -> None:
+    if title:
+        print(f"\n{title}")
+    print(format_table(rows, columns), flush=True)
+
+
+def environment() -> dict:
+    """What a result was measured with: date, host, Python, the git commit of this checkout (when there is a
+    .git), and the GPU and library versions that are importable (nothing is imported that is not already)."""
+    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "python": sys.version.split()[0]}
+    root = Path(__file__).resolve().parent.parent
+    try:
+        info["commit"] = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        info["commit"] = None
+    for name in ("torch", "tvm", "onnxruntime", "transformers", "onnx"):
+        module = sys.modules.get(name)
+        if module is not None:
+            info[name] = getattr(module, "__version__", "?")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+# ---------------------------------------------------------------------------------------------- CUDA tool chain
+def source_key(src: str) -> str:
+    """The key a CUDA source's cubin is stored under: the first 24 hex digits of its SHA-256."""
+    return hashlib.sha256(src.encode()).hexdigest()[:24]
+
+
+def ptxas_report(text: str) -> dict:
+    """Registers, spill stores / loads and stack frame (bytes) from ``nvcc -Xptxas -v`` output, over every kernel
+    reported (a module may hold several, e.g. split-KV attention's tile-row and merge kernels): the most
+    registers, the spill and stack bytes summed; None for a figure the text does not give."""
+    def values(pattern, group=1):
+        return [int(found.group(group)) for found in re.finditer(pattern, text)]
+
+    spills = r"(\d+) bytes spill stores, (\d+) bytes spill loads"
+    registers, stores, loads = values(r"Used (\d+) registers"), values(spills, 1), values(spills, 2)
+    stacks = values(r"(\d+) bytes stack frame")
+    return {"registers": max(registers) if registers else None, "spill_stores": sum(stores) if stores else None,
+            "spill_loads": sum(loads) if loads else None, "stack_frame": sum(stacks) if stacks else None}
+
+
+def nvcc_cubin(src: str, cubin: Path, arch: str = "sm_90", *, fast_math: bool = False, gencode: bool = False,
+               nvcc: str = "nvcc") -> dict:
+    """Compile CUDA source ``src`` into ``cubin`` with ``nvcc -cubin -O3 -Xptxas -v``; returns
+    :func:`ptxas_report`'s figures plus ``cubin`` (the file name). ``fast_math`` adds ``--use_fast_math`` (TVM's
+    own nvcc flags); ``gencode`` names the architecture as ``-gencode=arch=compute_X,code=sm_X`` (needed for
+    ``sm_90a``: the ``-arch`` shorthand also runs a plain sm_90 pass) instead of ``-arch=``."""
+    cubin = Path(cubin)
+    cu = cubin.with_suffix(".cu")
+    cu.write_text(src)
+    digits = arch.removeprefix("sm_")
+    flags = [f"-gencode=arch=compute_{digits},code=sm_{digits}"] if gencode else [f"-arch={arch}"]
+    flags += ["-cubin", "-O3"] + (["--use_fast_math"] if fast_math else []) + ["-Xptxas", "-v"]
+    try:
+        proc = subprocess.run([nvcc, *flags, "-o", str(cubin), str(cu)], capture_output=True, text=True)
+    finally:
+        cu.unlink(missing_ok=True)
+    text = proc.stdout + proc.stderr
+    if proc.returncode:
+        raise RuntimeError(f"nvcc failed for {cubin.name}:\n{text[-3000:]}")
+    return {**ptxas_report(text), "cubin": cubin.name}

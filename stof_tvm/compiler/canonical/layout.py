@@ -1,0 +1,123 @@
+"""Layout detours exporters take on the way into attention, removed.
+
+- :class:`SingleConcat`: ``concat((x,))`` -> ``x``. transformers 5's GPT-2 appends K and V to an empty cache
+  (``torch.cat([empty, k])``); the exporter drops the empty part and leaves a concat of one tensor between the
+  head split and the attention product.
+- :class:`TransposeThrough3D`: ``reshape(permute_dims(reshape(x, [B*H, S, D]), [0, 2, 1]), [B, H, D, S])`` ->
+  ``permute_dims(x, [0, 1, 3, 2])`` (the dynamo exporter's K^T of SDPA's decomposition, over 3-D batches).
+- :class:`PermutePairs`: ``permute_dims(permute_dims(x, a), b)`` -> one permute (or ``x``), so that K's head split
+  reads ``permute_dims(reshape(linear), [0, 2, 3, 1])``, the form the QKV projection matcher takes.
+- :class:`FlatLinear`: ``reshape(matmul(reshape(x, [M, K]), W) (+ b), [..., N])`` -> ``matmul(x', W) (+ b)`` with
+  ``x'`` = ``x`` on the output's leading shape: HF's ``Conv1D`` (GPT-2) flattens its input to 2-D around
+  ``addmm``; on the model's own shape the linear layer reads the LayerNorm (or the GELU reads the linear)
+  directly, as in every other model.
+"""
+from __future__ import annotations
+
+import math
+
+from tvm import relax
+from tvm.relax.dpl import is_const, is_op, wildcard
+
+from ..layout import fold_permute_pairs
+from .base import Rule, op_name, resolve, rewrite_matches, tensor_shape
+
+
+class SingleConcat(Rule):
+    """``concat((x,), axis)`` -> ``x``."""
+
+    name = "single_concat"
+    pattern = is_op("relax.concat")(wildcard())
+
+    def apply(self, func):
+        var2val = relax.analysis.get_var2val(func)
+
+        def rewrite(expr, matches):
+            parts = resolve(expr.args[0], var2val)
+            if not isinstance(parts, relax.Tuple) or len(parts.fields) != 1:
+                return None
+            return parts.fields[0]
+
+        return rewrite_matches(self.pattern, rewrite, func)
+
+
+def _axes(call) -> list[int] | None:
+    axes = call.attrs.axes
+    return None if axes is None else [int(a) for a in axes]
+
+
+class TransposeThrough3D(Rule):
+    """A last-two-axes transpose of a [B, H, S, D] tensor written over its [B*H, S, D] view -> one 4-D permute."""
+
+    name = "transpose_through_3d"
+    _x = wildcard()
+    _inner = is_op("relax.reshape")(_x, wildcard())
+    pattern = is_op("relax.reshape")(is_op("relax.permute_dims")(_inner), wildcard())
+
+    def apply(self, func):
+        var2val = relax.analysis.get_var2val(func)
+
+        def rewrite(expr, matches):
+            x = matches[self._x]
+            permute = resolve(expr.args[0], var2val)
+            shape, flat, out = tensor_shape(x), tensor_shape(matches[self._inner]), tensor_shape(expr)
+            if shape is None or flat is None or out is None or len(shape) != 4 or _axes(permute) != [0, 2, 1]:
+                return None
+            b, h, s, d = shape
+            if flat != (b * h, s, d) or out != (b, h, d, s):
+                return None
+            return relax.op.permute_dims(x, [0, 1, 3, 2])
+
+        return rewrite_matches(self.pattern, rewrite, func)
+
+
+class PermutePairs(Rule):
+    """``permute_dims`` of a ``permute_dims`` -> one permute, or its input when they cancel."""
+
+    name = "permute_pairs"
+
+    def apply(self, func):
+        var2val = relax.analysis.get_var2val(func)
+        pairs = [value for value in var2val.values()
+                 if op_name(value) == "relax.permute_dims" and _axes(value) is not None
+                 and op_name(resolve(value.args[0], var2val)) == "relax.permute_dims"
+                 and _axes(resolve(value.args[0], var2val)) is not None]
+        if not pairs:
+            return None
+        return relax.analysis.remove_all_unused(fold_permute_pairs(func))
+
+
+class FlatLinear(Rule):
+    """A linear layer written on a 2-D view of its input and reshaped back -> the linear on the input's shape."""
+
+    name = "flat_linear"
+    _x, _w, _b = wildcard(), wildcard(), is_const()
+    _matmul = is_op("relax.matmul")(is_op("relax.reshape")(_x, wildcard()), _w)
+    _linear = is_op("relax.add")(_matmul, _b) | is_op("relax.add")(_b, _matmul) | _matmul
+    pattern = is_op("relax.reshape")(_linear, wildcard())
+
+    def apply(self, func):
+        var2val = relax.analysis.get_var2val(func)
+
+        def rewrite(expr, matches):
+            x, w = matches[self._x], matches[self._w]
+            x_shape, w_shape, out = tensor_shape(x), tensor_shape(w), tensor_shape(expr)
+            flat = tensor_shape(resolve(matches[self._matmul], var2val).args[0])
+            if None in (x_shape, w_shape, out, flat) or len(w_shape) != 2 or len(out) < 3 or len(flat) != 2:
+                return None
+            k, n = w_shape
+            if out[-1] != n or flat[1] != k or math.prod(out[:-1]) != flat[0] or math.prod(x_shape) != flat[0] * k:
+                return None
+            if x_shape != out[:-1] + (k,):       # the flattening also merged heads (attention's output projection)
+                x = relax.op.reshape(x, list(out[:-1]) + [k])
+            matmul = matches[self._matmul]
+            y = relax.op.matmul(x, w, out_dtype=str(matmul.ty.dtype))
+            if self._b in matches:
+                bias = matches[self._b]
+                if tensor_shape(bias) not in ((n,), (), (1,)):
+                    return None
+                added = resolve(matches[self._linear], var2val)
+                y = relax.op.add(y, bias) if added.args[1].same_as(bias) else relax.op.add(bias, y)
+            return y
+
+        return rewrite_matches(self.pattern, rewrite, func)

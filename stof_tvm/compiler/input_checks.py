@@ -1,0 +1,78 @@
+"""Make ``main`` safe for any input values, and let it report the ones outside their valid range.
+
+- :func:`clip_gathers`: every ``take`` whose indices come from the inputs (embedding lookups of token ids)
+  clamps them into the table (``mode="clip"``) instead of trusting them (``"fast"``): an out-of-range token id
+  can no longer read outside the table (a segfault on the CPU; on a GPU a fault that can end the process's CUDA
+  context).
+- :func:`add_value_checks`: ``main`` also returns ``stof_value_errors``, an int64 vector with, per checked input,
+  how many of its values are outside ``[low, high)`` (token ids: the embedding rows; an attention mask: 0 / 1),
+  computed on the device with the forward pass. The runtime reads these few bytes after the call and raises a
+  clear error when one is not 0, so no input is ever copied to the host to be checked.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import tvm
+from tvm import relax
+
+VALUE_ERRORS = "stof_value_errors"
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueCheck:
+    """Values of input ``name`` must lie in ``[low, high)``."""
+
+    name: str
+    low: int
+    high: int
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "low": self.low, "high": self.high}
+
+
+@relax.expr_functor.mutator
+class _ClipGathers(relax.PyExprMutator):
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.take" and call.attrs.mode == "fast"
+                and not isinstance(call.args[1], tvm.ir.expr.Constant)):
+            return relax.op.take(call.args[0], call.args[1], call.attrs.axis, mode="clip")
+        return call
+
+
+def clip_gathers(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with every input-indexed ``take`` of ``main`` clamping its indices."""
+    mod = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
+    mod["main"] = _ClipGathers().visit_expr(mod["main"])
+    return mod
+
+
+def _out_of_range_count(value: relax.Expr, check: ValueCheck) -> relax.Expr:
+    dtype = str(value.ty.dtype)
+    outside = relax.op.logical_or(relax.op.less(value, relax.const(check.low, dtype)),
+                                  relax.op.greater_equal(value, relax.const(check.high, dtype)))
+    return relax.op.sum(relax.op.astype(outside, "int64"))
+
+
+def add_value_checks(mod: tvm.IRModule, checks: list[ValueCheck]) -> tuple[tvm.IRModule, int | None]:
+    """``main`` returning its outputs and then ``stof_value_errors`` (``[len(checks)]`` int64); returns the module
+    and the position of that output (None when there is nothing to check: ``main`` is unchanged)."""
+    if not checks:
+        return mod, None
+    func = mod["main"]
+    params = {p.name: p for p in func.params}
+    counts = relax.op.stack([_out_of_range_count(params[c.name], c) for c in checks], axis=0)
+    errors = relax.Var(VALUE_ERRORS, relax.TensorType([len(checks)], "int64"))
+    if isinstance(func.ret_ty, relax.TupleType):
+        types = list(func.ret_ty.fields)
+        fields = [relax.TupleGetItem(func.body.body, i) for i in range(len(types))]
+    else:
+        types, fields = [func.ret_ty], [func.body.body]
+    block = relax.DataflowBlock([relax.VarBinding(errors, counts)])      # one fused reduction per input
+    body = relax.SeqExpr(list(func.body.blocks) + [block], relax.Tuple(fields + [errors]))
+    checked = relax.Function(func.params, body, relax.TupleType(types + [errors.ty]), func.is_pure, func.attrs)
+    mod = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
+    mod["main"] = checked
+    mod = relax.transform.Normalize()(mod)
+    return mod, len(fields)

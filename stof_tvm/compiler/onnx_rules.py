@@ -1,0 +1,152 @@
+"""ONNX-level rewrites of exporter forms that TVM's ONNX importer cannot take, run before the import.
+
+Each :class:`OnnxRule` handles one form; ``apply(model) -> model | None`` (None: nothing to rewrite), composed in
+:data:`RULES` and run by :func:`apply_rules` on the model whose input shapes are already static and whose shape
+computations are folded (:func:`.onnx_import.fold_shape_computations`), so that shapes are known. The Relax-level
+canonical form comes later (:mod:`.canonical`); these rules only make the graph importable, in the operator forms
+that canonical form reads.
+
+- :class:`AttentionOp`: the ``Attention`` operator of opset 23 (the dynamo exporter's SDPA), which TVM's importer
+  confuses with onnxruntime's ``com.microsoft.Attention`` (``KeyError: 'num_heads'``), becomes
+  ``MatMul(Q, K^T) * scale``, its mask (``Where(mask, scores, lowest)`` for a boolean one, ``Add`` for a float
+  one; the causal flag a constant lower-triangular ``Where``), ``Softmax`` and ``MatMul(P, V)``: the attention
+  form the matcher reads. Forms outside the SDPA subset (KV cache inputs, softcap, the QK output modes, 3-D
+  inputs) are refused with a clear error.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+
+class OnnxRule:
+    """One ONNX rewrite; subclasses set ``name`` and implement :meth:`apply`."""
+
+    name = "onnx-rule"
+
+    def apply(self, model: onnx.ModelProto) -> onnx.ModelProto | None:    # pragma: no cover - interface
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<onnx rule {self.name}>"
+
+
+def _with_nodes(model: onnx.ModelProto, nodes: list[onnx.NodeProto]) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
+def _constant_node(name: str, value: np.ndarray) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], name=f"stof_rule_{name}",
+                            value=numpy_helper.from_array(np.asarray(value), name))
+
+
+def _attributes(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _value_infos(model: onnx.ModelProto) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+    """From onnx's shape inference: the static shapes (where every dim is known) and element types by name."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    shapes, types = {}, {}
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+        ttype = vi.type.tensor_type
+        types[vi.name] = ttype.elem_type
+        if ttype.HasField("shape") and all(d.HasField("dim_value") for d in ttype.shape.dim):
+            shapes[vi.name] = tuple(int(d.dim_value) for d in ttype.shape.dim)
+    return shapes, types
+
+
+class AttentionOp(OnnxRule):
+    """The opset-23 ``Attention`` operator (4-D Q/K/V, no KV cache) -> MatMul, scale, mask, Softmax, MatMul."""
+
+    name = "attention-op"
+
+    def apply(self, model):
+        if not any(n.op_type == "Attention" and n.domain in ("", "ai.onnx") for n in model.graph.node):
+            return None
+        shapes, types = _value_infos(model)
+        used = {name for n in model.graph.node for name in n.input} | {o.name for o in model.graph.output}
+        nodes = []
+        for node in model.graph.node:
+            if node.op_type == "Attention" and node.domain in ("", "ai.onnx"):
+                nodes.extend(self._expand(node, shapes, types, used))
+            else:
+                nodes.append(node)
+        return _with_nodes(model, nodes)
+
+    @staticmethod
+    def _refuse(node: onnx.NodeProto, why: str):
+        raise ValueError(f"model: the ONNX Attention operator at node {node.name or node.output[0]!r} {why}; "
+                         f"stof-tvm takes 4-D Q/K/V with an optional boolean or additive mask and is_causal")
+
+    def _expand(self, node, shapes, types, used) -> list[onnx.NodeProto]:
+        attrs = _attributes(node)
+        inputs = list(node.input) + [""] * (6 - len(node.input))
+        q, k, v, mask, past_key, past_value = inputs[:6]
+        if past_key or past_value:
+            self._refuse(node, "has KV-cache inputs (past_key / past_value)")
+        if any(name in used for name in node.output[1:] if name):
+            self._refuse(node, "has its present-KV or QK outputs used")
+        if attrs.get("softcap", 0.0) or attrs.get("qk_matmul_output_mode", 0):
+            self._refuse(node, "uses softcap or a QK output mode")
+        if "q_num_heads" in attrs or "kv_num_heads" in attrs or len(shapes.get(q, (0,) * 4)) != 4:
+            self._refuse(node, "has 3-D inputs (q_num_heads / kv_num_heads)")
+        q_shape, k_shape = shapes.get(q), shapes.get(k)
+        if q_shape is not None and k_shape is not None and q_shape[1] != k_shape[1]:
+            self._refuse(node, f"groups {q_shape[1]} query heads over {k_shape[1]} key heads")
+        scale = attrs.get("scale")
+        if scale is None:
+            if q_shape is None:
+                self._refuse(node, "has no scale attribute and a query of unknown head size")
+            scale = 1.0 / float(np.sqrt(q_shape[3]))
+        prefix = f"{node.name or node.output[0]}_stof"
+        dtype = helper.tensor_dtype_to_np_dtype(types.get(q, onnx.TensorProto.FLOAT))
+        out = [helper.make_node("Transpose", [k], [f"{prefix}_kt"], perm=[0, 1, 3, 2]),
+               helper.make_node("MatMul", [q, f"{prefix}_kt"], [f"{prefix}_qk"]),
+               _constant_node(f"{prefix}_scale", np.array(scale, dtype)),
+               helper.make_node("Mul", [f"{prefix}_qk", f"{prefix}_scale"], [f"{prefix}_scores"])]
+        scores = f"{prefix}_scores"
+        # masked scores get the lowest finite value (not -inf as the operator's definition: a fully masked row
+        # stays finite, and the canonical form has a finite fill)
+        lowest = f"{prefix}_lowest"
+        if mask and types.get(mask) == onnx.TensorProto.BOOL or attrs.get("is_causal", 0):
+            out.append(_constant_node(lowest, np.array(np.finfo(dtype).min, dtype)))
+        if mask and types.get(mask) == onnx.TensorProto.BOOL:
+            out.append(helper.make_node("Where", [mask, scores, lowest], [f"{prefix}_masked"]))
+            scores = f"{prefix}_masked"
+        elif mask:
+            out.append(helper.make_node("Add", [scores, mask], [f"{prefix}_masked"]))
+            scores = f"{prefix}_masked"
+        if attrs.get("is_causal", 0):
+            if q_shape is None or k_shape is None:
+                self._refuse(node, "is causal over a sequence of unknown length")
+            causal = np.tril(np.ones((q_shape[2], k_shape[2]), bool))
+            out += [_constant_node(f"{prefix}_causal", causal),
+                    helper.make_node("Where", [f"{prefix}_causal", scores, lowest], [f"{prefix}_causal_s"])]
+            scores = f"{prefix}_causal_s"
+        out += [helper.make_node("Softmax", [scores], [f"{prefix}_probs"], axis=-1),
+                helper.make_node("MatMul", [f"{prefix}_probs", v], [node.output[0]])]
+        return out
+
+
+RULES: list[OnnxRule] = [AttentionOp()]
+
+
+def apply_rules(model: onnx.ModelProto, rules: list[OnnxRule] | None = None) -> tuple[onnx.ModelProto, list[str]]:
+    """``model`` with each of ``rules`` (default :data:`RULES`) applied once, in order; also the names of the rules
+    that changed something."""
+    applied = []
+    for rule in RULES if rules is None else rules:
+        out = rule.apply(model)
+        if out is not None:
+            model = out
+            applied.append(rule.name)
+    return model, applied
+
+
+__all__ = ["OnnxRule", "AttentionOp", "RULES", "apply_rules"]

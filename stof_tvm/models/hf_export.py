@@ -1,0 +1,286 @@
+"""Hugging Face transformers models built from config objects (no downloads) and exported to ONNX by torch.
+
+These are the graphs users bring: ``torch.onnx.export`` of a transformers model, by the TorchScript exporter
+(``dynamo=False``) or the dynamo exporter, with eager or SDPA attention. The test corpus
+(tests/test_hf_exports.py) and the end-to-end benchmarks build their models here.
+
+- :func:`build_model` ``(family, size, attn, seed)``: a seeded model in eval mode whose weights are drawn with a
+  larger spread than the published initialisation (``initializer_range`` 0.02 -> :data:`INIT_RANGE`), so that
+  attention is far from uniform and a wrong rewrite of the scores shows well above 1e-3;
+- :func:`example_inputs` ``(family, batch, seq_len, padded_rows, seed)``: int64 token ids and an attention
+  mask whose last ``padded_rows`` rows are padded (the padding at the right end of the row, ids set to the
+  model's pad token); ViT: float32 pixel values (no mask, its length is fixed by the image size);
+- :func:`export` ``(model_or_family, path, exporter=..., opset=..., batch=..., seq_len=..., dynamic=...)``:
+  one ONNX file, inputs named ``input_ids`` / ``attention_mask`` (``pixel_values``), one output
+  ``last_hidden_state``; dynamic axes named ``batch`` and ``sequence``;
+- :func:`torch_outputs`: the torch model's ``last_hidden_state`` in float32 on the CPU;
+- :func:`cached_export`: :func:`export` through a disk cache keyed by the torch and transformers versions, this
+  module's source and every export parameter (exports take seconds each; the corpus makes dozens).
+
+Families (:data:`FAMILIES`): ``bert``, ``roberta``, ``distilbert``, ``gpt2``, ``vit``, ``t5`` (T5EncoderModel),
+``bigbird`` (original_full attention), ``bigbird-sparse`` (block_sparse), ``longformer``. Sizes
+(:data:`SIZES`): ``tiny`` (2 layers, hidden 128, head_dim 64), ``tiny-d32`` (the same with 4 heads of 32),
+``base`` (the published base model's shape: bert-base, roberta-base, distilbert-base, gpt2, vit-base, t5-base
+encoder, bigbird-roberta-base, longformer-base) and ``large`` (bert-large). Attention ``sdpa`` exists where
+transformers implements it (:func:`attention_kinds`).
+
+torch and transformers are imported when a function needs them: they are test extras, not stof-tvm
+dependencies.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+
+FAMILIES = ("bert", "roberta", "distilbert", "gpt2", "vit", "t5", "bigbird", "bigbird-sparse", "longformer")
+SIZES = ("tiny", "tiny-d32", "base", "large")
+EXPORTERS = ("torchscript", "dynamo")
+ATTENTIONS = ("eager", "sdpa")
+INIT_RANGE = 0.15                # standard deviation of the random weights (published models: 0.02)
+VOCAB_TINY = 1000
+OUTPUT = "last_hidden_state"
+
+# (hidden, layers, heads, ffn) per size; "large" exists for bert only
+_SHAPES = {"tiny": (128, 2, 2, 256), "tiny-d32": (128, 2, 4, 256), "base": (768, 12, 12, 3072),
+           "large": (1024, 24, 16, 4096)}
+_NO_SDPA = ("bigbird", "bigbird-sparse", "longformer")
+# tiny ViT: 64x64 images in 8x8 patches (64 patches + the class token); base: 224x224 in 16x16 (197 tokens)
+_VIT_IMAGE = {"tiny": (64, 8), "tiny-d32": (64, 8), "base": (224, 16)}
+# BigBird's block-sparse attention needs seq_len > (5 + 2 * random blocks) * block: 7 * 8 = 56 tokens when tiny
+BIGBIRD_BLOCK = {"tiny": (8, 1), "tiny-d32": (8, 1), "base": (64, 3)}       # block_size, num_random_blocks
+LONGFORMER_WINDOW = {"tiny": 16, "tiny-d32": 16, "base": 512}
+
+
+def attention_kinds(family: str) -> tuple[str, ...]:
+    """The ``attn_implementation`` values transformers offers for ``family``."""
+    _check_family(family)
+    return ("eager",) if family in _NO_SDPA else ATTENTIONS
+
+
+def _check_family(family: str) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
+
+
+def _check_size(family: str, size: str) -> None:
+    if size not in SIZES:
+        raise ValueError(f"size: expected one of {SIZES}, got {size!r}")
+    if size == "large" and family != "bert":
+        raise ValueError(f"size: 'large' exists for bert only (bert-large), not {family!r}")
+
+
+def make_config(family: str, size: str = "tiny", attn: str = "eager"):
+    """The transformers config object of ``family`` at ``size`` with ``attn_implementation=attn``."""
+    import transformers as tf
+
+    _check_family(family)
+    _check_size(family, size)
+    if attn not in attention_kinds(family):
+        raise ValueError(f"attn: {family} offers {attention_kinds(family)}, got {attn!r}")
+    hidden, layers, heads, ffn = _SHAPES[size]
+    tiny = size.startswith("tiny")
+    vocab = {"vocab_size": VOCAB_TINY} if tiny else {}
+    common = dict(attn_implementation=attn, initializer_range=INIT_RANGE)
+    bert_like = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     intermediate_size=ffn, **vocab, **common)
+    if family == "bert":
+        return tf.BertConfig(**bert_like, **({"max_position_embeddings": 512} if tiny else {}))
+    if family == "roberta":
+        return tf.RobertaConfig(**bert_like, max_position_embeddings=514)
+    if family == "distilbert":
+        return tf.DistilBertConfig(dim=hidden, n_layers=layers, n_heads=heads, hidden_dim=ffn, **vocab, **common)
+    if family == "gpt2":
+        special = {"bos_token_id": VOCAB_TINY - 1, "eos_token_id": VOCAB_TINY - 1} if tiny else {}
+        return tf.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=ffn, **vocab, **special,
+                             use_cache=False, **({"n_positions": 512} if tiny else {}), **common)
+    if family == "vit":
+        image, patch = _VIT_IMAGE[size]
+        return tf.ViTConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                            intermediate_size=ffn, image_size=image, patch_size=patch, **common)
+    if family == "t5":
+        # T5 draws its weights from initializer_factor (1.0 = the published scales, already far from uniform)
+        return tf.T5Config(d_model=hidden, num_layers=layers, num_heads=heads, d_kv=hidden // heads, d_ff=ffn,
+                           feed_forward_proj="relu", **vocab, use_cache=False, attn_implementation=attn)
+    if family in ("bigbird", "bigbird-sparse"):
+        block, randoms = BIGBIRD_BLOCK[size]
+        kind = "block_sparse" if family == "bigbird-sparse" else "original_full"
+        return tf.BigBirdConfig(**bert_like, attention_type=kind, block_size=block, num_random_blocks=randoms,
+                                **({"max_position_embeddings": 512} if tiny else {}))
+    window = LONGFORMER_WINDOW[size]
+    return tf.LongformerConfig(**bert_like, attention_window=[window] * layers, max_position_embeddings=514)
+
+
+def _model_class(family: str):
+    import transformers as tf
+
+    return {"bert": tf.BertModel, "roberta": tf.RobertaModel, "distilbert": tf.DistilBertModel,
+            "gpt2": tf.GPT2Model, "vit": tf.ViTModel, "t5": tf.T5EncoderModel, "bigbird": tf.BigBirdModel,
+            "bigbird-sparse": tf.BigBirdModel, "longformer": tf.LongformerModel}[family]
+
+
+def _wrapped(model, family: str):
+    """``model`` inside a module that takes its inputs positionally and returns only ``last_hidden_state``: the
+    exporters then see plain tensors in and one tensor out (no ModelOutput, no pooler, no cache)."""
+    import torch
+
+    class TextEncoder(torch.nn.Module):
+        input_names = ("input_ids", "attention_mask")
+
+        def __init__(self):
+            super().__init__()
+            self.model, self.family = model, family
+
+        def forward(self, input_ids, attention_mask):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True).last_hidden_state
+
+    class ImageEncoder(torch.nn.Module):
+        input_names = ("pixel_values",)
+
+        def __init__(self):
+            super().__init__()
+            self.model, self.family = model, family
+
+        def forward(self, pixel_values):
+            return self.model(pixel_values=pixel_values, return_dict=True).last_hidden_state
+
+    return (ImageEncoder if family == "vit" else TextEncoder)().eval()
+
+
+def build_model(family: str, size: str = "tiny", attn: str = "eager", seed: int = 0):
+    """A ``family`` model at ``size`` with random weights drawn from ``seed`` (same seed, same weights), in eval
+    mode, wrapped so that it takes the inputs of :func:`example_inputs` positionally and returns
+    ``last_hidden_state``. ``model.family`` and ``model.input_names`` say what it is."""
+    import torch
+
+    config = make_config(family, size, attn)
+    torch.manual_seed(seed)
+    extra = {"add_pooling_layer": False} if family == "vit" else {}      # ViT's pooler: unused weights
+    return _wrapped(_model_class(family)(config, **extra).eval(), family)
+
+
+def _family_of(model) -> str:
+    return getattr(model, "family", None) or ""
+
+
+def sequence_length(family: str, size: str = "tiny", seq_len: int | None = None) -> int:
+    """Tokens the model sees: ``seq_len``, except ViT, whose length is fixed by its image (patches + 1)."""
+    if family == "vit":
+        image, patch = _VIT_IMAGE[size]
+        return (image // patch) ** 2 + 1
+    if seq_len is None:
+        raise ValueError("seq_len: required for a text model")
+    return int(seq_len)
+
+
+def example_inputs(family: str, batch: int, seq_len: int, padded_rows: int = 1, seed: int = 0,
+                   size: str = "tiny") -> dict[str, np.ndarray]:
+    """Inputs by name. Text models: ``input_ids`` [batch, seq_len] int64 (random ids of the model's vocabulary,
+    avoiding special ids) and ``attention_mask`` [batch, seq_len] int64 whose last ``padded_rows`` rows
+    keep only their first ~5/8 tokens (at batch 1 the only row is padded); padded positions hold the
+    pad token (RoBERTa's and Longformer's position ids depend on it). ViT: ``pixel_values`` [batch, 3, H, W]
+    float32 (``seq_len`` and ``padded_rows`` do not apply)."""
+    _check_family(family)
+    rng = np.random.default_rng(seed)
+    config = make_config(family, size)
+    if family == "vit":
+        return {"pixel_values": rng.standard_normal((batch, 3, config.image_size, config.image_size),
+                                                    dtype=np.float32)}
+    ids = rng.integers(4, config.vocab_size, (batch, seq_len), dtype=np.int64)
+    mask = np.ones((batch, seq_len), np.int64)
+    pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+    keep = max(1, (seq_len * 5) // 8)
+    for row in range(batch - min(padded_rows, batch), batch):
+        mask[row, keep:] = 0
+        ids[row, keep:] = pad_id
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _torch_args(model, inputs: dict) -> tuple:
+    import torch
+
+    return tuple(torch.from_numpy(np.ascontiguousarray(inputs[name])) for name in model.input_names)
+
+
+def torch_outputs(model, inputs: dict) -> np.ndarray:
+    """``last_hidden_state`` of the (wrapped) torch ``model`` on ``inputs``, float32, on the CPU."""
+    import torch
+
+    with torch.no_grad():
+        return model.float()(*_torch_args(model, inputs)).numpy().astype(np.float32)
+
+
+def export(model_or_family, path, *, exporter: str = "torchscript", opset: int = 17, batch: int = 2,
+           seq_len: int = 64, dynamic: bool = False, size: str = "tiny", attn: str = "eager",
+           seed: int = 0):
+    """Export a model (a :func:`build_model` result, or a family name built with ``size``/``attn``/``seed``)
+    to ``path`` with torch's ``exporter`` at ``opset``, traced on :func:`example_inputs` of ``batch`` x
+    ``seq_len``. ``dynamic``: the batch and sequence axes (ViT: the batch) become symbolic, named ``batch``
+    and ``sequence``. Returns ``path``. Raises whatever torch raises when the exporter cannot export the
+    model (the corpus records those as not exportable)."""
+    import torch
+
+    if exporter not in EXPORTERS:
+        raise ValueError(f"exporter: expected one of {EXPORTERS}, got {exporter!r}")
+    model = build_model(model_or_family, size, attn, seed) if isinstance(model_or_family, str) else model_or_family
+    family = _family_of(model)
+    args = _torch_args(model, example_inputs(family, batch, seq_len, seed=seed, size=size))
+    names = list(model.input_names)
+    axes = {"batch": 0} if family == "vit" else {"batch": 0, "sequence": 1}
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    kwargs = dict(input_names=names, output_names=[OUTPUT], opset_version=opset)
+    with torch.no_grad():
+        if exporter == "torchscript":
+            dynamic_axes = None
+            if dynamic:
+                dynamic_axes = {name: {axis: label for label, axis in axes.items()} for name in names}
+                dynamic_axes[OUTPUT] = {axis: label for label, axis in axes.items()}
+            torch.onnx.export(model, args, path, dynamo=False, dynamic_axes=dynamic_axes, **kwargs)
+        else:
+            shapes = None
+            if dynamic:
+                dims = {label: torch.export.Dim(label, min=1 if label == "batch" else 2) for label in axes}
+                shapes = tuple({axis: dims[label] for label, axis in axes.items()} for _ in names)
+            large = sum(p.numel() for p in model.parameters()) * 4 > (1 << 30)
+            torch.onnx.export(model, args, path, dynamo=True, dynamic_shapes=shapes, external_data=large,
+                              **kwargs)
+    return path
+
+
+def export_key(**params) -> str:
+    """A short hash of the torch and transformers versions, this module's source (the configs and weights it
+    builds) and the export parameters ``params``."""
+    import torch
+    import transformers
+
+    with open(__file__, "rb") as f:
+        source = hashlib.sha256(f.read()).hexdigest()
+    text = json.dumps({"torch": torch.__version__, "transformers": transformers.__version__, "source": source,
+                       **params}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cached_export(cache_dir, family: str, *, size: str = "tiny", attn: str = "eager", exporter: str = "torchscript",
+                  opset: int = 17, batch: int = 2, seq_len: int = 64, dynamic: bool = False, seed: int = 0) -> str:
+    """:func:`export` of ``family`` into ``cache_dir`` unless an export with the same parameters (and torch and
+    transformers versions) is already there; returns the ONNX path. A failed export is not cached."""
+    params = dict(family=family, size=size, attn=attn, exporter=exporter, opset=opset, batch=batch,
+                  seq_len=seq_len, dynamic=dynamic, seed=seed)
+    stem = f"{family}-{size}-{attn}-{exporter}{opset}-{'dyn' if dynamic else 'static'}-{export_key(**params)}"
+    path = os.path.join(os.fspath(cache_dir), stem, "model.onnx")
+    if not os.path.isfile(path):
+        tmp = os.path.join(os.fspath(cache_dir), stem + f".tmp{os.getpid()}", "model.onnx")
+        export(family, tmp, exporter=exporter, opset=opset, batch=batch, seq_len=seq_len, dynamic=dynamic,
+               size=size, attn=attn, seed=seed)
+        try:
+            os.replace(os.path.dirname(tmp), os.path.dirname(path))
+        except OSError:             # another process cached it first
+            pass
+    return path
+
+
+__all__ = ["FAMILIES", "SIZES", "EXPORTERS", "ATTENTIONS", "attention_kinds", "make_config", "build_model",
+           "example_inputs", "sequence_length", "torch_outputs", "export", "export_key", "cached_export"]

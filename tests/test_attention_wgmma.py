@@ -1,0 +1,198 @@
+"""Hopper wgmma attention kernel (schedules/attention_wgmma.py): knobs and argument checks, the parameter list
+(the block-wise kernel's), the fragment -> mask-bit mapping against the tiled format's bitmaps, the CPU twin's
+numerics at this kernel's tile shape, and the CUDA source compiled by nvcc for sm_90a (wgmma with P from
+registers, no spills, no serialised wgmma, setmaxnreg honoured; HGMMA in the SASS where cuobjdump exists).
+
+The kernel's numerics and speed need an H200: scripts/check_attention_wgmma_gpu.py."""
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import tvm
+
+from stof_tvm.schedules.attention_blockwise import BlockConfig, blockwise_attention_primfunc
+from stof_tvm.schedules.attention_wgmma import (BLOCK_M, WgmmaAttentionConfig, cpu_twin_primfunc, default_config,
+                                                fragment_position, mask_bit, mask_word, wgmma_attention_primfunc)
+from stof_tvm.schedules.templates.build import cuda_source, cuda_target
+from stof_tvm.schedules.templates.gemm_wgmma import nvcc_cubin
+from stof_tvm.sparse_formats import build_tiled, normalize_mask
+
+from attention_reference import assert_attention_close, numpy_dtype, random_qkv, reference_attention
+from hopper_checks import disassembler
+
+BASE = dict(batch=2, heads=3, seq_q=300, seq_k=300, head_dim=64, dtype="float16", mask_batch=1, mask_heads=1)
+
+
+def test_default_configs_fit_and_follow_the_head_dim():
+    for head_dim in (64, 128):
+        config = default_config(head_dim)
+        config.validate(head_dim)
+        assert config.shared_bytes(head_dim) <= 227 * 1024
+    assert default_config(128).stages == 2 and default_config(64).stages == 3
+
+
+@pytest.mark.parametrize("config, error", [
+    (WgmmaAttentionConfig(block_n=96), "block_n"),
+    (WgmmaAttentionConfig(stages=1), "stages"),
+    (WgmmaAttentionConfig(stages=True), "stages"),
+    (WgmmaAttentionConfig(pingpong=1), "pingpong"),
+    (WgmmaAttentionConfig(persistent=0), "persistent"),
+    (WgmmaAttentionConfig(block_n=128, stages=3), "shared memory"),   # at head_dim 128: 230 KiB
+])
+def test_bad_configs_are_refused(config, error):
+    with pytest.raises(ValueError, match=error):
+        wgmma_attention_primfunc(**dict(BASE, head_dim=128), config=config)
+
+
+@pytest.mark.parametrize("change, error", [
+    ({"head_dim": 80}, "head_dim"), ({"dtype": "float32"}, "dtype"), ({"mask_batch": 3}, "mask_batch"),
+    ({"mask_heads": 2}, "mask_heads"), ({"seq_q": 0}, "seq_q"), ({"scale": -1.0}, "scale"),
+    ({"out_layout": "bsd"}, "out_layout"),
+])
+def test_bad_arguments_are_refused(change, error):
+    with pytest.raises(ValueError, match=error):
+        wgmma_attention_primfunc(**dict(BASE, **change))
+    with pytest.raises(TypeError, match="WgmmaAttentionConfig"):
+        wgmma_attention_primfunc(**BASE, config=object())
+
+
+def _params(func):
+    return [(p.name, [str(x) for x in p.shape], p.dtype) for p in func.params]
+
+
+@pytest.mark.parametrize("out_layout", ["bhsd", "bshd"])
+def test_parameters_are_the_blockwise_kernels(out_layout):
+    """Same buffers, shapes (n_full / n_part symbolic) and dtypes as the block-wise kernel at 128 x block_n."""
+    for config in (WgmmaAttentionConfig(block_n=128), WgmmaAttentionConfig(block_n=64)):
+        ours = wgmma_attention_primfunc(**dict(BASE, mask_batch=2, mask_heads=3), config=config,
+                                        out_layout=out_layout)
+        theirs = blockwise_attention_primfunc(**dict(BASE, mask_batch=2, mask_heads=3), target_kind="llvm",
+                                              config=BlockConfig(block_m=BLOCK_M, block_n=config.block_n,
+                                                                 num_warps=4),
+                                              out_layout=out_layout)
+        assert _params(ours) == _params(theirs)
+        assert _params(ours)[4] == ("full_indices", ["n_full"], "int32")
+        assert ours.attrs["global_symbol"] == "wgmma_attention"
+
+
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_fragment_registers_read_the_bits_of_their_own_elements(block_n):
+    """Every accumulator register of every consumer thread, through mask_word / mask_bit, reads exactly the bit
+    the tiled format stored for its (row, column) of the tile."""
+    rng = np.random.default_rng(block_n)
+    mask = rng.random((1, 1, BLOCK_M, block_n)) < 0.5
+    fmt = build_tiled(mask, BLOCK_M, block_n)
+    assert fmt.part_bitmaps.shape[0] == 1
+    words = np.ascontiguousarray(fmt.part_bitmaps[0]).view("<u4").reshape(-1)
+    seen = np.zeros((BLOCK_M, block_n), dtype=int)
+    for c in range(2):
+        for w in range(4):
+            for lane in range(32):
+                g, qd = lane // 4, lane % 4
+                for j in range(block_n // 8):
+                    for hh in range(2):
+                        for e in range(2):
+                            row, col = fragment_position(c, w, lane, j, hh, e)
+                            bit = (int(words[mask_word(c, w, g, hh, j, block_n // 8)]) >> mask_bit(g, qd, e)) & 1
+                            assert bit == mask[0, 0, row, col], (c, w, lane, j, hh, e)
+                            seen[row, col] += 1
+    assert (seen == 1).all()      # the fragment covers the tile once
+
+
+_CPU = {}
+
+
+@pytest.mark.parametrize("mask, dtype, head_dim, block_n, out_layout", [
+    ("causal", "float16", 64, 128, "bhsd"),
+    ("random_empty", "bfloat16", 128, 64, "bshd"),
+])
+def test_cpu_twin_computes_the_kernels_function(mask, dtype, head_dim, block_n, out_layout):
+    batch, heads, seq = 2, 2, 150            # 150: two tile rows, the second partial
+    rng = np.random.default_rng(1)
+    if mask == "random_empty":
+        dense = rng.random((batch, heads, seq, seq)) < 0.2
+        dense[:, :, rng.random(seq) < 0.2, :] = False
+        mask = dense
+    mask4 = normalize_mask(mask, batch=batch, heads=heads, seq_q=seq)
+    config = WgmmaAttentionConfig(block_n=block_n)
+    func = cpu_twin_primfunc(batch=batch, heads=heads, seq_q=seq, seq_k=seq, head_dim=head_dim, dtype=dtype,
+                             mask_batch=mask4.shape[0], mask_heads=mask4.shape[1], config=config,
+                             out_layout=out_layout)
+    fn = tvm.compile(func, target=tvm.target.Target({"kind": "llvm"}))["blockwise_attention"]
+    q, k, v = random_qkv(batch, heads, seq, seq, head_dim, dtype)
+    fmt = build_tiled(mask4, BLOCK_M, block_n)
+    arrays = [fmt.full_indptr, fmt.full_indices if fmt.full_indices.size else np.zeros(1, np.int32),
+              fmt.part_indptr, fmt.part_indices if fmt.part_indices.size else np.zeros(1, np.int32),
+              fmt.part_bitmaps if fmt.part_bitmaps.size else np.zeros((1, 16, block_n // 8), np.uint64)]
+    shape = (batch, seq, heads, head_dim) if out_layout == "bshd" else q.shape
+    out = np.full(shape, np.nan, dtype=numpy_dtype(dtype))
+    dev = tvm.cpu()
+    args = [tvm.runtime.tensor(np.ascontiguousarray(a), dev) for a in (q, k, v, *arrays, out)]
+    fn(*args)
+    got = args[-1].numpy()
+    if out_layout == "bshd":
+        got = got.transpose(0, 2, 1, 3)
+    assert_attention_close(got, reference_attention(q, k, v, mask4, 1 / math.sqrt(head_dim)), mask4, dtype)
+
+
+@pytest.mark.parametrize("head_dim, dtype, config, out_layout", [
+    (64, "float16", WgmmaAttentionConfig(block_n=128, stages=3, pingpong=True), "bhsd"),
+    (128, "bfloat16", WgmmaAttentionConfig(block_n=128, stages=2, pingpong=False), "bshd"),
+    (128, "float16", WgmmaAttentionConfig(block_n=128, stages=2, persistent=True), "bhsd"),
+])
+def test_cuda_source_compiles_for_sm90a_without_spills(head_dim, dtype, config, out_layout, tmp_path):
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    func = wgmma_attention_primfunc(**dict(BASE, head_dim=head_dim, dtype=dtype), config=config,
+                                    out_layout=out_layout)
+    src = cuda_source(tvm.compile(tvm.IRModule({"main": func}), target=cuda_target("sm_90a")))
+    ab = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    for text in (f"wgmma.mma_async.sync.aligned.m64n{config.block_n}k16.f32.{ab}.{ab}",
+                 f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.{ab}.{ab}", "wgmma.wait_group.sync.aligned 1",
+                 "cp.async.mbarrier.arrive.noinc", "setmaxnreg.inc.sync.aligned.u32 232",
+                 "setmaxnreg.dec.sync.aligned.u32 40"):
+        assert text in src, text
+    # the P V product takes A from four 32-bit registers: "{d...}, {a0, a1, a2, a3}, b_desc"
+    assert re.search(rf"m64n{head_dim}k16\.f32\.{ab}\.{ab}\s+\{{[^}}]+\}},\s*\{{[^}}]+\}},", src)
+    assert ("bar.sync" in src) == config.pingpong and ("bar.arrive" in src) == config.pingpong
+    report = nvcc_cubin(src, tmp_path / "kernel.cubin")
+    assert report["stack_frame"] == report["spill_stores"] == report["spill_loads"] == 0, report
+    # C7514 (wgmma serialised), C7508 (setmaxnreg ignored) and C7515 would each cost the overlap
+    assert not [w for w in report["warnings"] if re.search(r"C75(14|08|15)", w)], report["warnings"]
+    tool = disassembler()
+    if tool is None:
+        return
+    sass = subprocess.run([tool, "--dump-sass", str(tmp_path / "kernel.cubin")], capture_output=True, text=True,
+                          check=True).stdout
+    assert re.search(rf"HGMMA\.64x{config.block_n}x16\.F32", sass)
+    assert not re.search(r"\b(LDL|STL)\b", sass)
+
+
+def test_attention_plan_opt_in_kernel_builds_for_sm90a(tmp_path):
+    """``AttentionPlan(kernel="wgmma")``: a CUDA sm_90 plan is built for sm_90a with the tiled format at 128 x
+    block_n (here without a GPU, saved to run elsewhere); other targets are refused."""
+    from stof_tvm.attention import AttentionPlan
+
+    plan = AttentionPlan("causal", (2, 3, 300, 64), "float16", kernel="wgmma",
+                         target={"kind": "cuda", "arch": "sm_90"})
+    assert plan.kernel == "wgmma" and plan.target["arch"] == "sm_90a"
+    assert plan.config == default_config(64)
+    assert plan.formats[4].shape[1:] == (BLOCK_M // 8, plan.config.block_n // 8)
+    saved = plan.save(tmp_path / "plan")
+    assert (tmp_path / "plan" / "plan.json").read_text().count('"wgmma"') == 1 and saved
+    with pytest.raises(ValueError, match="sm_90"):
+        AttentionPlan("causal", (2, 3, 300, 64), "float16", kernel="wgmma", target={"kind": "cuda", "arch": "sm_80"})
+    with pytest.raises(ValueError, match="Hopper"):
+        AttentionPlan("causal", (2, 3, 300, 64), "float16", kernel="wgmma", target="llvm")
+
+
+@pytest.mark.parametrize("persistent, blocks", [(False, 3 * 2 * 3), (True, 7)])
+def test_grid_is_one_block_per_work_item_or_sm_count_when_persistent(persistent, blocks):
+    """3 tile rows x 2 batches x 3 heads = 18 work items: 18 blocks, or 7 persistent blocks walking them."""
+    func = wgmma_attention_primfunc(**BASE, config=WgmmaAttentionConfig(persistent=persistent), sm_count=7)
+    assert re.search(rf"T\.thread_binding\({blocks}, thread=\"blockIdx\.x\"\)", func.script())

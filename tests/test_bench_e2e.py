@@ -1,0 +1,147 @@
+"""scripts/bench_e2e.py, the end-to-end harness: its pure parts (shapes, rows, compile options, comparisons, work
+counts, kernel classes), its torch attention under the sparse mask against the exported graph under the same mask,
+and (slow) the whole flow on the CPU: export, background compiles, torch baseline, checks, JSON and table."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import bench_e2e  # noqa: E402
+import e2e_models  # noqa: E402
+
+
+def test_parse_shape_and_rows():
+    assert bench_e2e.parse_shape("8x512") == (8, 512)
+    for bad in ("8", "0x128", "ax2"):
+        with pytest.raises(Exception, match="shape"):
+            bench_e2e.parse_shape(bad)
+    rows = bench_e2e.rows_to_run(["vit-base", "bert-base"], [(8, 512), (8, 128), (1, 128)])
+    # ViT's length is its patch grid + class token: 8x512 and 8x128 are one row
+    assert rows == [("vit-base", 8, 197), ("vit-base", 1, 197), ("bert-base", 8, 512), ("bert-base", 8, 128),
+                    ("bert-base", 1, 128)]
+    assert e2e_models.seq_len(e2e_models.spec("vit-base-384"), 128) == 577
+    with pytest.raises(ValueError, match="model"):
+        e2e_models.spec("bert-huge")
+
+
+def test_compile_options_of_each_stage():
+    args = bench_e2e.parser().parse_args(["--ours-options", '{"gemm": "mma"}'])
+    args.target, args.dtype = "cuda", "float16"
+    assert bench_e2e.compile_options("ours", args) == {"target": "cuda", "dtype": "float16", "cuda_graph": True,
+                                                       "gemm": "mma"}
+    assert bench_e2e.compile_options("ours-nograph", args)["cuda_graph"] is False
+    assert bench_e2e.compile_options("tvm-dense", args) == {"target": "cuda", "dtype": "float16", "kernel": "dense",
+                                                            "templates": False}
+    args.target = "llvm"
+    assert bench_e2e.compile_options("ours", args)["cuda_graph"] is False
+
+
+def test_summarise_counts_only_checked_baselines():
+    row = {"device": "cuda", "flops": 790e9, "bytes": 0.0,
+           "torch-eager_ms": 2.0, "torch-eager_ok": True, "torch-compile_ms": 1.0, "torch-compile_ok": False,
+           "ort_ms": 1.6, "ort_ok": True, "tvm-dense_ms": 4.0, "tvm-dense_ok": True,
+           "ours_ms": 0.8, "ours_ok": True, "ours-call_ms": 1.0, "ours-call_ok": True, "torch-flex_failed": "boom"}
+    got = bench_e2e.summarise(row, 2e-3)
+    assert got["best_baseline"] == "ort" and got["best_baseline_ms"] == 1.6      # compile was wrong: not counted
+    assert got["ours_vs_best"] == pytest.approx(2.0) and got["ours-call_vs_best"] == pytest.approx(1.6)
+    assert got["ours_vs_tvm"] == pytest.approx(5.0)
+    assert got["limit_ms"] == pytest.approx(1.0) and got["ours_fraction"] == pytest.approx(1.25)
+    assert got["status"] == "wrong:torch-compile error:torch-flex"
+    cpu = bench_e2e.summarise({"device": "cpu", "flops": 1.0, "bytes": 1.0, "ours_ms": 1.0, "ours_ok": True}, 2e-3)
+    assert "limit_ms" not in cpu and cpu["status"] == "ok" and "ours_vs_best" not in cpu
+    assert bench_e2e.summarise({"child_exit": -9}, 2e-3)["status"] == "exit:-9"
+
+
+def test_work_counts_weights_tokens_and_kept_pairs():
+    info = {"hidden": 8, "heads": 2, "head_dim": 4, "layers": 3, "matmul_weights": 100, "dense_weights": 150}
+    got = e2e_models.work(info, batch=2, length=5, kept_pairs=7)
+    assert got["gemm_flops"] == 2 * 10 * 100
+    assert got["attention_flops"] == 4 * 2 * 2 * 7 * 4 * 3
+    assert got["flops"] == got["gemm_flops"] + got["attention_flops"]
+    assert got["bytes"] == 2 * (150 + 2 * 10 * 8 * 4)
+
+
+def test_kernel_classes_fold_the_profile():
+    rows = [{"symbol": "fused_gemm_wgmma_bias_gelu", "ms": 2.0, "calls": 12, "share": 0.4},
+            {"symbol": "blockwise_attention", "ms": 1.0, "calls": 12, "share": 0.2},
+            {"symbol": "residual_layernorm", "ms": 0.5, "calls": 24, "share": 0.1},
+            {"symbol": "vm.builtin.alloc_tensor", "ms": 0.25, "calls": 50, "share": 0.05},
+            {"symbol": "qkv_projection_kn", "ms": 1.0, "calls": 12, "share": 0.2},
+            {"symbol": "fused_add_tanh", "ms": 0.25, "calls": 1, "share": 0.05}]
+    got = bench_e2e.class_breakdown(rows)
+    assert [r["class"] for r in got] == ["gemm", "attention", "norm", "vm/memory", "other"]
+    assert got[0]["ms"] == 3.0 and got[0]["calls"] == 24 and got[0]["share"] == pytest.approx(0.6)
+
+
+# ------------------------------------------------------------------------------------------ with torch
+def test_masked_attention_matches_the_exported_graph_under_the_same_mask(tmp_path):
+    """The harness's float32 reference (the HF model with ``stof_masked_sdpa``) computes what stof-tvm computes:
+    the exported graph with the sparse mask ANDed into its attention (GPT-2: causal AND BigBird), by onnx's
+    reference evaluator; and the mask changes the result (it is not dense at this length)."""
+    pytest.importorskip("transformers")
+    import onnx
+    import torch
+
+    import e2e_torch
+    import stof_tvm
+    from stof_tvm.models.reference import reference_outputs
+
+    model = e2e_models.spec("gpt2-tiny")
+    feeds = e2e_models.inputs(model, 1, 256, seed=3)
+    torch_model = e2e_models.build(model, "eager", seed=0)
+    path = e2e_models.export(torch_model, feeds, str(tmp_path / "gpt2.onnx"))
+    keep = np.asarray(stof_tvm.make_mask("bigbird", 256), bool)
+    assert not keep.all()
+    e2e_torch.register()
+    e2e_torch.set_mask(keep, causal=True, device="cpu", flex_mask=False)
+    args = tuple(torch.from_numpy(feeds[n]) for n in torch_model.input_names)
+    e2e_torch.use_attention(torch_model, e2e_torch.MASKED_SDPA)
+    sparse = e2e_torch.forward(torch_model, args)().numpy()
+    e2e_torch.use_attention(torch_model, "sdpa")
+    dense = e2e_torch.forward(torch_model, args)().numpy()
+    graph = reference_outputs(onnx.load(path), keep[None, None], feeds)["last_hidden_state"]
+    rel = np.linalg.norm(sparse - graph) / np.linalg.norm(graph)
+    assert rel < 1e-5
+    assert np.linalg.norm(dense - graph) / np.linalg.norm(graph) > 1e-2
+
+
+@pytest.mark.slow
+def test_the_whole_flow_on_the_cpu(tmp_path):
+    """A CPU run of the harness (roberta-tiny, llvm, float32): ours (call path and module), TVM's default
+    pipeline and eager SDPA each checked against float32 and timed; the JSON has every figure, the table prints."""
+    pytest.importorskip("transformers")
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_e2e.py"), "--device", "cpu",
+                           "--models", "roberta-tiny", "--shapes", "2x256", "--skip", "torch-compile", "torch-flex",
+                           "ort", "--samples", "3", "--warmup", "1", "--out", str(out), "--work", str(work)],
+                          capture_output=True, text=True, timeout=1500, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (row,) = json.loads((out / "results.json").read_text())["rows"]
+    assert row["status"] == "ok", row
+    for label in ("ours", "ours-call", "tvm-dense", "torch-eager"):
+        assert row[f"{label}_ok"] and row[f"{label}_ms"] > 0, label
+        assert row[f"{label}_err"]["rel"] < 1e-4, label
+    assert row["ours_kernel"] in ("block", "row") and row["tvm-dense_kernel"] == "dense"
+    assert row["torch-compile_skipped"] == "--skip"
+    assert row["ours_vs_best"] > 0 and row["mask_density"] < 1
+    assert "roberta-tiny  2x256" in proc.stdout
+
+
+def test_benchmark_configs_use_published_init_and_hold_the_shape():
+    """Base sizes: initializer_range 0.02 and position tables long enough for the shape (RoBERTa: L + 2); a
+    length the table cannot hold is refused with a ValueError naming it, before any export or device work."""
+    pytest.importorskip("transformers")
+    roberta = e2e_models.config(e2e_models.spec("roberta-base"), "eager", 2048)
+    assert roberta.initializer_range == 0.02 and roberta.max_position_embeddings == 2050
+    gpt2 = e2e_models.config(e2e_models.spec("gpt2"), "eager", 512)
+    assert gpt2.initializer_range == 0.02 and gpt2.n_positions == 1024
+    tiny = e2e_models.spec("bert-tiny")
+    with pytest.raises(ValueError, match="position embeddings"):
+        e2e_models.check_length(tiny, e2e_models.config(tiny, "eager", 1024), 1024)
+    e2e_models.check_length(tiny, e2e_models.config(tiny, "eager", 512), 512)

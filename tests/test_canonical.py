@@ -1,0 +1,305 @@
+"""The canonical-form rules (stof_tvm/compiler/canonical): one small hand-built Relax graph per exporter form; each
+test asserts the rewritten form and that the rewrite computes the same values on llvm."""
+import math
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from stof_tvm.compiler import canonical
+from stof_tvm.compiler.attention_match import find_attention_sites
+from stof_tvm.compiler.canonical import activations, attention, layout
+
+B, H, S, D = 2, 2, 16, 8
+F32 = "float32"
+FMIN = float(np.finfo(np.float32).min)
+
+
+def _tensor(name, shape, dtype=F32):
+    return relax.Var(name, relax.TensorType(list(shape), dtype))
+
+
+def _function(params, body) -> relax.Function:
+    """A Relax function of ``params`` whose bindings ``body(bb, *params)`` emits (returns the output)."""
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(body(bb, *params))
+        bb.emit_func_output(out)
+    return bb.get()["main"]
+
+
+def _ops(func) -> list[str]:
+    return [b.value.op.name for block in func.body.blocks for b in block.bindings
+            if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op)]
+
+
+def _run(func, args):
+    vm = relax.VirtualMachine(tvm.compile(tvm.IRModule({"main": func}), target="llvm"), tvm.cpu())
+    return vm["main"](*[tvm.runtime.tensor(a) for a in args]).numpy()
+
+
+def _inputs(func, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for p in func.params:
+        shape, dtype = [int(d) for d in p.ty.shape.values], str(p.ty.dtype)
+        out.append(rng.random(shape) < 0.7 if dtype == "bool" else (2 * rng.standard_normal(shape)).astype(dtype))
+    return out
+
+
+def _check(rule, func, expect_ops, absent_ops=(), rtol=1e-5):
+    """``rule`` rewrites ``func`` so that it has ``expect_ops`` and none of ``absent_ops``, computing the same;
+    applied once more it finds nothing to do (the fixed point)."""
+    out = rule.apply(func)
+    assert out is not None, f"{rule.name} did not fire"
+    ops = _ops(out)
+    assert all(op in ops for op in expect_ops), ops
+    assert not any(op in ops for op in absent_ops), ops
+    assert rule.apply(out) is None
+    args = _inputs(func)
+    want, got = _run(func, args), _run(out, args)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol)
+    return out
+
+
+# ---- activations ------------------------------------------------------------------------------------------
+
+def test_integer_powers_become_products():
+    """pow(x, 2) and pow(x, 3) (T5's RMSNorm, gelu_new's cube) -> products; pow(x, 2.5) stays (fast-math powf is
+    NaN for negative bases on CUDA)."""
+    def body(bb, x):
+        sq = bb.emit(relax.op.power(x, relax.const(2.0, F32)))
+        cube = bb.emit(relax.op.power(x, relax.const(3.0, F32)))
+        odd = bb.emit(relax.op.power(relax.op.abs(x), relax.const(2.5, F32)))
+        return relax.op.add(relax.op.add(sq, cube), odd)
+
+    out = _check(activations.IntegerPowers(), _function([_tensor("x", (4, 8))], body), ["relax.multiply"])
+    assert _ops(out).count("relax.power") == 1
+
+
+def _erf_torchscript(bb, x):          # x * (erf(x / sqrt2) + 1) * 0.5
+    erf = bb.emit(relax.op.erf(relax.op.divide(x, relax.const(1.4142135381698608, F32))))
+    return relax.op.multiply(relax.op.multiply(x, relax.op.add(erf, relax.const(1.0, F32))), relax.const(0.5, F32))
+
+
+def _erf_dynamo(bb, x):               # x * (0.5 * (erf(x / sqrt2) + 1))
+    erf = bb.emit(relax.op.erf(relax.op.divide(x, relax.const(1.4142135381698608, F32))))
+    return relax.op.multiply(x, relax.op.multiply(relax.const(0.5, F32), relax.op.add(erf, relax.const(1.0, F32))))
+
+
+def _erf_scaled(bb, x):               # 0.5 * x * (1 + erf(x * (1 / sqrt2)))
+    erf = bb.emit(relax.op.erf(relax.op.multiply(x, relax.const(1 / math.sqrt(2), F32))))
+    half_x = bb.emit(relax.op.multiply(relax.const(0.5, F32), x))
+    return relax.op.multiply(half_x, relax.op.add(relax.const(1.0, F32), erf))
+
+
+def _tanh_gelu_new(bb, x):            # 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * pow(x, 3))))
+    cube = bb.emit(relax.op.power(x, relax.const(3.0, F32)))
+    inner = relax.op.add(x, relax.op.multiply(relax.const(0.044715, F32), cube))
+    t = bb.emit(relax.op.tanh(relax.op.multiply(relax.const(math.sqrt(2 / math.pi), F32), inner)))
+    return relax.op.multiply(relax.op.multiply(relax.const(0.5, F32), x), relax.op.add(relax.const(1.0, F32), t))
+
+
+def _tanh_fast(bb, x):                # 0.5 * x * (1 + tanh(c1 * x + c2 * x * x * x)) (onnxruntime's FastGelu)
+    cube = bb.emit(relax.op.multiply(relax.op.multiply(x, x), x))
+    c1, c2 = math.sqrt(2 / math.pi), 0.044715 * math.sqrt(2 / math.pi)
+    arg = relax.op.add(relax.op.multiply(x, relax.const(c1, F32)), relax.op.multiply(cube, relax.const(c2, F32)))
+    t = bb.emit(relax.op.tanh(arg))
+    return relax.op.multiply(x, relax.op.multiply(relax.op.add(t, relax.const(1.0, F32)), relax.const(0.5, F32)))
+
+
+def _biased(form):
+    """The GELU of a linear layer's output: the bias add must stay outside the recognised GELU."""
+    def body(bb, x, w):
+        y = bb.emit(relax.op.add(relax.op.matmul(x, w), relax.const(np.linspace(-1, 1, 16).astype(F32))))
+        return form(bb, y)
+    return body
+
+
+@pytest.mark.parametrize("form", [_erf_torchscript, _erf_dynamo, _erf_scaled])
+def test_erf_gelu_spellings_become_nn_gelu(form):
+    func = _function([_tensor("x", (4, 8)), _tensor("w", (8, 16))], _biased(form))
+    out = _check(activations.GeluErf(), func, ["relax.nn.gelu", "relax.matmul", "relax.add"], ["relax.erf"])
+    assert activations.GeluTanh().apply(out) is None
+
+
+@pytest.mark.parametrize("form", [_tanh_gelu_new, _tanh_fast])
+def test_tanh_gelu_spellings_become_nn_gelu_tanh(form):
+    func = _function([_tensor("x", (4, 8)), _tensor("w", (8, 16))], _biased(form))
+    assert activations.GeluErf().apply(func) is None          # 4.7e-4 apart from the exact GELU: not confused
+    _check(activations.GeluTanh(), func, ["relax.nn.gelu_tanh"], ["relax.tanh", "relax.power"])
+
+
+def test_near_gelu_is_left_alone():
+    """A formula that only resembles GELU (0.4 instead of 0.5; two different tensors) is not rewritten."""
+    def wrong_half(bb, x):
+        erf = bb.emit(relax.op.erf(relax.op.divide(x, relax.const(math.sqrt(2), F32))))
+        return relax.op.multiply(relax.op.multiply(x, relax.op.add(erf, relax.const(1.0, F32))), relax.const(0.4, F32))
+
+    def two_inputs(bb, x, y):
+        erf = bb.emit(relax.op.erf(relax.op.divide(y, relax.const(math.sqrt(2), F32))))
+        return relax.op.multiply(relax.op.multiply(x, relax.op.add(erf, relax.const(1.0, F32))), relax.const(0.5, F32))
+
+    assert activations.GeluErf().apply(_function([_tensor("x", (4, 8))], wrong_half)) is None
+    assert activations.GeluErf().apply(_function([_tensor("x", (4, 8)), _tensor("y", (4, 8))], two_inputs)) is None
+
+
+def test_no_op_casts_removed():
+    """ViT's TorchScript Cast(float) after Softmax; a real cast stays."""
+    def body(bb, x):
+        p = bb.emit(relax.op.nn.softmax(x, axis=-1))
+        same = bb.emit(relax.op.astype(relax.op.astype(p, F32), F32))
+        return relax.op.astype(relax.op.astype(same, "float16"), F32)
+
+    out = _check(activations.NoOpCasts(), _function([_tensor("x", (4, 8))], body), ["relax.astype"])
+    assert _ops(out).count("relax.astype") == 2
+
+
+# ---- attention --------------------------------------------------------------------------------------------
+
+def _attention(scale_form="scores", mask_form=None, fill=FMIN, guard=False):
+    """softmax(Q K^T * s (+ mask)) V over [B, H, S, D] with the exporters' spellings of the scale and the mask."""
+    q, k, v = _tensor("q", (B, H, S, D)), _tensor("k", (B, H, S, D)), _tensor("v", (B, H, S, D))
+    keep = _tensor("keep", (B, 1, 1, S), "bool")
+    root = math.sqrt(1 / math.sqrt(D))
+
+    def body(bb, q, k, v, keep):
+        k_t = bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))
+        if scale_form == "split":      # SDPA decomposed: Q * sqrt(s), K^T * sqrt(s)
+            scores = relax.op.matmul(bb.emit(relax.op.multiply(q, relax.const(root, F32))),
+                                     bb.emit(relax.op.multiply(k_t, relax.const(root, F32))))
+        else:
+            scores = relax.op.multiply(relax.op.matmul(q, k_t), relax.const(1 / math.sqrt(D), F32))
+        scores = bb.emit(scores)
+        if mask_form == "additive_where":
+            scores = bb.emit(relax.op.add(scores, bb.emit(relax.op.where(keep, relax.const(0.0, F32),
+                                                                         relax.const(fill, F32)))))
+        elif mask_form == "additive_where_swapped":
+            neg = relax.op.logical_not(keep)
+            scores = bb.emit(relax.op.add(bb.emit(relax.op.where(neg, relax.const(fill, F32),
+                                                                 relax.const(0.0, F32))), scores))
+        elif mask_form == "select":
+            scores = bb.emit(relax.op.where(keep, scores, relax.const(fill, F32)))
+        probs = bb.emit(relax.op.nn.softmax(scores, axis=-1))
+        if guard:
+            probs = bb.emit(relax.op.where(relax.op.isnan(probs), relax.const(0.0, F32), probs))
+        return relax.op.matmul(probs, v)
+
+    return _function([q, k, v, keep], body)
+
+
+def test_split_scale_moves_onto_the_scores():
+    func = _attention("split")
+    assert not find_attention_sites(func) or find_attention_sites(func)[0].scale == 1.0
+    out = _check(attention.SplitScale(), func, ["relax.matmul"])
+    sites = find_attention_sites(out)
+    assert len(sites) == 1 and math.isclose(sites[0].scale, 1 / math.sqrt(D), rel_tol=1e-6)
+
+
+def test_split_scale_leaves_linear_layers():
+    """A weight product (rank 2) keeps its scaled input: only products of two activations are scores."""
+    def body(bb, x, w):
+        return relax.op.matmul(bb.emit(relax.op.multiply(x, relax.const(0.5, F32))), w)
+
+    assert attention.SplitScale().apply(_function([_tensor("x", (4, 8)), _tensor("w", (8, 8))], body)) is None
+
+
+@pytest.mark.parametrize("form", ["additive_where", "additive_where_swapped"])
+def test_additive_boolean_mask_becomes_a_select(form):
+    out = _check(attention.SelectMask(), _attention(mask_form=form), ["relax.where"], ["relax.add"])
+    (site,) = find_attention_sites(out)
+    assert [t.kind for t in site.terms] == ["where"]
+
+
+def test_select_mask_keeps_an_added_bias_apart():
+    """T5's ``position_bias + where(keep, 0, min)`` added as one term is not the softmax's input: left alone."""
+    def body(bb, s, bias, keep):
+        term = bb.emit(relax.op.add(bias, bb.emit(relax.op.where(keep, relax.const(0.0, F32), relax.const(FMIN, F32)))))
+        return relax.op.nn.softmax(bb.emit(relax.op.add(s, term)), axis=-1)
+
+    func = _function([_tensor("s", (B, H, S, S)), _tensor("bias", (1, H, S, S)), _tensor("keep", (B, 1, 1, S), "bool")],
+                     body)
+    assert attention.SelectMask().apply(func) is None
+
+
+def test_infinite_fill_becomes_finite_and_the_nan_guard_goes():
+    """SDPA's where(mask, 0, -inf) + isnan guard -> finite fill, no guard; equal wherever a row keeps a key."""
+    func = _attention("split", "additive_where", fill=-np.inf, guard=True)
+    out, applied = canonical.canonicalize_function(func)
+    assert {"split_scale", "select_mask", "finite_fill", "nan_guard"} <= set(applied)
+    ops = _ops(out)
+    assert "relax.isnan" not in ops and ops.count("relax.where") == 1
+    fills = [b.value.args[2] for block in out.body.blocks for b in block.bindings
+             if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.where"]
+    assert float(fills[0].value.numpy()) == FMIN
+    args = _inputs(func)
+    args[3][:, :, :, 0] = True       # every row keeps a key
+    np.testing.assert_allclose(_run(out, args), _run(func, args), rtol=1e-5, atol=1e-5)
+    (site,) = find_attention_sites(out)
+    assert [t.kind for t in site.terms] == ["where"]
+
+
+def test_nan_guard_of_something_else_stays():
+    def body(bb, x):
+        y = bb.emit(relax.op.log(x))
+        return relax.op.where(relax.op.isnan(y), relax.const(0.0, F32), y)
+
+    assert attention.NanGuard().apply(_function([_tensor("x", (4, 8))], body)) is None
+
+
+# ---- layout -----------------------------------------------------------------------------------------------
+
+def test_single_concat_removed():
+    def body(bb, x):
+        return relax.op.nn.softmax(bb.emit(relax.op.concat([x], axis=-2)), axis=-1)
+
+    _check(layout.SingleConcat(), _function([_tensor("x", (B, H, S, D))], body), ["relax.nn.softmax"],
+           ["relax.concat"])
+
+
+def test_transpose_through_3d_becomes_one_permute():
+    """The dynamo exporter's K^T: reshape to [B*H, S, D], transpose, reshape to [B, H, D, S]."""
+    def body(bb, k):
+        flat = bb.emit(relax.op.reshape(k, [B * H, S, D]))
+        return relax.op.reshape(bb.emit(relax.op.permute_dims(flat, [0, 2, 1])), [B, H, D, S])
+
+    out = _check(layout.TransposeThrough3D(), _function([_tensor("k", (B, H, S, D))], body), ["relax.permute_dims"],
+                 ["relax.reshape"])
+    assert [int(a) for a in out.body.blocks[0].bindings[-1].value.attrs.axes] == [0, 1, 3, 2]
+
+
+def test_permute_pairs_fold_into_the_head_split():
+    def body(bb, x):
+        heads = bb.emit(relax.op.permute_dims(bb.emit(relax.op.reshape(x, [B, S, H, D])), [0, 2, 1, 3]))
+        return relax.op.permute_dims(heads, [0, 1, 3, 2])
+
+    out = _check(layout.PermutePairs(), _function([_tensor("x", (B, S, H * D))], body), ["relax.permute_dims"])
+    assert _ops(out).count("relax.permute_dims") == 1
+
+
+def test_rules_reach_a_fixed_point_on_every_form():
+    """All rules together: the decomposed-SDPA form ends in the canonical one, and a canonical graph is left as it
+    is (no rule fires)."""
+    out, applied = canonical.canonicalize_function(_attention("split", "additive_where", fill=-np.inf, guard=True))
+    assert applied
+    assert canonical.canonicalize_function(out)[1] == {}
+    assert canonical.canonicalize_function(_attention("scores", "select"))[1] == {}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_flat_linear_runs_on_the_inputs_shape(bias):
+    """HF Conv1D (GPT-2): reshape to [M, K], matmul (+ bias), reshape back; also through a head merge."""
+    def body(bb, x, w):
+        flat = bb.emit(relax.op.reshape(x, [B * S, H * D]))
+        y = bb.emit(relax.op.matmul(flat, w))
+        if bias:
+            y = bb.emit(relax.op.add(y, relax.const(np.arange(3 * H * D, dtype=F32) / 10)))
+        return relax.op.reshape(y, [B, S, 3 * H * D])
+
+    func = _function([_tensor("x", (B, S, H, D)), _tensor("w", (H * D, 3 * H * D))], body)
+    out = _check(layout.FlatLinear(), func, ["relax.matmul"])
+    matmul = next(b.value for block in out.body.blocks for b in block.bindings
+                  if isinstance(b.value, relax.Call) and b.value.op.name == "relax.matmul")
+    assert [int(v) for v in matmul.args[0].ty.shape.values] == [B, S, H * D]

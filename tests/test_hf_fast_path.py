@@ -1,0 +1,78 @@
+"""Real Hugging Face exports on the fast path: compiled for CUDA in float16 (front end only: the template calls and
+the coverage report, no build), every standard attention site on a sparse kernel, every linear on a template, QKV
+one projection into heads, GELU (erf op, erf arithmetic, tanh formula) and ReLU in the GEMM epilogue, every
+LayerNorm / RMSNorm on its template; and the numerics of the forms this adds (GPT-2's Conv1D, ViT's padded rows and
+one-GEMM QKV) on llvm, through the templates' definitions, against torch. Skipped without torch / transformers."""
+import numpy as np
+import pytest
+
+import stof_tvm
+from stof_tvm.compiler import front_end
+
+BATCH, SEQ = 2, 64
+
+# (family, attention, exporter, opset): each exporter form the canonical rules bring to one graph
+FORMS = [
+    ("bert", "sdpa", "torchscript", 17),       # SDPA decomposed: split scale, -inf where-mask, NaN guard
+    ("bert", "eager", "dynamo", 18),
+    ("roberta", "eager", "torchscript", 20),   # the ONNX Gelu op
+    ("roberta", "sdpa", "dynamo", 18),         # erf arithmetic GELU, K^T over [B*H, S, D]
+    ("gpt2", "eager", "torchscript", 17),      # Conv1D (2-D addmm), one linear split in thirds, gelu_new (pow 3)
+    ("gpt2", "sdpa", "dynamo", 18),
+    ("vit", "eager", "torchscript", 17),       # no-op casts after the softmax; 65 tokens
+    ("vit", "sdpa", "dynamo", 18),
+    ("t5", "eager", "torchscript", 17),        # RMSNorm, ReLU, bias-free linears, position bias
+    ("bigbird", "eager", "torchscript", 17),   # original_full, tanh GELU
+]
+LAYERS = 2
+
+
+def _form_id(form) -> str:
+    return "-".join(str(part) for part in form)
+
+
+@pytest.mark.parametrize("form", FORMS, ids=_form_id)
+def test_every_chain_of_a_real_export_on_the_fast_path(hf_export, form):
+    family, attn, exporter, opset = form
+    path = hf_export(family, attn, exporter, opset, False, BATCH, SEQ)
+    front = front_end(path, mask="bigbird", batch=BATCH, seq_len=SEQ, target="cuda", dtype="float16",
+                      schedule=False)
+    cov = front.coverage
+    assert cov["attention"]["total"] == LAYERS and cov["attention"]["accelerated"] == LAYERS
+    assert cov["attention"]["kernel"] in ("block", "row")
+    for kind in ("linear", "layernorm", "rmsnorm", "gelu", "relu"):
+        assert cov[kind]["accelerated"] == cov[kind]["total"] and not cov[kind]["fallback"], (kind, cov[kind])
+    # per layer Q, K, V (GPT-2: one c_attn), the output projection and the FFN's two
+    assert cov["linear"]["total"] == (4 if family == "gpt2" else 6) * LAYERS
+    norm = "rmsnorm" if family == "t5" else "layernorm"
+    assert cov[norm]["total"] == 2 * LAYERS + 1          # two per layer, and the embeddings' or the final one
+    act = "relu" if family == "t5" else "gelu"
+    assert cov[act]["total"] == LAYERS
+    calls = front.template_entry["calls"]
+    tanh = family in ("gpt2", "bigbird")
+    epilogue = "relu" if family == "t5" else "gelu_tanh" if tanh else "gelu_erf"
+    assert sum(count for name, count in calls.items() if epilogue in name) == LAYERS, calls
+    if family == "vit":     # 65 tokens: the QKV heads template needs seq % 16; one GEMM instead, the rows padded
+        assert cov["qkv"]["accelerated"] == 0
+        assert [f["count"] for f in cov["qkv"]["fallback"]] == [LAYERS]
+        assert "seq 65" in cov["qkv"]["fallback"][0]["reason"]
+    else:
+        assert cov["qkv"] == {"total": LAYERS, "accelerated": LAYERS, "fallback": []}
+
+
+@pytest.mark.parametrize("form", [("gpt2", "eager", "torchscript", 17), ("vit", "eager", "torchscript", 17)],
+                         ids=_form_id)
+def test_templates_on_real_exports_match_torch(hf_export, form):
+    """float16 on llvm with the templates' definitions (the same rewrite as for CUDA) against torch float32."""
+    from stof_tvm.models import hf_export as hx
+
+    family, attn, exporter, opset = form
+    path = hf_export(family, attn, exporter, opset, False, BATCH, SEQ)
+    inputs = hx.example_inputs(family, BATCH, SEQ)
+    expected = hx.torch_outputs(hx.build_model(family, "tiny", attn), inputs)
+    art = stof_tvm.compile(path, mask="dense", batch=BATCH, seq_len=SEQ, target="llvm", dtype="float16",
+                           templates=True)
+    assert art.manifest["coverage"]["linear"]["accelerated"] == art.manifest["coverage"]["linear"]["total"]
+    out = art.load()(inputs)["last_hidden_state"]
+    assert not np.isnan(out).any()
+    assert np.linalg.norm(out - expected) / np.linalg.norm(expected) < 5e-3
