@@ -7,9 +7,9 @@ Per model and shape (each in a child process, so a crash or a sticky CUDA error 
    export it with ``torch.onnx.export`` (TorchScript exporter, static shapes, opset ``--opset``);
 2. compile that ONNX file with stof-tvm in background processes while the torch baselines run: ``ours``
    (``--mask``, default BigBird; cuda float16 with CUDA graphs; the compile's defaults otherwise: attention kernel
-   chosen from the mask, fusion templates, wgmma GEMMs on sm_90) and ``tvm-dense``, TVM's default pipeline on
-   the same graph as the project builds it (``kernel="dense", templates=False``: dense attention with the mask as
-   an additive input, dlight schedules for everything);
+   chosen from the mask, fusion templates, wgmma GEMMs on sm_90) and ``tvm-default``, TVM's own default
+   pipeline on the same ONNX file, not through stof-tvm's compiler (``scripts/e2e_tvm.py``: ``from_onnx``,
+   ``ToMixedPrecision``, ``tvm.compile`` with dlight's default GPU rules; dense attention);
 3. float32 references on the device (TF32 off): the model with dense SDPA, and with the sparse mask (AND the
    model's own: GPT-2's causality, T5's position bias) through ``scripts/e2e_torch.py``;
 4. time (CUDA events after warm-up, median of ``--samples`` samples of back-to-back calls, cycling
@@ -25,15 +25,18 @@ Per model and shape (each in a child process, so a crash or a sticky CUDA error 
    | ``torch-compile`` | the same through ``torch.compile`` | dense |
    | ``torch-flex`` | ``torch.compile`` of the model, FlexAttention on a BlockMask of the same sparse mask | sparse |
    | ``ort`` | onnxruntime (CUDA EP) on the same ONNX after its transformer optimizer, float16, IOBinding | dense |
-   | ``tvm-dense`` | TVM's default pipeline (see 2.) | sparse |
+   | ``tvm-default`` | TVM's default pipeline on the same ONNX (see 2.) | dense |
    | ``ours-nograph`` | with ``--profile``: ``ours`` without CUDA graphs, timed and profiled per kernel class | sparse |
 
-Reported per row: ms of each, the hardware limit of the useful work (``scripts/e2e_models.work``: matrix FLOPs
-plus attention FLOPs of the kept pairs at 790 TFLOP/s, least bytes at 4.2 TB/s) and each ``ours`` time's
-fraction of it, ``vs best`` = the best correct baseline's ms / ours (``torch-*`` and ``ort``), ``vs tvm`` =
-tvm-dense / ours. ``results.json`` (rewritten after every row, and by each child after every stage) and a table
-go to ``$OUT`` (the device tool's) or ``--out``. ``--budget-s`` bounds the whole run: a row or a stage that would
-not fit is skipped and reported, never cut off mid-write.
+Reported per row: ms of each; ours' coverage from its manifest (linears on fusion templates, attention sites on
+sparse kernels: accelerated / total); the hardware limit of the useful work (``scripts/e2e_models.work``: matrix
+FLOPs plus attention FLOPs of the kept pairs at 790 TFLOP/s, least bytes at 4.2 TB/s), each time's fraction of it
+and, for ``ours``, its compute and memory fractions apart (useful TFLOP/s / 790, least bytes per second / 4.2 TB/s);
+``vs best`` = the best correct baseline's ms / ours (``torch-*`` and ``ort``) and ``vs tvm`` = tvm-default / ours,
+both for the module (``ours``) and for the call path (``ours-call``). ``results.json`` (rewritten after every
+row, and by each child after every stage) and a table go to ``$OUT`` (the device tool's) or ``--out``.
+``--budget-s`` bounds the whole run: a row or a stage that would not fit is skipped and reported, never cut off
+mid-write.
 
 ViT's sequence is its patch grid: ``vit-base`` 197 tokens, ``vit-base-384`` 577; a shape's batch applies, its
 length is replaced. Models: ``scripts/e2e_models.py`` (``bert-base roberta-base bert-large gpt2 vit-base
@@ -83,11 +86,11 @@ import e2e_models  # noqa: E402
 
 BASELINES = ("torch-eager", "torch-compile", "torch-flex", "ort")
 OURS = ("ours", "ours-call")
-STAGES = ("export", "reference") + BASELINES + ("ours", "ours-nograph", "tvm-dense")
+STAGES = ("export", "reference") + BASELINES + ("ours", "ours-nograph", "tvm-default")
 # seconds a stage may take on the H200 machine at the largest shapes: a stage starts only if this fits
 STAGE_COST_S = {"export": 30, "reference": 15, "torch-eager": 15, "torch-compile": 90, "torch-flex": 120,
-                "ort": 60, "ours": 30, "ours-nograph": 30, "tvm-dense": 30}
-COMPILED = ("ours", "ours-nograph", "tvm-dense")           # stages whose module compiles in the background
+                "ort": 60, "ours": 30, "ours-nograph": 30, "tvm-default": 30}
+COMPILED = ("ours", "ours-nograph", "tvm-default")         # stages whose module compiles in the background
 ROW_MIN_S = 60             # a row starts only with this much of the budget left
 RESERVE_S = 20             # kept back for the final JSON and table (and a child's exit)
 # Relax symbol substrings -> kernel class, first match wins (the per-kernel-class breakdown of --profile)
@@ -122,10 +125,11 @@ def rows_to_run(models: list[str], shapes: list[tuple[int, int]]) -> list[tuple[
 
 
 def compile_options(stage: str, args) -> dict:
-    """``stof_tvm.compile`` keyword arguments of a compiled stage (besides the model, mask and shape)."""
+    """Build options of a compiled stage: ``stof_tvm.compile`` keyword arguments (besides the model, mask and
+    shape) for ours, ``e2e_tvm.build``'s target and dtype for tvm-default."""
     cuda = args.target == "cuda"
-    if stage == "tvm-dense":
-        return {"target": args.target, "dtype": args.dtype, "kernel": "dense", "templates": False}
+    if stage == "tvm-default":
+        return {"target": args.target, "dtype": args.dtype}
     options = {"target": args.target, "dtype": args.dtype, "cuda_graph": cuda and stage == "ours"}
     options.update(json.loads(args.ours_options))
     if stage == "ours-nograph":
@@ -149,10 +153,17 @@ def class_breakdown(profile_rows: list[dict]) -> list[dict]:
     return [{"class": c, **v} for c, v in sorted(classes.items(), key=lambda kv: -kv[1]["ms"])]
 
 
+def coverage_counts(coverage: dict, kind: str) -> str | None:
+    """``"accelerated/total"`` of one kind of a manifest's ``coverage`` entry (None when the kind is absent)."""
+    counts = (coverage or {}).get(kind)
+    return None if counts is None else f"{counts['accelerated']}/{counts['total']}"
+
+
 def summarise(row: dict, tolerance: float) -> dict:
     """Add the row's comparisons: the best correct baseline, ``ours`` and ``ours-call`` against it and against
-    tvm-dense, and every timed stage's fraction of the hardware limit. A stage counts only if it was checked
-    and passed (``<label>_ok``)."""
+    tvm-default, every timed stage's fraction of the hardware limit (and ours' compute and memory fractions),
+    and ours' coverage (linears on templates, attention sites on sparse kernels). A stage counts only if it was
+    checked and passed (``<label>_ok``)."""
     def ok_ms(label):
         return row.get(f"{label}_ms") if row.get(f"{label}_ok") else None
 
@@ -170,12 +181,21 @@ def summarise(row: dict, tolerance: float) -> dict:
             continue
         if baselines:
             row[f"{label}_vs_best"] = row["best_baseline_ms"] / ms
-        if ok_ms("tvm-dense") is not None:
-            row[f"{label}_vs_tvm"] = row["tvm-dense_ms"] / ms
+        if ok_ms("tvm-default") is not None:
+            row[f"{label}_vs_tvm"] = row["tvm-default_ms"] / ms
+        if limit_ms is not None:
+            achieved = bl.limit(ms, row["flops"], row["bytes"])
+            row[f"{label}_tflops"], row[f"{label}_tbps"] = achieved["tflops"], achieved["tbps"]
+            row[f"{label}_compute_fraction"] = achieved["tflops"] / bl.PEAK_TFLOPS
+            row[f"{label}_memory_fraction"] = achieved["tbps"] / bl.PEAK_TBPS
     if limit_ms is not None:
         for label in STAGES + ("ours-call",):
             if row.get(f"{label}_ms"):
                 row[f"{label}_fraction"] = limit_ms / row[f"{label}_ms"]
+    coverage = (row.get("ours_compile") or {}).get("coverage")
+    if coverage:
+        row["ours_linears"] = coverage_counts(coverage, "linear")
+        row["ours_attention_sites"] = coverage_counts(coverage, "attention")
     failed = [label for label in STAGES + ("ours-call",) if row.get(f"{label}_ok") is False]
     errors = [label for label in STAGES + ("ours-call", "row") if f"{label}_failed" in row]
     problems = [f"wrong:{x}" for x in failed] + [f"error:{x}" for x in errors]
@@ -187,10 +207,12 @@ def summarise(row: dict, tolerance: float) -> dict:
 
 TABLE = [("model", "model", ""), ("shape", "B x S", ""), ("ours_ms", "ours", ".3f"), ("ours-call_ms", "call", ".3f"),
          ("torch-eager_ms", "eager", ".3f"), ("torch-compile_ms", "compile", ".3f"), ("torch-flex_ms", "flex", ".3f"),
-         ("ort_ms", "ort", ".3f"), ("tvm-dense_ms", "tvm-dense", ".3f"), ("best_baseline", "best", ""),
+         ("ort_ms", "ort", ".3f"), ("tvm-default_ms", "tvm", ".3f"), ("best_baseline", "best", ""),
          ("ours_vs_best", "vs best", ".2f"), ("ours-call_vs_best", "call vs best", ".2f"),
-         ("ours_vs_tvm", "vs tvm", ".2f"), ("limit_ms", "limit", ".3f"), ("ours_fraction", "of limit", ".2f"),
-         ("status", "status", "")]
+         ("ours_vs_tvm", "vs tvm", ".2f"), ("ours-call_vs_tvm", "call vs tvm", ".2f"),
+         ("ours_linears", "linears", ""), ("ours_attention_sites", "attn", ""), ("limit_ms", "limit", ".3f"),
+         ("ours_fraction", "of limit", ".2f"), ("ours_compute_fraction", "of 790T", ".2f"),
+         ("ours_memory_fraction", "of 4.2TB", ".2f"), ("status", "status", "")]
 
 
 def print_results(rows: list[dict]) -> None:
@@ -202,8 +224,10 @@ def print_results(rows: list[dict]) -> None:
                   f"(device synchronised around each call)")
             bl.print_table(row["ours-nograph_classes"], [("class", "class", ""), ("ms", "ms/fwd", ".3f"),
                                                         ("calls", "calls", "d"), ("share", "share", ".1%")])
-    bl.print_table(shown, TABLE, title="ms per forward pass (sparse: ours, flex, tvm-dense; dense: eager, "
-                                       "compile, ort); 'of limit' = hardware floor / ours")
+    bl.print_table(shown, TABLE, title="ms per forward pass (sparse: ours, flex; dense: eager, compile, ort, "
+                                       "tvm = TVM's default pipeline); linears / attn: ours on templates / sparse "
+                                       "kernels; 'of limit' = hardware floor / ours; of 790T / of 4.2TB: ours' "
+                                       "useful TFLOP/s and least bytes/s over the H200's peaks")
 
 
 # ------------------------------------------------------------------------------------------ parent process
@@ -238,7 +262,8 @@ def run_parent(args) -> int:
 
 def _brief(row: dict) -> dict:
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()
-            if k.endswith(("_ms", "_vs_best")) or k in ("best_baseline",)}
+            if k.endswith(("_ms", "_vs_best", "_vs_tvm", "_fraction"))
+            or k in ("best_baseline", "ours_linears", "ours_attention_sites")}
 
 
 def run_child(args, name: str, batch: int, length: int, row_path: Path, deadline: float) -> int:
@@ -264,8 +289,8 @@ def run_child(args, name: str, batch: int, length: int, row_path: Path, deadline
 def start_compile(stage: str, onnx_path: Path, artifact: Path, mask: str, batch: int, length: int, args):
     """Compile ``onnx_path`` for ``stage`` in a background process (CPU work overlapping the torch stages)."""
     shutil.rmtree(artifact, ignore_errors=True)
-    job = {"onnx": str(onnx_path), "artifact": str(artifact), "mask": mask, "batch": batch, "seq_len": length,
-           "options": compile_options(stage, args)}
+    job = {"stage": stage, "onnx": str(onnx_path), "artifact": str(artifact), "mask": mask, "batch": batch,
+           "seq_len": length, "options": compile_options(stage, args)}
     env = {**os.environ, "TVM_FFI_DISABLE_TORCH_C_DLPACK": "1"}      # the job needs no torch or CUDA
     log = open(str(artifact) + ".log", "w")
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--compile-job", json.dumps(job)],
@@ -273,20 +298,28 @@ def start_compile(stage: str, onnx_path: Path, artifact: Path, mask: str, batch:
 
 
 def compile_job(spec: str) -> int:
-    """The background compile: ``stof_tvm.compile`` then ``save``; its report (or error) beside the artifact."""
+    """The background compile: ``stof_tvm.compile`` then ``save`` (ours), or ``e2e_tvm.build`` (TVM's default
+    pipeline, no stof-tvm compiler); its report (or error) beside the artifact."""
     job = json.loads(spec)
     report_path = Path(job["artifact"] + ".json")
     start = time.time()
     try:
-        import stof_tvm
+        if job["stage"] == "tvm-default":
+            import e2e_tvm
 
-        art = stof_tvm.compile(job["onnx"], mask=job["mask"], batch=job["batch"], seq_len=job["seq_len"],
-                               **job["options"])
-        art.save(job["artifact"])
-        manifest = art.manifest
-        report = {"compile_s": time.time() - start, "kernel": manifest["attention"]["kernel"]["kind"],
-                  "templates": (manifest.get("templates") or {}).get("calls", {}),
-                  "cuda_graph": manifest.get("cuda_graph"), "options": job["options"]}
+            built = e2e_tvm.build(job["onnx"], job["artifact"], job["batch"], job["seq_len"], **job["options"])
+            report = {"compile_s": time.time() - start, "seconds": built["seconds"], "options": job["options"]}
+        else:
+            import stof_tvm
+
+            art = stof_tvm.compile(job["onnx"], mask=job["mask"], batch=job["batch"], seq_len=job["seq_len"],
+                                   **job["options"])
+            art.save(job["artifact"])
+            manifest = art.manifest
+            report = {"compile_s": time.time() - start, "kernel": manifest["attention"]["kernel"]["kind"],
+                      "templates": (manifest.get("templates") or {}).get("calls", {}),
+                      "coverage": manifest.get("coverage"), "cuda_graph": manifest.get("cuda_graph"),
+                      "options": job["options"]}
     except Exception as err:      # noqa: BLE001 - reported to the row, never fatal
         report = {"failed": f"{type(err).__name__}: {err}"[:600], "compile_s": time.time() - start}
     bl.write_json(report_path, report)
@@ -498,8 +531,16 @@ def measure_row(args, row: "Row") -> None:
     def load(stage):
         report = wait_compile(jobs[stage], work_dir / stage, row.deadline)
         data[f"{stage}_compile"] = report
+        if stage == "tvm-default":
+            import e2e_tvm
+
+            return e2e_tvm.TvmRunner(str(work_dir / stage), dev)
         from stof_tvm import runtime
 
+        if report.get("coverage"):
+            from stof_tvm.compiler.coverage import coverage_lines
+
+            print("    " + "\n    ".join(coverage_lines(report["coverage"])), flush=True)
         return runtime.load(str(work_dir / stage))
 
     def device_feeds(feeds):
@@ -528,9 +569,15 @@ def measure_row(args, row: "Row") -> None:
             data["ours-nograph_profile"] = profile.rows()[:30]
             data["ours-nograph_classes"] = class_breakdown(profile.rows())
             print(profile.table(), flush=True)
+    def tvm_default_stage(stage):
+        runner = load(stage)
+        prepared = [runner.prepare(f) for f in (device_feeds(s) for s in sets)]
+        row.check(stage, runner.run(prepared[0]), refs["dense"], args.tolerance)      # dense attention, as ONNX has it
+        row.timed(stage, lambda p: runner.run(p), [(p,) for p in prepared], args)
+
     for stage in COMPILED:
         if stage in jobs:
-            row.stage(stage, ours_stage, stage)
+            row.stage(stage, tvm_default_stage if stage == "tvm-default" else ours_stage, stage)
     for job in jobs.values():              # a compile skipped for the budget must not outlive the row
         if job.poll() is None:
             job.kill()

@@ -31,8 +31,9 @@ import os
 import numpy as np
 import tvm
 from tvm.runtime.vm import VirtualMachine
+from tvm_ffi import Array
 
-from stof_tvm.call_inputs import BoundInputs, InputBinder, check_host_values, value_error
+from stof_tvm.call_inputs import BoundInputs, InputBinder, check_host_values, is_torch, to_numpy, value_error
 from stof_tvm.mask_formats import MaskFormats
 
 LIBRARY = "module.so"
@@ -125,6 +126,10 @@ class CompiledModel:
         self._checks, self._checks_output = checks.get("inputs", []), checks.get("output")
         self.formats = MaskFormats(manifest, arrays, device) if self.kernel != "none" else None
         self._binder = InputBinder(self.inputs, device)
+        self._output_names = [spec["name"] for spec in self.outputs]
+        # numpy outputs: a CPU module's own output memory (zero copy, the array keeps it alive), else a copy
+        self._to_host = np.from_dlpack if device.dlpack_device_type() == tvm.cpu(0).dlpack_device_type() else \
+            _tensor_numpy
         if self.formats is not None and not self._host_terms:
             self.formats.tensors(None)          # the default mask's format, built once at load
 
@@ -166,7 +171,7 @@ class CompiledModel:
         keeps = []
         for term in self._host_terms:
             args = [bound.args[names.index(name)] for name in term["inputs"]]
-            values = self.vm[term["function"]](*args).numpy()
+            values = to_numpy(self.vm[term["function"]](*args))
             if term["kind"] == "where":
                 keep = values.astype(bool) == term["keep_if_true"]
             else:
@@ -191,33 +196,48 @@ class CompiledModel:
     # -- running --------------------------------------------------------------------------------------------
     def _bind(self, inputs: dict) -> BoundInputs:
         bound = self._binder.bind(inputs)
-        check_host_values(self._checks, bound)
+        if bound.host and self._checks:
+            check_host_values(self._checks, bound)
         return bound
 
     def prepare(self, inputs: dict, mask=None) -> list:
-        """Device tensors for one call (model inputs then mask inputs), checked; reuse with :meth:`run`."""
+        """TVM device tensors for one call (model inputs then mask inputs), checked; reuse with :meth:`run`."""
         bound = self._bind(inputs)
-        with bound.stream_scope(self.device):
-            return bound.args + self.mask_tensors(mask, bound)
+        return bound.tvm_args() + self.mask_tensors(mask, bound)
 
     def _invoke(self, args: list) -> list:
         out = self._main(*args, *self._params)
-        return list(out) if isinstance(out, (tuple, list)) or type(out).__name__ == "Array" else [out]
+        return list(out) if isinstance(out, (tuple, list, Array)) else [out]
 
     def run(self, args: list) -> list:
         """Run the module on prepared device tensors; returns the model's output tensors (TVM)."""
         return self._invoke(args)[:len(self.outputs)]
 
     def __call__(self, inputs: dict | None = None, *, mask=None, **kwargs) -> dict:
-        bound = self._bind({**(inputs or {}), **kwargs})
-        with bound.stream_scope(self.device):
-            outs = self._invoke(bound.args + self.mask_tensors(mask, bound))
-            if self._checks and self.check_values:
-                message = value_error(self._checks, outs[self._checks_output], bound)
-                if message is not None:
-                    raise ValueError(message)
-        if bound.torch:
-            import torch
+        given = kwargs if inputs is None else {**inputs, **kwargs} if kwargs else inputs
+        bound = self._bind(given)
+        # Torch tensors go in as they are: TVM's FFI launches on torch's current stream and returns torch tensors.
+        out = self._main(*bound.args, *self.mask_tensors(mask, bound), *self._params)
+        if not isinstance(out, Array):
+            out = (out,)
+        if self._checks and self.check_values and bound.on_device:
+            message = value_error(self._checks, out[self._checks_output], bound)
+            if message is not None:
+                raise ValueError(message)
+        if not bound.torch:
+            return {name: self._to_host(out[i]) for i, name in enumerate(self._output_names)}
+        results = {}
+        for i, name in enumerate(self._output_names):
+            value = out[i]
+            results[name] = value if is_torch(value) else _torch_from_dlpack(value)
+        return results
 
-            return {spec["name"]: torch.from_dlpack(out) for spec, out in zip(self.outputs, outs)}
-        return {spec["name"]: out.numpy() for spec, out in zip(self.outputs, outs)}
+
+def _tensor_numpy(value) -> np.ndarray:
+    return value.numpy()
+
+
+def _torch_from_dlpack(value):
+    import torch
+
+    return torch.from_dlpack(value)

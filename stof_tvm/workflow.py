@@ -9,7 +9,8 @@ again, so the same command re-run (or after a killed run) only measures what is 
 
 Records can change a decision the front end takes from them (an attention kernel of the other kind measured
 faster), and with it the template calls that follow; when that happens the calls are planned once more with the
-records and what is new is tuned before the compile.
+records and what is new is tuned before the compile. Another configuration of the same kind changes no call, so
+it needs no second planning.
 
 This module sits above :mod:`stof_tvm.tuning` and :mod:`stof_tvm.compiler`; they share records only through
 :mod:`stof_tvm.records`, and the compiler imports neither this module nor the tuner.
@@ -31,11 +32,18 @@ def _check_trials(tune_trials) -> int:
     return tune_trials
 
 
-def _attention_moved(report) -> bool:
-    """Whether an attention problem's measured choice differs from its untuned kernel (the first task)."""
-    untuned = {r.task.group: r.task.key for r in report.results
+def _attention_kind_moved(report) -> bool:
+    """Whether an attention problem's measured choice is a kernel of another kind (block-wise vs row-wise) than
+    its untuned kernel (the group's first task). Only the kind shapes the graph after attention (the block-wise
+    kernel reads the QKV projection's [3, B, H, S, D] output as views and writes [B, S, H, D], the row-wise one
+    [B, H, S, D]), so only then can the template calls differ; another configuration of the same kind leaves
+    every call as planned, and planning again (a second front end and stage 1: ~30 s for a base model) is
+    skipped."""
+    kinds = {r.task.key: r.task.meta.get("kind") for r in report.results}
+    untuned = {r.task.group: r.task.meta.get("kind") for r in report.results
                if r.task.group.startswith("attention:") and r.task.meta.get("untuned")}
-    return any(choice["task"] != untuned.get(group, choice["task"]) for group, choice in report.choices.items())
+    return any(group in untuned and kinds.get(choice["task"], untuned[group]) != untuned[group]
+               for group, choice in report.choices.items())
 
 
 def tune_for_compile(model, *, mask, batch: int, seq_len: int, database: str, trials: int, target="cuda",
@@ -48,42 +56,50 @@ def tune_for_compile(model, *, mask, batch: int, seq_len: int, database: str, tr
     ``report``: called with each stage line; ``progress_stream``: where stage 2's progress bar goes (None: off).
     """
     from stof_tvm.tuning import plan, tune_tasks, tuning_target
+    from stof_tvm.tuning.build_pool import BuildPool
     from stof_tvm.tuning.plan import NothingToTune
 
     say = report if report is not None else (lambda line: None)
     started = time.monotonic()
     summary = {"trials": trials, "top_k": top_k, "measured": 0, "tasks": 0, "rounds": 0, "stopped": ""}
-    for _ in range(_ROUNDS):
-        say("stage 1: planning the calls this compile makes (front end, then the analytical model's ranking)")
-        try:
-            stage1 = plan(model, mask=mask, batch=batch, seq_len=seq_len, dtype=dtype, target=tuning_target(target),
-                          top_k=top_k, kernel=kernel, templates=templates, gemm=gemm, database=database)
-        except NothingToTune as err:
-            say(f"stage 1: {err}; compiling without tuning")
-            summary["stopped"] = str(err)
-            break
-        target_of_calls = tuning_target(stage1.target)
-        say(f"stage 1: {len(stage1.tasks)} tasks, {sum(t.space_size for t in stage1.tasks)} candidates "
-            f"(model {stage1.model_seconds:.2f} s); " + ("; ".join(stage1.notes) or "every call planned"))
-        budget = None if time_budget_s is None else time_budget_s - (time.monotonic() - started)
-        if budget is not None and budget <= 0:
-            summary["stopped"] = f"time budget of {time_budget_s:g} s spent"
-            break
-        say(f"stage 2: measuring at most {trials} candidates per task on {target_of_calls.kind.name} "
-            f"{target_of_calls.attrs.get('arch', '')}".rstrip())
-        result = tune_tasks(stage1.tasks, target_of_calls, database, trials=trials, time_budget_s=budget,
-                            rpc_tracker=rpc_tracker, rpc_key=rpc_key, progress_stream=progress_stream)
-        cached = sum(r.status == "cached" for r in result.results)
-        say(f"stage 2: {result.measured} trials measured in {result.elapsed_s:.1f} s, {cached} of "
-            f"{len(result.results)} tasks already complete in {result.work_dir}"
-            + (f"; stopped: {result.stopped}" if result.stopped else ""))
-        summary["measured"] += result.measured
-        summary["tasks"] = len(result.results)
-        summary["rounds"] += 1
-        summary["stopped"] = result.stopped
-        if result.stopped or result.measured == 0 or not _attention_moved(result):
-            break
-        say("stage 1 again: the records chose another attention kernel, which can change the calls after it")
+    builder = BuildPool()
+    builder.warm_up()          # the build workers start (import TVM) while stage 1 runs here
+    try:
+        for _ in range(_ROUNDS):
+            say("stage 1: planning the calls this compile makes (front end, then the analytical model's ranking)")
+            try:
+                stage1 = plan(model, mask=mask, batch=batch, seq_len=seq_len, dtype=dtype, target=tuning_target(target),
+                              top_k=top_k, kernel=kernel, templates=templates, gemm=gemm, database=database)
+            except NothingToTune as err:
+                say(f"stage 1: {err}; compiling without tuning")
+                summary["stopped"] = str(err)
+                break
+            target_of_calls = tuning_target(stage1.target)
+            say(f"stage 1: {len(stage1.tasks)} tasks, {sum(t.space_size for t in stage1.tasks)} candidates "
+                f"(model {stage1.model_seconds:.2f} s); " + ("; ".join(stage1.notes) or "every call planned"))
+            budget = None if time_budget_s is None else time_budget_s - (time.monotonic() - started)
+            if budget is not None and budget <= 0:
+                summary["stopped"] = f"time budget of {time_budget_s:g} s spent"
+                break
+            say(f"stage 2: measuring at most {trials} candidates per task on {target_of_calls.kind.name} "
+                f"{target_of_calls.attrs.get('arch', '')}".rstrip())
+            result = tune_tasks(stage1.tasks, target_of_calls, database, trials=trials, time_budget_s=budget,
+                                rpc_tracker=rpc_tracker, rpc_key=rpc_key, builder=builder,
+                                progress_stream=progress_stream)
+            cached = sum(r.status == "cached" for r in result.results)
+            say(f"stage 2: {result.measured} trials measured in {result.elapsed_s:.1f} s, {cached} of "
+                f"{len(result.results)} tasks already complete in {result.work_dir}"
+                + (f"; stopped: {result.stopped}" if result.stopped else ""))
+            summary["measured"] += result.measured
+            summary["tasks"] = len(result.results)
+            summary["rounds"] += 1
+            summary["stopped"] = result.stopped
+            if result.stopped or result.measured == 0 or not _attention_kind_moved(result):
+                break
+            say("stage 1 again: the records chose an attention kernel of the other kind, which changes the calls "
+                "after it")
+    finally:
+        builder.close()
     summary["seconds"] = time.monotonic() - started
     return summary
 

@@ -6,6 +6,9 @@ by the module's own count for device inputs, never read out of bounds), and bad 
 before any kernel runs."""
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 import stof_tvm
 from stof_tvm import call_inputs, make_mask, mask_formats
@@ -33,6 +36,15 @@ def feeds_with(tiny, attention_mask, seed=3):
     feeds = random_inputs(tiny, {"input_ids": (B, S), "attention_mask": (B, S)}, seed=seed)
     feeds["attention_mask"] = np.ascontiguousarray(attention_mask, np.int64)
     return feeds
+
+
+def aligned(array: np.ndarray) -> np.ndarray:
+    """A copy of ``array`` starting on a 64-byte boundary (what a CPU module binds without copying)."""
+    raw = np.empty(array.nbytes + 64, np.uint8)
+    start = -raw.__array_interface__["data"][0] % 64
+    copy = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    copy[...] = array
+    return copy
 
 
 def ragged() -> np.ndarray:
@@ -121,14 +133,18 @@ def test_token_ids_outside_the_table_raise_before_any_kernel(tiny, row_model, ke
 def test_the_module_counts_and_clamps_out_of_range_ids(tiny, row_model):
     """Inputs on the device are checked by the module itself: its count output says which input is out of range,
     and the clamped gather reads no memory outside the table (no crash even for -1000000 / 1000000)."""
-    feeds = feeds_with(tiny, ragged())
+    feeds = {name: aligned(value) for name, value in feeds_with(tiny, ragged()).items()}    # bound without copies
     feeds["input_ids"][0, 0], feeds["input_ids"][5, 9] = -1000000, 1000000
     feeds["attention_mask"][2, 3] = 7
+    given = {name: value.copy() for name, value in feeds.items()}
     bound = call_inputs.bind_inputs(row_model.inputs, feeds, row_model.device)
+    assert np.shares_memory(np.from_dlpack(bound.args[0]), feeds["input_ids"])
     outs = row_model._invoke(bound.args + row_model.mask_tensors())
     counts = outs[row_model.manifest["value_checks"]["output"]]
     assert counts.numpy().tolist() == [2, 1]
     assert np.isfinite(outs[0].numpy()).all()
+    for name, value in given.items():                               # the module clamps a copy, never its inputs
+        np.testing.assert_array_equal(feeds[name], value)
     bound.on_device = {"input_ids", "attention_mask"}                     # as a CUDA tensor would be
     message = call_inputs.value_error(row_model.manifest["value_checks"]["inputs"], counts, bound)
     assert message.startswith("input 'input_ids': token ids must be in [0, 1000)") and "2 value(s)" in message
@@ -191,3 +207,68 @@ def test_masking_that_is_not_key_padding_takes_the_exact_host_path():
         out = compiled(feeds)["y"]
         ref = reference_outputs(model, make_mask("bigbird", PS)[None, None], feeds)["y"]
         assert relative_error(out, ref) < 1e-5
+    torch = pytest.importorskip("torch")                        # the term's output comes back as torch here
+    out_torch = compiled({name: torch.tensor(value) for name, value in feeds.items()})["y"]
+    np.testing.assert_allclose(out_torch.numpy(), out, rtol=1e-6, atol=1e-6)
+
+
+@given(values=hnp.arrays(st.sampled_from([np.int8, np.int32, np.int64]), hnp.array_shapes(max_dims=3, max_side=5))
+       | hnp.arrays(np.float32, hnp.array_shapes(max_dims=2), elements=st.floats(-10, 300, width=32)),
+       high=st.integers(1, 200), low=st.sampled_from([0, -3, 5]))
+@settings(max_examples=200, deadline=None)
+def test_out_of_range_equals_min_max(values, high, low):
+    """The host check's one-reduction form (integers as unsigned) agrees with min < low or max >= high."""
+    if low >= high:
+        high = low + 1
+    expected = bool(values.min() < low or values.max() >= high)
+    assert call_inputs._out_of_range(values, low, high) == expected
+
+
+def test_torch_tensors_reach_the_module_as_they_are(tiny, row_model, monkeypatch):
+    """Torch tensors on the module's device go to the module itself (TVM's FFI converts them in C and returns
+    torch outputs): no Python-side DLPack conversion per call, and the outputs equal the numpy call's."""
+    torch = pytest.importorskip("torch")
+    feeds = feeds_with(tiny, ragged())
+    expected = row_model(feeds)["last_hidden_state"]
+    prepared = row_model.prepare({name: torch.tensor(value) for name, value in feeds.items()})
+    np.testing.assert_allclose(row_model.run(prepared)[0].numpy(), expected, rtol=1e-6, atol=1e-6)  # TVM tensors
+    seen = []
+    main = row_model._main
+    monkeypatch.setattr(row_model, "_main", lambda *args: seen.append([type(a) for a in args[:2]]) or main(*args))
+    monkeypatch.setattr(call_inputs.tvm.runtime, "from_dlpack", None)           # any use would fail
+    out = row_model({name: torch.tensor(value) for name, value in feeds.items()})["last_hidden_state"]
+    assert seen == [[torch.Tensor, torch.Tensor]]
+    assert isinstance(out, torch.Tensor)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_strided_misaligned_and_readonly_inputs_are_bound_right(tiny, row_model):
+    """Inputs the kernels cannot take as they are (not contiguous, not 64-byte aligned, read-only numpy) are
+    copied, numpy and torch alike, and give the same result as a plain contiguous call."""
+    torch = pytest.importorskip("torch")
+    feeds = feeds_with(tiny, ragged())
+    expected = row_model(feeds)["last_hidden_state"]
+    ids = feeds["input_ids"]
+    strided = np.asfortranarray(ids)                                       # same values, not C-contiguous
+    buffer = np.empty(ids.size + 1, ids.dtype)
+    shifted = buffer[1:].reshape(ids.shape)                                # 8 bytes off any 64-byte boundary
+    shifted[...] = ids
+    readonly = ids.copy()
+    readonly.flags.writeable = False
+    for given in (strided, shifted, readonly):
+        np.testing.assert_array_equal(row_model({**feeds, "input_ids": given})["last_hidden_state"], expected)
+    tids = torch.tensor(ids)
+    for given in (tids.t().contiguous().t(), torch.from_numpy(shifted)):
+        assert not given.is_contiguous() or given.data_ptr() % call_inputs.ALIGNMENT
+        out = row_model(input_ids=given, attention_mask=torch.tensor(feeds["attention_mask"]))["last_hidden_state"]
+        np.testing.assert_allclose(out.numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_numpy_outputs_survive_the_next_call(tiny, row_model):
+    """A CPU module's numpy outputs are its own output memory (no copy): the next call must not overwrite them."""
+    first_feeds = feeds_with(tiny, ragged(), seed=4)
+    first = row_model(first_feeds)["last_hidden_state"]
+    kept = first.copy()
+    second = row_model(feeds_with(tiny, np.ones((B, S), np.int64), seed=5))["last_hidden_state"]
+    np.testing.assert_array_equal(first, kept)
+    assert not np.array_equal(first, second)

@@ -13,8 +13,10 @@ BATCH, SEQ = 2, 64
 
 # (family, attention, exporter, opset): each exporter form the canonical rules bring to one graph
 FORMS = [
+    ("bert", "eager", "torchscript", 17),      # the acceptance form of issue 13 (all five families in this list)
     ("bert", "sdpa", "torchscript", 17),       # SDPA decomposed: split scale, -inf where-mask, NaN guard
     ("bert", "eager", "dynamo", 18),
+    ("roberta", "eager", "torchscript", 17),
     ("roberta", "eager", "torchscript", 20),   # the ONNX Gelu op
     ("roberta", "sdpa", "dynamo", 18),         # erf arithmetic GELU, K^T over [B*H, S, D]
     ("gpt2", "eager", "torchscript", 17),      # Conv1D (2-D addmm), one linear split in thirds, gelu_new (pow 3)
@@ -52,12 +54,28 @@ def test_every_chain_of_a_real_export_on_the_fast_path(hf_export, form):
     tanh = family in ("gpt2", "bigbird")
     epilogue = "relu" if family == "t5" else "gelu_tanh" if tanh else "gelu_erf"
     assert sum(count for name, count in calls.items() if epilogue in name) == LAYERS, calls
-    if family == "vit":     # 65 tokens: the QKV heads template needs seq % 16; one GEMM instead, the rows padded
-        assert cov["qkv"]["accelerated"] == 0
-        assert [f["count"] for f in cov["qkv"]["fallback"]] == [LAYERS]
-        assert "seq 65" in cov["qkv"]["fallback"][0]["reason"]
-    else:
-        assert cov["qkv"] == {"total": LAYERS, "accelerated": LAYERS, "fallback": []}
+    assert cov["qkv"] == {"total": LAYERS, "accelerated": LAYERS, "fallback": []}
+    if family == "vit":     # 65 tokens: the QKV heads template's flat-row form, its x rows zero-padded to 80
+        qkv = [site for site in front.template_entry["sites"] if site["chain"] == "qkv"]
+        assert len(qkv) == 1 and qkv[0]["note"].startswith(f"rows padded {BATCH * 65} -> {BATCH * 65 + 14}"), qkv
+
+
+@pytest.mark.parametrize("batch, qkv_template, rows", [
+    (1, "qkv_projection_kn", 80),          # 65 rows padded to 16 for mma.sync
+    (64, "qkv_projection_wgmma", 4224),    # 4160 rows: enough tiles for wgmma, padded to whole 128-row tiles
+])
+def test_vit_qkv_into_heads_at_any_batch(hf_export, batch, qkv_template, rows):
+    """ViT's 65 tokens (197 at base size) at batch 1 and 64 (one export with a dynamic batch): QKV still one
+    projection into heads, on mma.sync or on wgmma by the GEMM's size, and every other chain on its template."""
+    path = hf_export("vit", "eager", "torchscript", 17, True, BATCH, SEQ)
+    front = front_end(path, mask="bigbird", batch=batch, seq_len=SEQ, target="cuda", dtype="float16",
+                      schedule=False)
+    cov = front.coverage
+    for kind in ("attention", "qkv", "linear", "layernorm", "gelu"):
+        assert cov[kind]["accelerated"] == cov[kind]["total"] > 0 and not cov[kind]["fallback"], (kind, cov[kind])
+    (qkv,) = [site for site in front.template_entry["sites"] if site["chain"] == "qkv"]
+    assert qkv["count"] == LAYERS and [stage["template"] for stage in qkv["stages"]] == [qkv_template]
+    assert qkv["note"].startswith(f"rows padded {batch * 65} -> {rows}"), qkv["note"]
 
 
 @pytest.mark.parametrize("form", [("gpt2", "eager", "torchscript", 17), ("vit", "eager", "torchscript", 17)],

@@ -27,6 +27,7 @@ SMALL = {  # small shapes for the llvm checks
     "gemm_layernorm": {"m": 16, "n": 128, "k": 32},
     "layernorm": {"m": 8, "n": 128},
     "qkv": {"batch": 2, "seq": 16, "heads": 2, "head_dim": 16},
+    "qkv_flat": {"batch": 2, "seq": 13, "heads": 2, "head_dim": 16},     # 26 rows padded to 32; tiles span sequences
 }
 BERT = {  # BERT-Base layer shapes at 4096 tokens
     "gemm": {"m": 4096, "n": 3072, "k": 768},
@@ -124,6 +125,21 @@ def test_chains_cover_fused_and_unfused_forms():
         chain_stages("qkv", dict(dims, batch=4), False)
 
 
+@pytest.mark.parametrize("name", ["qkv_projection", "qkv_projection_kn"])
+def test_qkv_projection_takes_any_sequence_length(name):
+    """Sequences that are not a multiple of 16 (ViT's 197 tokens) take the flat-row definition: x rows padded to
+    16, tiles free to span two sequences; multiples of 16 keep the definition whose tiles stay in one sequence."""
+    t = get_template(name)
+    vit = {"batch": 8, "seq": 197, "heads": 12, "head_dim": 64}
+    assert t.flat_rows(vit) and t.rows(vit) == 1584 and t.arguments(vit)[0][1] == (1584, 768)
+    assert any(16 * k["warps_m"] * k["frag_m"] > 16 for k in t.knob_space(dict(vit, batch=32)))   # 6304 rows
+    bert = BERT["qkv"]
+    assert not t.flat_rows(bert) and t.rows(bert) == 4096
+    assert all(bert["seq"] % (16 * k["warps_m"] * k["frag_m"]) == 0 for k in t.knob_space(bert))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        t.primfunc(dict(vit, head_dim=40))
+
+
 # ---- CPU numerics -----------------------------------------------------------------------------------------
 
 LLVM_CASES = [("gemm", "gemm", "float16"), ("gemm_kn", "gemm", "float16"), ("gemm_bias_gelu_erf", "gemm", "float16"),
@@ -132,12 +148,14 @@ LLVM_CASES = [("gemm", "gemm", "float16"), ("gemm_kn", "gemm", "float16"), ("gem
               ("gemm_bias_residual_layernorm_kn", "gemm_layernorm", "bfloat16"),
               ("bias_residual_layernorm", "layernorm", "float16"), ("layernorm", "layernorm", "bfloat16"),
               ("qkv_projection", "qkv", "float16"), ("qkv_projection_kn", "qkv", "bfloat16"),
+              ("qkv_projection", "qkv_flat", "float16"), ("qkv_projection_kn", "qkv_flat", "bfloat16"),
               ("split_heads", "qkv", "float16")]
 
 
 @pytest.mark.parametrize("name, family, dtype", LLVM_CASES)
 def test_template_definition_matches_numpy_float64(name, family, dtype):
-    """Each template's PrimFunc, built for llvm, against its float64 reference (random inputs, poisoned out)."""
+    """Each template's PrimFunc, built for llvm, against its float64 reference (random inputs, poisoned out; the QKV
+    projection's padding rows are random too, and must not reach the output)."""
     t = get_template(name)
     shape = SMALL[family]
     rng = np.random.default_rng(7)
@@ -162,6 +180,7 @@ CUDA_CASES = [("gemm_bias_gelu_erf", {"m": 256, "n": 256, "k": 128}, "float16", 
               ("gemm_bias_relu_kn", {"m": 128, "n": 768, "k": 256}, "bfloat16", True),
               ("gemm_bias_residual_layernorm", {"m": 64, "n": 768, "k": 256}, "float16", True),
               ("qkv_projection", {"batch": 2, "seq": 128, "heads": 4, "head_dim": 64}, "float16", True),
+              ("qkv_projection_kn", {"batch": 8, "seq": 197, "heads": 12, "head_dim": 64}, "float16", True),  # ViT
               ("bias_residual_layernorm", {"m": 256, "n": 768}, "bfloat16", False),
               ("split_heads", {"batch": 2, "seq": 64, "heads": 4, "head_dim": 64}, "float16", False)]
 

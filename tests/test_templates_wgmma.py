@@ -180,6 +180,7 @@ def test_bad_input_raises_clear_errors(call, message):
     ("gemm_bias_gelu_tanh_wgmma", "float16", {"m": 128, "n": 128, "k": 64}),
     ("gemm_wgmma", "bfloat16", {"m": 128, "n": 128, "k": 64}),
     ("qkv_projection_wgmma", "float16", {"batch": 2, "seq": 64, "heads": 2, "head_dim": 64}),
+    ("qkv_projection_wgmma", "float16", {"batch": 2, "seq": 13, "heads": 2, "head_dim": 64}),   # 26 rows of 128
 ])
 def test_definition_matches_numpy_float64_on_llvm(name, dtype, shape):
     """``primfunc`` (the kernel's signature and semantics) built for llvm against float64, poisoned output."""
@@ -209,6 +210,8 @@ def test_definition_matches_numpy_float64_on_llvm(name, dtype, shape):
      {"block_n": 192, "stages": 5, "persistent": True, "pingpong": True}),
     ("qkv_projection_wgmma", {"batch": 64, "seq": 512, "heads": 12, "head_dim": 64}, "float16",
      {"block_n": 256, "stages": 4, "persistent": True, "pingpong": True}),
+    ("qkv_projection_wgmma", {"batch": 8, "seq": 197, "heads": 12, "head_dim": 64}, "float16",   # ViT: rows padded
+     {"block_n": 128, "stages": 4, "persistent": True, "staged": True}),
 ])
 def test_kernel_compiles_for_sm90a_with_hgmma_and_no_spills(name, shape, dtype, knobs, tmp_path):
     ex = build_kernel(name, shape, dtype, knobs)
@@ -397,6 +400,23 @@ def test_new_knob_kernels_compile_for_sm90a_without_spills(name, shape, knobs, t
 def test_new_knobs_refuse_bad_values(knobs, message):
     with pytest.raises(ValueError, match=message):
         get_template("gemm_wgmma").kernel({"m": 384, "n": 256, "k": 64}, knobs=knobs)
+
+
+def test_qkv_rows_padded_to_whole_tiles_store_only_the_real_rows():
+    """ViT's 8 x 197 tokens: x has 1664 rows (13 tiles of 128), the kernel stores rows < 1576 only; a kernel whose
+    heads claim more rows than it computes is refused."""
+    from stof_tvm.schedules.templates.wgmma_kernel import WgmmaConfig, wgmma_gemm_primfunc
+
+    t = get_template("qkv_projection_wgmma")
+    vit = {"batch": 8, "seq": 197, "heads": 12, "head_dim": 64}
+    assert t.rows(vit) == 1664 and t.gemm_dims(vit) == (1664, 2304, 768)
+    knobs = {"block_n": 128, "stages": 4, "persistent": False}
+    padded = t.kernel(vit, "float16", knobs).script()
+    whole = t.kernel(dict(vit, seq=208), "float16", knobs).script()          # 1664 rows, none padded
+    assert "< 1576" in padded and "< 1576" not in whole
+    with pytest.raises(ValueError, match="padded rows"):
+        wgmma_gemm_primfunc(1536, 2304, 768, "float16", bias=True, act="none", config=WgmmaConfig(128, 4),
+                            heads=(8, 197, 12, 64))
 
 
 def test_staged_qkv_needs_head_dim_a_multiple_of_8():

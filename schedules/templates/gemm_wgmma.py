@@ -190,6 +190,7 @@ class WgmmaQKVTemplate(WgmmaKernelMixin, QKVTemplate):
 
     family = "qkv_wgmma"
     persistent_first = False
+    row_multiple = BLOCK_M      # x's rows: batch * seq rounded up to whole 128-row tiles (the padding not stored)
 
     def __init__(self):
         super().__init__(w_layout="nk")
@@ -204,7 +205,7 @@ class WgmmaQKVTemplate(WgmmaKernelMixin, QKVTemplate):
 
     def gemm_dims(self, shape):
         hidden = shape["heads"] * shape["head_dim"]
-        return shape["batch"] * shape["seq"], 3 * hidden, hidden
+        return self.rows(shape), 3 * hidden, hidden
 
     def kernel_options(self, shape):
         return {"bias": True, "act": "none",

@@ -5,12 +5,20 @@ one [3, B, H, S, D] output whose three [B, H, S, D] slices are what the attentio
 separate reshape/transpose pass runs. The main loop is :mod:`.mainloop`; the epilogue writes each
 (row, column) tile of the accumulator to its head-major place with ``vec``-wide stores along D.
 
+Any sequence length: ``x`` has :meth:`QKVTemplate.rows` rows, ``B*S`` rounded up to a multiple of
+:attr:`QKVTemplate.row_multiple` (16 for mma.sync; the caller zero-pads them, their results are never stored).
+Where ``S`` is a multiple of 16 (BERT, GPT-2, T5 at their usual lengths) every tile of ``block_m`` rows lies inside
+one sequence and the epilogue is the TE definition over ``[3, B, H, S, D]``. Other lengths (ViT: 197, 577 tokens)
+take the *flat-row* definition, whose epilogue iterates over (Q/K/V, head, row, d) and stores row ``r`` at
+``(r // S, r % S)``: a tile may then span two sequences, as the rows of one GEMM do.
+
 ``split_heads`` is the unfused second half: a copy of a [B*S, 3*H*D] GEMM output into [3, B, H, S, D].
 """
 from __future__ import annotations
 
 import numpy as np
 from tvm import te
+from tvm.script import tirx as T
 
 from .deferred import cooperative
 from .gemm import gemm_compute, knob_columns, mainloop_columns, mainloop_space, mainloop_resources
@@ -38,6 +46,7 @@ class QKVTemplate(Template):
     fused = True
     shape_keys = ("batch", "seq", "heads", "head_dim")
     knob_names = ("warps_m", "frag_m", "warps_n", "frag_n", "k_frags", "stages", "vec")
+    row_multiple = 16        # x's rows: B*S rounded up to this (the GEMM tiles' row granularity)
 
     def __init__(self, w_layout: str = "nk"):
         if w_layout not in ("nk", "kn"):
@@ -48,13 +57,23 @@ class QKVTemplate(Template):
 
     def _check(self, shape):
         b, s, h, d, m, hidden = _dims(shape)
-        if s % 16 or d % 16 or hidden % 16:
-            raise ValueError(f"{self.name}: seq, head_dim and heads*head_dim must be multiples of 16, got {shape}")
+        if d % 16 or hidden % 16:
+            raise ValueError(f"{self.name}: head_dim and heads*head_dim must be multiples of 16, got {shape}")
+
+    def rows(self, shape) -> int:
+        """Rows of ``x``: ``batch * seq`` rounded up to :attr:`row_multiple` (the caller zero-pads the rest)."""
+        m = shape["batch"] * shape["seq"]
+        return -(-m // self.row_multiple) * self.row_multiple
+
+    def flat_rows(self, shape) -> bool:
+        """Whether ``shape`` takes the flat-row definition (module docstring): seq not a multiple of 16, or
+        padded rows."""
+        return shape["seq"] % 16 != 0 or self.rows(shape) != shape["batch"] * shape["seq"]
 
     def arguments(self, shape, dtype="float16"):
         b, s, h, d, m, hidden = _dims(shape)
         w = (3 * hidden, hidden) if self.w_layout == "nk" else (hidden, 3 * hidden)
-        return [("x", (m, hidden), dtype), ("W", w, dtype), ("bias", (3 * hidden,), dtype),
+        return [("x", (self.rows(shape), hidden), dtype), ("W", w, dtype), ("bias", (3 * hidden,), dtype),
                 ("qkv", (3, b, h, s, d), dtype)]
 
     def flops(self, shape):
@@ -62,6 +81,8 @@ class QKVTemplate(Template):
         return 2 * m * 3 * hidden * hidden
 
     def _primfunc(self, shape, dtype):
+        if self.flat_rows(shape):
+            return _flat_row_primfunc(shape, self.rows(shape), dtype, self.w_layout)
         b, s, h, d, m, hidden = _dims(shape)
         x = te.placeholder((m, hidden), dtype, name="x")
         W = te.placeholder((3 * hidden, hidden) if self.w_layout == "nk" else (hidden, 3 * hidden), dtype, name="W")
@@ -76,30 +97,33 @@ class QKVTemplate(Template):
         return te.create_prim_func([x, W, bias, out])
 
     def reference(self, shape, inputs):
-        x = np.asarray(inputs["x"], np.float64)
+        b, s, h, d, m, _ = _dims(shape)
+        x = np.asarray(inputs["x"], np.float64)[:m]
         w = np.asarray(inputs["W"], np.float64)
         y = x @ (w.T if self.w_layout == "nk" else w) + np.asarray(inputs["bias"], np.float64)
-        b, s, h, d, _, _ = _dims(shape)
         return [_to_heads(y, b, s, h, d)]
 
     def _knob_space(self, shape, dtype, hw):
         b, s, h, d, m, hidden = _dims(shape)
+        flat = self.flat_rows(shape)
         space = []
-        for kn in mainloop_space(m, 3 * hidden, hidden):
+        for kn in mainloop_space(self.rows(shape), 3 * hidden, hidden):
             bm = 16 * kn["warps_m"] * kn["frag_m"]
             bn = 16 * kn["warps_n"] * kn["frag_n"]
-            # a tile must stay inside one sequence and cover whole heads (or lie inside one head)
-            if s % bm == 0 and (bn % d == 0 or d % bn == 0) and hidden % bn == 0 and min(bn, d) % kn["vec"] == 0:
+            # a tile covers whole heads (or lies inside one head), and (but in the flat-row definition) stays
+            # inside one sequence
+            if (flat or s % bm == 0) and (bn % d == 0 or d % bn == 0) and hidden % bn == 0 \
+                    and min(bn, d) % kn["vec"] == 0:
                 space.append(kn)
         return space
 
     def resources(self, shape, dtype, knobs):
         b, s, h, d, m, hidden = _dims(shape)
-        return mainloop_resources(m, 3 * hidden, hidden, knobs)
+        return mainloop_resources(self.rows(shape), 3 * hidden, hidden, knobs)
 
     def resource_columns(self, shape, dtype, space):
         b, s, h, d, m, hidden = _dims(shape)
-        return mainloop_columns(m, 3 * hidden, hidden, knob_columns(space))
+        return mainloop_columns(self.rows(shape), 3 * hidden, hidden, knob_columns(space))
 
     def _schedule(self, sch, spec, knobs):
         schedule_mainloop(sch, "gemm", dtype=spec["dtype"], b_layout=self.w_layout,
@@ -107,6 +131,39 @@ class QKVTemplate(Template):
                                                          "stages")},
                           consumers=["qkv"])
         cooperative(sch, sch.get_sblock("qkv"), knobs["vec"], stage_io=True)
+
+
+def _flat_row_primfunc(shape, rows: int, dtype: str, w_layout: str):
+    """The flat-row definition (module docstring): the GEMM over ``rows`` rows of ``x`` (``batch * seq`` real ones,
+    then zero padding), the epilogue over (w, h, r, d) for the real rows, storing row ``r`` at sequence ``r // S``,
+    position ``r % S``. Written in TVMScript because a TE output is indexed by its own loop variables."""
+    b, s, h, d, m, hidden = _dims(shape)
+    n = 3 * hidden
+    w_shape = (n, hidden) if w_layout == "nk" else (hidden, n)
+
+    def weight(W, j, k):
+        return W[j, k] if w_layout == "nk" else W[k, j]
+
+    @T.prim_func(s_tir=True)
+    def main(x_h: T.handle, w_h: T.handle, bias_h: T.handle, qkv_h: T.handle):
+        x = T.match_buffer(x_h, (rows, hidden), dtype)
+        W = T.match_buffer(w_h, w_shape, dtype)
+        bias = T.match_buffer(bias_h, (n,), dtype)
+        qkv = T.match_buffer(qkv_h, (3, b, h, s, d), dtype)
+        gemm = T.sblock_alloc_buffer((rows, n), "float32")
+        for i, j, k in T.grid(rows, n, hidden):
+            with T.sblock("gemm"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                with T.init():
+                    gemm[vi, vj] = T.float32(0)
+                gemm[vi, vj] = gemm[vi, vj] + T.Cast("float32", x[vi, vk]) * T.Cast("float32", weight(W, vj, vk))
+        for w, hi, r, di in T.grid(3, h, m, d):
+            with T.sblock("qkv"):
+                vw, vh, vr, vd = T.axis.remap("SSSS", [w, hi, r, di])
+                qkv[vw, vr // s, vh, vr % s, vd] = T.Cast(dtype, gemm[vr, vw * hidden + vh * d + vd]
+                                                          + T.Cast("float32", bias[vw * hidden + vh * d + vd]))
+
+    return main          # global symbol "main", as te.create_prim_func names the TE definition
 
 
 class SplitHeadsTemplate(Template):

@@ -204,7 +204,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
 
     ``heads = (batch, seq, heads, head_dim)`` makes it the QKV projection: ``n`` is ``3 * heads * head_dim``
     and the epilogue writes row ``b*seq + s``, column ``w*H*D + h*D + d`` to ``out[w, b, h, s, d]``
-    ([3, B, H, S, D], what the attention kernels read) instead of ``out[row, col]``."""
+    ([3, B, H, S, D], what the attention kernels read) instead of ``out[row, col]``. ``m`` may exceed
+    ``batch * seq`` (rows zero-padded up to the tile: ViT's 197 tokens); the rows past it are not stored."""
     if dtype not in PTX_TYPE:
         raise ValueError(f"dtype must be one of {sorted(PTX_TYPE)}, got {dtype!r}")
     check_activation(act)
@@ -236,14 +237,16 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     CP_ASYNC_16 = T.ptx["cp.async.cg.shared.global"]
     if heads is not None:
         HB, HS, HH, HD = heads
-        if HB * HS != m or 3 * HH * HD != n or HD % 2:
-            raise ValueError(f"heads={heads} does not match m={m}, n={n} (m = batch*seq, n = 3*heads*head_dim, "
-                             "head_dim even)")
+        if HB * HS > m or 3 * HH * HD != n or HD % 2:
+            raise ValueError(f"heads={heads} does not match m={m}, n={n} (m = batch*seq, or more: padded rows; "
+                             "n = 3*heads*head_dim, head_dim even)")
         if config.staged and HD % 8:
             raise ValueError(f"staged=True stores 8 columns at once: head_dim must be a multiple of 8, got {HD}")
         OUT_SHAPE = (3, HB, HH, HS, HD)
     else:
         OUT_SHAPE = (m, n)
+    PADDED = heads is not None and heads[0] * heads[1] != m    # rows past batch * seq: computed, never stored
+    REAL_ROWS = m if heads is None else heads[0] * heads[1]
     # ``acc + (-0.0)`` (exact for every value) as a *volatile* asm per accumulator after the final
     # wgmma.wait_group: nvcc keeps volatile asm in order, so the epilogue's reads, which depend on it, cannot
     # be hoisted above the wait (the wait names no registers). Without it nvcc moved the conversions of the
@@ -273,6 +276,11 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         return T.address_of(out[col // (HH * HD), row // HS, col % (HH * HD) // HD, row % HS, col % HD])
 
     @T.macro
+    def store_head(x, out, bias_buf, row, col):
+        """The QKV projection's store of one output element (row, col) at its [3, B, H, S, D] place."""
+        out[col // (HH * HD), row // HS, col % (HH * HD) // HD, row % HS, col % HD] = epilogue(x, col, bias_buf)
+
+    @T.macro
     def store(acc, out, bias_buf, row0, col0, lane, first):
         for j in T.unroll(BN // 8):
             for h in T.unroll(2):
@@ -281,9 +289,11 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     row: T.let = row0 + lane // 4 + 8 * h
                     if heads is None:
                         out[row, col] = epilogue(acc[first + j * 4 + h * 2 + e], col, bias_buf)
+                    elif PADDED:
+                        if row < REAL_ROWS:
+                            store_head(acc[first + j * 4 + h * 2 + e], out, bias_buf, row, col)
                     else:
-                        out[col // (HH * HD), row // HS, col % (HH * HD) // HD, row % HS, col % HD] = epilogue(
-                            acc[first + j * 4 + h * 2 + e], col, bias_buf)
+                        store_head(acc[first + j * 4 + h * 2 + e], out, bias_buf, row, col)
 
     PACK = T.ptx[f"cvt.rn.{PACK_TYPE[DT]}.f32"]
 
@@ -291,6 +301,11 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         """Outputs ``acc[i]`` (column ``col``) and ``acc[i + 1]`` rounded to 16 bits and packed into ``words[0]``, the
         first in the low half (its address is the lower)."""
         return PACK(words[0], epilogue_f32(acc[i + 1], col + 1, bias_buf), epilogue_f32(acc[i], col, bias_buf))
+
+    @T.macro
+    def store_chunk(out, row, col, words):
+        """16 bytes (8 outputs of one row, packed in ``words``) to output element (row, col) on."""
+        T.ptx["st.global.v4.b32"](out_ptr(out, row, col), words[0], words[1], words[2], words[3])
 
     @T.macro
     def store_staged(acc, out, bias_buf, row0, col0, lane, first, buf, words):
@@ -308,8 +323,11 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                 row: T.let = it * 4 + lane // CHUNKS
                 T.ptx["ld.shared.v4.b32"](words[0], words[1], words[2], words[3],
                                           buf + T.Cast("uint32", swizzled(row, lane % CHUNKS)))
-                T.ptx["st.global.v4.b32"](out_ptr(out, row0 + row, col0 + cc * STAGED_COLS + (lane % CHUNKS) * 8),
-                                          words[0], words[1], words[2], words[3])
+                if PADDED:
+                    if row0 + row < REAL_ROWS:
+                        store_chunk(out, row0 + row, col0 + cc * STAGED_COLS + (lane % CHUNKS) * 8, words)
+                else:
+                    store_chunk(out, row0 + row, col0 + cc * STAGED_COLS + (lane % CHUNKS) * 8, words)
             T.ptx["bar.warp.sync"](T.uint32(0xFFFFFFFF))
 
     @T.macro

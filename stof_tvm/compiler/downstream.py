@@ -29,7 +29,7 @@ then add a zero bias constant.
 
 ``X`` is ``[..., K]`` (flattened to ``[M, K]``), ``W`` a ``[K, N]`` weight (parameter or constant), biases,
 gamma and beta constants. A chain is rewritten only where its templates accept the shapes (16-bit dtype,
-multiples of 16; LayerNorm rows multiples of 64, fused rows of 128; QKV sequence and head size multiples of 16);
+multiples of 16; LayerNorm rows multiples of 64, fused rows of 128; QKV head size a multiple of 16, any sequence);
 anything else keeps TVM's default path. The LayerNorm templates take the model's epsilon; their output is
 16-bit, so the residual stream between layers becomes 16-bit (as in a float16 PyTorch model).
 

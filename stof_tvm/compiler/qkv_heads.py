@@ -3,7 +3,8 @@
 Three head-split linears on one ``X`` (each ``reshape [B, S, H, D]`` + ``permute_dims``), or one linear whose
 output is split into thirds that are each split into heads (GPT-2's ``c_attn``), become one template call writing
 ``[3, B, H, S, D]``. Q, K and V are then zero-copy views at their offsets into it where only kernels that accept
-such views read them (:data:`VIEW_READERS`), else one split.
+such views read them (:data:`VIEW_READERS`), else one split. Any sequence length: the template's ``x`` rows are
+``B*S`` zero-padded to its row multiple (ViT's 197 tokens), the padding never stored.
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from tvm import relax
 from tvm.ir.expr import Constant
 
 from .attention_match import static_shape
-from .linear_match import (ANY_LINEAR, LINEAR_BIAS, LINEAR_W, LINEAR_X, is_call, linear_dims, transposed, users_of,
-                           wgmma_misfit, zero_bias)
+from .linear_match import (ANY_LINEAR, LINEAR_BIAS, LINEAR_W, LINEAR_X, is_call, linear_dims, padded_rows, transposed,
+                           users_of, wgmma_misfit, zero_bias)
 
 class _QKVGroup:
     """Three linear layers on one X whose outputs are split into heads (reshape + permute_dims)."""
@@ -125,8 +126,9 @@ def _concat_weights(ws: list, axis: int) -> relax.Expr:
 def rewrite_qkv(t, func: relax.Function) -> relax.Function:
     """Replace every :class:`_QKVGroup` the QKV template fits by one template call and its heads (views or a
     split); ``t`` is the template adder of :func:`.downstream.use_templates` (its ``call``, ``record``,
-    ``gemm_stage``, ``gemm``, ``mod``). Three linears whose sequence the template does not take (ViT's 197 tokens)
-    become one GEMM on the concatenated weights, split into thirds before the graph's own head splits."""
+    ``gemm_stage``, ``gemm``, ``mod``). Three linears whose heads the template does not take (a head_dim not a
+    multiple of 16) become one GEMM on the concatenated weights, split into thirds before the graph's own head
+    splits."""
     groups, gemms = [], []
     users = users_of(func)
     for group in _find_qkv(func, users):
@@ -170,7 +172,7 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
             w, bias = self._weights(group, dtype)
             x2d = relax.op.reshape(self.visit_expr(group.x), [b * s, hd])
             call, stage, note = t.gemm_stage("none", x2d, w, bias, b * s, 3 * hd, hd, dtype)
-            why = f"seq {s} not a multiple of 16: one GEMM, the graph's head split"
+            why = f"no QKV heads template fits head_dim {group.head_dim}: one GEMM, the graph's head split"
             t.record("qkv_gemm", [stage], why + (f"; {note}" if note else ""))
             out = self.builder_.emit(relax.op.reshape(call, [b, s, 3 * hd]))
             parts = self.builder_.emit(relax.op.split(out, 3, axis=2))
@@ -182,12 +184,13 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
             b, s, h, d = (group.shape[key] for key in ("batch", "seq", "heads", "head_dim"))
             w, bias = self._weights(group, dtype)
             x2d = relax.op.reshape(self.visit_expr(group.x), [b * s, h * d])
-            note = wgmma_misfit(b * s, 3 * h * d, h * d) if t.gemm == "wgmma" else None
-            if t.gemm == "wgmma" and note is None:
-                call, stage = t.call("qkv_projection_wgmma", group.shape, dtype, [x2d, transposed(w), bias],
-                                     (3, b, h, s, d))
-            else:
-                call, stage = t.call("qkv_projection_kn", group.shape, dtype, [x2d, w, bias], (3, b, h, s, d))
+            name, note = _qkv_template(b * s, h * d, t.gemm)
+            rows = _template_rows(name, group.shape)
+            if rows != b * s:
+                x2d = relax.op.nn.pad(x2d, [0, rows - b * s, 0, 0])
+                note = f"rows padded {b * s} -> {rows}" + (f"; {note}" if note else "")
+            weight = transposed(w) if name == "qkv_projection_wgmma" else w
+            call, stage = t.call(name, group.shape, dtype, [x2d, weight, bias], (3, b, h, s, d))
             t.record("qkv", [stage], note)
             qkv = self.builder_.emit(call)
             if all(_reads_views(permute, users) for permute in group.permutes):
@@ -231,6 +234,22 @@ def _reads_views(var, users) -> bool:
         if not further or not all(kernel_call(u) for u in further):
             return False
     return True
+
+
+def _qkv_template(m: int, hidden: int, gemm: str) -> tuple[str, str | None]:
+    """(template, note) of a QKV projection of ``m`` tokens: ``qkv_projection_wgmma`` where ``gemm="wgmma"`` puts its
+    GEMM ([m, hidden] x [hidden, 3 * hidden], rows padded as :func:`.linear_match.padded_rows` pads them) on wgmma,
+    else ``qkv_projection_kn`` (mma.sync) with the reason it is not on wgmma (None under ``gemm="mma"``)."""
+    if gemm != "wgmma":
+        return "qkv_projection_kn", None
+    note = wgmma_misfit(padded_rows(m, 3 * hidden, hidden, gemm), 3 * hidden, hidden)
+    return ("qkv_projection_wgmma", None) if note is None else ("qkv_projection_kn", note)
+
+
+def _template_rows(name: str, shape: dict) -> int:
+    from stof_tvm.schedules.templates import get_template
+
+    return get_template(name).rows(shape)
 
 
 def _qkv_fits(shape: dict, dtype: str) -> bool:

@@ -5,6 +5,7 @@ import sys
 
 from ..cost_model import AttentionProblem, Calibration, DEFAULT_CALIBRATION
 from ..hardware import H200, HardwareProfile, detect, get_profile, profile_for_target
+from .build_pool import BuildPool
 from .plan import TuningPlan, plan_attention, plan_model, plan_template
 from .tuner import TuningReport, tune_tasks, tuning_target
 
@@ -69,14 +70,19 @@ def tune(model=None, *, template=None, shape=None, mask="causal", batch: int = 1
     so that compiling with the same arguments and ``database`` uses every record.
     """
     target = tuning_target(target)
-    stage1 = plan(model, template=template, shape=shape, mask=mask, batch=batch, seq_len=seq_len, heads=heads,
-                  head_dim=head_dim, dtype=dtype, target=target, top_k=top_k, hardware=hardware,
-                  calibration=calibration, kinds=kinds, kernel=kernel, templates=templates, gemm=gemm,
-                  database=database)
-    if stage1.target is not None:
-        target = tuning_target(stage1.target)
-    report = tune_tasks(stage1.tasks, target, database, trials=trials, time_budget_s=time_budget_s,
-                        rpc_tracker=rpc_tracker, rpc_key=rpc_key, build_workers=build_workers,
-                        progress_stream=sys.stderr if progress else None)
+    builder = BuildPool(build_workers)
+    builder.warm_up()                # the build workers start while stage 1 runs here
+    try:
+        stage1 = plan(model, template=template, shape=shape, mask=mask, batch=batch, seq_len=seq_len, heads=heads,
+                      head_dim=head_dim, dtype=dtype, target=target, top_k=top_k, hardware=hardware,
+                      calibration=calibration, kinds=kinds, kernel=kernel, templates=templates, gemm=gemm,
+                      database=database)
+        if stage1.target is not None:
+            target = tuning_target(stage1.target)
+        report = tune_tasks(stage1.tasks, target, database, trials=trials, time_budget_s=time_budget_s,
+                            rpc_tracker=rpc_tracker, rpc_key=rpc_key, builder=builder,
+                            progress_stream=sys.stderr if progress else None)
+    finally:
+        builder.close()
     report.plan = stage1
     return report

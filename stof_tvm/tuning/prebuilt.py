@@ -5,17 +5,19 @@ that batch (a fresh pool of builder processes per batch), runs it, then moves to
 one schedule therefore costs a builder pool start-up and a build that uses one CPU core, for each trial, and
 the model's per-knob-set wgmma tasks and per-configuration attention tasks are all of that kind. Here such
 tasks are measured directly instead: ``chunk`` of them are built in one builder call (all cores), the chunk is
-run while the next one builds, and each result is committed to the MetaSchedule database as the scheduler
+run while the next two build, and each result is committed to the MetaSchedule database as the scheduler
 would (same workload, an empty trace, the measured seconds, or 1e10 s for a failure), so later look-ups, the
 task status and the group choices treat them exactly like scheduler records.
 
-The same path measures one given schedule of a searched task (its untuned first candidate, which the tuner
-measures before the search starts), committed with that schedule's trace.
+The same path measures given schedules of a searched task (its untuned first candidate, which the tuner
+measures before anything else, and all its candidates when its trial plan covers them all), each committed with
+its schedule's trace.
 """
 from __future__ import annotations
 
 import os
 import shutil
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import tvm
@@ -25,6 +27,10 @@ from ..records import FAILED_SECONDS
 from .task import TuningTask
 
 __all__ = ["measure_prebuilt"]
+
+# Chunks building at once: the one the runner needs next and the one after it, so the builder's workers never
+# wait for the slowest build of a chunk (or for the runner) before starting on the next.
+_AHEAD = 2
 
 
 def _build(builder, schedules, target):
@@ -47,15 +53,25 @@ def measure_prebuilt(tasks: list[TuningTask], target: tvm.target.Target, databas
     schedules = [tvm.s_tir.Schedule(task.mod) if sch is None else sch for task, sch in zip(tasks, schedules)]
     order = list(range(len(tasks)))
     chunks = [order[i:i + chunk] for i in range(0, len(order), chunk)]
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(_build, builder, [schedules[i] for i in chunks[0]], target) if chunks else None
-        for n, part in enumerate(chunks):
-            built = pending.result()
-            more = n + 1 < len(chunks) and not progress.should_stop()
-            pending = pool.submit(_build, builder, [schedules[i] for i in chunks[n + 1]], target) if more else None
+    pending: deque = deque()
+    with ThreadPoolExecutor(max_workers=_AHEAD) as pool:
+        def build_next() -> None:
+            part = chunks[len(pending) + done]
+            pending.append(pool.submit(_build, builder, [schedules[i] for i in part], target))
+
+        done = 0
+        while len(pending) < min(_AHEAD, len(chunks)):
+            build_next()
+        for part in chunks:
+            built = pending.popleft().result()
+            done += 1
+            if len(pending) + done < len(chunks) and not progress.should_stop():
+                build_next()
             _run_and_commit([tasks[i] for i in part], [schedules[i] for i in part], [task_ids[i] for i in part],
                             built, target, database, runner, progress)
-            if progress.should_stop() or not more:
+            if progress.should_stop():
+                for future in pending:
+                    future.cancel()
                 break
 
 

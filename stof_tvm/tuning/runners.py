@@ -27,9 +27,10 @@ __all__ = ["ArgumentFactory", "make_builder", "make_runner", "parse_tracker", "e
 # Arguments the local runner's worker process (a long-lived child) already allocated and filled, by device,
 # signature and fixed arrays, oldest first: filling a GPU argument with random data goes through host memory
 # and costs about a second per candidate for a 16x2048 BERT layer's GEMM, the same for every candidate of a
-# signature. Bounded to the last few signatures.
+# signature. Bounded to the last few signatures: enough for a model's calls (a base model's untuned choices,
+# measured first, are 7 signatures: QKV, two GEMMs, GELU GEMM, attention, two LayerNorms), a few GB at 16x2048.
 _LOCAL_ARGUMENTS: dict = {}
-_LOCAL_ARGUMENTS_KEPT = 4
+_LOCAL_ARGUMENTS_KEPT = 8
 
 
 class ArgumentFactory:

@@ -7,12 +7,13 @@
    it has left, counted from the records themselves;
 2. measures first what the compile runs without records (the untuned choice: the group member marked
    ``meta["untuned"]``, a searched task's first candidate), so every later choice is among measured candidates
-   that include it; then the other pre-built tasks (no knobs: attention kernels, wgmma knob sets) in
-   parallel-built batches (:mod:`.prebuilt`), then MetaSchedule's task scheduler over the others: one
-   ``TuneContext`` per task
+   that include it; then the other pre-built tasks (no knobs: attention kernels, wgmma knob sets) and every
+   candidate of each searched task whose plan covers all its unmeasured survivors (there is nothing for a search
+   to choose: all are measured), in parallel-built batches (:mod:`.prebuilt`); then MetaSchedule's task
+   scheduler over the tasks whose plan is smaller than their survivor list: one ``TuneContext`` per task
    whose design space is its survivors (:func:`~stof_tvm.tuning.space.survivor_space`), evolutionary search
-   ranked by the XGBoost cost model, the local builder, and the local or RPC runner with valid sparse-format
-   inputs;
+   ranked by the XGBoost cost model, the builder, and the local or RPC runner with valid sparse-format
+   inputs. Candidates build on one pool of worker processes kept for the whole run (:mod:`.build_pool`);
 3. reports progress after every batch and stops cleanly on a time budget or Ctrl-C (records already measured
    stay in the database);
 4. writes each task's status and each group's winner (:class:`~stof_tvm.records.TuningDatabase`).
@@ -33,9 +34,10 @@ import tvm
 from tvm.s_tir import meta_schedule as ms
 
 from ..records import TuningDatabase
+from .build_pool import BuildPool
 from .prebuilt import measure_prebuilt
 from .progress import Progress, StopFlag, interrupt_handler
-from .runners import ArgumentFactory, make_builder, make_runner
+from .runners import ArgumentFactory, make_runner
 from .search import planned_search
 from .space import survivor_space
 from .task import TuningTask
@@ -170,7 +172,9 @@ def tune_tasks(tasks, target, work_dir, *, trials: int | None = None, num_trials
     ``trials``: at most this many measurements per task (default: all its survivors). ``time_budget_s``: stop
     when this much wall time has passed. ``rpc_tracker``/``rpc_key``: measure on the RPC tracker's devices
     instead of locally. ``builder``/``runner``: replace the defaults entirely (then ``runner`` must allocate
-    sparse-format inputs itself). ``stop``: a :class:`StopFlag` another thread may set.
+    sparse-format inputs itself; a :class:`~stof_tvm.tuning.build_pool.BuildPool` passed as ``builder`` is left
+    open for the caller, who may have started its workers before stage 1). ``build_workers``: processes of the
+    default builder (every core). ``stop``: a :class:`StopFlag` another thread may set.
     """
     started = time.monotonic()
     if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int) or trials < 1):
@@ -197,40 +201,18 @@ def tune_tasks(tasks, target, work_dir, *, trials: int | None = None, num_trials
     measured: dict[str, int] = {}
     finished: set[str] = set()
 
-    for members, factory in _passes(todo, rpc=rpc_tracker is not None):
-        if stop:
-            break
-        progress = Progress([t.name for t in members], [left[t.key] for t in members],
-                            time_budget_s=None if time_budget_s is None else
-                            max(1e-3, time_budget_s - (time.monotonic() - started)),
-                            stop=stop, stream=progress_stream)
-        pass_builder = builder or make_builder(build_workers)
-        pass_runner = runner or make_runner(target.kind.name, arguments=factory, rpc_tracker=rpc_tracker,
-                                            rpc_key=rpc_key)
-        direct, spaces = _measured_directly(members, db)
-        try:
-            with interrupt_handler(stop) if handle_interrupt else contextlib.nullcontext():
-                if direct:        # one build per kernel, in parallel batches (see .prebuilt)
-                    measure_prebuilt([members[i] for i, _ in direct], target, db.ms, pass_builder, pass_runner,
-                                     progress, [i for i, _ in direct], chunk=num_trials_per_iter,
-                                     schedules=[sch for _, sch in direct])
-                rest = {i: min(left[members[i].key] - progress.trials[i], len(space)) for i, space in spaces.items()}
-                searched = [i for i in spaces if rest[i] > 0]
-                if searched and not progress.should_stop():
-                    _run_scheduler([members[i] for i in searched], searched, [spaces[i] for i in searched],
-                                   [rest[i] for i in searched], target, db, progress, num_trials_per_iter,
-                                   pass_builder, pass_runner, seed)
-        finally:
-            progress.close()
-            for i, task in enumerate(members):
-                measured[task.key] = progress.trials[i]
-                # Without a stop request the scheduler only returns once each task has spent its plan or
-                # exhausted its survivors: the task is complete either way.
-                if not stop or progress.trials[i] >= left[task.key]:
-                    finished.add(task.key)
-                db.update_task(task, planned=planned[task.key], measured=progress.trials[i],
-                               complete=task.key in finished)
-            db.save()
+    own_builder = None
+    if builder is None and todo:
+        builder = own_builder = BuildPool(build_workers)
+        builder.warm_up()
+    try:
+        _measure_passes(todo, left, planned, target, db, builder, runner, stop, measured, finished, started,
+                        time_budget_s=time_budget_s, rpc_tracker=rpc_tracker, rpc_key=rpc_key,
+                        num_trials_per_iter=num_trials_per_iter, seed=seed, progress_stream=progress_stream,
+                        handle_interrupt=handle_interrupt)
+    finally:
+        if own_builder is not None:
+            own_builder.close()
 
     results = []
     for task in tasks:
@@ -257,6 +239,46 @@ def tune_tasks(tasks, target, work_dir, *, trials: int | None = None, num_trials
     return TuningReport(results, time.monotonic() - started, db.work_dir, stop.reason if stop else "", choices)
 
 
+def _measure_passes(todo, left, planned, target, db, builder, runner, stop, measured, finished, started, *,
+                    time_budget_s, rpc_tracker, rpc_key, num_trials_per_iter, seed, progress_stream,
+                    handle_interrupt) -> None:
+    """Measure ``todo`` in scheduler passes whose fixed arguments never clash; fills ``measured`` (trials per
+    task key) and ``finished`` (keys of complete tasks) and records every task's status in ``db``."""
+    for members, factory in _passes(todo, rpc=rpc_tracker is not None):
+        if stop:
+            break
+        progress = Progress([t.name for t in members], [left[t.key] for t in members],
+                            time_budget_s=None if time_budget_s is None else
+                            max(1e-3, time_budget_s - (time.monotonic() - started)),
+                            stop=stop, stream=progress_stream)
+        pass_runner = runner or make_runner(target.kind.name, arguments=factory, rpc_tracker=rpc_tracker,
+                                            rpc_key=rpc_key)
+        direct, spaces = _measured_directly(members, db, [left[t.key] for t in members])
+        try:
+            with interrupt_handler(stop) if handle_interrupt else contextlib.nullcontext():
+                if direct:        # one build per kernel, in parallel batches (see .prebuilt)
+                    measure_prebuilt([members[i] for i, _ in direct], target, db.ms, builder, pass_runner,
+                                     progress, [i for i, _ in direct], chunk=num_trials_per_iter,
+                                     schedules=[sch for _, sch in direct])
+                rest = {i: min(left[members[i].key] - progress.trials[i], len(space)) for i, space in spaces.items()}
+                searched = [i for i in spaces if rest[i] > 0]
+                if searched and not progress.should_stop():
+                    _run_scheduler([members[i] for i in searched], searched, [spaces[i] for i in searched],
+                                   [rest[i] for i in searched], target, db, progress, num_trials_per_iter,
+                                   builder, pass_runner, seed)
+        finally:
+            progress.close()
+            for i, task in enumerate(members):
+                measured[task.key] = progress.trials[i]
+                # Without a stop request the scheduler only returns once each task has spent its plan or
+                # exhausted its survivors: the task is complete either way.
+                if not stop or progress.trials[i] >= left[task.key]:
+                    finished.add(task.key)
+                db.update_task(task, planned=planned[task.key], measured=progress.trials[i],
+                               complete=task.key in finished)
+            db.save()
+
+
 def _check_local_device(target: tvm.target.Target) -> None:
     """Stage 2 measures on this machine's device unless an RPC tracker is given: refuse a CUDA target without one."""
     if target.kind.name == "cuda" and not tvm.cuda(0).exist:
@@ -265,28 +287,48 @@ def _check_local_device(target: tvm.target.Target) -> None:
                          "with --target llvm")
 
 
-def _measured_directly(members: list[TuningTask], db: TuningDatabase) -> tuple[list, dict[int, list]]:
+def _measured_directly(members: list[TuningTask], db: TuningDatabase,
+                       left: list[int]) -> tuple[list, dict[int, list]]:
     """What :func:`measure_prebuilt` measures, in order, as ``[(member index, schedule or None)]``: the untuned
     choices first (pre-built group members marked ``meta["untuned"]``, and the first candidate of each searched
-    task unless a record has it), then the other pre-built tasks. Also ``{member index: candidates}`` of each
-    searched task: the ones left for the search, none that a record already measured."""
+    task unless a record has it), then the other pre-built tasks and, task after task, every unmeasured candidate
+    of each searched task whose plan (``left[i]`` trials) covers them all. Also ``{member index: candidates}``
+    of each searched task: the ones left for the search (none for a task measured whole here, none that a record
+    already measured).
+
+    A task measured whole has nothing for a search to choose, and MetaSchedule's scheduler costs far more than
+    the measurements it picks (two LayerNorm tasks' 14 trials took ~80 s on the H200 machine, where a batch of
+    16 pre-built candidates took ~12 s). Candidates that cannot be applied are left out, as the survivor space
+    leaves them out."""
     untuned, first, others, spaces = [], [], [], {}
     for i, task in enumerate(members):
         if not task.candidates:
             (untuned if task.meta.get("untuned") else others).append((i, None))
             continue
         done = db.measured_candidates(task.mod, task.candidates, task.apply)
-        spaces[i] = [knobs for j, knobs in enumerate(task.candidates) if j not in done]
-        if 0 in done:
-            continue
-        sch = tvm.s_tir.Schedule(task.mod)
-        try:
-            task.apply(sch, task.candidates[0])
-        except (tvm.s_tir.ScheduleError, ValueError):
-            continue                  # the survivor space skips it too
-        first.append((i, sch))
-        spaces[i] = spaces[i][1:]
+        todo = [j for j in range(len(task.candidates)) if j not in done]
+        plan = left[i]
+        if 0 in todo:
+            todo.remove(0)
+            sch = _schedule(task, 0)
+            if sch is not None:
+                first.append((i, sch))
+                plan -= 1
+        if len(todo) <= plan:
+            others += [(i, sch) for sch in (_schedule(task, j) for j in todo) if sch is not None]
+            todo = []
+        spaces[i] = [task.candidates[j] for j in todo]
     return untuned + first + others, spaces
+
+
+def _schedule(task: TuningTask, index: int):
+    """The schedule of ``task``'s candidate ``index``, or None when its knobs do not apply."""
+    sch = tvm.s_tir.Schedule(task.mod)
+    try:
+        task.apply(sch, task.candidates[index])
+    except (tvm.s_tir.ScheduleError, ValueError):
+        return None
+    return sch
 
 
 def _run_scheduler(members, ids, spaces, budget, target, db, progress, num_trials_per_iter, builder, runner, seed):
