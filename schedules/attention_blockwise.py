@@ -73,6 +73,13 @@ class BlockConfig:
     launches, across all heads, the tile rows holding more than twice their group's mean tile count first
     (the global rows of Longformer/BigBird), then the others last to first; each thread block finds its row
     from the format's row pointers (two extra barriers), so one long row no longer starts at the very end.
+
+    ``kv_splits`` > 1 (split-KV, with ``heavy_first`` only): the first ``split_rows`` heavy tile rows of each
+    (batch, head) are each shared by ``kv_splits`` thread blocks, launched first, each walking one contiguous
+    slice of the row's tile list and writing its rows' normalised partial output and log-sum-exp (float32) to a
+    workspace; a second kernel merges the slices exactly. Where a long row would otherwise run alone while the
+    rest of the grid is done (B=1 Longformer/BigBird global rows at long S), its time drops by about
+    ``kv_splits``. A mask with fewer heavy rows leaves the extra blocks idle; more heavy rows are walked whole.
     """
 
     block_m: int = 128
@@ -80,6 +87,8 @@ class BlockConfig:
     num_warps: int = 4
     stages: int = 2
     heavy_first: bool = False
+    kv_splits: int = 1
+    split_rows: int = 1
 
     @property
     def threads(self) -> int:
@@ -93,7 +102,7 @@ class BlockConfig:
         """Raise ValueError unless this configuration can be compiled for ``head_dim``."""
         if not isinstance(self.heavy_first, bool):
             raise ValueError(f"BlockConfig.heavy_first must be a bool, got {self.heavy_first!r}")
-        for name in ("block_m", "block_n", "num_warps", "stages"):
+        for name in ("block_m", "block_n", "num_warps", "stages", "kv_splits", "split_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"BlockConfig.{name} must be a positive int, got {value!r}")
@@ -104,6 +113,8 @@ class BlockConfig:
                              f"times num_warps ({self.num_warps})")
         if self.stages < 2:
             raise ValueError(f"BlockConfig.stages must be >= 2, got {self.stages}")
+        if self.kv_splits > 1 and not self.heavy_first:
+            raise ValueError("BlockConfig.kv_splits > 1 needs heavy_first=True (the split rows are the heavy ones)")
         if self.block_n * head_dim // 8 < self.threads:
             raise ValueError(f"a {self.block_n}x{head_dim} K/V tile must give each of the {self.threads} threads "
                              "at least one 16-byte copy")
@@ -346,10 +357,14 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     OUT_ITERS = MT * 16 * CPR // 32
     NW = cfg.num_warps
     HF = 1 if cfg.heavy_first else 0              # heavy_first: grid (B*H, TR) and in-kernel row selection
-    GX, GY = (B * H, TR) if HF else (TR, B * H)
+    SPLIT = cfg.kv_splits > 1                     # split-KV (heavy_first only): KS blocks on each of SR heavy rows
+    KS, SR = cfg.kv_splits, min(cfg.split_rows, TR)
+    GX, GY = (B * H, TR + (SR * (KS - 1) if SPLIT else 0)) if HF else (TR, B * H)
     RI = -(-TR // NT)                             # row-selection passes: each thread rates rows tx, tx+NT, ..
     SEL_W = (M_OFF + ST * MW_BYTES) // 4          # shared word of the selected row, then RI*NW warp counts
-    SMEM_WORDS = SEL_W + (1 + RI * NW) * HF
+    HEAVY_W = SEL_W + 1 + RI * NW                 # split-KV: the group's number of heavy rows
+    SMEM_WORDS = SEL_W + (1 + RI * NW) * HF + (1 if SPLIT else 0)
+    COMBINE_ITERS = BM * D // NT                  # split-KV merge: output elements per thread of a split row
     SL = p.scale * _LOG2E                         # softmax in base 2: exp(s*scale - m) = 2^(s*SL - m*SL)
     NEG_INF = T.float32(float("-inf"))
     MMA, PACK = mma_m16n8k16(DT), pack_f32x2(DT)
@@ -385,6 +400,49 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
 
     def tile_row(smem, bx):    # the tile row this thread block owns (heavy_first: chosen in shared memory)
         return T.Cast("int32", smem[SEL_W]) if HF else TR - 1 - bx
+
+    # Split-KV: blockIdx.y < SR*KS are the KS slices of launch positions 0..SR-1 (slice by % KS of position
+    # by // KS); the others walk positions SR.. whole. A slice block of a position past the group's heavy rows is
+    # idle except slice 0, which walks that (light) row whole.
+    def position(by):          # launch position (heavy rows first) of the tile row block `by` works on
+        return T.Select(by < SR * KS, by // KS, by - SR * (KS - 1)) if SPLIT else by
+
+    def heavy_rows(smem):      # split-KV: the group's heavy row count, written before the second barrier
+        return T.Cast("int32", smem[HEAVY_W]) if SPLIT else 0
+
+    def split_block(n_heavy, by):      # this block walks one slice of a split heavy row
+        return T.And(by < SR * KS, by // KS < n_heavy)
+
+    def idle_block(n_heavy, by):
+        return T.And(T.And(by < SR * KS, by // KS >= n_heavy), by % KS > 0)
+
+    def first_tile(n_heavy, by, n_tiles):      # the block's tiles are [first_tile, end_tile) of its row's list
+        if not SPLIT:
+            return 0
+        return T.Select(split_block(n_heavy, by), T.min((by % KS) * ((n_tiles + KS - 1) // KS), n_tiles), 0)
+
+    def end_tile(n_heavy, by, n_tiles):
+        if not SPLIT:
+            return n_tiles
+        return T.Select(split_block(n_heavy, by), T.min((by % KS + 1) * ((n_tiles + KS - 1) // KS), n_tiles),
+                        T.Select(idle_block(n_heavy, by), 0, n_tiles))
+
+    def tile_at(first, s):     # the s-th tile of the block's slice
+        return first + s if SPLIT else s
+
+    def writes_out(n_heavy, by, row):      # the block writes output row `row` (split slices: the workspace)
+        if not SPLIT:
+            return row < SQ
+        return T.And(row < SQ, T.Not(T.Or(split_block(n_heavy, by), idle_block(n_heavy, by))))
+
+    def split_slot(bh, by):    # workspace slot of a split slice: ((b*H + h) * SR + position) * KS + slice
+        return (bh * SR + by // KS) * KS + by % KS
+
+    def heavy_count(smem):     # the group's heavy rows: the sum of the warp counts of the row selection
+        total = T.Cast("int32", smem[SEL_W + 1])
+        for j in range(1, RI * NW):
+            total = total + T.Cast("int32", smem[SEL_W + 1 + j])
+        return total
 
     def s_at(mt, j, e):        # score accumulator: m-tile mt, n8 tile j, register e
         return (mt * NJ + j) * 4 + e
@@ -465,6 +523,10 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     @T.macro
     def kernel_body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, pad_range,
                     pad_bits, bias, out):
+        if SPLIT:   # per split slice: its rows' normalised partial output and log2-sum-exp; the split rows' ids
+            ws_o = T.alloc_buffer((B * H * SR * KS * BM * D,), "float32", scope="global")
+            ws_lse = T.alloc_buffer((B * H * SR * KS * BM,), "float32", scope="global")
+            ws_row = T.alloc_buffer((B * H * SR,), "int32", scope="global")
         for bx in T.thread_binding(GX, thread="blockIdx.x"):
             for by in T.thread_binding(GY, thread="blockIdx.y"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -506,6 +568,9 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                             if lane == 0:
                                 smem[SEL_W + 1 + it * NW + warp] = T.Cast("uint32", T.popcount(rank[it * 2 + 1]))
                         T.tvm_storage_sync("shared")
+                        if SPLIT:
+                            if tx == 0:
+                                smem[HEAVY_W] = T.Cast("uint32", heavy_count(smem))
                         for it in T.unroll(RI):
                             # before[0] = heavy rows with a lower index; a heavy row's position is that count, a
                             # light row's is TR-1-row+count (light rows go last to first after the heavy ones).
@@ -516,7 +581,7 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                                                  T.Cast("int32", smem[SEL_W + 1 + j]), 0)
                             if it * NT + tx < TR:
                                 if T.Select(rank[it * 2] == T.uint32(1), before[0],
-                                            TR - 1 - (it * NT + tx) + before[0]) == by:
+                                            TR - 1 - (it * NT + tx) + before[0]) == position(by):
                                     smem[SEL_W] = T.Cast("uint32", it * NT + tx)
                         T.tvm_storage_sync("shared")
                     # Default order: last tile row first (causal-like masks put the most tiles there).
@@ -530,6 +595,19 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     lo: T.let = pad.lo(pad_range, b)
                     hi: T.let = pad.hi(pad_range, b)
                     holes: T.let = pad.holes(pad_range, b)
+                    n_heavy: T.let = heavy_rows(smem)
+                    if SPLIT:   # the slice bounds, held in registers (not re-derived at every use)
+                        span = T.alloc_buffer((2,), "int32", scope="local")
+                        span[0] = first_tile(n_heavy, by, n_tiles)
+                        span[1] = end_tile(n_heavy, by, n_tiles)
+                        t_first: T.let = span[0]
+                        t_end: T.let = span[1]
+                    else:
+                        t_first: T.let = 0
+                        t_end: T.let = n_tiles
+                    if SPLIT:   # slice 0 of each split position records the row it split (-1: not split)
+                        if T.And(T.And(tx == 0, by < SR * KS), by % KS == 0):
+                            ws_row[bh * SR + by // KS] = T.Select(split_block(n_heavy, by), tr, -1)
                     g: T.let = lane // 4
                     qd: T.let = lane % 4
                     q_base: T.let = T.cuda.cvta_generic_to_shared(T.address_of(smem[0]))
@@ -544,8 +622,8 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                     16, T.Cast("uint32", T.Select(qrow < SQ, 16, 0)))
                     T.ptx.cp.async_.commit_group()
                     for s in T.unroll(ST - 1):
-                        issue_tile(s, n_tiles, n_part_row, p0, f0, tx, b, h, k_base, v_base, m_base, k, v,
-                                   part_indices, full_indices, part_bitmaps, lo, hi)
+                        issue_tile(tile_at(t_first, s), t_end, n_part_row, p0, f0, tx, b, h, k_base, v_base,
+                                   m_base, k, v, part_indices, full_indices, part_bitmaps, lo, hi)
                     for i in T.unroll(MT * ND * 4):
                         o_acc[i] = T.float32(0)
                     for i in T.unroll(MT * 2):
@@ -557,12 +635,12 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                         for mt in T.unroll(MT):
                             for kk in T.unroll(KD):
                                 load_q_fragment(q_frag, q_base, warp, lane, mt, kk)
-                    for t in range(n_tiles):
+                    for t in range(t_first, t_end):
                         # Tile t has landed for every thread, and every thread is done with tile t-1's slot,
                         # which the copy of tile t+STAGES-1 now refills.
                         T.ptx.cp.async_.wait_group(ST - 2)
                         T.tvm_storage_sync("shared")
-                        issue_tile(t + ST - 1, n_tiles, n_part_row, p0, f0, tx, b, h, k_base, v_base, m_base,
+                        issue_tile(t + ST - 1, t_end, n_part_row, p0, f0, tx, b, h, k_base, v_base, m_base,
                                    k, v, part_indices, full_indices, part_bitmaps, lo, hi)
                         kv_off: T.let = T.Cast("uint32", (t % ST) * KV_BYTES)
                         # A partial tile whose bitmap keeps nothing in this warp's rows is skipped by the warp.
@@ -705,6 +783,16 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                             red[0] = red[0] + quad_xor(red[0], 1)
                             red[0] = red[0] + quad_xor(red[0], 2)
                             red[1] = T.Select(red[0] > T.float32(0), T.float32(1) / red[0], T.float32(0))
+                            if SPLIT:   # a split slice: normalised partial rows and their log2-sum-exp
+                                if split_block(n_heavy, by):
+                                    for dn in T.unroll(ND):
+                                        for e in T.unroll(2):
+                                            ws_o[(split_slot(bh, by) * BM + warp * (MT * 16) + mt * 16 + hh * 8 + g)
+                                                 * D + dn * 8 + qd * 2 + e] = o_acc[o_at(mt, dn, hh * 2 + e)] * red[1]
+                                    if qd == 0:
+                                        ws_lse[split_slot(bh, by) * BM + warp * (MT * 16) + mt * 16 + hh * 8 + g] = \
+                                            T.Select(red[0] > T.float32(0),
+                                                     m_run[mt * 2 + hh] * T.float32(SL) + T.log2(red[0]), NEG_INF)
                             for dn in T.unroll(ND):
                                 PACK(word[1], o_acc[o_at(mt, dn, hh * 2 + 1)] * red[1],
                                      o_acc[o_at(mt, dn, hh * 2)] * red[1])
@@ -712,7 +800,7 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     T.cuda.warp_sync()
                     for it in T.unroll(OUT_ITERS):
                         orow: T.let = warp * (MT * 16) + (it * 32 + lane) // CPR
-                        if tr * BM + orow < SQ:
+                        if writes_out(n_heavy, by, tr * BM + orow):
                             LD_SHARED_V4(b_frag[0], b_frag[1], b_frag[2], b_frag[3],
                                          q_base + T.Cast("uint32", swz(orow, (it * 32 + lane) % CPR)))
                             if BSHD:
@@ -721,6 +809,33 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                             else:
                                 ST_GLOBAL_V4(T.address_of(out[b, h, tr * BM + orow, ((it * 32 + lane) % CPR) * 8]),
                                              b_frag[0], b_frag[1], b_frag[2], b_frag[3])
+        if SPLIT:   # merge: out = sum_p 2^(lse_p - max) O_p / sum_p 2^(lse_p - max); 0 where no slice kept a key
+            for cb in T.thread_binding(B * H, thread="blockIdx.x"):
+                for cr in T.thread_binding(SR, thread="blockIdx.y"):
+                    for ctx in T.thread_binding(NT, thread="threadIdx.x"):
+                        merge = T.alloc_buffer((4,), "float32", scope="local")   # max, weight sum, sum, weight
+                        crow: T.let = ws_row[cb * SR + cr]
+                        slot0: T.let = (cb * SR + cr) * KS          # workspace slot of the row's slice 0
+                        if crow >= 0:
+                            for it in range(COMBINE_ITERS):
+                                ma: T.let = (it * NT + ctx) // D
+                                col: T.let = (it * NT + ctx) % D
+                                if crow * BM + ma < SQ:
+                                    merge[0] = NEG_INF
+                                    for sp in T.unroll(KS):
+                                        merge[0] = T.max(merge[0], ws_lse[(slot0 + sp) * BM + ma])
+                                    merge[1] = T.float32(0)
+                                    merge[2] = T.float32(0)
+                                    for sp in T.unroll(KS):
+                                        lse: T.let = ws_lse[(slot0 + sp) * BM + ma]
+                                        merge[3] = T.Select(lse == NEG_INF, T.float32(0), T.exp2(lse - merge[0]))
+                                        merge[1] = merge[1] + merge[3]
+                                        merge[2] = merge[2] + merge[3] * ws_o[((slot0 + sp) * BM + ma) * D + col]
+                                    merge[2] = T.Select(merge[1] > T.float32(0), merge[2] / merge[1], T.float32(0))
+                                    if BSHD:
+                                        out[cb // H, crow * BM + ma, cb % H, col] = T.Cast(DT, merge[2])
+                                    else:
+                                        out[cb // H, cb % H, crow * BM + ma, col] = T.Cast(DT, merge[2])
 
     return _entry(p, kernel_body)
 

@@ -24,10 +24,14 @@ A thread block works on one (batch, head, tile row of ``BM = 128`` queries) at a
   under the other's products.
 - The K slot is released (``empty`` mbarrier, 256 arrivals) once the tile's mask has been read, the V slot once
   its product has retired; ring slots and phases count the block's tiles over all its work items.
-- Work items are (batch, head, tile row), tile rows last to first across all heads (causal-like masks put the
-  most tiles in the last rows). One block per item, or (``persistent``) one block per SM walking items
-  ``bx, bx + grid, ...``: the producer loads the next item's Q (after both consumers have released this one's, a
-  second Q mbarrier) and first tiles while the consumers finish this item's products and write its rows.
+- Work items are (batch, head, tile row), head by head, each head's tile rows last to first (causal-like masks put
+  the most tiles in the last rows): the blocks running at once share the K and V of a few heads in L2. (80670e1
+  ordered tile rows last to first across all heads, so every running block read another head's K and V, from
+  DRAM once 132 heads' K and V outgrow the 60 MB L2; from 2161894 to 1241bac causal slowed 10% at D=64 B16 H12
+  S4096 and 8% at D=128 B4 H16 S8192 on the H200.) One block per item, or (``persistent``) one block per SM
+  walking items ``bx, bx + grid, ...``: the producer loads the next item's Q (after both consumers have released
+  this one's, a second Q mbarrier) and first tiles while the consumers finish this item's products and write its
+  rows.
   Ping-pong turns run on over items: consumer 0 waits before every turn but its first, consumer 1 gives a turn
   after every one of its own, and consumer 0 takes the last of those after its last item.
 
@@ -403,9 +407,9 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                     out_words[out_word(b, h, row, dn * 8 + qd * 2)] = word[0]
 
     def work_item(u):
-        """(batch, head, tile row) of work item ``u``: tile rows last to first across all heads (causal-like masks
-        put the most tiles in the last rows, so the longest items start first)."""
-        return (u % (B * H)) // H, u % H, TR - 1 - u // (B * H)
+        """(batch, head, tile row) of work item ``u``: head by head (neighbouring items share K and V in L2), each
+        head's tile rows last to first (causal-like masks put the most tiles in the last rows)."""
+        return u // (TR * H), (u // TR) % H, TR - 1 - u % TR
 
     @T.macro
     def consume(s_acc, o_acc, p_frag, corr, m_run, l_run, red, word, flag, started, smem, base, mw0, q_desc, k_desc,

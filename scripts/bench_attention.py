@@ -16,10 +16,19 @@ Plans: ``check`` (small shapes: every config, fp16/bf16, D 64/128, shared / per-
 padding, empty rows, S not a multiple of the tile), ``tune`` (tile configurations at B=16, S=4096 and S=16384),
 ``grid`` (issue 3's grid: causal/sliding/longformer/bigbird x B {1,8,16} x S {128..4096}, H=12, D=64, fp16; plus
 S 8192/16384 with D=128), ``headdims`` (issue 16: D 32-256 checked at small shapes, D 32/64/80/96/128/256 timed
-on causal/sliding/bigbird). Effective TFLOP/s counts kept pairs only: ``4 * kept * D`` per head.
+on causal/sliding/bigbird), ``splitkv`` (split-KV checks, and B=1-2 long-context timings), ``issue16`` (one
+~300 s run: split-KV checks with and without the device-side key padding; split-KV vs unsplit at B=1 S 8192/16384;
+the wgmma kernel on causal; head dims 32/80/96/256; see :func:`plan_issue16`). Effective TFLOP/s counts kept pairs
+only: ``4 * kept * D`` per head.
 
     python scripts/bench_attention.py build --plan check,tune --out out/attn
     python3 scripts/bench_attention.py run --out out/attn --json $OUT/attn.json      # on the GPU machine
+
+The GPU machine's command (modules prebuilt here; it needs only the TVM runtime of the device kit)::
+
+    source .devkit/bootstrap.sh && python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . &&
+    python3 scripts/bench_attention.py run --out out/attn --json $OUT/attn.json --budget 300
+    # carry: .devkit/runtime.tar.xz, .devkit/bootstrap.sh, out/attn
 """
 from __future__ import annotations
 
@@ -117,6 +126,39 @@ def tiled_arrays(mask4: np.ndarray, block_m: int, block_n: int) -> list[np.ndarr
     return [fmt.full_indptr, full_idx, fmt.part_indptr, part_idx, np.ascontiguousarray(bitmaps)]
 
 
+def padding_mask(batch: int, seq: int) -> np.ndarray:
+    """A model's ``attention_mask`` [B, S] (True = key kept) for a padded check: batch row b % 4 is right padding
+    (61% kept), left padding with holes (10% of keys dropped), no padding, or nothing kept."""
+    rng = np.random.default_rng(batch * 7919 + seq)
+    keep = np.ones((batch, seq), bool)
+    for b in range(batch):
+        pattern = b % 4
+        if pattern == 0:
+            keep[b, int(seq * 0.61):] = False
+        elif pattern == 1:
+            keep[b, :seq // 13] = False
+            keep[b, rng.random(seq) < 0.1] = False
+        elif pattern == 3:
+            keep[b] = False
+    return keep
+
+
+def key_padding_inputs(keep: np.ndarray) -> list[np.ndarray]:
+    """``pad_range`` [B, 3] int32 (first kept key, last + 1, holes) and ``pad_bits`` [B, ceil(S/32)] uint32 of an
+    attention mask, from their definition in schedules/key_padding.py (what its device kernel computes)."""
+    batch, seq = keep.shape
+    ranges = np.zeros((batch, 3), np.int32)
+    for b in range(batch):
+        kept = np.flatnonzero(keep[b])
+        if kept.size:
+            ranges[b] = kept[0], kept[-1] + 1, int(kept.size != kept[-1] + 1 - kept[0])
+    padded = np.zeros((batch, -(-seq // 32) * 32), bool)
+    padded[:, :seq] = keep
+    weights = np.left_shift(np.uint64(1), np.arange(32, dtype=np.uint64))
+    bits = (padded.reshape(batch, -1, 32).astype(np.uint64) * weights).sum(axis=-1).astype(np.uint32)
+    return [ranges, bits]
+
+
 def row_arrays(mask4: np.ndarray) -> list[np.ndarray]:
     from stof_tvm.sparse_formats import build_rows
 
@@ -128,9 +170,13 @@ def row_arrays(mask4: np.ndarray) -> list[np.ndarray]:
 # Plans
 # ----------------------------------------------------------------------------------------------------------
 
-def _case(kind, family, recipe, batch, heads, seq, head_dim, dtype, config, seed=0):
-    return {"kind": kind, "family": family, "mask": recipe, "batch": batch, "heads": heads, "seq": seq,
+def _case(kind, family, recipe, batch, heads, seq, head_dim, dtype, config, seed=0, padding=False):
+    """One case. ``family``: "block", "row" or "wgmma" (config ``(block_n, stages, pingpong, persistent)``);
+    ``padding``: the module takes the device-side key padding inputs (``pad_range``, ``pad_bits``) and the run
+    gives it a per-batch attention mask (PADDING_PATTERNS), as the compiled models do."""
+    case = {"kind": kind, "family": family, "mask": recipe, "batch": batch, "heads": heads, "seq": seq,
             "head_dim": head_dim, "dtype": dtype, "config": list(config) if config else None, "seed": seed}
+    return dict(case, padding=True) if padding else case
 
 
 def plan_check() -> list[dict]:
@@ -198,7 +244,9 @@ def plan_pick() -> list[dict]:
 
 
 def _config_tuple(config) -> tuple:
-    return (config.block_m, config.block_n, config.num_warps, config.stages, config.heavy_first)
+    """A block configuration as a case's list: the five classic fields, plus the split-KV pair where it splits."""
+    fields = (config.block_m, config.block_n, config.num_warps, config.stages, config.heavy_first)
+    return fields + ((config.kv_splits, config.split_rows) if config.kv_splits > 1 else ())
 
 
 HEAD_DIM_CHECKS = (32, 80, 96, 192, 256)          # odd-stride rows (32, 80, 96); Q reloaded per tile (192, 256)
@@ -239,7 +287,93 @@ def plan_headdims() -> list[dict]:
     return cases
 
 
-PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims}
+SPLIT_CHECK_CONFIGS = ((64, 32, 4, 2, True, 4, 1), (64, 32, 4, 2, True, 16, 2), (32, 32, 2, 2, True, 8, 4))
+SPLIT_TIME_SHAPES = (("bigbird", 1, 12, 8192, 64), ("longformer", 1, 12, 8192, 64), ("bigbird", 1, 12, 16384, 128),
+                     ("bigbird", 2, 12, 8192, 64))
+
+
+def plan_splitkv() -> list[dict]:
+    """Split-KV (issue 16). Checks at S=1000 (not tile-aligned): masks with fewer, as many and more heavy rows than
+    the configuration splits (longformer: 2 per head, bigbird: 1), none (random, dense: every slice block but
+    the first idles) and padding with an empty batch; D=128 and D=80 bf16 too. Timed at B=1-2 and long S: the
+    model's best split configuration against its best unsplit one and the sparse default."""
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile, rank_attention
+    from stof_tvm.schedules.attention_blockwise import default_block_config
+
+    cases = []
+    for config in SPLIT_CHECK_CONFIGS:
+        for recipe in ("longformer", "bigbird", "random:0.3", "padding", "dense"):
+            cases.append(_case("check", "block", recipe, 2, 3, 1000, 64, "float16", config))
+    cases.append(_case("check", "block", "longformer", 2, 3, 1000, 128, "float16", (64, 32, 4, 2, True, 4, 2)))
+    cases.append(_case("check", "block", "bigbird", 2, 3, 1000, 80, "bfloat16", (64, 32, 4, 2, True, 8, 3)))
+    for recipe, batch, heads, seq, head_dim in SPLIT_TIME_SHAPES:
+        problem = AttentionProblem(batch=batch, heads=heads, head_dim=head_dim, dtype="float16",
+                                   mask=MaskProfile(build_mask(recipe, batch, heads, seq, 0)))
+        blocks = [r.candidate.config for r in rank_attention(problem) if r.candidate.kind == "block"]
+        split = next(c for c in blocks if c.kv_splits > 1)
+        unsplit = next(c for c in blocks if c.kv_splits == 1)
+        default = default_block_config(head_dim, "float16", seq, sparse=True)
+        for config in dict.fromkeys(_config_tuple(c) for c in (split, unsplit, default)):
+            cases.append(_case("time", "block", recipe, batch, heads, seq, head_dim, "float16", config))
+    return cases
+
+
+ISSUE16_SPLIT_SHAPES = tuple((recipe, 1, 16, seq, head_dim) for seq in (8192, 16384) for head_dim in (128, 64)
+                             for recipe in ("longformer", "bigbird"))
+ISSUE16_HEAD_DIMS = ((32, 16), (80, 16), (96, 16), (256, 4))         # (D, B) at H=12, S=4096
+ISSUE16_WGMMA = (("causal", 16, 12, 4096, 64), ("causal", 4, 16, 8192, 128))
+ISSUE16_SPLIT_CHECKS = ((64, 32, 4, 2, True, 4, 1), (32, 32, 2, 2, True, 8, 4))
+
+
+def plan_issue16() -> list[dict]:
+    """Issue 16 in one GPU run, most important first. Checks (S=1000, not tile-aligned): split-KV with fewer /
+    more heavy rows than it splits and per-head random masks; split-KV with the device-side key padding (right,
+    left + holes, none, empty). Timed, each also checked against float32: (a) split-KV at B=1, H=16, S 8192 /
+    16384, D 128 / 64, Longformer and BigBird: the model's pick (split) and its best unsplit configuration;
+    (c) the wgmma kernel (its default configuration, as ``AttentionPlan(kernel="wgmma")``) on causal D64 B16
+    S4096 and D128 B4 S8192; (b) head dims 32/80/96/256 at B=16 (B=4 at 256), H=12, S=4096, causal and BigBird,
+    on the automatic choice (and, where it splits, the best unsplit configuration). Every timed case beside
+    FlexAttention (BlockMask of the same mask) and SDPA."""
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile, rank_attention
+    from stof_tvm.schedules.attention_wgmma import default_config as wgmma_default
+
+    cases = []
+    for config in ISSUE16_SPLIT_CHECKS:
+        for recipe in ("longformer", "bigbird", "random:0.3"):
+            cases.append(_case("check", "block", recipe, 2, 3, 1000, 64, "float16", config))
+    for recipe in ("longformer", "bigbird"):
+        cases.append(_case("check", "block", recipe, 4, 2, 1000, 64, "float16", (64, 32, 4, 2, True, 16, 2),
+                           padding=True))
+    cases.append(_case("check", "block", "bigbird", 4, 2, 1000, 128, "bfloat16", (64, 32, 4, 2, True, 4, 1),
+                       padding=True))
+
+    def problem(recipe, batch, heads, seq, head_dim):
+        return AttentionProblem(batch=batch, heads=heads, head_dim=head_dim, dtype="float16",
+                                mask=MaskProfile(build_mask(recipe, batch, heads, seq, 0)))
+
+    for shape in ISSUE16_SPLIT_SHAPES:
+        blocks = [r.candidate.config for r in rank_attention(problem(*shape)) if r.candidate.kind == "block"]
+        picks = (blocks[0], next(c for c in blocks if c.kv_splits == 1))
+        for config in dict.fromkeys(_config_tuple(c) for c in picks):
+            cases.append(_case("time", "block", shape[0], *shape[1:], "float16", config))
+    for recipe, batch, heads, seq, head_dim in ISSUE16_WGMMA:
+        c = wgmma_default(head_dim)
+        cases.append(_case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16",
+                           (c.block_n, c.stages, c.pingpong, c.persistent)))
+    for head_dim, batch in ISSUE16_HEAD_DIMS:
+        for recipe in ("causal", "bigbird"):
+            ranked = [r.candidate for r in rank_attention(problem(recipe, batch, H_BENCH, 4096, head_dim))]
+            picks = [ranked[0]] + ([next(c for c in ranked if c.kind == "block" and c.config.kv_splits == 1)]
+                                   if ranked[0].kind == "block" and ranked[0].config.kv_splits > 1 else [])
+            for pick in picks:      # the automatic choice; where it splits, the best unsplit one too
+                config = _config_tuple(pick.config) if pick.kind == "block" else None
+                cases.append(_case("time", pick.kind, recipe, batch, H_BENCH, 4096, head_dim, "float16", config))
+    return cases
+
+
+PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
+         "splitkv": plan_splitkv, "issue16": plan_issue16}
+SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -250,7 +384,7 @@ def _module_key(case: dict) -> str:
     mb, mh = mask_groups(case["mask"], case["batch"], case["heads"])
     cfg = "x".join(map(str, case["config"])) if case["config"] else "default"
     return (f"{case['family']}_b{case['batch']}h{case['heads']}s{case['seq']}d{case['head_dim']}_"
-            f"{case['dtype']}_g{mb}x{mh}_{cfg}")
+            f"{case['dtype']}_g{mb}x{mh}_{cfg}" + ("_pad" if case.get("padding") else ""))
 
 
 def _primfunc(case: dict):
@@ -258,16 +392,24 @@ def _primfunc(case: dict):
     common = dict(batch=case["batch"], heads=case["heads"], seq_q=case["seq"], seq_k=case["seq"],
                   head_dim=case["head_dim"], dtype=case["dtype"], mask_batch=mb, mask_heads=mh, scale=None,
                   target_kind="cuda")
+    if case["family"] == "wgmma":
+        from stof_tvm.schedules.attention_wgmma import WgmmaAttentionConfig, wgmma_attention_primfunc
+        del common["target_kind"]
+        return wgmma_attention_primfunc(config=WgmmaAttentionConfig(*case["config"]), **common)
     if case["family"] == "block":
         from stof_tvm.schedules.attention_blockwise import BlockConfig, blockwise_attention_primfunc
-        return blockwise_attention_primfunc(config=BlockConfig(*case["config"]), **common)
+        return blockwise_attention_primfunc(config=BlockConfig(*case["config"]), padding=case.get("padding", False),
+                                            **common)
     from stof_tvm.schedules.attention_rowwise import rowwise_attention_primfunc
     return rowwise_attention_primfunc(config=None, **common)
 
 
-def _nvcc_cubin(src: str, cubin_path: Path) -> dict:
-    """Compile ``src`` for sm_90 with nvcc -Xptxas -v into ``cubin_path``; return registers / spill figures."""
-    return bl.nvcc_cubin(src, cubin_path, "sm_90", fast_math=True)
+def _nvcc_cubin(src: str, cubin_path: Path, arch: str = "sm_90") -> dict:
+    """Compile ``src`` with nvcc -Xptxas -v into ``cubin_path``; return registers / spill figures. sm_90 with
+    TVM's fast math for the mma.sync kernels; sm_90a (the wgmma kernel) as its own build does, without."""
+    if arch == "sm_90a":
+        return bl.nvcc_cubin(src, cubin_path, arch, gencode=True)
+    return bl.nvcc_cubin(src, cubin_path, arch, fast_math=True)
 
 
 def build(args) -> None:
@@ -280,28 +422,31 @@ def build(args) -> None:
     cases = [c for name in args.plan.split(",") for c in PLANS[name]()]
     have_rowwise = (Path(__file__).resolve().parents[1] / "schedules" / "attention_rowwise.py").exists()
     cases = [c for c in cases if c["family"] == "block" or have_rowwise]
-    target = tvm.target.Target(CUDA_TARGET, host={"kind": "llvm"})
-    modules, sources, sass = {}, {}, {}
+    targets = {arch: tvm.target.Target(dict(CUDA_TARGET, arch=arch), host={"kind": "llvm"})
+               for arch in ("sm_90", "sm_90a")}
+    modules, sources, sass, arches = {}, {}, {}, {}
     t0 = time.time()
     for case in cases:
         key = _module_key(case)
         case["module"] = key
         if key in modules:
             continue
-        ex = tvm.compile(_primfunc(case), target=target)
+        arch = "sm_90a" if case["family"] == "wgmma" else "sm_90"
+        ex = tvm.compile(_primfunc(case), target=targets[arch])
         kinds = [m.kind for m in ex.mod.imports]
         if "cuda" not in kinds:
             raise RuntimeError(f"{key}: no CUDA module in the build (imports: {kinds})")
         ex.export_library(str(out / f"{key}.so"))
         src = ex.mod.imports[0].inspect_source()
         cfg = "x".join(map(str, case["config"])) if case["config"] else "default"
-        modules[key] = {"library": f"{key}.so", "source": source_key(src),
+        modules[key] = {"library": f"{key}.so", "source": source_key(src), "symbol": SYMBOLS[case["family"]],
                         "kernel": f"{case['family']}_d{case['head_dim']}_{case['dtype']}_{cfg}"}
         sources.setdefault(source_key(src), src)
+        arches[source_key(src)] = arch
         print(f"built {key} ({time.time() - t0:.0f} s)", flush=True)
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        reports = dict(zip(sources, pool.map(lambda kv: _nvcc_cubin(kv[1], out / f"{kv[0]}.cubin"),
+        reports = dict(zip(sources, pool.map(lambda kv: _nvcc_cubin(kv[1], out / f"{kv[0]}.cubin", arches[kv[0]]),
                                              sources.items())))
     for info in modules.values():
         info.update(reports[info["source"]])
@@ -359,8 +504,9 @@ class Runner:
     def kernel(self, key: str):
         if key not in self.loaded:
             t0 = time.time()
-            mod = self.tvm.runtime.load_module(str(self.out / self.manifest["modules"][key]["library"]))
-            name = "blockwise_attention" if key.startswith("block") else "rowwise_attention"
+            info = self.manifest["modules"][key]
+            mod = self.tvm.runtime.load_module(str(self.out / info["library"]))
+            name = info.get("symbol") or ("blockwise_attention" if key.startswith("block") else "rowwise_attention")
             self.loaded[key] = mod[name]
             self.load_seconds += time.time() - t0
         return self.loaded[key]
@@ -403,21 +549,28 @@ class Runner:
         if mask_key not in self.masks:                   # masks and formats are reused across configurations
             self.masks = {mask_key: (build_mask(case["mask"], B, H, S, case["seed"]), {})}
         mask4, formats = self.masks[mask_key]
-        kept = int(mask4.sum(dtype=np.int64)) * (B // mask4.shape[0]) * (H // mask4.shape[1])
+        pad_inputs, keep4 = [], mask4          # keep4: what the kernel must keep (the mask AND the key padding)
+        if case.get("padding"):
+            keep = padding_mask(B, S)
+            dev = self.tvm.cuda(0)      # TVM tensors: no torch uint32 on the way
+            pad_inputs = [self.tvm.runtime.tensor(a, dev) for a in key_padding_inputs(keep)]
+            keep4 = mask4 & keep[:, None, None, :]
+        kept = int(keep4.sum(dtype=np.int64)) * (B // keep4.shape[0]) * (H // keep4.shape[1])
         flops = 4.0 * kept * D
         gen = torch.Generator(device="cuda").manual_seed(1234 + len(self.results))
         q, k, v = (torch.randn((B, H, S, D), generator=gen, device="cuda", dtype=tdt) for _ in range(3))
         out = torch.full_like(q, float("nan"))
-        fmt_key = tuple(case["config"][:2]) if case["family"] == "block" else "row"
+        fmt_key = {"block": lambda c: tuple(c[:2]), "wgmma": lambda c: (128, c[0]),
+                   "row": lambda c: "row"}[case["family"]](case["config"])
         if fmt_key not in formats:
-            fmt = tiled_arrays(mask4, *fmt_key) if case["family"] == "block" else row_arrays(mask4)
+            fmt = row_arrays(mask4) if fmt_key == "row" else tiled_arrays(mask4, *fmt_key)
             formats[fmt_key] = [torch.from_numpy(a).cuda() for a in fmt]
         fmt_t = formats[fmt_key]
         fn = self.kernel(case["module"])
-        args = [self.to_tvm(t) for t in (q, k, v, *fmt_t, out)]
+        args = [self.to_tvm(t) for t in (q, k, v, *fmt_t)] + pad_inputs + [self.to_tvm(out)]
         fn(*args)
         torch.cuda.synchronize()
-        mask_t = torch.from_numpy(np.ascontiguousarray(mask4)).cuda()
+        mask_t = torch.from_numpy(np.ascontiguousarray(keep4)).cuda()
         scale = 1.0 / math.sqrt(D)
         ref = self.reference(q, k, v, mask_t, scale)
         err = self.rel_err(out, ref)
@@ -483,7 +636,8 @@ def sass_summary(out: Path, manifest: dict) -> dict:
     for key, info in manifest["sass"].items():
         proc = subprocess.run([tool, "-sass", str(out / info["cubin"])], capture_output=True, text=True)
         text = proc.stdout
-        summary[key] = dict(info, HMMA=text.count("HMMA"), LDL=text.count("LDL"), STL=text.count("STL"),
+        summary[key] = dict(info, HMMA=text.count("HMMA"), HGMMA=text.count("HGMMA"), LDL=text.count("LDL"),
+                            STL=text.count("STL"),
                             LDSM=text.count("LDSM"), LDGSTS=text.count("LDGSTS"), MUFU_EX2=text.count("MUFU.EX2"))
     return summary
 
@@ -513,26 +667,27 @@ def print_summary(timed: list[dict]) -> None:
     summary = summarize(timed)
     print("\nsummary: best checked configuration of ours vs baselines on the same mask (ms; TFLOP/s counts kept "
           "pairs; x = best exact baseline / ours)")
-    print(f"{'mask':<10} {'B':>2} {'S':>5} {'D':>4} {'block':>8} {'cfg':<12} {'TFLOP/s':>7} {'row':>8} {'flex':>8} "
+    print(f"{'mask':<10} {'B':>2} {'S':>5} {'D':>4} {'block':>8} {'cfg':<16} {'TFLOP/s':>7} {'row':>8} {'flex':>8} "
           f"{'sdpaMask':>8} {'sdpaCaus':>8} {'sdpaDens':>8}  {'speedup':>7}")
     for row in summary:
         def f(x):
             return f"{x:8.3f}" if x == x else "       -"
         print(f"{row['mask']:<10} {row['batch']:>2} {row['seq']:>5} {row['head_dim']:>4} {f(row['block_ms'])} "
-              f"{row['block_cfg']:<12} {row['block_tflops']:7.1f} {f(row['row_ms'])} {f(row['flex'])} "
+              f"{row['block_cfg']:<16} {row['block_tflops']:7.1f} {f(row['row_ms'])} {f(row['flex'])} "
               f"{f(row['sdpa_mask'])} {f(row['sdpa_causal'])} {f(row['sdpa_dense'])}  {row['speedup']:6.2f}x"
               + ("" if row["all_ok"] else "  CHECK FAILED"))
 
 
 def summarize(timed: list[dict]) -> list[dict]:
-    """One row per (mask, B, S, D): our best checked block configuration, the row-wise kernel, the baselines."""
+    """One row per (mask, B, S, D): our best checked block-wise configuration (mma.sync or, prefixed ``w``,
+    wgmma), the row-wise kernel, the baselines."""
     groups = {}
     for r in timed:
         groups.setdefault((r["mask"], r["batch"], r["seq"], r["head_dim"]), []).append(r)
     rows = []
     nan = float("nan")
     for (mask, batch, seq, head_dim), rs in groups.items():
-        blocks = [r for r in rs if r["family"] == "block" and r["ok"]]
+        blocks = [r for r in rs if r["family"] in ("block", "wgmma") and r["ok"]]
         rows_k = [r for r in rs if r["family"] == "row" and r["ok"]]
         best = min(blocks, key=lambda r: r["ms"]) if blocks else None
         base = rs[0]["baselines"]
@@ -541,8 +696,9 @@ def summarize(timed: list[dict]) -> list[dict]:
         rows.append({
             "mask": mask, "batch": batch, "seq": seq, "head_dim": head_dim,
             "block_ms": best["ms"] if best else nan,
-            "block_cfg": "x".join(str(x)[0] if isinstance(x, bool) else str(x) for x in best["config"])
-            if best else "-", "block_tflops": best["tflops"] if best else nan,
+            "block_cfg": ("w" if best["family"] == "wgmma" else "")
+            + "x".join(str(x)[0] if isinstance(x, bool) else str(x) for x in best["config"]) if best else "-",
+            "block_tflops": best["tflops"] if best else nan,
             "row_ms": rows_k[0]["ms"] if rows_k else nan,
             **{name: base.get(name, {}).get("ms", nan) for name in ("flex", "sdpa_mask", "sdpa_causal",
                                                                      "sdpa_dense")},
@@ -598,8 +754,8 @@ def run(args) -> None:
         print("\nSASS (per kernel configuration): registers, spills, instruction counts")
         for key, s in info["sass"].items():
             print(f"  {key:<40} regs {s['registers']:>3} spill {s['spill_stores']}/{s['spill_loads']} "
-                  f"stack {s['stack_frame']} HMMA {s['HMMA']} LDSM {s['LDSM']} LDGSTS {s['LDGSTS']} "
-                  f"LDL {s['LDL']} STL {s['STL']}")
+                  f"stack {s['stack_frame']} HMMA {s['HMMA']} HGMMA {s.get('HGMMA', 0)} LDSM {s['LDSM']} "
+                  f"LDGSTS {s['LDGSTS']} LDL {s['LDL']} STL {s['STL']}")
     print(f"\nmodule load {runner.load_seconds:.1f} s (prebuilt cubins used {runner.cubin_hits}, "
           f"compiled here {runner.cubin_misses}); {skipped} cases skipped for the time budget; "
           f"{info['device']}, torch {info['torch']}, commit {info['commit']}")

@@ -340,15 +340,17 @@ def source_key(src: str) -> str:
 
 
 def ptxas_report(text: str) -> dict:
-    """Registers, spill stores / loads and stack frame (bytes) from ``nvcc -Xptxas -v`` output (the first kernel
-    reported); None for a figure the text does not give."""
-    def first(pattern, group=1):
-        found = re.search(pattern, text)
-        return int(found.group(group)) if found else None
+    """Registers, spill stores / loads and stack frame (bytes) from ``nvcc -Xptxas -v`` output, over every kernel
+    reported (a module may hold several, e.g. split-KV attention's tile-row and merge kernels): the most
+    registers, the spill and stack bytes summed; None for a figure the text does not give."""
+    def values(pattern, group=1):
+        return [int(found.group(group)) for found in re.finditer(pattern, text)]
 
     spills = r"(\d+) bytes spill stores, (\d+) bytes spill loads"
-    return {"registers": first(r"Used (\d+) registers"), "spill_stores": first(spills, 1),
-            "spill_loads": first(spills, 2), "stack_frame": first(r"(\d+) bytes stack frame")}
+    registers, stores, loads = values(r"Used (\d+) registers"), values(spills, 1), values(spills, 2)
+    stacks = values(r"(\d+) bytes stack frame")
+    return {"registers": max(registers) if registers else None, "spill_stores": sum(stores) if stores else None,
+            "spill_loads": sum(loads) if loads else None, "stack_frame": sum(stacks) if stacks else None}
 
 
 def nvcc_cubin(src: str, cubin: Path, arch: str = "sm_90", *, fast_math: bool = False, gencode: bool = False,

@@ -109,6 +109,22 @@ def test_kernel_choice_covers_both_kernels():
     assert choose(sparse, **args) == "row" and choose(dense, **args) == "block"
 
 
+@pytest.mark.parametrize("spec, seq, head_dim", [("longformer", 8192, 64), ("bigbird", 8192, 128),
+                                                  ("longformer", 16384, 128)])
+def test_cuda_choice_splits_the_global_rows_of_one_long_sequence(spec, seq, head_dim):
+    """B=1 with global rows (Longformer/BigBird at S >= 8192): each head's global tile row would run alone long
+    after the rest of the grid; the automatic CUDA choice shares it between split-KV blocks (heavy-first). At
+    B=16, S=4096 the grid is long enough, and the same mask is walked unsplit."""
+    mask4 = normalize_mask(spec, seq_q=seq)
+    kind, config = attention_api.choose_kernel_config(mask4, batch=1, heads=16, head_dim=head_dim,
+                                                      dtype="float16", target_kind="cuda")
+    assert kind == "block" and config.heavy_first and config.kv_splits > 1 and config.split_rows >= 1
+    short = normalize_mask(spec, seq_q=4096)
+    kind, config = attention_api.choose_kernel_config(short, batch=16, heads=16, head_dim=head_dim,
+                                                      dtype="float16", target_kind="cuda")
+    assert kind == "row" or config.kv_splits == 1
+
+
 def test_compiled_kernels_are_cached(monkeypatch):
     attention_api.clear_kernel_cache()
     builds = []

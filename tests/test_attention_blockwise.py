@@ -279,6 +279,12 @@ def test_resources_of_every_head_dim():
                ((128, 128, 8), (64, 128, 4), (128, 64, 4), (64, 32, 2)))
 
 
+def test_split_kv_config_computes_the_same_function_on_the_cpu():
+    """The llvm twin takes split-KV configurations (their format is the same; the split is a CUDA launch shape)."""
+    config = BlockConfig(32, 32, 2, 2, heavy_first=True, kv_splits=4, split_rows=2)
+    run_and_check("longformer:window=8,globals=8", batch=1, heads=2, seq=100, config=config)
+
+
 def test_bfloat16():
     run_and_check("bigbird", dtype="bfloat16", seq=90)
     run_and_check(np.array([5, 90]), dtype="bfloat16", seq=90, head_dim=128)
@@ -315,6 +321,9 @@ def test_default_config():
     (dict(config=BlockConfig(block_m=48, block_n=64, num_warps=4)), ValueError),
     (dict(config=BlockConfig(block_m=64, block_n=24, num_warps=2)), ValueError),
     (dict(config=BlockConfig(block_m=64, block_n=64, num_warps=4, stages=1)), ValueError),
+    (dict(config=BlockConfig(64, 32, 4, 2, kv_splits=4)), ValueError),             # split-KV needs heavy_first
+    (dict(config=BlockConfig(64, 32, 4, 2, heavy_first=True, kv_splits=0)), ValueError),
+    (dict(config=BlockConfig(64, 32, 4, 2, heavy_first=True, kv_splits=4, split_rows=0)), ValueError),
 ])
 def test_bad_arguments(kwargs, error):
     args = dict(batch=2, heads=4, seq_q=64, seq_k=64, head_dim=64, dtype="float16", mask_batch=1, mask_heads=1,
@@ -375,6 +384,35 @@ def assert_no_spills(report: str) -> None:
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and spills.groups() == ("0", "0"), report
     assert "0 bytes stack frame" in report, report
+
+
+@pytest.mark.parametrize("head_dim, out_layout, splits, rows, padding", [(64, "bshd", 16, 2, True),
+                                                                          (128, "bhsd", 4, 1, False),
+                                                                          (80, "bshd", 8, 3, True)])
+def test_split_kv_cuda_source_compiles_without_spills(head_dim, out_layout, splits, rows, padding, tmp_path):
+    """Split-KV: the tile-row kernel (grid TR + rows*(splits-1) per head) and the merge kernel (one block per
+    split row and head) build for sm_90 with 0 spill bytes; the workspace is float32 partial rows and log-sum-exps.
+    With the key padding inputs (the compile path's models) the slices read them too. Without splits no workspace
+    and no second kernel exist."""
+    config = BlockConfig(64, 32, 4, 2, heavy_first=True, kv_splits=splits, split_rows=rows)
+    func = blockwise_attention_primfunc(batch=1, heads=12, seq_q=4000, seq_k=4000, head_dim=head_dim,
+                                        dtype="float16", mask_batch=1, mask_heads=1, config=config,
+                                        target_kind="cuda", out_layout=out_layout, padding=padding)
+    assert ("pad_range" in [param.name for param in func.params]) == padding
+    src = tvm.compile(func, target=CUDA).mod.imports[0].inspect_source()
+    kernels = re.findall(r"__global__ void __launch_bounds__\((\d+)\) (\w+)\(", src)
+    assert sorted(set(kernels)) == [("128", "blockwise_attention_kernel"), ("128", "blockwise_attention_kernel_1")]
+    assert "float* __restrict__ ws_o_ptr" in src and "float* __restrict__ ws_lse_ptr" in src
+    assert ("pad_range" in src) == padding
+    assert "exp2f(" in src and "log2f(" in src
+    report = sm90_ptxas_report(src, tmp_path)
+    assert report.count("0 bytes spill stores") == 2, report
+    assert_no_spills(report)
+    plain = blockwise_attention_primfunc(batch=1, heads=12, seq_q=4000, seq_k=4000, head_dim=head_dim,
+                                         dtype="float16", mask_batch=1, mask_heads=1,
+                                         config=BlockConfig(64, 32, 4, 2, heavy_first=True), target_kind="cuda")
+    plain_src = tvm.compile(plain, target=CUDA).mod.imports[0].inspect_source()
+    assert "ws_o" not in plain_src and "blockwise_attention_kernel_1" not in plain_src
 
 
 @pytest.mark.parametrize("head_dim", [32, 80, 96, 256])

@@ -118,6 +118,10 @@ def test_ptxas_report_reads_the_figures():
             "ptxas info    : 8 bytes spill stores, 12 bytes spill loads\n")
     assert bl.ptxas_report(text) == {"registers": 168, "spill_stores": 8, "spill_loads": 12, "stack_frame": 16}
     assert bl.ptxas_report("")["registers"] is None
+    two_kernels = text + ("ptxas info    : Used 40 registers, used 1 barriers, 0 bytes stack frame\n"
+                          "ptxas info    : 4 bytes spill stores, 0 bytes spill loads\n")
+    assert bl.ptxas_report(two_kernels) == {"registers": 168, "spill_stores": 12, "spill_loads": 12,
+                                            "stack_frame": 16}
     assert bl.source_key("abc") == bl.source_key("abc") != bl.source_key("abd")
     assert len(bl.source_key("abc")) == 24
 

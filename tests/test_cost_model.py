@@ -197,6 +197,28 @@ def test_wider_heads_cost_more():
     assert all(a < b for a, b in zip(times, times[1:])), times
 
 
+def test_split_kv_is_chosen_where_a_long_row_would_run_alone():
+    """B=1 BigBird at S=8192: each head's global tile row holds every column tile and runs long after the rest of
+    the grid is done; splitting it over several blocks (plus a merge launch) is predicted faster than every
+    unsplit configuration. At B=16, S=4096 the grid is long enough without it; masks without heavy rows (causal,
+    sliding) are offered no split configuration."""
+    long_row = problem("bigbird", batch=1, heads=12, seq=8192)
+    ranked = rank_attention(long_row)
+    best, unsplit = ranked[0], next(r for r in ranked if r.candidate.config.kv_splits == 1)
+    assert best.candidate.kind == "block" and best.candidate.config.kv_splits > 1
+    assert best.candidate.config.split_rows == 1                 # one heavy (global) tile row per head
+    assert best.time_s < 0.8 * unsplit.time_s
+    work = attention_work(long_row, best.candidate)
+    config = best.candidate.config
+    rows = -(-8192 // config.block_m)
+    # every tile row once, the split row kv_splits times, plus one merge block per head
+    assert work.blocks == 12 * (rows + config.kv_splits - 1) + 12
+    assert choose_attention(problem("bigbird", batch=16, heads=12, seq=4096)).candidate.config.kv_splits == 1
+    for mask in ("causal", "sliding"):
+        assert all(c.config.kv_splits == 1 for c in attention_candidates(problem(mask, seq=2048))
+                   if c.kind == "block")
+
+
 def test_unsupported_head_dim_has_no_candidate():
     with pytest.raises(ValueError, match="no feasible attention kernel for head_dim=72"):
         choose_attention(problem("causal", seq=256, head_dim=72))

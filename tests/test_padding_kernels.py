@@ -142,3 +142,21 @@ def test_padded_cuda_kernels_compile_for_sm90(kind, tmp_path):
         source = tvm.compile(func, target=CUDA).mod.imports[0].inspect_source()
         report = sm90_ptxas_report(source, tmp_path / str(index))
         assert "spill" not in report or " 0 bytes spill stores" in report
+
+
+def test_gpu_script_padding_inputs_match_the_device_summary():
+    """scripts/bench_attention.py hands split-KV modules pad_range / pad_bits computed with numpy: they must be
+    what the key_padding kernel computes from the same attention mask (every pattern of its padded checks)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_attention
+
+    for batch, seq in ((4, 1000), (5, 64), (3, 33)):
+        keep = bench_attention.padding_mask(batch, seq)
+        assert keep.any(axis=1).sum() == batch - batch // 4   # every fourth batch row keeps nothing
+        ranges, bits = bench_attention.key_padding_inputs(keep)
+        device_ranges, device_bits = run_summary(keep.astype(np.int64))
+        np.testing.assert_array_equal(ranges, device_ranges)
+        np.testing.assert_array_equal(bits, device_bits)

@@ -45,6 +45,9 @@ _KEY_GROUPS = (1, 2, 4, 8, 16)
 _KEYS_PER_STEP = (1, 2, 4)
 _ROWS_PER_BLOCK = (1, 2, 4, 8)
 _HEAVY_SELECT_CYCLES = 600  # heavy-first: rating the rows, two barriers, the selection loop
+_KV_SPLITS = (4, 16)        # split-KV: thread blocks per split heavy row
+_MAX_SPLIT_ROWS = 4         # split-KV: heavy rows per (batch, head) split at most
+_MERGE_CYCLES_PER_SLICE = 40   # split-KV merge: per output element and slice (two loads, exp2, fma)
 _BASE_REGISTERS = 40        # addresses, loop counters, softmax row state beyond the fragments
 _VECTOR_BYTES = 16
 
@@ -118,7 +121,8 @@ class AttentionCandidate:
         c = self.config
         if self.kind == "block":
             return (f"block BM={c.block_m} BN={c.block_n} warps={c.num_warps} stages={c.stages}"
-                    + (" heavy-first" if c.heavy_first else ""))
+                    + (" heavy-first" if c.heavy_first else "")
+                    + (f" split-KV {c.kv_splits}x{c.split_rows}" if c.kv_splits > 1 else ""))
         return f"row KG={c.key_groups} U={c.keys_per_step} rows/block={c.rows_per_block}"
 
 
@@ -176,9 +180,36 @@ def attention_candidates(problem: AttentionProblem, hw: HardwareProfile = H200,
     if "block" in kinds and problem.head_dim in BLOCK_HEAD_DIMS and problem.dtype != "float32":
         # The heavy-first launch order only differs when some tile row holds > 2x its group's mean tiles.
         orders = (False, True) if _has_heavy_rows(problem.mask, 64, 64) else (False,)
-        out += block_candidates(problem.head_dim, hw, orders)
+        blocks = block_candidates(problem.head_dim, hw, orders)
+        out += blocks + _split_candidates(problem, blocks)
     if "row" in kinds and problem.head_dim in ROW_HEAD_DIMS:
         out += row_candidates(problem.head_dim, problem.dtype, hw)
+    return out
+
+
+def _heavy_rows(mask: MaskProfile, block_m: int, block_n: int) -> np.ndarray:
+    """[G, TR] flags of the heavy tile rows (more than twice their group's mean tile count), as the kernel's
+    heavy-first selection finds them."""
+    full, part = mask.tile_counts(block_m, block_n)
+    tiles = full + part
+    return tiles * tiles.shape[1] > 2 * tiles.sum(axis=1, keepdims=True)
+
+
+def _split_candidates(problem: AttentionProblem, blocks: list[AttentionCandidate]) -> list[AttentionCandidate]:
+    """Split-KV variants of the heavy-first, 2-stage block configurations: each of the mask's heavy rows per group
+    (at most _MAX_SPLIT_ROWS) shared by each of _KV_SPLITS blocks. None when the mask has no heavy row."""
+    out = []
+    for cand in blocks:
+        c = cand.config
+        if not c.heavy_first or c.stages != 2:
+            continue
+        rows = int(_heavy_rows(problem.mask, c.block_m, c.block_n).sum(axis=1).max())
+        if rows == 0:
+            continue
+        for splits in _KV_SPLITS:
+            out.append(AttentionCandidate("block", BlockConfig(
+                block_m=c.block_m, block_n=c.block_n, num_warps=c.num_warps, stages=c.stages, heavy_first=True,
+                kv_splits=splits, split_rows=min(rows, _MAX_SPLIT_ROWS))))
     return out
 
 
@@ -222,19 +253,56 @@ def _block_work(problem: AttentionProblem, config: BlockConfig, cal: Calibration
     full, part = full2d.ravel().astype(np.float64), part2d.ravel().astype(np.float64)
     tiles = full + part
     count = np.full(tiles.shape, float(problem.replicas))
+    merge = None
+    if config.kv_splits > 1:
+        full, part, count, order, merge = _split_kv(problem, config, full2d, part2d, order)
+        tiles = full + part
     pipeline = 1.0 / (1.0 + cal.stage_gain * (config.stages - 2))   # deeper cp.async rings hide more of the wait
     bitmap_bytes = bm * bn / 8
     per_block_l2 = tiles * 2 * bn * d * eb + part * bitmap_bytes + 2 * bm * d * eb
     format_bytes = (part.sum() * (bitmap_bytes + 4) + full.sum() * 4 + 8 * (tiles.size + 1))
+    latency = (tiles * cal.tile_cycles * pipeline + cal.block_cycles
+               + (_HEAVY_SELECT_CYCLES if config.heavy_first else 0.0))
+    workspace_bytes = 0.0
+    if merge is not None:      # the merge kernel's blocks: the last class, launched after every other block
+        latency[-1] = cal.launch_s * H200.clock_hz + cal.block_cycles + merge["cycles"]   # its own launch
+        workspace_bytes = merge["bytes"]
     return KernelWork(
         name=str(AttentionCandidate("block", config)), threads=config.threads,
         smem_bytes=config.shared_bytes(d), regs_per_thread=config.registers(d), count=count,
         tc_flops=tiles * 4.0 * bm * bn * d,
         cuda_ops=(tiles * cal.softmax_ops + part * cal.mask_ops) * bm * bn,
-        latency_cycles=tiles * cal.tile_cycles * pipeline + cal.block_cycles
-        + (_HEAVY_SELECT_CYCLES if config.heavy_first else 0.0),
-        dram_bytes=problem.dram_floor_bytes() + format_bytes,
-        l2_bytes=float((count * per_block_l2).sum()), useful_flops=problem.useful_flops, order=order)
+        latency_cycles=latency,
+        dram_bytes=problem.dram_floor_bytes() + format_bytes + workspace_bytes,
+        l2_bytes=float((count * per_block_l2).sum()) + workspace_bytes, useful_flops=problem.useful_flops,
+        order=order)
+
+
+def _split_kv(problem: AttentionProblem, config: BlockConfig, full2d: np.ndarray, part2d: np.ndarray,
+              order: np.ndarray):
+    """Block classes of the split-KV launch: each split heavy row's class becomes ``kv_splits`` blocks of a
+    ``1/kv_splits`` slice of its tiles, launched first; the merge kernel's blocks are one more class (zero
+    tiles), launched last, whose cost ``merge`` gives (cycles per block, workspace bytes written and read)."""
+    groups, rows = full2d.shape
+    splits, split_rows = config.kv_splits, min(config.split_rows, rows)
+    heavy = _heavy_rows(problem.mask, config.block_m, config.block_n)
+    split = np.zeros((groups, rows), bool)
+    for g in range(groups):
+        split[g, np.flatnonzero(heavy[g])[:split_rows]] = True
+    tiles2d = full2d + part2d
+    share = np.where(split, np.ceil(tiles2d / splits) / np.maximum(tiles2d, 1), 1.0)
+    full = np.append((full2d * share).ravel(), 0.0)
+    part = np.append((part2d * share).ravel(), 0.0)
+    merge_blocks = problem.batch * problem.heads * split_rows
+    count = np.append(np.where(split, splits, 1).ravel() * float(problem.replicas), float(merge_blocks))
+    is_split = split.ravel()
+    extra = np.repeat(order[is_split[order]], splits - 1)          # the other slices of the split rows
+    order = np.concatenate([extra, order, np.full(merge_blocks, full.size - 1)])
+    split_count = float(split.sum()) * problem.replicas
+    elements = config.block_m * problem.head_dim
+    merge = {"cycles": elements / config.threads * splits * _MERGE_CYCLES_PER_SLICE,
+             "bytes": split_count * splits * (elements + config.block_m) * 4 * 2}
+    return full, part, count, order, merge
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
