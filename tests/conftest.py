@@ -1,6 +1,17 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures shared by several test modules, and the thread budget of parallel runs.
+
+README's test command runs the suite on two pytest-xdist workers (``-n 2 --dist worksteal``). Each worker would
+otherwise start a thread per core in TVM's thread pool, torch and OpenMP, and the workers' spinning threads
+would fight over the same cores; so each worker takes its share of the cores (1 of 2 on a 2-core machine).
+The variables are set before anything imports TVM or torch (they read them once, at start-up)."""
 import functools
+import os
 import warnings
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _share = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    for _name in ("TVM_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_name, str(_share))
 
 import pytest
 
