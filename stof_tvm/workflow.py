@@ -51,7 +51,8 @@ def tune_for_compile(model, *, mask, batch: int, seq_len: int, database: str, tr
                      top_k: int = 8, time_budget_s: float | None = None, rpc_tracker: str | None = None,
                      rpc_key: str | None = None, report=None, progress_stream=sys.stderr) -> dict:
     """Stages 1 and 2 for the calls :func:`stof_tvm.compiler.compile` makes with these arguments; returns what
-    the manifest records of it: ``{"trials", "top_k", "seconds", "measured", "tasks", "rounds", "stopped"}``.
+    the manifest records of it: ``{"trials", "top_k", "seconds", "stage1_s", "stage2_s", "measured", "tasks",
+    "rounds", "stopped"}`` (``stage1_s``/``stage2_s``: seconds in each stage, over all rounds).
 
     ``report``: called with each stage line; ``progress_stream``: where stage 2's progress bar goes (None: off).
     """
@@ -61,12 +62,14 @@ def tune_for_compile(model, *, mask, batch: int, seq_len: int, database: str, tr
 
     say = report if report is not None else (lambda line: None)
     started = time.monotonic()
-    summary = {"trials": trials, "top_k": top_k, "measured": 0, "tasks": 0, "rounds": 0, "stopped": ""}
+    summary = {"trials": trials, "top_k": top_k, "measured": 0, "tasks": 0, "rounds": 0, "stopped": "",
+               "stage1_s": 0.0, "stage2_s": 0.0}
     builder = BuildPool()
     builder.warm_up()          # the build workers start (import TVM) while stage 1 runs here
     try:
         for _ in range(_ROUNDS):
             say("stage 1: planning the calls this compile makes (front end, then the analytical model's ranking)")
+            planning = time.monotonic()
             try:
                 stage1 = plan(model, mask=mask, batch=batch, seq_len=seq_len, dtype=dtype, target=tuning_target(target),
                               top_k=top_k, kernel=kernel, templates=templates, gemm=gemm, database=database)
@@ -75,8 +78,10 @@ def tune_for_compile(model, *, mask, batch: int, seq_len: int, database: str, tr
                 summary["stopped"] = str(err)
                 break
             target_of_calls = tuning_target(stage1.target)
-            say(f"stage 1: {len(stage1.tasks)} tasks, {sum(t.space_size for t in stage1.tasks)} candidates "
-                f"(model {stage1.model_seconds:.2f} s); " + ("; ".join(stage1.notes) or "every call planned"))
+            summary["stage1_s"] += time.monotonic() - planning
+            say(f"stage 1: {len(stage1.tasks)} tasks, {sum(t.space_size for t in stage1.tasks)} candidates in "
+                f"{time.monotonic() - planning:.1f} s (model {stage1.model_seconds:.2f} s); "
+                + ("; ".join(stage1.notes) or "every call planned"))
             budget = None if time_budget_s is None else time_budget_s - (time.monotonic() - started)
             if budget is not None and budget <= 0:
                 summary["stopped"] = f"time budget of {time_budget_s:g} s spent"
@@ -86,6 +91,7 @@ def tune_for_compile(model, *, mask, batch: int, seq_len: int, database: str, tr
             result = tune_tasks(stage1.tasks, target_of_calls, database, trials=trials, time_budget_s=budget,
                                 rpc_tracker=rpc_tracker, rpc_key=rpc_key, builder=builder,
                                 progress_stream=progress_stream)
+            summary["stage2_s"] += result.elapsed_s
             cached = sum(r.status == "cached" for r in result.results)
             say(f"stage 2: {result.measured} trials measured in {result.elapsed_s:.1f} s, {cached} of "
                 f"{len(result.results)} tasks already complete in {result.work_dir}"
