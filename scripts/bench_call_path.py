@@ -9,8 +9,11 @@ bigbird) and CUDA graphs, one line per padding kind:
 | column | what runs |
 |---|---|
 | ``call`` | ``model(input_ids=ids, attention_mask=mask)``: torch tensors handed to the module as they are, the
-  module on torch's stream, the padding applied on the device, the out-of-range token-id count read back |
-| ``nocheck`` | the same with ``check_values=False`` (no read back: ids are still clamped in the module) |
+  module on torch's stream, the padding applied on the device, the out-of-range token-id count checked by a
+  later call without waiting (``stof_tvm.deferred_checks``) |
+| ``sync`` | the same with ``check_values="sync"`` (the count read back after every call, waiting for it) |
+| ``nocheck`` | the same with ``check_values=False`` (no check: ids are still clamped in the module) |
+| ``bad ids`` | a call given a token id of 10**6 raises ``ValueError`` by ``model.synchronize()`` |
 | ``module`` | ``model.run(prepared)`` on inputs ``prepare``d once (what BENCHMARKS.md's module figures time) |
 | ``over us`` / ``goal <=`` / ``met`` | ``call - module``; the goal ``1.03 * module + 0.05 ms``; whether call meets it |
 | ``host us`` / ``cpu us`` | one call's host time with the kernels left out (the module's ``main`` replaced by
@@ -195,6 +198,20 @@ def host_us(compiled, feeds: dict, calls: int) -> tuple[float, float]:
         compiled._main = main
 
 
+def bad_ids_raise(compiled, inputs: dict) -> bool:
+    """Whether a call given a token id outside the table raises by ``synchronize()`` (deferred value check), the
+    calls after it staying correct."""
+    bad = dict(inputs, input_ids=inputs["input_ids"].clone())
+    bad["input_ids"].view(-1)[0] = 10 ** 6
+    compiled.synchronize()
+    try:
+        compiled(**bad)
+        compiled.synchronize()
+    except ValueError as error:
+        return "outside" in str(error)
+    return False
+
+
 def measure_row(spec, batch: int, length: int, directory: Path, args) -> list[dict]:
     """One record per padding kind (``PADDINGS``) of this model and shape."""
     import torch
@@ -225,9 +242,12 @@ def measure_row(spec, batch: int, length: int, directory: Path, args) -> list[di
         rec["stable"] = bool(torch.equal(first, kept))
         sets = [(f,) for f in pool]
         rec["call_ms"] = bl.time_ms(lambda f: compiled(**f), inputs=sets, **timing).median_ms
+        compiled.check_values = "sync"
+        rec["sync_ms"] = bl.time_ms(lambda f: compiled(**f), inputs=sets, **timing).median_ms
         compiled.check_values = False
         rec["nocheck_ms"] = bl.time_ms(lambda f: compiled(**f), inputs=sets, **timing).median_ms
         compiled.check_values = True
+        rec["bad_ids_raise"] = bad_ids_raise(compiled, pool[0])
         prepared = [(compiled.prepare(f),) for f in pool]
         rec["module_ms"] = bl.time_ms(compiled.run, inputs=prepared, **timing).median_ms
         del prepared
@@ -290,11 +310,11 @@ def mask_build_times(args) -> list[dict]:
 
 
 COLUMNS = [("model", "model", "s"), ("shape", "BxS", "s"), ("padding", "padding", "s"), ("kernel", "kernel", "s"),
-           ("call_ms", "call", ".3f"), ("nocheck_ms", "nocheck", ".3f"), ("module_ms", "module", ".3f"),
+           ("call_ms", "call", ".3f"), ("sync_ms", "sync", ".3f"), ("nocheck_ms", "nocheck", ".3f"), ("module_ms", "module", ".3f"),
            ("over_us", "over us", ".0f"), ("bound_ms", "goal <=", ".3f"), ("goal", "met", ""),
            ("host_us", "host us", ".1f"), ("host_cpu_us", "cpu us", ".1f"), ("torch_ms", "torch", ".3f"),
            ("rel", "rel", ".1e"),
-           ("correct", "ok", ""), ("stable", "stable", "")]
+           ("correct", "ok", ""), ("stable", "stable", ""), ("bad_ids_raise", "bad ids", "")]
 STATUS = [("model", "model", "s"), ("shape", "BxS", "s"), ("compile_s", "compile s", ".0f"), ("status", "status", "s")]
 # seconds to measure one model x shape (load, references, timings), for the budget
 MEASURE_S = {"cuda": 12.0, "cpu": 30.0}

@@ -169,7 +169,7 @@ def bind_inputs(specs: list[dict], given: dict, device) -> BoundInputs:
     return InputBinder(specs, device).bind(given)
 
 
-def _range_message(check: dict, values: np.ndarray | None, count: int | None = None) -> str:
+def range_message(check: dict, values: np.ndarray | None, count: int | None = None) -> str:
     what = "token ids" if check["high"] > 2 else "values"
     found = (f"values from {int(values.min())} to {int(values.max())}" if values is not None
              else f"{count} value(s) outside it")
@@ -178,9 +178,12 @@ def _range_message(check: dict, values: np.ndarray | None, count: int | None = N
 
 
 def _out_of_range(values: np.ndarray, low: int, high: int) -> bool:
-    """Whether any value is outside [low, high): for integers with low == 0 one reduction over the values as
-    unsigned (a negative one becomes huge), else a min and a max."""
+    """Whether any value is outside [low, high): for integers with low == 0 and ``high`` within the type's range
+    one reduction over the values as unsigned (a negative one becomes at least 2**(bits-1) >= high), else a min
+    and a max."""
     unsigned = _UNSIGNED.get(values.dtype) if low == 0 else None
+    if unsigned is not None and high > np.iinfo(values.dtype).max + 1:
+        unsigned = None
     if unsigned is not None:
         return bool(np.maximum.reduce(values.view(unsigned), axis=None) >= high)
     return bool(np.minimum.reduce(values, axis=None) < low or np.maximum.reduce(values, axis=None) >= high)
@@ -191,7 +194,7 @@ def check_host_values(checks: list[dict], bound: BoundInputs) -> None:
     for check in checks:
         values = bound.host.get(check["name"])
         if values is not None and values.size and _out_of_range(values, check["low"], check["high"]):
-            raise ValueError(_range_message(check, values))
+            raise ValueError(range_message(check, values))
 
 
 def value_error(checks: list[dict], counts, bound: BoundInputs) -> str | None:
@@ -203,5 +206,5 @@ def value_error(checks: list[dict], counts, bound: BoundInputs) -> str | None:
     numbers = counts.tolist() if is_torch(counts) else counts.numpy().tolist()
     for check, count in zip(checks, numbers):
         if count and check["name"] in bound.on_device:
-            return _range_message(check, None, int(count))
+            return range_message(check, None, int(count))
     return None

@@ -15,9 +15,10 @@ A call (``model(input_ids=..., attention_mask=...)``) does no per-call host work
   kept key (a fully padded batch row) gives 0, where the model's additive mask would spread its weight evenly;
 - token ids are clamped into their embedding table inside the module (never read out of bounds) and counted
   when out of range; the call raises a ``ValueError`` naming the input if any were (inputs on the host are
-  checked before any kernel runs; for device inputs the module's few-byte count is read after the call, which
-  waits for it: ``check_values=False`` at :func:`load` skips that read, and then out-of-range ids silently use
-  the nearest table row).
+  checked before any kernel runs; for torch CUDA inputs the module's few-byte count is copied back on the call's
+  stream and checked by a later call or :meth:`CompiledModel.synchronize` without waiting for the GPU
+  (:mod:`stof_tvm.deferred_checks`); ``check_values="sync"`` at :func:`load` reads it at once, waiting for the
+  call, and ``check_values=False`` skips it: out-of-range ids then silently use the nearest table row).
 
 Models whose input-dependent masking is not key padding of one input (the compiler says so in the manifest:
 ``mask.model_terms``) take the exact, slower host path: the term is evaluated by the module, copied back,
@@ -33,6 +34,7 @@ import tvm
 from tvm.runtime.vm import VirtualMachine
 from tvm_ffi import Array
 
+from stof_tvm.deferred_checks import DeferredRangeChecks
 from stof_tvm.call_inputs import BoundInputs, InputBinder, check_host_values, is_torch, to_numpy, value_error
 from stof_tvm.mask_formats import MaskFormats
 
@@ -62,12 +64,13 @@ def device_for(manifest: dict):
 
 
 def load(path: str | os.PathLike, device=None, weights: dict | None = None,
-         check_values: bool = True) -> "CompiledModel":
+         check_values: bool | str = True) -> "CompiledModel":
     """Load an artifact directory written by :meth:`stof_tvm.artifact.Artifact.save`.
 
     ``weights``: the model's weights by name (numpy arrays) when the artifact was saved without weights.npz.
-    ``check_values``: read the module's out-of-range count of device inputs after each call (see the module
-    docstring).
+    ``check_values``: check the module's out-of-range count of device inputs: True (deferred to a later call or
+    :meth:`CompiledModel.synchronize`, no wait), ``"sync"`` (after each call, waiting for it) or False (see the
+    module docstring).
     """
     path = os.fspath(path)
     manifest_path = os.path.join(path, MANIFEST)
@@ -113,7 +116,9 @@ class CompiledModel:
     """
 
     def __init__(self, module, manifest: dict, arrays: dict[str, np.ndarray], device, weights: dict,
-                 check_values: bool = True):
+                 check_values: bool | str = True):
+        if check_values not in (True, False, "sync"):
+            raise ValueError(f"check_values: expected True, False or 'sync', got {check_values!r}")
         self.manifest = manifest
         self.device = device
         self.check_values = check_values
@@ -124,6 +129,7 @@ class CompiledModel:
         self._host_terms = manifest["mask"].get("model_terms", []) if self.kernel != "dense" else []
         checks = manifest.get("value_checks") or {}
         self._checks, self._checks_output = checks.get("inputs", []), checks.get("output")
+        self._pending_checks = DeferredRangeChecks(self._checks)
         self.formats = MaskFormats(manifest, arrays, device) if self.kernel != "none" else None
         self._binder = InputBinder(self.inputs, device)
         self._output_names = [spec["name"] for spec in self.outputs]
@@ -221,9 +227,13 @@ class CompiledModel:
         if not isinstance(out, Array):
             out = (out,)
         if self._checks and self.check_values and bound.on_device:
-            message = value_error(self._checks, out[self._checks_output], bound)
-            if message is not None:
-                raise ValueError(message)
+            if self.check_values == "sync":
+                message = value_error(self._checks, out[self._checks_output], bound)
+                if message is not None:
+                    raise ValueError(message)
+            else:
+                self._pending_checks.record(out[self._checks_output], bound.on_device)
+                self._pending_checks.raise_arrived()
         if not bound.torch:
             return {name: self._to_host(out[i]) for i, name in enumerate(self._output_names)}
         results = {}
@@ -231,6 +241,12 @@ class CompiledModel:
             value = out[i]
             results[name] = value if is_torch(value) else _torch_from_dlpack(value)
         return results
+
+
+    def synchronize(self) -> None:
+        """Wait for the value checks of every earlier call on device inputs; raises ``ValueError`` for the first
+        call that was given out-of-range token ids (their outputs used the nearest table rows)."""
+        self._pending_checks.synchronize()
 
 
 def _tensor_numpy(value) -> np.ndarray:
