@@ -280,10 +280,22 @@ def output_names(model: onnx.ModelProto) -> list[str]:
     return [o.name for o in model.graph.output]
 
 
+# ops that only reshape their first input: ids pass through them unchanged (GPT-2's ``input_ids.view(-1, S)``)
+_ID_PRESERVING = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"}
+
+
 def embedding_rows(model: onnx.ModelProto, name: str) -> int | None:
-    """Rows of the embedding table(s) that input ``name`` indexes through a Gather of an initializer, if any
-    (the valid range of token ids)."""
+    """Rows of the embedding table(s) that input ``name`` indexes through a Gather of an initializer, directly
+    or after reshapes, if any (the valid range of token ids)."""
     dims = {t.name: list(t.dims) for t in model.graph.initializer}
+    names, frontier = {name}, [name]
+    while frontier:
+        value = frontier.pop()
+        for node in model.graph.node:
+            if node.op_type in _ID_PRESERVING and node.input and node.input[0] == value:
+                fresh = [out for out in node.output if out not in names]
+                names.update(fresh)
+                frontier.extend(fresh)
     sizes = [dims[n.input[0]][0] for n in model.graph.node
-             if n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == name and n.input[0] in dims]
+             if n.op_type == "Gather" and len(n.input) > 1 and n.input[1] in names and n.input[0] in dims]
     return min(sizes) if sizes else None
