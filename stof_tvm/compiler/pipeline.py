@@ -2,7 +2,8 @@
 
 Everything that is not attention goes through TVM's own Relax pipeline: legalization, operator fusion
 (``FuseOps``/``FuseTIR``), tuning records from a MetaSchedule database where given, then dlight's default GPU
-schedules for the functions no record covered (CUDA only; on the CPU TVM's default lowering is used). Our
+schedules for the functions no record covered (CUDA only; on the CPU TVM's default lowering is used), then no
+vectorised access to a bool buffer (:mod:`.bool_access`: TVM's CUDA codegen gets them wrong). Our
 attention kernels arrive already scheduled (``tirx.is_scheduled``), so dlight leaves them alone.
 """
 from __future__ import annotations
@@ -11,6 +12,8 @@ import contextlib
 
 import tvm
 from tvm import relax
+
+from .bool_access import scalar_bool_access
 
 CUDA_DEFAULTS = {"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024,
                  "max_shared_memory_per_block": 232448}
@@ -77,7 +80,9 @@ def optimize(mod: tvm.IRModule, target: tvm.target.Target, database: str | None)
 
             passes.append(dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
                                                   dl.gpu.GeneralReduction(), dl.gpu.Fallback()))
-        return tvm.transform.Sequential(passes)(mod)
+        mod = tvm.transform.Sequential(passes)(mod)
+    # TVM's CUDA codegen gets vector accesses to bool buffers wrong (bool_access); they become scalar ones.
+    return scalar_bool_access(mod) if target.kind.name == "cuda" else mod
 
 
 def build(mod: tvm.IRModule, target: tvm.target.Target, templates: bool = False, cuda_graph: bool = False):
