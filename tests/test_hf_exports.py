@@ -183,3 +183,14 @@ def test_head_dim_32_compiles_and_matches_torch(hf_export):
     inputs = hx.example_inputs("bert", BATCH, SEQ, size="tiny-d32")
     expected = hx.torch_outputs(hx.build_model("bert", "tiny-d32"), inputs)
     assert _rel(art.load()(inputs)["last_hidden_state"], expected) < FP32_TOL
+
+
+def test_chunked_attention_in_float16_runs_in_float32_with_a_warning(hf_corpus):
+    """HF BigBird block_sparse asked for float16: TVM's mixed-precision pass refuses its graph (Relax functions
+    held as values: an internal error before), so it compiles in float32 with a warning saying why, exact."""
+    case = ("bigbird-sparse", "eager", "torchscript", 17, False)
+    art, model, fallbacks = _compiled(hf_corpus(case), "bigbird-sparse", "float16", BATCH, SEQ)
+    assert any("mixed-precision pass cannot convert" in text for text in fallbacks)
+    assert "computes in float32" in art.manifest["attention"]["fallback"]
+    inputs, expected = _torch_reference("bigbird-sparse", "eager", BATCH, SEQ)
+    assert _rel(model(inputs)["last_hidden_state"], expected) < FP32_TOL

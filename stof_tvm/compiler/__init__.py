@@ -205,8 +205,10 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     mod, inputs, weights = import_onnx(onnx_model, batch, seq_len)
     outputs = _output_specs(mod["main"], output_names(onnx_model))
     mod = canonicalize(relax.transform.FoldConstant()(mod))       # one form of every exporter's spelling
-    if dtype == "float16":                                          # again: mixed precision adds no-op casts
-        mod = canonicalize(fold_constant_casts(relax.transform.ToMixedPrecision(out_dtype="float32")(mod)))
+    precision_note = None
+    if dtype == "float16":
+        mod, precision_note = _to_float16(mod)
+        templates = templates and precision_note is None
 
     canonical = mod["main"]
     sites = find_attention_sites(canonical)
@@ -221,6 +223,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
         except ValueError as err:       # the model's own masking is not one a sparse format can take
             reason = str(err).removeprefix("model: ")
     if reason is not None:
+        reason += f"; {precision_note}" if precision_note else ""
         _check_fallback_mask(mask, batch, seq_len, reason)
         warnings.warn(f"model: {reason}; compiling it through TVM's default pipeline (its attention as the model "
                       f"computes it), without stof-tvm's sparse attention kernels or fusion templates", stacklevel=2)
@@ -265,6 +268,21 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     return FrontEnd(onnx_model, mod, inputs, weights, outputs, sites, plan, user_mask, combined, choice,
                     format_inputs, template_entry, tspec, gemm, tvm_target, coverage=report, checks=checks,
                     checks_output=checks_output)
+
+
+def _to_float16(mod: tvm.IRModule) -> tuple[tvm.IRModule, str | None]:
+    """TVM's mixed precision (float16 compute, float32 accumulation and outputs), brought back to the canonical
+    form (it adds no-op casts); returns the module unchanged and the reason where TVM's pass cannot convert it
+    (HF BigBird block_sparse and Longformer: their imports hold Relax functions as values, which the pass refuses
+    with an internal error), so such a model runs in float32 with a warning instead of failing."""
+    try:
+        mixed = relax.transform.ToMixedPrecision(out_dtype="float32")(mod)
+    except tvm.error.InternalError as err:
+        detail = str(err).strip().splitlines()[-1][:160]
+        note = f"TVM's mixed-precision pass cannot convert this graph ({detail}), so it computes in float32"
+        warnings.warn(f"dtype: {note}", stacklevel=3)
+        return mod, note
+    return canonicalize(fold_constant_casts(mixed)), None
 
 
 def _templates_off(tspec: dict, dtype: str) -> str:
