@@ -203,8 +203,18 @@ def value_error(checks: list[dict], counts, bound: BoundInputs) -> str | None:
     is in range."""
     if not bound.on_device:
         return None
-    numbers = counts.tolist() if is_torch(counts) else counts.numpy().tolist()
+    return count_error(checks, read_counts(counts), bound.on_device)
+
+
+def read_counts(counts) -> list:
+    """The module's ``stof_value_errors`` output (a TVM or torch tensor) as a list of ints, read now."""
+    return counts.tolist() if is_torch(counts) else counts.numpy().tolist()
+
+
+def count_error(checks: list[dict], numbers: list, on_device: tuple) -> str | None:
+    """The message for the first checked input given on the device (named in ``on_device``) whose out-of-range
+    count (``numbers``, in the order of ``checks``) is not zero, or None."""
     for check, count in zip(checks, numbers):
-        if count and check["name"] in bound.on_device:
+        if count and check["name"] in on_device:
             return range_message(check, None, int(count))
     return None

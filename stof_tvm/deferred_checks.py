@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import collections
 
-import numpy as np
-
-from stof_tvm.call_inputs import is_torch, range_message
+from stof_tvm.call_inputs import count_error, is_torch, read_counts
 
 DEPTH = 8        # pending counts kept before the oldest is waited for (8 forward passes in flight is plenty)
 
@@ -39,7 +37,9 @@ class DeferredRangeChecks:
         """Take the module's count output of this call (inputs ``on_device`` were given as device tensors)."""
         self.calls += 1
         if not self._on_gpu(counts):
-            self._raise_for(self.calls, on_device, _as_numbers(counts), now=True)
+            message = count_error(self.checks, read_counts(counts), on_device)
+            if message is not None:
+                raise ValueError(message)
             return
         if len(self._pending) >= self.depth:
             self._finish(self._pending.popleft(), wait=True)
@@ -76,15 +76,7 @@ class DeferredRangeChecks:
             event.synchronize()
         numbers = host.tolist()
         self._free.append(host)
-        self._raise_for(call, on_device, numbers, now=False)
-
-    def _raise_for(self, call: int, on_device: tuple, numbers: list, now: bool) -> None:
-        for check, count in zip(self.checks, numbers):
-            if count and check["name"] in on_device:
-                when = "" if now else (f" (in call {call} of this model, of {self.calls} so far; that call's "
-                                       f"outputs used the nearest table rows)")
-                raise ValueError(range_message(check, None, int(count)) + when)
-
-
-def _as_numbers(counts) -> list:
-    return counts.tolist() if is_torch(counts) else np.asarray(counts.numpy()).tolist()
+        message = count_error(self.checks, numbers, on_device)
+        if message is not None:
+            raise ValueError(f"{message} (in call {call} of this model, of {self.calls} so far; that call's "
+                             f"outputs used the nearest table rows)")
