@@ -22,7 +22,7 @@ Per model and shape (each in a child process, so a crash or a sticky CUDA error 
    | ``ours-call`` | ``model(input_ids=..., attention_mask=...)``, torch CUDA tensors (the call users write) | sparse |
    | ``ours`` | the module alone: ``run`` on inputs ``prepare``d once | sparse |
    | ``torch-eager`` | the HF model in float16, ``attn_implementation="sdpa"`` (dense) | dense |
-   | ``torch-compile`` | the same through ``torch.compile`` | dense |
+   | ``torch-compile`` | the same through ``torch.compile`` (``--torch-compile-mode``) | dense |
    | ``torch-flex`` | ``torch.compile`` of the model, FlexAttention on a BlockMask of the same sparse mask | sparse |
    | ``ort`` | onnxruntime (CUDA EP) on the same ONNX after its transformer optimizer, float16, IOBinding | dense |
    | ``tvm-default`` | TVM's default pipeline on the same ONNX (see 2.) | dense |
@@ -509,11 +509,12 @@ def measure_row(args, row: "Row") -> None:
     def torch_variant(label, attention, compiled, ref):
         e2e_torch.use_attention(model16, attention)
         torch._dynamo.reset()
-        target = torch.compile(model16, dynamic=False) if compiled else model16
+        target = torch.compile(model16, dynamic=False, mode=args.torch_compile_mode) if compiled else model16
         start = time.time()
         out = e2e_torch.forward(target, half_sets[0])()
         if compiled:
             data[f"{label}_compile_s"] = round(time.time() - start, 1)
+            data[f"{label}_mode"] = args.torch_compile_mode
         row.check(label, out, ref, args.tolerance)
         row.timed(label, lambda *a: e2e_torch.forward(target, a)(), half_sets, args)
     row.stage("torch-eager", torch_variant, "torch-eager", "sdpa", False, refs["dense"])
@@ -628,6 +629,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--export-attn", choices=("eager", "sdpa"), default="eager",
                    help="attn_implementation of the model exported to ONNX (default eager)")
     p.add_argument("--opset", type=int, default=17)
+    p.add_argument("--torch-compile-mode", default="reduce-overhead",
+                   choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+                   help="torch.compile mode of the torch-compile and torch-flex baselines (default reduce-overhead: "
+                        "CUDA graphs, as ours uses; max-autotune also tunes Triton GEMMs but compiles for minutes)")
     p.add_argument("--work", default=os.path.join("out", "e2e-work"), help="exports, artifacts, row files")
     p.add_argument("--out", help="results.json goes here (default $OUT, else out/e2e)")
     p.add_argument("--row", nargs=2, metavar=("MODEL", "BxS"), help=argparse.SUPPRESS)
