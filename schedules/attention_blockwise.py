@@ -58,6 +58,10 @@ _FULL_MASK = 0xFFFFFFFF
 # at estimates 236 (D=224, 64x32 tiles) and 248 (D=208, 128x64), never at 232 or below.
 _Q_REGISTER_LIMIT = 232
 _BASE_REGISTERS = 40     # addresses, loop counters, softmax row state beyond the fragments
+# Lazy rescaling of the online softmax (FlashAttention-4's trick): a row's running max, in log2 units, is raised
+# only when a tile's max exceeds it by more than this, so probabilities stay <= 2^8 (fine in fp16 / bf16, and fp32
+# sums) and the O accumulators are rescaled only in the rare tiles where some row of the warp raised its max.
+_LAZY_RESCALE_LOG2 = 8.0
 
 
 @dataclass(frozen=True)
@@ -357,13 +361,15 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     OUT_ITERS = MT * 16 * CPR // 32
     NW = cfg.num_warps
     HF = 1 if cfg.heavy_first else 0              # heavy_first: grid (B*H, TR) and in-kernel row selection
+    HEAVY = cfg.heavy_first
     SPLIT = cfg.kv_splits > 1                     # split-KV (heavy_first only): KS blocks on each of SR heavy rows
     KS, SR = cfg.kv_splits, min(cfg.split_rows, TR)
     GX, GY = (B * H, TR + (SR * (KS - 1) if SPLIT else 0)) if HF else (TR, B * H)
     RI = -(-TR // NT)                             # row-selection passes: each thread rates rows tx, tx+NT, ..
     SEL_W = (M_OFF + ST * MW_BYTES) // 4          # shared word of the selected row, then RI*NW warp counts
     HEAVY_W = SEL_W + 1 + RI * NW                 # split-KV: the group's number of heavy rows
-    SMEM_WORDS = SEL_W + (1 + RI * NW) * HF + (1 if SPLIT else 0)
+    ROW_W = HEAVY_W + (1 if SPLIT else 0)         # heavy_first: the selected row's f0, p0, partial and all tiles
+    SMEM_WORDS = SEL_W + (1 + RI * NW + 4) * HF + (1 if SPLIT else 0)
     COMBINE_ITERS = BM * D // NT                  # split-KV merge: output elements per thread of a split row
     SL = p.scale * _LOG2E                         # softmax in base 2: exp(s*scale - m) = 2^(s*SL - m*SL)
     NEG_INF = T.float32(float("-inf"))
@@ -384,16 +390,19 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     INV_SCALE = T.float32(1.0 / p.scale)
     pad = _Padding(p)
     PAD = p.padding
+    # Every key row of a listed tile is inside Sk and kept by the padding (none): no clamp, no zero-fill predicate.
+    KEYS_IN_RANGE = not PAD and SK % BN == 0
 
     def swz(row, chunk):
         return chunk_offset(row, chunk, CPR)
 
-    def mask_word(smem, t, warp, g, qd, mt, hh, j):
-        # Bits (e=0, e=1) of the thread's two score columns in n8 tile j, rows hh*8+g of m-tile mt: the 32-bit
-        # half g//4 of the sub-tile's uint64 word, shifted by (g%4)*8 + 2*qd (bit r*8+c holds row r, column c).
-        return T.shift_right(smem[(M_OFF + (t % ST) * MW_BYTES) // 4
-                                  + ((warp * (MT * 2) + mt * 2 + hh) * NJ + j) * 2 + g // 4],
-                             T.Cast("uint32", (g % 4) * 8 + qd * 2))
+    def mask_word(smem, t, warp, g, mt, hh, j):
+        # The 32-bit half g//4 of the uint64 word of sub-tile (rows hh*8.. of m-tile mt, n8 tile j): it holds the
+        # thread's row hh*8+g (bit r*8+c holds row r, column c); the thread's two columns are mask_bit(g, qd) << e.
+        return smem[(M_OFF + (t % ST) * MW_BYTES) // 4 + ((warp * (MT * 2) + mt * 2 + hh) * NJ + j) * 2 + g // 4]
+
+    def mask_bit(g, qd):       # bit of the thread's first score column (row g % 4 of the half, column 2*qd)
+        return T.shift_left(T.uint32(1), T.Cast("uint32", (g % 4) * 8 + qd * 2))
 
     def quad_xor(value, lane_mask):    # value of lane ^ lane_mask (1, 2: the four lanes sharing a score row)
         return T.tvm_warp_shuffle_xor(T.uint32(_FULL_MASK), value, lane_mask, 32, 32)
@@ -506,11 +515,11 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     row: T.let = (it * NT + tx) // CPR
                     key: T.let = col * BN + row
                     dst: T.let = T.Cast("uint32", slot * KV_BYTES + swz(row, (it * NT + tx) % CPR))
-                    fill: T.let = T.Cast("uint32", T.Select(pad.loads(key, lo, hi), 16, 0))
-                    CP_ASYNC_16(k_base + dst, T.address_of(k[b, h, T.min(key, SK - 1),
-                                                             ((it * NT + tx) % CPR) * 8]), 16, fill)
-                    CP_ASYNC_16(v_base + dst, T.address_of(v[b, h, T.min(key, SK - 1),
-                                                             ((it * NT + tx) % CPR) * 8]), 16, fill)
+                    fill: T.let = T.uint32(16) if KEYS_IN_RANGE else T.Cast("uint32", T.Select(
+                        pad.loads(key, lo, hi), 16, 0))
+                    src_key: T.let = key if KEYS_IN_RANGE else T.min(key, SK - 1)
+                    CP_ASYNC_16(k_base + dst, T.address_of(k[b, h, src_key, ((it * NT + tx) % CPR) * 8]), 16, fill)
+                    CP_ASYNC_16(v_base + dst, T.address_of(v[b, h, src_key, ((it * NT + tx) % CPR) * 8]), 16, fill)
             if tt < n_part_row:
                 for it in T.unroll(M_ITERS):
                     if it * NT + tx < MW_CHUNKS:
@@ -583,14 +592,23 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                 if T.Select(rank[it * 2] == T.uint32(1), before[0],
                                             TR - 1 - (it * NT + tx) + before[0]) == position(by):
                                     smem[SEL_W] = T.Cast("uint32", it * NT + tx)
+                                    # The row's list bounds too (this thread has just read them), so the block
+                                    # does not wait for another round trip to global memory after the barrier.
+                                    sel: T.let = gbase + it * NT + tx
+                                    smem[ROW_W] = T.Cast("uint32", full_indptr[sel])
+                                    smem[ROW_W + 1] = T.Cast("uint32", part_indptr[sel])
+                                    smem[ROW_W + 2] = T.Cast("uint32", part_indptr[sel + 1] - part_indptr[sel])
+                                    smem[ROW_W + 3] = T.Cast("uint32", full_indptr[sel + 1] - full_indptr[sel]
+                                                             + part_indptr[sel + 1] - part_indptr[sel])
                         T.tvm_storage_sync("shared")
                     # Default order: last tile row first (causal-like masks put the most tiles there).
                     tr: T.let = tile_row(smem, bx)
                     r: T.let = gbase + tr
-                    f0: T.let = full_indptr[r]
-                    p0: T.let = part_indptr[r]
-                    n_part_row: T.let = part_indptr[r + 1] - p0
-                    n_tiles: T.let = n_part_row + full_indptr[r + 1] - f0
+                    f0: T.let = T.Cast("int32", smem[ROW_W]) if HEAVY else full_indptr[r]
+                    p0: T.let = T.Cast("int32", smem[ROW_W + 1]) if HEAVY else part_indptr[r]
+                    n_part_row: T.let = T.Cast("int32", smem[ROW_W + 2]) if HEAVY else part_indptr[r + 1] - p0
+                    n_tiles: T.let = (T.Cast("int32", smem[ROW_W + 3]) if HEAVY
+                                      else n_part_row + full_indptr[r + 1] - f0)
                     # Padding: batch row b keeps keys [lo, hi), minus its holes.
                     lo: T.let = pad.lo(pad_range, b)
                     hi: T.let = pad.hi(pad_range, b)
@@ -610,6 +628,10 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                             ws_row[bh * SR + by // KS] = T.Select(split_block(n_heavy, by), tr, -1)
                     g: T.let = lane // 4
                     qd: T.let = lane % 4
+                    # The thread's two bits in each bitmap word it reads, computed once (no shift per word).
+                    bit_first: T.let = mask_bit(g, qd)
+                    bit_second: T.let = T.shift_left(bit_first, T.uint32(1))
+                    bit_pair: T.let = T.bitwise_or(bit_first, bit_second)
                     q_base: T.let = T.cuda.cvta_generic_to_shared(T.address_of(smem[0]))
                     k_base: T.let = q_base + T.uint32(K_OFF)
                     v_base: T.let = q_base + T.uint32(V_OFF)
@@ -650,9 +672,9 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                             for mt in T.unroll(MT):
                                 for hh in T.unroll(2):
                                     for j in T.unroll(NJ):
-                                        word[0] = T.bitwise_or(word[0], mask_word(smem, t, warp, g, qd, mt, hh, j))
-                            live[0] = T.cuda.any_sync(T.uint32(_FULL_MASK),
-                                                      T.Cast("int32", T.bitwise_and(word[0], T.uint32(3))))
+                                        word[0] = T.bitwise_or(word[0], mask_word(smem, t, warp, g, mt, hh, j))
+                            live[0] = T.cuda.any_sync(T.uint32(_FULL_MASK), T.Cast("int32", T.bitwise_and(
+                                word[0], bit_pair) != T.uint32(0)))
                         if PAD:                 # a key tile outside the batch row's kept span is skipped too
                             tcol: T.let = T.if_then_else(t < n_part_row, part_indices[p0 + t],
                                                          full_indices[f0 + t - n_part_row])
@@ -713,12 +735,12 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                 for mt in T.unroll(MT):
                                     for hh in T.unroll(2):
                                         for j in T.unroll(NJ):
-                                            word[0] = mask_word(smem, t, warp, g, qd, mt, hh, j)
+                                            word[0] = mask_word(smem, t, warp, g, mt, hh, j)
                                             s_acc[s_at(mt, j, hh * 2)] = T.Select(
-                                                T.bitwise_and(word[0], T.uint32(1)) != T.uint32(0),
+                                                T.bitwise_and(word[0], bit_first) != T.uint32(0),
                                                 s_acc[s_at(mt, j, hh * 2)], NEG_INF)
                                             s_acc[s_at(mt, j, hh * 2 + 1)] = T.Select(
-                                                T.bitwise_and(word[0], T.uint32(2)) != T.uint32(0),
+                                                T.bitwise_and(word[0], bit_second) != T.uint32(0),
                                                 s_acc[s_at(mt, j, hh * 2 + 1)], NEG_INF)
                             if PAD:             # keys the padding drops: in a tile crossing [lo, hi), or at holes
                                 pcol: T.let = T.if_then_else(t < n_part_row, part_indices[p0 + t],
@@ -734,6 +756,10 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                                         s_acc[s_at(mt, j, hh * 2 + e)], NEG_INF)
                             # Online softmax, one pass per query row the thread holds (rows g and g+8 of each m-tile);
                             # the four lanes of a quad share a row. red = [tile max, new max, base, correction, sum].
+                            # Lazy rescaling: the running max is raised only when the tile's max exceeds it by more
+                            # than _LAZY_RESCALE_LOG2 (log2 units), so the probabilities stay <= 2^_LAZY_RESCALE_LOG2
+                            # (exact: l and O share the stale max, O / l is unchanged); O's rows g (or g+8) are
+                            # rescaled only when one of them in the warp raised its max, rare after a row's first tiles.
                             for mt in T.unroll(MT):
                                 for hh in T.unroll(2):
                                     red[0] = T.max(s_acc[s_at(mt, 0, hh * 2)], s_acc[s_at(mt, 0, hh * 2 + 1)])
@@ -742,9 +768,12 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                                                      s_acc[s_at(mt, j, hh * 2 + 1)]))
                                     red[0] = T.max(red[0], quad_xor(red[0], 1))
                                     red[0] = T.max(red[0], quad_xor(red[0], 2))
-                                    red[1] = T.max(m_run[mt * 2 + hh], red[0])
+                                    raise_max: T.let = red[0] * T.float32(SL) > (
+                                        m_run[mt * 2 + hh] * T.float32(SL) + T.float32(_LAZY_RESCALE_LOG2))
+                                    red[1] = T.Select(raise_max, red[0], m_run[mt * 2 + hh])
                                     red[2] = T.Select(red[1] == NEG_INF, T.float32(0), red[1] * T.float32(SL))
                                     EX2(red[3], m_run[mt * 2 + hh] * T.float32(SL) - red[2])
+                                    red[3] = T.Select(raise_max, red[3], T.float32(1))
                                     m_run[mt * 2 + hh] = red[1]
                                     red[4] = T.float32(0)
                                     for j in T.unroll(NJ):
@@ -753,9 +782,11 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                                 s_acc[s_at(mt, j, hh * 2 + e)] * T.float32(SL) - red[2])
                                             red[4] = red[4] + s_acc[s_at(mt, j, hh * 2 + e)]
                                     l_run[mt * 2 + hh] = l_run[mt * 2 + hh] * red[3] + red[4]
-                                    for dn in T.unroll(ND):
-                                        for e in T.unroll(2):
-                                            o_acc[o_at(mt, dn, hh * 2 + e)] = o_acc[o_at(mt, dn, hh * 2 + e)] * red[3]
+                                    if T.cuda.any_sync(T.uint32(_FULL_MASK), T.Cast("int32", raise_max)) != 0:
+                                        for dn in T.unroll(ND):
+                                            for e in T.unroll(2):
+                                                o_acc[o_at(mt, dn, hh * 2 + e)] = \
+                                                    o_acc[o_at(mt, dn, hh * 2 + e)] * red[3]
                             # O += P V: P (fp32 C fragments) repacked pairwise as the A fragment of each k16 step.
                             for kk in T.unroll(NJ // 2):
                                 for mt in T.unroll(MT):
@@ -776,7 +807,10 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                                 o_acc[o_at(mt, 2 * dp + half, 0)], o_acc[o_at(mt, 2 * dp + half, 1)],
                                                 o_acc[o_at(mt, 2 * dp + half, 2)], o_acc[o_at(mt, 2 * dp + half, 3)])
                     T.ptx.cp.async_.wait_group(0)
-                    # Epilogue: O / l (0 for rows with no kept key), staged through this warp's own Q rows.
+                    # Epilogue: O / l (0 for rows with no kept key), staged through this warp's own Q rows. With two
+                    # m16 tiles per warp the tile row is read again (heavy_first: from shared memory) rather than
+                    # held across the tile loop, where ptxas spilled it (nvcc 13, 32x32 tiles, one warp).
+                    tr_out: T.let = tile_row(smem, bx) if MT == 2 else tr
                     for mt in T.unroll(MT):
                         for hh in T.unroll(2):
                             red[0] = l_run[mt * 2 + hh]
@@ -800,14 +834,14 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     T.cuda.warp_sync()
                     for it in T.unroll(OUT_ITERS):
                         orow: T.let = warp * (MT * 16) + (it * 32 + lane) // CPR
-                        if writes_out(n_heavy, by, tr * BM + orow):
+                        if writes_out(n_heavy, by, tr_out * BM + orow):
                             LD_SHARED_V4(b_frag[0], b_frag[1], b_frag[2], b_frag[3],
                                          q_base + T.Cast("uint32", swz(orow, (it * 32 + lane) % CPR)))
                             if BSHD:
-                                ST_GLOBAL_V4(T.address_of(out[b, tr * BM + orow, h, ((it * 32 + lane) % CPR) * 8]),
+                                ST_GLOBAL_V4(T.address_of(out[b, tr_out * BM + orow, h, ((it * 32 + lane) % CPR) * 8]),
                                              b_frag[0], b_frag[1], b_frag[2], b_frag[3])
                             else:
-                                ST_GLOBAL_V4(T.address_of(out[b, h, tr * BM + orow, ((it * 32 + lane) % CPR) * 8]),
+                                ST_GLOBAL_V4(T.address_of(out[b, h, tr_out * BM + orow, ((it * 32 + lane) % CPR) * 8]),
                                              b_frag[0], b_frag[1], b_frag[2], b_frag[3])
         if SPLIT:   # merge: out = sum_p 2^(lse_p - max) O_p / sum_p 2^(lse_p - max); 0 where no slice kept a key
             for cb in T.thread_binding(B * H, thread="blockIdx.x"):
