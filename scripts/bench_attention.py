@@ -371,8 +371,45 @@ def plan_issue16() -> list[dict]:
     return cases
 
 
+S7_MASKS = ("longformer", "bigbird", "sliding")
+# (config, also built from the baseline source tree): the calibrated sparse default, its default-order twin, the
+# model's top-ranked picks (one and two warps on 32x32 tiles, 32x16), a 3-stage ring, split-KV at B=16.
+S7_CONFIGS = (((64, 32, 4, 2, True), True), ((32, 32, 1, 2, True), True), ((32, 32, 2, 2, True), True),
+              ((64, 32, 4, 2, False), True), ((32, 16, 1, 2, True), False), ((64, 32, 4, 3, True), False),
+              ((64, 32, 4, 2, True, 4, 2), False))
+S7_CHECKS = (((64, 32, 4, 2, True), ("longformer", "bigbird", "random_empty:0.05"), 1000),
+             ((64, 32, 4, 2, True), ("longformer", "bigbird"), 1024),
+             ((32, 32, 1, 2, True), ("longformer", "random_empty:0.05"), 1000),
+             ((32, 32, 1, 2, True), ("bigbird",), 1024),
+             ((64, 32, 4, 2, False), ("sliding", "random_empty:0.05"), 1000),
+             ((64, 32, 4, 2, True, 4, 2), ("longformer", "bigbird"), 1000))
+
+
+def plan_s7sparse() -> list[dict]:
+    """Issue 16's sparse goals (B=16, H=12, S=4096, D=64, fp16: sliding, Longformer, BigBird <= 0.133 ms), one
+    short run (< 70 s). Checks first, at S=1000 (keys past Sk: clamped loads) and S=1024 (aligned: no clamp), with
+    Q scaled by 8 so that running maxima rise well past the lazy-rescale threshold (2^8) within a row: the
+    changed configurations on shared, per-head (random, empty rows) and device-padded masks, bf16 D=128. Then
+    every S7_CONFIGS entry timed on the three masks, those marked also as built from the baseline tree
+    (``variant: base``, ``build --only-variant base --source-tree DIR``), side by side, beside FlexAttention."""
+    cases = []
+    for config, recipes, seq in S7_CHECKS:
+        for recipe in recipes:
+            cases.append(dict(_case("check", "block", recipe, 2, 3, seq, 64, "float16", config), q_scale=8.0))
+    cases.append(dict(_case("check", "block", "longformer", 4, 2, 1000, 64, "float16", (64, 32, 4, 2, True),
+                            padding=True), q_scale=8.0))
+    cases.append(dict(_case("check", "block", "bigbird", 2, 3, 1000, 128, "bfloat16", (64, 32, 4, 2, True)),
+                      q_scale=8.0))
+    for recipe in S7_MASKS:
+        for config, with_base in S7_CONFIGS:
+            case = _case("time", "block", recipe, 16, H_BENCH, 4096, 64, "float16", config)
+            cases += [dict(case, variant="base")] if with_base else []
+            cases.append(case)
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
-         "splitkv": plan_splitkv, "issue16": plan_issue16}
+         "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
@@ -384,7 +421,8 @@ def _module_key(case: dict) -> str:
     mb, mh = mask_groups(case["mask"], case["batch"], case["heads"])
     cfg = "x".join(map(str, case["config"])) if case["config"] else "default"
     return (f"{case['family']}_b{case['batch']}h{case['heads']}s{case['seq']}d{case['head_dim']}_"
-            f"{case['dtype']}_g{mb}x{mh}_{cfg}" + ("_pad" if case.get("padding") else ""))
+            f"{case['dtype']}_g{mb}x{mh}_{cfg}" + ("_pad" if case.get("padding") else "")
+            + (f"_{case['variant']}" if case.get("variant") else ""))
 
 
 def _primfunc(case: dict):
@@ -412,6 +450,19 @@ def _nvcc_cubin(src: str, cubin_path: Path, arch: str = "sm_90") -> dict:
     return bl.nvcc_cubin(src, cubin_path, arch, fast_math=True)
 
 
+def _variant_manifests(out: Path, variants: set) -> dict:
+    """The manifests of the variant builds present in ``out`` (a variant without one is left out, and said)."""
+    found = {}
+    for name in sorted(variants):
+        path = out / f"manifest.{name}.json"
+        if path.exists():
+            found[name] = json.loads(path.read_text())
+        else:
+            print(f"no {path.name}: the plan's '{name}' cases are left out (build them first with "
+                  f"--only-variant {name} --source-tree DIR)")
+    return found
+
+
 def build(args) -> None:
     """Compile every module of the plan; nvcc turns each module's CUDA source into a cubin stored under its
     source hash, which ``run`` hands to TVM's CUDA loader instead of compiling the source again there."""
@@ -420,6 +471,12 @@ def build(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cases = [c for name in args.plan.split(",") for c in PLANS[name]()]
+    variant = args.only_variant
+    # A plan's "variant" cases are built by a separate build of another source tree (--only-variant); this build
+    # takes the others and merges the variant builds it finds (manifest.<variant>.json) into its manifest.
+    merged = {} if variant else _variant_manifests(out, {c["variant"] for c in cases if c.get("variant")})
+    cases = [c for c in cases if c.get("variant") == variant
+             or (not variant and c.get("variant") in merged)]
     have_rowwise = (Path(__file__).resolve().parents[1] / "schedules" / "attention_rowwise.py").exists()
     cases = [c for c in cases if c["family"] == "block" or have_rowwise]
     targets = {arch: tvm.target.Target(dict(CUDA_TARGET, arch=arch), host={"kind": "llvm"})
@@ -429,7 +486,7 @@ def build(args) -> None:
     for case in cases:
         key = _module_key(case)
         case["module"] = key
-        if key in modules:
+        if key in modules or case.get("variant") != variant:
             continue
         arch = "sm_90a" if case["family"] == "wgmma" else "sm_90"
         ex = tvm.compile(_primfunc(case), target=targets[arch])
@@ -440,7 +497,8 @@ def build(args) -> None:
         src = ex.mod.imports[0].inspect_source()
         cfg = "x".join(map(str, case["config"])) if case["config"] else "default"
         modules[key] = {"library": f"{key}.so", "source": source_key(src), "symbol": SYMBOLS[case["family"]],
-                        "kernel": f"{case['family']}_d{case['head_dim']}_{case['dtype']}_{cfg}"}
+                        "kernel": f"{case['family']}_d{case['head_dim']}_{case['dtype']}_{cfg}"
+                        + (f"_{variant}" if variant else "")}
         sources.setdefault(source_key(src), src)
         arches[source_key(src)] = arch
         print(f"built {key} ({time.time() - t0:.0f} s)", flush=True)
@@ -454,7 +512,13 @@ def build(args) -> None:
     manifest = {"cases": cases, "modules": modules, "sass": sass,
                 "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                          text=True).stdout.strip()}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    for name, part in merged.items():
+        manifest["modules"].update(part["modules"])
+        manifest["sass"].update(part["sass"])
+        manifest[f"commit_{name}"] = part.get("source_commit", "?")
+    if variant:
+        manifest["source_commit"] = args.source_commit
+    (out / (f"manifest.{variant}.json" if variant else "manifest.json")).write_text(json.dumps(manifest, indent=1))
     print(f"{len(cases)} cases, {len(modules)} modules, {len(sources)} cubins in {out} ({time.time() - t0:.0f} s)")
 
 
@@ -559,6 +623,8 @@ class Runner:
         flops = 4.0 * kept * D
         gen = torch.Generator(device="cuda").manual_seed(1234 + len(self.results))
         q, k, v = (torch.randn((B, H, S, D), generator=gen, device="cuda", dtype=tdt) for _ in range(3))
+        if case.get("q_scale", 1.0) != 1.0:       # larger scores: running maxima keep rising along a row
+            q = q * case["q_scale"]
         out = torch.full_like(q, float("nan"))
         fmt_key = {"block": lambda c: tuple(c[:2]), "wgmma": lambda c: (128, c[0]),
                    "row": lambda c: "row"}[case["family"]](case["config"])
@@ -648,7 +714,25 @@ def print_details(timed: list[dict]) -> None:
     for r in timed:
         cfg = "x".join(str(x)[0] if isinstance(x, bool) else str(x) for x in r["config"]) if r["config"] else "-"
         print(f"{r['mask']:<10} {r['batch']:>2} {r['seq']:>5} {r['head_dim']:>4}  {r['family']:<5} {cfg:<20} "
-              f"{r['ms']:9.4f} {r['tflops']:8.1f}  {'ok' if r['ok'] else 'FAIL'} {r['rel_err']:.1e}")
+              f"{r['ms']:9.4f} {r['tflops']:8.1f}  {'ok' if r['ok'] else 'FAIL'} {r['rel_err']:.1e}"
+              + (f"  ({r['variant']})" if r.get("variant") else ""))
+
+
+def print_variants(timed: list[dict]) -> None:
+    """Cases built from another source tree (``variant``) beside the same configuration built from this one."""
+    plain = {(r["mask"], r["batch"], r["seq"], r["head_dim"], str(r["config"])): r for r in timed
+             if not r.get("variant")}
+    pairs = [(r, plain.get((r["mask"], r["batch"], r["seq"], r["head_dim"], str(r["config"])))) for r in timed
+             if r.get("variant")]
+    if not pairs:
+        return
+    print("\nthis tree vs the variant builds (ms; ratio = this / variant; block cfg as above)")
+    for old, new in pairs:
+        cfg = "x".join(str(x)[0] if isinstance(x, bool) else str(x) for x in old["config"])
+        ratio = f"{new['ms'] / old['ms']:.3f}" if new else "-"
+        print(f"  {old['mask']:<10} B{old['batch']} S{old['seq']} D{old['head_dim']} {cfg:<18} {old['variant']} "
+              f"{old['ms']:.4f}  this {new['ms'] if new else float('nan'):.4f}  ratio {ratio}"
+              + ("" if old["ok"] and (new is None or new["ok"]) else "  CHECK FAILED"))
 
 
 def print_checks(results: list[dict]) -> None:
@@ -687,7 +771,7 @@ def summarize(timed: list[dict]) -> list[dict]:
     rows = []
     nan = float("nan")
     for (mask, batch, seq, head_dim), rs in groups.items():
-        blocks = [r for r in rs if r["family"] in ("block", "wgmma") and r["ok"]]
+        blocks = [r for r in rs if r["family"] in ("block", "wgmma") and r["ok"] and not r.get("variant")]
         rows_k = [r for r in rs if r["family"] == "row" and r["ok"]]
         best = min(blocks, key=lambda r: r["ms"]) if blocks else None
         base = rs[0]["baselines"]
@@ -760,6 +844,7 @@ def run(args) -> None:
           f"compiled here {runner.cubin_misses}); {skipped} cases skipped for the time budget; "
           f"{info['device']}, torch {info['torch']}, commit {info['commit']}")
     print_checks(runner.results)
+    print_variants(timed)
     print_summary(timed)
     info["summary"] = summarize([r for r in runner.results if r["kind"] == "time" and "ms" in r])
     runner.save(info)
@@ -772,6 +857,12 @@ def main(argv=None) -> None:
     b.add_argument("--plan", default="check,tune", help=f"comma-separated plans from {sorted(PLANS)}")
     b.add_argument("--out", default="out/attn")
     b.add_argument("--jobs", type=int, default=2, help="parallel nvcc processes")
+    b.add_argument("--only-variant", default=None,
+                   help="build only the plan's cases of this variant (e.g. base), into manifest.<variant>.json")
+    b.add_argument("--source-tree", default=None,
+                   help="import stof_tvm from this checkout (e.g. `git archive` of an earlier commit, with "
+                        "stof_tvm/schedules and stof_tvm/sparse_formats linked to its top-level folders)")
+    b.add_argument("--source-commit", default="?", help="the commit --source-tree was exported from")
     r = sub.add_parser("run", help="check and time on the GPU (needs torch, triton and the TVM runtime)")
     r.add_argument("--out", default="out/attn")
     r.add_argument("--json", default=None, help="write results here (rewritten after every case)")
@@ -781,6 +872,8 @@ def main(argv=None) -> None:
     r.add_argument("--skip-failed-in", default=None, help="JSON of an earlier run: skip configs that failed there")
     args = parser.parse_args(argv)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    if args.command == "build" and args.source_tree:
+        sys.path.insert(0, str(Path(args.source_tree).resolve()))
     build(args) if args.command == "build" else run(args)
 
 
