@@ -252,6 +252,9 @@ def test_staged_knob_sets_come_first_led_by_the_measured_best(name, label):
     t = get_template(name)
     shape = dict(zip(t.shape_keys, map(int, label.split("x"))))
     space = t.knob_space(shape, "float16")
+    fast = [kn for kn in space if kn.get("fast_gelu")]
+    assert space[:len(fast)] == fast and bool(fast) == ("gelu" in name)   # the GELU's fast twins lead (own test)
+    space = space[len(fast):]
     assert space[0] == dict(MEASURED_FIRST[name, label], persistent=True, pingpong=False, staged=True)
     n_staged = sum(bool(kn.get("staged")) for kn in space)
     staged, direct = space[:n_staged], space[n_staged:]
@@ -282,10 +285,11 @@ def test_staged_knob_sets_come_first_led_by_the_measured_best(name, label):
     ("qkv_projection_wgmma", {"batch": 16, "seq": 2048, "heads": 12, "head_dim": 64}, "bfloat16"),
 ])
 def test_default_knob_sets_compile_without_spills(name, shape, dtype, tmp_path):
-    """The untuned kernels (each template's first knob set: staged, 256 x 192 or for the erf GELU 128 x 128) in both
-    dtypes: ptxas reports no spills, no stack frame and no warning; the staged stores are 16 bytes wide."""
+    """The untuned kernels (each template's first knob set: staged, 256 x 192, the GELU ones with ``fast_gelu``) in
+    both dtypes: ptxas reports no spills, no stack frame and no warning; the staged stores are 16 bytes wide."""
     src = cuda_source(build_kernel(name, shape, dtype))
     assert "st.global.v4.b32" in src
+    assert ("ex2.approx.ftz.f32" in src) == ("gelu" in name) and "erff(" not in src and "tanhf(" not in src
     sass = clean_sm90a_sass(src, tmp_path)
     assert "STG.E.128" in sass and "STG.E.U16" not in sass
 
@@ -307,6 +311,11 @@ def test_cost_model_ranks_staged_sets_first(name, label):
     assert all(r.candidate.get("staged") for r in ranked[:8])
     if "gelu_erf" not in name:
         assert ranked[0].candidate == t.default_knobs(shape, "float16")
+    # the model prices fast_gelu like its twin: a stable ranking keeps the fast twin ahead
+    for i, r in enumerate(ranked):
+        if r.candidate.get("staged") and not r.candidate.get("fast_gelu") and "gelu" in name:
+            twin = dict(r.candidate, fast_gelu=True)
+            assert [x.candidate for x in ranked].index(twin) < i
     direct = {"block_n": 128, "stages": 4, "persistent": True, "pingpong": False}
     work = {st: template_work(t, shape, "float16", dict(direct, staged=st) if st else direct) for st in (False, True)}
     per_block = -(-t.resources(shape, "float16", direct)["tiles"] // 132) * 128 * 128
@@ -319,13 +328,17 @@ def test_cost_model_ranks_staged_sets_first(name, label):
 
 @pytest.mark.parametrize("name, shape, first", [
     ("gemm_wgmma", {"m": 384, "n": 768, "k": 768}, {"block_n": 128, "stages": 4}),       # m % 256: no 256-row tiles
-    ("gemm_bias_gelu_tanh_wgmma", {"m": 32768, "n": 3072, "k": 768}, {"block_n": 192, "stages": 3, "block_m": 256}),
+    ("gemm_bias_gelu_tanh_wgmma", {"m": 32768, "n": 3072, "k": 768},
+     {"block_n": 192, "stages": 3, "block_m": 256, "fast_gelu": True}),
+    ("gemm_bias_gelu_erf_wgmma", {"m": 4096, "n": 3072, "k": 768},
+     {"block_n": 192, "stages": 3, "block_m": 256, "fast_gelu": True}),
+    ("gemm_bias_gelu_erf_wgmma", {"m": 384, "n": 768, "k": 768}, {"block_n": 128, "stages": 4, "fast_gelu": True}),
     ("qkv_projection_wgmma", {"batch": 1, "seq": 128, "heads": 2, "head_dim": 64}, {"block_n": 128, "stages": 4}),
 ])
 def test_first_knob_set_where_the_measured_best_is_not_offered(name, shape, first):
-    """Without 256-row tiles the 128 x 128 4-stage staged set leads (the erf GELU's measured best); the tanh GELU
-    is offered 256 x 192 staged (no spills) and takes it like the other GEMMs. A device with less shared memory gets
-    the first staged set that fits it."""
+    """Without 256-row tiles the 128 x 128 4-stage staged set leads (the erf GELU's measured best); the GELU
+    templates lead with the ``fast_gelu`` twins, 256 x 192 staged (no spills with the exp2-polynomial GELU) where m
+    allows, like the other GEMMs. A device with less shared memory gets the first staged set that fits it."""
     t = get_template(name)
     space = t.knob_space(shape, "float16")
     assert space[0] == dict(first, persistent=True, pingpong=False, staged=True)
@@ -342,7 +355,7 @@ def test_default_values_of_the_new_knobs_build_the_older_kernels():
                   {"block_n": 128, "stages": 4, "persistent": True, "pingpong": True}):
         old = cuda_source(build_kernel("gemm_bias_gelu_erf_wgmma", SMALL_K, "float16", knobs))
         new = cuda_source(build_kernel("gemm_bias_gelu_erf_wgmma", SMALL_K, "float16",
-                                       dict(knobs, block_m=128, staged=False)))
+                                       dict(knobs, block_m=128, staged=False, fast_gelu=False)))
         assert old == new
 
 
@@ -396,6 +409,9 @@ def test_new_knob_kernels_compile_for_sm90a_without_spills(name, shape, knobs, t
     ({"block_n": 128, "stages": 3, "block_m": 256, "pingpong": True}, "cooperative tile"),
     ({"block_n": 128, "stages": 3, "staged": "yes"}, "staged must be a bool"),
     ({"block_n": 128, "stages": 3, "block_m": 256}, "multiple of 256"),
+    ({"block_n": 128, "stages": 3, "fast_gelu": True}, "fast_gelu needs staged=True"),
+    ({"block_n": 128, "stages": 3, "staged": True, "fast_gelu": True}, "fast_gelu applies to the GELU"),
+    ({"block_n": 128, "stages": 3, "staged": True, "fast_gelu": "yes"}, "fast_gelu must be a bool"),
 ])
 def test_new_knobs_refuse_bad_values(knobs, message):
     with pytest.raises(ValueError, match=message):
@@ -425,3 +441,44 @@ def test_staged_qkv_needs_head_dim_a_multiple_of_8():
     with pytest.raises(ValueError, match="head_dim must be a multiple of 8"):
         wgmma_gemm_primfunc(256, 3 * 32 * 4, 32 * 4, "float16", bias=True, act="none", heads=(2, 128, 32, 4),
                             config=WgmmaConfig(block_n=128, stages=2, staged=True))
+
+
+# ---- the exp2-polynomial GELU epilogue (knob fast_gelu; numerics: tests/test_fast_gelu.py) -----------------------
+
+@pytest.mark.parametrize("name", ["gemm_bias_gelu_erf_wgmma", "gemm_bias_gelu_tanh_wgmma"])
+def test_fast_gelu_twins_lead_the_gelu_spaces(name):
+    """Every staged set of a GELU template has its ``fast_gelu`` twin, and the twins come first in the staged sets'
+    order; 256 x 192 staged is offered to the erf GELU only as a fast twin (its ``erff`` form spilled)."""
+    t = get_template(name)
+    shape = {"m": 32768, "n": 3072, "k": 768}
+    space = t.knob_space(shape, "float16")
+    fast = [kn for kn in space if kn.get("fast_gelu")]
+    staged = [kn for kn in space if kn.get("staged") and not kn.get("fast_gelu")]
+    assert space[:len(fast)] == fast and all(kn["staged"] for kn in fast)
+    plain = [{k: v for k, v in kn.items() if k != "fast_gelu"} for kn in fast]
+    tall_192 = {"block_m": 256, "block_n": 192}
+    erf_only_fast = [kn for kn in plain if "erf" in name and all(kn.get(k) == v for k, v in tall_192.items())]
+    assert erf_only_fast or "erf" not in name
+    assert [kn for kn in plain if kn not in erf_only_fast] == staged
+    assert fast[0] == {"block_n": 192, "stages": 3, "persistent": True, "pingpong": False, "block_m": 256,
+                       "staged": True, "fast_gelu": True}
+    assert "fast_gelu" not in str(get_template("gemm_bias_relu_wgmma").knob_space(shape, "float16"))
+
+
+@pytest.mark.parametrize("name, knobs", [
+    ("gemm_bias_gelu_erf_wgmma", {"block_n": 128, "stages": 4, "persistent": True, "pingpong": False}),
+    ("gemm_bias_gelu_erf_wgmma", {"block_n": 192, "stages": 3, "persistent": True, "pingpong": False,
+                                  "block_m": 256}),
+    ("gemm_bias_gelu_tanh_wgmma", {"block_n": 128, "stages": 4, "persistent": True, "pingpong": True}),
+])
+def test_fast_gelu_kernels_compile_for_sm90a_without_spills(name, knobs, tmp_path):
+    """The fast GELU: one ``ex2.approx.ftz.f32`` per output (MUFU.EX2 in the SASS), no ``erff``/``tanhf``, and
+    fewer instructions than the same kernel with CUDA's GELU; no spills, no stack, no ptxas warning."""
+    shape = {"m": 32768, "n": 3072, "k": 768}
+    knobs = dict(knobs, staged=True, fast_gelu=True)
+    src = cuda_source(build_kernel(name, shape, "float16", knobs))
+    outputs = get_template(name).resources(shape, "float16", knobs)["acc_registers"]
+    assert len(re.findall(r"tvm_builtin_ptx_ex2\w*\(", _kernel_body(src))) == outputs
+    assert "erff(" not in src and "tanhf(" not in src
+    sass = clean_sm90a_sass(src, tmp_path)
+    assert len(re.findall(r"MUFU\.EX2", sass)) == outputs

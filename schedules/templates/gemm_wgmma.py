@@ -25,13 +25,16 @@ Knobs: ``block_n`` (128, 192 or 256: wgmma N, output columns per tile), ``stages
 persistent only: False = *cooperative*, a 128-row tile split between the two consumer warpgroups, 64 rows each;
 True = *ping-pong*, each consumer owns alternate tiles of ``tile_m`` rows, 128 at ``block_n`` 128 and 64 at 192
 and 256, so that one consumer's epilogue overlaps the other's MMAs). ``block_k`` is 64. Knob sets without
-``pingpong`` are cooperative (the kernels built before the knob existed, byte for byte). Two optional knobs, present
+``pingpong`` are cooperative (the kernels built before the knob existed, byte for byte). Three optional knobs, present
 only in the knob sets that use them (so older sets keep their names and kernels): ``block_m = 256`` (cooperative
-256-row tiles, 128 rows per consumer warpgroup; default 128) and ``staged = True`` (the epilogue through shared memory
-with 16-byte coalesced stores; default False).
+256-row tiles, 128 rows per consumer warpgroup; default 128), ``staged = True`` (the epilogue through shared memory
+with 16-byte coalesced stores; default False) and, for the GELU templates, ``fast_gelu = True`` (staged only: the GELU
+from one exp2 of a fitted polynomial, :mod:`.fast_gelu`, within 1e-5 / 3e-5 relative of the erf / tanh GELU; default
+False: CUDA's ``erff`` / ``tanhf``).
 
 Knob order (the first set is the untuned choice of the compile path): the staged sets come first, led by the ones the
-H200 measured fastest (:data:`MEASURED_FIRST`), then the direct-store sets in their older order. On the H200 every
+H200 measured fastest (:data:`MEASURED_FIRST`), then the direct-store sets in their older order; a GELU template's
+``fast_gelu`` twins of its staged sets lead them, in the same order. On the H200 every
 staged cooperative set beat every direct-store one at BERT-Base's 32768-token GEMMs, by 1.40-2.24x best against best
 (``scripts/bench_wgmma_small_k.py``; BENCHMARKS.md, session 4). Every shape has staged sets (the QKV projection's
 ``head_dim``, a multiple of 16, holds the 8 columns of a 16-byte store); where the device's shared memory takes none
@@ -42,6 +45,7 @@ from __future__ import annotations
 import tvm
 
 from .epilogue import ACTIVATIONS
+from .fast_gelu import FAST_GELU_ACTIVATIONS
 from .gemm import GemmTemplate
 from .qkv import QKVTemplate
 from .registry import H200, Hardware, Template, register
@@ -91,7 +95,8 @@ class WgmmaKernelMixin:
             raise ValueError(f"{self.name}: knobs missing {missing}")
         config = WgmmaConfig(block_n=knobs["block_n"], stages=knobs["stages"],
                              persistent=knobs.get("persistent", True), pingpong=knobs.get("pingpong", False),
-                             block_m=knobs.get("block_m", BLOCK_M), staged=knobs.get("staged", False))
+                             block_m=knobs.get("block_m", BLOCK_M), staged=knobs.get("staged", False),
+                             fast_gelu=knobs.get("fast_gelu", False))
         config.validate()
         return config
 
@@ -130,11 +135,20 @@ class WgmmaKernelMixin:
         (slower staged too at every measured shape), the measured winners (:data:`MEASURED_FIRST`) first among them,
         the rest in the direct order. Not offered: 256 x 192 with the erf GELU (its 192 accumulators and the erf left
         too few of the 232 registers: ptxas spilled 28 bytes). Only keys that differ from the defaults are written, so
-        direct sets keep their names."""
-        erf = getattr(self, "act", "none") == "gelu_erf"
-        staged = [dict(kn, staged=True) for kn in direct
-                  if not (erf and kn.get("block_m") == TALL_BLOCK_M and kn["block_n"] == 192)]
-        return sorted(staged, key=lambda kn: (kn["pingpong"], _measured_rank(kn)))
+        direct sets keep their names.
+
+        A GELU template first has the ``fast_gelu`` twin of every staged set, in the same order (256 x 192 with the erf
+        GELU included: the exp2-polynomial GELU leaves it no spills): the same kernel with about half the epilogue's
+        instructions (the erf GELU's SASS at 128 x 128: 1304 instructions instead of 2272), so never slower than its
+        twin (not yet measured on the H200)."""
+        key = lambda kn: (kn["pingpong"], _measured_rank(kn))  # noqa: E731
+        act = getattr(self, "act", "none")
+        staged = sorted((dict(kn, staged=True) for kn in direct
+                         if not (act == "gelu_erf" and kn.get("block_m") == TALL_BLOCK_M and kn["block_n"] == 192)),
+                        key=key)
+        if act not in FAST_GELU_ACTIVATIONS:
+            return staged
+        return sorted((dict(kn, staged=True, fast_gelu=True) for kn in direct), key=key) + staged
 
     def resources(self, shape, dtype, knobs):
         config = self.config(knobs)

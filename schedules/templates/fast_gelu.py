@@ -1,0 +1,60 @@
+"""GELU (erf or tanh form) from one ``exp2`` of a fitted polynomial: the wgmma kernels' cheap epilogue.
+
+``GELU(y) = y * Phi(y)`` and, with ``t = |y|`` and ``P(t) = Phi(-t)`` (the lower tail, in (0, 1/2]),
+
+    GELU(y) = max(y, 0) - t * P(t)
+
+holds for both signs (y >= 0: ``y - y Phi(-y) = y Phi(y)``; y < 0: ``-|y| Phi(y) = y Phi(y)``). ``P`` is computed as
+``2 ** q(t)`` with ``q`` a polynomial fitted to ``log2 P`` on [0, T]: per element one MUFU.EX2, ``degree`` FMAs, a
+max and a final FMA, against ~40 instructions for CUDA's ``erff`` (two branches, both run in a warp) and the GELU
+around it, which left the tensor cores idle through most of a K = 768 GEMM's epilogue (BENCHMARKS.md, session 4).
+
+Why ``log2 P`` and not ``erf``: ``log2 P`` is smooth and slowly varying (-1 at 0, about -0.72 t^2 far out), so a
+low-degree polynomial holds it to a *relative* accuracy of ``P`` (``ln 2 * |dq|``) on the whole range, which is the
+relative accuracy of the output on both sides: the negative tail, where GELU is tiny, keeps its digits (a
+``1 - erf`` form would cancel them).
+
+Coefficients (float32, highest degree first) are a near-minimax fit (Lawson's iteratively reweighted least squares
+on 6000 Chebyshev points) of the float64 ``log2 P``; they were chosen so that the polynomial keeps decreasing beyond
+T (checked up to 1e7), so ``t`` needs no clamp: past T, ``P`` stays below ``2 ** q(T)`` (about 1e-9 for both forms)
+and the output is within ``t * 2 ** q(T)`` of the true one (a millionth of one float16 ulp of ``y``), and a NaN
+propagates. Evaluated in float32, the output is within 1e-5 (erf) and 3e-5 (tanh) relative of the float64 GELU
+wherever it is above 1e-4 in magnitude (tests/test_fast_gelu.py, every finite float16 and a fine grid of float32
+inputs): well below float16's rounding (2.4e-4), so the float16 output is the correctly rounded one or, near a
+rounding midpoint, its neighbour (0.1% of inputs for erf, 0.2% for tanh). Degree 7 (erf) and 10 (tanh, whose
+exponent grows like t^3).
+"""
+from __future__ import annotations
+
+from tvm import tirx
+
+FAST_GELU_ACTIVATIONS = ("gelu_erf", "gelu_tanh")
+# act -> (fit range T, coefficients of q(t) ~ log2 Phi(-t), highest degree first)
+TAIL_POLYNOMIALS = {
+    "gelu_erf": (6.0, (-1.8348104e-06, 6.159827e-05, -0.00093052466, 0.00850789, -0.053960066, -0.45846438,
+                       -1.1512511, -0.9999953)),
+    "gelu_tanh": (5.5, (-4.386182e-07, 1.546712e-05, -0.00022458324, 0.0017097418, -0.0070283953, 0.01356747,
+                        -0.008517144, -0.040658977, -0.46285683, -1.1506327, -1.0000101)),
+}
+
+
+def check_fast_gelu(act: str) -> str:
+    if act not in FAST_GELU_ACTIVATIONS:
+        raise ValueError(f"fast_gelu applies to the GELU activations {FAST_GELU_ACTIVATIONS}, got {act!r}")
+    return act
+
+
+def tail_exponent(act: str, t):
+    """``q(t)``, the float32 TIR expression (Horner; nvcc contracts every step to one FFMA) whose ``exp2`` is the
+    tail ``Phi(-t)`` of ``act``'s GELU; ``t = |y|``."""
+    _, coefficients = TAIL_POLYNOMIALS[check_fast_gelu(act)]
+    f32 = "float32"
+    q = tirx.const(coefficients[0], f32)
+    for c in coefficients[1:]:
+        q = q * t + tirx.const(c, f32)
+    return q
+
+
+def gelu_from_tail(y, t, tail):
+    """``GELU(y) = max(y, 0) - t * tail`` with ``t = |y|`` and ``tail = 2 ** tail_exponent(act, t)`` (one FMA)."""
+    return tirx.max(y, tirx.const(0.0, "float32")) - t * tail
