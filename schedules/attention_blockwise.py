@@ -84,6 +84,10 @@ class BlockConfig:
     workspace; a second kernel merges the slices exactly. Where a long row would otherwise run alone while the
     rest of the grid is done (B=1 Longformer/BigBird global rows at long S), its time drops by about
     ``kv_splits``. A mask with fewer heavy rows leaves the extra blocks idle; more heavy rows are walked whole.
+
+    ``min_blocks`` > 0 asks ptxas (``__launch_bounds__(threads, min_blocks)``) to fit that many blocks on an SM,
+    i.e. at most ``65536 / (threads * min_blocks)`` registers a thread (it spills beyond); 0 leaves the register
+    count to ptxas, whose choice moves with small code changes (96 or 122 for the same 64x32 kernel, nvcc 13).
     """
 
     block_m: int = 128
@@ -93,6 +97,7 @@ class BlockConfig:
     heavy_first: bool = False
     kv_splits: int = 1
     split_rows: int = 1
+    min_blocks: int = 0
 
     @property
     def threads(self) -> int:
@@ -117,6 +122,8 @@ class BlockConfig:
                              f"times num_warps ({self.num_warps})")
         if self.stages < 2:
             raise ValueError(f"BlockConfig.stages must be >= 2, got {self.stages}")
+        if isinstance(self.min_blocks, bool) or not isinstance(self.min_blocks, int) or self.min_blocks < 0:
+            raise ValueError(f"BlockConfig.min_blocks must be an int >= 0, got {self.min_blocks!r}")
         if self.kv_splits > 1 and not self.heavy_first:
             raise ValueError("BlockConfig.kv_splits > 1 needs heavy_first=True (the split rows are the heavy ones)")
         if self.block_n * head_dim // 8 < self.threads:
@@ -152,8 +159,15 @@ class BlockConfig:
                 or self.fragment_registers(head_dim, True) <= _Q_REGISTER_LIMIT)
 
     def registers(self, head_dim: int) -> int:
-        """The kernel's per-thread register estimate for ``head_dim`` (the cost model's feasibility input)."""
-        return self.fragment_registers(head_dim, self.q_in_registers(head_dim))
+        """The kernel's per-thread register estimate for ``head_dim`` (the cost model's feasibility input); with
+        ``min_blocks``, at most the launch bounds' limit, which ptxas keeps to (builds are checked for spills: the
+        estimate runs above what ptxas needs, 116 vs 96 for 64x32 tiles at D=64)."""
+        return min(self.fragment_registers(head_dim, self.q_in_registers(head_dim)), self.register_limit)
+
+    @property
+    def register_limit(self) -> int:
+        """Registers a thread may use under ``min_blocks`` (65536 per SM, allocated in units of 8); 255 without."""
+        return min(255, 65536 // (self.threads * self.min_blocks) // 8 * 8) if self.min_blocks else 255
 
 
 def shared_row_bytes(head_dim: int) -> int:
@@ -362,6 +376,7 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     NW = cfg.num_warps
     HF = 1 if cfg.heavy_first else 0              # heavy_first: grid (B*H, TR) and in-kernel row selection
     HEAVY = cfg.heavy_first
+    MIN_BLOCKS = cfg.min_blocks                   # > 0: __launch_bounds__(NT, MIN_BLOCKS)
     SPLIT = cfg.kv_splits > 1                     # split-KV (heavy_first only): KS blocks on each of SR heavy rows
     KS, SR = cfg.kv_splits, min(cfg.split_rows, TR)
     GX, GY = (B * H, TR + (SR * (KS - 1) if SPLIT else 0)) if HF else (TR, B * H)
@@ -374,6 +389,7 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     SL = p.scale * _LOG2E                         # softmax in base 2: exp(s*scale - m) = 2^(s*SL - m*SL)
     NEG_INF = T.float32(float("-inf"))
     MMA, PACK = mma_m16n8k16(DT), pack_f32x2(DT)
+    ONES = T.uint32(0x3C003C00 if DT == "float16" else 0x3F803F80)   # a pair of 1.0 in DT: the row-sum B operand
     OUT_SHAPE, BSHD = p.out_shape, p.rows_then_heads
     # Score bias: each thread reads its own C-fragment elements (rows g, g+8 of each m-tile, columns 2*qd, 2*qd+1
     # of each n8 tile), divided by the scale so scores and bias share the softmax's log2 scaling. A 16-bit bias
@@ -539,6 +555,8 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
         for bx in T.thread_binding(GX, thread="blockIdx.x"):
             for by in T.thread_binding(GY, thread="blockIdx.y"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    if MIN_BLOCKS > 0:
+                        T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MIN_BLOCKS)
                     smem = T.alloc_buffer((SMEM_WORDS,), "uint32", scope="shared.dyn")
                     q_frag = T.alloc_buffer((MT * (KD if QREG else 1) * 4,), "uint32", scope="local")
                     b_frag = T.alloc_buffer((4,), "uint32", scope="local")
@@ -546,8 +564,10 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     s_acc = T.alloc_buffer((MT * NJ * 4,), "float32", scope="local")
                     o_acc = T.alloc_buffer((MT * ND * 4,), "float32", scope="local")
                     m_run = T.alloc_buffer((MT * 2,), "float32", scope="local")
-                    l_run = T.alloc_buffer((MT * 2,), "float32", scope="local")
-                    red = T.alloc_buffer((5,), "float32", scope="local")
+                    # Row sums of P, accumulated on the tensor cores as P times a column of ones (C fragment of
+                    # an m16n8 tile per m-tile: every column holds the sum of its row, rows g and g+8).
+                    l_acc = T.alloc_buffer((MT * 4,), "float32", scope="local")
+                    red = T.alloc_buffer((4,), "float32", scope="local")
                     word = T.alloc_buffer((2,), "uint32", scope="local")
                     if HAS_BIAS and not WIDE:
                         bias_reg = T.alloc_buffer((MT * 2 * NJ if STAGE else 1,), "uint32", scope="local")
@@ -650,7 +670,8 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                         o_acc[i] = T.float32(0)
                     for i in T.unroll(MT * 2):
                         m_run[i] = NEG_INF
-                        l_run[i] = T.float32(0)
+                    for i in T.unroll(MT * 4):
+                        l_acc[i] = T.float32(0)
                     T.ptx.cp.async_.wait_group(ST - 1)
                     T.tvm_storage_sync("shared")
                     if QREG:
@@ -755,7 +776,7 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                                                      pcol * BN + j * 8 + qd * 2 + e),
                                                         s_acc[s_at(mt, j, hh * 2 + e)], NEG_INF)
                             # Online softmax, one pass per query row the thread holds (rows g and g+8 of each m-tile);
-                            # the four lanes of a quad share a row. red = [tile max, new max, base, correction, sum].
+                            # the four lanes of a quad share a row. red = [tile max, new max, base, correction].
                             # Lazy rescaling: the running max is raised only when the tile's max exceeds it by more
                             # than _LAZY_RESCALE_LOG2 (log2 units), so the probabilities stay <= 2^_LAZY_RESCALE_LOG2
                             # (exact: l and O share the stale max, O / l is unchanged); O's rows g (or g+8) are
@@ -775,14 +796,13 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                     EX2(red[3], m_run[mt * 2 + hh] * T.float32(SL) - red[2])
                                     red[3] = T.Select(raise_max, red[3], T.float32(1))
                                     m_run[mt * 2 + hh] = red[1]
-                                    red[4] = T.float32(0)
                                     for j in T.unroll(NJ):
                                         for e in T.unroll(2):
                                             EX2(s_acc[s_at(mt, j, hh * 2 + e)],
                                                 s_acc[s_at(mt, j, hh * 2 + e)] * T.float32(SL) - red[2])
-                                            red[4] = red[4] + s_acc[s_at(mt, j, hh * 2 + e)]
-                                    l_run[mt * 2 + hh] = l_run[mt * 2 + hh] * red[3] + red[4]
                                     if T.cuda.any_sync(T.uint32(_FULL_MASK), T.Cast("int32", raise_max)) != 0:
+                                        for e in T.unroll(2):
+                                            l_acc[mt * 4 + hh * 2 + e] = l_acc[mt * 4 + hh * 2 + e] * red[3]
                                         for dn in T.unroll(ND):
                                             for e in T.unroll(2):
                                                 o_acc[o_at(mt, dn, hh * 2 + e)] = \
@@ -793,6 +813,10 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                     for a in T.unroll(4):
                                         PACK(p_frag[mt * 4 + a], s_acc[s_at(mt, 2 * kk + a // 2, (a % 2) * 2 + 1)],
                                              s_acc[s_at(mt, 2 * kk + a // 2, (a % 2) * 2)])
+                                    MMA(l_acc[mt * 4], l_acc[mt * 4 + 1], l_acc[mt * 4 + 2], l_acc[mt * 4 + 3],
+                                        p_frag[mt * 4], p_frag[mt * 4 + 1], p_frag[mt * 4 + 2], p_frag[mt * 4 + 3],
+                                        ONES, ONES, l_acc[mt * 4], l_acc[mt * 4 + 1], l_acc[mt * 4 + 2],
+                                        l_acc[mt * 4 + 3])
                                 for dp in T.unroll(ND // 2):
                                     LDMATRIX_X4_TRANS(b_frag[0], b_frag[1], b_frag[2], b_frag[3],
                                                       v_base + kv_off + T.Cast("uint32", swz(
@@ -813,9 +837,7 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     tr_out: T.let = tile_row(smem, bx) if MT == 2 else tr
                     for mt in T.unroll(MT):
                         for hh in T.unroll(2):
-                            red[0] = l_run[mt * 2 + hh]
-                            red[0] = red[0] + quad_xor(red[0], 1)
-                            red[0] = red[0] + quad_xor(red[0], 2)
+                            red[0] = l_acc[mt * 4 + hh * 2]
                             red[1] = T.Select(red[0] > T.float32(0), T.float32(1) / red[0], T.float32(0))
                             if SPLIT:   # a split slice: normalised partial rows and their log2-sum-exp
                                 if split_block(n_heavy, by):

@@ -324,6 +324,8 @@ def test_default_config():
     (dict(config=BlockConfig(64, 32, 4, 2, kv_splits=4)), ValueError),             # split-KV needs heavy_first
     (dict(config=BlockConfig(64, 32, 4, 2, heavy_first=True, kv_splits=0)), ValueError),
     (dict(config=BlockConfig(64, 32, 4, 2, heavy_first=True, kv_splits=4, split_rows=0)), ValueError),
+    (dict(config=BlockConfig(64, 32, 4, 2, min_blocks=-1)), ValueError),
+    (dict(config=BlockConfig(64, 32, 4, 2, min_blocks=True)), ValueError),
 ])
 def test_bad_arguments(kwargs, error):
     args = dict(batch=2, heads=4, seq_q=64, seq_k=64, head_dim=64, dtype="float16", mask_batch=1, mask_heads=1,
@@ -384,6 +386,27 @@ def assert_no_spills(report: str) -> None:
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and spills.groups() == ("0", "0"), report
     assert "0 bytes stack frame" in report, report
+
+
+@pytest.mark.parametrize("config, registers", [(BlockConfig(64, 32, 4, 2, heavy_first=True, min_blocks=5), 96),
+                                               (BlockConfig(32, 32, 2, 2, heavy_first=True, min_blocks=10), 96),
+                                               (BlockConfig(64, 32, 4, 2, min_blocks=5), 96)])
+def test_min_blocks_bounds_the_registers_without_spills(config, registers, tmp_path):
+    """``min_blocks`` becomes ``__launch_bounds__(threads, min_blocks)``: ptxas keeps to 65536 / (threads *
+    min_blocks) registers (96 here: five 4-warp or ten 2-warp blocks an SM) and spills nothing; the model's
+    register estimate is capped there. The tile loop keeps its lazy rescaling (a warp vote before O is scaled)
+    and the row sums on the tensor cores (an mma with a B operand of ones)."""
+    assert config.register_limit == registers and config.registers(64) <= registers
+    assert BlockConfig(64, 32, 4, 2).register_limit == 255
+    func = blockwise_attention_primfunc(batch=16, heads=12, seq_q=4096, seq_k=4096, head_dim=64, dtype="float16",
+                                        mask_batch=1, mask_heads=1, config=config, target_kind="cuda")
+    src = tvm.compile(func, target=CUDA).mod.imports[0].inspect_source()
+    assert f"__launch_bounds__({config.threads}, {config.min_blocks})" in src
+    assert "__any_sync" in src and "(uint)1006648320" in src           # 0x3C003C00: a pair of fp16 ones
+    report = sm90_ptxas_report(src, tmp_path)
+    assert_no_spills(report)
+    used = int(re.search(r"Used (\d+) registers", report).group(1))
+    assert used <= registers, report
 
 
 @pytest.mark.parametrize("head_dim, out_layout, splits, rows, padding", [(64, "bshd", 16, 2, True),

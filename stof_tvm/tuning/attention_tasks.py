@@ -36,9 +36,12 @@ _ROW_FORMAT = ("indptr", "indices")
 
 def _short(config: dict) -> dict:
     """Config fields under short names for task names (block_m -> bm, key_groups -> kg, ...); the split-KV
-    fields only where the config splits, so unsplit tasks keep the names they had before split-KV existed."""
+    fields only where the config splits and ``min_blocks`` only where set, so other tasks keep the names they had
+    before those fields existed."""
     if config.get("kv_splits", 1) == 1:
         config = {k: v for k, v in config.items() if k not in ("kv_splits", "split_rows")}
+    if config.get("min_blocks", 0) == 0:
+        config = {k: v for k, v in config.items() if k != "min_blocks"}
     return {"".join(part[0] for part in key.split("_")): value for key, value in config.items()}
 
 
