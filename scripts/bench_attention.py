@@ -372,17 +372,21 @@ def plan_issue16() -> list[dict]:
 
 
 S7_MASKS = ("longformer", "bigbird", "sliding")
-# (config, also built from the baseline source tree): the calibrated sparse default, its default-order twin, the
-# model's top-ranked picks (one and two warps on 32x32 tiles, 32x16), a 3-stage ring, split-KV at B=16.
-S7_CONFIGS = (((64, 32, 4, 2, True), True), ((32, 32, 1, 2, True), True), ((32, 32, 2, 2, True), True),
-              ((64, 32, 4, 2, False), True), ((32, 16, 1, 2, True), False), ((64, 32, 4, 3, True), False),
-              ((64, 32, 4, 2, True, 4, 2), False))
+# (config, the variants also built from other source trees: base = before this session's changes, lazy = with the
+# lazy rescaling but neither the tensor-core row sums nor launch bounds): the calibrated sparse default and its
+# default-order twin, each also with min_blocks (__launch_bounds__ registers: 96), the model's top-ranked picks
+# (one and two warps on 32x32 tiles, 32x16), split-KV at B=16.
+S7_CONFIGS = (((64, 32, 4, 2, True), ("base", "lazy")), ((64, 32, 4, 2, True, 1, 1, 5), ()),
+              ((32, 32, 1, 2, True), ("base", "lazy")), ((32, 32, 2, 2, True), ("base",)),
+              ((32, 32, 2, 2, True, 1, 1, 10), ()), ((64, 32, 4, 2, False), ("base",)),
+              ((64, 32, 4, 2, False, 1, 1, 5), ()), ((32, 16, 1, 2, True), ()), ((64, 32, 4, 2, True, 4, 2), ()))
 S7_CHECKS = (((64, 32, 4, 2, True), ("longformer", "bigbird", "random_empty:0.05"), 1000),
              ((64, 32, 4, 2, True), ("longformer", "bigbird"), 1024),
              ((32, 32, 1, 2, True), ("longformer", "random_empty:0.05"), 1000),
              ((32, 32, 1, 2, True), ("bigbird",), 1024),
              ((64, 32, 4, 2, False), ("sliding", "random_empty:0.05"), 1000),
-             ((64, 32, 4, 2, True, 4, 2), ("longformer", "bigbird"), 1000))
+             ((64, 32, 4, 2, True, 4, 2), ("longformer", "bigbird"), 1000),
+             ((64, 32, 4, 2, True, 1, 1, 5), ("bigbird", "random_empty:0.05"), 1000))
 
 
 def plan_s7sparse() -> list[dict]:
@@ -390,8 +394,8 @@ def plan_s7sparse() -> list[dict]:
     short run (< 70 s). Checks first, at S=1000 (keys past Sk: clamped loads) and S=1024 (aligned: no clamp), with
     Q scaled by 8 so that running maxima rise well past the lazy-rescale threshold (2^8) within a row: the
     changed configurations on shared, per-head (random, empty rows) and device-padded masks, bf16 D=128. Then
-    every S7_CONFIGS entry timed on the three masks, those marked also as built from the baseline tree
-    (``variant: base``, ``build --only-variant base --source-tree DIR``), side by side, beside FlexAttention."""
+    every S7_CONFIGS entry timed on the three masks, beside the same configuration built from the earlier source
+    trees it names (``variant``: ``build --only-variant NAME --source-tree DIR``), and FlexAttention."""
     cases = []
     for config, recipes, seq in S7_CHECKS:
         for recipe in recipes:
@@ -401,10 +405,9 @@ def plan_s7sparse() -> list[dict]:
     cases.append(dict(_case("check", "block", "bigbird", 2, 3, 1000, 128, "bfloat16", (64, 32, 4, 2, True)),
                       q_scale=8.0))
     for recipe in S7_MASKS:
-        for config, with_base in S7_CONFIGS:
+        for config, variants in S7_CONFIGS:
             case = _case("time", "block", recipe, 16, H_BENCH, 4096, 64, "float16", config)
-            cases += [dict(case, variant="base")] if with_base else []
-            cases.append(case)
+            cases += [dict(case, variant=name) for name in variants] + [case]
     return cases
 
 
