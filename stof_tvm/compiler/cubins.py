@@ -7,7 +7,8 @@ plain ``sm_90`` it reads from the device. Each CUDA module of the executable is 
 ``nvcc -gencode=arch=compute_90a,code=sm_90a`` (the shorthand ``-arch=sm_90a`` also runs a plain sm_90 pass
 with nvcc 13.0, which rejects those instructions) and stored under the hash of its source
 (:func:`stof_tvm.cuda_runtime.source_key`); :func:`stof_tvm.cuda_runtime.serve_cubins` answers TVM's
-callback with them when the artifact is loaded.
+callback with them when the artifact is loaded. A source built before (a recompile with the same records) takes
+its cubin from the persistent cubin cache (:mod:`.cubin_cache`) instead of running nvcc again.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import subprocess
 import tempfile
 
 from stof_tvm.cuda_runtime import source_key
+
+from . import cubin_cache
 
 
 def cuda_sources(executable) -> list[str]:
@@ -38,18 +41,30 @@ def find_nvcc() -> str | None:
     return default if os.access(default, os.X_OK) else None
 
 
-def nvcc_cubin(source: str, arch: str, nvcc: str) -> bytes:
-    """Compile ``source`` into a cubin for ``arch`` (``sm_90a`` -> ``compute_90a`` / ``sm_90a``)."""
+def nvcc_flags(arch: str) -> list[str]:
+    """nvcc's flags for a cubin of ``arch`` (``sm_90a`` -> ``compute_90a`` / ``sm_90a``)."""
     digits = arch.removeprefix("sm_")
+    return [f"-gencode=arch=compute_{digits},code=sm_{digits}", "-cubin", "-O3"]
+
+
+def nvcc_cubin(source: str, arch: str, nvcc: str) -> bytes:
+    """Compile ``source`` into a cubin for ``arch``, or take it from the cubin cache (:mod:`.cubin_cache`) where
+    the same source was built before with the same flags and toolkit."""
+    flags = nvcc_flags(arch)
+    return cubin_cache.cached(cubin_cache.cache_key(source, flags, nvcc), lambda: run_nvcc(source, flags, nvcc))
+
+
+def run_nvcc(source: str, flags: list[str], nvcc: str) -> bytes:
+    """nvcc ``flags`` on ``source`` in a temporary folder; the cubin's bytes, or the compile errors raised."""
     with tempfile.TemporaryDirectory(prefix="stof_cubin_") as tmp:
         cu, cubin = os.path.join(tmp, "module.cu"), os.path.join(tmp, "module.cubin")
         with open(cu, "w") as f:
             f.write(source)
-        proc = subprocess.run([nvcc, f"-gencode=arch=compute_{digits},code=sm_{digits}", "-cubin", "-O3",
-                               "-o", cubin, cu], capture_output=True, text=True)
+        proc = subprocess.run([nvcc, *flags, "-o", cubin, cu], capture_output=True, text=True)
         if proc.returncode:
             errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error" in line]
-            raise RuntimeError(f"nvcc failed to compile the module's CUDA code for {arch}:\n" + "\n".join(errors[:20]))
+            raise RuntimeError(f"nvcc failed to compile the module's CUDA code ({' '.join(flags)}):\n"
+                               + "\n".join(errors[:20]))
         with open(cubin, "rb") as f:
             return f.read()
 

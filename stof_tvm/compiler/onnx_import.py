@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 
 from .onnx_rules import apply_rules
+from .onnx_shapes import infer_shapes, is_weight, weightless
 
 _BATCH_NAMES = {"batch", "batch_size", "batchsize", "n", "b", "bs"}
 _SEQ_NAMES = {"sequence", "sequence_length", "seq", "seq_len", "seqlen", "tokens", "s", "length"}
@@ -96,33 +97,23 @@ def input_specs(model: onnx.ModelProto, batch: int, seq_len: int) -> list[Tensor
     return specs
 
 
-# Float initializers with at least this many elements stay weights (module parameters); smaller ones and all
-# integer/bool initializers (shapes, ids, constant masks) are embedded as constants so that they fold.
-WEIGHT_MIN_ELEMENTS = 1 << 16
-_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
-                onnx.TensorProto.DOUBLE}
-
-
 def split_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[TensorSpec]]:
-    """A copy of ``model`` whose large float initializers remain initializers (imported as parameters) and all
-    others become Constant nodes; returns it with the weights' specs in initializer order."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    weights, constants = [], []
-    for tensor in out.graph.initializer:
-        size = int(np.prod(tensor.dims)) if len(tensor.dims) else 1
-        if tensor.data_type in _FLOAT_TYPES and size >= WEIGHT_MIN_ELEMENTS:
-            weights.append(tensor)
-        else:
-            constants.append(onnx.helper.make_node("Constant", [], [tensor.name], value=tensor,
-                                                   name=f"stof_const_{tensor.name}"))
-    del out.graph.initializer[:]
-    out.graph.initializer.extend(weights)
-    nodes = constants + list(out.graph.node)
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
+    """Keep ``model``'s large float initializers (:func:`.onnx_shapes.is_weight`) as initializers (imported as
+    parameters) and turn all others into Constant nodes, so that they fold; returns the model with the weights'
+    specs in initializer order. In place: :func:`import_onnx` passes the folded copy it owns (copying it again
+    would move every weight twice more)."""
+    initializers = model.graph.initializer
+    weights = [t for t in initializers if is_weight(t)]
+    constants = [onnx.helper.make_node("Constant", [], [t.name], value=t, name=f"stof_const_{t.name}")
+                 for t in initializers if not is_weight(t)]
+    for index in reversed(range(len(initializers))):
+        if not is_weight(initializers[index]):
+            del initializers[index]
+    nodes = constants + list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
     specs = [TensorSpec(t.name, tuple(int(d) for d in t.dims), _dtype_name(t.data_type)) for t in weights]
-    return out, specs
+    return model, specs
 
 
 FOLD_MAX_ELEMENTS = 1 << 16
@@ -141,7 +132,7 @@ def _static_inputs(model: onnx.ModelProto, specs: list[TensorSpec]) -> onnx.Mode
 
 
 def _inferred_shapes(model: onnx.ModelProto) -> dict[str, tuple]:
-    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    inferred = infer_shapes(model, data_prop=True)
     shapes = {}
     for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
         dims = vi.type.tensor_type.shape.dim
@@ -220,10 +211,30 @@ def _folded_constants(model: onnx.ModelProto) -> int:
     return sum(1 for node in model.graph.node if node.op_type == "Constant")
 
 
+class _KnownValues:
+    """Tensor values known while folding, by name: computed ones, and the initializers, converted to numpy only
+    when a fold reads one (converting every weight each round copied the whole model)."""
+
+    def __init__(self, initializers):
+        self._protos = {t.name: t for t in initializers}
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._arrays or name in self._protos
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._arrays:
+            self._arrays[name] = onnx.numpy_helper.to_array(self._protos[name])
+        return self._arrays[name]
+
+    def __setitem__(self, name: str, value: np.ndarray) -> None:
+        self._arrays[name] = value
+
+
 def _fold_once(model: onnx.ModelProto) -> onnx.ModelProto:
     """One pass of :func:`fold_shape_computations` over ``model`` (static inputs)."""
     shapes = _inferred_shapes(model)
-    known = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    known = _KnownValues(model.graph.initializer)
     nodes = []
     for node in model.graph.node:
         value = None
@@ -255,15 +266,11 @@ def import_onnx(model: onnx.ModelProto, batch: int, seq_len: int):
     Returns ``(IRModule, input specs, weight specs)``; ``main`` takes the inputs, then the weights (its
     ``num_input`` attribute counts the inputs).
     """
-    from tvm.relax.frontend.onnx import from_onnx
-
     check_supported_ops(model)
     specs = input_specs(model, batch, seq_len)
     split, weights = split_weights(apply_rules(fold_shape_computations(model, specs))[0])
     try:
-        mod = from_onnx(split, shape_dict={s.name: list(s.shape) for s in specs},
-                        dtype_dict={s.name: s.dtype for s in specs}, keep_params_in_input=True,
-                        sanitize_input_names=False)
+        mod = _to_relax(split, specs)
     except Exception as err:        # TVM raises several error types; all mean the graph does not fit the shapes
         first_line = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise ValueError(f"model: import failed for batch={batch}, seq_len={seq_len} ({type(err).__name__}: "
@@ -274,6 +281,26 @@ def import_onnx(model: onnx.ModelProto, batch: int, seq_len: int):
     if names != [w.name.removeprefix("onnx::") for w in weights]:
         raise ValueError(f"model: imported parameters {names[:4]}... do not match the weights' initializer names")
     return mod, specs, weights
+
+
+def _to_relax(model: onnx.ModelProto, specs: list[TensorSpec]):
+    """TVM's ``relax.frontend.onnx.from_onnx`` (static input shapes, weights kept as parameters, names as they
+    are), except for its first step: onnx's model checker, which serialises every weight (3-4 s of a base model's
+    import) only to warn when it fails, checks the :func:`.onnx_shapes.weightless` graph instead."""
+    import warnings
+
+    from tvm.relax.frontend.onnx.onnx_frontend import ONNXGraphImporter
+
+    if model.ir_version < 3:
+        raise ValueError(f"Model IR version {model.ir_version} not supported. Must be at least after 1.1.0.")
+    try:
+        onnx.checker.check_model(weightless(model))
+    except Exception as err:        # the checker is strict; TVM's importer only warns, and so do we
+        warnings.warn(str(err), stacklevel=3)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    importer = ONNXGraphImporter({s.name: list(s.shape) for s in specs}, {s.name: s.dtype for s in specs},
+                                 keep_params_in_input=True, sanitize=False)
+    return importer.from_onnx(model.graph, opset)
 
 
 def output_names(model: onnx.ModelProto) -> list[str]:

@@ -19,6 +19,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .onnx_shapes import infer_shapes
+
 
 class OnnxRule:
     """One ONNX rewrite; subclasses set ``name`` and implement :meth:`apply`."""
@@ -51,7 +53,7 @@ def _attributes(node: onnx.NodeProto) -> dict:
 
 def _value_infos(model: onnx.ModelProto) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
     """From onnx's shape inference: the static shapes (where every dim is known) and element types by name."""
-    inferred = onnx.shape_inference.infer_shapes(model)
+    inferred = infer_shapes(model)
     shapes, types = {}, {}
     for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
         ttype = vi.type.tensor_type
