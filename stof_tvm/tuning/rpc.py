@@ -152,12 +152,15 @@ class LocalCluster:
     ``CUDA_VISIBLE_DEVICES`` (so ``devices=[0, 1]`` gives one server per GPU, each seeing its GPU as
     device 0), None leaves the environment as it is (CPU servers for the ``llvm`` target).
     Each process writes its log under ``log_dir``; :meth:`measurements` counts the modules each server loaded,
-    one per measured candidate.
+    one per measured candidate. ``start_timeout_s`` bounds each wait of :meth:`start` (the tracker answering, the
+    servers registering) and only ever ends a hang: a child that exits fails the wait at once. Its default is
+    generous because each child imports TVM and torch (tvm_ffi loads torch where it is installed), three at once:
+    on the loaded 2-core CI machine that took more than the 60 s this default used to be.
     """
 
     def __init__(self, key: str, devices: Sequence[int | str | None] = (None, None), host: str = "127.0.0.1",
                  log_dir: str | os.PathLike | None = None, python: str = sys.executable,
-                 start_timeout_s: float = 60.0):
+                 start_timeout_s: float = 300.0):
         _check_key(key)
         if not devices:
             raise ValueError("devices must name at least one server (None for a CPU server)")
