@@ -162,7 +162,8 @@ class BlockConfig:
         """The kernel's per-thread register estimate for ``head_dim`` (the cost model's feasibility input); with
         ``min_blocks``, at most the launch bounds' limit, which ptxas keeps to (builds are checked for spills: the
         estimate runs above what ptxas needs, 116 vs 96 for 64x32 tiles at D=64)."""
-        return min(self.fragment_registers(head_dim, self.q_in_registers(head_dim)), self.register_limit)
+        estimate = self.fragment_registers(head_dim, self.q_in_registers(head_dim))
+        return min(estimate, self.register_limit) if self.min_blocks else estimate
 
     @property
     def register_limit(self) -> int:
