@@ -7,33 +7,37 @@ groups; ``bhsd`` or ``bshd`` output; Q/K/V may be views at any multiple of 8 ele
 sm_90a instead of ``mma.sync``. Its CPU twin is the block-wise kernel's llvm loop nest at the same tile shape
 (:func:`cpu_twin_primfunc`).
 
-A thread block works on one (batch, head, tile row of ``BM = 128`` queries) at a time; 3 warpgroups (384 threads):
+A thread block works on one (batch, head, tile row of ``BM = 64 * consumers`` queries) at a time; one producer
+and ``consumers`` (2, or 3 at head dim 64) consumer warpgroups (384 or 512 threads):
 
-- warpgroup 0, the *producer* (``setmaxnreg`` down to 40 registers): copies the Q tile once, then for each tile
-  of the row the K tile (with the partial tile's bitmap words) and the V tile global -> shared with 16-byte
-  ``cp.async`` into two ``stages``-deep rings (K and V apart, so K of the next tile can land while V of this one
-  is still read), each thread arriving on the slot's *full* mbarrier with ``cp.async.mbarrier.arrive.noinc``.
-- warpgroups 1 and 2, the *consumers* (232 registers): consumer ``c`` owns query rows ``64c .. 64c+63``.
-  ``S = Q K^T`` is one ``wgmma m64n{BN}k16`` per 16 head-dim columns with both operands in shared memory;
-  ``O += P V`` is one ``wgmma m64n{D}k16`` per 16 keys with **P from registers** (the D fragment of S, rounded
-  pairwise to 16 bits, is the A fragment of the next product: FlashAttention's register trick carried over
-  to wgmma) and V read transposed from shared memory (``imm-trans-b``). The softmax runs in float32 in base 2.
+- warpgroup 0, the *producer* (``setmaxnreg`` down to 40 registers, 32 with three consumers): copies the Q tile
+  once, then for each tile of the row the K tile (with the partial tile's bitmap words) and the V tile global ->
+  shared with 16-byte ``cp.async`` into two ``stages``-deep rings (K and V apart, so K of the next tile can land
+  while V of this one is still read), each thread arriving on the slot's *full* mbarrier with
+  ``cp.async.mbarrier.arrive.noinc``.
+- warpgroups 1 .. consumers, the *consumers* (232 registers, 160 with three): consumer ``c`` owns query rows
+  ``64c .. 64c+63``. ``S = Q K^T`` is one ``wgmma m64n{BN}k16`` per 16 head-dim columns with both operands in
+  shared memory; ``O += P V`` is one ``wgmma m64n{D}k16`` per 16 keys with **P from registers** (the D fragment
+  of S, rounded pairwise to 16 bits, is the A fragment of the next product: FlashAttention's register trick
+  carried over to wgmma) and V read transposed from shared memory (``imm-trans-b``). The softmax runs in float32
+  in base 2.
 - Overlap, within a consumer: turn ``i`` issues ``S(i)`` and ``O += P(i-1) V(i-1)`` back to back, then waits for
   ``S(i)`` only and runs the mask and softmax of tile ``i`` while ``P(i-1) V(i-1)`` is still on the tensor cores.
-  Between consumers (``pingpong``): the two take turns issuing (named barriers 1 and 2), so one's softmax runs
-  under the other's products.
-- The K slot is released (``empty`` mbarrier, 256 arrivals) once the tile's mask has been read, the V slot once
-  its product has retired; ring slots and phases count the block's tiles over all its work items.
+  Between consumers (``pingpong``): they take turns issuing, round robin (named barriers 1 ..), so one's softmax
+  runs under the others' products.
+- The K slot is released (``empty`` mbarrier, one arrival per consumer thread) once the tile's mask has been
+  read, the V slot once its product has retired; ring slots and phases count the block's tiles over all its work items.
 - Work items are (batch, head, tile row), head by head, each head's tile rows last to first (causal-like masks put
   the most tiles in the last rows): the blocks running at once share the K and V of a few heads in L2. (80670e1
   ordered tile rows last to first across all heads, so every running block read another head's K and V, from
   DRAM once 132 heads' K and V outgrow the 60 MB L2; from 2161894 to 1241bac causal slowed 10% at D=64 B16 H12
   S4096 and 8% at D=128 B4 H16 S8192 on the H200.) One block per item, or (``persistent``) one block per SM
-  walking items ``bx, bx + grid, ...``: the producer loads the next item's Q (after both consumers have released
-  this one's, a second Q mbarrier) and first tiles while the consumers finish this item's products and write its
-  rows.
-  Ping-pong turns run on over items: consumer 0 waits before every turn but its first, consumer 1 gives a turn
-  after every one of its own, and consumer 0 takes the last of those after its last item.
+  walking units of two tile rows of one head (the heaviest left with the lightest left, so on causal masks
+  every unit holds the same tiles; :func:`block_work_item`): the producer loads the next item's Q (after every
+  consumer has released this one's, a second Q mbarrier) and first tiles while the consumers finish this item's
+  products and write its rows.
+  Ping-pong turns run on over items: consumer 0 waits before every turn but its first, the last consumer gives a
+  turn after every one of its own, and consumer 0 takes the last of those after its last item.
 
 Shared tiles are 64-column panels of 128-byte rows in the 128-byte swizzle of the wgmma descriptors (chunk ``c``
 of row ``r`` at ``r * 128 + ((c ^ r % 8) * 16)``, panels 1024-aligned), the layout of
@@ -45,8 +49,10 @@ MN-major (head dim contiguous, keys the reduction): a k16 step is 16 rows (2048 
 Everything comes from TVM 0.27's ``T.ptx`` table, as in the wgmma GEMM. Build for ``arch="sm_90a"``.
 
 Status: checked on an H200 at commit 2161894 (``scripts/check_attention_wgmma_gpu.py``; 7 masks x 3 shapes correct,
-causal 0.83x / 0.85x SDPA at D 64 / 128; numbers in ``scripts/NOTES_attention_wgmma.md``); opt-in only
-(``AttentionPlan(kernel="wgmma")``), not chosen by ``"auto"``.
+causal 0.83x / 0.85x SDPA at D 64 / 128; numbers in ``scripts/NOTES_attention_wgmma.md``; the head-by-head order
+0.88x / 0.90x in session 7); opt-in only (``AttentionPlan(kernel="wgmma")``), not chosen by ``"auto"``. Three
+consumers and the persistent grid are built and checked here only (``scripts/bench_attention.py``'s ``s7causal``
+plan times and checks them on the GPU).
 """
 from __future__ import annotations
 
@@ -67,10 +73,13 @@ ARCH = "sm_90a"
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = tuple(PTX_TYPE)
 OUT_LAYOUTS = ("bhsd", "bshd")
-BLOCK_M = 128            # two consumer warpgroups x 64 query rows
+BLOCK_M = 128            # default tile rows: two consumer warpgroups x 64 query rows
+CONSUMER_CHOICES = (2, 3)
 BLOCK_N_CHOICES = (64, 128)
 WG = 128
-THREADS = 3 * WG
+# setmaxnreg (producer, consumer) per consumer count: one block holds the whole register file (65536). Two
+# consumers: 168 at launch, 40 + 2 x 232; three: 128 at launch, 32 + 3 x 160 (FlashAttention-3's D=64 split).
+REGISTERS = {2: (PRODUCER_REGS, CONSUMER_REGS), 3: (32, 160)}
 PANEL_COLS = 64          # head-dim columns of one 128-byte swizzled row
 ROW_BYTES = PANEL_COLS * 2
 ORDER_BAR = 1            # named barriers 1 and 2: consumer c may issue its next turn
@@ -83,19 +92,29 @@ _FULL_MASK = 0xFFFFFFFF
 class WgmmaAttentionConfig:
     """Knobs: ``block_n`` keys per tile (wgmma N of ``S``), ``stages`` depth of the K and V rings, ``pingpong``
     (consumers take turns issuing their products), ``persistent`` (one block per SM walking work items, so the
-    producer loads the next item's first tiles and Q under this item's last products and epilogue). The tiled
-    format must be built at ``BLOCK_M x block_n``."""
+    producer loads the next item's first tiles and Q under this item's last products and epilogue),
+    ``consumers`` (consumer warpgroups of 64 query rows each: 3 at head dim 64 shares each K/V tile among 192
+    queries and leaves two other consumers' products to hide one's softmax under). The tiled format must be
+    built at ``block_m x block_n`` (``block_m = 64 * consumers``)."""
 
     block_n: int = 128
     stages: int = 2
     pingpong: bool = True
     persistent: bool = False
+    consumers: int = 2
 
-    block_m = BLOCK_M
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
 
     def validate(self, head_dim: int) -> None:
         if self.block_n not in BLOCK_N_CHOICES:
             raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {self.block_n!r}")
+        if isinstance(self.consumers, bool) or self.consumers not in CONSUMER_CHOICES:
+            raise ValueError(f"consumers must be one of {CONSUMER_CHOICES}, got {self.consumers!r}")
+        if self.consumers == 3 and (head_dim != 64 or self.block_n != 128):
+            raise ValueError("consumers=3 needs head_dim 64 and block_n 128 (S, O and P of a consumer in its 160 "
+                             f"registers), got head_dim {head_dim}, block_n {self.block_n}")
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"stages must be an int >= 2, got {self.stages!r}")
         for name in ("pingpong", "persistent"):
@@ -107,9 +126,9 @@ class WgmmaAttentionConfig:
 
     def layout(self, head_dim: int) -> dict:
         """Byte offsets of the shared regions from the 1024-aligned base."""
-        q_bytes = BLOCK_M * head_dim * 2
+        q_bytes = self.block_m * head_dim * 2
         kv_bytes = self.block_n * head_dim * 2
-        mw_bytes = BLOCK_M * self.block_n // 8
+        mw_bytes = self.block_m * self.block_n // 8
         k_off = q_bytes
         v_off = k_off + self.stages * kv_bytes
         m_off = v_off + self.stages * kv_bytes
@@ -158,7 +177,8 @@ def cpu_twin_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_di
     config = default_config(head_dim) if config is None else config
     return blockwise_attention_primfunc(
         batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim, dtype=dtype, mask_batch=mask_batch,
-        mask_heads=mask_heads, scale=scale, config=BlockConfig(block_m=BLOCK_M, block_n=config.block_n, num_warps=4),
+        mask_heads=mask_heads, scale=scale,
+        config=BlockConfig(block_m=config.block_m, block_n=config.block_n, num_warps=config.block_m // 32),
         target_kind="llvm", out_layout=out_layout)
 
 
@@ -168,7 +188,7 @@ def wgmma_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, 
                              sm_count: int = 132) -> tvm.tirx.PrimFunc:
     """The sm_90a PrimFunc ``wgmma_attention(q, k, v, full_indptr, full_indices, part_indptr, part_indices,
     part_bitmaps, out)``: the parameter list of the block-wise kernel without a score bias, the format built at
-    ``128 x config.block_n``. ``sm_count``: blocks of a persistent grid (the H200's 132 SMs)."""
+    ``config.block_m x config.block_n``. ``sm_count``: blocks of a persistent grid (the H200's 132 SMs)."""
     _check_problem(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, out_layout)
     scale = _scale(scale, head_dim)
     config = default_config(head_dim) if config is None else config
@@ -208,14 +228,45 @@ def fragment_position(c, w, lane, j, hh, e):
     return c * 64 + w * 16 + hh * 8 + lane // 4, j * 8 + (lane % 4) * 2 + e
 
 
+def grid_shape(tile_rows: int, heads: int, sm_count: int, persistent: bool) -> tuple[int, int]:
+    """(blocks, work items per block at most) for ``tile_rows`` tile rows of ``heads`` (batch x head) heads."""
+    if not persistent:
+        return tile_rows * heads, 1
+    units = heads * -(-tile_rows // 2)
+    grid = min(units, sm_count)
+    return grid, 2 * -(-units // grid)
+
+
+def block_work_item(bx, j, tile_rows: int, heads: int, grid: int, persistent: bool):
+    """(is there one, head (batch-major), tile row) of block ``bx``'s ``j``-th work item, head by head (the blocks
+    running at once share the K and V of a few heads in L2); ``bx``, ``j`` ints or TIR expressions. One block per
+    item: each head's tile rows last to first (causal-like masks put the most tiles in the last rows, which then
+    start first). Persistent: block ``bx`` walks units ``bx, bx + grid, ...`` of one head's tile rows, the
+    heaviest left with the lightest left: ``(TR-1-k, k)`` where the head has an even number ``TR`` of them, else
+    ``TR-1`` alone and then ``(TR-1-k, k-1)``. On a causal mask every unit then holds the same tiles (``TR + 1``,
+    or ``TR``), so the static walk stays balanced (round-robin over single rows gives blocks whose rows repeat
+    mod 4 up to 12% more tiles than the mean at 32 tile rows, 132 blocks)."""
+    if not persistent:
+        return True, bx // tile_rows, tile_rows - 1 - bx % tile_rows
+    half = -(-tile_rows // 2)
+    unit = bx + (j // 2) * grid
+    k = unit % half
+    second = k - tile_rows % 2
+    if isinstance(unit, int):
+        return unit < heads * half and (j % 2 == 0 or second >= 0), unit // half, \
+            tile_rows - 1 - k if j % 2 == 0 else second
+    return (T.And(unit < heads * half, T.Or(j % 2 == 0, second >= 0)), unit // half,
+            T.Select(j % 2 == 0, tile_rows - 1 - k, second))
+
+
 def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd: bool,
             sm_count: int) -> tvm.tirx.PrimFunc:
-    BM, BN, ST, PP = BLOCK_M, cfg.block_n, cfg.stages, cfg.pingpong
+    BM, BN, ST, PP, NC = cfg.block_m, cfg.block_n, cfg.stages, cfg.pingpong, cfg.consumers
+    THREADS = (NC + 1) * WG
+    P_REGS, C_REGS = REGISTERS[NC]
     TR = -(-SQ // BM)
     NROWS = MB * MH * TR + 1
-    ITEMS = TR * B * H
-    GRID = min(ITEMS, sm_count) if cfg.persistent else ITEMS
-    ROUNDS = -(-ITEMS // GRID)
+    GRID, ROUNDS = grid_shape(TR, B * H, sm_count, cfg.persistent)
     GB, GH = (MH if MB > 1 else 0), (1 if MH > 1 else 0)
     lay = cfg.layout(D)
     KV_BYTES, MW_BYTES = lay["kv_bytes"], lay["mw_bytes"]
@@ -321,11 +372,11 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
 
     @T.macro
     def turn_end(c):
-        """After a consumer has issued: the other consumer's turn (ping-pong). Consumer 1 gives one turn more than
-        consumer 0 takes; consumer 0 takes it after its last item (:func:`body`), so the counts of both named
-        barriers match."""
+        """After a consumer has issued: the next consumer's turn (ping-pong; turns go round c = 0, 1, .., NC-1).
+        The last consumer gives one turn more than consumer 0 takes; consumer 0 takes it after its last item
+        (:func:`body`), so the counts of every named barrier match."""
         if PP:
-            T.ptx["bar.arrive"](T.Cast("uint32", ORDER_BAR + 1 - c), T.uint32(2 * WG))
+            T.ptx["bar.arrive"](T.Cast("uint32", ORDER_BAR + (c + 1) % NC), T.uint32(2 * WG))
 
     def advance(desc, offset):
         """The descriptor ``desc`` moved ``offset`` bytes (a multiple of 16) on: its start-address field (address
@@ -406,10 +457,8 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                     PACK(word[0], o_acc[dn * 4 + hh * 2 + 1] * red[1], o_acc[dn * 4 + hh * 2] * red[1])
                     out_words[out_word(b, h, row, dn * 8 + qd * 2)] = word[0]
 
-    def work_item(u):
-        """(batch, head, tile row) of work item ``u``: head by head (neighbouring items share K and V in L2), each
-        head's tile rows last to first (causal-like masks put the most tiles in the last rows)."""
-        return u // (TR * H), (u // TR) % H, TR - 1 - u % TR
+    def work_item(bx, j):
+        return block_work_item(bx, j, TR, B * H, GRID, cfg.persistent)
 
     @T.macro
     def consume(s_acc, o_acc, p_frag, corr, m_run, l_run, red, word, flag, started, smem, base, mw0, q_desc, k_desc,
@@ -418,7 +467,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
         wait_parity(flag, q_bar(base), T.Cast("uint32", jq % 2))
         wait_parity(flag, ring_bar(base, 0, g0), phase(g0))
         T.ptx["fence.proxy.async.shared::cta"]()
-        turn_start(o_acc, corr, c, False, c == 1 or started[0] != 0)
+        turn_start(o_acc, corr, c, False, c != 0 or started[0] != 0)
         started[0] = 1
         issue_s(s_acc, q_desc, k_desc, g0)
         turn_end(c)
@@ -474,23 +523,23 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                 wg: T.let = tx // WG
                 if tx == 0:
                     T.ptx["mbarrier.init.shared::cta.b64"](q_bar(base), T.uint32(WG))
-                    T.ptx["mbarrier.init.shared::cta.b64"](q_bar(base, 1), T.uint32(2 * WG))
+                    T.ptx["mbarrier.init.shared::cta.b64"](q_bar(base, 1), T.uint32(NC * WG))
                     for s in T.unroll(ST):
                         T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 0, s), T.uint32(WG))
-                        T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 1, s), T.uint32(2 * WG))
+                        T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 1, s), T.uint32(NC * WG))
                         T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 2, s), T.uint32(WG))
-                        T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 3, s), T.uint32(2 * WG))
+                        T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 3, s), T.uint32(NC * WG))
                     T.ptx["fence.mbarrier_init.release.cluster"]()
                 T.tvm_storage_sync("shared")
                 done[0] = 0
                 done[1] = 0
                 if wg == 0:
-                    T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
+                    T.ptx["setmaxnreg.dec.sync.aligned.u32"](P_REGS)
                     for j in range(ROUNDS):
-                        if bx + j * GRID < ITEMS:
-                            b: T.let = work_item(bx + j * GRID)[0]
-                            h: T.let = work_item(bx + j * GRID)[1]
-                            tr: T.let = work_item(bx + j * GRID)[2]
+                        if work_item(bx, j)[0]:
+                            b: T.let = work_item(bx, j)[1] // H
+                            h: T.let = work_item(bx, j)[1] % H
+                            tr: T.let = work_item(bx, j)[2]
                             r: T.let = (b * GB + h * GH) * TR + tr
                             n_part_row: T.let = part_indptr[r + 1] - part_indptr[r]
                             n_tiles: T.let = n_part_row + full_indptr[r + 1] - full_indptr[r]
@@ -499,7 +548,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                             done[0] = done[0] + n_tiles
                             done[1] = done[1] + T.Select(n_tiles > 0, 1, 0)
                 else:
-                    T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
+                    T.ptx["setmaxnreg.inc.sync.aligned.u32"](C_REGS)
                     c: T.let = wg - 1
                     w: T.let = (tx % WG) // 32
                     g: T.let = (tx % 32) // 4
@@ -510,10 +559,10 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                     v_desc: T.let = descriptor_mn(base + T.uint32(V_OFF), KV_PANEL)
                     started[0] = 0
                     for j in range(ROUNDS):
-                        if bx + j * GRID < ITEMS:
-                            b: T.let = work_item(bx + j * GRID)[0]
-                            h: T.let = work_item(bx + j * GRID)[1]
-                            tr: T.let = work_item(bx + j * GRID)[2]
+                        if work_item(bx, j)[0]:
+                            b: T.let = work_item(bx, j)[1] // H
+                            h: T.let = work_item(bx, j)[1] % H
+                            tr: T.let = work_item(bx, j)[2]
                             r: T.let = (b * GB + h * GH) * TR + tr
                             n_part_row: T.let = part_indptr[r + 1] - part_indptr[r]
                             n_tiles: T.let = n_part_row + full_indptr[r + 1] - full_indptr[r]
@@ -529,7 +578,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                             done[0] = done[0] + n_tiles
                             done[1] = done[1] + T.Select(n_tiles > 0, 1, 0)
                     if PP:
-                        if c == 0 and started[0] != 0:   # consumer 1's arrival after its last turn
+                        if c == 0 and started[0] != 0:   # the last consumer's arrival after its last turn
                             T.ptx["bar.sync"](T.uint32(ORDER_BAR), T.uint32(2 * WG))
 
     @T.prim_func

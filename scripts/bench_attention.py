@@ -18,8 +18,9 @@ padding, empty rows, S not a multiple of the tile), ``tune`` (tile configuration
 S 8192/16384 with D=128), ``headdims`` (issue 16: D 32-256 checked at small shapes, D 32/64/80/96/128/256 timed
 on causal/sliding/bigbird), ``splitkv`` (split-KV checks, and B=1-2 long-context timings), ``issue16`` (one
 ~300 s run: split-KV checks with and without the device-side key padding; split-KV vs unsplit at B=1 S 8192/16384;
-the wgmma kernel on causal; head dims 32/80/96/256; see :func:`plan_issue16`). Effective TFLOP/s counts kept pairs
-only: ``4 * kept * D`` per head.
+the wgmma kernel on causal; head dims 32/80/96/256; see :func:`plan_issue16`), ``s7causal`` (the wgmma kernel's
+configurations on causal and dense D64/D128 beside SDPA, one < 80 s run; :func:`plan_s7causal`). Effective TFLOP/s
+counts kept pairs only: ``4 * kept * D`` per head.
 
     python scripts/bench_attention.py build --plan check,tune --out out/attn
     python3 scripts/bench_attention.py run --out out/attn --json $OUT/attn.json      # on the GPU machine
@@ -411,8 +412,54 @@ def plan_s7sparse() -> list[dict]:
     return cases
 
 
+S7C_SHAPES = {64: (16, 12, 4096), 128: (4, 16, 8192)}      # head dim: (B, H, S) of issue 16's causal goals
+# wgmma configurations (block_n, stages, pingpong, persistent[, consumers]) per head dim, each with "also built
+# from the baseline tree": the default; three consumer warpgroups (192-query tiles) with 3 and 4 stages; the
+# persistent grids (balanced two-row units), never run on a GPU before, so timed last.
+S7C_CONFIGS = {64: (((128, 3, True, False), True), ((128, 3, True, False, 3), False),
+                    ((128, 4, True, False, 3), False)),
+               128: (((128, 2, True, False), True),)}
+S7C_PERSISTENT = {64: ((128, 3, True, True), (128, 4, True, True, 3)), 128: ((128, 2, True, True),)}
+
+
+def plan_s7causal() -> list[dict]:
+    """Issue 16's causal/dense goals on the wgmma kernel (causal D64 B16 H12 S4096 <= 0.92 ms, D128 B4 H16 S8192
+    <= 1.77 ms; dense >= SDPA dense), one short run (< 80 s): the default configuration built from the baseline
+    tree (``variant: base``) and from this one, and the new configurations side by side on causal and dense,
+    beside SDPA (causal flag / dense) and FlexAttention. Checks first (S=1000: not a multiple of either tile
+    height, keys past Sk; Q scaled by 8): three consumers on causal, per-head random masks with empty rows, per-batch
+    lengths with an empty batch, dense, bf16; the persistent grids (checked, then timed; every timed case is
+    checked too) come last so a fault there cannot cost the rest."""
+    cases = []
+
+    def checks(config, head_dim, recipes, dtypes=("float16",)):
+        for dtype in dtypes:
+            for recipe in recipes:
+                cases.append(dict(_case("check", "wgmma", recipe, 2, 3, 1000, head_dim, dtype, config), q_scale=8.0))
+
+    def timed(config, head_dim, with_base=False):
+        batch, heads, seq = S7C_SHAPES[head_dim]
+        for recipe in ("causal", "dense"):
+            case = _case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16", config)
+            cases.extend([dict(case, variant="base"), case] if with_base else [case])
+
+    checks((128, 3, True, False, 3), 64, ("causal", "random_empty:0.05", "padding", "dense"))
+    checks((128, 4, True, False, 3), 64, ("causal", "random_empty:0.05", "dense"))
+    checks((128, 3, True, False, 3), 64, ("random_empty:0.05",), ("bfloat16",))
+    for head_dim, configs in S7C_CONFIGS.items():
+        for config, with_base in configs:
+            timed(config, head_dim, with_base)
+    for head_dim, configs in S7C_PERSISTENT.items():
+        for config in configs:
+            checks(config, head_dim, ("causal", "random_empty:0.05"))
+    for head_dim, configs in S7C_PERSISTENT.items():
+        for config in configs:
+            timed(config, head_dim)
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
-         "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse}
+         "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
@@ -629,7 +676,8 @@ class Runner:
         if case.get("q_scale", 1.0) != 1.0:       # larger scores: running maxima keep rising along a row
             q = q * case["q_scale"]
         out = torch.full_like(q, float("nan"))
-        fmt_key = {"block": lambda c: tuple(c[:2]), "wgmma": lambda c: (128, c[0]),
+        # the wgmma kernel's tiles: 64 query rows per consumer warpgroup (config field 5, default 2) x block_n
+        fmt_key = {"block": lambda c: tuple(c[:2]), "wgmma": lambda c: (64 * (c[4] if len(c) > 4 else 2), c[0]),
                    "row": lambda c: "row"}[case["family"]](case["config"])
         if fmt_key not in formats:
             fmt = row_arrays(mask4) if fmt_key == "row" else tiled_arrays(mask4, *fmt_key)

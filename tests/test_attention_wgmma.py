@@ -14,10 +14,13 @@ import subprocess
 import numpy as np
 import pytest
 import tvm
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stof_tvm.schedules.attention_blockwise import BlockConfig, blockwise_attention_primfunc
-from stof_tvm.schedules.attention_wgmma import (BLOCK_M, WgmmaAttentionConfig, cpu_twin_primfunc, default_config,
-                                                fragment_position, mask_bit, mask_word, wgmma_attention_primfunc)
+from stof_tvm.schedules.attention_wgmma import (BLOCK_M, REGISTERS, WgmmaAttentionConfig, block_work_item,
+                                                cpu_twin_primfunc, default_config, fragment_position, grid_shape,
+                                                mask_bit, mask_word, wgmma_attention_primfunc)
 from stof_tvm.schedules.templates.build import cuda_source, cuda_target
 from stof_tvm.schedules.templates.gemm_wgmma import nvcc_cubin
 from stof_tvm.sparse_formats import build_tiled, normalize_mask
@@ -43,6 +46,9 @@ def test_default_configs_fit_and_follow_the_head_dim():
     (WgmmaAttentionConfig(pingpong=1), "pingpong"),
     (WgmmaAttentionConfig(persistent=0), "persistent"),
     (WgmmaAttentionConfig(block_n=128, stages=3), "shared memory"),   # at head_dim 128: 230 KiB
+    (WgmmaAttentionConfig(consumers=4), "consumers"),
+    (WgmmaAttentionConfig(consumers=True), "consumers"),
+    (WgmmaAttentionConfig(consumers=3), "consumers=3"),                # at head_dim 128: no registers for it
 ])
 def test_bad_configs_are_refused(config, error):
     with pytest.raises(ValueError, match=error):
@@ -80,17 +86,18 @@ def test_parameters_are_the_blockwise_kernels(out_layout):
         assert ours.attrs["global_symbol"] == "wgmma_attention"
 
 
-@pytest.mark.parametrize("block_n", [64, 128])
-def test_fragment_registers_read_the_bits_of_their_own_elements(block_n):
+@pytest.mark.parametrize("block_n, consumers", [(64, 2), (128, 2), (128, 3)])
+def test_fragment_registers_read_the_bits_of_their_own_elements(block_n, consumers):
     """Every accumulator register of every consumer thread, through mask_word / mask_bit, reads exactly the bit
     the tiled format stored for its (row, column) of the tile."""
+    block_m = WgmmaAttentionConfig(block_n=block_n, consumers=consumers).block_m
     rng = np.random.default_rng(block_n)
-    mask = rng.random((1, 1, BLOCK_M, block_n)) < 0.5
-    fmt = build_tiled(mask, BLOCK_M, block_n)
+    mask = rng.random((1, 1, block_m, block_n)) < 0.5
+    fmt = build_tiled(mask, block_m, block_n)
     assert fmt.part_bitmaps.shape[0] == 1
     words = np.ascontiguousarray(fmt.part_bitmaps[0]).view("<u4").reshape(-1)
-    seen = np.zeros((BLOCK_M, block_n), dtype=int)
-    for c in range(2):
+    seen = np.zeros((block_m, block_n), dtype=int)
+    for c in range(consumers):
         for w in range(4):
             for lane in range(32):
                 g, qd = lane // 4, lane % 4
@@ -107,28 +114,30 @@ def test_fragment_registers_read_the_bits_of_their_own_elements(block_n):
 _CPU = {}
 
 
-@pytest.mark.parametrize("mask, dtype, head_dim, block_n, out_layout", [
-    ("causal", "float16", 64, 128, "bhsd"),
-    ("random_empty", "bfloat16", 128, 64, "bshd"),
+@pytest.mark.parametrize("mask, dtype, head_dim, block_n, out_layout, consumers", [
+    ("causal", "float16", 64, 128, "bhsd", 2),
+    ("random_empty", "bfloat16", 128, 64, "bshd", 2),
+    ("random_empty", "float16", 64, 128, "bhsd", 3),
 ])
-def test_cpu_twin_computes_the_kernels_function(mask, dtype, head_dim, block_n, out_layout):
-    batch, heads, seq = 2, 2, 150            # 150: two tile rows, the second partial
+def test_cpu_twin_computes_the_kernels_function(mask, dtype, head_dim, block_n, out_layout, consumers):
+    config = WgmmaAttentionConfig(block_n=block_n, consumers=consumers)
+    batch, heads, seq = 2, 2, config.block_m + 22     # two tile rows, the second partial
     rng = np.random.default_rng(1)
     if mask == "random_empty":
         dense = rng.random((batch, heads, seq, seq)) < 0.2
         dense[:, :, rng.random(seq) < 0.2, :] = False
         mask = dense
     mask4 = normalize_mask(mask, batch=batch, heads=heads, seq_q=seq)
-    config = WgmmaAttentionConfig(block_n=block_n)
     func = cpu_twin_primfunc(batch=batch, heads=heads, seq_q=seq, seq_k=seq, head_dim=head_dim, dtype=dtype,
                              mask_batch=mask4.shape[0], mask_heads=mask4.shape[1], config=config,
                              out_layout=out_layout)
     fn = tvm.compile(func, target=tvm.target.Target({"kind": "llvm"}))["blockwise_attention"]
     q, k, v = random_qkv(batch, heads, seq, seq, head_dim, dtype)
-    fmt = build_tiled(mask4, BLOCK_M, block_n)
+    fmt = build_tiled(mask4, config.block_m, block_n)
     arrays = [fmt.full_indptr, fmt.full_indices if fmt.full_indices.size else np.zeros(1, np.int32),
               fmt.part_indptr, fmt.part_indices if fmt.part_indices.size else np.zeros(1, np.int32),
-              fmt.part_bitmaps if fmt.part_bitmaps.size else np.zeros((1, 16, block_n // 8), np.uint64)]
+              fmt.part_bitmaps if fmt.part_bitmaps.size
+              else np.zeros((1, config.block_m // 8, block_n // 8), np.uint64)]
     shape = (batch, seq, heads, head_dim) if out_layout == "bshd" else q.shape
     out = np.full(shape, np.nan, dtype=numpy_dtype(dtype))
     dev = tvm.cpu()
@@ -144,6 +153,7 @@ def test_cpu_twin_computes_the_kernels_function(mask, dtype, head_dim, block_n, 
     (64, "float16", WgmmaAttentionConfig(block_n=128, stages=3, pingpong=True), "bhsd"),
     (128, "bfloat16", WgmmaAttentionConfig(block_n=128, stages=2, pingpong=False), "bshd"),
     (128, "float16", WgmmaAttentionConfig(block_n=128, stages=2, persistent=True), "bhsd"),
+    (64, "float16", WgmmaAttentionConfig(block_n=128, stages=4, persistent=True, consumers=3), "bhsd"),
 ])
 def test_cuda_source_compiles_for_sm90a_without_spills(head_dim, dtype, config, out_layout, tmp_path):
     if shutil.which("nvcc") is None:
@@ -154,8 +164,10 @@ def test_cuda_source_compiles_for_sm90a_without_spills(head_dim, dtype, config, 
     ab = {"float16": "f16", "bfloat16": "bf16"}[dtype]
     for text in (f"wgmma.mma_async.sync.aligned.m64n{config.block_n}k16.f32.{ab}.{ab}",
                  f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.{ab}.{ab}", "wgmma.wait_group.sync.aligned 1",
-                 "cp.async.mbarrier.arrive.noinc", "setmaxnreg.inc.sync.aligned.u32 232",
-                 "setmaxnreg.dec.sync.aligned.u32 40"):
+                 "cp.async.mbarrier.arrive.noinc",
+                 f"setmaxnreg.inc.sync.aligned.u32 {REGISTERS[config.consumers][1]}",
+                 f"setmaxnreg.dec.sync.aligned.u32 {REGISTERS[config.consumers][0]}",
+                 f"__launch_bounds__({(config.consumers + 1) * 128})"):
         assert text in src, text
     # the P V product takes A from four 32-bit registers: "{d...}, {a0, a1, a2, a3}, b_desc"
     assert re.search(rf"m64n{head_dim}k16\.f32\.{ab}\.{ab}\s+\{{[^}}]+\}},\s*\{{[^}}]+\}},", src)
@@ -196,3 +208,23 @@ def test_grid_is_one_block_per_work_item_or_sm_count_when_persistent(persistent,
     """3 tile rows x 2 batches x 3 heads = 18 work items: 18 blocks, or 7 persistent blocks walking them."""
     func = wgmma_attention_primfunc(**BASE, config=WgmmaAttentionConfig(persistent=persistent), sm_count=7)
     assert re.search(rf"T\.thread_binding\({blocks}, thread=\"blockIdx\.x\"\)", func.script())
+
+
+@settings(max_examples=60, deadline=None)
+@given(tile_rows=st.integers(1, 70), heads=st.integers(1, 40), sm_count=st.integers(1, 140),
+       persistent=st.booleans())
+def test_work_items_cover_every_tile_row_once_and_persistent_blocks_stay_balanced(tile_rows, heads, sm_count,
+                                                                                 persistent):
+    """Every (head, tile row) is one block's work item exactly once; on a causal mask (tile row r holds r + 1
+    tiles) the persistent blocks' tile counts differ by at most one unit of tile rows (each holds tile_rows + 1
+    tiles, or tile_rows where that is odd)."""
+    grid, rounds = grid_shape(tile_rows, heads, sm_count, persistent)
+    assert grid == (min(heads * -(-tile_rows // 2), sm_count) if persistent else tile_rows * heads)
+    seen, work = [], []
+    for bx in range(grid):
+        items = [block_work_item(bx, j, tile_rows, heads, grid, persistent) for j in range(rounds)]
+        seen += [(h, tr) for ok, h, tr in items if ok]
+        work.append(sum(tr + 1 for ok, _, tr in items if ok))
+    assert sorted(seen) == [(h, tr) for h in range(heads) for tr in range(tile_rows)]
+    if persistent:
+        assert max(work) - min(work) <= tile_rows + 1
