@@ -20,6 +20,7 @@ INNER_KEY = "stof.pipeline_inner"  # GEMM k-inner loop: double-buffer the ldmatr
 ROWS_KEY = "stof.row_vec"  # row-epilogue output block: columns per thread access
 ROW_LANES_KEY = "stof.row_lanes"  # row-epilogue output block: threads per row (threadIdx.x extent)
 ROW_PRODUCER_KEY = "stof.row_producer"  # blocks computed once per row before the output (reductions, y stage)
+ROW_REGISTERS_KEY = "stof.row_registers"  # row-epilogue output block: 1 = staged rows in registers, 0 = shared memory
 
 
 def cooperative(sch: s_tir.Schedule, block, vec, stage_io: bool = False) -> None:
@@ -45,7 +46,8 @@ def finalize(sch: s_tir.Schedule) -> None:
       LayerNorm, loops (rows, columns)): rows spread over threadIdx.y, each row over l lanes of threadIdx.x
       with v columns per access (without a threadIdx.y loop yet, every row of the block gets its own
       threadIdx.y); the blocks annotated ``ROW_PRODUCER_KEY`` (per-row reductions, a staged
-      row) are computed once per row before it, reductions across the l lanes.
+      row) are computed once per row before it, reductions across the l lanes; a staged row goes to shared memory,
+      or with ``ROW_REGISTERS_KEY`` = 1 to each thread's registers (its n / l values, :func:`_register_row`).
     """
     warps = _thread_extent(sch, "threadIdx.y")
     for block in _all_blocks(sch):
@@ -96,11 +98,14 @@ def _spread(sch: s_tir.Schedule, block, vec: int, stage_io: bool, warps: int | N
         sch.vectorize(v)
 
 
-def row_epilogue(sch: s_tir.Schedule, out, producers, vec, lanes) -> None:
+def row_epilogue(sch: s_tir.Schedule, out, producers, vec, lanes, registers=0) -> None:
     """Mark ``out`` (loops rows x columns) as a row epilogue whose ``producers`` (block handles, each read by
-    ``out`` or by a later producer, listed consumers first) are computed per row; see :func:`finalize`."""
+    ``out`` or by a later producer, listed consumers first) are computed per row; ``registers`` (1) keeps a staged
+    row (a producer that is not a reduction) in each thread's registers instead of shared memory; see
+    :func:`finalize`."""
     sch.annotate(out, ROWS_KEY, vec)
     sch.annotate(out, ROW_LANES_KEY, lanes)
+    sch.annotate(out, ROW_REGISTERS_KEY, registers)
     for block in producers:
         sch.annotate(block, ROW_PRODUCER_KEY, 1)
 
@@ -108,8 +113,9 @@ def row_epilogue(sch: s_tir.Schedule, out, producers, vec, lanes) -> None:
 def _rows(sch: s_tir.Schedule, out, warps: int | None) -> None:
     ann = sch.get(out).annotations
     vec, lanes = int(ann[ROWS_KEY]), int(ann[ROW_LANES_KEY])
-    sch.unannotate(out, ROWS_KEY)
-    sch.unannotate(out, ROW_LANES_KEY)
+    registers = int(ann.get(ROW_REGISTERS_KEY, 0))
+    for key in (ROWS_KEY, ROW_LANES_KEY) + ((ROW_REGISTERS_KEY,) if ROW_REGISTERS_KEY in ann else ()):
+        sch.unannotate(out, key)
     name = sch.get(out).name_hint
     rows, cols = sch.get_loops(out)[-2:]
     n_rows, n_cols = int(sch.get(rows).extent), int(sch.get(cols).extent)
@@ -127,12 +133,26 @@ def _rows(sch: s_tir.Schedule, out, warps: int | None) -> None:
         sch.bind(x, "threadIdx.x")
         if _is_reduction(sch, block):
             sch.set_scope(block, 0, "local")
+        elif registers:
+            _register_row(sch, block, lanes, vec)
+            _stage_inputs(sch, block, x)
         else:
             sch.set_scope(block, 0, "shared")
             sch.vectorize(v)
     _, x, v = sch.split(cols, [None, lanes, vec])
     sch.bind(x, "threadIdx.x")
     _stage_io(sch, out, x, v)
+
+
+def _register_row(sch: s_tir.Schedule, block, lanes: int, vec: int) -> None:
+    """Keep the row ``block`` stages (buffer [rows, n]) in registers: each of the ``lanes`` threads of a row holds
+    its ``n / lanes`` values, column ``j`` (lane ``(j // vec) % lanes``'s) at ``[j // (lanes * vec), j % vec]`` of
+    a thread-local [rows, accesses, vec] buffer. The lane is left out of the layout on purpose: in local scope each
+    thread has its own copy, every thread reads back only the columns it wrote (all consumers split the row the
+    same way), and the per-row copy compacts to ``n / lanes`` registers with constant indices."""
+    step = lanes * vec
+    sch.transform_layout(block, ("write", 0), lambda i, j: (i, j // step, j % vec))
+    sch.set_scope(block, 0, "local")
 
 
 def _is_reduction(sch: s_tir.Schedule, block) -> bool:
@@ -147,6 +167,12 @@ def _stage_io(sch: s_tir.Schedule, block, thread_loop, vec_loop) -> None:
     for out in outs:
         sch.reverse_compute_at(out, thread_loop)
         sch.vectorize(sch.get_loops(out)[-1])
+    _stage_inputs(sch, block, thread_loop)
+
+
+def _stage_inputs(sch: s_tir.Schedule, block, thread_loop) -> None:
+    """Read the block's inputs that are not local yet into registers under ``thread_loop``, with vector loads where
+    the copy has a loop of its own."""
     for buffer in [region.source for region in sch.get(block).reads]:
         if buffer.scope() == "local":
             continue
@@ -154,7 +180,7 @@ def _stage_io(sch: s_tir.Schedule, block, thread_loop, vec_loop) -> None:
         cached = sch.cache_read(block, index, "local", consumer_blocks=[block])
         sch.compute_at(cached, thread_loop)
         loops = sch.get_loops(cached)
-        if len(loops) > len(sch.get_loops(out)) - 1:
+        if len(loops) > len(sch.get_loops(block)) - 1:
             sch.vectorize(loops[-1])
 
 

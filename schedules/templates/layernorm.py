@@ -7,7 +7,10 @@ and the variance over each row of ``n`` elements, computed in two passes over ``
 
 Schedule: ``rows`` rows per thread block (threadIdx.y), each row spread over ``lanes`` threads
 (threadIdx.x) reading ``vec`` consecutive elements per access (16 bytes at vec 8); the two row sums are
-cross-thread reductions (warp shuffles, plus shared memory when a row spans several warps).
+cross-thread reductions (warp shuffles, plus shared memory when a row spans several warps). ``y`` is staged as
+float32 in each thread's registers (``registers`` 1: its ``n / lanes`` values; every load of the row is issued
+before the first reduction, no shared memory, no block-wide barrier) or in shared memory (0: the form for rows
+too long for the registers, the only one offered past ``MAX_ROW_REGISTERS`` values per thread).
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from .registry import Template, register
 ROW_CHOICES = (1, 2, 4, 8)
 LANE_CHOICES = (32, 64, 128, 256)
 VEC_CHOICES = (2, 4, 8)
+REGISTER_CHOICES = (1, 0)
+MAX_ROW_REGISTERS = 64  # float32 values of the row per thread above which only shared-memory staging is offered
 
 
 def layernorm_compute(y, gamma, beta, dtype: str, eps: float = LN_EPS):
@@ -51,11 +56,11 @@ def layernorm_compute(y, gamma, beta, dtype: str, eps: float = LN_EPS):
 class RowNormTemplate(Template):
     """What the row-normalisation families share (LayerNorm here, RMSNorm in :mod:`.rmsnorm`): an [m, n] activation
     normalised per row, ``rows`` rows per thread block, each spread over ``lanes`` threads reading ``vec`` elements
-    per access, the row staged in shared memory as float32. ``row_producers`` names the blocks that the schedule
-    computes per row before the ``out`` block (the row, its statistics)."""
+    per access, the row staged as float32 in registers (``registers`` 1) or shared memory (0). ``row_producers``
+    names the blocks that the schedule computes per row before the ``out`` block (the row, its statistics)."""
 
     shape_keys = ("m", "n")
-    knob_names = ("rows", "lanes", "vec")
+    knob_names = ("rows", "lanes", "vec", "registers")
     row_producers: tuple[str, ...] = ()
 
     def _check(self, shape):
@@ -64,17 +69,20 @@ class RowNormTemplate(Template):
 
     def _knob_space(self, shape, dtype, hw):
         m, n = shape["m"], shape["n"]
-        space = [{"rows": r, "lanes": l, "vec": v} for r in ROW_CHOICES for l in LANE_CHOICES for v in VEC_CHOICES
-                 if m % r == 0 and n % (l * v) == 0]
-        # fill the SMs first, then 16-byte accesses, then fewer lanes per row (cheaper reductions)
-        space.sort(key=lambda k: (m // k["rows"] < 2 * hw.sm_count, -k["vec"], k["lanes"], -k["rows"]))
+        space = [{"rows": r, "lanes": l, "vec": v, "registers": g} for r in ROW_CHOICES for l in LANE_CHOICES
+                 for v in VEC_CHOICES for g in REGISTER_CHOICES
+                 if m % r == 0 and n % (l * v) == 0 and (not g or n // l <= MAX_ROW_REGISTERS)]
+        # fill the SMs first, then rows in registers, 16-byte accesses, fewer lanes per row (cheaper reductions)
+        space.sort(key=lambda k: (m // k["rows"] < 2 * hw.sm_count, -k["registers"], -k["vec"], k["lanes"],
+                                  -k["rows"]))
         return space
 
     def resources(self, shape, dtype, knobs):
-        # ``rows`` float32 rows (plus two statistics) staged in shared memory
-        n = shape["n"]
-        return {"threads": knobs["rows"] * knobs["lanes"], "shared_bytes": knobs["rows"] * (n + 2) * 4,
-                "acc_registers": 0, "operand_registers": 4 * knobs["vec"], "grid": shape["m"] // knobs["rows"]}
+        # ``rows`` float32 rows (plus two statistics) staged in shared memory, or n / lanes values per thread
+        n, registers = shape["n"], knobs["registers"]
+        return {"threads": knobs["rows"] * knobs["lanes"], "grid": shape["m"] // knobs["rows"],
+                "shared_bytes": 0 if registers else knobs["rows"] * (n + 2) * 4, "acc_registers": 0,
+                "operand_registers": 4 * knobs["vec"] + (n // knobs["lanes"] if registers else 0)}
 
     def _schedule(self, sch, spec, knobs):
         out = sch.get_sblock("out")
@@ -82,7 +90,7 @@ class RowNormTemplate(Template):
         block_loop, _ = sch.split(rows, [None, knobs["rows"]])
         sch.bind(block_loop, "blockIdx.x")
         producers = [sch.get_sblock(name) for name in self.row_producers]
-        row_epilogue(sch, out, producers, knobs["vec"], knobs["lanes"])
+        row_epilogue(sch, out, producers, knobs["vec"], knobs["lanes"], knobs["registers"])
 
 
 class LayerNormTemplate(RowNormTemplate):
