@@ -267,6 +267,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     TR = -(-SQ // BM)
     NROWS = MB * MH * TR + 1
     GRID, ROUNDS = grid_shape(TR, B * H, sm_count, cfg.persistent)
+    IDLE_ROWS = TR * BM - SQ >= 64     # the last tile row leaves some consumer without a query row (consume())
     GB, GH = (MH if MB > 1 else 0), (1 if MH > 1 else 0)
     lay = cfg.layout(D)
     KV_BYTES, MW_BYTES = lay["kv_bytes"], lay["mw_bytes"]
@@ -462,39 +463,52 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
 
     @T.macro
     def consume(s_acc, o_acc, p_frag, corr, m_run, l_run, red, word, flag, started, smem, base, mw0, q_desc, k_desc,
-                v_desc, c, w, g, qd, n_tiles, n_part_row, g0, jq):
-        """One work item's turns (block tiles g0 ..): S(0); then S(i) with P(i-1) V(i-1); then P(n-1) V(n-1)."""
+                v_desc, c, w, g, qd, n_tiles, n_part_row, g0, jq, compute):
+        """One work item's turns (block tiles g0 ..): S(0); then S(i) with P(i-1) V(i-1); then P(n-1) V(n-1).
+        ``compute=False`` (a consumer whose 64 rows all lie past Sq: the last tile row of three consumers) keeps
+        only the waits, turns and slot releases, in the same order (the other consumers' phases and turns
+        count on them)."""
         wait_parity(flag, q_bar(base), T.Cast("uint32", jq % 2))
         wait_parity(flag, ring_bar(base, 0, g0), phase(g0))
-        T.ptx["fence.proxy.async.shared::cta"]()
+        if compute:
+            T.ptx["fence.proxy.async.shared::cta"]()
         turn_start(o_acc, corr, c, False, c != 0 or started[0] != 0)
         started[0] = 1
-        issue_s(s_acc, q_desc, k_desc, g0)
+        if compute:
+            issue_s(s_acc, q_desc, k_desc, g0)
         turn_end(c)
-        T.ptx["wgmma.wait_group.sync.aligned"](0)
-        softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + (M_OFF + (g0 % ST) * MW_BYTES) // 4, c, w, g, qd,
-                0, n_part_row)
+        if compute:
+            T.ptx["wgmma.wait_group.sync.aligned"](0)
+            softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + (M_OFF + (g0 % ST) * MW_BYTES) // 4, c, w, g,
+                    qd, 0, n_part_row)
         T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 1, g0))
-        pack_p(s_acc, p_frag)
+        if compute:
+            pack_p(s_acc, p_frag)
         for i in range(1, n_tiles):
             gi: T.let = g0 + i
             wait_parity(flag, ring_bar(base, 0, gi), phase(gi))
             wait_parity(flag, ring_bar(base, 2, gi - 1), phase(gi - 1))
-            T.ptx["fence.proxy.async.shared::cta"]()
-            turn_start(o_acc, corr, c, True, True)
-            issue_s(s_acc, q_desc, k_desc, gi)
-            issue_pv(o_acc, p_frag, v_desc, gi - 1)
+            if compute:
+                T.ptx["fence.proxy.async.shared::cta"]()
+            turn_start(o_acc, corr, c, compute, True)
+            if compute:
+                issue_s(s_acc, q_desc, k_desc, gi)
+                issue_pv(o_acc, p_frag, v_desc, gi - 1)
             turn_end(c)
-            T.ptx["wgmma.wait_group.sync.aligned"](1)
-            softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + (M_OFF + (gi % ST) * MW_BYTES) // 4, c, w, g,
-                    qd, i, n_part_row)
+            if compute:
+                T.ptx["wgmma.wait_group.sync.aligned"](1)
+                softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + (M_OFF + (gi % ST) * MW_BYTES) // 4, c, w,
+                        g, qd, i, n_part_row)
             T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 1, gi))
             retire_pv(o_acc, base, gi - 1)
-            pack_p(s_acc, p_frag)
+            if compute:
+                pack_p(s_acc, p_frag)
         wait_parity(flag, ring_bar(base, 2, g0 + n_tiles - 1), phase(g0 + n_tiles - 1))
-        T.ptx["fence.proxy.async.shared::cta"]()
-        turn_start(o_acc, corr, c, True, True)
-        issue_pv(o_acc, p_frag, v_desc, g0 + n_tiles - 1)
+        if compute:
+            T.ptx["fence.proxy.async.shared::cta"]()
+        turn_start(o_acc, corr, c, compute, True)
+        if compute:
+            issue_pv(o_acc, p_frag, v_desc, g0 + n_tiles - 1)
         turn_end(c)
         retire_pv(o_acc, base, g0 + n_tiles - 1)
         T.ptx["mbarrier.arrive.shared::cta.b64"](q_bar(base, 1))    # this item's Q is no longer read
@@ -572,8 +586,14 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                                 m_run[hh] = NEG_INF
                                 l_run[hh] = T.float32(0)
                             if n_tiles > 0:
-                                consume(s_acc, o_acc, p_frag, corr, m_run, l_run, red, word, flag, started, smem, base,
-                                        mw0, q_desc, k_desc, v_desc, c, w, g, qd, n_tiles, n_part_row, done[0], done[1])
+                                if IDLE_ROWS and tr * BM + c * 64 >= SQ:
+                                    consume(s_acc, o_acc, p_frag, corr, m_run, l_run, red, word, flag, started, smem,
+                                            base, mw0, q_desc, k_desc, v_desc, c, w, g, qd, n_tiles, n_part_row,
+                                            done[0], done[1], False)
+                                else:
+                                    consume(s_acc, o_acc, p_frag, corr, m_run, l_run, red, word, flag, started, smem,
+                                            base, mw0, q_desc, k_desc, v_desc, c, w, g, qd, n_tiles, n_part_row,
+                                            done[0], done[1], True)
                             store_rows(out_words, o_acc, l_run, red, word, b, h, tr, c, w, g, qd)
                             done[0] = done[0] + n_tiles
                             done[1] = done[1] + T.Select(n_tiles > 0, 1, 0)
