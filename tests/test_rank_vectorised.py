@@ -99,7 +99,7 @@ def _reference_ranking(template, shape, dtype, space, cal=DEFAULT_CALIBRATION):
         # the ping-pong wgmma kernel overlaps all but the block's last tile's epilogue with tensor-core work
         block_elems = out_elems / units * rounds
         epilogue_elems = out_elems / max(res["tiles"], 1) if res.get("overlapped_epilogue") else block_elems
-        cuda_ops = cal.epilogue_ops * epilogue_elems + cal.smem_ops_per_byte * smem
+        cuda_ops = (cal.epilogue_ops + res.get("activation_ops", 0.0)) * epilogue_elems + cal.smem_ops_per_byte * smem
         if res.get("narrow_stores"):   # the direct wgmma epilogue: one 2-byte store per output element
             cuda_ops += cal.narrow_store_ops * block_elems
         if res.get("wgmma"):           # wgmma's main-loop rate, in mma.sync-equivalent flops

@@ -463,6 +463,16 @@ def test_fast_gelu_twins_lead_the_gelu_spaces(name):
     assert fast[0] == {"block_n": 192, "stages": 3, "persistent": True, "pingpong": False, "block_m": 256,
                        "staged": True, "fast_gelu": True}
     assert "fast_gelu" not in str(get_template("gemm_bias_relu_wgmma").knob_space(shape, "float16"))
+    # the model charges CUDA's GELU its extra epilogue instructions (resource activation_ops): a fast twin ranks ahead
+    # (the SMs' share: the whole prediction may be bound by L2 instead)
+    from stof_tvm.cost_model.templates import price_knobs, template_work
+
+    twin = dict(staged[0], fast_gelu=True)
+    assert template_work(t, shape, "float16", twin).cuda_ops < template_work(t, shape, "float16", staged[0]).cuda_ops
+    seconds = price_knobs(t, shape, "float16", [twin, staged[0]])
+    assert seconds[0] <= seconds[1]
+    assert t.resources(shape, "float16", staged[0])["activation_ops"] > 0 == t.resources(shape, "float16",
+                                                                                         fast[0])["activation_ops"]
 
 
 @pytest.mark.parametrize("name, knobs", [

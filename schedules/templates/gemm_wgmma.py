@@ -63,6 +63,10 @@ TALL_BLOCK_N = (128, 192)             # block_n accumulators per thread: 256 wou
 # erf-GELU GEMM (0.3536 ms), which is not offered 256 x 192 staged (ptxas spilled) - it is the first choice wherever
 # 256 x 192 is not offered (also m not a multiple of 256).
 MEASURED_FIRST = ((256, 192, 3, True), (128, 128, 4, True))
+# CUDA-core instructions per output element that CUDA's erff / tanhf GELU costs over the fast_gelu one (SASS of the
+# staged kernels at 32768 x 3072 x 768: erf 2255 vs 1287 instructions for 64 outputs a thread at 128 x 128, tanh 5511
+# vs 3782 for 192 at 256 x 192), for the cost model (resource ``activation_ops``)
+LIBM_GELU_EXTRA_OPS = {"gelu_erf": 15.0, "gelu_tanh": 9.0}
 
 
 def _measured_rank(knobs) -> int:
@@ -160,8 +164,10 @@ class WgmmaKernelMixin:
                 "grid": min(tiles, H200.sm_count) if config.persistent else tiles, "tiles": tiles,
                 # ping-pong: a tile's epilogue runs under the other consumer's MMAs (the cost model hides it)
                 "overlapped_epilogue": config.pingpong,
-                # for the cost model: wgmma's main-loop rate; one 2-byte store per output element unless staged
-                "wgmma": True, "narrow_stores": not config.staged}
+                # for the cost model: wgmma's main-loop rate; one 2-byte store per output element unless staged;
+                # the activation's extra epilogue operations per output element (CUDA's GELU over fast_gelu)
+                "wgmma": True, "narrow_stores": not config.staged,
+                "activation_ops": 0.0 if config.fast_gelu else LIBM_GELU_EXTRA_OPS.get(getattr(self, "act", ""), 0.0)}
 
     def resource_columns(self, shape, dtype, space):
         # not the mma.sync main-loop formulas: these resources come from WgmmaConfig, one knob set at a time

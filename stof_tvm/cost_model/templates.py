@@ -15,8 +15,10 @@ block tile ``block_m x block_n x block_k``), its useful flops and its arguments.
   others run while the other consumer warpgroup's MMAs do);
 - the wgmma kernels (resources ``wgmma``, ``narrow_stores``, ``launch_registers``): main loops at ``wgmma_tc_eff``
   (their tensor-core flops are scaled by ``gemm_tc_eff / wgmma_tc_eff``), ``narrow_store_ops`` more per output
-  element where the epilogue stores one 2-byte element per instruction (not ``staged``; never overlapped), and the
-  registers per thread at launch (``setmaxnreg`` moves them to the consumers later);
+  element where the epilogue stores one 2-byte element per instruction (not ``staged``; never overlapped), the
+  registers per thread at launch (``setmaxnreg`` moves them to the consumers later), and ``activation_ops`` more
+  per output element where the epilogue's activation costs more than the calibrated one (CUDA's ``erff`` GELU
+  against the exp2-polynomial ``fast_gelu``; overlapped like the rest of the epilogue);
 - L2 traffic = every block's A and W panels (``(BM + BN) * K``) plus its outputs; DRAM = the arguments once;
 - registers = accumulators + operands + addressing; configurations past the register, shared-memory or thread
   limits are infeasible (the template's own space already drops most).
@@ -113,10 +115,11 @@ def _launch_columns(template, shape, dtype: str, space, invariants, cal: Calibra
         regs = res["launch_registers"]
     latency = trips * cal.gemm_iter_cycles * _pipeline_factor(stages) + cal.gemm_block_cycles
     block_elems = out_elems / units * rounds
-    epilogue = cal.epilogue_ops * block_elems
+    epilogue_elems = block_elems
     if "overlapped_epilogue" in res:  # hidden behind tensor-core work except the block's last tile
-        epilogue = np.where(res["overlapped_epilogue"], cal.epilogue_ops * out_elems / np.maximum(res["tiles"], 1),
-                            epilogue)
+        epilogue_elems = np.where(res["overlapped_epilogue"], out_elems / np.maximum(res["tiles"], 1), block_elems)
+    # operations per output element: the calibrated epilogue, plus where reported an activation's extra cost
+    epilogue = (cal.epilogue_ops + res.get("activation_ops", 0.0)) * epilogue_elems
     if "narrow_stores" in res:  # one 2-byte store per element: not hidden by the ping-pong overlap
         epilogue = epilogue + np.where(res["narrow_stores"], cal.narrow_store_ops * block_elems, 0.0)
     if "wgmma" in res:  # priced at wgmma's main-loop efficiency instead of gemm_tc_eff (mma.sync-equivalent flops)
