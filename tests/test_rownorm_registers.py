@@ -7,13 +7,16 @@ a shared-memory row.
 - the CUDA source of the register form has no shared memory and no block-wide barrier (one warp per row), a
   thread-local row of ``n / lanes`` floats, 16-byte loads and stores; ptxas: no spills, no stack, no shared memory;
   the shared-memory form is still what ``registers`` 0 builds;
-- MetaSchedule draws the knob like the others: sampled, decoded, kept, finalized and built for both values.
+- MetaSchedule draws the knob like the others: sampled, decoded, kept, finalized and built for both values;
+- the lowered CUDA kernels themselves (both forms, one and several warps per row) run on the CPU
+  (tests/cuda_emulation.py) and match float64 numpy; a kernel with its row-sum broadcast removed does not.
 The definitions (and so the llvm numerics against float64 numpy) do not depend on the knob: tests/test_templates.py
 and tests/test_templates_rmsnorm.py check them."""
 from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 from tvm import s_tir
 
@@ -23,6 +26,8 @@ from stof_tvm.schedules.templates.build import build, cuda_source, cuda_target
 from stof_tvm.schedules.templates.layernorm import MAX_ROW_REGISTERS
 from stof_tvm.schedules.templates.registry import Finalize, KeepCandidates
 
+from attention_reference import relative_error
+from cuda_emulation import run_on_cpu
 from hopper_checks import sm90_ptxas_report
 
 ROW_TEMPLATES = ("bias_residual_layernorm", "layernorm", "residual_rmsnorm", "rmsnorm")
@@ -120,3 +125,48 @@ def test_sampled_registers_knob_decodes_and_builds():
         src = cuda_source(build(fresh.mod, cuda_target()))
         forms.add("shared" if "__shared__" in src else "registers")
     assert forms == {"shared", "registers"}
+
+
+def _emulated(name, shape, knobs, tmp_path, edit=None):
+    """Outputs of the template's CUDA kernel run on the CPU, and the float64 reference, on rows of very different
+    scales; ``edit`` rewrites the CUDA source first."""
+    t = get_template(name)
+    src = _source(name, shape, knobs)
+    src = edit(src) if edit else src
+    rng = np.random.default_rng(7)
+    inputs = {}
+    for arg, arg_shape, _ in t.arguments(shape)[:-t.outputs()]:
+        scale = np.geomspace(0.05, 20.0, shape["m"])[:, None] if len(arg_shape) == 2 else 1.0
+        inputs[arg] = (rng.standard_normal(arg_shape) * scale).astype(np.float16)
+    outputs = [arg for arg, _, _ in t.arguments(shape)[-t.outputs():]]
+    kernel_names = {"sum": "total"}          # residual_rmsnorm's sum output is the kernel's total_ptr
+    got = run_on_cpu(src, inputs, {kernel_names.get(o, o): (shape["m"], shape["n"]) for o in outputs},
+                     grid=shape["m"] // knobs["rows"], block=(knobs["lanes"], knobs["rows"]), workdir=tmp_path)
+    return [got[kernel_names.get(o, o)].astype(np.float64) for o in outputs], t.reference(shape, inputs)
+
+
+@pytest.mark.parametrize("name, n, knobs", [
+    ("bias_residual_layernorm", 768, {"rows": 8, "lanes": 32, "vec": 8, "registers": 1}),
+    ("bias_residual_layernorm", 768, {"rows": 8, "lanes": 32, "vec": 8, "registers": 0}),
+    ("bias_residual_layernorm", 1024, {"rows": 2, "lanes": 64, "vec": 4, "registers": 1}),
+    ("residual_rmsnorm", 768, {"rows": 8, "lanes": 32, "vec": 8, "registers": 1}),
+    ("residual_rmsnorm", 768, {"rows": 1, "lanes": 128, "vec": 2, "registers": 1}),
+    ("layernorm", 768, {"rows": 2, "lanes": 32, "vec": 4, "registers": 1})])
+def test_lowered_kernel_matches_numpy_on_cpu_threads(name, n, knobs, tmp_path):
+    got, ref = _emulated(name, {"m": 16, "n": n}, knobs, tmp_path)
+    for out, expected in zip(got, ref):
+        assert np.isfinite(out).all(), "unwritten outputs"
+        assert relative_error(out, expected) < 2e-3, relative_error(out, expected)
+
+
+def test_cpu_emulation_catches_a_broken_kernel(tmp_path):
+    """The negative control: without the broadcast of lane 0's row sum, lanes normalise with partial sums."""
+    knobs = {"rows": 8, "lanes": 32, "vec": 8, "registers": 1}
+
+    def drop_broadcast(src):
+        edited, count = re.subn(r"(red_buf0_ptr(?:_1)?\[0\]) = __shfl_sync\([^;]*\);", "", src)
+        assert count == 2, count
+        return edited
+
+    got, ref = _emulated("bias_residual_layernorm", {"m": 16, "n": 768}, knobs, tmp_path, drop_broadcast)
+    assert relative_error(got[0], ref[0]) > 0.05
