@@ -153,7 +153,8 @@ def run(args) -> None:
     tvm_ffi.register_global_func("tvm_callback_cuda_compile", prebuilt, override=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    rows, report = [], {"environment": bl.environment(), "tolerance": args.tolerance, "rows": rows, "misses": misses}
+    rows = []
+    report = {"environment": bl.environment(), "tolerance": args.tolerance, "rows": rows, "misses": misses}
     dev = torch.device("cuda")
     compiled_row = None
     for case in manifest["cases"]:
@@ -197,7 +198,7 @@ def run(args) -> None:
             row["ok"] = row["nonfinite"] == 0 and max(row["rel_err"], row["max_err"]) <= args.tolerance
             t = bl.time_ms(lambda: func(*tv), **timing).median_ms
             row.update(ms=t, tflops=flops / t / 1e9, vs_cublas=cublas / t, vs_eager=eager / t)
-            print(f"{key}: {t:.4f} ms {row['tflops']:.0f} TFLOP/s rel err {errs['rel']:.1e} "
+            print(f"{key}: {t:.4f} ms {row['tflops']:.0f} TFLOP/s rel err {row['rel_err']:.1e} "
                   f"{'ok' if row['ok'] else 'WRONG'}", flush=True)
         if args.compile and case["template"].endswith("erf_wgmma") and m == max(c["shape"]["m"] for c in
                                                                               manifest["cases"]):
