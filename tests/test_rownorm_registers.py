@@ -45,8 +45,13 @@ def test_register_rows_come_first_at_base_model_sizes(name, shape):
     # one wave of 8-row blocks at 4096 rows: the grid stays above two blocks per SM
     assert t.resources(shape, "float16", first)["grid"] == shape["m"] // 8
     assert t.resources(shape, "float16", first)["shared_bytes"] == 0
-    # the model prices both forms alike (DRAM-bound); the template's order decides the tie
-    assert rank_template(t, shape)[0].candidate["registers"] == 1
+    # the model prices both forms alike (DRAM-bound); the template's order decides the tie, and the tuner's top 8
+    # (stage 2 measures them) hold both forms of the same tilings
+    ranked = [r.candidate for r in rank_template(t, shape)]
+    assert ranked[0]["registers"] == 1
+    top = ranked[:8]
+    assert {k["registers"] for k in top} == {0, 1}
+    assert all(dict(k, registers=1 - k["registers"]) in top for k in top)
 
 
 def test_long_rows_keep_shared_memory_below_the_register_limit():

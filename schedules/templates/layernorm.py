@@ -72,9 +72,11 @@ class RowNormTemplate(Template):
         space = [{"rows": r, "lanes": l, "vec": v, "registers": g} for r in ROW_CHOICES for l in LANE_CHOICES
                  for v in VEC_CHOICES for g in REGISTER_CHOICES
                  if m % r == 0 and n % (l * v) == 0 and (not g or n // l <= MAX_ROW_REGISTERS)]
-        # fill the SMs first, then rows in registers, 16-byte accesses, fewer lanes per row (cheaper reductions)
-        space.sort(key=lambda k: (m // k["rows"] < 2 * hw.sm_count, -k["registers"], -k["vec"], k["lanes"],
-                                  -k["rows"]))
+        # fill the SMs first, then 16-byte accesses, fewer lanes per row (cheaper reductions), more rows per block,
+        # each in registers and then in shared memory: the first is the register row, and the tuner's top 8 (the
+        # model ties the two forms) measure both forms of the leading tilings
+        space.sort(key=lambda k: (m // k["rows"] < 2 * hw.sm_count, -k["vec"], k["lanes"], -k["rows"],
+                                  -k["registers"]))
         return space
 
     def resources(self, shape, dtype, knobs):
