@@ -414,12 +414,14 @@ def plan_s7sparse() -> list[dict]:
 
 S7C_SHAPES = {64: (16, 12, 4096), 128: (4, 16, 8192)}      # head dim: (B, H, S) of issue 16's causal goals
 # wgmma configurations (block_n, stages, pingpong, persistent[, consumers]) per head dim, each with "also built
-# from the baseline tree": the default; three consumer warpgroups (192-query tiles) with 3 and 4 stages; the
-# persistent grids (balanced two-row units), never run on a GPU before, so timed last.
+# from the baseline tree": the default; three consumer warpgroups (192-query tiles) with 3, 4 and 5 stages; at
+# D=128 64-key tiles with a 4-deep ring; the persistent grids (balanced two-row units), never run on a GPU
+# before, so timed last.
 S7C_CONFIGS = {64: (((128, 3, True, False), True), ((128, 3, True, False, 3), False),
-                    ((128, 4, True, False, 3), False)),
-               128: (((128, 2, True, False), True),)}
-S7C_PERSISTENT = {64: ((128, 3, True, True), (128, 4, True, True, 3)), 128: ((128, 2, True, True),)}
+                    ((128, 4, True, False, 3), False), ((128, 5, True, False, 3), False)),
+               128: (((128, 2, True, False), True), ((64, 4, True, False), False))}
+S7C_PERSISTENT = {64: ((128, 3, True, True), (128, 4, True, True, 3), (128, 3, True, True, 3)),
+                  128: ((128, 2, True, True), (64, 4, True, True))}
 
 
 def plan_s7causal() -> list[dict]:
