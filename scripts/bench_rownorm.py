@@ -240,7 +240,8 @@ def run(args) -> None:
         raise RuntimeError("TVM's CUDA runtime could not be loaded")
     counts = _prebuilt_cubins(out)
     torch.backends.cuda.matmul.allow_tf32 = False
-    rows, payload = [], {"environment": bl.environment(), "built": manifest["built"], "rows": rows}
+    rows: list[dict] = []
+    payload = {"environment": bl.environment(), "built": manifest["built"], "rows": rows}
     json_path = Path(args.json) if args.json else bl.out_dir() / "rownorm.json"
     pools = {}
     for template, size in cases:
