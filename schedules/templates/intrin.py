@@ -16,11 +16,17 @@ then tensorizes. B may sit in shared memory as [n, k] (k contiguous: the ``nk`` 
 
 Names: ``stof_ldmatrix_a_<dt>``, ``stof_ldmatrix_b_<layout>_<dt>``, ``stof_mma_<dt>``,
 ``stof_mma_fill_f32``, ``stof_mma_store_f32`` with ``<dt>`` in {f16, bf16} and ``<layout>`` in {nk, kn}.
-Importing this module registers them (idempotently); :func:`intrin_names` returns the set a GEMM needs.
+:func:`intrin_names` returns the set a GEMM needs and registers them with TVM on first use (so does
+:func:`register_all`, which the tuning records call before a replay). Not at import: TVMScript's ``T.prim_func``
+walks the call stack with ``inspect.stack()``, and inside an import each frame of the import machinery makes
+``inspect`` rescan ``sys.modules`` (~2000 modules, torch's among them), so building these 20 PrimFuncs while the
+templates were imported took ~20 CPU-s of every fresh compile; called from a function they take under 1 s.
 The block-wise attention kernel can use the same intrinsics for its Q*K^T (B = K as [n, k]) and P*V
 (B = V as [k, n]) products.
 """
 from __future__ import annotations
+
+from functools import partial
 
 from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
@@ -229,9 +235,10 @@ def _store():
     return desc, impl
 
 
-def _register(name: str, desc_impl) -> None:
+def _register(name: str, build) -> None:
+    """Register intrinsic ``name`` from ``build()``'s (desc, impl), built only if it is not registered yet."""
     if TensorIntrin.get(name, allow_missing=True) is None:
-        TensorIntrin.register(name, *desc_impl)
+        TensorIntrin.register(name, *build())
 
 
 def intrin_names(dtype: str, b_layout: str) -> dict[str, str]:
@@ -240,6 +247,7 @@ def intrin_names(dtype: str, b_layout: str) -> dict[str, str]:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if b_layout not in B_LAYOUTS:
         raise ValueError(f"b_layout must be one of {B_LAYOUTS}, got {b_layout!r}")
+    register_all()
     dt = DTYPES[dtype]
     return {
         "load_a": f"stof_ldmatrix_a_{dt}",
@@ -251,14 +259,11 @@ def intrin_names(dtype: str, b_layout: str) -> dict[str, str]:
 
 
 def register_all() -> None:
-    """Register every intrinsic of this module with TVM (safe to call more than once)."""
+    """Register every intrinsic of this module with TVM (safe to call more than once: built once)."""
     for dtype, dt in DTYPES.items():
-        _register(f"stof_ldmatrix_a_{dt}", _ldmatrix(dtype, "a"))
+        _register(f"stof_ldmatrix_a_{dt}", partial(_ldmatrix, dtype, "a"))
         for layout in B_LAYOUTS:
-            _register(f"stof_ldmatrix_b_{layout}_{dt}", _ldmatrix(dtype, f"b_{layout}"))
-        _register(f"stof_mma_{dt}", _mma(dtype))
-    _register("stof_mma_fill_f32", _fill())
-    _register("stof_mma_store_f32", _store())
-
-
-register_all()
+            _register(f"stof_ldmatrix_b_{layout}_{dt}", partial(_ldmatrix, dtype, f"b_{layout}"))
+        _register(f"stof_mma_{dt}", partial(_mma, dtype))
+    _register("stof_mma_fill_f32", _fill)
+    _register("stof_mma_store_f32", _store)

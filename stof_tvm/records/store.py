@@ -29,7 +29,7 @@ _UNREGISTERED = re.compile(r"TensorIntrin '([^']+)' is not registered")
 
 
 def register_record_names() -> None:
-    """Register every intrinsic a stof-tvm record can name (the import registers them; safe to repeat)."""
+    """Register every intrinsic a stof-tvm record can name (built on first use; safe to repeat)."""
     from stof_tvm.schedules.templates import intrin
 
     intrin.register_all()
