@@ -267,7 +267,9 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     TR = -(-SQ // BM)
     NROWS = MB * MH * TR + 1
     GRID, ROUNDS = grid_shape(TR, B * H, sm_count, cfg.persistent)
-    IDLE_ROWS = TR * BM - SQ >= 64     # the last tile row leaves some consumer without a query row (consume())
+    # The last tile row leaves some consumer without a query row (consume()). Not in the persistent kernel: there
+    # the branch to the idle consumer's path made ptxas serialise every wgmma (C7520).
+    IDLE_ROWS = TR * BM - SQ >= 64 and not cfg.persistent
     GB, GH = (MH if MB > 1 else 0), (1 if MH > 1 else 0)
     lay = cfg.layout(D)
     KV_BYTES, MW_BYTES = lay["kv_bytes"], lay["mw_bytes"]
@@ -358,9 +360,10 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
             T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](ring_bar(base, 2, gt))
 
     @T.macro
-    def turn_start(o_acc, corr, c, rescale, wait_turn):
+    def turn_start(o_acc, corr, c, rescale, wait_turn, compute):
         """Before a consumer issues: tile i-1's rescale of O (idle: the previous turn retired its product), then
-        (ping-pong) its turn. ``wait_turn``: False only for consumer 0's first turn in the block."""
+        (ping-pong) its turn. ``wait_turn``: False only for consumer 0's first turn in the block. ``compute=False``:
+        the turn alone (an idle consumer's path holds no wgmma instruction)."""
         if rescale:
             for dn in T.unroll(ND):
                 for hh in T.unroll(2):
@@ -369,7 +372,8 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
         if PP:
             if wait_turn:
                 T.ptx["bar.sync"](T.Cast("uint32", ORDER_BAR + c), T.uint32(2 * WG))
-        T.ptx["wgmma.fence.sync.aligned"]()
+        if compute:
+            T.ptx["wgmma.fence.sync.aligned"]()
 
     @T.macro
     def turn_end(c):
@@ -401,9 +405,10 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
         T.ptx["wgmma.commit_group.sync.aligned"]()
 
     @T.macro
-    def retire_pv(o_acc, base, i):
-        """Wait for every product, then free V(i)'s slot."""
-        T.ptx["wgmma.wait_group.sync.aligned"](0)
+    def retire_pv(o_acc, base, i, compute):
+        """Wait for every product (``compute``: there are some), then free V(i)'s slot."""
+        if compute:
+            T.ptx["wgmma.wait_group.sync.aligned"](0)
         T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 3, i))
 
     @T.macro
@@ -465,14 +470,14 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     def consume(s_acc, o_acc, p_frag, corr, m_run, l_run, red, word, flag, started, smem, base, mw0, q_desc, k_desc,
                 v_desc, c, w, g, qd, n_tiles, n_part_row, g0, jq, compute):
         """One work item's turns (block tiles g0 ..): S(0); then S(i) with P(i-1) V(i-1); then P(n-1) V(n-1).
-        ``compute=False`` (a consumer whose 64 rows all lie past Sq: the last tile row of three consumers) keeps
-        only the waits, turns and slot releases, in the same order (the other consumers' phases and turns
-        count on them)."""
+        ``compute=False`` (a consumer whose 64 rows all lie past Sq: the last tile row of three consumers, one
+        block per item) keeps only the waits, turns and slot releases, in the same order (the other consumers'
+        phases and turns count on them)."""
         wait_parity(flag, q_bar(base), T.Cast("uint32", jq % 2))
         wait_parity(flag, ring_bar(base, 0, g0), phase(g0))
         if compute:
             T.ptx["fence.proxy.async.shared::cta"]()
-        turn_start(o_acc, corr, c, False, c != 0 or started[0] != 0)
+        turn_start(o_acc, corr, c, False, c != 0 or started[0] != 0, compute)
         started[0] = 1
         if compute:
             issue_s(s_acc, q_desc, k_desc, g0)
@@ -490,7 +495,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
             wait_parity(flag, ring_bar(base, 2, gi - 1), phase(gi - 1))
             if compute:
                 T.ptx["fence.proxy.async.shared::cta"]()
-            turn_start(o_acc, corr, c, compute, True)
+            turn_start(o_acc, corr, c, compute, True, compute)
             if compute:
                 issue_s(s_acc, q_desc, k_desc, gi)
                 issue_pv(o_acc, p_frag, v_desc, gi - 1)
@@ -500,17 +505,17 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                 softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + (M_OFF + (gi % ST) * MW_BYTES) // 4, c, w,
                         g, qd, i, n_part_row)
             T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 1, gi))
-            retire_pv(o_acc, base, gi - 1)
+            retire_pv(o_acc, base, gi - 1, compute)
             if compute:
                 pack_p(s_acc, p_frag)
         wait_parity(flag, ring_bar(base, 2, g0 + n_tiles - 1), phase(g0 + n_tiles - 1))
         if compute:
             T.ptx["fence.proxy.async.shared::cta"]()
-        turn_start(o_acc, corr, c, compute, True)
+        turn_start(o_acc, corr, c, compute, True, compute)
         if compute:
             issue_pv(o_acc, p_frag, v_desc, g0 + n_tiles - 1)
         turn_end(c)
-        retire_pv(o_acc, base, g0 + n_tiles - 1)
+        retire_pv(o_acc, base, g0 + n_tiles - 1, compute)
         T.ptx["mbarrier.arrive.shared::cta.b64"](q_bar(base, 1))    # this item's Q is no longer read
 
     @T.macro
