@@ -73,6 +73,8 @@ class _InspectWithFastStack(types.ModuleType):
 
     @staticmethod
     def stack(context: int = 1) -> list[inspect.FrameInfo]:
+        if context > 1:                  # more context lines than outer_frames reads: inspect's own
+            return inspect.getouterframes(sys._getframe(1), context)
         return outer_frames(sys._getframe(1), context)
 
 
