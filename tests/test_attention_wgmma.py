@@ -37,6 +37,7 @@ def test_default_configs_fit_and_follow_the_head_dim():
         config.validate(head_dim)
         assert config.shared_bytes(head_dim) <= 227 * 1024
     assert default_config(128).stages == 2 and default_config(64).stages == 3
+    assert default_config(64).consumers == 3 and default_config(128).consumers == 2
 
 
 @pytest.mark.parametrize("config, error", [
@@ -195,7 +196,7 @@ def test_attention_plan_opt_in_kernel_builds_for_sm90a(tmp_path):
                          target={"kind": "cuda", "arch": "sm_90"})
     assert plan.kernel == "wgmma" and plan.target["arch"] == "sm_90a"
     assert plan.config == default_config(64)
-    assert plan.formats[4].shape[1:] == (BLOCK_M // 8, plan.config.block_n // 8)
+    assert plan.formats[4].shape[1:] == (plan.config.block_m // 8, plan.config.block_n // 8)
     saved = plan.save(tmp_path / "plan")
     assert (tmp_path / "plan" / "plan.json").read_text().count('"wgmma"') == 1 and saved
     with pytest.raises(ValueError, match="sm_90"):
