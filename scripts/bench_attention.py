@@ -727,7 +727,7 @@ class Runner:
             "sdpa_mask": (lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask), True),
             "sdpa_causal": (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                             case["mask"] == "causal"),
-            "sdpa_dense": (lambda: F.scaled_dot_product_attention(q, k, v), False),
+            "sdpa_dense": (lambda: F.scaled_dot_product_attention(q, k, v), case["mask"] == "dense"),
         }
         shape_key = key[1:]
         for name, (fn, exact) in candidates.items():
