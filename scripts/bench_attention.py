@@ -41,7 +41,6 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -588,8 +587,7 @@ class Runner:
 
         if not ensure_cuda_runtime():
             raise RuntimeError("TVM's CUDA runtime could not be loaded")
-        self.cubin_hits = self.cubin_misses = 0
-        self._install_cubin_loader(tvm, out)
+        self.cubins = bl.PrebuiltCubins(out)   # TVM's CUDA compile of a loaded module answered from out/
         torch._dynamo.config.cache_size_limit = 1024
         torch._dynamo.config.accumulated_cache_size_limit = 4096
         self.torch, self.tvm = torch, tvm
@@ -600,21 +598,6 @@ class Runner:
         from torch.nn.attention.flex_attention import flex_attention
         self.flex = torch.compile(flex_attention, dynamic=False)
 
-    def _install_cubin_loader(self, tvm, out: Path) -> None:
-        """TVM compiles a loaded module's CUDA source through ``tvm_callback_cuda_compile``; answer with the
-        cubin nvcc built from the very same source at build time (matched by hash), else compile it here."""
-        import tvm_ffi
-        previous = tvm_ffi.get_global_func("tvm_callback_cuda_compile")
-
-        def compile_or_reuse(code, *rest):
-            cubin = out / f"{source_key(code)}.cubin"
-            if cubin.exists():
-                self.cubin_hits += 1
-                return bytearray(cubin.read_bytes())
-            self.cubin_misses += 1
-            return previous(code, *rest)
-
-        tvm_ffi.register_global_func("tvm_callback_cuda_compile", compile_or_reuse, override=True)
 
     # -- helpers ---------------------------------------------------------------------------------------
     def kernel(self, key: str):
@@ -882,7 +865,7 @@ def run(args) -> None:
                                        error=f"{type(exc).__name__}: {exc}"[:400]))
             print("ERROR", case["module"], runner.results[-1]["error"], flush=True)
         info["module_load_s"] = round(runner.load_seconds, 1)
-        info["cubin_hits"], info["cubin_misses"] = runner.cubin_hits, runner.cubin_misses
+        info["cubin_hits"], info["cubin_misses"] = runner.cubins.hits, len(runner.cubins.misses)
         info["skipped_for_budget"] = skipped
         runner.save(info)
     timed = [r for r in runner.results if r["kind"] == "time" and "ms" in r]
@@ -893,8 +876,8 @@ def run(args) -> None:
             print(f"  {key:<40} regs {s['registers']:>3} spill {s['spill_stores']}/{s['spill_loads']} "
                   f"stack {s['stack_frame']} HMMA {s['HMMA']} HGMMA {s.get('HGMMA', 0)} LDSM {s['LDSM']} "
                   f"LDGSTS {s['LDGSTS']} LDL {s['LDL']} STL {s['STL']}")
-    print(f"\nmodule load {runner.load_seconds:.1f} s (prebuilt cubins used {runner.cubin_hits}, "
-          f"compiled here {runner.cubin_misses}); {skipped} cases skipped for the time budget; "
+    print(f"\nmodule load {runner.load_seconds:.1f} s (prebuilt cubins used {runner.cubins.hits}, "
+          f"compiled here {len(runner.cubins.misses)}); {skipped} cases skipped for the time budget; "
           f"{info['device']}, torch {info['torch']}, commit {info['commit']}")
     print_checks(runner.results)
     print_variants(timed)

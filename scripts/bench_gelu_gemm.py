@@ -130,7 +130,6 @@ def run(args) -> None:
     import torch
     import torch.nn.functional as F
     import tvm
-    import tvm_ffi
 
     from stof_tvm.cuda_runtime import ensure_cuda_runtime
 
@@ -140,17 +139,7 @@ def run(args) -> None:
         raise RuntimeError("TVM's CUDA runtime could not be loaded")
     out = args.out
     manifest = json.loads((out / "manifest.json").read_text())
-    previous = tvm_ffi.get_global_func("tvm_callback_cuda_compile")
-    misses = []
-
-    def prebuilt(code, *rest):
-        cubin = out / f"{bl.source_key(code)}.cubin"
-        if cubin.exists():
-            return bytearray(cubin.read_bytes())
-        misses.append(bl.source_key(code))
-        return previous(code, *rest)
-
-    tvm_ffi.register_global_func("tvm_callback_cuda_compile", prebuilt, override=True)
+    misses = bl.PrebuiltCubins(out).misses   # source keys compiled here instead of prebuilt
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     rows = []

@@ -109,25 +109,6 @@ def build(args) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- run (GPU)
-def _prebuilt_cubins(out: Path) -> dict:
-    """Answer TVM's CUDA compile callback with the cubins under ``out`` (by source hash); counts hits/misses."""
-    import tvm_ffi
-
-    counts = {"hits": 0, "misses": 0}
-    previous = tvm_ffi.get_global_func("tvm_callback_cuda_compile")
-
-    def compile_or_reuse(code, *rest):
-        cubin = out / f"{bl.source_key(code)}.cubin"
-        if cubin.exists():
-            counts["hits"] += 1
-            return bytearray(cubin.read_bytes())
-        counts["misses"] += 1
-        return previous(code, *rest)
-
-    tvm_ffi.register_global_func("tvm_callback_cuda_compile", compile_or_reuse, override=True)
-    return counts
-
-
 def torch_chain(template: str):
     """The torch form of a template, on named fp16 tensors (returns the outputs as a tuple)."""
     import torch
@@ -238,7 +219,7 @@ def run(args) -> None:
                                   stdout=log, stderr=subprocess.STDOUT, text=True)
     if not ensure_cuda_runtime():
         raise RuntimeError("TVM's CUDA runtime could not be loaded")
-    counts = _prebuilt_cubins(out)
+    cubins = bl.PrebuiltCubins(out)
     torch.backends.cuda.matmul.allow_tf32 = False
     rows: list[dict] = []
     payload = {"environment": bl.environment(), "built": manifest["built"], "rows": rows}
@@ -286,11 +267,11 @@ def run(args) -> None:
               flush=True)
     if worker is not None:
         _torch_compile_rows(torch, worker, cases, pools, rows, started, args.budget)
-    payload["cubins"] = counts
+    payload["cubins"] = {"hits": cubins.hits, "misses": len(cubins.misses)}
     _summarise(rows)
     bl.write_json(json_path, payload)
     _print(rows)
-    print(f"cubins: {counts['hits']} prebuilt, {counts['misses']} compiled here; {time.time() - started:.0f} s; "
+    print(f"cubins: {cubins.hits} prebuilt, {len(cubins.misses)} compiled here; {time.time() - started:.0f} s; "
           f"JSON {json_path}")
 
 

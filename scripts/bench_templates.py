@@ -243,7 +243,6 @@ class Runner:
     def __init__(self, out: Path):
         import torch
         import tvm
-        import tvm_ffi
 
         from stof_tvm.cuda_runtime import ensure_cuda_runtime
 
@@ -251,18 +250,7 @@ class Runner:
             raise RuntimeError("TVM's CUDA runtime could not be loaded")
         self.torch, self.tvm, self.out = torch, tvm, out
         self.manifest = json.loads((out / "manifest.json").read_text())
-        self.hits = self.misses = 0
-        previous = tvm_ffi.get_global_func("tvm_callback_cuda_compile")
-
-        def compile_or_reuse(code, *rest):
-            cubin = out / f"{source_key(code)}.cubin"
-            if cubin.exists():
-                self.hits += 1
-                return bytearray(cubin.read_bytes())
-            self.misses += 1
-            return previous(code, *rest)
-
-        tvm_ffi.register_global_func("tvm_callback_cuda_compile", compile_or_reuse, override=True)
+        self.cubins = bl.PrebuiltCubins(out)
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         self.functions = {}
@@ -344,13 +332,13 @@ def run(args) -> None:
         Path(args.json).write_text(json.dumps({"results": results, "sass": sass,
                                                "meta": _meta(runner, warm_compile_s)}, indent=1))
     print_table(results)
-    print(f"module loads: prebuilt cubins {runner.hits}, compiled here {runner.misses}")
+    print(f"module loads: prebuilt cubins {runner.cubins.hits}, compiled here {len(runner.cubins.misses)}")
 
 
 def _meta(runner, warm_compile_s):
     torch = runner.torch
-    return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cubin_hits": runner.hits,
-            "cubin_misses": runner.misses, "compile_warmup_s": warm_compile_s,
+    return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cubin_hits": runner.cubins.hits,
+            "cubin_misses": len(runner.cubins.misses), "compile_warmup_s": warm_compile_s,
             "date": time.strftime("%Y-%m-%d %H:%M")}
 
 

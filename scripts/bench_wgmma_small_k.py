@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402  (the scripts' shared timing, checking and CUDA tool-chain helpers)
 import check_wgmma_gpu as common  # noqa: E402  (the export, cubin, timing and hang helpers of the wgmma checks)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,23 +138,12 @@ def torch_forms(torch, name, shape, a, w, bias):
 def run(args) -> None:
     import torch
     import tvm
-    import tvm_ffi
     from stof_tvm.cuda_runtime import ensure_cuda_runtime
 
     if not ensure_cuda_runtime():
         raise RuntimeError("TVM's CUDA runtime could not be loaded")
     common.OUT = OUT
-    previous = tvm_ffi.get_global_func("tvm_callback_cuda_compile")
-    misses = []
-
-    def prebuilt(code, *rest):
-        cubin = OUT / f"{common.source_key(code)}.cubin"
-        if cubin.exists():
-            return bytearray(cubin.read_bytes())
-        misses.append(common.source_key(code))
-        return previous(code, *rest)
-
-    tvm_ffi.register_global_func("tvm_callback_cuda_compile", prebuilt, override=True)
+    misses = bl.PrebuiltCubins(OUT).misses   # source keys compiled here instead of prebuilt
     manifest = json.loads((OUT / "manifest.json").read_text())
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"device: {torch.cuda.get_device_name()}", flush=True)

@@ -339,6 +339,33 @@ def source_key(src: str) -> str:
     return hashlib.sha256(src.encode()).hexdigest()[:24]
 
 
+class PrebuiltCubins:
+    """TVM's CUDA compile callback answered from a folder of cubins named ``<source_key>.cubin`` (what the scripts'
+    ``build`` steps wrote with nvcc here); a source without one goes to the callback registered before (NVRTC or
+    nvcc on the GPU machine). ``hits`` counts the cubins served, ``misses`` lists the source keys compiled there
+    instead (a miss means the run did not time the prebuilt binary)."""
+
+    def __init__(self, folder):
+        import tvm_ffi
+
+        self.folder = Path(folder)
+        self.hits = 0
+        self.misses: list[str] = []
+        self._previous = tvm_ffi.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
+        tvm_ffi.register_global_func("tvm_callback_cuda_compile", self._compile_or_serve, override=True)
+
+    def _compile_or_serve(self, code, *rest):
+        key = source_key(code)
+        cubin = self.folder / f"{key}.cubin"
+        if cubin.exists():
+            self.hits += 1
+            return bytearray(cubin.read_bytes())
+        self.misses.append(key)
+        if self._previous is None:
+            raise RuntimeError(f"no prebuilt cubin {cubin} and no CUDA compile callback to build it")
+        return self._previous(code, *rest)
+
+
 def ptxas_report(text: str) -> dict:
     """Registers, spill stores / loads and stack frame (bytes) from ``nvcc -Xptxas -v`` output, over every kernel
     reported (a module may hold several, e.g. split-KV attention's tile-row and merge kernels): the most

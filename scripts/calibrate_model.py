@@ -145,19 +145,12 @@ def build(args) -> None:
 def _install_cubins(out: Path) -> None:
     """Load TVM's CUDA module loader, and answer its compile callback with the prebuilt cubin of the same source
     when there is one."""
-    import tvm_ffi
 
     from stof_tvm.cuda_runtime import ensure_cuda_runtime
 
     if not ensure_cuda_runtime():
         raise RuntimeError("TVM's CUDA runtime library could not be loaded")
-    previous = tvm_ffi.get_global_func("tvm_callback_cuda_compile")
-
-    def compile_or_reuse(code, *rest):
-        cubin = out / f"{source_key(code)}.cubin"
-        return bytearray(cubin.read_bytes()) if cubin.exists() else previous(code, *rest)
-
-    tvm_ffi.register_global_func("tvm_callback_cuda_compile", compile_or_reuse, override=True)
+    bl.PrebuiltCubins(out)
 
 
 def _formats(kind: str, config: tuple, mask4: np.ndarray) -> list[np.ndarray]:

@@ -22,7 +22,6 @@ Commands::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -35,6 +34,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+import benchlib as bl  # noqa: E402  (the scripts' shared timing, checking and CUDA tool-chain helpers)
+from benchlib import source_key  # noqa: E402
 OUT = ROOT / "out" / "attn_wgmma"
 CHECK_MASKS = ("causal", "dense", "sliding", "bigbird", "random:0.3", "random_empty:0.05", "padding")
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
@@ -57,10 +58,6 @@ MODULES = {
 }
 HANG_S = 10.0            # a launch not finished by then is reported as a hang and ends the run
 GOALS_MS = {("causal", 64): 0.92, ("causal", 128): 1.77}   # issue 16: 1.1x SDPA causal on the H200
-
-
-def source_key(src: str) -> str:
-    return hashlib.sha256(src.encode()).hexdigest()[:24]
 
 
 def _spec(key):
@@ -134,23 +131,12 @@ def run(args) -> None:
     import torch
     import triton
     import tvm
-    import tvm_ffi
     from bench_attention import build_mask
     from stof_tvm.cuda_runtime import ensure_cuda_runtime
 
     if not ensure_cuda_runtime():
         raise RuntimeError("TVM's CUDA runtime could not be loaded")
-    previous = tvm_ffi.get_global_func("tvm_callback_cuda_compile")
-    misses = []
-
-    def prebuilt(code, *rest):
-        cubin = OUT / f"{source_key(code)}.cubin"
-        if cubin.exists():
-            return bytearray(cubin.read_bytes())
-        misses.append(source_key(code))
-        return previous(code, *rest)
-
-    tvm_ffi.register_global_func("tvm_callback_cuda_compile", prebuilt, override=True)
+    misses = bl.PrebuiltCubins(OUT).misses   # source keys compiled here instead of prebuilt
     manifest = json.loads((OUT / "manifest.json").read_text())
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False

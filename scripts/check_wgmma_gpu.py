@@ -208,22 +208,11 @@ def _cubin(src, path, kind, nvcc_cubin) -> dict:
 def run(args) -> None:
     import torch
     import tvm
-    import tvm_ffi
     from stof_tvm.cuda_runtime import ensure_cuda_runtime
 
     if not ensure_cuda_runtime():
         raise RuntimeError("TVM's CUDA runtime could not be loaded")
-    previous = tvm_ffi.get_global_func("tvm_callback_cuda_compile")
-    misses = []
-
-    def prebuilt(code, *rest):
-        cubin = OUT / f"{source_key(code)}.cubin"
-        if cubin.exists():
-            return bytearray(cubin.read_bytes())
-        misses.append(source_key(code))
-        return previous(code, *rest)
-
-    tvm_ffi.register_global_func("tvm_callback_cuda_compile", prebuilt, override=True)
+    misses = bl.PrebuiltCubins(OUT).misses   # source keys compiled here instead of prebuilt
     manifest = json.loads((OUT / "manifest.json").read_text())
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False

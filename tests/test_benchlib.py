@@ -187,3 +187,24 @@ def test_prune_fatbins_zeroes_other_architectures_only_where_sm90_exists():
 def test_time_ms_rejects_an_unknown_device():
     with pytest.raises(ValueError, match="device"):
         bl.time_ms(lambda: None, device="gpu")
+
+
+def test_prebuilt_cubins_serve_the_folder_and_pass_other_sources_on(tmp_path):
+    """The CUDA compile callback answers a source with ``<source_key>.cubin`` from the folder, hands any other to
+    the callback registered before it and lists that source's key as a miss; the earlier callback is put back."""
+    tvm_ffi = pytest.importorskip("tvm_ffi")
+    pytest.importorskip("tvm.support.nvcc")      # registers TVM's own callback, which the test puts back after
+    name = "tvm_callback_cuda_compile"
+    before = tvm_ffi.get_global_func(name)
+    seen = []
+    tvm_ffi.register_global_func(name, lambda code, *rest: (seen.append(code), bytearray(b"built"))[1],
+                                 override=True)
+    try:
+        (tmp_path / f"{bl.source_key('kernel A')}.cubin").write_bytes(b"prebuilt A")
+        cubins = bl.PrebuiltCubins(tmp_path)
+        callback = tvm_ffi.get_global_func(name)
+        assert bytes(callback("kernel A", "cubin", "sm_90a")) == b"prebuilt A"
+        assert bytes(callback("kernel B", "cubin", "sm_90a")) == b"built"
+        assert cubins.hits == 1 and cubins.misses == [bl.source_key("kernel B")] and seen == ["kernel B"]
+    finally:
+        tvm_ffi.register_global_func(name, before, override=True)
