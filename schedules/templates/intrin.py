@@ -17,10 +17,9 @@ then tensorizes. B may sit in shared memory as [n, k] (k contiguous: the ``nk`` 
 Names: ``stof_ldmatrix_a_<dt>``, ``stof_ldmatrix_b_<layout>_<dt>``, ``stof_mma_<dt>``,
 ``stof_mma_fill_f32``, ``stof_mma_store_f32`` with ``<dt>`` in {f16, bf16} and ``<layout>`` in {nk, kn}.
 :func:`intrin_names` returns the set a GEMM needs and registers them with TVM on first use (so does
-:func:`register_all`, which the tuning records call before a replay). Not at import: TVMScript's ``T.prim_func``
-walks the call stack with ``inspect.stack()``, and inside an import each frame of the import machinery makes
-``inspect`` rescan ``sys.modules`` (~2000 modules, torch's among them), so building these 20 PrimFuncs while the
-templates were imported took ~20 CPU-s of every fresh compile; called from a function they take under 1 s.
+:func:`register_all`, which the tuning records call before a replay). Not at import: a process that imports the
+templates but builds no mma.sync GEMM (llvm, wgmma-only builds) does not parse these 20 PrimFuncs (before
+:mod:`stof_tvm.tvmscript_macros` made TVMScript's frame walk cheap inside imports, that parse cost ~20 CPU-s).
 The block-wise attention kernel can use the same intrinsics for its Q*K^T (B = K as [n, k]) and P*V
 (B = V as [k, n]) products.
 """

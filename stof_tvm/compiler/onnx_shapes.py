@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-# float initializers with at least this many elements are weights (onnx_import.WEIGHT_MIN_ELEMENTS)
+# float initializers with at least this many elements are weights (kept as module parameters by onnx_import)
 WEIGHT_MIN_ELEMENTS = 1 << 16
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 
