@@ -63,6 +63,7 @@ import tvm
 from tvm.script import tirx as T
 
 from .attention_blockwise import BlockConfig, blockwise_attention_primfunc
+from .tensor_maps import encode_tensor_map, panel_map
 from .templates.wgmma_kernel import (ALIGN, CONSUMER_REGS, PRODUCER_REGS, PTX_TYPE, SWIZZLE_128B, descriptor,
                                      swizzled, wait_parity)
 
@@ -76,6 +77,9 @@ OUT_LAYOUTS = ("bhsd", "bshd")
 BLOCK_M = 128            # default tile rows: two consumer warpgroups x 64 query rows
 CONSUMER_CHOICES = (2, 3)
 BLOCK_N_CHOICES = (64, 128)
+# How the producer fills shared memory: 16-byte cp.async from all its 128 threads, or TMA (one thread: tensor maps
+# encoded on the host at each call, cp.async.bulk for the bitmap words)
+LOAD_CHOICES = ("cp.async", "tma")
 WG = 128
 # setmaxnreg (producer, consumer) per consumer count: one block holds the whole register file (65536). Two
 # consumers: 168 at launch, 40 + 2 x 232; three: 128 at launch, 32 + 3 x 160 (FlashAttention-3's D=64 split).
@@ -94,14 +98,19 @@ class WgmmaAttentionConfig:
     (consumers take turns issuing their products), ``persistent`` (one block per SM walking work items, so the
     producer loads the next item's first tiles and Q under this item's last products and epilogue),
     ``consumers`` (consumer warpgroups of 64 query rows each: 3 at head dim 64 shares each K/V tile among 192
-    queries and leaves two other consumers' products to hide one's softmax under). The tiled format must be
-    built at ``block_m x block_n`` (``block_m = 64 * consumers``)."""
+    queries and leaves two other consumers' products to hide one's softmax under), ``loads`` (``"cp.async"``: every
+    producer thread copies 16-byte chunks and arrives on the slot's mbarrier, the consumers fence the generic proxy
+    before each turn's products; ``"tma"``: one producer thread issues TMA copies from tensor maps encoded on the
+    host at each call, and the bitmap words with one ``cp.async.bulk``, all completing on the slot's mbarrier by
+    transaction bytes, so the consumers need no proxy fence). The tiled format must be built at
+    ``block_m x block_n`` (``block_m = 64 * consumers``)."""
 
     block_n: int = 128
     stages: int = 2
     pingpong: bool = True
     persistent: bool = False
     consumers: int = 2
+    loads: str = "cp.async"
 
     @property
     def block_m(self) -> int:
@@ -120,6 +129,8 @@ class WgmmaAttentionConfig:
         for name in ("pingpong", "persistent"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.loads, str) or self.loads not in LOAD_CHOICES:
+            raise ValueError(f"loads must be one of {LOAD_CHOICES}, got {self.loads!r}")
         if self.shared_bytes(head_dim) > 227 * 1024:
             raise ValueError(f"{self} needs {self.shared_bytes(head_dim)} bytes of shared memory at head_dim "
                              f"{head_dim}, more than the 227 KiB of sm_90")
@@ -295,6 +306,14 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     MMA_PV = T.ptx[f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}"]
     PACK = T.ptx[f"cvt.rn.{ab}x2.f32"]
     CP_ASYNC_16 = T.ptx["cp.async.cg.shared.global"]
+    TMA = cfg.loads == "tma"
+    # arrivals completing a full mbarrier's phase: every producer thread's (cp.async), or the issuing thread's
+    # arrive.expect_tx, the phase then waiting for the copies' transaction bytes too (TMA)
+    FULL_ARRIVALS = 1 if TMA else WG
+    Q_MAP, KV_MAP = (panel_map(B * H, SQ, D, BM, DT), panel_map(B * H, SK, D, BN, DT)) if TMA else (None, None)
+    TMA_3D = T.ptx["cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"]
+    BULK = T.ptx["cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"]
+    EXPECT_TX = T.ptx["mbarrier.arrive.expect_tx.shared::cta.b64"]
     EX2 = T.ptx["ex2.approx.ftz.f32"]
     OUT_SHAPE = (B, SQ, H, D) if bshd else (B, H, SQ, D)
 
@@ -316,54 +335,88 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
         return ((b * H + h) * SQ + row) * (D // 2) + col // 2
 
     @T.macro
-    def load_q(q, base, b, h, tr, wt):
-        for it in T.unroll(Q_ITERS):
-            row: T.let = (it * WG + wt) // CPR
-            ch: T.let = (it * WG + wt) % CPR
-            qrow: T.let = tr * BM + row
-            CP_ASYNC_16(base + T.Cast("uint32", (ch // 8) * Q_PANEL + swizzled(row, ch % 8)),
-                        T.address_of(q[b, h, T.min(qrow, SQ - 1), ch * 8]), 16,
-                        T.Cast("uint32", T.Select(qrow < SQ, 16, 0)))
-        T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](q_bar(base))
+    def tma_rows(tmap, dst, panel_bytes, row0, bh, bar):
+        """TMA: rows ``row0 ..`` of (batch x head) ``bh`` into the 64-column panels at ``dst``, one box per panel
+        (rows past the operand's end zero-filled), completing on mbarrier ``bar``."""
+        for p in T.unroll(D // PANEL_COLS):
+            TMA_3D(dst + T.uint32(p * panel_bytes), T.address_of(tmap), T.int32(p * PANEL_COLS), row0, bh, bar)
 
     @T.macro
-    def load_kv(src, dst_off, base, b, h, col, gt, wt):
-        """K or V rows of column tile ``col`` into block tile ``gt``'s slot (keys >= Sk zero-filled)."""
-        for it in T.unroll(KV_ITERS):
-            row: T.let = (it * WG + wt) // CPR
-            ch: T.let = (it * WG + wt) % CPR
-            key: T.let = col * BN + row
-            CP_ASYNC_16(base + T.Cast("uint32", dst_off + (gt % ST) * KV_BYTES + (ch // 8) * KV_PANEL
-                                      + swizzled(row, ch % 8)),
-                        T.address_of(src[b, h, T.min(key, SK - 1), ch * 8]), 16,
-                        T.Cast("uint32", T.Select(key < SK, 16, 0)))
+    def load_q(q, q_map, base, b, h, tr, wt):
+        if TMA:
+            EXPECT_TX(q_bar(base), T.uint32(Q_MAP.box_bytes * (D // PANEL_COLS)))
+            tma_rows(q_map, base, Q_PANEL, tr * BM, b * H + h, q_bar(base))
+        else:
+            for it in T.unroll(Q_ITERS):
+                row: T.let = (it * WG + wt) // CPR
+                ch: T.let = (it * WG + wt) % CPR
+                qrow: T.let = tr * BM + row
+                CP_ASYNC_16(base + T.Cast("uint32", (ch // 8) * Q_PANEL + swizzled(row, ch % 8)),
+                            T.address_of(q[b, h, T.min(qrow, SQ - 1), ch * 8]), 16,
+                            T.Cast("uint32", T.Select(qrow < SQ, 16, 0)))
+            T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](q_bar(base))
 
     @T.macro
-    def producer(q, k, v, full_indices, part_indices, part_bitmaps, base, flag, b, h, tr, wt, n_tiles,
+    def load_kv(src, src_map, dst_off, base, b, h, col, gt, wt, bar):
+        """K or V rows of column tile ``col`` into block tile ``gt``'s slot (keys >= Sk zero-filled); TMA: completing
+        on ``bar``."""
+        if TMA:
+            tma_rows(src_map, base + T.Cast("uint32", dst_off + (gt % ST) * KV_BYTES), KV_PANEL, col * BN,
+                     b * H + h, bar)
+        else:
+            for it in T.unroll(KV_ITERS):
+                row: T.let = (it * WG + wt) // CPR
+                ch: T.let = (it * WG + wt) % CPR
+                key: T.let = col * BN + row
+                CP_ASYNC_16(base + T.Cast("uint32", dst_off + (gt % ST) * KV_BYTES + (ch // 8) * KV_PANEL
+                                          + swizzled(row, ch % 8)),
+                            T.address_of(src[b, h, T.min(key, SK - 1), ch * 8]), 16,
+                            T.Cast("uint32", T.Select(key < SK, 16, 0)))
+
+    @T.macro
+    def load_bitmap(part_bitmaps, base, p, gt, wt):
+        """The bitmap words of partial tile ``p`` into block tile ``gt``'s slot: 16 bytes a producer thread, or one
+        bulk copy completing on the K slot's mbarrier (TMA)."""
+        if TMA:
+            BULK(base + T.Cast("uint32", M_OFF + (gt % ST) * MW_BYTES), T.address_of(part_bitmaps[p, 0, 0]),
+                 T.uint32(MW_BYTES), ring_bar(base, 0, gt))
+        else:
+            for it in T.unroll(M_ITERS):
+                if it * WG + wt < MW_CHUNKS:
+                    CP_ASYNC_16(base + T.Cast("uint32", M_OFF + (gt % ST) * MW_BYTES + (it * WG + wt) * 16),
+                                T.address_of(part_bitmaps[p, ((it * WG + wt) * 2) // NJ, ((it * WG + wt) * 2) % NJ]),
+                                16, T.uint32(16))
+
+    @T.macro
+    def producer(q, k, v, maps, full_indices, part_indices, part_bitmaps, base, flag, b, h, tr, wt, n_tiles,
                  n_part_row, p0, f0, g0, jq):
         """One work item's copies: its Q tile, once the consumers have read the previous item's (``jq``: the block's
-        items with tiles before this one), then its tiles into the rings (block tiles g0 ..)."""
+        items with tiles before this one), then its tiles into the rings (block tiles g0 ..). ``maps``: the Q, K
+        and V tensor maps (TMA)."""
         if n_tiles > 0:
             if jq > 0:
                 wait_parity(flag, q_bar(base, 1), T.Cast("uint32", (jq - 1) % 2))
-            load_q(q, base, b, h, tr, wt)
+            load_q(q, maps[0], base, b, h, tr, wt)
         for t in range(n_tiles):
             gt: T.let = g0 + t
             col: T.let = T.if_then_else(t < n_part_row, part_indices[p0 + t], full_indices[f0 + t - n_part_row])
             if gt >= ST:
                 wait_parity(flag, ring_bar(base, 1, gt), T.Cast("uint32", (gt // ST - 1) % 2))
-            load_kv(k, K_OFF, base, b, h, col, gt, wt)
+            if TMA:
+                EXPECT_TX(ring_bar(base, 0, gt), T.Cast("uint32", T.Select(t < n_part_row, KV_BYTES + MW_BYTES,
+                                                                           KV_BYTES)))
+            load_kv(k, maps[1], K_OFF, base, b, h, col, gt, wt, ring_bar(base, 0, gt))
             if t < n_part_row:
-                for it in T.unroll(M_ITERS):
-                    if it * WG + wt < MW_CHUNKS:
-                        CP_ASYNC_16(base + T.Cast("uint32", M_OFF + (gt % ST) * MW_BYTES + (it * WG + wt) * 16),
-                                    T.address_of(part_bitmaps[p0 + t, ((it * WG + wt) * 2) // NJ,
-                                                              ((it * WG + wt) * 2) % NJ]), 16, T.uint32(16))
-            T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](ring_bar(base, 0, gt))
+                load_bitmap(part_bitmaps, base, p0 + t, gt, wt)
+            if not TMA:
+                T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](ring_bar(base, 0, gt))
             if gt >= ST:
                 wait_parity(flag, ring_bar(base, 3, gt), T.Cast("uint32", (gt // ST - 1) % 2))
-            load_kv(v, V_OFF, base, b, h, col, gt, wt)
-            T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](ring_bar(base, 2, gt))
+            if TMA:
+                EXPECT_TX(ring_bar(base, 2, gt), T.uint32(KV_BYTES))
+            load_kv(v, maps[2], V_OFF, base, b, h, col, gt, wt, ring_bar(base, 2, gt))
+            if not TMA:
+                T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](ring_bar(base, 2, gt))
 
     @T.macro
     def turn_start(o_acc, corr, c, rescale, wait_turn, compute):
@@ -481,7 +534,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
         phases and turns count on them)."""
         wait_parity(flag, q_bar(base), T.Cast("uint32", jq % 2))
         wait_parity(flag, ring_bar(base, 0, g0), phase(g0))
-        if compute:
+        if compute and not TMA:
             T.ptx["fence.proxy.async.shared::cta"]()
         turn_start(o_acc, corr, c, False, c != 0 or started[0] != 0, compute)
         started[0] = 1
@@ -499,7 +552,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
             gi: T.let = g0 + i
             wait_parity(flag, ring_bar(base, 0, gi), phase(gi))
             wait_parity(flag, ring_bar(base, 2, gi - 1), phase(gi - 1))
-            if compute:
+            if compute and not TMA:
                 T.ptx["fence.proxy.async.shared::cta"]()
             turn_start(o_acc, corr, c, compute, True, compute)
             if compute:
@@ -515,7 +568,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
             if compute:
                 pack_p(s_acc, p_frag)
         wait_parity(flag, ring_bar(base, 2, g0 + n_tiles - 1), phase(g0 + n_tiles - 1))
-        if compute:
+        if compute and not TMA:
             T.ptx["fence.proxy.async.shared::cta"]()
         turn_start(o_acc, corr, c, compute, True, compute)
         if compute:
@@ -525,7 +578,24 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
         T.ptx["mbarrier.arrive.shared::cta.b64"](q_bar(base, 1))    # this item's Q is no longer read
 
     @T.macro
-    def body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, out):
+    def produce_all(q, k, v, maps, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, base, flag,
+                    done, bx, wt):
+        """Every work item of block ``bx``, in order."""
+        for j in range(ROUNDS):
+            if work_item(bx, j)[0]:
+                b: T.let = work_item(bx, j)[1] // H
+                h: T.let = work_item(bx, j)[1] % H
+                tr: T.let = work_item(bx, j)[2]
+                r: T.let = (b * GB + h * GH) * TR + tr
+                n_part_row: T.let = part_indptr[r + 1] - part_indptr[r]
+                n_tiles: T.let = n_part_row + full_indptr[r + 1] - full_indptr[r]
+                producer(q, k, v, maps, full_indices, part_indices, part_bitmaps, base, flag, b, h, tr, wt,
+                         n_tiles, n_part_row, part_indptr[r], full_indptr[r], done[0], done[1])
+                done[0] = done[0] + n_tiles
+                done[1] = done[1] + T.Select(n_tiles > 0, 1, 0)
+
+    @T.macro
+    def body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, out, maps):
         for bx in T.thread_binding(GRID, thread="blockIdx.x"):
             for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
                 smem = T.alloc_buffer((SMEM_WORDS,), "uint32", scope="shared.dyn")
@@ -547,12 +617,12 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                 base: T.let = T.bitwise_and(raw + T.uint32(ALIGN - 1), T.uint32(0xFFFFFFFF - (ALIGN - 1)))
                 wg: T.let = tx // WG
                 if tx == 0:
-                    T.ptx["mbarrier.init.shared::cta.b64"](q_bar(base), T.uint32(WG))
+                    T.ptx["mbarrier.init.shared::cta.b64"](q_bar(base), T.uint32(FULL_ARRIVALS))
                     T.ptx["mbarrier.init.shared::cta.b64"](q_bar(base, 1), T.uint32(NC * WG))
                     for s in T.unroll(ST):
-                        T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 0, s), T.uint32(WG))
+                        T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 0, s), T.uint32(FULL_ARRIVALS))
                         T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 1, s), T.uint32(NC * WG))
-                        T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 2, s), T.uint32(WG))
+                        T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 2, s), T.uint32(FULL_ARRIVALS))
                         T.ptx["mbarrier.init.shared::cta.b64"](ring_bar(base, 3, s), T.uint32(NC * WG))
                     T.ptx["fence.mbarrier_init.release.cluster"]()
                 T.tvm_storage_sync("shared")
@@ -560,18 +630,16 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                 done[1] = 0
                 if wg == 0:
                     T.ptx["setmaxnreg.dec.sync.aligned.u32"](P_REGS)
-                    for j in range(ROUNDS):
-                        if work_item(bx, j)[0]:
-                            b: T.let = work_item(bx, j)[1] // H
-                            h: T.let = work_item(bx, j)[1] % H
-                            tr: T.let = work_item(bx, j)[2]
-                            r: T.let = (b * GB + h * GH) * TR + tr
-                            n_part_row: T.let = part_indptr[r + 1] - part_indptr[r]
-                            n_tiles: T.let = n_part_row + full_indptr[r + 1] - full_indptr[r]
-                            producer(q, k, v, full_indices, part_indices, part_bitmaps, base, flag, b, h, tr, tx % WG,
-                                     n_tiles, n_part_row, part_indptr[r], full_indptr[r], done[0], done[1])
-                            done[0] = done[0] + n_tiles
-                            done[1] = done[1] + T.Select(n_tiles > 0, 1, 0)
+                    if TMA:
+                        if tx == 0:          # one thread issues every copy
+                            T.ptx["prefetch.tensormap"](T.address_of(maps[0]))
+                            T.ptx["prefetch.tensormap"](T.address_of(maps[1]))
+                            T.ptx["prefetch.tensormap"](T.address_of(maps[2]))
+                            produce_all(q, k, v, maps, full_indptr, full_indices, part_indptr, part_indices,
+                                        part_bitmaps, base, flag, done, bx, tx)
+                    else:
+                        produce_all(q, k, v, maps, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps,
+                                    base, flag, done, bx, tx % WG)
                 else:
                     T.ptx["setmaxnreg.inc.sync.aligned.u32"](C_REGS)
                     c: T.let = wg - 1
@@ -628,6 +696,17 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
         part_indices = T.match_buffer(part_indices_h, (n_part,), "int32")
         part_bitmaps = T.match_buffer(part_bitmaps_h, (n_part, BM // 8, BN // 8), "uint64")
         out = T.match_buffer(out_h, OUT_SHAPE, DT)
-        body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, out)
+        if TMA:
+            # encoded on the host at each call, from the operands' real addresses (view offsets included)
+            q_map: T.let = T.tvm_stack_alloca("tensormap", 1)
+            k_map: T.let = T.tvm_stack_alloca("tensormap", 1)
+            v_map: T.let = T.tvm_stack_alloca("tensormap", 1)
+            T.evaluate(encode_tensor_map(q_map, T.address_of(q[0, 0, 0, 0]), Q_MAP))
+            T.evaluate(encode_tensor_map(k_map, T.address_of(k[0, 0, 0, 0]), KV_MAP))
+            T.evaluate(encode_tensor_map(v_map, T.address_of(v[0, 0, 0, 0]), KV_MAP))
+            body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, out,
+                 (q_map, k_map, v_map))
+        else:
+            body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, out, (None, None, None))
 
     return wgmma_attention
