@@ -14,6 +14,9 @@ Three steps:
    model's top choice is within 10% of the measured best, and how often the chosen kernel *kind* is within 10%
    of the faster kind, for the model (default and fitted constants) and for STOF's rule. ``--write FILE`` saves
    the fitted constants (``Calibration.load`` reads them).
+4. ``fit-wgmma`` (here): the Hopper wgmma kernel's own constants (``wgmma_*``) from ``scripts/bench_attention.py``
+   JSON (its ``time`` rows of family ``wgmma``, current tree only: no ``variant`` builds, no persistent grids,
+   which are not candidates), the other constants as they are.
 
 Grid: STOF's masks (causal, sliding, longformer, bigbird) x B {1, 8, 16} x S {128 .. 4096}, H=12, D=64, fp16,
 plus masks where gathering rows should win (random 1% and 0.1%, dilated) at B=8, S {1024, 4096}.
@@ -21,6 +24,7 @@ plus masks where gathering rows should win (random 1% and 0.1%, dilated) at B=8,
     python scripts/calibrate_model.py build --out out/calib
     python3 scripts/calibrate_model.py run --out out/calib --json $OUT/calib.json       # on the GPU machine
     python scripts/calibrate_model.py fit --json calib.json --write out/calib/constants.json
+    python scripts/calibrate_model.py fit-wgmma --json /work/.device/5/s7causal.json /work/.device/1/issue16.json
 """
 from __future__ import annotations
 
@@ -343,6 +347,73 @@ def fit(args) -> None:
         Path(args.report).write_text(json.dumps(report, indent=1))
 
 
+WGMMA_CONSTANTS = ("wgmma_attn_tc_eff", "wgmma_softmax_ops", "wgmma_tile_cycles", "wgmma_item_cycles",
+                   "wgmma_stage_gain")
+WGMMA_BOUNDS = ((0.8, 0.0, 0.0, 0.0, 0.0), (1.5, 20.0, 5000.0, 50000.0, 0.5))
+
+
+def wgmma_timings(paths) -> list[tuple[dict, float]]:
+    """``[(row, ms)]``: the checked wgmma timings of bench_attention JSON files built from the current tree
+    (rows of ``variant`` builds and persistent grids left out), repeated measurements of one case averaged."""
+    cases: dict[tuple, list] = {}
+    for path in paths:
+        for r in json.loads(Path(path).read_text())["results"]:
+            variant = r.get("variant") or "x" not in r["module"].rsplit("_", 1)[-1]   # e.g. ..._order80670e1
+            if r["kind"] != "time" or r["family"] != "wgmma" or not r["ok"] or variant or r["config"][3]:
+                continue
+            key = (r["mask"], r["batch"], r["heads"], r["seq"], r["head_dim"], r["dtype"], tuple(r["config"]))
+            cases.setdefault(key, []).append(r)
+    return [(rows[0], float(np.mean([r["ms"] for r in rows]))) for _, rows in sorted(cases.items())]
+
+
+def _wgmma_case(row: dict):
+    from stof_tvm.cost_model import AttentionCandidate, AttentionProblem
+    from stof_tvm.schedules.attention_wgmma import WgmmaAttentionConfig
+
+    block_n, stages, pingpong, persistent, *consumers = row["config"]
+    config = WgmmaAttentionConfig(block_n=block_n, stages=stages, pingpong=pingpong, persistent=persistent,
+                                  consumers=consumers[0] if consumers else 2)
+    problem = AttentionProblem.build(row["mask"], batch=row["batch"], heads=row["heads"], seq_len=row["seq"],
+                                     head_dim=row["head_dim"], dtype=row["dtype"])
+    return problem, AttentionCandidate("wgmma", config)
+
+
+def fit_wgmma(args) -> None:
+    """Least squares on log(predicted / measured) over the wgmma timings; prints each case and the constants."""
+    from scipy.optimize import least_squares
+
+    from stof_tvm.cost_model import DEFAULT_CALIBRATION, attention_work, predict
+    from stof_tvm.hardware import H200
+
+    timings = wgmma_timings(args.json)
+    cases = [(_wgmma_case(row), ms) for row, ms in timings]
+    masks = [row["mask"] for row, _ in timings]
+
+    def calibration(theta):
+        return DEFAULT_CALIBRATION.replace(**{k: float(v) for k, v in zip(WGMMA_CONSTANTS, theta)})
+
+    def predicted_ms(cal):
+        return np.array([predict(attention_work(p, c, cal), H200, cal).time_s * 1e3 for (p, c), _ in cases])
+
+    measured = np.array([ms for _, ms in cases])
+    start = np.array([getattr(DEFAULT_CALIBRATION, k) for k in WGMMA_CONSTANTS])
+    lower, upper = (np.array(b) for b in WGMMA_BOUNDS)
+    solution = least_squares(lambda th: np.log(predicted_ms(calibration(th)) / measured),
+                             np.clip(start, lower, upper), bounds=(lower, upper), x_scale="jac",
+                             max_nfev=args.max_evals)
+    fitted = calibration(solution.x)
+    before, after = predicted_ms(DEFAULT_CALIBRATION), predicted_ms(fitted)
+    rms = [float(np.sqrt(np.mean(np.log(p / measured) ** 2))) for p in (before, after)]
+    print(f"wgmma fit over {len(cases)} cases: rms log error {rms[0]:.3f} -> {rms[1]:.3f}")
+    for ((problem, cand), ms), p0, p1, mask in zip(cases, before, after, masks):
+        print(f"  {mask:>8} B={problem.batch:<2} H={problem.heads:<2} S={problem.seq_q:<5} "
+              f"D={problem.head_dim:<3} {str(cand):<36} measured {ms:.3f} ms  predicted {p0:.3f} -> {p1:.3f}")
+    constants = {k: round(float(getattr(fitted, k)), 4) for k in WGMMA_CONSTANTS}
+    print("fitted constants:", json.dumps(constants))
+    if args.write:
+        Path(args.write).write_text(json.dumps(constants, indent=2))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="step", required=True)
@@ -358,8 +429,12 @@ def main(argv=None) -> None:
     f.add_argument("--write", help="write the fitted constants to this JSON file")
     f.add_argument("--report", help="write the full report (per point) to this JSON file")
     f.add_argument("--max-evals", type=int, default=60)
+    w = sub.add_parser("fit-wgmma", help="fit the wgmma attention kernel's constants (here)")
+    w.add_argument("--json", nargs="+", required=True, help="bench_attention.py JSON files")
+    w.add_argument("--write", help="write the fitted constants to this JSON file")
+    w.add_argument("--max-evals", type=int, default=200)
     args = parser.parse_args(argv)
-    {"build": build, "run": run, "fit": fit}[args.step](args)
+    {"build": build, "run": run, "fit": fit, "fit-wgmma": fit_wgmma}[args.step](args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Sparse multi-head attention as a Python API: ``sparse_attention`` and the plan-once/run-many ``AttentionPlan``.
 
 The data flow is design.md's: mask (any form :func:`stof_tvm.make_mask` / :func:`normalize_mask` accepts) ->
-normalised ``[Bm, Hm, Sq, Sk]`` mask -> kernel choice (:func:`choose_kernel`) -> sparse format (row-compressed
+normalised ``[Bm, Hm, Sq, Sk]`` mask -> kernel choice (:func:`decide_kernel`) -> sparse format (row-compressed
 or tiled) -> compiled TensorIR kernel (cached per problem, kernel, configuration and target) -> run.
 
 Inputs are ``[B, H, S, D]`` numpy arrays or torch tensors (float16 or bfloat16; float32 too on the CPU). A torch
@@ -28,10 +28,10 @@ from stof_tvm.sparse_formats.rows import build_rows
 from stof_tvm.sparse_formats.stats import mask_stats, stof_rule
 from stof_tvm.sparse_formats.tiled import build_tiled
 
-__all__ = ["sparse_attention", "AttentionPlan", "choose_kernel", "choose_kernel_config", "resolve_target", "KERNELS",
-           "clear_kernel_cache"]
+__all__ = ["sparse_attention", "AttentionPlan", "choose_kernel", "choose_kernel_config", "decide_kernel", "is_hopper",
+           "resolve_target", "KERNELS", "clear_kernel_cache"]
 
-KERNELS = ("auto", "row", "block", "wgmma")   # "wgmma": opt-in Hopper block-wise kernel (sm_90a), never "auto"
+KERNELS = ("auto", "row", "block", "wgmma")   # "wgmma": the Hopper block-wise kernel (sm_90 targets, built for sm_90a)
 _SYMBOLS = {"row": "rowwise_attention", "block": "blockwise_attention", "wgmma": "wgmma_attention"}
 _CUDA_DTYPES = ("float16", "bfloat16")
 _CPU_DTYPES = ("float16", "bfloat16", "float32")
@@ -60,31 +60,55 @@ class Problem:
 # Kernel choice and targets
 
 def choose_kernel_config(mask: np.ndarray, *, batch: int, heads: int, head_dim: int, dtype: str,
-                         target_kind: str):
-    """Pick the kernel (``"row"`` or ``"block"``) and its configuration for a normalised ``[Bm, Hm, Sq, Sk]`` mask.
+                         target_kind: str, target_arch: str | None = None):
+    """Pick the kernel (``"row"``, ``"block"`` or ``"wgmma"``) and its configuration for a normalised
+    ``[Bm, Hm, Sq, Sk]`` mask: :func:`decide_kernel`'s pick without its reason."""
+    kind, config, _ = decide_kernel(mask, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
+                                    target_kind=target_kind, target_arch=target_arch)
+    return kind, config
 
-    On CUDA this is the analytical model (:mod:`stof_tvm.cost_model`, constants calibrated on the H200): the
-    fastest predicted kernel and configuration for this problem on the present GPU (the H200 profile when none
-    is present). On the CPU, whose speed the model does not describe, STOF's rule (design.md 1A) picks the
-    kind and the configuration is ``None`` (the kernel's default). float32 (CPU only) has only the row-wise
-    kernel.
+
+def is_hopper(target_arch) -> bool:
+    """The CUDA architectures the wgmma kernel is built for (sm_90 targets build it for sm_90a)."""
+    return str(target_arch) in ("sm_90", "sm_90a")
+
+
+def decide_kernel(mask: np.ndarray, *, batch: int, heads: int, head_dim: int, dtype: str, target_kind: str,
+                  target_arch: str | None = None, no_wgmma: str | None = None) -> tuple[str, object, str]:
+    """``(kind, configuration, reason)`` for a normalised ``[Bm, Hm, Sq, Sk]`` mask.
+
+    On CUDA this is the analytical model (:func:`stof_tvm.cost_model.decide_attention`, constants calibrated on
+    the H200): the fastest predicted kernel and configuration on the present GPU (the H200 profile when none is
+    present). The Hopper wgmma kernel is a candidate on sm_90 / sm_90a targets (``target_arch``) for the head
+    dims and dtypes it takes, unless ``no_wgmma`` gives a reason it cannot serve this call (the compile path's
+    score bias); the reason says which kernel won and by how much. On the CPU, whose speed the model does not
+    describe, STOF's rule (design.md 1A) picks the kind and the configuration is ``None`` (the kernel's default).
+    float32 (CPU only) has only the row-wise kernel.
     """
     if dtype not in _CUDA_DTYPES:
-        return "row", None
+        return "row", None, "the row-wise kernel: the only one for float32"
     if target_kind != "cuda":
-        return stof_rule(mask_stats(mask, tile_shapes=((16, 16),))), None
-    from stof_tvm.cost_model import AttentionProblem, MaskProfile, choose_attention
+        return (stof_rule(mask_stats(mask, tile_shapes=((16, 16),))), None,
+                "chosen from the mask by STOF's rule (the CPU has no speed model); default configuration")
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile, decide_attention
     from stof_tvm.hardware import detect
 
     problem = AttentionProblem(batch=batch, heads=heads, head_dim=head_dim, dtype=dtype, mask=MaskProfile(mask))
-    best = choose_attention(problem, detect())
-    return best.candidate.kind, best.candidate.config
+    wgmma = is_hopper(target_arch) and no_wgmma is None
+    decision = decide_attention(problem, detect(), kinds=("block", "row", "wgmma") if wgmma else ("block", "row"))
+    reason = decision.reason
+    if no_wgmma is not None and is_hopper(target_arch):
+        reason += f"; not the wgmma kernel: {no_wgmma}"
+    elif not wgmma:
+        reason += f"; the wgmma kernel needs an sm_90 / sm_90a target (this one: {target_arch})"
+    return decision.best.candidate.kind, decision.best.candidate.config, reason
 
 
-def choose_kernel(mask: np.ndarray, *, batch: int, heads: int, head_dim: int, dtype: str, target_kind: str) -> str:
+def choose_kernel(mask: np.ndarray, *, batch: int, heads: int, head_dim: int, dtype: str, target_kind: str,
+                  target_arch: str | None = None) -> str:
     """The kernel kind :func:`choose_kernel_config` picks."""
     return choose_kernel_config(mask, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
-                                target_kind=target_kind)[0]
+                                target_kind=target_kind, target_arch=target_arch)[0]
 
 
 def resolve_target(target=None):
@@ -245,16 +269,18 @@ class AttentionPlan:
         shape: the shape of q, ``(B, H, Sq, D)``.
         dtype: "float16" or "bfloat16" ("float32" too on the CPU); q, k, v and the output share it.
         seq_k: key/value length (default Sq).
-        kernel: "auto" (:func:`choose_kernel`), "row", "block" or "wgmma" (opt-in: the block-wise kernel on
-            Hopper wgmma, :mod:`stof_tvm.schedules.attention_wgmma`; CUDA sm_90 targets, built for sm_90a).
+        kernel: "auto" (:func:`decide_kernel`: on CUDA sm_90 targets the Hopper wgmma kernel where the model
+            predicts it faster), "row", "block" or "wgmma" (the block-wise kernel on Hopper wgmma,
+            :mod:`stof_tvm.schedules.attention_wgmma`; CUDA sm_90 targets, built for sm_90a).
         target: None (cuda if a GPU is present, else llvm), "cuda", "llvm", a target dict or a tvm Target.
             A CUDA plan can be built without a GPU (to :meth:`save` it), but not run.
         scale: softmax scale, default 1/sqrt(D).
         config: kernel configuration (``RowConfig`` / ``BlockConfig`` / ``WgmmaAttentionConfig``), default the
             kernel's own.
 
-    Attributes: ``kernel`` ("row"/"block"), ``problem`` (:class:`Problem`), ``target`` (the target as a dict),
-    ``config`` (a dict in loaded plans).
+    Attributes: ``kernel`` ("row"/"block"/"wgmma"), ``reason`` (why that kernel: the model's predictions, or
+    "requested"), ``problem`` (:class:`Problem`), ``target`` (the target as a dict), ``config`` (a dict in
+    loaded plans).
     """
 
     def __init__(self, mask, shape, dtype, *, seq_k=None, kernel="auto", target=None, scale=None, config=None):
@@ -282,9 +308,11 @@ class AttentionPlan:
         self.problem = Problem(batch, heads, seq_q, seq_k, head_dim, dtype, mask4.shape[0], mask4.shape[1],
                                float(scale))
         chosen = None
+        self.reason = "requested"
         if kernel == "auto":
-            kernel, chosen = choose_kernel_config(mask4, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
-                                                  target_kind=kind)
+            kernel, chosen, self.reason = decide_kernel(mask4, batch=batch, heads=heads, head_dim=head_dim,
+                                                        dtype=dtype, target_kind=kind,
+                                                        target_arch=json.loads(str(resolved)).get("arch"))
         if kernel in ("block", "wgmma") and dtype == "float32":
             raise TypeError(f"the {kernel} kernel supports float16 and bfloat16, not float32")
         if kernel == "wgmma":
@@ -382,7 +410,8 @@ class AttentionPlan:
         self._module.export_library(os.path.join(path, _LIBRARY))
         for index, array in enumerate(self._formats):
             np.save(os.path.join(path, f"format{index}.npy"), array, allow_pickle=False)
-        description = {"kernel": self.kernel, "problem": asdict(self.problem), "target": self.target,
+        description = {"kernel": self.kernel, "reason": self.reason, "problem": asdict(self.problem),
+                       "target": self.target,
                        "config": asdict(self.config), "formats": len(self._formats)}
         with open(os.path.join(path, _PLAN_FILE), "w") as f:
             json.dump(description, f, indent=2, default=str)
@@ -400,6 +429,7 @@ class AttentionPlan:
         plan = cls.__new__(cls)
         plan.problem = Problem(**description["problem"])
         plan.kernel = description["kernel"]
+        plan.reason = description.get("reason", "")
         plan.target = description["target"]
         plan.config = description["config"]
         plan._target_kind = description["target"]["kind"]

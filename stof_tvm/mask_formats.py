@@ -39,8 +39,10 @@ def format_arrays(manifest: dict, mask4d: np.ndarray) -> list[np.ndarray]:
     if kind == "row":
         fmt = build_rows(mask4d)
         return [fmt.indptr, _at_least_one(fmt.indices)]
-    config = manifest["attention"]["kernel"]["config"]
-    fmt = build_tiled(mask4d, config["block_m"], config["block_n"])
+    kernel = manifest["attention"]["kernel"]
+    config = kernel["config"]
+    block_m, block_n = kernel["tile"] if "tile" in kernel else (config["block_m"], config["block_n"])
+    fmt = build_tiled(mask4d, block_m, block_n)
     return [fmt.full_indptr, _at_least_one(fmt.full_indices), fmt.part_indptr,
             _at_least_one(fmt.part_indices), _at_least_one(fmt.part_bitmaps)]
 

@@ -16,8 +16,8 @@ Steps, data flowing one way:
    transform is lifted so that weight concatenations and transposes run once at load;
 6. fuse, apply tuning records (read through :mod:`stof_tvm.records`; tuning first is :mod:`stof_tvm.workflow`'s,
    above this package), schedule the rest with dlight, build (:mod:`.pipeline`); with ``gemm="wgmma"``
-   the CUDA code is also compiled here by nvcc for sm_90a and the cubins travel in the artifact
-   (:mod:`.cubins`).
+   or the wgmma attention kernel the CUDA code is also compiled here by nvcc for sm_90a and the cubins travel
+   in the artifact (:mod:`.cubins`).
 
 The result is an :class:`~stof_tvm.artifact.Artifact`: the executable plus a JSON manifest.
 """
@@ -242,7 +242,10 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     choice = choose_kernel(kernel, combined, batch=batch, heads=site.heads, head_dim=site.head_dim,
                            dtype=site.dtype, seq_q=site.seq_q, target_kind=tspec["kind"], mask_batch=mask_batch,
                            mask_heads=mask_heads, bias=bias[1] if bias else None, dense_only=plan.dense_only,
-                           database=database)
+                           database=database, target_arch=tspec.get("arch"), padding=plan.padding is not None)
+    if choice.kind == "wgmma" and tspec["arch"] != "sm_90a":   # wgmma exists on sm_90a only: the module is built so
+        tspec = {**tspec, "arch": "sm_90a"}
+        tvm_target = make_target(tspec)
     if choice.kind == "dense":      # the model's own masking stays in the dense graph: only the user's mask is input
         choice = dataclasses.replace(choice, mask_batch=user_mask.shape[0], mask_heads=user_mask.shape[1])
     elif plan.padding is not None:  # the model's key padding, applied by the sparse kernel from its input
@@ -314,7 +317,9 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
     ``normalize_mask`` accept (it becomes the module's default mask; any mask of the same kind can be passed
     at run time). ``target``: ``"cuda"`` (sm_90), ``"llvm"`` or a TVM target dict. ``dtype``: compute dtype of
-    the model (``"float16"`` or ``"float32"``). ``kernel``: ``"auto"``, ``"block"``, ``"row"`` or ``"dense"``.
+    the model (``"float16"`` or ``"float32"``). ``kernel``: ``"auto"``, ``"block"``, ``"row"``, ``"wgmma"`` (Hopper;
+    ``auto`` picks it on an sm_90 target where the model predicts it faster, building the module for sm_90a with
+    nvcc) or ``"dense"``.
     ``templates``: replace the chains around attention (QKV projection into heads, GEMM + bias + residual +
     LayerNorm, GEMM + bias + GELU, other linear layers) with stof-tvm's fusion templates (``dtype="float16"``;
     see :mod:`.downstream`) instead of TVM's default schedules; the manifest's ``templates`` entry lists each
@@ -359,7 +364,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
                            cuda_graph=cuda_graph)
     user_mask = front.user_mask
     binaries = {}
-    if front.gemm == "wgmma":
+    if front.gemm == "wgmma" or (choice is not None and choice.kind == "wgmma"):
         from .cubins import prebuild_cubins
 
         report(f"compiling the CUDA module for {tspec['arch']} with nvcc (the artifact carries the cubin)")

@@ -1,10 +1,10 @@
 """Prebuild an executable's CUDA code with nvcc, so the artifact carries cubins instead of relying on the GPU
 machine's compile at load.
 
-Needed for the wgmma GEMM templates (``compile(..., gemm="wgmma")``): their ``wgmma`` and ``setmaxnreg``
-instructions exist only on ``sm_90a``, and TVM's compile callback on the GPU machine (NVRTC) builds for the
-plain ``sm_90`` it reads from the device. Each CUDA module of the executable is compiled here with
-``nvcc -gencode=arch=compute_90a,code=sm_90a`` (the shorthand ``-arch=sm_90a`` also runs a plain sm_90 pass
+Needed for the wgmma GEMM templates (``compile(..., gemm="wgmma")``) and the wgmma attention kernel: their
+``wgmma`` and ``setmaxnreg`` instructions exist only on ``sm_90a``, and TVM's compile callback on the GPU machine
+(NVRTC) builds for the plain ``sm_90`` it reads from the device. Each CUDA module of the executable is compiled
+here with ``nvcc -gencode=arch=compute_90a,code=sm_90a`` (the shorthand ``-arch=sm_90a`` also runs a plain sm_90 pass
 with nvcc 13.0, which rejects those instructions) and stored under the hash of its source
 (:func:`stof_tvm.cuda_runtime.source_key`); :func:`stof_tvm.cuda_runtime.serve_cubins` answers TVM's
 callback with them when the artifact is loaded. A source built before (a recompile with the same records) takes
@@ -73,8 +73,9 @@ def prebuild_cubins(executable, arch: str) -> dict[str, bytes]:
     """``{source_key: cubin bytes}`` for every CUDA module of ``executable``; a clear error without nvcc."""
     nvcc = find_nvcc()
     if nvcc is None:
-        raise ValueError(f"gemm: 'wgmma' kernels must be prebuilt for {arch} with nvcc here (the GPU machine's "
-                         f"compile at load targets plain sm_90), but nvcc is not on PATH or in /usr/local/cuda")
+        raise ValueError(f"wgmma kernels (gemm='wgmma', the wgmma attention kernel) must be prebuilt for {arch} "
+                         f"with nvcc here (the GPU machine's compile at load targets plain sm_90), but nvcc is not on "
+                         f"PATH or in /usr/local/cuda")
     sources = cuda_sources(executable)
     if not sources:
         raise RuntimeError("the executable has no CUDA module to prebuild")

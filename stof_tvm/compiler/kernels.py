@@ -1,8 +1,12 @@
 """Attention kernel choice and the module inputs each kernel reads.
 
-Three kernels can replace an attention site:
+Four kernels can replace an attention site:
 
 - ``block``: the block-wise sparse kernel (schedules/attention_blockwise.py) reading the tiled format;
+- ``wgmma``: the same walk of the same format on Hopper wgmma (schedules/attention_wgmma.py; sm_90 targets, the
+  module then built for sm_90a with nvcc, :mod:`.cubins`), chosen by ``auto`` where the analytical model predicts
+  it faster (causal and dense masks; head dims 64 and 128, float16 / bfloat16); where it cannot serve the call
+  (:func:`wgmma_unavailable`: no score bias, nvcc needed here) the choice is among the others, with the reason;
 - ``row``: the row-wise sparse kernel (schedules/attention_rowwise.py) reading the row-compressed format;
 - ``dense``: the site stays a dense matrix product with the mask applied from two float inputs (an additive
   bias of 0 / -1e30 before the softmax, a 1 / 0 factor after it; TVM's own schedules): the "TVM default"
@@ -24,7 +28,8 @@ import warnings
 
 import numpy as np
 
-KERNELS = ("auto", "block", "row", "dense")
+KERNELS = ("auto", "block", "row", "wgmma", "dense")
+TILED = ("block", "wgmma")          # kernels reading the tiled format (and writing [B, S, H, D])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +67,7 @@ class KernelChoice:
         if self.kind == "row":
             return [FormatInput("stof_indptr", (groups * seq_q + 1,), "int32"),
                     FormatInput("stof_indices", ("nnz",), "int32")]
-        bm, bn = self.config["block_m"], self.config["block_n"]
+        bm, bn = self.tile
         rows = groups * (-(-seq_q // bm)) + 1
         return [FormatInput("stof_full_indptr", (rows,), "int32"),
                 FormatInput("stof_full_indices", ("n_full",), "int32"),
@@ -71,18 +76,27 @@ class KernelChoice:
                 FormatInput("stof_part_bitmaps", ("n_part", bm // 8, bn // 8), "uint64")]
 
     @property
+    def tile(self) -> tuple[int, int]:
+        """(BM, BN) of the tiled format a tiled kernel reads."""
+        return config_object(self.kind, self.config).block_m, self.config["block_n"]
+
+    @property
     def out_layout(self) -> str:
-        """Layout of the sparse kernel's output: the block-wise kernel writes [B, S, H, D] (what the output
+        """Layout of the sparse kernel's output: the tiled kernels write [B, S, H, D] (what the output
         projection reads, so no transpose follows it), the row-wise kernel [B, H, S, D]."""
-        return "bshd" if self.kind == "block" else "bhsd"
+        return "bshd" if self.kind in TILED else "bhsd"
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "config": self.config, "mask_batch": self.mask_batch,
-                "mask_heads": self.mask_heads, "reason": self.reason,
-                "bias": list(self.bias) if self.bias is not None else None, "padding": self.padding}
+        entry = {"kind": self.kind, "config": self.config, "mask_batch": self.mask_batch,
+                 "mask_heads": self.mask_heads, "reason": self.reason,
+                 "bias": list(self.bias) if self.bias is not None else None, "padding": self.padding}
+        if self.kind in TILED:
+            entry["tile"] = list(self.tile)       # what the runtime builds the format at (stof_tvm.mask_formats)
+        return entry
 
 
-_SPARSE_MODULES = {"row": "stof_tvm.schedules.attention_rowwise", "block": "stof_tvm.schedules.attention_blockwise"}
+_SPARSE_MODULES = {"row": "stof_tvm.schedules.attention_rowwise", "block": "stof_tvm.schedules.attention_blockwise",
+                   "wgmma": "stof_tvm.schedules.attention_wgmma"}
 
 
 def _schedule_module(kind: str):
@@ -94,21 +108,26 @@ def _supports_head_dim(kind: str, head_dim: int) -> bool:
 
 
 def _supports(kind: str, dtype: str, target_kind: str) -> bool:
+    if kind == "wgmma" and target_kind != "cuda":
+        return False
     supported = _schedule_module(kind).SUPPORTED_DTYPES
     return dtype in (supported[target_kind] if isinstance(supported, dict) else supported)
 
 
 def _default_config(kind: str, head_dim: int, dtype: str, seq_q: int, target_kind: str):
     module = _schedule_module(kind)
+    if kind == "wgmma":
+        return module.default_config(head_dim)
     if kind == "row":
         return module.default_row_config(head_dim, dtype, target_kind)
     return module.default_block_config(head_dim, dtype, seq_q)
 
 
 def config_object(kind: str, config: dict):
-    """The schedule's config dataclass (RowConfig / BlockConfig) from its manifest dict."""
+    """The schedule's config dataclass (RowConfig / BlockConfig / WgmmaAttentionConfig) from its manifest dict."""
     module = _schedule_module(kind)
-    return (module.RowConfig if kind == "row" else module.BlockConfig)(**config)
+    classes = {"row": "RowConfig", "block": "BlockConfig", "wgmma": "WgmmaAttentionConfig"}
+    return getattr(module, classes[kind])(**config)
 
 
 def tuned_choice(database: str, mask4d: np.ndarray, *, batch: int, heads: int, head_dim: int,
@@ -125,16 +144,42 @@ def tuned_choice(database: str, mask4d: np.ndarray, *, batch: int, heads: int, h
     return open_database(database).choice(attention_group(problem))
 
 
+def wgmma_unavailable(*, head_dim: int, dtype: str, target_kind: str, target_arch, bias, padding: bool) -> str | None:
+    """Why the wgmma kernel cannot serve sites of this kind here, or None when it can."""
+    from stof_tvm.attention import is_hopper
+
+    from .cubins import find_nvcc
+
+    module = _schedule_module("wgmma")
+    if target_kind != "cuda" or not is_hopper(target_arch):
+        return f"it needs an sm_90 / sm_90a target, not {target_kind} {target_arch or ''}".rstrip()
+    if head_dim not in module.SUPPORTED_HEAD_DIMS:
+        return f"it takes head dims {module.SUPPORTED_HEAD_DIMS}, the model's is {head_dim}"
+    if dtype not in module.SUPPORTED_DTYPES:
+        return f"it takes {module.SUPPORTED_DTYPES}, not {dtype}"
+    if bias is not None:
+        return "it takes no score bias"
+    if padding and not getattr(module, "KEY_PADDING", False):
+        return "it does not apply the model's key padding"
+    if find_nvcc() is None:
+        return "nvcc is not found (the kernel is prebuilt for sm_90a by nvcc; the GPU's own compile targets sm_90)"
+    return None
+
+
 def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int, head_dim: int, dtype: str,
                   seq_q: int, target_kind: str, mask_batch: int, mask_heads: int, bias: tuple | None = None,
-                  dense_only: bool = False, database: str | None = None) -> KernelChoice:
+                  dense_only: bool = False, database: str | None = None, target_arch: str | None = None,
+                  padding: bool = False) -> KernelChoice:
     """Pick the kernel and its configuration for sites of this shape under the (combined) mask ``mask4d``.
 
-    With a tuning ``database`` holding this problem, its measured-best kernel and configuration win (for
-    "auto", or when it is of the requested kind). Otherwise "auto" asks :func:`stof_tvm.attention.choose_kernel`
-    (the one place the kernel-selection model lives) and the schedule's default configuration is used.
-    ``bias``: ``(bias_batch, bias_heads, dtype)`` when the scores carry a real bias: the sparse kernel adds it
-    (an input after the format arrays). ``dense_only``: the model masks in a way only the dense form applies.
+    "auto" asks :func:`stof_tvm.attention.decide_kernel` (the one place the kernel-selection model lives; on
+    sm_90 ``target_arch`` the wgmma kernel is a candidate where :func:`wgmma_unavailable` finds nothing against
+    it). With a tuning ``database`` holding this problem, its measured-best kernel and configuration win (for
+    "auto", or when it is of the requested kind), except over a wgmma pick: the tuner measures the mma.sync
+    kernels only. Otherwise the schedule's default configuration is used. ``bias``: ``(bias_batch, bias_heads,
+    dtype)`` when the scores carry a real bias: the sparse kernel adds it (an input after the format arrays).
+    ``padding``: the sparse kernel will apply the model's key padding. ``dense_only``: the model masks in a way
+    only the dense form applies.
     """
     if requested not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS}, got {requested!r}")
@@ -154,26 +199,24 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
                   f"with the mask as an input (exact, not accelerated)")
         warnings.warn(f"attention: {reason}", stacklevel=3)
         return KernelChoice("dense", {}, mask_batch, mask_heads, reason)
+    no_wgmma = wgmma_unavailable(head_dim=head_dim, dtype=dtype, target_kind=target_kind, target_arch=target_arch,
+                                 bias=bias, padding=padding)
+    if requested == "wgmma" and no_wgmma is not None:
+        raise ValueError(f"kernel: 'wgmma' cannot serve this model: {no_wgmma}; use kernel='block' or 'auto'")
+    model_config, reason = None, "requested"
+    kind = requested
+    if requested == "auto":
+        from stof_tvm.attention import decide_kernel
+
+        kind, model_config, reason = decide_kernel(mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
+                                                   target_kind=target_kind, target_arch=target_arch,
+                                                   no_wgmma=no_wgmma)
     tuned = tuned_choice(database, mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype) \
-        if database is not None else None
+        if database is not None and kind != "wgmma" else None
     if tuned is not None and requested in ("auto", tuned["meta"]["kind"]):
         meta = tuned["meta"]
         return KernelChoice(meta["kind"], dict(meta["config"]), mask_batch, mask_heads,
                             f"tuned: {tuned['name']} measured {tuned['best_s'] * 1e3:.3f} ms", bias=bias)
-    model_config = None
-    if requested == "auto":
-        from stof_tvm.attention import choose_kernel_config
-
-        kind, model_config = choose_kernel_config(mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
-                                                  target_kind=target_kind)
-        if dtype == "float32":
-            reason = "the row-wise kernel: the only one for float32"
-        elif target_kind == "cuda":
-            reason = "chosen from the mask by the analytical model (stof_tvm.cost_model), kernel and configuration"
-        else:
-            reason = "chosen from the mask by STOF's rule (the CPU has no speed model); default configuration"
-    else:
-        kind, reason = requested, "requested"
     if not _supports(kind, dtype, target_kind):
         raise ValueError(f"kernel: {kind!r} does not support dtype {dtype} on {target_kind}")
     config = model_config if model_config is not None else _default_config(kind, head_dim, dtype, seq_q, target_kind)
@@ -182,15 +225,18 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
 
 def kernel_primfunc(choice: KernelChoice, *, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int,
                     dtype: str, scale: float, target_kind: str):
-    """The scheduled PrimFunc of a sparse ``choice`` for one site shape (params: q, k, v, format arrays, out in
-    ``choice.out_layout``)."""
+    """The scheduled PrimFunc of a sparse ``choice`` for one site shape (params: q, k, v, format arrays, the key
+    padding summary where ``choice.padding``, the score bias where ``choice.bias``, out in ``choice.out_layout``)."""
     module = _schedule_module(choice.kind)
-    build = module.rowwise_attention_primfunc if choice.kind == "row" else module.blockwise_attention_primfunc
+    config = config_object(choice.kind, choice.config)
+    common = dict(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim, dtype=dtype,
+                  mask_batch=choice.mask_batch, mask_heads=choice.mask_heads, scale=scale, config=config)
     extra = {"bias": tuple(choice.bias)} if choice.bias is not None else {}
     if choice.padding:
         extra["padding"] = True
-    if choice.kind == "block":
+    if choice.kind in TILED:
         extra["out_layout"] = choice.out_layout
-    return build(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim, dtype=dtype,
-                 mask_batch=choice.mask_batch, mask_heads=choice.mask_heads, scale=scale,
-                 config=config_object(choice.kind, choice.config), target_kind=target_kind, **extra)
+    if choice.kind == "wgmma":
+        return module.wgmma_attention_primfunc(**common, **extra)
+    build = module.rowwise_attention_primfunc if choice.kind == "row" else module.blockwise_attention_primfunc
+    return build(**common, target_kind=target_kind, **extra)

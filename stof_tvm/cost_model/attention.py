@@ -10,6 +10,18 @@ For one attention problem (shapes, dtype, mask) every candidate ``(kind, config)
   L2 once per visiting tile row. Shared memory and registers come from the kernel's own formulas
   (``BlockConfig.shared_bytes`` / ``registers``: the fragments each thread holds, score and output
   accumulators, Q and P operands), so configurations that would spill are infeasible.
+- **wgmma** (:class:`~stof_tvm.schedules.attention_wgmma.WgmmaAttentionConfig`, Hopper only): the block-wise
+  walk at ``64 * consumers`` x ``block_n`` tiles on wgmma, one block of ``consumers + 1`` warpgroups per SM (it
+  holds the whole register file), one work item (batch, head, tile row) per block, head by head, each head's
+  rows last to first. Its own constants (``wgmma_*`` in :class:`~stof_tvm.cost_model.core.Calibration`): the
+  products at ``wgmma_attn_tc_eff`` of the mma.sync peak, ``wgmma_softmax_ops`` *exposed* CUDA-core operations
+  per score element (the softmax runs under the other consumers' products, so this is what the overlap leaves),
+  ``wgmma_tile_cycles`` per tile (divided by ``1 + wgmma_stage_gain * (stages - 2)``) and ``wgmma_item_cycles``
+  per work item (Q load, the first ``S`` and last ``P V`` that nothing overlaps, the stores). Fitted on causal and
+  dense masks only (:func:`scripts.calibrate_model.fit_wgmma`); its partial-tile cost ``wgmma_mask_ops`` was never
+  measured and is set high on purpose, so sparse masks stay on the mma.sync kernels unless wgmma wins clearly.
+  Persistent grids are not candidates: on the H200 they never ran faster (s7causal: 1.218 vs 1.000 ms causal D64,
+  2.016 vs 2.007 D128), and neither are non-ping-pong ones (never timed).
 - **row-wise** (:class:`~stof_tvm.schedules.attention_rowwise.RowConfig`): ``rows_per_block`` query rows per
   thread block, ``key_groups * keys_per_step`` key slots per loop step. Work counts key *slots* (padding of
   the last step included) at CUDA-core rates, latency counts the block's longest row in steps, and L2
@@ -30,11 +42,17 @@ from ..schedules.attention_blockwise import SUPPORTED_HEAD_DIMS as BLOCK_HEAD_DI
 from ..schedules.attention_blockwise import BlockConfig
 from ..schedules.attention_rowwise import SUPPORTED_HEAD_DIMS as ROW_HEAD_DIMS
 from ..schedules.attention_rowwise import RowConfig, cuda_config_fits, cuda_lanes
+from ..schedules.attention_wgmma import REGISTERS as WGMMA_REGISTERS
+from ..schedules.attention_wgmma import SUPPORTED_DTYPES as WGMMA_DTYPES
+from ..schedules.attention_wgmma import SUPPORTED_HEAD_DIMS as WGMMA_HEAD_DIMS
+from ..schedules.attention_wgmma import WgmmaAttentionConfig
+from ..schedules.attention_wgmma import default_config as wgmma_default_config
 from .core import DEFAULT_CALIBRATION, Calibration, KernelWork, Prediction, predict
 from .mask_profile import MaskProfile
 
 __all__ = ["AttentionProblem", "AttentionCandidate", "RankedCandidate", "block_candidates", "row_candidates",
-           "attention_candidates", "attention_work", "rank_attention", "choose_attention"]
+           "wgmma_candidates", "attention_candidates", "attention_work", "rank_attention", "choose_attention",
+           "decide_attention", "AttentionDecision", "partial_share"]
 
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 _BLOCK_M = (16, 32, 64, 128, 256)
@@ -48,6 +66,8 @@ _HEAVY_SELECT_CYCLES = 600  # heavy-first: rating the rows, two barriers, the se
 _KV_SPLITS = (4, 16)        # split-KV: thread blocks per split heavy row
 _MAX_SPLIT_ROWS = 4         # split-KV: heavy rows per (batch, head) split at most
 _MERGE_CYCLES_PER_SLICE = 40   # split-KV merge: per output element and slice (two loads, exp2, fma)
+_WGMMA_STAGES = (2, 3, 4, 5)
+_WARPGROUP = 128
 _BASE_REGISTERS = 40        # addresses, loop counters, softmax row state beyond the fragments
 _VECTOR_BYTES = 16
 
@@ -112,7 +132,7 @@ class AttentionProblem:
 
 @dataclass(frozen=True)
 class AttentionCandidate:
-    """A kernel kind (``"block"`` or ``"row"``) and its configuration."""
+    """A kernel kind (``"block"``, ``"row"`` or ``"wgmma"``) and its configuration."""
 
     kind: str
     config: object
@@ -123,6 +143,8 @@ class AttentionCandidate:
             return (f"block BM={c.block_m} BN={c.block_n} warps={c.num_warps} stages={c.stages}"
                     + (" heavy-first" if c.heavy_first else "")
                     + (f" split-KV {c.kv_splits}x{c.split_rows}" if c.kv_splits > 1 else ""))
+        if self.kind == "wgmma":
+            return f"wgmma consumers={c.consumers} BN={c.block_n} stages={c.stages}"
         return f"row KG={c.key_groups} U={c.keys_per_step} rows/block={c.rows_per_block}"
 
 
@@ -170,12 +192,35 @@ def row_candidates(head_dim: int, dtype: str, hw: HardwareProfile = H200) -> lis
     return out
 
 
+def wgmma_candidates(head_dim: int, hw: HardwareProfile = H200) -> list[AttentionCandidate]:
+    """The wgmma kernel's configurations for ``head_dim`` on ``hw`` (none off Hopper, compute capability 9.x, or
+    at head dims it does not take): the default (:func:`~stof_tvm.schedules.attention_wgmma.default_config`)
+    first, so that it wins ties, then 2 / 3 consumers x 64 / 128 keys x 2-5 ring stages that fit; ping-pong,
+    one block per work item (see the module docstring for what is left out and why)."""
+    if head_dim not in WGMMA_HEAD_DIMS or not hw.compute_version.startswith("9."):
+        return []
+    default = wgmma_default_config(head_dim)
+    out = [default]
+    for consumers in (3, 2):
+        for block_n in (128, 64):
+            for stages in _WGMMA_STAGES:
+                config = WgmmaAttentionConfig(block_n=block_n, stages=stages, consumers=consumers)
+                try:
+                    config.validate(head_dim)
+                except ValueError:
+                    continue
+                if config != default and config.shared_bytes(head_dim) <= hw.smem_per_block:
+                    out.append(config)
+    return [AttentionCandidate("wgmma", c) for c in out]
+
+
 def attention_candidates(problem: AttentionProblem, hw: HardwareProfile = H200,
                          kinds=("block", "row")) -> list[AttentionCandidate]:
-    """The candidate space of ``problem``: block-wise and/or row-wise configurations."""
-    unknown = set(kinds) - {"block", "row"}
+    """The candidate space of ``problem``: block-wise, row-wise and (asked for, on Hopper, 16-bit) wgmma
+    configurations."""
+    unknown = set(kinds) - {"block", "row", "wgmma"}
     if unknown:
-        raise ValueError(f"kinds must be 'block' and/or 'row', got {sorted(unknown)}")
+        raise ValueError(f"kinds must be among 'block', 'row' and 'wgmma', got {sorted(unknown)}")
     out = []
     if "block" in kinds and problem.head_dim in BLOCK_HEAD_DIMS and problem.dtype != "float32":
         # The heavy-first launch order only differs when some tile row holds > 2x its group's mean tiles.
@@ -184,6 +229,8 @@ def attention_candidates(problem: AttentionProblem, hw: HardwareProfile = H200,
         out += blocks + _split_candidates(problem, blocks)
     if "row" in kinds and problem.head_dim in ROW_HEAD_DIMS:
         out += row_candidates(problem.head_dim, problem.dtype, hw)
+    if "wgmma" in kinds and problem.dtype in WGMMA_DTYPES:
+        out += wgmma_candidates(problem.head_dim, hw)
     return out
 
 
@@ -278,6 +325,35 @@ def _block_work(problem: AttentionProblem, config: BlockConfig, cal: Calibration
         order=order)
 
 
+def _wgmma_work(problem: AttentionProblem, config: WgmmaAttentionConfig, cal: Calibration) -> KernelWork:
+    """The wgmma kernel's blocks: one per (batch, head, tile row), launched in the block-wise kernel's default
+    order. Every listed tile is computed whole (no warp skips rows that keep nothing in it); its products are
+    priced at the wgmma rate by scaling their flops by ``tc_eff / wgmma_attn_tc_eff`` (:func:`predict` prices
+    tensor-core flops at ``tc_eff``)."""
+    bm, bn, d, eb = config.block_m, config.block_n, problem.head_dim, problem.element_bytes
+    full2d, part2d = problem.mask.tile_counts(bm, bn)
+    order = problem.mask.memo(("block_order", bm, bn, False, problem.batch, problem.heads),
+                              lambda: _block_order(problem, full2d + part2d, False))
+    full, part = full2d.ravel().astype(np.float64), part2d.ravel().astype(np.float64)
+    tiles = full + part
+    count = np.full(tiles.shape, float(problem.replicas))
+    pipeline = 1.0 / (1.0 + cal.wgmma_stage_gain * (config.stages - 2))
+    bitmap_bytes = bm * bn / 8
+    per_block_l2 = tiles * 2 * bn * d * eb + part * bitmap_bytes + 2 * bm * d * eb
+    format_bytes = part.sum() * (bitmap_bytes + 4) + full.sum() * 4 + 8 * (tiles.size + 1)
+    threads = (config.consumers + 1) * _WARPGROUP
+    producer, consumer = WGMMA_REGISTERS[config.consumers]
+    launch_registers = (producer + config.consumers * consumer) // (config.consumers + 1)   # before setmaxnreg
+    return KernelWork(
+        name=str(AttentionCandidate("wgmma", config)), threads=threads, smem_bytes=config.shared_bytes(d),
+        regs_per_thread=launch_registers, count=count,
+        tc_flops=tiles * 4.0 * bm * bn * d * (cal.tc_eff / cal.wgmma_attn_tc_eff),
+        cuda_ops=(tiles * cal.wgmma_softmax_ops / (config.consumers - 1) + part * cal.wgmma_mask_ops) * bm * bn,
+        latency_cycles=tiles * cal.wgmma_tile_cycles * pipeline + cal.wgmma_item_cycles,
+        dram_bytes=problem.dram_floor_bytes() + format_bytes,
+        l2_bytes=float((count * per_block_l2).sum()), useful_flops=problem.useful_flops, order=order)
+
+
 def _split_kv(problem: AttentionProblem, config: BlockConfig, full2d: np.ndarray, part2d: np.ndarray,
               order: np.ndarray):
     """Block classes of the split-KV launch: each split heavy row's class becomes ``kv_splits`` blocks of a
@@ -344,7 +420,9 @@ def attention_work(problem: AttentionProblem, candidate: AttentionCandidate,
         return _block_work(problem, candidate.config, cal)
     if candidate.kind == "row":
         return _row_work(problem, candidate.config, cal)
-    raise ValueError(f"candidate kind must be 'block' or 'row', got {candidate.kind!r}")
+    if candidate.kind == "wgmma":
+        return _wgmma_work(problem, candidate.config, cal)
+    raise ValueError(f"candidate kind must be 'block', 'row' or 'wgmma', got {candidate.kind!r}")
 
 
 def rank_attention(problem: AttentionProblem, hw: HardwareProfile = H200, cal: Calibration = DEFAULT_CALIBRATION,
@@ -364,9 +442,57 @@ def rank_attention(problem: AttentionProblem, hw: HardwareProfile = H200, cal: C
 
 def choose_attention(problem: AttentionProblem, hw: HardwareProfile = H200,
                      cal: Calibration = DEFAULT_CALIBRATION, kinds=("block", "row")) -> RankedCandidate:
-    """The fastest predicted candidate of ``kinds`` for ``problem``."""
+    """The fastest predicted candidate of ``kinds`` for ``problem`` (:func:`decide_attention`'s pick)."""
+    return decide_attention(problem, hw, cal, kinds).best
+
+
+@dataclass(frozen=True)
+class AttentionDecision:
+    """The chosen candidate and why, in words (the compile path's ``KernelChoice.reason``)."""
+
+    best: RankedCandidate
+    reason: str
+
+
+# The wgmma kernel was timed on causal and dense masks only, whose tiles at its tile shape are at most 15% partial
+# (causal D64 S4096 at 192 x 128); where more of them are partial, its prediction rests on the assumed
+# wgmma_mask_ops, so it must be predicted this much faster than the best mma.sync kernel to be chosen.
+WGMMA_MEASURED_PARTIAL_SHARE = 0.25
+WGMMA_UNMEASURED_MARGIN = 1.25
+
+
+def partial_share(problem: AttentionProblem, block_m: int, block_n: int) -> float:
+    """Share of the visited tiles that are partial at ``block_m x block_n``."""
+    full, part = problem.mask.tile_counts(block_m, block_n)
+    visited = float(full.sum() + part.sum())
+    return float(part.sum()) / visited if visited else 0.0
+
+
+def decide_attention(problem: AttentionProblem, hw: HardwareProfile = H200,
+                     cal: Calibration = DEFAULT_CALIBRATION, kinds=("block", "row")) -> AttentionDecision:
+    """The fastest predicted candidate of ``kinds``, except that a wgmma candidate on a mask outside its measured
+    range (more than ``WGMMA_MEASURED_PARTIAL_SHARE`` of its tiles partial) must beat the best other kernel by
+    ``WGMMA_UNMEASURED_MARGIN``; the reason names both predictions."""
     ranked = rank_attention(problem, hw, cal, attention_candidates(problem, hw, kinds))
     if not ranked:
         raise ValueError(f"no feasible attention kernel for head_dim={problem.head_dim}, dtype={problem.dtype} "
                          f"on {hw.name}")
-    return ranked[0]
+    best = ranked[0]
+    others = [r for r in ranked if r.candidate.kind != "wgmma"]
+    if "wgmma" not in kinds or not others:
+        return AttentionDecision(best, f"analytical model: {best.candidate} predicted {best.time_s * 1e3:.3f} ms")
+    wgmma = next((r for r in ranked if r.candidate.kind == "wgmma"), None)
+    if wgmma is None:
+        return AttentionDecision(best, f"analytical model: {best.candidate} predicted {best.time_s * 1e3:.3f} ms "
+                                       f"(no wgmma configuration for head dim {problem.head_dim}, {problem.dtype})")
+    rival = others[0]
+    versus = f"{wgmma.candidate} {wgmma.time_s * 1e3:.3f} ms vs {rival.candidate} {rival.time_s * 1e3:.3f} ms"
+    if wgmma is not best:
+        return AttentionDecision(best, f"analytical model: mma.sync predicted faster ({versus})")
+    c = wgmma.candidate.config
+    share = partial_share(problem, c.block_m, c.block_n)
+    if share > WGMMA_MEASURED_PARTIAL_SHARE and wgmma.time_s * WGMMA_UNMEASURED_MARGIN > rival.time_s:
+        return AttentionDecision(rival, f"analytical model: {share:.0%} of the wgmma kernel's tiles would be partial, "
+                                        f"where it was never measured, and it is not predicted "
+                                        f"{WGMMA_UNMEASURED_MARGIN}x faster ({versus})")
+    return AttentionDecision(best, f"analytical model: wgmma predicted faster ({versus})")

@@ -68,6 +68,20 @@ class Calibration:
     epilogue measured 0.067-0.084 ms slower than the staged one per 25.2 M outputs (n = 768), 0.16-0.20 ms per
     75.5-100.7 M (n = 2304, 3072; 128-row persistent cooperative tiles of each width), about 200 CUDA-core
     operations (0.8 SM cycles) per element.
+    The Hopper wgmma attention kernel (:mod:`stof_tvm.schedules.attention_wgmma`, priced by
+    :mod:`.attention`): ``wgmma_attn_tc_eff`` its products' rate as a share of ``tensor_flops``,
+    ``wgmma_softmax_ops`` CUDA-core operations per score element left exposed by the overlap with two consumer
+    warpgroups (divided by ``consumers - 1``: each consumer's softmax runs under the others' products),
+    ``wgmma_tile_cycles`` fixed latency per tile, divided by ``1 + wgmma_stage_gain * (stages - 2)``,
+    ``wgmma_item_cycles`` per work item. Fitted (``scripts/calibrate_model.py fit-wgmma``) to the 12 distinct
+    timings of the current kernel on the H200 (session 7, 2026-12-01: ``bench_attention.py`` plans ``issue16`` and
+    ``s7causal``, causal and dense masks at B16 H12 S4096 D64 and B4 H16 S8192 D128, 2 / 3 consumers, 64 / 128
+    keys, 2-5 stages): rms log error 0.037; the stage gain fits to 0 (stages 3 / 4 / 5 measured 1.000 / 1.098 /
+    1.007 ms causal and 1.800 / 1.717 / 1.817 dense: noise), so the default ring wins ties. ``wgmma_mask_ops``,
+    the extra cost per element of a partial tile, is **assumed, not fitted**: the kernel was never timed on a
+    sparse mask, so it is set to twice the mma.sync kernel's fitted ``mask_ops`` (the per-register bitmap shift,
+    test and select, outside the overlap), which keeps sliding / Longformer / BigBird masks on the mma.sync
+    kernels; ``scripts/bench_attention.py``'s ``s8wgmma`` plan measures them.
     """
 
     # Fitted on the H200 (scripts/calibrate_model.py: 774 timings of 78 attention problems, 2026-11-30); the
@@ -95,6 +109,12 @@ class Calibration:
     epilogue_ops: float = 4.0
     wgmma_tc_eff: float = 1.11
     narrow_store_ops: float = 191.0
+    wgmma_attn_tc_eff: float = 1.2135
+    wgmma_softmax_ops: float = 8.718
+    wgmma_mask_ops: float = 12.24
+    wgmma_tile_cycles: float = 618.7
+    wgmma_item_cycles: float = 3967.0
+    wgmma_stage_gain: float = 0.0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

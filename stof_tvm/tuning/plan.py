@@ -115,8 +115,9 @@ def plan_model(model, *, batch: int, seq_len: int, mask, target, dtype: str = "f
     :func:`stof_tvm.compile` (whose front end decides the calls: which chains run on which templates, wgmma or
     mma.sync, fused or unfused LayerNorm). Each distinct template call becomes one job weighted by its count;
     the attention problem (user mask combined with the model's own masking) one job weighted by the number of
-    sites, unless the attention is dense or carries a score bias (whose row-wise kernel takes its default
-    configuration: the tuned kernels have no bias input). Every job's first candidate is what the compile runs
+    sites, unless the attention is dense, carries a score bias (whose row-wise kernel takes its default
+    configuration: the tuned kernels have no bias input) or runs on the Hopper wgmma kernel (not a tuning task: the
+    notes say so; its configurations are the model's). Every job's first candidate is what the compile runs
     without records (its untuned choice), so that stage 2 measures it and tuning never makes a call slower; with
     ``kernel="block"`` or ``"row"`` only that kind is tuned (the compile takes no other).
     """
@@ -144,6 +145,10 @@ def plan_model(model, *, batch: int, seq_len: int, mask, target, dtype: str = "f
         plan.notes.append(f"attention: not on a stof-tvm kernel ({front.fallback}); nothing to tune")
     elif front.choice.kind == "dense" or front.choice.bias is not None:
         plan.notes.append(f"attention: {front.choice.kind} ({front.choice.reason}); nothing to tune")
+    elif front.choice.kind == "wgmma":
+        # Not a tuning task: its few configurations are priced by the model's own fitted constants and timed by
+        # scripts/bench_attention.py; the tuner's records and workloads name the mma.sync kernels only.
+        plan.notes.append(f"attention: wgmma ({front.choice.reason}); the wgmma kernel is not tuned")
     else:
         site = front.sites[0]
         problem = AttentionProblem.build(front.combined, batch=batch, heads=site.heads, seq_len=site.seq_q,
@@ -166,7 +171,7 @@ def _untuned_attention(front, kernel: str) -> AttentionCandidate:
     choice = choose_kernel(kernel, front.combined, batch=site.batch,
                            heads=site.heads, head_dim=site.head_dim, dtype=site.dtype, seq_q=site.seq_q,
                            target_kind=front.tspec["kind"], mask_batch=front.choice.mask_batch,
-                           mask_heads=front.choice.mask_heads)
+                           mask_heads=front.choice.mask_heads, target_arch=front.tspec.get("arch"))
     return AttentionCandidate(choice.kind, config_object(choice.kind, choice.config))
 
 
