@@ -111,6 +111,24 @@ def module_hashes(art) -> dict:
             "cubins": {key: hashlib.sha256(blob).hexdigest()[:16] for key, blob in sorted(art.binaries.items())}}
 
 
+def fill_stand_in_database(path: str, args, batch: int, seq: int) -> None:
+    """Tune ``path`` into ``args.database`` with the stand-ins unless it already holds records (see --help)."""
+    from stof_tvm.records import TuningDatabase
+
+    if os.path.isdir(args.database) and TuningDatabase(args.database).jobs():
+        print(f"stand-in database: {args.database} already holds records; kept as it is")
+        return
+    sys.path.insert(0, str(Path(__file__).parent))
+    from stand_in_tuning import write_stand_in_database
+
+    started = time.perf_counter()
+    report = write_stand_in_database(path, args.database, trials=args.trials, mask=args.mask, batch=batch,
+                                     seq_len=seq, target=args.target)
+    jobs = TuningDatabase(args.database).jobs()
+    print(f"stand-in database: {len(report.results)} tasks tuned with made-up times, {len(jobs)} jobs recorded in "
+          f"{time.perf_counter() - started:.1f} s")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="roberta-base", help="bench_tuning_flow.py model name")
@@ -119,12 +137,19 @@ def main(argv=None) -> int:
     parser.add_argument("--mask", default="bigbird")
     parser.add_argument("--target", default="cuda")
     parser.add_argument("--database", help="tuning database to apply")
+    parser.add_argument("--stand-in-database", action="store_true",
+                        help="first fill --database (unless it holds records) by stage 1 + stage 2 with stand-ins for "
+                             "the GPU (scripts/stand_in_tuning.py: made-up times, real records): a CPU-only machine "
+                             "can then time the recompile with a full database")
+    parser.add_argument("--trials", type=int, default=8, help="stand-in tuning: measurements per task (default 8)")
     parser.add_argument("--runs", type=int, default=2, help="compiles in this process (default 2)")
     parser.add_argument("--no-cuda-graph", action="store_true")
     parser.add_argument("--cubin-cache", help="STOF_TVM_CUBIN_CACHE for this run (a folder, or 'off')")
     parser.add_argument("--work", default="out/profile-compile", help="where exports go")
     parser.add_argument("--json", help="write the phase tables and module hashes here")
     args = parser.parse_args(argv)
+    if args.stand_in_database and not args.database:
+        parser.error("--stand-in-database needs --database DIR")
     if args.cubin_cache:
         os.environ["STOF_TVM_CUBIN_CACHE"] = args.cubin_cache
     batch, seq = (int(v) for v in args.shape.split("x"))
@@ -137,6 +162,9 @@ def main(argv=None) -> int:
         path = str(Path(args.work) / f"{args.model}-{batch}x{seq}.onnx")
         if not os.path.isfile(path):
             export_model(args.model, batch, seq, path)
+
+    if args.stand_in_database:
+        fill_stand_in_database(path, args, batch, seq)
 
     started = time.perf_counter()
     import stof_tvm
@@ -155,11 +183,16 @@ def main(argv=None) -> int:
         print(f"\nrun {run + 1} of {args.runs} ({Path(path).name}, {args.shape}, mask {args.mask}"
               f"{', database ' + args.database if args.database else ''}; import stof_tvm {import_s:.1f} s)")
         print(table(timer, total))
+        tuning = art.manifest.get("tuning")
+        if tuning:
+            print(f"tuning records: {tuning['applied']} applied, {len(tuning['missing'])} missing, "
+                  f"{len(tuning['unused'])} unused")
         if hashes:
             print(f"cuda sources {hashes['cuda_sources']}, cubins {sorted(hashes['cubins'].values())}")
         results.append({"phases": {k: dict(zip(("calls", "wall_s", "cpu_s", "child_s"), v))
                                    for k, v in timer.rows.items()},
-                        "total": dict(zip(("wall_s", "cpu_s", "child_s"), total)), "hashes": hashes})
+                        "total": dict(zip(("wall_s", "cpu_s", "child_s"), total)), "hashes": hashes,
+                        "tuning": tuning})
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": results}, indent=1))
     return 0

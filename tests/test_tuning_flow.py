@@ -19,20 +19,16 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 
 import onnx
 import pytest
-from tvm.ir.utils import derived_object
-from tvm.s_tir import meta_schedule as ms
 
 from stof_tvm.compiler import cubins, linear_match
 from stof_tvm.cost_model import AttentionProblem, attention_candidates
@@ -46,6 +42,9 @@ from stof_tvm.tuning.template_tasks import template_task
 from test_tuning import TILES, apply_tiles, matmul
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from stand_in_tuning import RecordingBuilder, ScriptedRunner  # noqa: E402  (scripts/ is not a package)
+
 # tiny BERT at 1x128 with 3 wgmma tiles as the threshold: the QKV projection (3 tiles) and the FFN's first GEMM
 # (4 tiles) go to wgmma, the two 128-wide GEMMs stay on mma.sync templates (1 tile each).
 WGMMA_MIN_TILES = 3
@@ -63,36 +62,6 @@ def onnx_file(model, tmp_path) -> str:
     path = str(tmp_path / "tiny.onnx")
     onnx.save(model, path)
     return path
-
-
-@derived_object
-class RecordingBuilder(ms.builder.PyBuilder):
-    """Stands in for the CUDA build (there is no GPU to run it on): one empty artifact directory per input."""
-
-    def __init__(self, root):
-        super().__init__()
-        self.root = str(root)
-        self.modules = []
-
-    def build(self, build_inputs):
-        results = []
-        for build_input in build_inputs:
-            self.modules.append(build_input.mod)
-            folder = tempfile.mkdtemp(dir=self.root)
-            results.append(ms.builder.BuilderResult(os.path.join(folder, "unbuilt.so"), None))
-        return results
-
-
-@derived_object
-class ScriptedRunner(ms.runner.PyRunner):
-    """Stands in for the GPU: every candidate "runs" in less time than the one before it."""
-
-    def __init__(self):
-        super().__init__()
-        self.times = (1e-3 / n for n in itertools.count(1))
-
-    def run(self, runner_inputs):
-        return [ms.runner.LocalRunnerFuture(res=[next(self.times)], error_message=None) for _ in runner_inputs]
 
 
 @pytest.mark.slow
