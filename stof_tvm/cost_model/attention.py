@@ -454,10 +454,11 @@ class AttentionDecision:
     reason: str
 
 
-# The wgmma kernel was timed on causal and dense masks only, whose tiles at its tile shape are at most 15% partial
-# (causal D64 S4096 at 192 x 128); where more of them are partial, its prediction rests on the assumed
-# wgmma_mask_ops, so it must be predicted this much faster than the best mma.sync kernel to be chosen.
-WGMMA_MEASURED_PARTIAL_SHARE = 0.25
+# The wgmma kernel was timed on causal and dense masks only, whose tiles at its tile shape are at most 19% partial
+# (causal D64 S4096 at 192 x 128; 36% at S2048, where the diagonal tiles are the same kind); where more than 40% are
+# partial (sliding windows: 68-100%), its prediction rests on the assumed wgmma_mask_ops, so it must be predicted
+# this much faster than the best mma.sync kernel to be chosen.
+WGMMA_MEASURED_PARTIAL_SHARE = 0.4
 WGMMA_UNMEASURED_MARGIN = 1.25
 
 

@@ -117,6 +117,10 @@ def attention_tasks(problem: AttentionProblem, target, *, top_k: int = 8, hw: Ha
     """
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+    if "wgmma" in kinds:
+        raise ValueError("kinds: the wgmma attention kernel is not a tuning task (an sm_90a-only kernel whose few "
+                         "configurations the model prices from its own H200 fit; scripts/bench_attention.py times "
+                         "them); tune 'block' and 'row'")
     target_kind = tvm.target.Target(target).kind.name if not isinstance(target, tvm.target.Target) \
         else target.kind.name
     if ranked is None:
