@@ -50,6 +50,8 @@ def test_default_configs_fit_and_follow_the_head_dim():
     (WgmmaAttentionConfig(consumers=4), "consumers"),
     (WgmmaAttentionConfig(consumers=True), "consumers"),
     (WgmmaAttentionConfig(consumers=3), "consumers=3"),                # at head_dim 128: no registers for it
+    (WgmmaAttentionConfig(loads="bulk"), "loads"),
+    (WgmmaAttentionConfig(loads=None), "loads"),
 ])
 def test_bad_configs_are_refused(config, error):
     with pytest.raises(ValueError, match=error):
@@ -230,3 +232,80 @@ def test_work_items_cover_every_tile_row_once_and_persistent_blocks_stay_balance
     assert sorted(seen) == [(h, tr) for h in range(heads) for tr in range(tile_rows)]
     if persistent:
         assert max(work) - min(work) <= tile_rows + 1
+
+
+TMA_CONFIGS = [
+    (64, "float16", WgmmaAttentionConfig(block_n=128, stages=3, consumers=3, loads="tma"), "bhsd"),
+    (128, "bfloat16", WgmmaAttentionConfig(block_n=128, stages=2, loads="tma"), "bshd"),
+    (64, "float16", WgmmaAttentionConfig(block_n=128, stages=4, persistent=True, consumers=3, loads="tma"), "bhsd"),
+    (128, "float16", WgmmaAttentionConfig(block_n=64, stages=4, loads="tma"), "bhsd"),
+]
+
+
+ENCODE = re.compile(r'T\.tensormap_encode_tiled\((\w+), T\.address_of\((\w+)\[0, 0, 0, 0\]\), ([\d, ]+), '
+                    r'descriptor_dtype="(\w+)", rank=(\d), interleave=0, swizzle=(\d)')
+
+
+def _tensormap_encodes(func):
+    """(map, operand, the integer operands, dtype, rank, swizzle) of each host-side encode in ``func``'s script."""
+    return [(m[1], m[2], [int(x) for x in m[3].split(", ")], m[4], int(m[5]), int(m[6]))
+            for m in ENCODE.finditer(func.script())]
+
+
+@pytest.mark.parametrize("head_dim, dtype, config, out_layout", TMA_CONFIGS[:2])
+def test_tma_kernel_encodes_q_k_v_maps_on_the_host(head_dim, dtype, config, out_layout):
+    """``loads="tma"``: three host calls encode the maps of Q, K and V from each operand's first element (so a view's
+    offset counts) with :func:`panel_map`'s parameters: boxes of block_m query rows or block_n key rows."""
+    from stof_tvm.schedules.tensor_maps import panel_map
+
+    problem = dict(BASE, head_dim=head_dim, dtype=dtype, seq_k=260)
+    func = wgmma_attention_primfunc(**problem, config=config, out_layout=out_layout)
+    calls = _tensormap_encodes(func)
+    bh = BASE["batch"] * BASE["heads"]
+    expected = {"q": panel_map(bh, problem["seq_q"], head_dim, config.block_m, dtype),
+                "k": panel_map(bh, 260, head_dim, config.block_n, dtype),
+                "v": panel_map(bh, 260, head_dim, config.block_n, dtype)}
+    assert [(c[0], c[1]) for c in calls] == [("q_map", "q"), ("k_map", "k"), ("v_map", "v")]
+    for (_, _, numbers, map_dtype, rank, swizzle), params in zip(calls, expected.values()):
+        assert numbers == [*params.dims, *params.strides, *params.box, *params.element_strides]
+        assert (map_dtype, rank, swizzle) == (dtype, 3, params.swizzle)
+    assert _tensormap_encodes(wgmma_attention_primfunc(**problem, config=WgmmaAttentionConfig())) == []
+
+
+def test_tma_leaves_the_cpu_twin_as_it_is():
+    """The llvm twin depends on the tile shape only: the load path is the CUDA kernel's business."""
+    for consumers in (2, 3):
+        plain = cpu_twin_primfunc(**BASE, config=WgmmaAttentionConfig(consumers=consumers))
+        tma = cpu_twin_primfunc(**BASE, config=WgmmaAttentionConfig(consumers=consumers, loads="tma"))
+        tvm.ir.assert_structural_equal(plain, tma)
+
+
+@pytest.mark.parametrize("head_dim, dtype, config, out_layout", TMA_CONFIGS)
+def test_tma_kernel_compiles_for_sm90a_with_tma_and_no_proxy_fence(head_dim, dtype, config, out_layout, tmp_path):
+    """The maps are ``__grid_constant__`` kernel parameters; one producer thread issues ``cp.async.bulk.tensor``
+    (UTMALDG in the SASS) and the bitmap's ``cp.async.bulk`` on transaction-count mbarriers; no 16-byte cp.async
+    (LDGSTS) and no consumer ``fence.proxy.async`` (MEMBAR) remain; no spills, no serialised wgmma."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    func = wgmma_attention_primfunc(**dict(BASE, head_dim=head_dim, dtype=dtype), config=config,
+                                    out_layout=out_layout)
+    src = cuda_source(tvm.compile(tvm.IRModule({"main": func}), target=cuda_target("sm_90a")))
+    assert src.count("const __grid_constant__ CUtensorMap") == 2 * 3       # declaration and definition
+    for text in ("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes",
+                 "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+                 "mbarrier.arrive.expect_tx.shared::cta.b64", "prefetch.tensormap",
+                 f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16"):
+        assert text in src, text
+    for text in ("cp.async.cg", "cp.async.mbarrier.arrive", "fence.proxy.async"):
+        assert text not in src, text
+    report = nvcc_cubin(src, tmp_path / "kernel.cubin")
+    assert report["stack_frame"] == report["spill_stores"] == report["spill_loads"] == 0, report
+    assert not [w for w in report["warnings"] if re.search(r"C75(14|08|15|20)", w)], report["warnings"]
+    tool = disassembler()
+    if tool is None:
+        return
+    sass = subprocess.run([tool, "--dump-sass", str(tmp_path / "kernel.cubin")], capture_output=True, text=True,
+                          check=True).stdout
+    assert re.search(rf"HGMMA\.64x{config.block_n}x16\.F32", sass)
+    assert "UTMALDG.3D" in sass and "UBLKCP" in sass
+    assert not re.search(r"\b(LDGSTS|MEMBAR|LDL|STL)\b", sass)
