@@ -459,8 +459,50 @@ def plan_s7causal() -> list[dict]:
     return cases
 
 
+# s8tma: (block_n, stages, pingpong, persistent, consumers) per head dim, each timed with both loads: the fastest
+# session-7 configurations (D64 three consumers, 3 and 4 stages; D128 128-key tiles, 2 stages, one block per item
+# and persistent) and D128 64-key tiles with 4 stages (the producer's 16-byte copy stream was largest there)
+S8T_CONFIGS = {64: ((128, 3, True, False, 3), (128, 4, True, False, 3)),
+               128: ((128, 2, True, False, 2), (64, 4, True, False, 2), (128, 2, True, True, 2))}
+LOADS = ("cp.async", "tma")
+
+
+def plan_s8tma() -> list[dict]:
+    """TMA loads (``WgmmaAttentionConfig.loads="tma"``: host-encoded tensor maps, one producer thread, no consumer
+    proxy fence) against the 16-byte cp.async producer, same configurations side by side on issue 16's causal and
+    dense shapes (D64 B16 H12 S4096, D128 B4 H16 S8192) beside SDPA and FlexAttention, one short run (< 90 s).
+    Checks first (S=1000: rows past Sq and keys past Sk zero-filled by the copy engine; Q scaled by 8): every TMA
+    configuration on causal and per-head random masks with empty rows, D64 also on per-batch lengths and dense,
+    bf16 at both head dims, and Q/K/V as views into one packed projection starting 8 elements (16 bytes) into its
+    allocation (``qkv_offset``: TMA's 16-byte address rule at its limit); every timed case is checked too."""
+    cases = []
+
+    def checks(config, head_dim, recipes, dtype="float16", **extra):
+        for recipe in recipes:
+            cases.append(dict(_case("check", "wgmma", recipe, 2, 3, 1000, head_dim, dtype, config), q_scale=8.0,
+                              **extra))
+
+    for head_dim, configs in S8T_CONFIGS.items():
+        for config in configs:
+            checks(config + ("tma",), head_dim, ("causal", "random_empty:0.05"))
+    checks(S8T_CONFIGS[64][0] + ("tma",), 64, ("padding", "dense"))
+    checks(S8T_CONFIGS[64][0] + ("tma",), 64, ("causal",), qkv_offset=8)
+    checks(S8T_CONFIGS[128][0] + ("tma",), 128, ("random_empty:0.05",), qkv_offset=8)
+    for head_dim in S8T_CONFIGS:
+        checks(S8T_CONFIGS[head_dim][0] + ("tma",), head_dim, ("random_empty:0.05",), dtype="bfloat16")
+    for head_dim, configs in S8T_CONFIGS.items():
+        batch, heads, seq = S7C_SHAPES[head_dim]
+        for config in configs:
+            for recipe in ("causal", "dense"):
+                for loads in LOADS:
+                    cases.append(_case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16",
+                                       config + (loads,)))
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
-         "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal}
+         "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
+         "s8tma": plan_s8tma}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
@@ -657,9 +699,16 @@ class Runner:
         kept = int(keep4.sum(dtype=np.int64)) * (B // keep4.shape[0]) * (H // keep4.shape[1])
         flops = 4.0 * kept * D
         gen = torch.Generator(device="cuda").manual_seed(1234 + len(self.results))
-        q, k, v = (torch.randn((B, H, S, D), generator=gen, device="cuda", dtype=tdt) for _ in range(3))
-        if case.get("q_scale", 1.0) != 1.0:       # larger scores: running maxima keep rising along a row
-            q = q * case["q_scale"]
+        if case.get("qkv_offset") is not None:
+            # Q, K, V as views into one packed projection that starts qkv_offset elements into its allocation
+            n, off = B * H * S * D, case["qkv_offset"]
+            packed = torch.randn((off + 3 * n,), generator=gen, device="cuda", dtype=tdt)
+            q, k, v = (packed[off + i * n:off + (i + 1) * n].view(B, H, S, D) for i in range(3))
+            q.mul_(case.get("q_scale", 1.0))
+        else:
+            q, k, v = (torch.randn((B, H, S, D), generator=gen, device="cuda", dtype=tdt) for _ in range(3))
+            if case.get("q_scale", 1.0) != 1.0:       # larger scores: running maxima keep rising along a row
+                q = q * case["q_scale"]
         out = torch.full_like(q, float("nan"))
         # the wgmma kernel's tiles: 64 query rows per consumer warpgroup (config field 5, default 2) x block_n
         fmt_key = {"block": lambda c: tuple(c[:2]), "wgmma": lambda c: (64 * (c[4] if len(c) > 4 else 2), c[0]),
@@ -740,7 +789,8 @@ def sass_summary(out: Path, manifest: dict) -> dict:
         text = proc.stdout
         summary[key] = dict(info, HMMA=text.count("HMMA"), HGMMA=text.count("HGMMA"), LDL=text.count("LDL"),
                             STL=text.count("STL"),
-                            LDSM=text.count("LDSM"), LDGSTS=text.count("LDGSTS"), MUFU_EX2=text.count("MUFU.EX2"))
+                            LDSM=text.count("LDSM"), LDGSTS=text.count("LDGSTS"), MUFU_EX2=text.count("MUFU.EX2"),
+                            UTMALDG=text.count("UTMALDG"), MEMBAR=text.count("MEMBAR"))
     return summary
 
 
@@ -769,6 +819,24 @@ def print_variants(timed: list[dict]) -> None:
         print(f"  {old['mask']:<10} B{old['batch']} S{old['seq']} D{old['head_dim']} {cfg:<18} {old['variant']} "
               f"{old['ms']:.4f}  this {new['ms'] if new else float('nan'):.4f}  ratio {ratio}"
               + ("" if old["ok"] and (new is None or new["ok"]) else "  CHECK FAILED"))
+
+
+def print_loads(timed: list[dict]) -> None:
+    """wgmma cases timed with both loads (config field 6): TMA beside cp.async, same mask, shape and knobs."""
+    by_key = {(r["mask"], r["batch"], r["seq"], r["head_dim"], str(r["config"][:5]), r["config"][5]): r
+              for r in timed if r["family"] == "wgmma" and len(r["config"]) == 6}
+    pairs = [(r, by_key.get(key[:5] + ("cp.async",))) for key, r in by_key.items() if key[5] == "tma"]
+    if not pairs:
+        return
+    print("\nTMA vs cp.async loads (ms; ratio = tma / cp.async; cfg = block_n x stages x pingpong x persistent x "
+          "consumers)")
+    for tma, cp in pairs:
+        cfg = "x".join(str(x)[0] if isinstance(x, bool) else str(x) for x in tma["config"][:5])
+        sdpa = tma["baselines"].get("sdpa_causal" if tma["mask"] == "causal" else "sdpa_dense", {}).get("ms")
+        print(f"  {tma['mask']:<7} B{tma['batch']} S{tma['seq']} D{tma['head_dim']} {cfg:<14} "
+              f"cp.async {cp['ms'] if cp else float('nan'):.4f}  tma {tma['ms']:.4f}  "
+              f"ratio {tma['ms'] / cp['ms'] if cp else float('nan'):.3f}  sdpa {sdpa or float('nan'):.4f}"
+              + ("" if tma["ok"] and (cp is None or cp["ok"]) else "  CHECK FAILED"))
 
 
 def print_checks(results: list[dict]) -> None:
@@ -875,12 +943,14 @@ def run(args) -> None:
         for key, s in info["sass"].items():
             print(f"  {key:<40} regs {s['registers']:>3} spill {s['spill_stores']}/{s['spill_loads']} "
                   f"stack {s['stack_frame']} HMMA {s['HMMA']} HGMMA {s.get('HGMMA', 0)} LDSM {s['LDSM']} "
-                  f"LDGSTS {s['LDGSTS']} LDL {s['LDL']} STL {s['STL']}")
+                  f"LDGSTS {s['LDGSTS']} UTMALDG {s.get('UTMALDG', 0)} MEMBAR {s.get('MEMBAR', 0)} LDL {s['LDL']} "
+                  f"STL {s['STL']}")
     print(f"\nmodule load {runner.load_seconds:.1f} s (prebuilt cubins used {runner.cubins.hits}, "
           f"compiled here {len(runner.cubins.misses)}); {skipped} cases skipped for the time budget; "
           f"{info['device']}, torch {info['torch']}, commit {info['commit']}")
     print_checks(runner.results)
     print_variants(timed)
+    print_loads(timed)
     print_summary(timed)
     info["summary"] = summarize([r for r in runner.results if r["kind"] == "time" and "ms" in r])
     runner.save(info)
