@@ -14,7 +14,11 @@ and ``consumers`` (2, or 3 at head dim 64) consumer warpgroups (384 or 512 threa
   once, then for each tile of the row the K tile (with the partial tile's bitmap words) and the V tile global ->
   shared with 16-byte ``cp.async`` into two ``stages``-deep rings (K and V apart, so K of the next tile can land
   while V of this one is still read), each thread arriving on the slot's *full* mbarrier with
-  ``cp.async.mbarrier.arrive.noinc``.
+  ``cp.async.mbarrier.arrive.noinc``. With ``loads="tma"`` one producer thread does it all instead: per 64
+  head-dim columns one TMA box (``cp.async.bulk.tensor.3d``) of Q, K or V from tensor maps the host encodes at each
+  call (:mod:`.tensor_maps`; rows past Sq / Sk zero-filled by the copy engine, in the panels' 128-byte swizzle), the
+  bitmap words with one ``cp.async.bulk``, after one ``mbarrier.arrive.expect_tx`` of the slot's bytes; the
+  consumers then read what the async proxy wrote, so they skip the per-turn ``fence.proxy.async``.
 - warpgroups 1 .. consumers, the *consumers* (232 registers, 160 with three): consumer ``c`` owns query rows
   ``64c .. 64c+63``. ``S = Q K^T`` is one ``wgmma m64n{BN}k16`` per 16 head-dim columns with both operands in
   shared memory; ``O += P V`` is one ``wgmma m64n{D}k16`` per 16 keys with **P from registers** (the D fragment
