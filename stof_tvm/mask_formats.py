@@ -10,6 +10,13 @@ least recently used of at most ``limit`` masks is dropped.
 The model's own padding never enters the format when the kernels apply it on the device (the common case).
 For a model whose input-dependent masking is not key padding (the host path), :meth:`tensors` takes its
 keep-masks for this call and builds the combined format (exact, one host build per distinct padding, cached).
+
+``static=True`` (a module built with whole-forward CUDA graphs, manifest ``static_mask_inputs``): the graphs
+read the format arrays at the addresses they were captured with, one capture per format size. So the device
+tensors are kept per size, never freed (a handful: one per distinct size used), and a mask whose format has the
+size of another's is copied into that size's tensors when it is used, after waiting for the device (earlier
+calls may still read them). Alternating between two masks of one size therefore costs a device sync and an
+upload per switch; the cache keeps each mask's host arrays.
 """
 from __future__ import annotations
 
@@ -58,8 +65,10 @@ def _cache_key(mask) -> tuple:
 class MaskFormats:
     """Device tensors of the mask inputs, per mask (see the module docstring)."""
 
-    def __init__(self, manifest: dict, arrays: dict[str, np.ndarray], device, limit: int = 8):
-        self.manifest, self.device, self.limit = manifest, device, limit
+    def __init__(self, manifest: dict, arrays: dict[str, np.ndarray], device, limit: int = 8, static: bool = False):
+        self.manifest, self.device, self.limit, self.static = manifest, device, limit, static
+        self._slots: dict[tuple, list] = {}        # static: format size -> device tensors at a fixed address
+        self._owners: dict[tuple, tuple] = {}      # static: format size -> cache key whose values the slot holds
         info = manifest["mask"]
         kernel = manifest["attention"]["kernel"]
         self.dims = (kernel["mask_batch"], kernel["mask_heads"], info["seq_q"], info["seq_k"])
@@ -72,6 +81,7 @@ class MaskFormats:
         """Forget every cached format (the next call of each mask builds it again)."""
         self._cache.clear()
         self._default_tensors = None
+        self._owners.clear()          # static slots stay allocated: captured graphs hold their addresses
 
     def _normalized(self, mask) -> np.ndarray:
         if is_torch(mask):
@@ -93,7 +103,22 @@ class MaskFormats:
         for keep in ([self._model_keep] if self._model_keep is not None else []) + list(keeps):
             combined = combined & keep
         combined = np.ascontiguousarray(np.broadcast_to(combined, self.dims))
-        return [tvm.runtime.tensor(a, self.device) for a in format_arrays(self.manifest, combined)]
+        host = format_arrays(self.manifest, combined)
+        return host if self.static else [tvm.runtime.tensor(a, self.device) for a in host]
+
+    def _place(self, key: tuple, host: list) -> list:
+        """static: the fixed device tensors of ``host``'s size, holding ``host``'s values (uploaded when another
+        mask's values were there: after a device sync, since earlier calls may still read them)."""
+        size = tuple((a.shape, a.dtype.str) for a in host)
+        slot = self._slots.get(size)
+        if slot is None:
+            slot = self._slots[size] = [tvm.runtime.tensor(a, self.device) for a in host]
+        elif self._owners.get(size) != key:
+            self.device.sync()
+            for tensor, array in zip(slot, host):
+                tensor.copyfrom(array)
+        self._owners[size] = key
+        return slot
 
     def tensors(self, mask=None, keeps: tuple = ()) -> list:
         """The mask inputs for ``mask`` (None: the artifact's default) and the host path's keep-masks ``keeps``
@@ -104,11 +129,14 @@ class MaskFormats:
         entry = self._cache.get(key)
         if entry is not None and (key[0] != "object" or entry[0] is mask):
             self._cache.move_to_end(key)
-            return entry[1]
-        tensors = self._build(self._normalized(mask), keeps)
-        if mask is None and not keeps:
-            self._default_tensors = tensors
-        self._cache[key] = (mask, tensors)
-        while len(self._cache) > self.limit:
-            self._cache.popitem(last=False)
+            built = entry[1]
+        else:
+            built = self._build(self._normalized(mask), keeps)
+            self._cache[key] = (mask, built)
+            while len(self._cache) > self.limit:
+                self._cache.popitem(last=False)
+        tensors = self._place(key, built) if self.static else built
+        # the fast path holds only while the default mask's values are where its tensors point
+        self._default_tensors = tensors if mask is None and not keeps else \
+            None if self.static else self._default_tensors
         return tensors

@@ -130,7 +130,8 @@ class CompiledModel:
         checks = manifest.get("value_checks") or {}
         self._checks, self._checks_output = checks.get("inputs", []), checks.get("output")
         self._pending_checks = DeferredRangeChecks(self._checks)
-        self.formats = MaskFormats(manifest, arrays, device) if self.kernel != "none" else None
+        self.formats = MaskFormats(manifest, arrays, device, static=bool(manifest.get("static_mask_inputs"))) \
+            if self.kernel != "none" else None
         self._binder = InputBinder(self.inputs, device)
         self._output_names = [spec["name"] for spec in self.outputs]
         # numpy outputs: a CPU module's own output memory (zero copy, the array keeps it alive), else a copy

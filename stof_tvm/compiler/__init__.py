@@ -38,6 +38,7 @@ from .attention_match import find_attention_sites
 from .canonical import canonicalize
 from .coverage import coverage
 from .downstream import use_templates
+from .graph_inputs import whole_graph
 from .input_checks import ValueCheck, add_value_checks, clip_gathers
 from .kernels import KERNELS, choose_kernel, kernel_primfunc
 from .mask_sources import plan_masks, score_bias
@@ -354,14 +355,11 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     with record_usage() as usage:
         front = front_end(model, mask=mask, batch=batch, seq_len=seq_len, target=target, dtype=dtype,
                           kernel=kernel, templates=templates, gemm=gemm, database=database)
-        mod, tspec, tvm_target, choice = front.mod, front.tspec, front.target, front.choice
+        tspec, choice = front.tspec, front.choice
         report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
                f"(attention kernel {choice.kind if choice else 'none: ' + front.fallback}, "
                f"templates {front.gemm if front.template_entry else 'off'})")
-        # Weight casts and other weight-only work move to main_transform_params, which the runtime runs once.
-        mod = relax.transform.LiftTransformParams()(mod)
-        executable = build(optimize(mod, tvm_target, database), tvm_target, templates=bool(front.template_entry),
-                           cuda_graph=cuda_graph)
+        mod, executable = lower(front, database, cuda_graph)
     user_mask = front.user_mask
     binaries = {}
     if front.gemm == "wgmma" or (choice is not None and choice.kind == "wgmma"):
@@ -392,11 +390,32 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     manifest["value_checks"] = {"output": front.checks_output, "inputs": [c.to_json() for c in front.checks]} \
         if front.checks else None
     manifest["cuda_graph"] = cuda_graph
+    # the runtime keeps the format arrays of each size at one address (the CUDA graphs read them there)
+    manifest["static_mask_inputs"] = cuda_graph and static_mask_inputs(front)
     if binaries:
         manifest["cuda_binaries"] = {"arch": tspec["arch"], "files": sorted(binaries)}
     wanted = {w.name for w in front.weights}
     values = {t.name: numpy_helper.to_array(t) for t in front.onnx_model.graph.initializer if t.name in wanted}
     return Artifact(executable, manifest, arrays, values, binaries)
+
+
+def lower(front: FrontEnd, database: str | None, cuda_graph: bool) -> tuple[tvm.IRModule, object]:
+    """Step 6 of :func:`compile`: lift the weight-only work into ``main_transform_params`` (run once at load),
+    fuse, schedule and build; returns (the optimised module, the executable). The launch census
+    (``scripts/count_launches.py``) reads both."""
+    mod = relax.transform.LiftTransformParams()(front.mod)
+    if cuda_graph:
+        mod = whole_graph(mod, len(front.inputs), static_mask_inputs(front), front.tspec["kind"])
+    optimized = optimize(mod, front.target, database)
+    executable = build(optimized, front.target, templates=bool(front.template_entry), cuda_graph=cuda_graph)
+    return optimized, executable
+
+
+def static_mask_inputs(front: FrontEnd) -> bool:
+    """Whether a CUDA-graph build may treat the mask's format arrays as fixed parameters (:mod:`.graph_inputs`):
+    there are some, and the runtime builds them once per mask, not per call (no host-path mask terms)."""
+    host_terms = front.choice is not None and front.choice.kind != "dense" and bool(front.plan.runtime)
+    return bool(front.format_inputs) and not host_terms
 
 
 def check_gemm(gemm: str, templates: bool, tspec: dict) -> tuple[str, dict]:
@@ -421,4 +440,4 @@ def check_gemm(gemm: str, templates: bool, tspec: dict) -> tuple[str, dict]:
     return gemm, {**tspec, "arch": "sm_90a"}
 
 
-__all__ = ["compile", "front_end", "FrontEnd", "check_gemm", "DTYPES"]
+__all__ = ["compile", "front_end", "lower", "FrontEnd", "check_gemm", "DTYPES"]

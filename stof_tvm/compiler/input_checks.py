@@ -62,15 +62,26 @@ def add_value_checks(mod: tvm.IRModule, checks: list[ValueCheck]) -> tuple[tvm.I
         return mod, None
     func = mod["main"]
     params = {p.name: p for p in func.params}
-    counts = relax.op.stack([_out_of_range_count(params[c.name], c) for c in checks], axis=0)
     errors = relax.Var(VALUE_ERRORS, relax.TensorType([len(checks)], "int64"))
     if isinstance(func.ret_ty, relax.TupleType):
         types = list(func.ret_ty.fields)
         fields = [relax.TupleGetItem(func.body.body, i) for i in range(len(types))]
     else:
         types, fields = [func.ret_ty], [func.body.body]
-    block = relax.DataflowBlock([relax.VarBinding(errors, counts)])      # one fused reduction per input
-    body = relax.SeqExpr(list(func.body.blocks) + [block], relax.Tuple(fields + [errors]))
+    # one fused reduction per input at the start of main's first dataflow block (they read only the inputs:
+    # there they join the static region of the forward pass that CUDA graphs capture, :mod:`.graph_inputs`),
+    # stacked into the output at the end of its last one (writing an output ends a captured region)
+    counts = [relax.Var(f"stof_out_of_range_{i}", relax.TensorType([], "int64")) for i in range(len(checks))]
+    firsts = [relax.VarBinding(var, _out_of_range_count(params[c.name], c)) for var, c in zip(counts, checks)]
+    last = relax.VarBinding(errors, relax.op.stack(counts, axis=0))
+    blocks = list(func.body.blocks)
+    dataflow = [i for i, block in enumerate(blocks) if isinstance(block, relax.DataflowBlock)]
+    if dataflow:
+        blocks[dataflow[0]] = relax.DataflowBlock(firsts + list(blocks[dataflow[0]].bindings))
+        blocks[dataflow[-1]] = relax.DataflowBlock(list(blocks[dataflow[-1]].bindings) + [last])
+    else:
+        blocks.append(relax.DataflowBlock(firsts + [last]))
+    body = relax.SeqExpr(blocks, relax.Tuple(fields + [errors]))
     checked = relax.Function(func.params, body, relax.TupleType(types + [errors.ty]), func.is_pure, func.attrs)
     mod = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
     mod["main"] = checked

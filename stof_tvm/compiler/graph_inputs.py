@@ -1,0 +1,116 @@
+"""Make the whole forward pass one static region, so ``cuda_graph=True`` captures it in one CUDA graph.
+
+Relax's ``RewriteCUDAGraph`` captures only launches whose arguments are all statically planned buffers, constants
+or *fixed* parameters (those after ``main``'s ``num_input``: the weights). A model's inputs change their
+address every call, so every kernel that reads one stays outside the graphs; the mask's format arrays were inputs
+too, so each attention call split the graph (RoBERTa-base at 1x128: 14 graph launches and 21 kernels outside
+them per forward). Two rewrites make the region whole:
+
+- :func:`stage_inputs`: ``main`` first copies its model inputs (token ids, the padding mask: a few hundred bytes
+  at batch 1) into buffers of its own with one small kernel, and every later kernel reads the copies. Only that
+  copy, and the kernels that write ``main``'s outputs (their storage is the caller's, fresh every call), run
+  outside the graph.
+- :func:`fix_mask_inputs`: ``num_input`` counts the model inputs only, so the mask's format arrays count as fixed
+  parameters like the weights, and their symbolic lengths key the graph (one capture per format size, TVM's own
+  mechanism for weights of symbolic shape). The runtime keeps one device buffer set per format size and copies a
+  new mask of a size already seen into it (:class:`stof_tvm.mask_formats.MaskFormats` with ``static=True``), so a
+  graph never reads a freed or stale buffer.
+"""
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import relax, tirx
+
+COPY_SYMBOL = "stof_stage_inputs"
+COPY_THREADS = 256
+OPAQUE = 8          # relax OpPatternKind kOpaque: FuseOps must not merge the copy into its consumers
+
+
+def copy_primfunc(specs: list[tuple[tuple[int, ...], str]], target_kind: str) -> tirx.PrimFunc:
+    """``(in_0, ..., in_{n-1}, out_0, ..., out_{n-1})``: ``out_i = in_i`` for tensors of the given (shape, dtype),
+    in one kernel on CUDA (one thread per element of the largest, each thread copying its element of every input),
+    a loop per tensor on the CPU."""
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
+
+    if not specs:
+        raise ValueError("specs: expected at least one (shape, dtype)")
+    if target_kind not in ("cuda", "llvm"):
+        raise ValueError(f"target_kind must be 'cuda' or 'llvm', got {target_kind!r}")
+    sizes = [math.prod(shape) for shape, _ in specs]
+    with IRBuilder() as builder:
+        with T.prim_func():
+            T.func_name(COPY_SYMBOL)
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": OPAQUE})
+            ins = [T.arg(f"in{i}", T.Buffer(shape, dtype)) for i, (shape, dtype) in enumerate(specs)]
+            outs = [T.arg(f"out{i}", T.Buffer(shape, dtype)) for i, (shape, dtype) in enumerate(specs)]
+            if target_kind == "cuda":
+                with T.thread_binding(-(-max(sizes) // COPY_THREADS), thread="blockIdx.x") as bx:
+                    with T.thread_binding(COPY_THREADS, thread="threadIdx.x") as tx:
+                        for src, dst, size in zip(ins, outs, sizes):
+                            with T.If(bx * COPY_THREADS + tx < size):
+                                with T.Then():
+                                    _store(T, src, dst, bx * COPY_THREADS + tx)
+            else:
+                for src, dst, size in zip(ins, outs, sizes):
+                    with T.serial(size) as flat:
+                        _store(T, src, dst, flat)
+    return builder.get()
+
+
+def _store(T, src, dst, flat) -> None:
+    """``dst[idx] = src[idx]`` at the row-major multi-index of flat position ``flat``."""
+    index, rest = [], flat
+    for extent in reversed([int(d) for d in src.shape]):
+        index.append(tirx.floormod(rest, extent))
+        rest = tirx.floordiv(rest, extent)
+    index.reverse()
+    T.buffer_store(dst, tirx.BufferLoad(src, index), index)
+
+
+def stage_inputs(mod: tvm.IRModule, count: int, target_kind: str) -> tvm.IRModule:
+    """``main`` with its first ``count`` parameters (the model inputs) copied once at its start by
+    :func:`copy_primfunc`, every use reading the copies (see the module docstring)."""
+    func = mod["main"]
+    if count < 1:
+        return mod
+    inputs = list(func.params[:count])
+    specs = []
+    for var in inputs:
+        ty = var.ty
+        if not isinstance(ty, relax.TensorType) or ty.shape is None:
+            raise ValueError(f"stage_inputs: input {var.name} is not a tensor of known shape")
+        specs.append((tuple(int(d) for d in ty.shape.values), str(ty.dtype)))
+    builder = relax.BlockBuilder(mod)
+    gv = builder.add_func(copy_primfunc(specs, target_kind), COPY_SYMBOL)
+    mod = builder.get()
+    fresh = [relax.Var(var.name, var.ty) for var in inputs]
+    out_ty = [relax.TensorType(list(shape), dtype) for shape, dtype in specs]
+    copied = relax.Var("staged_inputs", relax.TupleType(out_ty))
+    bindings = [relax.VarBinding(copied, relax.call_tir(gv, fresh, out_ty))]
+    # the original parameter variables are now bound to the copies, so the body reads them unchanged
+    bindings += [relax.VarBinding(var, relax.TupleGetItem(copied, i)) for i, var in enumerate(inputs)]
+    body = func.body
+    staged = relax.SeqExpr([relax.BindingBlock(bindings)] + list(body.blocks), body.body)
+    new = relax.Function(fresh + list(func.params[count:]), staged, func.ret_ty, func.is_pure, func.attrs)
+    mod["main"] = new
+    return mod
+
+
+def fix_mask_inputs(mod: tvm.IRModule, model_inputs: int) -> tvm.IRModule:
+    """``main``'s ``num_input`` set to the model inputs alone: the mask's format arrays that follow them count as
+    fixed parameters for ``RewriteCUDAGraph`` (see the module docstring). Weights stay where they are."""
+    func = mod["main"]
+    if int(func.attrs["num_input"]) < model_inputs:
+        raise ValueError(f"main: num_input {int(func.attrs['num_input'])} < {model_inputs} model inputs")
+    mod["main"] = func.with_attr("num_input", model_inputs)
+    return mod
+
+
+def whole_graph(mod: tvm.IRModule, model_inputs: int, static_masks: bool, target_kind: str) -> tvm.IRModule:
+    """Both rewrites for a ``cuda_graph`` build: the model inputs staged, and where ``static_masks`` (the runtime
+    can keep the format arrays at fixed addresses: no host-path mask terms) the mask inputs fixed."""
+    mod = stage_inputs(mod, model_inputs, target_kind)
+    return fix_mask_inputs(mod, model_inputs) if static_masks else mod

@@ -1,0 +1,173 @@
+"""The launch census (stof_tvm.vm_census, compiler.kernel_grids) and the whole-forward CUDA graph it measures.
+
+On a real Hugging Face RoBERTa export (tiny config; the same graph as RoBERTa-base, 2 layers): compiled for CUDA
+with graphs (built here, no GPU), the forward pass is one graph plus a few launches outside it, and the counts
+must not regress; on llvm the staged inputs and the fixed mask inputs (the same rewrites) keep the call through
+``model(input_ids=..., attention_mask=...)`` exact against the unstaged module and torch float32, at batch 1 and 2
+and across masks of one format size (the runtime's fixed format tensors)."""
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import stof_tvm
+from stof_tvm.compiler import front_end, lower
+from stof_tvm.compiler.graph_inputs import COPY_SYMBOL, copy_primfunc, whole_graph
+from stof_tvm.compiler.kernel_grids import kernel_grids
+from stof_tvm.compiler.pipeline import build, optimize
+from stof_tvm.mask_formats import MaskFormats
+from stof_tvm.runtime import CompiledModel
+from stof_tvm.sparse_formats.masks import make_mask
+from stof_tvm.vm_census import vm_census
+
+SEQ = 64
+
+PROGRAM = '''ib = rx.Builder()
+with ib.function("main", num_inputs=2):
+    ib.emit_call("vm.builtin.check_tensor_info", args=[ib.r(0), ib.imm(2), ib.c(0), ib.c(1)])
+    ib.emit_call("stof_stage_inputs", args=[ib.r(0), ib.r(2)])
+    ib.emit_call("vm.builtin.cuda_graph.run_or_capture", args=[ib.r(vm), ib.f("main_cuda_graph_capture"), ib.r(3), ib.imm(0)], dst=ib.r(4))
+    ib.emit_call("vm.builtin.null_value", args=[], dst=ib.r(3))
+    ib.emit_call("fused_cast", args=[ib.r(4), ib.r(5)])
+    ib.emit_ret(ib.r(5))
+with ib.function("main_cuda_graph_capture", num_inputs=1):
+    ib.emit_call("vm.builtin.alloc_tensor", args=[ib.r(0), ib.imm(0), ib.c(2), ib.c(3)], dst=ib.r(1))
+    ib.emit_call("gemm", args=[ib.r(0), ib.r(1)])
+    ib.emit_call("scan", args=[ib.r(1), ib.r(0)])
+    ib.emit_call("gemm", args=[ib.r(0), ib.r(1)])
+    ib.emit_ret(ib.r(1))
+'''
+
+
+def test_census_counts_a_known_program():
+    census = vm_census(PROGRAM, {"scan": 3})
+    assert census.graph_launches == 1 and census.graphs == ["main_cuda_graph_capture"]
+    assert census.kernels_outside_graphs == 2 and census.kernels_in_graphs == 2 + 3
+    assert census.kernels == 7 and census.distinct_kernels == 4
+    # what main runs per call: its builtins, its two launches, the run_or_capture and the ret (never the capture
+    # function's own instructions: a replay does not run them)
+    assert census.vm_instructions == 6
+    assert census.host_ops == {"vm.builtin.check_tensor_info": 1, "vm.builtin.null_value": 1, "ret": 1}
+    assert census.per_function() == {"stof_stage_inputs": 1, "fused_cast": 1, "gemm": 2, "scan": 1}
+    with pytest.raises(ValueError, match="no VM function"):
+        vm_census(PROGRAM, entry="missing")
+
+
+@pytest.fixture(scope="module")
+def roberta(hf_export):
+    return hf_export("roberta", "eager", "torchscript", 17, True, 2, SEQ)
+
+
+def test_roberta_forward_is_one_graph(roberta):
+    """RoBERTa at batch 1 x 128 for CUDA with graphs: attention, the key-padding summary, the embedding gathers and
+    the value checks inside the graph; outside it only the input copy, the position-id scan TVM dispatches to its
+    own GPU cumsum (and the kernel after it, which splits the graph in two), and the two kernels writing main's
+    outputs. Before the staged inputs and fixed mask inputs, RoBERTa-base at 1x128 ran 14 graphs and 21 launches
+    outside them (every attention call, every input reader) and 324 VM instructions per call; now 2, 5 and 97."""
+    front = front_end(roberta, mask="bigbird", batch=1, seq_len=128, target="cuda", dtype="float16")
+    optimized, executable = lower(front, None, cuda_graph=True)
+    grids = kernel_grids(optimized)
+    census = vm_census(executable.as_python(), {name: max(1, len(k)) for name, k in grids.items()})
+    assert census.graph_launches <= 2, census.table()
+    assert census.kernels_outside_graphs <= 5, census.outside
+    assert census.vm_instructions <= 100, census.table()
+    assert census.outside[COPY_SYMBOL] == 1 and census.outside["gpu_2d_continuous_cumsum"] == 1, census.outside
+    assert not [name for name in census.outside if name.startswith("stof_") and name != COPY_SYMBOL], census.outside
+    calls = census.per_function()
+    assert sum(n for name, n in calls.items() if name.startswith("stof_attention")) == 2, calls
+    assert calls["stof_key_padding"] == 1
+    # per layer: QKV, attention, output GEMM, LayerNorm, GELU GEMM, down GEMM, LayerNorm (7 x 2 layers); the
+    # embeddings (ids, positions, gathers, sum, LayerNorm), key padding, value checks and outputs: 17
+    assert census.kernels <= 7 * 2 + 17, census.table()
+    # the grid of every GEMM template is its tile count, as the knobs say (what the census reports per kernel)
+    for site in front.template_entry["sites"]:
+        for stage in site["stages"]:
+            knobs, shape = stage["knobs"], stage["shape"]
+            if stage["template"].startswith("gemm"):
+                name = f"stof_{stage['template']}_m{shape['m']}_n{shape['n']}_k{shape['k']}"
+                tiles = (shape["m"] // (16 * knobs["warps_m"] * knobs["frag_m"])) * \
+                    (shape["n"] // (16 * knobs["warps_n"] * knobs["frag_n"]))
+                assert [k.blocks for k in grids[name]] == [tiles], name
+                assert [k.threads for k in grids[name]] == [32 * knobs["warps_m"] * knobs["warps_n"]], name
+
+
+def test_copy_kernel_copies_every_input():
+    specs = [((2, 5), "int64"), ((3,), "int32"), ((1, 2, 3), "float32")]
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(-9, 9, size=shape).astype(dtype) for shape, dtype in specs]
+    lib = tvm.compile(tvm.IRModule({"main": copy_primfunc(specs, "llvm")}), target="llvm")
+    outs = [tvm.runtime.empty(shape, dtype) for shape, dtype in specs]
+    lib[COPY_SYMBOL](*[tvm.runtime.tensor(a) for a in arrays], *outs)
+    for out, want in zip(outs, arrays):
+        np.testing.assert_array_equal(out.numpy(), want)
+    cuda = copy_primfunc(specs, "cuda")       # one kernel: one grid over the largest input
+    assert [(k.blocks, k.threads) for k in kernel_grids(tvm.IRModule({"f": cuda}))[COPY_SYMBOL]] == [(1, 256)]
+
+
+def _staged_model(art) -> CompiledModel:
+    """``art`` (an llvm artifact) rebuilt with the whole-graph rewrites of a CUDA-graph build, and loaded with the
+    runtime's fixed format tensors."""
+    front = art._front
+    mod = relax.transform.LiftTransformParams()(front.mod)
+    mod = whole_graph(mod, len(front.inputs), True, "llvm")
+    assert int(mod["main"].attrs["num_input"]) == len(front.inputs)
+    executable = build(optimize(mod, front.target, None), front.target)
+    manifest = {**art.manifest, "static_mask_inputs": True}
+    return CompiledModel(executable, manifest, art.arrays, tvm.cpu(0), art.weights)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_staged_inputs_keep_the_call_exact(roberta, batch):
+    from stof_tvm.models import hf_export as hx
+
+    inputs = hx.example_inputs("roberta", batch, SEQ)
+    front = front_end(roberta, mask="bigbird", batch=batch, seq_len=SEQ, target="llvm", dtype="float32")
+    art = stof_tvm.compile(roberta, mask="bigbird", batch=batch, seq_len=SEQ, target="llvm", dtype="float32")
+    art._front = front
+    plain, staged = art.load(), _staged_model(art)
+    assert staged.formats.static and not plain.formats.static
+    want = plain(**inputs)["last_hidden_state"]
+    np.testing.assert_array_equal(staged(**inputs)["last_hidden_state"], want)
+    torch_out = hx.torch_outputs(hx.build_model("roberta", "tiny", "eager"), inputs)
+    # the sparse mask makes it differ from the dense torch model; the dense mask must match torch float32
+    dense = make_mask("dense", SEQ)
+    out = staged(**inputs, mask=dense)["last_hidden_state"]
+    assert np.linalg.norm(out - torch_out) / np.linalg.norm(torch_out) < 1e-5
+    # back and forth between two masks: each call gets its own mask's result
+    other = make_mask("sliding:window=8", SEQ)
+    for mask in (None, other, None, dense, other):
+        np.testing.assert_array_equal(staged(**inputs, mask=mask)["last_hidden_state"],
+                                      plain(**inputs, mask=mask)["last_hidden_state"])
+
+
+def _manifest(block_m=16, block_n=64) -> dict:
+    return {"attention": {"kernel": {"kind": "block", "config": {"block_m": block_m, "block_n": block_n},
+                                     "mask_batch": 1, "mask_heads": 1}, "batch": 1, "heads": 2},
+            "mask": {"spec": "sliding:window=8", "seq_q": SEQ, "seq_k": SEQ}}
+
+
+def test_fixed_format_tensors_hold_the_mask_in_use():
+    """Two masks of one format size share one set of device tensors, which hold whichever was used last; a new
+    size gets its own set, and the old one stays (captured graphs read it)."""
+    a = make_mask("sliding:window=8", SEQ)
+    b = a.copy()
+    b[..., 9, 1] = False                          # the same tiles full / partial, other bits in one of them
+    formats = MaskFormats(_manifest(), {}, tvm.cpu(0), static=True)
+    plain = MaskFormats(_manifest(), {}, tvm.cpu(0))
+    first = formats.tensors(a)
+    assert [t.shape for t in first] == [t.shape for t in plain.tensors(b)]      # one format size
+    assert any((x.numpy() != y.numpy()).any() for x, y in zip(plain.tensors(a), plain.tensors(b)))  # other values
+    second = formats.tensors(b)
+    assert all(x.same_as(y) for x, y in zip(first, second))
+    for tensor, want in zip(formats.tensors(b), plain.tensors(b)):
+        np.testing.assert_array_equal(tensor.numpy(), want.numpy())
+    for tensor, want in zip(formats.tensors(a), plain.tensors(a)):
+        np.testing.assert_array_equal(tensor.numpy(), want.numpy())
+    default = formats.tensors(None)               # the default (the same spec as a): the values of a
+    for tensor, want in zip(default, plain.tensors(a)):
+        np.testing.assert_array_equal(tensor.numpy(), want.numpy())
+    formats.tensors(b)
+    for tensor, want in zip(formats.tensors(None), plain.tensors(a)):   # not the stale fast path
+        np.testing.assert_array_equal(tensor.numpy(), want.numpy())
+    dense = formats.tensors(make_mask("dense", SEQ))
+    assert dense[1].shape != first[1].shape and not dense[1].same_as(first[1])
