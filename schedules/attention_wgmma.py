@@ -67,6 +67,7 @@ import tvm
 from tvm.script import tirx as T
 
 from .attention_blockwise import BlockConfig, blockwise_attention_primfunc
+from .key_padding import bit_words
 from .tensor_maps import encode_tensor_map, panel_map
 from .templates.wgmma_kernel import (ALIGN, CONSUMER_REGS, PRODUCER_REGS, PTX_TYPE, SWIZZLE_128B, descriptor,
                                      swizzled, wait_parity)
@@ -92,6 +93,10 @@ PANEL_COLS = 64          # head-dim columns of one 128-byte swizzled row
 ROW_BYTES = PANEL_COLS * 2
 ORDER_BAR = 1            # named barriers 1 and 2: consumer c may issue its next turn
 VIEW_ALIGN = 8
+# The model's key padding (stof_tvm.schedules.key_padding's pad_range / pad_bits) is applied by the consumers: keys
+# outside a batch row's kept span, or at its holes, are masked by a column predicate in the tiles that reach them
+# (the compile path reads this to offer the kernel to padded models).
+KEY_PADDING = True
 _LOG2E = 1.4426950408889634
 _FULL_MASK = 0xFFFFFFFF
 
@@ -192,7 +197,8 @@ def _scale(scale, head_dim) -> float:
 
 def cpu_twin_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: str,
                       mask_batch: int, mask_heads: int, scale: float | None = None,
-                      config: WgmmaAttentionConfig | None = None, out_layout: str = "bhsd") -> tvm.tirx.PrimFunc:
+                      config: WgmmaAttentionConfig | None = None, out_layout: str = "bhsd",
+                      padding: bool = False) -> tvm.tirx.PrimFunc:
     """The llvm PrimFunc computing the same function with the same parameters (the block-wise kernel's CPU loop
     nest at this kernel's tile shape)."""
     config = default_config(head_dim) if config is None else config
@@ -200,24 +206,30 @@ def cpu_twin_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_di
         batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim, dtype=dtype, mask_batch=mask_batch,
         mask_heads=mask_heads, scale=scale,
         config=BlockConfig(block_m=config.block_m, block_n=config.block_n, num_warps=config.block_m // 32),
-        target_kind="llvm", out_layout=out_layout)
+        target_kind="llvm", out_layout=out_layout, padding=padding)
 
 
 def wgmma_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: str,
                              mask_batch: int, mask_heads: int, scale: float | None = None,
                              config: WgmmaAttentionConfig | None = None, out_layout: str = "bhsd",
-                             sm_count: int = 132) -> tvm.tirx.PrimFunc:
+                             sm_count: int = 132, padding: bool = False) -> tvm.tirx.PrimFunc:
     """The sm_90a PrimFunc ``wgmma_attention(q, k, v, full_indptr, full_indices, part_indptr, part_indices,
     part_bitmaps, out)``: the parameter list of the block-wise kernel without a score bias, the format built at
-    ``config.block_m x config.block_n``. ``sm_count``: blocks of a persistent grid (the H200's 132 SMs)."""
+    ``config.block_m x config.block_n``. ``sm_count``: blocks of a persistent grid (the H200's 132 SMs).
+    ``padding=True`` (self-attention, Sq == Sk) adds ``pad_range[B, 3] int32, pad_bits[B, ceil(Sk/32)] uint32``
+    after the format arrays, as in the block-wise kernel: batch b keeps only the keys in ``[lo, hi)`` whose bit is
+    set where the span has holes, at every query row; every listed tile is still loaded and computed (the
+    predicate masks the dropped keys of the tiles that reach them)."""
     _check_problem(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, out_layout)
+    if padding not in (False, True) or (padding and seq_q != seq_k):
+        raise ValueError(f"padding must be a bool and needs seq_q == seq_k, got {padding!r} ({seq_q} x {seq_k})")
     scale = _scale(scale, head_dim)
     config = default_config(head_dim) if config is None else config
     if not isinstance(config, WgmmaAttentionConfig):
         raise TypeError(f"config must be a WgmmaAttentionConfig, got {type(config).__name__}")
     config.validate(head_dim)
     return _kernel(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, scale, config,
-                   out_layout == "bshd", sm_count)
+                   out_layout == "bshd", sm_count, bool(padding))
 
 
 def descriptor_mn(addr, leading_bytes: int):
@@ -281,7 +293,7 @@ def block_work_item(bx, j, tile_rows: int, heads: int, grid: int, persistent: bo
 
 
 def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd: bool,
-            sm_count: int) -> tvm.tirx.PrimFunc:
+            sm_count: int, PAD: bool = False) -> tvm.tirx.PrimFunc:
     BM, BN, ST, PP, NC = cfg.block_m, cfg.block_n, cfg.stages, cfg.pingpong, cfg.consumers
     THREADS = (NC + 1) * WG
     P_REGS, C_REGS = REGISTERS[NC]
@@ -320,6 +332,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     EXPECT_TX = T.ptx["mbarrier.arrive.expect_tx.shared::cta.b64"]
     EX2 = T.ptx["ex2.approx.ftz.f32"]
     OUT_SHAPE = (B, SQ, H, D) if bshd else (B, H, SQ, D)
+    KW = bit_words(SK)
 
     def q_bar(base, empty=0):          # Q tile landed (128 arrivals) / read by both consumers (256)
         return base + T.uint32(BAR_OFF + 8 * empty)
@@ -475,8 +488,10 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
         T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 3, i))
 
     @T.macro
-    def softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0, c, w, g, qd, i, n_part_row):
-        """Tile i's mask (partial tiles) and online softmax on S(i) in place; tile i's rescale into ``corr``."""
+    def softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0, c, w, g, qd, i, n_part_row, pads, b, col):
+        """Tile i's mask (partial tiles; with padding, the keys of column tile ``col`` that batch row ``b`` drops,
+        where the tile crosses its kept span or the span has holes) and online softmax on S(i) in place; tile i's
+        rescale into ``corr``."""
         if i < n_part_row:
             # register e of n8 tile j, row half hh: sub-tile (row block 8c + 2w + hh, column block j); bit
             # g * 8 + 2 qd + e of its uint64, i.e. bit (g % 4) * 8 + 2 qd + e of the 32-bit half g // 4
@@ -488,6 +503,24 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                                                      s_acc[j * 4 + hh * 2], NEG_INF)
                     s_acc[j * 4 + hh * 2 + 1] = T.Select(T.bitwise_and(word[0], T.uint32(2)) != T.uint32(0),
                                                          s_acc[j * 4 + hh * 2 + 1], NEG_INF)
+        if PAD:
+            if tvm.tirx.any(col * BN < pads[0][b, 0], col * BN + BN > pads[0][b, 1], pads[0][b, 2] != 0):
+                # register (4 jw + jj) * 4 + hh * 2 + e holds key col * BN + 32 jw + 8 jj + 2 qd + e: bit
+                # 8 jj + 2 qd + e of the kept bits of keys col * BN + 32 jw .. + 31 (the span [lo, hi) as a bit
+                # range, and pad_bits word col * BN / 32 + jw where the span has holes)
+                for jw in T.unroll(BN // 32):
+                    word[0] = T.Cast("uint32", T.shift_left(T.uint64(1), T.Cast("uint64", T.max(T.min(
+                        pads[0][b, 1] - (col * BN + jw * 32), 32), 0))) - T.shift_left(T.uint64(1), T.Cast(
+                            "uint64", T.max(T.min(pads[0][b, 0] - (col * BN + jw * 32), 32), 0))))
+                    word[0] = T.shift_right(T.bitwise_and(word[0], T.if_then_else(
+                        pads[0][b, 2] != 0, pads[1][b, T.min(col * (BN // 32) + jw, KW - 1)],
+                        T.uint32(_FULL_MASK))), T.Cast("uint32", qd * 2))
+                    for jj in T.unroll(4):
+                        for e in T.unroll(2):
+                            for hh in T.unroll(2):
+                                s_acc[(jw * 4 + jj) * 4 + hh * 2 + e] = T.Select(
+                                    T.bitwise_and(word[0], T.uint32(1 << (jj * 8 + e))) != T.uint32(0),
+                                    s_acc[(jw * 4 + jj) * 4 + hh * 2 + e], NEG_INF)
         for hh in T.unroll(2):
             red[0] = T.max(s_acc[hh * 2], s_acc[hh * 2 + 1])
             for j in T.unroll(1, NJ):
@@ -529,13 +562,18 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     def work_item(bx, j):
         return block_work_item(bx, j, TR, B * H, GRID, cfg.persistent)
 
+    def tile_col(tiles, i, n_part_row):
+        """Column tile of the item's tile i (``tiles``: part_indices, full_indices, the row's first of each)."""
+        return T.if_then_else(i < n_part_row, tiles[0][tiles[2] + i], tiles[1][tiles[3] + i - n_part_row])
+
     @T.macro
     def consume(s_acc, o_acc, p_frag, corr, m_run, l_run, red, word, flag, started, smem, base, mw0, q_desc, k_desc,
-                v_desc, c, w, g, qd, n_tiles, n_part_row, g0, jq, compute):
+                v_desc, c, w, g, qd, n_tiles, n_part_row, g0, jq, compute, pads, b, tiles):
         """One work item's turns (block tiles g0 ..): S(0); then S(i) with P(i-1) V(i-1); then P(n-1) V(n-1).
         ``compute=False`` (a consumer whose 64 rows all lie past Sq: the last tile row of three consumers, one
         block per item) keeps only the waits, turns and slot releases, in the same order (the other consumers'
-        phases and turns count on them)."""
+        phases and turns count on them). ``pads``, ``b``, ``tiles``: the padding inputs, the item's batch row and
+        where its tiles' columns are listed (:func:`tile_col`; read only with padding)."""
         wait_parity(flag, q_bar(base), T.Cast("uint32", jq % 2))
         wait_parity(flag, ring_bar(base, 0, g0), phase(g0))
         if compute and not TMA:
@@ -548,7 +586,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
         if compute:
             T.ptx["wgmma.wait_group.sync.aligned"](0)
             softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + (M_OFF + (g0 % ST) * MW_BYTES) // 4, c, w, g,
-                    qd, 0, n_part_row)
+                    qd, 0, n_part_row, pads, b, tile_col(tiles, 0, n_part_row))
         T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 1, g0))
         if compute:
             pack_p(s_acc, p_frag)
@@ -566,7 +604,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
             if compute:
                 T.ptx["wgmma.wait_group.sync.aligned"](1)
                 softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + (M_OFF + (gi % ST) * MW_BYTES) // 4, c, w,
-                        g, qd, i, n_part_row)
+                        g, qd, i, n_part_row, pads, b, tile_col(tiles, i, n_part_row))
             T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 1, gi))
             retire_pv(o_acc, base, gi - 1, compute)
             if compute:
@@ -599,7 +637,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                 done[1] = done[1] + T.Select(n_tiles > 0, 1, 0)
 
     @T.macro
-    def body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, out, maps):
+    def body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, out, maps, pads):
         for bx in T.thread_binding(GRID, thread="blockIdx.x"):
             for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
                 smem = T.alloc_buffer((SMEM_WORDS,), "uint32", scope="shared.dyn")
@@ -672,11 +710,13 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                                 if IDLE_ROWS and tr * BM + c * 64 >= SQ:
                                     consume(s_acc, o_acc, p_frag, corr, m_run, l_run, red, word, flag, started, smem,
                                             base, mw0, q_desc, k_desc, v_desc, c, w, g, qd, n_tiles, n_part_row,
-                                            done[0], done[1], False)
+                                            done[0], done[1], False, pads, b,
+                                            (part_indices, full_indices, part_indptr[r], full_indptr[r]))
                                 else:
                                     consume(s_acc, o_acc, p_frag, corr, m_run, l_run, red, word, flag, started, smem,
                                             base, mw0, q_desc, k_desc, v_desc, c, w, g, qd, n_tiles, n_part_row,
-                                            done[0], done[1], True)
+                                            done[0], done[1], True, pads, b,
+                                            (part_indices, full_indices, part_indptr[r], full_indptr[r]))
                             store_rows(out_words, o_acc, l_run, red, word, b, h, tr, c, w, g, qd)
                             done[0] = done[0] + n_tiles
                             done[1] = done[1] + T.Select(n_tiles > 0, 1, 0)
@@ -687,7 +727,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     @T.prim_func
     def wgmma_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, full_indptr_h: T.handle,
                         full_indices_h: T.handle, part_indptr_h: T.handle, part_indices_h: T.handle,
-                        part_bitmaps_h: T.handle, out_h: T.handle):
+                        part_bitmaps_h: T.handle, pad_range_h: T.handle, pad_bits_h: T.handle, out_h: T.handle):
         T.func_attr({"tirx.noalias": True, "global_symbol": "wgmma_attention"})
         n_full = T.int32()
         n_part = T.int32()
@@ -699,6 +739,8 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
         part_indptr = T.match_buffer(part_indptr_h, (NROWS,), "int32")
         part_indices = T.match_buffer(part_indices_h, (n_part,), "int32")
         part_bitmaps = T.match_buffer(part_bitmaps_h, (n_part, BM // 8, BN // 8), "uint64")
+        pad_range = T.match_buffer(pad_range_h, (B, 3), "int32")
+        pad_bits = T.match_buffer(pad_bits_h, (B, KW), "uint32")
         out = T.match_buffer(out_h, OUT_SHAPE, DT)
         if TMA:
             # encoded on the host at each call, from the operands' real addresses (view offsets included)
@@ -709,8 +751,12 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
             T.evaluate(encode_tensor_map(k_map, T.address_of(k[0, 0, 0, 0]), KV_MAP))
             T.evaluate(encode_tensor_map(v_map, T.address_of(v[0, 0, 0, 0]), KV_MAP))
             body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, out,
-                 (q_map, k_map, v_map))
+                 (q_map, k_map, v_map), (pad_range, pad_bits))
         else:
-            body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, out, (None, None, None))
+            body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, out, (None, None, None),
+                 (pad_range, pad_bits))
 
-    return wgmma_attention
+    if PAD:
+        return wgmma_attention
+    params = [param for param in wgmma_attention.params if param.name not in ("pad_range", "pad_bits")]
+    return tvm.tirx.PrimFunc(params, wgmma_attention.body, wgmma_attention.ret_type, wgmma_attention.attrs)

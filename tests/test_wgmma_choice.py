@@ -62,10 +62,21 @@ def test_head_dims_wgmma_does_not_take_stay_on_mma_sync(head_dim):
 
 def test_wgmma_candidates_exist_on_hopper_only():
     assert wgmma_candidates(64, A100) == [] and wgmma_candidates(80, H200) == []
-    configs = [c.config for c in wgmma_candidates(64, H200)]
-    assert configs[0] == default_config(64) and len(set(configs)) == len(configs)
-    assert all(not c.persistent and c.pingpong for c in configs)      # what was measured faster
-    assert {c.consumers for c in configs} == {2, 3} and {c.block_n for c in configs} == {64, 128}
+    for head_dim, consumers, widths in ((64, {2, 3}, {128}), (128, {2}, {64, 128})):
+        configs = [c.config for c in wgmma_candidates(head_dim, H200)]
+        assert configs[0] == default_config(head_dim) and len(set(configs)) == len(configs)
+        assert all(not c.persistent and c.pingpong for c in configs)      # what was measured faster
+        assert {c.consumers for c in configs} == consumers and {c.block_n for c in configs} == widths
+
+
+def test_padded_calls_run_two_consumers():
+    """With the key padding's predicate three consumers spill, so a padded call takes two at head dim 64."""
+    padded = [c.config for c in wgmma_candidates(64, H200, padding=True)]
+    assert padded[0] == WgmmaAttentionConfig(block_n=128, stages=3, consumers=2)
+    assert {c.consumers for c in padded} == {2}
+    kind, config, reason = decide_kernel(normalize_mask("causal", seq_q=4096), batch=16, heads=12, head_dim=64,
+                                         dtype="float16", target_kind="cuda", target_arch="sm_90", padding=True)
+    assert kind == "wgmma" and config.consumers == 2, reason
 
 
 @pytest.mark.parametrize("window, margin_kept", [(512, True), (1024, False)])
@@ -116,6 +127,11 @@ def test_compile_path_choice_names_the_wgmma_kernel_and_its_tile():
     assert entry["tile"] == [192, 128] and entry["config"]["consumers"] == 3
     inputs = {f.name: f.shape for f in choice.format_inputs(2048, 2048)}
     assert inputs["stof_part_bitmaps"] == ("n_part", 24, 16) and inputs["stof_full_indptr"] == (-(-2048 // 192) + 1,)
+
+
+def test_compile_path_takes_wgmma_for_padded_models():
+    choice = _choose(padding=True)
+    assert choice.kind == "wgmma" and choice.config["consumers"] == 2 and choice.tile == (128, 128)
 
 
 def test_compile_path_keeps_biased_scores_off_wgmma_with_a_reason():

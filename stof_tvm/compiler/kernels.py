@@ -5,8 +5,9 @@ Four kernels can replace an attention site:
 - ``block``: the block-wise sparse kernel (schedules/attention_blockwise.py) reading the tiled format;
 - ``wgmma``: the same walk of the same format on Hopper wgmma (schedules/attention_wgmma.py; sm_90 targets, the
   module then built for sm_90a with nvcc, :mod:`.cubins`), chosen by ``auto`` where the analytical model predicts
-  it faster (causal and dense masks; head dims 64 and 128, float16 / bfloat16); where it cannot serve the call
-  (:func:`wgmma_unavailable`: no score bias, nvcc needed here) the choice is among the others, with the reason;
+  it faster (causal and dense masks; head dims 64 and 128, float16 / bfloat16; the model's key padding applied
+  by a column predicate); where it cannot serve the call (:func:`wgmma_unavailable`: no score bias, nvcc needed
+  here) the choice is among the others, with the reason;
 - ``row``: the row-wise sparse kernel (schedules/attention_rowwise.py) reading the row-compressed format;
 - ``dense``: the site stays a dense matrix product with the mask applied from two float inputs (an additive
   bias of 0 / -1e30 before the softmax, a 1 / 0 factor after it; TVM's own schedules): the "TVM default"
@@ -210,7 +211,7 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
 
         kind, model_config, reason = decide_kernel(mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
                                                    target_kind=target_kind, target_arch=target_arch,
-                                                   no_wgmma=no_wgmma)
+                                                   no_wgmma=no_wgmma, padding=padding)
     tuned = tuned_choice(database, mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype) \
         if database is not None and kind != "wgmma" else None
     if tuned is not None and requested in ("auto", tuned["meta"]["kind"]):

@@ -33,6 +33,7 @@ configuration from the work really done.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,13 +75,16 @@ _VECTOR_BYTES = 16
 
 @dataclass(frozen=True)
 class AttentionProblem:
-    """One multi-head attention call: ``[batch, heads, seq_q|seq_k, head_dim]`` tensors and a profiled mask."""
+    """One multi-head attention call: ``[batch, heads, seq_q|seq_k, head_dim]`` tensors and a profiled mask;
+    ``padding``: the kernel also applies a model's key padding (the wgmma kernel's column predicate; the mask
+    profile does not include it, as the padding is only known at run time)."""
 
     batch: int
     heads: int
     head_dim: int
     dtype: str
     mask: MaskProfile
+    padding: bool = False
 
     def __post_init__(self):
         for name in ("batch", "heads", "head_dim"):
@@ -192,17 +196,22 @@ def row_candidates(head_dim: int, dtype: str, hw: HardwareProfile = H200) -> lis
     return out
 
 
-def wgmma_candidates(head_dim: int, hw: HardwareProfile = H200) -> list[AttentionCandidate]:
+def wgmma_candidates(head_dim: int, hw: HardwareProfile = H200, padding: bool = False) -> list[AttentionCandidate]:
     """The wgmma kernel's configurations for ``head_dim`` on ``hw`` (none off Hopper, compute capability 9.x, or
     at head dims it does not take): the default (:func:`~stof_tvm.schedules.attention_wgmma.default_config`)
     first, so that it wins ties, then 2 / 3 consumers x 64 / 128 keys x 2-5 ring stages that fit; ping-pong,
-    one block per work item (see the module docstring for what is left out and why)."""
+    one block per work item (see the module docstring for what is left out and why). Left out because ptxas
+    builds them badly (nvcc 13.0, sm_90a): 64-key tiles at head dim 64 (C7508, setmaxnreg ignored) and, with
+    ``padding``, three consumers (the padding predicate makes their 160 registers spill: 12-48 spill stores);
+    with padding at head dim 64 the first is then two consumers."""
     if head_dim not in WGMMA_HEAD_DIMS or not hw.compute_version.startswith("9."):
         return []
     default = wgmma_default_config(head_dim)
+    if padding and default.consumers == 3:
+        default = dataclasses.replace(default, consumers=2)
     out = [default]
-    for consumers in (3, 2):
-        for block_n in (128, 64):
+    for consumers in ((2,) if padding else (3, 2)):
+        for block_n in ((128,) if head_dim == 64 else (128, 64)):
             for stages in _WGMMA_STAGES:
                 config = WgmmaAttentionConfig(block_n=block_n, stages=stages, consumers=consumers)
                 try:
@@ -230,7 +239,7 @@ def attention_candidates(problem: AttentionProblem, hw: HardwareProfile = H200,
     if "row" in kinds and problem.head_dim in ROW_HEAD_DIMS:
         out += row_candidates(problem.head_dim, problem.dtype, hw)
     if "wgmma" in kinds and problem.dtype in WGMMA_DTYPES:
-        out += wgmma_candidates(problem.head_dim, hw)
+        out += wgmma_candidates(problem.head_dim, hw, problem.padding)
     return out
 
 
