@@ -331,7 +331,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     found, else ``"mma"``; wgmma ran 1.1-2.1x faster than mma.sync on the H200, BENCHMARKS.md; GEMMs too small to
     fill half the GPU with 128-row tiles stay on mma.sync, see :func:`.linear_match.wgmma_misfit`).
     ``cuda_graph``: capture the module's static
-    regions in CUDA graphs (Relax's ``RewriteCUDAGraph``; CUDA only; see :mod:`.pipeline`).
+    regions in CUDA graphs (Relax's ``RewriteCUDAGraph``; CUDA only; see :mod:`.pipeline`), the whole forward pass
+    made one region first (:mod:`.graph_inputs`).
     ``database``: a tuning work dir (``stof-tvm tune``; :func:`stof_tvm.compile` can tune into it first) whose
     records are applied; the manifest's ``tuning`` entry counts them (``applied``), names the calls that found
     none (``missing``) and the database's measured jobs no call asked for (``unused``).

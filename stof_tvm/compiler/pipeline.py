@@ -92,7 +92,8 @@ def build(mod: tvm.IRModule, target: tvm.target.Target, templates: bool = False,
     ``cuda_graph``: Relax's ``relax.backend.use_cuda_graph`` option, under which the build runs
     ``RewriteCUDAGraph``: each region of kernel launches whose arguments are all statically planned buffers,
     weights or constants is captured into a CUDA graph on its first run and replayed after; launches that read
-    the model's inputs or the mask's format arrays (symbolic lengths) stay outside the graphs."""
+    the model's inputs stay outside the graphs (:func:`stof_tvm.compiler.lower` first makes the forward pass one
+    static region: :mod:`.graph_inputs`)."""
     config = {}
     if templates and target.kind.name == "cuda":
         from stof_tvm.schedules.templates.build import BUILD_CONFIG
