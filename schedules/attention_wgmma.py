@@ -54,9 +54,12 @@ Everything comes from TVM 0.27's ``T.ptx`` table, as in the wgmma GEMM. Build fo
 
 Status: checked on an H200 at commit 2161894 (``scripts/check_attention_wgmma_gpu.py``; 7 masks x 3 shapes correct,
 causal 0.83x / 0.85x SDPA at D 64 / 128; numbers in ``scripts/NOTES_attention_wgmma.md``; the head-by-head order
-0.88x / 0.90x in session 7); opt-in only (``AttentionPlan(kernel="wgmma")``), not chosen by ``"auto"``. Three
-consumers and the persistent grid are built and checked here only (``scripts/bench_attention.py``'s ``s7causal``
-plan times and checks them on the GPU).
+0.88x / 0.90x in session 7; three consumers at D64: causal 1.000 ms, 0.93x SDPA, in session 7's ``s7causal`` plan).
+``kernel="auto"`` (:func:`stof_tvm.attention.decide_kernel`, the compile path's
+:func:`stof_tvm.compiler.kernels.choose_kernel`) picks it on sm_90 targets where the analytical model predicts it
+faster (:mod:`stof_tvm.cost_model.attention`: causal and dense masks; sparse ones stay on mma.sync). The key padding
+(``padding=True``) is built and ptxas-checked here only; ``bench_attention.py``'s ``s8wgmma`` plan checks it on the
+GPU, with the first timings of this kernel on sparse and document masks.
 """
 from __future__ import annotations
 
