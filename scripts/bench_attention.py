@@ -19,7 +19,9 @@ S 8192/16384 with D=128), ``headdims`` (issue 16: D 32-256 checked at small shap
 on causal/sliding/bigbird), ``splitkv`` (split-KV checks, and B=1-2 long-context timings), ``issue16`` (one
 ~300 s run: split-KV checks with and without the device-side key padding; split-KV vs unsplit at B=1 S 8192/16384;
 the wgmma kernel on causal; head dims 32/80/96/256; see :func:`plan_issue16`), ``s7causal`` (the wgmma kernel's
-configurations on causal and dense D64/D128 beside SDPA, one < 80 s run; :func:`plan_s7causal`). Effective TFLOP/s
+configurations on causal and dense D64/D128 beside SDPA, one < 80 s run; :func:`plan_s7causal`), ``s8wgmma`` (the
+wgmma kernel against the mma.sync block-wise kernel on six masks, sparse ones never timed on wgmma before, and its
+device-side key padding; the analytical model's predictions beside; :func:`plan_s8wgmma`). Effective TFLOP/s
 counts kept pairs only: ``4 * kept * D`` per head.
 
     python scripts/bench_attention.py build --plan check,tune --out out/attn
@@ -30,6 +32,10 @@ The GPU machine's command (modules prebuilt here; it needs only the TVM runtime 
     source .devkit/bootstrap.sh && python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . &&
     python3 scripts/bench_attention.py run --out out/attn --json $OUT/attn.json --budget 300
     # carry: .devkit/runtime.tar.xz, .devkit/bootstrap.sh, out/attn
+
+Plan ``s8wgmma`` (25 modules, 6.3 MB, built in ~85 s here): ``build --plan s8wgmma --out out/s8wgmma``, then on the
+GPU machine ``run --out out/s8wgmma --json $OUT/s8wgmma.json --budget 85`` (same carry, out/s8wgmma for out/attn);
+``scripts/calibrate_model.py fit-wgmma --json`` that JSON and the session-7 ones refits the wgmma constants.
 """
 from __future__ import annotations
 
@@ -97,8 +103,9 @@ def mask_groups(recipe: str, batch: int, heads: int) -> tuple[int, int]:
 
 def build_mask(recipe: str, batch: int, heads: int, seq: int, seed: int) -> np.ndarray:
     """Normalised boolean mask [Bm, Hm, S, S] of a recipe: a mask spec name, ``random:<density>``,
-    ``random_empty:<density>`` (random plus whole empty query rows) or ``padding`` (random valid lengths per
-    batch, one batch of length 0)."""
+    ``random_empty:<density>`` (random plus whole empty query rows), ``padding`` (random valid lengths per
+    batch, one batch of length 0) or ``document`` (ragged packed sequences, causal within each, shared by the
+    batch: segment lengths drawn from S/16 .. S/4)."""
     from stof_tvm.sparse_formats import normalize_mask
 
     rng = np.random.default_rng(seed)
@@ -112,6 +119,13 @@ def build_mask(recipe: str, batch: int, heads: int, seq: int, seed: int) -> np.n
         lengths = rng.integers(1, seq + 1, size=batch)
         lengths[0] = 0
         return normalize_mask(lengths.astype(np.int64), batch=batch, heads=heads, seq_q=seq)
+    if kind == "document":
+        ends = np.cumsum(rng.integers(max(1, seq // 16), max(2, seq // 4) + 1, size=seq))
+        ends = np.append(ends[ends < seq], seq)
+        segment = np.searchsorted(ends, np.arange(seq), side="right")
+        rows = np.arange(seq)
+        keep = (segment[:, None] == segment[None, :]) & (rows[None, :] <= rows[:, None])
+        return normalize_mask(keep, batch=batch, heads=heads, seq_q=seq)
     return normalize_mask(recipe, batch=batch, heads=heads, seq_q=seq)
 
 
@@ -500,9 +514,76 @@ def plan_s8tma() -> list[dict]:
     return cases
 
 
+S8W_SHAPES = {64: (16, 12, 4096), 128: (4, 16, 8192)}      # head dim: (B, H, S) of issue 16's goals
+S8W_MASKS = ("causal", "dense", "document", "sliding", "longformer", "bigbird")
+# wgmma configurations (block_n, stages, pingpong, persistent, consumers): the defaults, and at D64 the two-consumer
+# one the model offers padded calls (three spill under the padding predicate)
+S8W_WGMMA = {64: ((128, 3, True, False, 3), (128, 3, True, False, 2)), 128: ((128, 2, True, False, 2),)}
+
+
+def _predicted_ms(problem, kind: str, config) -> float:
+    from stof_tvm.cost_model import AttentionCandidate, attention_work, predict
+    from stof_tvm.hardware import H200
+
+    return predict(attention_work(problem, AttentionCandidate(kind, config)), H200).time_s * 1e3
+
+
+def plan_s8wgmma() -> list[dict]:
+    """The wgmma kernel beside the mma.sync block-wise kernel on six masks (S8W_MASKS) at issue 16's shapes (D64
+    B16 H12 S4096, D128 B4 H16 S8192), FlexAttention and SDPA as in every plan, one short run (< 90 s with
+    ``--budget 85``; D128 last). The sparse masks and the document mask were never timed on wgmma: the model's
+    partial-tile cost for it is assumed, and these timings are what ``calibrate_model.py fit-wgmma`` needs next.
+    Each timed case carries the model's prediction (``predicted_ms``) and pick (``model_pick``, ``auto``'s
+    kind and configuration). Checks first (S=1000, Q scaled by 8): every wgmma configuration on the sparse and
+    document masks, and the device-side key padding (``padding``: right, left-with-holes, none and empty batch
+    rows) on causal, dense and sliding masks at both head dims; every timed case is checked too."""
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile, decide_attention
+    from stof_tvm.schedules.attention_wgmma import WgmmaAttentionConfig
+
+    cases = []
+    for head_dim, configs in S8W_WGMMA.items():
+        for config in configs:
+            for recipe in ("sliding", "longformer", "bigbird", "document"):
+                cases.append(dict(_case("check", "wgmma", recipe, 2, 3, 1000, head_dim, "float16", config),
+                                  q_scale=8.0))
+        padded = configs[-1]
+        for recipe in ("causal", "dense", "sliding"):
+            cases.append(dict(_case("check", "wgmma", recipe, 4, 2, 1000, head_dim, "float16", padded,
+                                    padding=True), q_scale=8.0))
+        cases.append(dict(_case("check", "wgmma", "causal", 4, 2, 1000, head_dim, "bfloat16", padded,
+                                padding=True), q_scale=8.0))
+    for head_dim, (batch, heads, seq) in S8W_SHAPES.items():
+        for recipe in S8W_MASKS:
+            problem = AttentionProblem(batch=batch, heads=heads, head_dim=head_dim, dtype="float16",
+                                       mask=MaskProfile(build_mask(recipe, batch, heads, seq, 0)))
+            decision = decide_attention(problem, kinds=("block", "row", "wgmma"))
+            pick = f"{decision.best.candidate} ({decision.reason})"
+            block = decide_attention(problem, kinds=("block",)).best.candidate.config
+            for config in S8W_WGMMA[head_dim]:
+                case = _case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16", config)
+                cases.append(dict(case, model_pick=pick,
+                                  predicted_ms=_predicted_ms(problem, "wgmma", WgmmaAttentionConfig(*config))))
+            case = _case("time", "block", recipe, batch, heads, seq, head_dim, "float16", _config_tuple(block))
+            cases.append(dict(case, model_pick=pick, predicted_ms=_predicted_ms(problem, "block", block)))
+        # what a padded model (HF's attention_mask) runs: the padded wgmma configuration, the block pick, causal
+        problem = AttentionProblem(batch=batch, heads=heads, head_dim=head_dim, dtype="float16", padding=True,
+                                   mask=MaskProfile(build_mask("causal", batch, heads, seq, 0)))
+        decision = decide_attention(problem, kinds=("block", "row", "wgmma"))
+        pick = f"{decision.best.candidate} ({decision.reason})"
+        block = decide_attention(problem, kinds=("block",)).best.candidate.config
+        padded = S8W_WGMMA[head_dim][-1]
+        cases.append(dict(_case("time", "wgmma", "causal", batch, heads, seq, head_dim, "float16", padded,
+                                padding=True), model_pick=pick,
+                          predicted_ms=_predicted_ms(problem, "wgmma", WgmmaAttentionConfig(*padded))))
+        cases.append(dict(_case("time", "block", "causal", batch, heads, seq, head_dim, "float16",
+                                _config_tuple(block), padding=True), model_pick=pick,
+                          predicted_ms=_predicted_ms(problem, "block", block)))
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
-         "s8tma": plan_s8tma}
+         "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
@@ -526,7 +607,8 @@ def _primfunc(case: dict):
     if case["family"] == "wgmma":
         from stof_tvm.schedules.attention_wgmma import WgmmaAttentionConfig, wgmma_attention_primfunc
         del common["target_kind"]
-        return wgmma_attention_primfunc(config=WgmmaAttentionConfig(*case["config"]), **common)
+        return wgmma_attention_primfunc(config=WgmmaAttentionConfig(*case["config"]),
+                                        padding=case.get("padding", False), **common)
     if case["family"] == "block":
         from stof_tvm.schedules.attention_blockwise import BlockConfig, blockwise_attention_primfunc
         return blockwise_attention_primfunc(config=BlockConfig(*case["config"]), padding=case.get("padding", False),
@@ -839,6 +921,30 @@ def print_loads(timed: list[dict]) -> None:
               + ("" if tma["ok"] and (cp is None or cp["ok"]) else "  CHECK FAILED"))
 
 
+def print_model(timed: list[dict]) -> None:
+    """Cases that carry the model's prediction (plan s8wgmma): measured beside predicted, wgmma beside mma.sync."""
+    rows = [r for r in timed if "predicted_ms" in r]
+    if not rows:
+        return
+    print("\nwgmma vs mma.sync block-wise, measured and as the model predicts (ms; cfg as above; "
+          "ratio = measured / predicted)")
+    for r in rows:
+        cfg = "x".join(str(x)[0] if isinstance(x, bool) else str(x) for x in r["config"])
+        mask = r["mask"] + (" +pad" if r.get("padding") else "")
+        print(f"  {mask:<10} B{r['batch']:<2} S{r['seq']:<5} D{r['head_dim']:<3} {r['family']:<5} {cfg:<18} "
+              f"measured {r['ms']:.4f}  predicted {r['predicted_ms']:.4f}  ratio {r['ms'] / r['predicted_ms']:.2f}"
+              + ("" if r["ok"] else "  CHECK FAILED"))
+    picks = {(r["mask"], r["batch"], r["seq"], r["head_dim"], bool(r.get("padding"))): r["model_pick"] for r in rows}
+    for (mask, batch, seq, head_dim, padded), pick in picks.items():
+        group = [r for r in rows if r["ok"] and (r["mask"], r["batch"], r["seq"], r["head_dim"],
+                                                 bool(r.get("padding"))) == (mask, batch, seq, head_dim, padded)]
+        best = {fam: min([r["ms"] for r in group if r["family"] == fam] or [float("nan")]) for fam in
+                ("wgmma", "block")}
+        print(f"  {mask + (' +pad' if padded else ''):<10} B{batch} S{seq} D{head_dim}: wgmma {best['wgmma']:.4f} "
+              f"block {best['block']:.4f} "
+              f"(wgmma / block {best['wgmma'] / best['block']:.2f}); the model picks {pick.split(' (')[0]}")
+
+
 def print_checks(results: list[dict]) -> None:
     bad = [r for r in results if not r["ok"]]
     errs = {dt: max([r["rel_err"] for r in results if r["dtype"] == dt] or [0.0]) for dt in TOLERANCE}
@@ -870,8 +976,9 @@ def summarize(timed: list[dict]) -> list[dict]:
     """One row per (mask, B, S, D): our best checked block-wise configuration (mma.sync or, prefixed ``w``,
     wgmma), the row-wise kernel, the baselines."""
     groups = {}
-    for r in timed:
-        groups.setdefault((r["mask"], r["batch"], r["seq"], r["head_dim"]), []).append(r)
+    for r in timed:       # device-padded cases (a per-batch attention mask on top) are rows of their own
+        groups.setdefault((r["mask"] + (" +pad" if r.get("padding") else ""), r["batch"], r["seq"], r["head_dim"]),
+                          []).append(r)
     rows = []
     nan = float("nan")
     for (mask, batch, seq, head_dim), rs in groups.items():
@@ -951,6 +1058,7 @@ def run(args) -> None:
     print_checks(runner.results)
     print_variants(timed)
     print_loads(timed)
+    print_model(timed)
     print_summary(timed)
     info["summary"] = summarize([r for r in runner.results if r["kind"] == "time" and "ms" in r])
     runner.save(info)

@@ -28,8 +28,8 @@ def register(subparsers) -> None:
     parser.add_argument("--arch", default="sm_90", help="CUDA architecture (default sm_90)")
     parser.add_argument("--dtype", choices=["float16", "float32"],
                         help="compute dtype (default float16 on cuda, float32 on llvm)")
-    parser.add_argument("--kernel", default="auto", choices=["auto", "block", "row", "dense"],
-                        help="attention kernel (default: chosen from the mask)")
+    parser.add_argument("--kernel", default="auto", choices=["auto", "block", "row", "wgmma", "dense"],
+                        help="attention kernel (default: chosen from the mask; wgmma: Hopper, sm_90 targets)")
     parser.add_argument("--templates", action=argparse.BooleanOptionalAction, default=None,
                         help="use stof-tvm's fusion templates for the QKV projection, GEMM + residual + "
                              "LayerNorm and FFN chains (float16; default: on for cuda float16)")
