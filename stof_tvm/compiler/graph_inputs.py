@@ -15,6 +15,9 @@ them per forward). Two rewrites make the region whole:
   mechanism for weights of symbolic shape). The runtime keeps one device buffer set per format size and copies a
   new mask of a size already seen into it (:class:`stof_tvm.mask_formats.MaskFormats` with ``static=True``), so a
   graph never reads a freed or stale buffer.
+
+And the position ids' scan that TVM would leave to its own multi-kernel GPU cumsum, outside the graphs,
+runs on one kernel inside (:mod:`.row_scan`).
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ import math
 
 import tvm
 from tvm import relax, tirx
+
+from .row_scan import rewrite_row_scans
 
 COPY_SYMBOL = "stof_stage_inputs"
 COPY_THREADS = 256
@@ -110,7 +115,8 @@ def fix_mask_inputs(mod: tvm.IRModule, model_inputs: int) -> tvm.IRModule:
 
 
 def whole_graph(mod: tvm.IRModule, model_inputs: int, static_masks: bool, target_kind: str) -> tvm.IRModule:
-    """Both rewrites for a ``cuda_graph`` build: the model inputs staged, and where ``static_masks`` (the runtime
-    can keep the format arrays at fixed addresses: no host-path mask terms) the mask inputs fixed."""
-    mod = stage_inputs(mod, model_inputs, target_kind)
+    """The rewrites for a ``cuda_graph`` build: the model inputs staged; where ``static_masks`` (the runtime can
+    keep the format arrays at fixed addresses: no host-path mask terms) the mask inputs fixed; the row
+    scans (RoBERTa's position ids) on a kernel the graph captures (:mod:`.row_scan`)."""
+    mod = rewrite_row_scans(stage_inputs(mod, model_inputs, target_kind), target_kind)
     return fix_mask_inputs(mod, model_inputs) if static_masks else mod

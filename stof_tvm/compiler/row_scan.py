@@ -1,0 +1,137 @@
+"""Inclusive prefix sums along the last axis as one small CUDA kernel that a CUDA graph can capture.
+
+RoBERTa-family exports compute position ids with ``cumsum(input_ids != pad, axis=1)``. TVM dispatches a GPU
+``cumsum`` to its generic ``gpu_2d_continuous_cumsum`` (several kernels over symbolic extents), which
+``RewriteCUDAGraph`` leaves outside the graphs, splitting the forward pass in two. At the sizes models use the scan
+is tiny (a few thousand elements per row), so :func:`scan_rows_primfunc` does it with one warp per row: each lane
+sums its contiguous chunk, the 32 chunk sums go through shared memory, each lane adds the sums of the lanes before
+it and writes its chunk's running sums. :func:`rewrite_row_scans` puts it in place of every inclusive ``cumsum``
+of ``main`` along the last axis of a static shape.
+"""
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import relax, tirx
+
+SCAN_SYMBOL = "stof_scan_rows"
+LANES = 32
+OPAQUE = 8          # relax OpPatternKind kOpaque
+MAX_ROW = 1 << 16   # longer rows keep TVM's own scan (one lane would sum more than 2048 elements)
+
+
+def scan_rows_primfunc(rows: int, length: int, dtype: str, name: str = SCAN_SYMBOL,
+                       target_kind: str = "cuda") -> tirx.PrimFunc:
+    """``(x[rows, length], out[rows, length])``: ``out[r, j] = sum(x[r, :j + 1])``, one warp per row on CUDA, a
+    running sum per row on the CPU (where the tests check the rewrite through a whole model); ``name``: its global
+    symbol."""
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
+
+    if rows < 1 or length < 1:
+        raise ValueError(f"rows and length must be positive, got {rows} x {length}")
+    if target_kind not in ("cuda", "llvm"):
+        raise ValueError(f"target_kind must be 'cuda' or 'llvm', got {target_kind!r}")
+    with IRBuilder() as builder:
+        with T.prim_func():
+            T.func_name(name)
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": OPAQUE})
+            x = T.arg("x", T.Buffer((rows, length), dtype))
+            out = T.arg("out", T.Buffer((rows, length), dtype))
+            with T.sblock("root"):      # an opaque root block, as TVMScript's own kernels have (Relax's
+                # RewriteDataflowReshape inspects one-input PrimFuncs' bodies and expects one)
+                if target_kind == "cuda":
+                    _warp_per_row(T, x, out, rows, length, dtype)
+                else:
+                    acc = T.alloc_buffer((1,), dtype)
+                    with T.serial(rows) as row:
+                        T.buffer_store(acc, tirx.const(0, dtype), [0])
+                        with T.serial(length) as j:
+                            T.buffer_store(acc, acc[0] + x[row, j], [0])
+                            T.buffer_store(out, acc[0], [row, j])
+    return builder.get()
+
+
+def _warp_per_row(T, x, out, rows: int, length: int, dtype: str) -> None:
+    """The CUDA body: lane ``l`` of row ``r``'s warp owns elements ``[l * chunk, (l + 1) * chunk)``."""
+    chunk = -(-length // LANES)
+    zero = tirx.const(0, dtype)
+    with T.thread_binding(rows, thread="blockIdx.x") as row:
+        with T.thread_binding(LANES, thread="threadIdx.x") as lane:
+            sums = T.alloc_buffer((LANES,), dtype, scope="shared")
+            acc = T.alloc_buffer((1,), dtype, scope="local")
+            T.buffer_store(acc, zero, [0])
+            with T.serial(chunk) as e:                  # the lane's chunk sum
+                with T.If(lane * chunk + e < length):
+                    with T.Then():
+                        T.buffer_store(acc, acc[0] + x[row, lane * chunk + e], [0])
+            T.buffer_store(sums, acc[0], [lane])
+            T.evaluate(T.tvm_storage_sync("shared"))
+            T.buffer_store(acc, zero, [0])
+            with T.serial(LANES) as before:             # the sums of the lanes before it
+                with T.If(before < lane):
+                    with T.Then():
+                        T.buffer_store(acc, acc[0] + sums[before], [0])
+            with T.serial(chunk) as e:                  # the chunk's running sums
+                with T.If(lane * chunk + e < length):
+                    with T.Then():
+                        T.buffer_store(acc, acc[0] + x[row, lane * chunk + e], [0])
+                        T.buffer_store(out, acc[0], [row, lane * chunk + e])
+
+
+def _scannable(call: relax.Call) -> tuple[int, int, str] | None:
+    """(rows, length, dtype) of an inclusive last-axis cumsum of a static shape, else None."""
+    attrs, x = call.attrs, call.args[0]
+    ty = x.ty
+    if not isinstance(ty, relax.TensorType) or ty.shape is None or attrs.exclusive:
+        return None
+    try:
+        shape = [int(d) for d in ty.shape.values]
+    except TypeError:           # a symbolic extent
+        return None
+    dtype = str(call.ty.dtype)
+    if not shape or dtype != str(ty.dtype) or dtype not in ("int32", "int64", "float32"):
+        return None
+    axis = len(shape) - 1 if attrs.axis is None and len(shape) == 1 else attrs.axis
+    if axis is None or int(axis) not in (-1, len(shape) - 1) or shape[-1] > MAX_ROW:
+        return None
+    return math.prod(shape[:-1]), shape[-1], dtype
+
+
+def rewrite_row_scans(mod: tvm.IRModule, target_kind: str = "cuda") -> tvm.IRModule:
+    """``main`` with each inclusive last-axis ``cumsum`` of a static shape computed by :func:`scan_rows_primfunc`
+    for ``target_kind``. A mutator of the calls alone: a pattern rewrite would also merge
+    equal subexpressions of ``main`` and so change how its other operators fuse."""
+    builder_mod = {"mod": mod}
+    functions: dict[tuple, tvm.ir.GlobalVar] = {}
+
+    def scan_function(spec) -> tvm.ir.GlobalVar:
+        if spec not in functions:
+            rows, length, dtype = spec
+            name = f"{SCAN_SYMBOL}_{rows}x{length}_{dtype}"
+            builder = relax.BlockBuilder(builder_mod["mod"])
+            functions[spec] = builder.add_func(scan_rows_primfunc(rows, length, dtype, name, target_kind), name)
+            builder_mod["mod"] = builder.get()
+        return functions[spec]
+
+    @relax.expr_functor.mutator
+    class Scans(relax.PyExprMutator):
+        def visit_call_(self, call: relax.Call) -> relax.Expr:
+            call = super().visit_call_(call)
+            if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.cumsum"):
+                return call
+            spec = _scannable(call)
+            if spec is None:
+                return call
+            rows, length, dtype = spec
+            x = call.args[0]
+            flat = self.builder_.emit(relax.op.reshape(x, [rows, length]))
+            scanned = self.builder_.emit(relax.call_tir(scan_function(spec), [flat],
+                                                        relax.TensorType([rows, length], dtype)))
+            return relax.op.reshape(scanned, list(x.ty.shape.values))
+
+    main = Scans().visit_expr(mod["main"])
+    out = builder_mod["mod"]
+    out["main"] = main
+    return out
