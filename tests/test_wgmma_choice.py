@@ -155,3 +155,16 @@ def test_attention_plan_auto_builds_wgmma_for_sm90a():
     assert plan.formats[4].shape[1:] == (plan.config.block_m // 8, plan.config.block_n // 8)
     sliding = AttentionPlan("sliding", (16, 12, 2048, 64), "float16", target={"kind": "cuda", "arch": "sm_90"})
     assert sliding.kernel == "block" and sliding.target["arch"] == "sm_90"
+
+
+def test_a_wgmma_site_is_no_tuning_call():
+    """The tuner measures the mma.sync kernels only: a wgmma site is not counted among the calls a record could
+    decide (the manifest's tuning entry would list it as missing), a block site is."""
+    from types import SimpleNamespace
+
+    from stof_tvm.compiler.record_calls import record_calls
+
+    site = SimpleNamespace(batch=16, heads=12, seq_q=2048, head_dim=64, dtype="float16")
+    assert record_calls({}, _choose(), [site]) == []
+    block = _choose(bias=None, arch="sm_80")
+    assert record_calls({}, block, [site]) == [("attention B16 H12 S2048 D64 float16", False)]
