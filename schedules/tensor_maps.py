@@ -8,6 +8,10 @@ row ``r`` at ``r * 128 + (c ^ r % 8) * 16`` in a 1024-aligned panel). The map is
 first: (head dim, rows, batch x head), so rows past ``rows`` (keys past Sk, queries past Sq) are zero-filled by the
 copy engine instead of reading the next head. A head dim of 128 is two boxes, at columns 0 and 64.
 
+The wgmma GEMMs read a row-major ``[rows, k]`` operand (the activations A and the ``torch.nn.Linear`` weight W)
+as K-major tiles of ``box_rows`` rows x 64 columns in the same swizzle: :func:`matrix_map` is its two-dimensional
+map (k, rows), one box per ``block_k = 64`` step of a tile.
+
 TVM 0.27 does the rest: ``T.tvm_stack_alloca("tensormap", 1)`` is a 64-byte-aligned 128-byte ``CUtensorMap`` on
 the host stack, ``T.tensormap_encode_tiled`` calls the runtime's ``runtime.cuTensorMapEncodeTiled`` (in
 ``libtvm_runtime_cuda.so``, so a runtime-only install encodes too), and a map used in device code becomes a
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 
 from tvm.script import tirx as T
 
-__all__ = ["TensorMapParams", "panel_map", "encode_tensor_map", "PANEL_COLS", "SWIZZLE_128B"]
+__all__ = ["TensorMapParams", "panel_map", "matrix_map", "encode_tensor_map", "PANEL_COLS", "SWIZZLE_128B"]
 
 PANEL_COLS = 64                  # head-dim columns of one 128-byte row
 ELEMENT_BYTES = {"float16": 2, "bfloat16": 2}
@@ -100,6 +104,21 @@ def panel_map(batch_heads: int, rows: int, head_dim: int, box_rows: int, dtype: 
     params = TensorMapParams(dtype=dtype, dims=(head_dim, rows, batch_heads),
                              strides=(head_dim * size, rows * head_dim * size), box=(PANEL_COLS, box_rows, 1),
                              element_strides=(1, 1, 1))
+    params.validate()
+    return params
+
+
+def matrix_map(rows: int, cols: int, box_rows: int, dtype: str) -> TensorMapParams:
+    """The map of a compact row-major ``[rows, cols]`` matrix copied as boxes of ``box_rows`` rows x 64 columns
+    (one 128-byte row each) into a 128-byte-swizzled tile: dims (cols, rows), the row stride ``cols`` elements.
+    Checked (:meth:`TensorMapParams.validate`); ``cols`` must be a multiple of 64 (whole boxes)."""
+    if cols % PANEL_COLS:
+        raise ValueError(f"cols must be a multiple of {PANEL_COLS} for 128-byte tile rows, got {cols}")
+    size = ELEMENT_BYTES.get(dtype)
+    if size is None:
+        raise ValueError(f"tensor map dtype must be one of {tuple(ELEMENT_BYTES)}, got {dtype!r}")
+    params = TensorMapParams(dtype=dtype, dims=(cols, rows), strides=(cols * size,), box=(PANEL_COLS, box_rows),
+                             element_strides=(1, 1))
     params.validate()
     return params
 

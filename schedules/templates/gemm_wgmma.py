@@ -100,7 +100,7 @@ class WgmmaKernelMixin:
         config = WgmmaConfig(block_n=knobs["block_n"], stages=knobs["stages"],
                              persistent=knobs.get("persistent", True), pingpong=knobs.get("pingpong", False),
                              block_m=knobs.get("block_m", BLOCK_M), staged=knobs.get("staged", False),
-                             fast_gelu=knobs.get("fast_gelu", False))
+                             fast_gelu=knobs.get("fast_gelu", False), loads=knobs.get("loads", "cp.async"))
         config.validate()
         return config
 

@@ -66,6 +66,17 @@ A third, ``fast_gelu`` (GELU activations with ``staged`` only): the staged epilo
 (:mod:`.fast_gelu`: 7 FMAs for erf, 10 for tanh) instead of CUDA's ``erff`` / ``tanhf``: about half the epilogue's
 instructions, within 1e-5 (erf) / 3e-5 (tanh) relative of the float64 GELU.
 
+A fourth, ``loads = "tma"`` (opt-in until measured on the H200; absent or ``"cp.async"``: the kernels above, byte
+for byte): one thread of the producer warpgroup (the other 127 leave after ``setmaxnreg``) fills each slot with two
+TMA boxes (``cp.async.bulk.tensor.2d``), 64 columns x ``tile_m`` rows of A and 64 x ``block_n`` rows of W, from
+tensor maps in the same 128-byte swizzle (:func:`stof_tvm.schedules.tensor_maps.matrix_map`) that the host
+encodes from A's and W's device pointers at every call (TVM's ``runtime.cuTensorMapEncodeTiled``; ``const
+__grid_constant__ CUtensorMap`` kernel parameters, passed by value, so a CUDA graph replays the maps it captured
+with the pointers it captured). A slot's full mbarrier expects one arrival, the producer's
+``mbarrier.arrive.expect_tx`` of the slot's bytes, and completes when the copies have written them; the consumers
+drop their per-step ``fence.proxy.async``: the copy engine and wgmma both use the async proxy, and nothing writes
+the ring through the generic proxy.
+
 Shapes must tile exactly: m % tile_m, n % block_n and k % 64 all zero (:func:`check_wgmma_shape`). Build for
 ``arch="sm_90a"`` (``wgmma`` and ``setmaxnreg`` exist only there).
 """
@@ -76,6 +87,7 @@ from dataclasses import dataclass
 import tvm
 from tvm.script import tirx as T
 
+from ..tensor_maps import encode_tensor_map, matrix_map
 from .epilogue import activation, check_activation
 from .fast_gelu import check_fast_gelu, gelu_from_tail, tail_exponent
 
@@ -103,6 +115,8 @@ STAGED_COLS = 64         # staged epilogue: columns of a warp's chunk (one 128-b
 STAGED_WARP_BYTES = 16 * STAGED_COLS * 2   # 16 rows (one warp's m16 slice of an m64 wgmma) x 64 fp16 columns
 CONSUMER_WARPS = 2 * WG // 32
 PACK_TYPE = {"float16": "f16x2", "bfloat16": "bf16x2"}
+# How the producer fills a slot: 16-byte cp.async from its 128 threads, or two TMA boxes from one thread
+LOAD_CHOICES = ("cp.async", "tma")
 
 
 @dataclass(frozen=True)
@@ -110,8 +124,10 @@ class WgmmaConfig:
     """Knobs of the kernel: ``block_n`` output columns per block (wgmma N), ``stages`` ring depth, ``persistent``
     (one block per SM looping over tiles), ``pingpong`` (consumer schedule: each consumer warpgroup owns
     alternate tiles instead of half of every tile; persistent only), ``block_m`` (cooperative tile rows: 128, or
-    256 with 128 rows per consumer), ``staged`` (epilogue through shared memory with 16-byte stores) and
-    ``fast_gelu`` (a GELU activation from one exp2 of a fitted polynomial, :mod:`.fast_gelu`; staged only)."""
+    256 with 128 rows per consumer), ``staged`` (epilogue through shared memory with 16-byte stores),
+    ``fast_gelu`` (a GELU activation from one exp2 of a fitted polynomial, :mod:`.fast_gelu`; staged only) and
+    ``loads`` (``"cp.async"``, or ``"tma"``: one producer thread issues TMA boxes from tensor maps the host encodes
+    at each call; opt-in, not in the tuner's knob space until measured)."""
 
     block_n: int = 128
     stages: int = 4
@@ -120,6 +136,7 @@ class WgmmaConfig:
     block_m: int = BLOCK_M
     staged: bool = False
     fast_gelu: bool = False
+    loads: str = "cp.async"
 
     def validate(self) -> None:
         if self.block_n not in BLOCK_N_CHOICES:
@@ -142,6 +159,8 @@ class WgmmaConfig:
             raise ValueError(f"fast_gelu must be a bool, got {self.fast_gelu!r}")
         if self.fast_gelu and not self.staged:
             raise ValueError("fast_gelu needs staged=True (its GELU is computed where the staged epilogue packs pairs)")
+        if not isinstance(self.loads, str) or self.loads not in LOAD_CHOICES:
+            raise ValueError(f"loads must be one of {LOAD_CHOICES}, got {self.loads!r}")
 
     @property
     def tile_m(self) -> int:
@@ -249,6 +268,13 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     ab = PTX_TYPE[DT]
     MMA = T.ptx[f"wgmma.mma_async.sync.aligned.m64n{BN}k16.f32.{ab}.{ab}"]
     CP_ASYNC_16 = T.ptx["cp.async.cg.shared.global"]
+    TMA = config.loads == "tma"
+    # a full mbarrier's phase completes on every producer thread's cp.async arrival, or on the issuing thread's
+    # arrive.expect_tx and the boxes' transaction bytes (TMA)
+    FULL_ARRIVALS = 1 if TMA else WG
+    A_MAP, W_MAP = (matrix_map(m, k, TM, DT), matrix_map(n, k, BN, DT)) if TMA else (None, None)
+    TMA_2D = T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"]
+    EXPECT_TX = T.ptx["mbarrier.arrive.expect_tx.shared::cta.b64"]
     if heads is not None:
         HB, HS, HH, HD = heads
         if HB * HS > m or 3 * HH * HD != n or HD % 2:
@@ -380,7 +406,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         for t in range(KT):
             g: T.let = r * KT + t
             wait_parity(flag, full_bar(base, g % ST), T.Cast("uint32", (g // ST) % 2))
-            T.ptx["fence.proxy.async.shared::cta"]()
+            if not TMA:   # cp.async wrote the slot through the generic proxy; wgmma reads it through the async one
+                T.ptx["fence.proxy.async.shared::cta"]()
             a_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE + a_rows_offset)
             b_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE + A_BYTES)
             T.ptx["wgmma.fence.sync.aligned"]()
@@ -404,7 +431,55 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         store_tile(acc, out, bias_buf, row0, col0, base, wt, warp, words)
 
     @T.macro
-    def body(A, W, bias_buf, out):
+    def produce_cp_async(A, W, base, flag, bx, wt):
+        """The producer warpgroup's copies: per k step of each of the block's tiles, wait for the slot to be free,
+        16-byte cp.async of the A and W tiles by all 128 threads, each arriving on the slot's full barrier."""
+        for r in range(ROUNDS):
+            tile: T.let = bx + r * GRID
+            if tile < NUM_TILES:
+                m0: T.let = (tile // GRID_N) * TM
+                n0: T.let = (tile % GRID_N) * BN
+                for t in range(KT):
+                    g: T.let = r * KT + t
+                    if g >= ST:
+                        wait_parity(flag, empty_bar(base, g % ST), T.Cast("uint32", (g // ST - 1) % 2))
+                    a_dst: T.let = base + T.Cast("uint32", (g % ST) * STAGE)
+                    for it in T.unroll(A_ITERS):
+                        row: T.let = (it * WG + wt) // CHUNKS
+                        ch: T.let = (it * WG + wt) % CHUNKS
+                        CP_ASYNC_16(a_dst + T.Cast("uint32", swizzled(row, ch)),
+                                    T.address_of(A[m0 + row, t * BLOCK_K + ch * 8]), 16, T.uint32(16))
+                    for it in T.unroll(B_ITERS):
+                        row: T.let = (it * WG + wt) // CHUNKS
+                        ch: T.let = (it * WG + wt) % CHUNKS
+                        CP_ASYNC_16(a_dst + T.Cast("uint32", A_BYTES + swizzled(row, ch)),
+                                    T.address_of(W[n0 + row, t * BLOCK_K + ch * 8]), 16, T.uint32(16))
+                    T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](full_bar(base, g % ST))
+
+    @T.macro
+    def produce_tma(maps, base, flag, bx):
+        """The TMA producer (one thread): per k step, wait for the slot, announce its bytes on the full barrier
+        (``arrive.expect_tx``), then one box of A (``tile_m`` rows) and one of W (``block_n`` rows), 64 columns
+        each, landing swizzled at the slot's A and W tiles."""
+        T.ptx["prefetch.tensormap"](T.address_of(maps[0]))
+        T.ptx["prefetch.tensormap"](T.address_of(maps[1]))
+        for r in range(ROUNDS):
+            tile: T.let = bx + r * GRID
+            if tile < NUM_TILES:
+                m0: T.let = (tile // GRID_N) * TM
+                n0: T.let = (tile % GRID_N) * BN
+                for t in range(KT):
+                    g: T.let = r * KT + t
+                    if g >= ST:
+                        wait_parity(flag, empty_bar(base, g % ST), T.Cast("uint32", (g // ST - 1) % 2))
+                    a_dst: T.let = base + T.Cast("uint32", (g % ST) * STAGE)
+                    EXPECT_TX(full_bar(base, g % ST), T.uint32(A_MAP.box_bytes + W_MAP.box_bytes))
+                    TMA_2D(a_dst, T.address_of(maps[0]), T.int32(t * BLOCK_K), m0, full_bar(base, g % ST))
+                    TMA_2D(a_dst + T.uint32(A_BYTES), T.address_of(maps[1]), T.int32(t * BLOCK_K), n0,
+                           full_bar(base, g % ST))
+
+    @T.macro
+    def body(A, W, bias_buf, out, maps):
         for bx in T.thread_binding(GRID, thread="blockIdx.x"):
             for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
                 wgmma_smem = T.alloc_buffer((SMEM_WORDS,), "uint64", scope="shared.dyn")
@@ -417,34 +492,18 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                 wt: T.let = tx % WG
                 if tx == 0:
                     for s in T.unroll(ST):
-                        T.ptx["mbarrier.init.shared::cta.b64"](full_bar(base, s), T.uint32(WG))
+                        T.ptx["mbarrier.init.shared::cta.b64"](full_bar(base, s), T.uint32(FULL_ARRIVALS))
                         T.ptx["mbarrier.init.shared::cta.b64"](empty_bar(base, s), T.uint32(EMPTY_ARRIVALS))
                     T.ptx["fence.mbarrier_init.release.cluster"]()
                 T.tvm_storage_sync("shared")
                 # g = r * KT + t counts k steps over all of this block's tiles: slot g % ST, phase g // ST
                 if wg == 0:
                     T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
-                    for r in range(ROUNDS):
-                        tile: T.let = bx + r * GRID
-                        if tile < NUM_TILES:
-                            m0: T.let = (tile // GRID_N) * TM
-                            n0: T.let = (tile % GRID_N) * BN
-                            for t in range(KT):
-                                g: T.let = r * KT + t
-                                if g >= ST:
-                                    wait_parity(flag, empty_bar(base, g % ST), T.Cast("uint32", (g // ST - 1) % 2))
-                                a_dst: T.let = base + T.Cast("uint32", (g % ST) * STAGE)
-                                for it in T.unroll(A_ITERS):
-                                    row: T.let = (it * WG + wt) // CHUNKS
-                                    ch: T.let = (it * WG + wt) % CHUNKS
-                                    CP_ASYNC_16(a_dst + T.Cast("uint32", swizzled(row, ch)),
-                                                T.address_of(A[m0 + row, t * BLOCK_K + ch * 8]), 16, T.uint32(16))
-                                for it in T.unroll(B_ITERS):
-                                    row: T.let = (it * WG + wt) // CHUNKS
-                                    ch: T.let = (it * WG + wt) % CHUNKS
-                                    CP_ASYNC_16(a_dst + T.Cast("uint32", A_BYTES + swizzled(row, ch)),
-                                                T.address_of(W[n0 + row, t * BLOCK_K + ch * 8]), 16, T.uint32(16))
-                                T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](full_bar(base, g % ST))
+                    if TMA:
+                        if wt == 0:          # one thread issues every copy
+                            produce_tma(maps, base, flag, bx)
+                    else:
+                        produce_cp_async(A, W, base, flag, bx, wt)
                 else:
                     T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
                     if PINGPONG:
@@ -471,6 +530,19 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                                 drain_and_store(acc, out, bias_buf, base, r, (tile // GRID_N) * TM + (wg - 1) * CR,
                                                 (tile % GRID_N) * BN, wt, tx // 32 - WG // 32, words)
 
+    @T.macro
+    def launch(A, W, bias_buf, out):
+        """The kernel, after (TMA) the host-side encoding of A's and W's maps from their device pointers, at every
+        call: the maps travel as ``__grid_constant__`` kernel parameters."""
+        if TMA:
+            a_map: T.let = T.tvm_stack_alloca("tensormap", 1)
+            w_map: T.let = T.tvm_stack_alloca("tensormap", 1)
+            T.evaluate(encode_tensor_map(a_map, T.address_of(A[0, 0]), A_MAP))
+            T.evaluate(encode_tensor_map(w_map, T.address_of(W[0, 0]), W_MAP))
+            body(A, W, bias_buf, out, (a_map, w_map))
+        else:
+            body(A, W, bias_buf, out, (None, None))
+
     if bias:
         @T.prim_func
         def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, out_h: T.handle):
@@ -479,7 +551,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             W = T.match_buffer(w_h, (n, k), DT)
             bias_buf = T.match_buffer(bias_h, (n,), DT)
             out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            body(A, W, bias_buf, out)
+            launch(A, W, bias_buf, out)
     else:
         @T.prim_func
         def kernel(a_h: T.handle, w_h: T.handle, out_h: T.handle):
@@ -487,5 +559,5 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             A = T.match_buffer(a_h, (m, k), DT)
             W = T.match_buffer(w_h, (n, k), DT)
             out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            body(A, W, None, out)
+            launch(A, W, None, out)
     return kernel
