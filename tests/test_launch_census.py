@@ -125,10 +125,9 @@ def _staged_model(art) -> CompiledModel:
     mod = relax.transform.LiftTransformParams()(front.mod)
     mod = whole_graph(mod, len(front.inputs), True, "llvm")
     assert int(mod["main"].attrs["num_input"]) == len(front.inputs)
-    assert any(gv.name_hint.startswith("stof_scan_rows") for gv, _ in mod.functions_items())    # RoBERTa's positions
     executable = build(optimize(mod, front.target, None), front.target)
     manifest = {**art.manifest, "static_mask_inputs": True}
-    return CompiledModel(executable, manifest, art.arrays, tvm.cpu(0), art.weights)
+    return CompiledModel(executable, manifest, art.arrays, tvm.cpu(0), art.weights), mod
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -139,8 +138,9 @@ def test_staged_inputs_keep_the_call_exact(roberta, batch):
     front = front_end(roberta, mask="bigbird", batch=batch, seq_len=SEQ, target="llvm", dtype="float32")
     art = stof_tvm.compile(roberta, mask="bigbird", batch=batch, seq_len=SEQ, target="llvm", dtype="float32")
     art._front = front
-    plain, staged = art.load(), _staged_model(art)
+    (staged, mod), plain = _staged_model(art), art.load()
     assert staged.formats.static and not plain.formats.static
+    assert any(gv.name_hint.startswith("stof_scan_rows") for gv, _ in mod.functions_items())    # the position ids
     want = plain(**inputs)["last_hidden_state"]
     np.testing.assert_array_equal(staged(**inputs)["last_hidden_state"], want)
     torch_out = hx.torch_outputs(hx.build_model("roberta", "tiny", "eager"), inputs)
@@ -186,3 +186,43 @@ def test_fixed_format_tensors_hold_the_mask_in_use():
         np.testing.assert_array_equal(tensor.numpy(), want.numpy())
     dense = formats.tensors(make_mask("dense", SEQ))
     assert dense[1].shape != first[1].shape and not dense[1].same_as(first[1])
+
+
+def test_only_small_inputs_are_staged():
+    """Token ids and masks are copied into main's own buffers; an input over STAGE_MAX_BYTES (ViT's pixels at a
+    large batch) is read where it is, and main keeps its signature."""
+    from stof_tvm.compiler.graph_inputs import STAGE_MAX_BYTES
+
+    big_rows = STAGE_MAX_BYTES // (4 * 1024) + 1
+    builder = relax.BlockBuilder()
+    ids = relax.Var("ids", relax.TensorType([2, 8], "int64"))
+    pixels = relax.Var("pixels", relax.TensorType([big_rows, 1024], "float32"))
+    with builder.function("main", [ids, pixels]):
+        with builder.dataflow():
+            total = builder.emit_output(relax.op.add(relax.op.sum(relax.op.astype(ids, "float32")),
+                                                     relax.op.sum(pixels)))
+        builder.emit_func_output(total)
+    mod = builder.get()
+    mod["main"] = mod["main"].with_attr("num_input", 2)
+    staged = whole_graph(mod, 2, False, "llvm")["main"]
+    assert [p.name for p in staged.params] == ["ids", "pixels"]
+    first = staged.body.blocks[0].bindings[0].value
+    assert first.op.name == "relax.call_tir" and [a.name for a in first.args[1].fields] == ["ids"]
+    assert staged.params[1].same_as(mod["main"].params[1])        # the pixels parameter is read as it is
+
+
+def test_staged_single_input_model_is_exact(hf_export):
+    """ViT (one input, its pixels, staged alone) on llvm with the whole-graph rewrites: the same output as the
+    module without them, and with a dense mask within float32 rounding of torch."""
+    from stof_tvm.models import hf_export as hx
+
+    path = hf_export("vit", "eager", "torchscript", 17, True, 2, SEQ)
+    inputs = hx.example_inputs("vit", 1, SEQ)
+    tokens = hx.sequence_length("vit")
+    art = stof_tvm.compile(path, mask="dense", batch=1, seq_len=SEQ, target="llvm", dtype="float32")
+    art._front = front_end(path, mask="dense", batch=1, seq_len=SEQ, target="llvm", dtype="float32")
+    (staged, _), plain = _staged_model(art), art.load()
+    out = staged(**inputs)["last_hidden_state"]
+    np.testing.assert_array_equal(out, plain(**inputs)["last_hidden_state"])
+    want = hx.torch_outputs(hx.build_model("vit", "tiny", "eager"), inputs)
+    assert out.shape[1] == tokens and np.linalg.norm(out - want) / np.linalg.norm(want) < 1e-5

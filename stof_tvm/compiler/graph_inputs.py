@@ -31,6 +31,7 @@ from .row_scan import rewrite_row_scans
 COPY_SYMBOL = "stof_stage_inputs"
 COPY_THREADS = 256
 OPAQUE = 8          # relax OpPatternKind kOpaque: FuseOps must not merge the copy into its consumers
+STAGE_MAX_BYTES = 4 << 20   # inputs up to this size are copied (token ids: 8 bytes each, 64 x 4096 is 2 MiB)
 
 
 def copy_primfunc(specs: list[tuple[tuple[int, ...], str]], target_kind: str) -> tirx.PrimFunc:
@@ -76,30 +77,38 @@ def _store(T, src, dst, flat) -> None:
 
 
 def stage_inputs(mod: tvm.IRModule, count: int, target_kind: str) -> tvm.IRModule:
-    """``main`` with its first ``count`` parameters (the model inputs) copied once at its start by
-    :func:`copy_primfunc`, every use reading the copies (see the module docstring)."""
+    """``main`` with those of its first ``count`` parameters (the model inputs) of at most :data:`STAGE_MAX_BYTES`
+    copied once at its start by :func:`copy_primfunc`, every use reading the copies (see the module docstring).
+    A larger input (ViT's pixels at a large batch) is read where it is: copying it would cost more than the launch
+    outside the graph that its first reader (the patch embedding, the forward pass's first kernel) then takes."""
     func = mod["main"]
-    if count < 1:
-        return mod
-    inputs = list(func.params[:count])
-    specs = []
-    for var in inputs:
+    staged, specs = [], []
+    for var in func.params[:count]:
         ty = var.ty
         if not isinstance(ty, relax.TensorType) or ty.shape is None:
             raise ValueError(f"stage_inputs: input {var.name} is not a tensor of known shape")
-        specs.append((tuple(int(d) for d in ty.shape.values), str(ty.dtype)))
+        shape = tuple(int(d) for d in ty.shape.values)
+        if math.prod(shape) * tvm.runtime.DataType(str(ty.dtype)).bits // 8 <= STAGE_MAX_BYTES:
+            staged.append(var)
+            specs.append((shape, str(ty.dtype)))
+    if not staged:
+        return mod
     builder = relax.BlockBuilder(mod)
     gv = builder.add_func(copy_primfunc(specs, target_kind), COPY_SYMBOL)
     mod = builder.get()
-    fresh = [relax.Var(var.name, var.ty) for var in inputs]
+    fresh = {var: relax.Var(var.name, var.ty) for var in staged}
     out_ty = [relax.TensorType(list(shape), dtype) for shape, dtype in specs]
-    copied = relax.Var("staged_inputs", relax.TupleType(out_ty))
-    bindings = [relax.VarBinding(copied, relax.call_tir(gv, fresh, out_ty))]
     # the original parameter variables are now bound to the copies, so the body reads them unchanged
-    bindings += [relax.VarBinding(var, relax.TupleGetItem(copied, i)) for i, var in enumerate(inputs)]
+    if len(staged) == 1:        # call_tir of one output returns the tensor itself
+        bindings = [relax.VarBinding(staged[0], relax.call_tir(gv, list(fresh.values()), out_ty[0]))]
+    else:
+        copied = relax.Var("staged_inputs", relax.TupleType(out_ty))
+        bindings = [relax.VarBinding(copied, relax.call_tir(gv, list(fresh.values()), out_ty))]
+        bindings += [relax.VarBinding(var, relax.TupleGetItem(copied, i)) for i, var in enumerate(staged)]
     body = func.body
-    staged = relax.SeqExpr([relax.BindingBlock(bindings)] + list(body.blocks), body.body)
-    new = relax.Function(fresh + list(func.params[count:]), staged, func.ret_ty, func.is_pure, func.attrs)
+    params = [fresh.get(var, var) for var in func.params]
+    new = relax.Function(params, relax.SeqExpr([relax.BindingBlock(bindings)] + list(body.blocks), body.body),
+                         func.ret_ty, func.is_pure, func.attrs)
     mod["main"] = new
     return mod
 
