@@ -1,7 +1,7 @@
 """TMA tensor-map parameters (schedules/tensor_maps.py): the driver's rules, and a box copied by an emulation of
 the copy engine (coordinates, out-of-bounds zero fill, the 128-byte swizzle on shared-memory address bits) landing
 exactly where the wgmma kernels read their 128-byte-swizzled panels, for compact operands and views into a packed
-QKV projection at multiples of 8 elements."""
+QKV projection at multiples of 8 elements, and where the wgmma GEMM reads its A and W tiles (2-D maps)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stof_tvm.schedules.tensor_maps import PANEL_COLS, SWIZZLE_128B, TensorMapParams, panel_map
+from stof_tvm.schedules.tensor_maps import PANEL_COLS, SWIZZLE_128B, TensorMapParams, matrix_map, panel_map
 
 
 def test_panel_map_of_a_bhsd_operand():
@@ -57,7 +57,9 @@ def tma_box(memory: np.ndarray, base: int, params: TensorMapParams, coords: tupl
     coordinate reaches its dimension), stored densely (x fastest), then every 16-byte chunk of byte offset ``o``
     moved by the 128-byte swizzle: ``o ^ ((o >> 7) & 7) << 4``."""
     esize = 2
-    bx, by, bz = params.box
+    # a 2-D map is the 3-D one with a single outer slice
+    bx, by, bz = (*params.box, 1)[:3]
+    dims, strides, coords = (*params.dims, 1)[:3], (*params.strides, 0)[:2], (*coords, 0)[:3]
     out = np.zeros(bx * by * bz * esize, np.uint8)
     for z in range(bz):
         for y in range(by):
@@ -65,8 +67,8 @@ def tma_box(memory: np.ndarray, base: int, params: TensorMapParams, coords: tupl
                 gx, gy, gz = coords[0] + x, coords[1] + y, coords[2] + z
                 offset = ((z * by + y) * bx + x) * esize
                 swizzled = offset ^ (((offset >> 7) & 7) << 4)
-                if gx < params.dims[0] and gy < params.dims[1] and gz < params.dims[2]:
-                    src = base + gx * esize + gy * params.strides[0] + gz * params.strides[1]
+                if gx < dims[0] and gy < dims[1] and gz < dims[2]:
+                    src = base + gx * esize + gy * strides[0] + gz * strides[1]
                     out[swizzled:swizzled + esize] = memory[src:src + esize]
     return out
 
@@ -105,3 +107,41 @@ def test_a_box_lands_where_the_kernel_reads_its_panels(heads, rows, head_dim, bo
     got = np.concatenate([tma_box(memory, view_offset * 2, params, (p * PANEL_COLS, row0, bh))
                           for p in range(head_dim // PANEL_COLS)])
     assert np.array_equal(got, kernel_panel_bytes(operand, bh, row0, box_rows, head_dim))
+
+
+def test_matrix_map_of_a_row_major_operand():
+    params = matrix_map(rows=32768, cols=3072, box_rows=256, dtype="float16")
+    assert params.dims == (3072, 32768) and params.strides == (3072 * 2,)      # innermost first: k, then rows
+    assert params.box == (64, 256) and params.element_strides == (1, 1) and params.rank == 2
+    assert params.swizzle == SWIZZLE_128B and params.box_bytes == 256 * 128   # one 128-byte row per tile row
+    with pytest.raises(ValueError, match="multiple of 64"):
+        matrix_map(256, 100, 128, "float16")
+    with pytest.raises(ValueError, match="box dimension 1"):
+        matrix_map(512, 768, 320, "float16")
+    with pytest.raises(ValueError, match="dtype"):
+        matrix_map(512, 768, 128, "float32")
+
+
+def gemm_tile_bytes(matrix: np.ndarray, row0: int, col0: int, tile_rows: int) -> np.ndarray:
+    """The shared bytes the wgmma GEMM's cp.async producer writes for rows ``row0 ..`` and the 64 columns from
+    ``col0`` (schedules/templates/wgmma_kernel.py, ``swizzled``): chunk c of row r at ``r * 128 + (c ^ r % 8) * 16``."""
+    out = np.zeros(tile_rows * 128, np.uint8)
+    for r in range(tile_rows):
+        for c in range(8):
+            chunk = matrix[row0 + r, col0 + c * 8:col0 + c * 8 + 8]
+            out[r * 128 + (c ^ r % 8) * 16:r * 128 + (c ^ r % 8) * 16 + 16] = chunk.view(np.uint8)
+    return out
+
+
+@settings(max_examples=10, deadline=None)
+@given(tiles=st.integers(1, 3), k_steps=st.integers(1, 4), tile_rows=st.sampled_from([64, 128, 192, 256]),
+       data=st.data())
+def test_a_matrix_box_lands_where_the_gemm_reads_its_tile(tiles, k_steps, tile_rows, data):
+    """Box (k step t, tile i) of A [rows, k] or W [n, k] through :func:`matrix_map` is byte for byte the tile the
+    cp.async producer writes, so the TMA kernel's wgmma descriptors read the same operands."""
+    rows, cols = tiles * tile_rows, k_steps * 64
+    matrix = np.random.default_rng(rows + cols).integers(0, 1 << 16, size=(rows, cols), dtype=np.uint16)
+    params = matrix_map(rows, cols, tile_rows, "bfloat16")
+    i, t = data.draw(st.integers(0, tiles - 1)), data.draw(st.integers(0, k_steps - 1))
+    got = tma_box(matrix.view(np.uint8).reshape(-1), 0, params, (t * 64, i * tile_rows))
+    assert np.array_equal(got, gemm_tile_bytes(matrix, i * tile_rows, t * 64, tile_rows))

@@ -1,0 +1,191 @@
+"""Opt-in TMA loads of the wgmma GEMM kernels (``loads="tma"``, schedules/templates/wgmma_kernel.py): the knob
+stays out of the tuner's knob space and the older kernels are unchanged; the host encodes A's and W's maps
+(:func:`stof_tvm.schedules.tensor_maps.matrix_map`) from their first elements; the sm_90a builds issue TMA boxes
+(UTMALDG) on transaction-count mbarriers, with no cp.async (LDGSTS) and no consumer proxy fence (MEMBAR), no spills;
+and a whole tiny RoBERTa export compiled for CUDA with graphs and the knob forced on passes the maps to every GEMM
+kernel inside the captured graph.
+
+The kernels' numerics need an H200: ``scripts/bench_wgmma_small_k.py --plan s8tma``."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+import pytest
+
+from stof_tvm.schedules.tensor_maps import matrix_map
+from stof_tvm.schedules.templates import cuda_source, get_template
+from stof_tvm.schedules.templates.gemm_wgmma import WgmmaKernelMixin, build_kernel, nvcc_cubin
+from stof_tvm.schedules.templates.wgmma_kernel import WgmmaConfig
+
+from hopper_checks import disassembler
+
+GEMMS = ["gemm_wgmma", "gemm_bias_wgmma", "gemm_bias_relu_wgmma", "gemm_bias_gelu_erf_wgmma",
+         "gemm_bias_gelu_tanh_wgmma"]
+QKV = {"batch": 3, "seq": 197, "heads": 4, "head_dim": 64}      # 591 rows padded to 640: the stores are guarded
+
+
+@pytest.mark.parametrize("name, shape", [(name, {"m": 4096, "n": 3072, "k": 768}) for name in GEMMS]
+                         + [("qkv_projection_wgmma", {"batch": 16, "seq": 2048, "heads": 12, "head_dim": 64})])
+def test_tma_is_not_in_the_knob_space(name, shape):
+    """Unmeasured: neither the tuner nor the compile path's default ever picks ``loads``."""
+    t = get_template(name)
+    space = t.knob_space(shape, "float16")
+    assert space and not [kn for kn in space if "loads" in kn]
+    assert "loads" not in t.default_knobs(shape, "float16")
+
+
+def test_cp_async_written_out_builds_the_same_kernel():
+    """``loads="cp.async"`` written out is the knob set without it, byte for byte (names, records and prebuilt
+    cubins keyed by the source stay valid); ``tma`` changes it."""
+    shape = {"m": 512, "n": 256, "k": 128}
+    for knobs in ({"block_n": 128, "stages": 4, "persistent": True, "pingpong": True},
+                  {"block_n": 256, "stages": 2, "persistent": False, "pingpong": False, "staged": True}):
+        plain = cuda_source(build_kernel("gemm_bias_gelu_erf_wgmma", shape, "float16", knobs))
+        assert plain == cuda_source(build_kernel("gemm_bias_gelu_erf_wgmma", shape, "float16",
+                                                 dict(knobs, loads="cp.async")))
+        tma = cuda_source(build_kernel("gemm_bias_gelu_erf_wgmma", shape, "float16", dict(knobs, loads="tma")))
+        assert tma != plain
+
+
+@pytest.mark.parametrize("loads", ["bulk", None, 1])
+def test_bad_loads_values_are_refused(loads):
+    with pytest.raises(ValueError, match="loads must be one of"):
+        get_template("gemm_wgmma").kernel({"m": 384, "n": 256, "k": 64}, knobs={"block_n": 128, "stages": 3,
+                                                                                "loads": loads})
+    with pytest.raises(ValueError, match="loads must be one of"):
+        WgmmaConfig(loads=loads).validate()
+
+
+ENCODE = re.compile(r'T\.tensormap_encode_tiled\((\w+), T\.address_of\((\w+)\[0, 0\]\), ([\d, ]+), '
+                    r'descriptor_dtype="(\w+)", rank=(\d), interleave=0, swizzle=(\d)')
+
+
+def _encodes(func):
+    """(map, operand, the integer operands, dtype, rank, swizzle) of each host-side encode in ``func``'s script."""
+    return [(m[1], m[2], [int(x) for x in m[3].split(", ")], m[4], int(m[5]), int(m[6]))
+            for m in ENCODE.finditer(func.script())]
+
+
+@pytest.mark.parametrize("name, shape, knobs, gemm", [
+    ("gemm_bias_wgmma", {"m": 1024, "n": 768, "k": 320}, {"block_n": 192, "stages": 3, "block_m": 256},
+     (1024, 768, 320)),
+    ("gemm_wgmma", {"m": 512, "n": 512, "k": 128}, {"block_n": 256, "stages": 4, "pingpong": True}, (512, 512, 128)),
+    ("qkv_projection_wgmma", QKV, {"block_n": 128, "stages": 4, "staged": True}, (640, 768, 256)),
+])
+def test_host_encodes_the_a_and_w_maps(name, shape, knobs, gemm):
+    """Two host-side encodes per kernel, from A's and W's first elements, with :func:`matrix_map`'s parameters: boxes
+    of ``tile_m`` rows of A (256 for 256-row tiles, 64 for a 64 x 256 ping-pong tile, the padded rows of the QKV
+    projection's x included) and ``block_n`` rows of W, 64 columns each."""
+    m, n, k = gemm
+    dtype = "bfloat16" if name == "gemm_wgmma" else "float16"
+    knobs = dict(knobs, loads="tma")
+    func = get_template(name).kernel(shape, dtype, knobs)
+    tile_m = WgmmaConfig(**knobs).tile_m
+    expected = [("a_map", "A", matrix_map(m, k, tile_m, dtype)),
+                ("w_map", "W", matrix_map(n, k, knobs["block_n"], dtype))]
+    calls = _encodes(func)
+    assert [(c[0], c[1]) for c in calls] == [(e[0], e[1]) for e in expected]
+    for (_, _, numbers, map_dtype, rank, swizzle), (_, _, params) in zip(calls, expected):
+        assert numbers == [*params.dims, *params.strides, *params.box, *params.element_strides]
+        assert (map_dtype, rank, swizzle) == (dtype, 2, params.swizzle)
+    assert _encodes(get_template(name).kernel(shape, dtype, dict(knobs, loads="cp.async"))) == []
+
+
+def _kernel_body(src: str) -> str:
+    return src[src.index('extern "C" __global__'):]
+
+
+@pytest.mark.parametrize("name, shape, knobs", [
+    ("gemm_bias_gelu_erf_wgmma", {"m": 4096, "n": 3072, "k": 768},
+     {"block_n": 128, "stages": 4, "persistent": True, "pingpong": False, "staged": True, "fast_gelu": True}),
+    ("gemm_wgmma", {"m": 4096, "n": 768, "k": 3072},
+     {"block_n": 192, "stages": 3, "persistent": True, "pingpong": False, "block_m": 256, "staged": True}),
+    ("gemm_bias_wgmma", {"m": 1024, "n": 512, "k": 256}, {"block_n": 256, "stages": 4, "persistent": True,
+                                                           "pingpong": True}),
+    ("qkv_projection_wgmma", QKV, {"block_n": 128, "stages": 4, "persistent": False, "pingpong": False,
+                                   "staged": True}),
+])
+def test_tma_kernel_compiles_for_sm90a_with_tma_and_no_proxy_fence(name, shape, knobs, tmp_path):
+    """The maps are ``__grid_constant__`` parameters (declaration and definition: 2 x 2); one producer thread
+    issues an ``expect_tx`` and two 2-D boxes per slot, full barriers expect 1 arrival; no 16-byte cp.async and no
+    ``fence.proxy.async`` remain (SASS: UTMALDG, no LDGSTS, no MEMBAR); no spills, no stack, no ptxas warning."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    knobs = dict(knobs, loads="tma")
+    config = WgmmaConfig(**knobs)
+    src = cuda_source(build_kernel(name, shape, "float16", knobs))
+    body = _kernel_body(src)
+    assert src.count("const __grid_constant__ CUtensorMap") == 2 * 2
+    for text in ("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes",
+                 "mbarrier.arrive.expect_tx.shared::cta.b64", "prefetch.tensormap"):
+        assert text in src, text
+    for text in ("cp.async.cg", "cp.async.mbarrier.arrive", "fence.proxy.async"):
+        assert text not in src, text
+    inits = re.findall(r"mbarrier_init_init_shared__cta_b64\(.*?, \(uint\)(\d+)\);", body)
+    empty = "128" if knobs.get("pingpong") else "256"
+    assert inits == ["1", empty] * knobs["stages"]                           # (full, empty) per slot
+    assert f"(uint){config.stage_bytes})" in body                            # the slot's bytes, announced
+    report = nvcc_cubin(src, tmp_path / "kernel.cubin")
+    assert report["stack_frame"] == report["spill_stores"] == report["spill_loads"] == 0, report
+    assert report["warnings"] == [], report["warnings"]
+    tool = disassembler()
+    if tool is None:
+        return
+    sass = subprocess.run([tool, "--dump-sass", str(tmp_path / "kernel.cubin")], capture_output=True, text=True,
+                          check=True).stdout
+    assert re.search(rf"HGMMA\.64x{knobs['block_n']}x16\.F32", sass)
+    assert "UTMALDG.2D" in sass
+    assert not re.search(r"\b(LDGSTS|MEMBAR|LDL|STL)\b", sass)
+
+
+def test_tiny_roberta_with_tma_gemms_builds_for_cuda_graphs(hf_export, monkeypatch, tmp_path):
+    """The compile path with the knob forced on (``TemplateChooser._wgmma`` adds ``loads="tma"`` to every wgmma
+    GEMM's knobs): a tiny HF RoBERTa at 48 x 256 tokens (12288 rows: every GEMM on wgmma, the FFN unfused) for CUDA
+    with graphs. Each GEMM kernel takes the A and W maps as ``__grid_constant__`` parameters instead of the
+    pointers, every GEMM launch is inside the one captured graph (the graph keeps the map bytes it captured with
+    the static buffers it captured), the weights arrive as parameters from ``main_transform_params``, and the host
+    library calls the runtime's ``cuTensorMapEncodeTiled``."""
+    from stof_tvm.compiler import front_end, lower
+    from stof_tvm.compiler import template_choice as tc
+    from stof_tvm.compiler.cubins import cuda_sources
+    from stof_tvm.compiler.kernel_grids import kernel_grids
+    from stof_tvm.vm_census import vm_census
+
+    path = hf_export("roberta", "eager", "torchscript", 17, True, 2, 64)
+    chosen = tc.TemplateChooser._wgmma
+
+    def with_tma(self, template, shape, dtype):
+        choice = chosen(self, template, shape, dtype)
+        if isinstance(template, WgmmaKernelMixin):
+            return tc.KnobChoice(dict(choice.knobs, loads="tma"), choice.source, choice.seconds)
+        return choice
+
+    monkeypatch.setattr(tc.TemplateChooser, "_wgmma", with_tma)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        front = front_end(path, mask="bigbird", batch=48, seq_len=256, target="cuda", dtype="float16", gemm="wgmma")
+    stages = [stage for site in front.template_entry["sites"] for stage in site["stages"]]
+    wgmma = {stage["template"] for stage in stages if stage["template"].endswith("_wgmma")}
+    assert wgmma == {"qkv_projection_wgmma", "gemm_wgmma", "gemm_bias_gelu_erf_wgmma"}
+    assert all(stage["knobs"]["loads"] == "tma" for stage in stages if stage["template"] in wgmma)
+    optimized, executable = lower(front, None, cuda_graph=True)
+    (src,) = cuda_sources(executable)
+    kernels = dict(re.findall(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{', src))
+    gemms = {name: params for name, params in kernels.items() if "wgmma" in name and "attention" not in name}
+    assert len(gemms) == 4                   # QKV, attention output (k 128), FFN up + GELU, FFN down (k 256)
+    for name, params in gemms.items():
+        assert params.count("const __grid_constant__ CUtensorMap") == 2, (name, params)
+        assert re.search(r"CUtensorMap a_map\b", params) and re.search(r"CUtensorMap w_map\b", params)
+    grids = kernel_grids(optimized)
+    census = vm_census(executable.as_python(), {name: max(1, len(k)) for name, k in grids.items()})
+    assert census.graph_launches == 1, census.table()
+    assert not [name for name in census.outside if "wgmma" in name], census.outside
+    calls = census.per_function()
+    assert sum(n for name, n in calls.items() if "_wgmma_" in name and "attention" not in name) == 4 * 2, calls
+    library = Path(tmp_path / "model.so")
+    executable.export_library(str(library))
+    assert b"runtime.cuTensorMapEncodeTiled" in library.read_bytes()
