@@ -100,6 +100,10 @@ VIEW_ALIGN = 8
 # outside a batch row's kept span, or at its holes, are masked by a column predicate in the tiles that reach them
 # (the compile path reads this to offer the kernel to padded models).
 KEY_PADDING = True
+# Whether the padded form has been checked against float32 on a GPU (the s8wgmma plan of scripts/bench_attention.py
+# checks right/left padding with holes and empty rows). Until it has, kernel="auto" keeps padded calls (every HF
+# export with an attention_mask) on the mma.sync kernels, which have been checked; kernel="wgmma" opts in.
+KEY_PADDING_CHECKED_ON_GPU = False
 _LOG2E = 1.4426950408889634
 _FULL_MASK = 0xFFFFFFFF
 
@@ -164,13 +168,14 @@ class WgmmaAttentionConfig:
         return self.layout(head_dim)["end"] + ALIGN
 
 
-def default_config(head_dim: int) -> WgmmaAttentionConfig:
-    """128-key tiles; as many ring stages as fit (2 at head dim 128, 3 at 64); three consumers at head dim 64.
+def default_config(head_dim: int, padding: bool = False) -> WgmmaAttentionConfig:
+    """128-key tiles; as many ring stages as fit (2 at head dim 128, 3 at 64); three consumers at head dim 64
+    unless the kernel applies key padding (``padding``: its column predicate makes three consumers spill).
 
     Three consumers at head dim 64 measured on the H200 (session 7, ``bench_attention.py`` plan ``s7causal``, B16 H12
     S4096): causal 1.000 ms against 1.103 with two, dense 1.800 against 1.968. At head dim 128 three consumers do not
     fit the registers; two stay."""
-    if head_dim == 64:
+    if head_dim == 64 and not padding:
         return WgmmaAttentionConfig(block_n=128, stages=3, consumers=3)
     return WgmmaAttentionConfig(block_n=128, stages=2 if head_dim == 128 else 3)
 

@@ -12,6 +12,7 @@ from stof_tvm.cost_model import (DEFAULT_CALIBRATION, AttentionCandidate, Attent
                                  decide_attention, predict)
 from stof_tvm.cost_model.attention import WGMMA_UNMEASURED_MARGIN, partial_share, wgmma_candidates
 from stof_tvm.hardware import A100, H200
+from stof_tvm.schedules import attention_wgmma
 from stof_tvm.schedules.attention_wgmma import WgmmaAttentionConfig, default_config
 from stof_tvm.sparse_formats import normalize_mask
 
@@ -129,7 +130,12 @@ def test_compile_path_choice_names_the_wgmma_kernel_and_its_tile():
     assert inputs["stof_part_bitmaps"] == ("n_part", 24, 16) and inputs["stof_full_indptr"] == (-(-2048 // 192) + 1,)
 
 
-def test_compile_path_takes_wgmma_for_padded_models():
+def test_compile_path_keeps_padded_models_off_wgmma_until_its_padding_is_checked_on_a_gpu(monkeypatch):
+    choice = _choose(padding=True)
+    assert choice.kind == "block" and "key padding is not yet checked on a GPU" in choice.reason
+    forced = _choose("wgmma", padding=True)        # opting in: two consumers (three spill with the padding)
+    assert forced.kind == "wgmma" and forced.config["consumers"] == 2 and forced.tile == (128, 128)
+    monkeypatch.setattr(attention_wgmma, "KEY_PADDING_CHECKED_ON_GPU", True)
     choice = _choose(padding=True)
     assert choice.kind == "wgmma" and choice.config["consumers"] == 2 and choice.tile == (128, 128)
 

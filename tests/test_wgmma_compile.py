@@ -1,5 +1,6 @@
 """The wgmma attention kernel in the compile path, on a real export: a tiny Hugging Face GPT-2 (head dim 64, causal,
-the model's own key padding) built for CUDA sm_90 takes it where the model predicts it faster, builds the module for
+the model's own key padding) built for CUDA sm_90 takes it where the model predicts it faster (once its key padding is checked on a GPU: until
+then ``auto`` keeps padded models on mma.sync, tests/test_wgmma_choice.py), builds the module for
 sm_90a with nvcc (the artifact carries the cubin; ptxas: no spills in the attention kernel), and the llvm path of
 the same model stays exact against torch through ``model(input_ids=..., attention_mask=...)`` at batch 1 and 2."""
 from __future__ import annotations
@@ -19,6 +20,7 @@ import stof_tvm                                      # noqa: E402
 from stof_tvm.compiler.cubins import cuda_sources    # noqa: E402
 from stof_tvm.mask_formats import format_arrays      # noqa: E402
 from stof_tvm.models import hf_export as hx          # noqa: E402
+from stof_tvm.schedules import attention_wgmma       # noqa: E402
 from stof_tvm.sparse_formats import normalize_mask   # noqa: E402
 
 # 16 x 512 tokens: the smallest tiny-GPT-2 shape here at which the model predicts wgmma faster (0.013 ms against
@@ -35,12 +37,13 @@ def _ptxas_report(src: str, tmp_path) -> str:
     return proc.stderr
 
 
-def test_gpt2_export_builds_the_wgmma_kernel_for_sm90a(hf_export, tmp_path):
+def test_gpt2_export_builds_the_wgmma_kernel_for_sm90a(hf_export, tmp_path, monkeypatch):
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not installed (the wgmma kernel is prebuilt for sm_90a by nvcc)")
     path = hf_export("gpt2", "eager", "torchscript", 17, False, batch=BATCH, seq_len=SEQ)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        monkeypatch.setattr(attention_wgmma, "KEY_PADDING_CHECKED_ON_GPU", True)   # as once the s8wgmma check passes
         art = stof_tvm.compile(path, mask="dense", batch=BATCH, seq_len=SEQ, target="cuda", dtype="float16")
     kernel = art.manifest["attention"]["kernel"]
     assert kernel["kind"] == "wgmma" and kernel["reason"].startswith("analytical model: wgmma predicted faster")

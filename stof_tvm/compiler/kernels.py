@@ -115,10 +115,10 @@ def _supports(kind: str, dtype: str, target_kind: str) -> bool:
     return dtype in (supported[target_kind] if isinstance(supported, dict) else supported)
 
 
-def _default_config(kind: str, head_dim: int, dtype: str, seq_q: int, target_kind: str):
+def _default_config(kind: str, head_dim: int, dtype: str, seq_q: int, target_kind: str, padding: bool = False):
     module = _schedule_module(kind)
     if kind == "wgmma":
-        return module.default_config(head_dim)
+        return module.default_config(head_dim, padding)
     if kind == "row":
         return module.default_row_config(head_dim, dtype, target_kind)
     return module.default_block_config(head_dim, dtype, seq_q)
@@ -202,6 +202,9 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
         return KernelChoice("dense", {}, mask_batch, mask_heads, reason)
     no_wgmma = wgmma_unavailable(head_dim=head_dim, dtype=dtype, target_kind=target_kind, target_arch=target_arch,
                                  bias=bias, padding=padding)
+    padding_unchecked = padding and not _schedule_module("wgmma").KEY_PADDING_CHECKED_ON_GPU
+    if requested == "auto" and padding_unchecked and no_wgmma is None:
+        no_wgmma = "its key padding is not yet checked on a GPU (kernel='wgmma' opts in)"
     if requested == "wgmma" and no_wgmma is not None:
         raise ValueError(f"kernel: 'wgmma' cannot serve this model: {no_wgmma}; use kernel='block' or 'auto'")
     model_config, reason = None, "requested"
@@ -220,7 +223,8 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
                             f"tuned: {tuned['name']} measured {tuned['best_s'] * 1e3:.3f} ms", bias=bias)
     if not _supports(kind, dtype, target_kind):
         raise ValueError(f"kernel: {kind!r} does not support dtype {dtype} on {target_kind}")
-    config = model_config if model_config is not None else _default_config(kind, head_dim, dtype, seq_q, target_kind)
+    config = model_config if model_config is not None else _default_config(kind, head_dim, dtype, seq_q,
+                                                                           target_kind, padding)
     return KernelChoice(kind, dataclasses.asdict(config), mask_batch, mask_heads, reason, bias=bias)
 
 

@@ -33,7 +33,6 @@ configuration from the work really done.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -206,9 +205,7 @@ def wgmma_candidates(head_dim: int, hw: HardwareProfile = H200, padding: bool = 
     with padding at head dim 64 the first is then two consumers."""
     if head_dim not in WGMMA_HEAD_DIMS or not hw.compute_version.startswith("9."):
         return []
-    default = wgmma_default_config(head_dim)
-    if padding and default.consumers == 3:
-        default = dataclasses.replace(default, consumers=2)
+    default = wgmma_default_config(head_dim, padding)
     out = [default]
     for consumers in ((2,) if padding else (3, 2)):
         for block_n in ((128,) if head_dim == 64 else (128, 64)):
