@@ -109,17 +109,9 @@ def build(args) -> None:
 def sass_counts(cubin: Path) -> dict | None:
     """Instruction counts of the cubin's SASS (all, HGMMA, MUFU.EX2, FFMA) where a cuobjdump is found (PATH, the
     CUDA toolkit or $STOF_CUOBJDUMP); None without one."""
-    import re
-    import shutil
-    import subprocess
-
-    tool = next((c for c in (os.environ.get("STOF_CUOBJDUMP"), shutil.which("cuobjdump"),
-                             "/usr/local/cuda/bin/cuobjdump") if c and Path(c).is_file()), None)
-    if tool is None:
+    ops = bl.sass_opcodes(cubin)
+    if ops is None:
         return None
-    text = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text, flags=re.M)
-    ops = [op for op in ops if op != "NOP"]
     return {"instructions": len(ops), **{name: sum(op.startswith(name) for op in ops)
                                          for name in ("HGMMA", "MUFU.EX2", "FFMA")}}
 

@@ -28,6 +28,21 @@ at batch 16, sequence 2048 (32768x2304x768)::
     run(command="source .devkit/bootstrap.sh && python3 -m pip install -q --no-deps --no-build-isolation "
                 "--no-index -e . && python3 scripts/bench_wgmma_small_k.py run --json $OUT/small_k.json",
         carry=[".devkit/runtime.tar.xz", ".devkit/bootstrap.sh", "out/wgmma_small_k"], timeout_s=420)
+
+``--plan s8tma`` (issue 17; default folder ``out/s8gemm_tma``): cp.async against TMA loads (the opt-in
+``loads="tma"`` knob of :mod:`stof_tvm.schedules.templates.wgmma_kernel`, not yet measured) at RoBERTa-base's four
+GEMMs at 16 x 2048 and 8 x 512 tokens (32768 and 4096 rows: QKV 2304 x 768, FFN up + erf GELU 3072 x 768, FFN down
+768 x 3072, attention output 768 x 768), per case the template's first knob set and the first staged 128-row set of
+another tile, each with both loads, beside cuBLAS (``F.linear``, + ``F.gelu``). Every TMA module is also captured
+in a torch CUDA graph and replayed on new activations written into the captured input (the maps are encoded on
+the host at capture and replayed as captured). A TMA kernel that faults leaves the CUDA context unusable, so the
+GPU run checks first (cp.async modules before TMA ones) in one process, then times in another only what passed
+(``--only check`` / ``--only time --skip-failed-in``); the table comparing each knob set's two loads comes last::
+
+    .venv/bin/python scripts/bench_wgmma_small_k.py build --plan s8tma
+    python3 scripts/bench_wgmma_small_k.py run --plan s8tma --only check --json $OUT/s8gemm_tma_checks.json
+    python3 scripts/bench_wgmma_small_k.py run --plan s8tma --only time --skip-failed-in $OUT/s8gemm_tma_checks.json \
+        --json $OUT/s8gemm_tma.json                                                    # the last two on the GPU
 """
 from __future__ import annotations
 
@@ -52,17 +67,38 @@ CASES = [
     ("qkv_projection_wgmma", {"batch": 16, "seq": 2048, "heads": 12, "head_dim": 64}),  # QKV into [3, B, H, S, D]
 ]
 TALL_PER_WIDTH = 2   # best-ranked 256-row knob sets per tile width
+# --plan s8tma: RoBERTa-base's GEMMs (the compile path's forms) at 16 x 2048 and 8 x 512 tokens
+TMA_CASES = [case for rows, (batch, seq) in ((32768, (16, 2048)), (4096, (8, 512))) for case in (
+    ("qkv_projection_wgmma", {"batch": batch, "seq": seq, "heads": 12, "head_dim": 64}),
+    ("gemm_bias_gelu_erf_wgmma", {"m": rows, "n": 3072, "k": 768}),
+    ("gemm_wgmma", {"m": rows, "n": 768, "k": 3072}),
+    ("gemm_wgmma", {"m": rows, "n": 768, "k": 768}))]
+PLANS = {"small_k": (CASES, OUT), "s8tma": (TMA_CASES, ROOT / "out" / "s8gemm_tma")}
 
 
 def is_new(knobs) -> bool:
-    """Whether a knob set uses a value added by this work (256-row tiles or the staged epilogue)."""
+    """Whether a knob set uses a value added by this work: 256-row tiles or the staged epilogue (``small_k``); TMA
+    loads (``s8tma``: "new" is TMA, "old" cp.async, so the summary's best new / best old is TMA / cp.async)."""
+    if "loads" in knobs:
+        return knobs["loads"] == "tma"
     return knobs.get("block_m", 128) != 128 or bool(knobs.get("staged"))
 
 
 def knob_tag(knobs) -> str:
     return (f"n{knobs['block_n']}_s{knobs['stages']}{'_p' if knobs['persistent'] else ''}"
             f"{'_pp' if knobs['pingpong'] else ''}{'_m256' if knobs.get('block_m', 128) != 128 else ''}"
-            f"{'_st' if knobs.get('staged') else ''}")
+            f"{'_st' if knobs.get('staged') else ''}{'_fast' if knobs.get('fast_gelu') else ''}"
+            f"{'_' + knobs['loads'].replace('.', '') if 'loads' in knobs else ''}")
+
+
+def tma_knob_sets(space) -> list[dict]:
+    """``--plan s8tma``: the first knob set of the space (the compile path's untuned choice) and the first staged
+    cooperative 128-row set of another tile shape, each with ``loads="cp.async"`` and ``loads="tma"``."""
+    tile = lambda kn: (kn.get("block_m", 128), kn["block_n"], kn["stages"])  # noqa: E731
+    first = space[0]
+    other = next((kn for kn in space if kn.get("staged") and not kn["pingpong"] and kn.get("block_m", 128) == 128
+                  and tile(kn) != tile(first) and kn.get("fast_gelu") == first.get("fast_gelu")), None)
+    return [dict(kn, loads=loads) for kn in [first] + ([other] if other else []) for loads in ("cp.async", "tma")]
 
 
 def choose_knobs(space) -> list[dict]:
@@ -95,21 +131,25 @@ def gemm_dims(name, shape) -> tuple[int, int, int]:
 # ---- build (here) ----------------------------------------------------------------------------------------
 
 def build(args) -> None:
-    from stof_tvm.schedules.templates import get_template
+    from stof_tvm.schedules.templates import cuda_source, get_template
     from stof_tvm.schedules.templates.gemm_wgmma import build_kernel
 
     OUT.mkdir(parents=True, exist_ok=True)
     common.OUT = OUT
-    manifest = {"suite": "small_k", "cases": [], "modules": {}}
+    manifest = {"suite": args.plan, "cases": [], "modules": {}, "built": bl.environment()}
     t0 = time.time()
-    for name, shape in CASES:
+    for name, shape in PLANS[args.plan][0]:
         m, n, k = gemm_dims(name, shape)
         ckey = f"{name}_{m}x{n}x{k}_{DTYPE}"
         entry = {"key": ckey, "template": name, "shape": shape, "gemm": [m, n, k], "modules": []}
-        for knobs in choose_knobs(get_template(name).knob_space(shape, DTYPE)):
+        space = get_template(name).knob_space(shape, DTYPE)
+        for knobs in (tma_knob_sets(space) if args.plan == "s8tma" else choose_knobs(space)):
             key = f"{ckey}__{knob_tag(knobs)}"
-            common._export(manifest, key, "wgmma", knobs, build_kernel(name, shape, DTYPE, knobs), "gemm_wgmma")
+            ex = build_kernel(name, shape, DTYPE, knobs)
+            common._export(manifest, key, "wgmma", knobs, ex, "gemm_wgmma")
             manifest["modules"][key]["new"] = is_new(knobs)
+            if args.plan == "s8tma":
+                manifest["modules"][key]["sass"] = sass_counts(OUT / f"{common.source_key(cuda_source(ex))}.cubin")
             entry["modules"].append(key)
         manifest["cases"].append(entry)
     bad = {key: info for key, info in manifest["modules"].items()
@@ -117,7 +157,19 @@ def build(args) -> None:
     if bad:
         raise RuntimeError(f"ptxas spilled or warned for {sorted(bad)}")
     (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    print(f"{len(manifest['modules'])} modules in {OUT} ({time.time() - t0:.0f} s); no spills, no ptxas warnings")
+    size = sum(path.stat().st_size for path in OUT.iterdir()) / 2 ** 20
+    print(f"{len(manifest['modules'])} modules in {OUT} ({size:.1f} MiB, {time.time() - t0:.0f} s); no spills, "
+          "no ptxas warnings")
+
+
+def sass_counts(cubin: Path) -> dict | None:
+    """What the TMA loads change in the SASS: TMA copies (UTMALDG), 16-byte cp.async (LDGSTS), memory barriers
+    (MEMBAR: the consumers' proxy fences), wgmma (HGMMA), local memory (LDL / STL); None without a cuobjdump."""
+    ops = bl.sass_opcodes(cubin)
+    if ops is None:
+        return None
+    return {name: sum(op.split(".")[0] == name for op in ops)
+            for name in ("UTMALDG", "LDGSTS", "MEMBAR", "HGMMA", "LDL", "STL")}
 
 
 # ---- run (on the GPU) --------------------------------------------------------------------------------------
@@ -147,12 +199,29 @@ def run(args) -> None:
     manifest = json.loads((OUT / "manifest.json").read_text())
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"device: {torch.cuda.get_device_name()}", flush=True)
-    results = []
-    report = lambda: {"results": results, "cubin_misses": misses, "iters": args.iters, "reps": args.reps}  # noqa: E731
-    for case in manifest["cases"]:
-        results.append(run_case(case, manifest["modules"], torch, tvm, args, lambda: save(args, report())))
-        save(args, report())
-    table(results)
+    passed = None
+    if args.skip_failed_in:
+        checked = json.loads(Path(args.skip_failed_in).read_text())["results"]
+        passed = {key: e for row in checked for key, e in row["kernels"].items() if e.get("correct")}
+    results, environment = [], bl.environment()
+    report = lambda: {"plan": manifest.get("suite", "small_k"), "only": args.only, "results": results,  # noqa: E731
+                      "cubin_misses": misses, "iters": args.iters, "reps": args.reps, "environment": environment}
+    rows = {}
+    # checks alone: the older ("new" False: cp.async) modules of every case before any other (a kernel that faults
+    # ends the process; what was checked before it stays in the JSON)
+    for new in ((False, True) if args.only == "check" else (None,)):
+        for case in manifest["cases"]:
+            keys = [key for key in case["modules"] if new is None or manifest["modules"][key]["new"] == new]
+            rows[case["key"]] = run_case(case, keys, manifest["modules"], torch, tvm, args, passed,
+                                         rows.get(case["key"]), lambda: save(args, report()))
+            results[:] = list(rows.values())
+            save(args, report())
+    if args.only == "check":
+        check_table(results)
+    else:
+        table(results)
+        if manifest.get("suite") == "s8tma":
+            table_tma(results)
     print(f"cubins compiled on the GPU machine instead of prebuilt: {len(misses)}")
 
 
@@ -163,27 +232,46 @@ def save(args, report) -> None:
         Path(args.json).write_text(text)
 
 
-def run_case(case, modules, torch, tvm, args, checkpoint) -> dict:
+def case_inputs(torch, case, seed_offset=0):
+    """The case's seeded float16 inputs: activations N(0, 1), weights N(0, 1/k), bias N(0, 1)."""
+    dev = torch.device("cuda")
+    m, n, k = case["gemm"]
+    seed = (int(common.source_key(case["key"]), 16) + seed_offset) % 2 ** 31
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    a = torch.randn(m, k, device=dev, generator=gen).half()
+    w = (torch.randn(n, k, device=dev, generator=gen) / k ** 0.5).half()
+    bias = torch.randn(n, device=dev, generator=gen).half()
+    return a, w, bias
+
+
+def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> dict:
+    """Check (and unless ``--only check``, time) modules ``keys`` of ``case``; ``passed``: the entries of the modules
+    a previous check process passed (others are skipped; their graph replay results are carried over), None for
+    all; ``row``: the case's row so far (the check process's second pass), else a new one."""
     import os
 
     dev = torch.device("cuda")
     m, n, k = case["gemm"]
-    gen = torch.Generator(device=dev).manual_seed(int(common.source_key(case["key"]), 16) % 2 ** 31)
-    a = torch.randn(m, k, device=dev, generator=gen).half()
-    w = (torch.randn(n, k, device=dev, generator=gen) / k ** 0.5).half()
-    bias = torch.randn(n, device=dev, generator=gen).half()
+    a, w, bias = case_inputs(torch, case)
     name, shape = case["template"], case["shape"]
     gemm, eager = torch_forms(torch, name, shape, a, w, bias)
     ref = torch_forms(torch, name, shape, a.float(), w.float(), bias.float())[1]()
     flops = 2 * m * n * k
-    row = {"case": case["key"], "template": name, "shape": shape, "flops": flops, "kernels": {},
-           "cublas_ms": common.median_ms(gemm, args.iters, args.reps),
-           "eager_ms": common.median_ms(eager, args.iters, args.reps)}
+    if row is None:
+        row = {"case": case["key"], "template": name, "shape": shape, "flops": flops, "kernels": {}}
+        if args.only != "check":
+            row.update(cublas_ms=common.median_ms(gemm, args.iters, args.reps),
+                       eager_ms=common.median_ms(eager, args.iters, args.reps))
     args_in = [a, w] + ([bias] if name != "gemm_wgmma" else [])
-    for key in case["modules"]:
+    for key in keys:
         info = modules[key]
         entry = {"knobs": info["knobs"], "new": info["new"]}
-        print(f"{key}: launching", flush=True)  # a kernel that hangs is the last one named
+        if passed is not None and key not in passed:
+            row["kernels"][key] = dict(entry, error="skipped: not passed by the check process")
+            continue
+        print(f"{key}: launching", flush=True)  # a kernel that hangs or faults is the last one named
+        row["kernels"][key] = dict(entry, error="launched, never finished (fault or hang)")
+        checkpoint()
         try:
             func = tvm.runtime.load_module(str(OUT / info["library"]))[info["function"]]
         except Exception as err:  # a failed load is a result to report, not a reason to stop the run
@@ -200,20 +288,67 @@ def run_case(case, modules, torch, tvm, args, checkpoint) -> dict:
         err = float(torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref))
         entry.update(rel_err=err, finite=bool(torch.isfinite(out).all()))
         entry["correct"] = entry["finite"] and err < common.TOL[DTYPE]
-        if entry["correct"]:
+        if entry["correct"] and args.only != "check":
             entry["ms"] = common.median_ms(lambda: func(*tv), args.iters, args.reps)
             entry["tflops"] = flops / entry["ms"] / 1e9
             entry["vs_cublas"] = row["cublas_ms"] / entry["ms"]
-        else:
+        elif not entry["correct"]:
             entry["diagnosis"] = common._diagnose(torch, out.float().reshape(-1, ref.shape[-1]),
                                                   ref.reshape(-1, ref.shape[-1]))
+        if entry["correct"] and info["knobs"].get("loads") == "tma" and args.only != "time":
+            entry.update(graph_replay(torch, func, case, args_in, out, tv))   # after the timing: cannot cost it
+        elif passed is not None:
+            entry.update({field: v for field, v in passed[key].items() if field.startswith("graph_")})
         row["kernels"][key] = entry
         print(f"{key}: err {err:.2e} {'ok' if entry['correct'] else 'WRONG'}"
-              + (f", {entry['ms']:.4f} ms" if entry["correct"] else ""), flush=True)
+              + (f", graph replay err {entry['graph_rel_err']:.2e}" if "graph_rel_err" in entry else "")
+              + (f", {entry['ms']:.4f} ms" if "ms" in entry else ""), flush=True)
     for new in (False, True):
         timed = [(e["ms"], key) for key, e in row["kernels"].items() if e["new"] == new and "ms" in e]
         row["best_new" if new else "best_old"] = min(timed) if timed else None
     return row
+
+
+def graph_replay(torch, func, case, args_in, out, tv) -> dict:
+    """The TMA module (``tv``: its TVM arguments, views of ``args_in + [out]``) launched on torch's current stream
+    and captured in a CUDA graph, new activations copied into the captured A, the output poisoned, the graph
+    replayed: the maps the host encoded at capture must read the new values (relative error against torch float32
+    on them). A is restored after."""
+    import tvm_ffi
+
+    def call():
+        with tvm_ffi.use_torch_stream():
+            func(*tv)
+
+    a, w = args_in[0], args_in[1]
+    bias = args_in[2] if len(args_in) > 2 else None
+    saved = a.clone()
+    try:
+        replay, _ = bl.graphed(call)
+        a.copy_(case_inputs(torch, case, seed_offset=1)[0])
+        out.fill_(float("nan"))
+        replay()
+        torch.cuda.synchronize()
+    except Exception as err:  # noqa: BLE001 - a capture that fails is a result to report
+        a.copy_(saved)
+        return {"graph_error": f"{type(err).__name__}: {err}"[:300], "graph_correct": False}
+    ref = torch_forms(torch, case["template"], case["shape"], a.float(), w.float(),
+                      None if bias is None else bias.float())[1]()
+    err = float(torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref))
+    a.copy_(saved)
+    return {"graph_rel_err": err, "graph_correct": bool(torch.isfinite(out).all()) and err < common.TOL[DTYPE]}
+
+
+def check_table(results) -> None:
+    """``--only check``: per module, the error against torch float32 (and after a graph replay) and the verdict."""
+    print(f"\n{'module':72s} {'rel err':>8s} {'graph':>8s}  verdict")
+    for row in results:
+        for key, e in row["kernels"].items():
+            graph = f"{e['graph_rel_err']:8.1e}" if "graph_rel_err" in e else f"{'-':>8s}"
+            verdict = "ok" if e.get("correct") else (e.get("error") or "WRONG")
+            if e.get("graph_correct") is False:
+                verdict += f"; graph replay {e.get('graph_error') or 'WRONG'}"
+            print(f"{key:72s} {e.get('rel_err', float('nan')):8.1e} {graph}  {verdict}")
 
 
 def table(results) -> None:
@@ -241,6 +376,32 @@ def table(results) -> None:
           "best new knob set is faster than the best older one)")
 
 
+def table_tma(results) -> None:
+    """``--plan s8tma``, printed last: per case and knob set, the cp.async and TMA modules side by side with cuBLAS
+    and torch eager."""
+    print(f"\n{'case':44s} {'knobs':24s} {'cuBLAS':>7s} {'eager':>7s} {'cp.async':>8s} {'TMA':>7s} {'TMA x':>6s} "
+          f"{'TFLOP/s':>7s} {'x cuBLAS':>8s} {'graph':>5s}")
+    for row in results:
+        for key, e in row["kernels"].items():
+            if e["knobs"].get("loads") != "cp.async":
+                continue
+            twin = row["kernels"].get(key.removesuffix("_cpasync") + "_tma", {})
+            cp, tma = e.get("ms"), twin.get("ms")
+            best = min(t for t in (cp, tma, float("inf")) if t is not None)
+            cell = lambda t: f"{t:.4f}" if t is not None else "-"  # noqa: E731
+            speedup = f"{cp / tma:6.3f}" if cp and tma else f"{'-':>6s}"
+            rate = (f"{row['flops'] / best / 1e9:7.0f} {row['cublas_ms'] / best:8.2f}" if best < float("inf")
+                    else f"{'-':>7s} {'-':>8s}")
+            graph = {True: "ok", False: "WRONG"}.get(twin.get("graph_correct"), "-")
+            print(f"{row['case'].removesuffix('_' + DTYPE):44s} {key.split('__')[1].removesuffix('_cpasync'):24s} "
+                  f"{row['cublas_ms']:7.4f} "
+                  f"{row['eager_ms']:7.4f} {cell(cp):>8s} {cell(tma):>7s} {speedup} {rate} {graph:>5s}"
+                  + ("" if tma is not None else f"  TMA: {twin.get('error') or 'WRONG'}"))
+    print("(ms per call, CUDA events; cuBLAS = F.linear alone, eager = torch's whole form (+ F.gelu); TMA x = "
+          "cp.async ms / TMA ms, > 1: TMA faster; TFLOP/s and x cuBLAS of the faster of the two; graph: the TMA "
+          "module replayed from a CUDA graph on new activations)")
+
+
 def main(argv=None) -> None:
     global OUT
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -250,10 +411,18 @@ def main(argv=None) -> None:
     r.add_argument("--iters", type=int, default=30, help="timed samples per kernel (median reported)")
     r.add_argument("--reps", type=int, default=10, help="back-to-back calls per timed sample")
     r.add_argument("--json", default=None, help="also write the results here (e.g. $OUT/small_k.json)")
+    r.add_argument("--only", choices=("check", "time"), default=None,
+                   help="check: correctness only (older modules first); time: check and time (default: both)")
+    r.add_argument("--skip-failed-in", default=None,
+                   help="a --only check JSON: run only the modules it passed")
     for p in sub.choices.values():
-        p.add_argument("--out", type=Path, default=OUT, help="artifact folder (default out/wgmma_small_k)")
+        p.add_argument("--plan", choices=sorted(PLANS), default="small_k",
+                       help="small_k: the session-4 knob sets; s8tma: cp.async vs TMA loads (issue 17)")
+        p.add_argument("--out", type=Path, default=None,
+                       help="artifact folder (default out/wgmma_small_k, --plan s8tma: out/s8gemm_tma)")
     args = parser.parse_args(argv)
-    OUT = args.out if args.out.is_absolute() else ROOT / args.out
+    OUT = PLANS[args.plan][1] if args.out is None else args.out
+    OUT = OUT if OUT.is_absolute() else ROOT / OUT
     build(args) if args.step == "build" else run(args)
 
 

@@ -14,8 +14,9 @@ One place for what every measurement needs, so that figures from different scrip
   10-minute limit), :func:`guarded` (one failing stage is recorded in its row, never fatal), :func:`write_json`
   (atomic: a run cut short leaves the last complete file), :func:`out_dir` ($OUT on the GPU machine);
 - **output**: :func:`format_table` / :func:`print_table`, :func:`environment` (device, versions, commit);
-- **the CUDA tool chain**: :func:`source_key` (the cubin cache key TVM's compile callback is looked up by) and
-  :func:`nvcc_cubin` (a cubin and ptxas' register / spill report).
+- **the CUDA tool chain**: :func:`source_key` (the cubin cache key TVM's compile callback is looked up by),
+  :func:`nvcc_cubin` (a cubin and ptxas' register / spill report) and :func:`sass_opcodes` (a cubin's SASS
+  instructions, where a cuobjdump is found).
 
 Imports only the standard library and numpy at module level: torch and TVM are imported where a helper needs
 them, so the scripts' CPU-side steps (and the tests) load this without either.
@@ -400,3 +401,18 @@ def nvcc_cubin(src: str, cubin: Path, arch: str = "sm_90", *, fast_math: bool = 
     if proc.returncode:
         raise RuntimeError(f"nvcc failed for {cubin.name}:\n{text[-3000:]}")
     return {**ptxas_report(text), "cubin": cubin.name}
+
+
+def sass_opcodes(cubin) -> list[str] | None:
+    """The opcodes (with their modifiers, e.g. ``UTMALDG.2D``, ``HGMMA.64x192x16.F32``; predicates and NOPs left
+    out) of ``cubin``'s SASS in order, by the first cuobjdump found ($STOF_CUOBJDUMP, PATH, the CUDA toolkit);
+    None without one."""
+    import shutil
+
+    tool = next((c for c in (os.environ.get("STOF_CUOBJDUMP"), shutil.which("cuobjdump"),
+                             "/usr/local/cuda/bin/cuobjdump") if c and Path(c).is_file()), None)
+    if tool is None:
+        return None
+    text = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text, flags=re.M)
+    return [op for op in ops if op != "NOP"]
