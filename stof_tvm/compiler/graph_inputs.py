@@ -4,7 +4,7 @@ Relax's ``RewriteCUDAGraph`` captures only launches whose arguments are all stat
 or *fixed* parameters (those after ``main``'s ``num_input``: the weights). A model's inputs change their
 address every call, so every kernel that reads one stays outside the graphs; the mask's format arrays were inputs
 too, so each attention call split the graph (RoBERTa-base at 1x128: 14 graph launches and 21 kernels outside
-them per forward). Two rewrites make the region whole:
+them per forward; with the rewrites below 1 and 3). Two rewrites make the region whole:
 
 - :func:`stage_inputs`: ``main`` first copies its model inputs (token ids, the padding mask: a few hundred bytes
   at batch 1) into buffers of its own with one small kernel, and every later kernel reads the copies. Only that
