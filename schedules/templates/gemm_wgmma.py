@@ -30,7 +30,9 @@ only in the knob sets that use them (so older sets keep their names and kernels)
 256-row tiles, 128 rows per consumer warpgroup; default 128), ``staged = True`` (the epilogue through shared memory
 with 16-byte coalesced stores; default False) and, for the GELU templates, ``fast_gelu = True`` (staged only: the GELU
 from one exp2 of a fitted polynomial, :mod:`.fast_gelu`, within 1e-5 / 3e-5 relative of the erf / tanh GELU; default
-False: CUDA's ``erff`` / ``tanhf``).
+False: CUDA's ``erff`` / ``tanhf``). One more, ``loads = "tma"`` (one producer thread issuing TMA boxes from tensor maps
+the host encodes at each call, :mod:`.wgmma_kernel`), is opt-in until the H200 has measured it: no knob space offers
+it, so the tuner never measures it and the compile path never picks it; a knob set or record naming it builds it.
 
 Knob order (the first set is the untuned choice of the compile path): the staged sets come first, led by the ones the
 H200 measured fastest (:data:`MEASURED_FIRST`), then the direct-store sets in their older order; a GELU template's
