@@ -29,28 +29,37 @@ at batch 16, sequence 2048 (32768x2304x768)::
                 "--no-index -e . && python3 scripts/bench_wgmma_small_k.py run --json $OUT/small_k.json",
         carry=[".devkit/runtime.tar.xz", ".devkit/bootstrap.sh", "out/wgmma_small_k"], timeout_s=420)
 
-``--plan s8tma`` (issue 17; default folder ``out/s8gemm_tma``): cp.async against TMA loads (the opt-in
+``--plan s8tma`` (issue 17; default folder ``out/s8gemm_tma``, 11 MB): cp.async against TMA loads (the opt-in
 ``loads="tma"`` knob of :mod:`stof_tvm.schedules.templates.wgmma_kernel`, not yet measured) at RoBERTa-base's four
 GEMMs at 16 x 2048 and 8 x 512 tokens (32768 and 4096 rows: QKV 2304 x 768, FFN up + erf GELU 3072 x 768, FFN down
 768 x 3072, attention output 768 x 768), per case the template's first knob set and the first staged 128-row set of
 another tile, each with both loads, beside cuBLAS (``F.linear``, + ``F.gelu``). Every TMA module is also captured
 in a torch CUDA graph and replayed on new activations written into the captured input (the maps are encoded on
-the host at capture and replayed as captured). A TMA kernel that faults leaves the CUDA context unusable, so the
-GPU run checks first (cp.async modules before TMA ones) in one process, then times in another only what passed
-(``--only check`` / ``--only time --skip-failed-in``); the table comparing each knob set's two loads comes last::
+the host at capture and replayed as captured). Then a whole model: a tiny HF RoBERTa at 48 x 256 tokens (every GEMM
+on wgmma) compiled for CUDA with graphs once per loads value (the knob forced into the compile path), called three
+times (capture, replays on new and on the first inputs) against torch float32 outputs computed at build time and
+against each other. A TMA kernel that faults leaves the CUDA context unusable, so the GPU run checks first
+(cp.async modules before TMA ones, the model last) in one process, then times in another only what passed (``--only
+check`` / ``--only time --skip-failed-in``); the table comparing each knob set's two loads comes last::
 
     .venv/bin/python scripts/bench_wgmma_small_k.py build --plan s8tma
-    python3 scripts/bench_wgmma_small_k.py run --plan s8tma --only check --json $OUT/s8gemm_tma_checks.json
-    python3 scripts/bench_wgmma_small_k.py run --plan s8tma --only time --skip-failed-in $OUT/s8gemm_tma_checks.json \
-        --json $OUT/s8gemm_tma.json                                                    # the last two on the GPU
+    run(command="source .devkit/bootstrap.sh && python3 -m pip install -q --no-deps --no-build-isolation --no-index "
+                "-e . && { python3 scripts/bench_wgmma_small_k.py run --plan s8tma --only check "
+                "--json $OUT/s8gemm_tma_checks.json; python3 scripts/bench_wgmma_small_k.py run --plan s8tma "
+                "--only time --skip-failed-in $OUT/s8gemm_tma_checks.json --json $OUT/s8gemm_tma.json; }",
+        carry=[".devkit/runtime.tar.xz", ".devkit/bootstrap.sh", "out/s8gemm_tma"], timeout_s=300)
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402  (the scripts' shared timing, checking and CUDA tool-chain helpers)
@@ -74,6 +83,11 @@ TMA_CASES = [case for rows, (batch, seq) in ((32768, (16, 2048)), (4096, (8, 512
     ("gemm_wgmma", {"m": rows, "n": 768, "k": 3072}),
     ("gemm_wgmma", {"m": rows, "n": 768, "k": 768}))]
 PLANS = {"small_k": (CASES, OUT), "s8tma": (TMA_CASES, ROOT / "out" / "s8gemm_tma")}
+# --plan s8tma's whole-model check: a tiny HF RoBERTa (hidden 128, 2 layers) at 48 x 256 tokens (12288 rows: every
+# GEMM on wgmma, the FFN unfused) compiled for CUDA with graphs, dense mask, once per loads value
+MODEL_BATCH, MODEL_SEQ = 48, 256
+MODEL_ROWS = (0, MODEL_BATCH - 1)   # batch rows whose float32 torch outputs travel (the last one padded)
+MODEL_SEEDS = (0, 1, 0)             # the calls' input sets: capture, replay on new inputs, replay on the first
 
 
 def is_new(knobs) -> bool:
@@ -156,10 +170,65 @@ def build(args) -> None:
            if info["spill_stores"] or info["spill_loads"] or info["stack_frame"] or info["warnings"]}
     if bad:
         raise RuntimeError(f"ptxas spilled or warned for {sorted(bad)}")
+    if args.plan == "s8tma":
+        manifest["models"] = build_models()
     (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    size = sum(path.stat().st_size for path in OUT.iterdir()) / 2 ** 20
+    size = sum(path.stat().st_size for path in OUT.rglob("*") if path.is_file()) / 2 ** 20
     print(f"{len(manifest['modules'])} modules in {OUT} ({size:.1f} MiB, {time.time() - t0:.0f} s); no spills, "
           "no ptxas warnings")
+
+
+@contextlib.contextmanager
+def forced_loads(loads: str):
+    """The compile path with ``loads`` added to every wgmma GEMM's knobs (the knob is in no knob space, so only
+    this puts it into a whole model)."""
+    from stof_tvm.compiler import template_choice as tc
+    from stof_tvm.schedules.templates.gemm_wgmma import WgmmaKernelMixin
+
+    chosen = tc.TemplateChooser._wgmma
+
+    def with_loads(self, template, shape, dtype):
+        choice = chosen(self, template, shape, dtype)
+        if isinstance(template, WgmmaKernelMixin):
+            return tc.KnobChoice(dict(choice.knobs, loads=loads), choice.source, choice.seconds)
+        return choice
+
+    tc.TemplateChooser._wgmma = with_loads
+    try:
+        yield
+    finally:
+        tc.TemplateChooser._wgmma = chosen
+
+
+def build_models() -> dict:
+    """``--plan s8tma``: the tiny RoBERTa compiled with each loads value (``roberta_<loads>/`` artifacts with their
+    cubins; the weights once, in ``roberta_cpasync``), its inputs per seed and torch float32's outputs on
+    :data:`MODEL_ROWS` (``model_*.npy``)."""
+    import stof_tvm
+    from stof_tvm.models import hf_export as hx
+
+    with tempfile.TemporaryDirectory() as cache:
+        path = hx.cached_export(Path(cache), "roberta", size="tiny", attn="eager", exporter="torchscript", opset=17,
+                                batch=2, seq_len=64, dynamic=True)
+        torch_model = hx.build_model("roberta", "tiny", "eager")
+        for seed in sorted(set(MODEL_SEEDS)):
+            inputs = hx.example_inputs("roberta", MODEL_BATCH, MODEL_SEQ, padded_rows=MODEL_BATCH // 2, seed=seed)
+            for name, value in inputs.items():
+                np.save(OUT / f"model_{name}_{seed}.npy", value, allow_pickle=False)
+            np.save(OUT / f"model_reference_{seed}.npy", hx.torch_outputs(torch_model, inputs)[list(MODEL_ROWS)],
+                    allow_pickle=False)
+        models = {}
+        for loads in ("cp.async", "tma"):
+            with forced_loads(loads):
+                art = stof_tvm.compile(path, mask="dense", batch=MODEL_BATCH, seq_len=MODEL_SEQ, target="cuda",
+                                       dtype="float16", gemm="wgmma", cuda_graph=True)
+            folder = f"roberta_{loads.replace('.', '')}"
+            art.save(OUT / folder, weights=loads == "cp.async")
+            stages = [stage for site in art.manifest["templates"]["sites"] for stage in site["stages"]]
+            models[loads] = {"artifact": folder, "wgmma": [(st["template"], st["knobs"]) for st in stages
+                                                            if st["template"].endswith("_wgmma")]}
+            print(f"{folder}: {len(models[loads]['wgmma'])} wgmma GEMM stages with loads={loads}", flush=True)
+    return models
 
 
 def sass_counts(cubin: Path) -> dict | None:
@@ -199,13 +268,15 @@ def run(args) -> None:
     manifest = json.loads((OUT / "manifest.json").read_text())
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"device: {torch.cuda.get_device_name()}", flush=True)
-    passed = None
+    passed, models = None, {}
     if args.skip_failed_in:
-        checked = json.loads(Path(args.skip_failed_in).read_text())["results"]
-        passed = {key: e for row in checked for key, e in row["kernels"].items() if e.get("correct")}
+        checked = json.loads(Path(args.skip_failed_in).read_text())
+        passed = {key: e for row in checked["results"] for key, e in row["kernels"].items() if e.get("correct")}
+        models.update(checked.get("models") or {})   # the check process's whole-model results, carried over
     results, environment = [], bl.environment()
     report = lambda: {"plan": manifest.get("suite", "small_k"), "only": args.only, "results": results,  # noqa: E731
-                      "cubin_misses": misses, "iters": args.iters, "reps": args.reps, "environment": environment}
+                      "models": models, "cubin_misses": misses, "iters": args.iters, "reps": args.reps,
+                      "environment": environment}
     rows = {}
     # checks alone: the older ("new" False: cp.async) modules of every case before any other (a kernel that faults
     # ends the process; what was checked before it stays in the JSON)
@@ -216,12 +287,21 @@ def run(args) -> None:
                                          rows.get(case["key"]), lambda: save(args, report()))
             results[:] = list(rows.values())
             save(args, report())
+    if manifest.get("models") and args.only != "time":   # last: a module that faults costs only this check
+        models.update(bl.guarded(models, "model", model_check, manifest["models"]) or {})
+        save(args, report())
     if args.only == "check":
         check_table(results)
     else:
         table(results)
         if manifest.get("suite") == "s8tma":
             table_tma(results)
+            for call in models.get("calls", []):
+                print(f"tiny RoBERTa (CUDA graph) inputs {call['seed']}: rel err vs torch float32 cp.async "
+                      f"{call['cp.async_rel_err']:.2e} / TMA {call['tma_rel_err']:.2e}, TMA - cp.async max |diff| "
+                      f"{call['tma_vs_cpasync_max_abs']:.2e}")
+            if "model_failed" in models:
+                print(f"tiny RoBERTa check failed: {models['model_failed']}")
     print(f"cubins compiled on the GPU machine instead of prebuilt: {len(misses)}")
 
 
@@ -337,6 +417,36 @@ def graph_replay(torch, func, case, args_in, out, tv) -> dict:
     err = float(torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref))
     a.copy_(saved)
     return {"graph_rel_err": err, "graph_correct": bool(torch.isfinite(out).all()) and err < common.TOL[DTYPE]}
+
+
+def model_check(built: dict) -> dict:
+    """The tiny RoBERTa of each loads value (CUDA graphs; :func:`build_models`) called three times (capture, then
+    replays on new and on the first inputs): each call's ``last_hidden_state`` against torch float32 on
+    :data:`MODEL_ROWS` (kept positions; relative Frobenius error), and TMA against cp.async (max absolute
+    difference: the same products in the same order, so 0 is expected)."""
+    from stof_tvm.runtime import load
+
+    with np.load(OUT / built["cp.async"]["artifact"] / "weights.npz", allow_pickle=False) as npz:
+        weights = dict(npz)
+    loaded = {loads: load(OUT / info["artifact"], weights=weights) for loads, info in built.items()}
+    calls = []
+    for seed in MODEL_SEEDS:
+        inputs = {name: np.load(OUT / f"model_{name}_{seed}.npy") for name in ("input_ids", "attention_mask")}
+        ref = np.load(OUT / f"model_reference_{seed}.npy").astype(np.float64)
+        kept = inputs["attention_mask"][list(MODEL_ROWS)].astype(bool)
+        outs = {loads: np.asarray(model(**inputs)["last_hidden_state"], np.float64)
+                for loads, model in loaded.items()}
+        call = {"seed": seed, "tma_vs_cpasync_max_abs": float(np.abs(outs["tma"] - outs["cp.async"]).max())}
+        for loads, out in outs.items():
+            got = out[list(MODEL_ROWS)][kept]
+            call[f"{loads}_rel_err"] = float(np.linalg.norm(got - ref[kept]) / np.linalg.norm(ref[kept]))
+            call[f"{loads}_finite"] = bool(np.isfinite(out).all())
+        calls.append(call)
+        print(f"tiny RoBERTa call (inputs {seed}): rel err vs torch float32 cp.async {call['cp.async_rel_err']:.2e}, "
+              f"tma {call['tma_rel_err']:.2e}; TMA - cp.async max |diff| {call['tma_vs_cpasync_max_abs']:.2e}",
+              flush=True)
+    ok = all(c["tma_finite"] and c["tma_rel_err"] < 2 * c["cp.async_rel_err"] + 1e-3 for c in calls)
+    return {"calls": calls, "tma_ok": ok}
 
 
 def check_table(results) -> None:

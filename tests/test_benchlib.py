@@ -126,6 +126,25 @@ def test_ptxas_report_reads_the_figures():
     assert len(bl.source_key("abc")) == 24
 
 
+def test_sass_opcodes_lists_a_kernels_instructions(tmp_path, monkeypatch):
+    """A one-line kernel's SASS through the first cuobjdump found: its global load, store and exit, with their
+    modifiers, no NOPs; None (not an error) where no cuobjdump exists."""
+    import shutil
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    bl.nvcc_cubin('extern "C" __global__ void bump(float* x) { x[threadIdx.x] += 1.0f; }', tmp_path / "k.cubin")
+    ops = bl.sass_opcodes(tmp_path / "k.cubin")
+    if ops is None:
+        pytest.skip("no cuobjdump to read the SASS")
+    assert any(op.startswith("LDG.E") for op in ops) and any(op.startswith("STG.E") for op in ops)
+    assert "EXIT" in ops and "NOP" not in ops
+    monkeypatch.setenv("STOF_CUOBJDUMP", str(tmp_path / "missing"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(bl.Path, "is_file", lambda self: False)
+    assert bl.sass_opcodes(tmp_path / "k.cubin") is None
+
+
 # ------------------------------------------------------------------------- scripts/ort_parts.py (fatbin pruning)
 def _ort_parts():
     spec = importlib.util.spec_from_file_location("ort_parts", os.path.join(ROOT, "scripts", "ort_parts.py"))

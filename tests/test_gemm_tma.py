@@ -189,3 +189,28 @@ def test_tiny_roberta_with_tma_gemms_builds_for_cuda_graphs(hf_export, monkeypat
     library = Path(tmp_path / "model.so")
     executable.export_library(str(library))
     assert b"runtime.cuTensorMapEncodeTiled" in library.read_bytes()
+
+
+def test_gpu_plan_pairs_each_knob_set_with_both_loads():
+    """``scripts/bench_wgmma_small_k.py --plan s8tma`` times, per RoBERTa-base GEMM, the compile path's first knob
+    set and one more tile shape, each with cp.async and with TMA loads (the pairs its last table compares)."""
+    import importlib.util
+    import sys
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    sys.path.insert(0, str(scripts))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_wgmma_small_k", scripts / "bench_wgmma_small_k.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(scripts))
+    assert len(bench.TMA_CASES) == 8
+    for name, shape in bench.TMA_CASES:
+        space = get_template(name).knob_space(shape, "float16")
+        sets = bench.tma_knob_sets(space)
+        assert [kn["loads"] for kn in sets] == ["cp.async", "tma"] * (len(sets) // 2) and len(sets) == 4
+        assert {key: v for key, v in sets[0].items() if key != "loads"} == space[0]
+        assert sets[0] != sets[2] and all(bench.is_new(kn) == (kn["loads"] == "tma") for kn in sets)
+        tags = [bench.knob_tag(kn) for kn in sets]
+        assert len(set(tags)) == 4 and tags[1] == tags[0].removesuffix("_cpasync") + "_tma"
