@@ -53,7 +53,8 @@ def _binding(stmt):
     return None
 
 
-def _children(stmt) -> list:
+def child_statements(stmt) -> list:
+    """The statements directly inside ``stmt`` (sequence items, branches, a block's body and init, a body)."""
     if isinstance(stmt, tirx.SeqStmt):
         return list(stmt.seq)
     if isinstance(stmt, tirx.IfThenElse):
@@ -73,7 +74,7 @@ def _collect_tags(stmt, found: dict) -> None:
         if tag in _TAGS:
             value = int(extent) if isinstance(extent, tirx.IntImm) else None
             found[tag] = value if tag not in found or found[tag] == value else None
-    for child in _children(stmt):
+    for child in child_statements(stmt):
         _collect_tags(child, found)
 
 
@@ -85,7 +86,7 @@ def _kernels_in(stmt, out: list) -> None:
         _collect_tags(stmt, found)
         out.append(Kernel(tuple((tag, found[tag]) for tag in _TAGS if tag in found)))
         return
-    for child in _children(stmt):
+    for child in child_statements(stmt):
         _kernels_in(child, out)
 
 

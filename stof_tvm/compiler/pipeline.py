@@ -1,8 +1,9 @@
 """Targets and the build pipeline that turns the rewritten Relax module into an executable.
 
 Everything that is not attention goes through TVM's own Relax pipeline: legalization, operator fusion
-(``FuseOps``/``FuseTIR``), tuning records from a MetaSchedule database where given, then dlight's default GPU
-schedules for the functions no record covered (CUDA only; on the CPU TVM's default lowering is used), then no
+(``FuseOps``/``FuseTIR``; gathers count as injective there, :mod:`.gathers`), tuning records from a MetaSchedule
+database where given, then dlight's default GPU schedules for the functions no record covered (CUDA only; on the
+CPU TVM's default lowering is used), then no
 vectorised access to a bool buffer (:mod:`.bool_access`: TVM's CUDA codegen gets them wrong). Our
 attention kernels arrive already scheduled (``tirx.is_scheduled``), so dlight leaves them alone.
 """
@@ -14,6 +15,7 @@ import tvm
 from tvm import relax
 
 from .bool_access import scalar_bool_access
+from .gathers import gathers_injective
 
 CUDA_DEFAULTS = {"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024,
                  "max_shared_memory_per_block": 232448}
@@ -70,7 +72,7 @@ def optimize(mod: tvm.IRModule, target: tvm.target.Target, database: str | None)
 
         records = open_database(database).ms
     with target, tvm.transform.PassContext(opt_level=3), records:   # MetaScheduleApplyDatabase reads both here
-        passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+        passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), gathers_injective,
                   relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
                   relax.transform.DeadCodeElimination()]
         if database is not None:
