@@ -234,11 +234,11 @@ def test_work_items_cover_every_tile_row_once_and_persistent_blocks_stay_balance
         assert max(work) - min(work) <= tile_rows + 1
 
 
+# Two TMA configurations (CI time); the persistent and 64-key-tile ones are built and their SASS counted by
+# scripts/bench_attention.py's s8tma plan (out/s8tma).
 TMA_CONFIGS = [
     (64, "float16", WgmmaAttentionConfig(block_n=128, stages=3, consumers=3, loads="tma"), "bhsd"),
     (128, "bfloat16", WgmmaAttentionConfig(block_n=128, stages=2, loads="tma"), "bshd"),
-    (64, "float16", WgmmaAttentionConfig(block_n=128, stages=4, persistent=True, consumers=3, loads="tma"), "bhsd"),
-    (128, "float16", WgmmaAttentionConfig(block_n=64, stages=4, loads="tma"), "bhsd"),
 ]
 
 
@@ -252,7 +252,7 @@ def _tensormap_encodes(func):
             for m in ENCODE.finditer(func.script())]
 
 
-@pytest.mark.parametrize("head_dim, dtype, config, out_layout", TMA_CONFIGS[:2])
+@pytest.mark.parametrize("head_dim, dtype, config, out_layout", TMA_CONFIGS)
 def test_tma_kernel_encodes_q_k_v_maps_on_the_host(head_dim, dtype, config, out_layout):
     """``loads="tma"``: three host calls encode the maps of Q, K and V from each operand's first element (so a view's
     offset counts) with :func:`panel_map`'s parameters: boxes of block_m query rows or block_n key rows."""
