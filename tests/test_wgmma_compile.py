@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import warnings
 
 import numpy as np
@@ -23,18 +22,11 @@ from stof_tvm.models import hf_export as hx          # noqa: E402
 from stof_tvm.schedules import attention_wgmma       # noqa: E402
 from stof_tvm.sparse_formats import normalize_mask   # noqa: E402
 
+from hopper_checks import sm90_ptxas_report          # noqa: E402
+
 # 16 x 512 tokens: the smallest tiny-GPT-2 shape here at which the model predicts wgmma faster (0.013 ms against
 # 0.015 for the best mma.sync kernel); at 2 x 64 the mma.sync kernels win and are chosen
 BATCH, SEQ = 16, 512
-
-
-def _ptxas_report(src: str, tmp_path) -> str:
-    cu = tmp_path / "module.cu"
-    cu.write_text(src)
-    proc = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-O3", "-Xptxas", "-v", "-o",
-                           str(tmp_path / "module.cubin"), str(cu)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stderr
 
 
 def test_gpt2_export_builds_the_wgmma_kernel_for_sm90a(hf_export, tmp_path, monkeypatch):
@@ -61,7 +53,7 @@ def test_gpt2_export_builds_the_wgmma_kernel_for_sm90a(hf_export, tmp_path, monk
     # the P V product's wgmma takes P from four registers ({a0, a1, a2, a3}): the attention kernel's own form
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.f16\.f16 \{[^}]+\}, \{%\d+, %\d+, %\d+, "
                      r"%\d+\}", src)
-    report = _ptxas_report(src, tmp_path)
+    report = sm90_ptxas_report(src, tmp_path, arch="sm_90a")
     props = re.search(r"Function properties for stof_attention_wgmma_kernel\s*\n[^\n]*?(\d+) bytes stack frame, "
                       r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert props and props.groups() == ("0", "0", "0"), report[-3000:]
