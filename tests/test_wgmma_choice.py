@@ -130,12 +130,9 @@ def test_compile_path_choice_names_the_wgmma_kernel_and_its_tile():
     assert inputs["stof_part_bitmaps"] == ("n_part", 24, 16) and inputs["stof_full_indptr"] == (-(-2048 // 192) + 1,)
 
 
-def test_compile_path_keeps_padded_models_off_wgmma_until_its_padding_is_checked_on_a_gpu(monkeypatch):
-    choice = _choose(padding=True)
-    assert choice.kind == "block" and "key padding is not yet checked on a GPU" in choice.reason
-    forced = _choose("wgmma", padding=True)        # opting in: two consumers (three spill with the padding)
+def test_compile_path_offers_wgmma_to_padded_models_with_two_consumers():
+    forced = _choose("wgmma", padding=True)        # three consumers spill with the padding predicate
     assert forced.kind == "wgmma" and forced.config["consumers"] == 2 and forced.tile == (128, 128)
-    monkeypatch.setattr(attention_wgmma, "KEY_PADDING_CHECKED_ON_GPU", True)
     choice = _choose(padding=True)
     assert choice.kind == "wgmma" and choice.config["consumers"] == 2 and choice.tile == (128, 128)
 

@@ -202,9 +202,6 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
         return KernelChoice("dense", {}, mask_batch, mask_heads, reason)
     no_wgmma = wgmma_unavailable(head_dim=head_dim, dtype=dtype, target_kind=target_kind, target_arch=target_arch,
                                  bias=bias, padding=padding)
-    padding_unchecked = padding and not _schedule_module("wgmma").KEY_PADDING_CHECKED_ON_GPU
-    if requested == "auto" and padding_unchecked and no_wgmma is None:
-        no_wgmma = "its key padding is not yet checked on a GPU (kernel='wgmma' opts in)"
     if requested == "wgmma" and no_wgmma is not None:
         raise ValueError(f"kernel: 'wgmma' cannot serve this model: {no_wgmma}; use kernel='block' or 'auto'")
     model_config, reason = None, "requested"
