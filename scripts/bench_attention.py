@@ -734,8 +734,17 @@ class Runner:
             self.load_seconds += time.time() - t0
         return self.loaded[key]
 
-    def to_tvm(self, tensor):
-        return self.tvm.runtime.from_dlpack(tensor)
+    def to_tvm(self, tensor, offset_bytes: int = 0):
+        """``tensor`` shared with TVM, never copied; a view into a larger allocation (``qkv_offset``) goes as TVM
+        passes its own views (aligned pointer + byte offset, :func:`stof_tvm.torch_views.tvm_tensor`), at the
+        offsets the kernel's Q/K/V buffers take (``offset_bytes``)."""
+        from stof_tvm.torch_views import tvm_tensor
+
+        shared, owner = tvm_tensor(tensor, offset_bytes)
+        if owner is not tensor:
+            raise RuntimeError(f"a {tuple(tensor.shape)} operand at {tensor.data_ptr() % 64} bytes past 64 would be "
+                               "copied: the case would not test what it names")
+        return shared
 
     def reference(self, q, k, v, mask_t, scale):
         """float32 attention on the GPU, one (batch) at a time; rows with no kept key give 0."""
@@ -800,7 +809,9 @@ class Runner:
             formats[fmt_key] = [torch.from_numpy(a).cuda() for a in fmt]
         fmt_t = formats[fmt_key]
         fn = self.kernel(case["module"])
-        args = [self.to_tvm(t) for t in (q, k, v, *fmt_t)] + pad_inputs + [self.to_tvm(out)]
+        views = 0 if case["family"] == "row" else 16      # the block-wise and wgmma kernels read Q/K/V views
+        args = ([self.to_tvm(t, views) for t in (q, k, v)] + [self.to_tvm(t) for t in fmt_t] + pad_inputs
+                + [self.to_tvm(out)])
         fn(*args)
         torch.cuda.synchronize()
         mask_t = torch.from_numpy(np.ascontiguousarray(keep4)).cuda()

@@ -27,6 +27,7 @@ from stof_tvm.sparse_formats.masks import normalize_mask
 from stof_tvm.sparse_formats.rows import build_rows
 from stof_tvm.sparse_formats.stats import mask_stats, stof_rule
 from stof_tvm.sparse_formats.tiled import build_tiled
+from stof_tvm.torch_views import tvm_tensor
 
 __all__ = ["sparse_attention", "AttentionPlan", "choose_kernel", "choose_kernel_config", "decide_kernel", "is_hopper",
            "resolve_target", "KERNELS", "clear_kernel_cache"]
@@ -39,6 +40,9 @@ _CPU_DTYPES = ("float16", "bfloat16", "float32")
 # does not import the kernels; tests/test_attention_api.py checks that they agree.
 _HEAD_DIMS = tuple(range(32, 257, 16))
 _LIBRARY, _PLAN_FILE = "kernel.so", "plan.json"
+# Byte offsets at which each kernel reads a Q/K/V view in place (its buffers' offset_factor, VIEW_ALIGN elements of
+# 2 bytes; tests/test_attention_api.py checks them against the kernels); the row-wise kernel takes none.
+_VIEW_BYTES = {"block": 16, "wgmma": 16}
 
 
 @dataclass(frozen=True)
@@ -250,11 +254,6 @@ def _check_output(out, q) -> None:
                          f"{tuple(out.shape)} {_dtype_name(out)}")
 
 
-def _torch_to_tvm(t):
-    """Share a torch tensor's memory with TVM (DLPack); copy only when it is not contiguous or 64-byte aligned."""
-    if not t.is_contiguous() or t.data_ptr() % 64:
-        t = t.contiguous().clone()
-    return tvm.runtime.from_dlpack(t), t
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -369,13 +368,14 @@ class AttentionPlan:
             raise ValueError(f"no CUDA device {q.device} is visible to TVM")
         keep = []                            # torch tensors that must outlive the launch
         args = []
+        views = _VIEW_BYTES.get(self.kernel, 0)      # Q/K/V inside a larger allocation are read in place
         for t in (q, k, v):
-            shared, owner = _torch_to_tvm(t)
+            shared, owner = tvm_tensor(t, views)
             args.append(shared)
             keep.append(owner)
         if out_torch is None:
             out_torch = torch.empty_like(q, memory_format=torch.contiguous_format)
-        out, written = _torch_to_tvm(out_torch)
+        out, written = tvm_tensor(out_torch)
         if want == "cuda":
             import tvm_ffi
 
