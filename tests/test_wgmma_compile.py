@@ -19,7 +19,6 @@ import stof_tvm                                      # noqa: E402
 from stof_tvm.compiler.cubins import cuda_sources    # noqa: E402
 from stof_tvm.mask_formats import format_arrays      # noqa: E402
 from stof_tvm.models import hf_export as hx          # noqa: E402
-from stof_tvm.schedules import attention_wgmma       # noqa: E402
 from stof_tvm.sparse_formats import normalize_mask   # noqa: E402
 
 from hopper_checks import sm90_ptxas_report          # noqa: E402

@@ -17,9 +17,9 @@ For one attention problem (shapes, dtype, mask) every candidate ``(kind, config)
   products at ``wgmma_attn_tc_eff`` of the mma.sync peak, ``wgmma_softmax_ops`` *exposed* CUDA-core operations
   per score element (the softmax runs under the other consumers' products, so this is what the overlap leaves),
   ``wgmma_tile_cycles`` per tile (divided by ``1 + wgmma_stage_gain * (stages - 2)``) and ``wgmma_item_cycles``
-  per work item (Q load, the first ``S`` and last ``P V`` that nothing overlaps, the stores). Fitted on causal and
-  dense masks only (:func:`scripts.calibrate_model.fit_wgmma`); its partial-tile cost ``wgmma_mask_ops`` was never
-  measured and is set high on purpose, so sparse masks stay on the mma.sync kernels unless wgmma wins clearly.
+  per work item (Q load, the first ``S`` and last ``P V`` that nothing overlaps, the stores). Fitted on causal, dense
+  and sparse masks (:func:`scripts.calibrate_model.fit_wgmma`), with ``wgmma_mask_ops`` its extra cost per element
+  of a partial tile.
   Persistent grids are not candidates: on the H200 they never ran faster (s7causal: 1.218 vs 1.000 ms causal D64,
   2.016 vs 2.007 D128), and neither are non-ping-pong ones (never timed).
 - **row-wise** (:class:`~stof_tvm.schedules.attention_rowwise.RowConfig`): ``rows_per_block`` query rows per
@@ -52,7 +52,7 @@ from .mask_profile import MaskProfile
 
 __all__ = ["AttentionProblem", "AttentionCandidate", "RankedCandidate", "block_candidates", "row_candidates",
            "wgmma_candidates", "attention_candidates", "attention_work", "rank_attention", "choose_attention",
-           "decide_attention", "AttentionDecision", "partial_share"]
+           "decide_attention", "AttentionDecision"]
 
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 _BLOCK_M = (16, 32, 64, 128, 256)
@@ -460,26 +460,10 @@ class AttentionDecision:
     reason: str
 
 
-# The wgmma kernel was timed on causal and dense masks only, whose tiles at its tile shape are at most 19% partial
-# (causal D64 S4096 at 192 x 128; 36% at S2048, where the diagonal tiles are the same kind); where more than 40% are
-# partial (sliding windows: 68-100%), its prediction rests on the assumed wgmma_mask_ops, so it must be predicted
-# this much faster than the best mma.sync kernel to be chosen.
-WGMMA_MEASURED_PARTIAL_SHARE = 0.4
-WGMMA_UNMEASURED_MARGIN = 1.25
-
-
-def partial_share(problem: AttentionProblem, block_m: int, block_n: int) -> float:
-    """Share of the visited tiles that are partial at ``block_m x block_n``."""
-    full, part = problem.mask.tile_counts(block_m, block_n)
-    visited = float(full.sum() + part.sum())
-    return float(part.sum()) / visited if visited else 0.0
-
-
 def decide_attention(problem: AttentionProblem, hw: HardwareProfile = H200,
                      cal: Calibration = DEFAULT_CALIBRATION, kinds=("block", "row")) -> AttentionDecision:
-    """The fastest predicted candidate of ``kinds``, except that a wgmma candidate on a mask outside its measured
-    range (more than ``WGMMA_MEASURED_PARTIAL_SHARE`` of its tiles partial) must beat the best other kernel by
-    ``WGMMA_UNMEASURED_MARGIN``; the reason names both predictions."""
+    """The fastest predicted candidate of ``kinds``; where wgmma is among them the reason names its prediction and
+    the best mma.sync kernel's."""
     ranked = rank_attention(problem, hw, cal, attention_candidates(problem, hw, kinds))
     if not ranked:
         raise ValueError(f"no feasible attention kernel for head_dim={problem.head_dim}, dtype={problem.dtype} "
@@ -496,10 +480,4 @@ def decide_attention(problem: AttentionProblem, hw: HardwareProfile = H200,
     versus = f"{wgmma.candidate} {wgmma.time_s * 1e3:.3f} ms vs {rival.candidate} {rival.time_s * 1e3:.3f} ms"
     if wgmma is not best:
         return AttentionDecision(best, f"analytical model: mma.sync predicted faster ({versus})")
-    c = wgmma.candidate.config
-    share = partial_share(problem, c.block_m, c.block_n)
-    if share > WGMMA_MEASURED_PARTIAL_SHARE and wgmma.time_s * WGMMA_UNMEASURED_MARGIN > rival.time_s:
-        return AttentionDecision(rival, f"analytical model: {share:.0%} of the wgmma kernel's tiles would be partial, "
-                                        f"where it was never measured, and it is not predicted "
-                                        f"{WGMMA_UNMEASURED_MARGIN}x faster ({versus})")
     return AttentionDecision(best, f"analytical model: wgmma predicted faster ({versus})")

@@ -73,15 +73,11 @@ class Calibration:
     ``wgmma_softmax_ops`` CUDA-core operations per score element left exposed by the overlap with two consumer
     warpgroups (divided by ``consumers - 1``: each consumer's softmax runs under the others' products),
     ``wgmma_tile_cycles`` fixed latency per tile, divided by ``1 + wgmma_stage_gain * (stages - 2)``,
-    ``wgmma_item_cycles`` per work item. Fitted (``scripts/calibrate_model.py fit-wgmma``) to the 12 distinct
-    timings of the current kernel on the H200 (session 7, 2026-12-01: ``bench_attention.py`` plans ``issue16`` and
-    ``s7causal``, causal and dense masks at B16 H12 S4096 D64 and B4 H16 S8192 D128, 2 / 3 consumers, 64 / 128
-    keys, 2-5 stages): rms log error 0.037; the stage gain fits to 0 (stages 3 / 4 / 5 measured 1.000 / 1.098 /
-    1.007 ms causal and 1.800 / 1.717 / 1.817 dense: noise), so the default ring wins ties. ``wgmma_mask_ops``,
-    the extra cost per element of a partial tile, is **assumed, not fitted**: the kernel was never timed on a
-    sparse mask, so it is set to twice the mma.sync kernel's fitted ``mask_ops`` (the per-register bitmap shift,
-    test and select, outside the overlap), which keeps sliding / Longformer / BigBird masks on the mma.sync
-    kernels; ``scripts/bench_attention.py``'s ``s8wgmma`` plan measures them.
+    ``wgmma_item_cycles`` per work item, ``wgmma_mask_ops`` the extra CUDA-core operations per element of a partial
+    tile (the per-register bitmap shift, test and select). Fitted (``scripts/calibrate_model.py fit-wgmma``) to the
+    18 distinct timings of the kernel on the H200 in session 9 (2026-12-01, ``bench_attention.py`` plan ``s8wgmma``:
+    causal, dense, document, sliding, Longformer and BigBird masks at B16 H12 S4096 D64 (2 and 3 consumers) and
+    B4 H16 S8192 D128): rms log error 0.036; the stage gain fits to 0, so the default ring wins ties.
     """
 
     # Fitted on the H200 (scripts/calibrate_model.py: 774 timings of 78 attention problems, 2026-11-30); the
@@ -109,11 +105,11 @@ class Calibration:
     epilogue_ops: float = 4.0
     wgmma_tc_eff: float = 1.11
     narrow_store_ops: float = 191.0
-    wgmma_attn_tc_eff: float = 1.2135
-    wgmma_softmax_ops: float = 8.718
-    wgmma_mask_ops: float = 12.24
-    wgmma_tile_cycles: float = 618.7
-    wgmma_item_cycles: float = 3967.0
+    wgmma_attn_tc_eff: float = 1.2124
+    wgmma_softmax_ops: float = 5.2013
+    wgmma_mask_ops: float = 10.3687
+    wgmma_tile_cycles: float = 603.902
+    wgmma_item_cycles: float = 6748.96
     wgmma_stage_gain: float = 0.0
 
     def __post_init__(self):
