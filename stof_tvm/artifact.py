@@ -9,10 +9,15 @@ On disk (``Artifact.save(dir)``)::
     dir/*.npy            the default mask when it was given as an array, the model's constant masks
     dir/cubins/*.cubin   prebuilt CUDA binaries by source hash, when the build needs them (``gemm="wgmma"``:
                          sm_90a code the GPU machine's own compile would not produce)
-    dir/weights.npz      the model's weights (its large float initializers, as in the ONNX file); the module
-                         takes them as parameters and prepares them once at load (main_transform_params)
+    dir/weights.npz      the model's weights (its large float initializers) in the dtypes the module takes them
+                         (the manifest's ``weights`` entry: float16 for a float16 module, where the values fit;
+                         :mod:`stof_tvm.weights_file`); the module prepares them once at load
+                         (main_transform_params). The manifest's ``weights_file`` names it, or is null when the
+                         artifact was saved without it
 
-No pickle anywhere: ``.npy``/``.npz`` files are written and read with ``allow_pickle=False``.
+No pickle anywhere: ``.npy``/``.npz`` files are written and read with ``allow_pickle=False``. A save writes every
+file under a temporary name and renames them into place at the end, the manifest last
+(:mod:`stof_tvm.staged_files`): one that fails midway leaves an artifact already in the directory as it was.
 """
 from __future__ import annotations
 
@@ -21,9 +26,11 @@ import os
 
 import numpy as np
 
+from stof_tvm.staged_files import StagedFiles
+from stof_tvm.weights_file import WEIGHTS, write_weights
+
 LIBRARY = "module.so"
 MANIFEST = "manifest.json"
-WEIGHTS = "weights.npz"
 CUBINS = "cubins"
 
 
@@ -42,22 +49,25 @@ class Artifact:
         """Write the library, manifest and arrays into directory ``path`` (created if needed); return it.
 
         ``weights=False`` leaves out weights.npz (for shipping code to a machine that has the weights; pass
-        them to :func:`stof_tvm.runtime.load` there)."""
+        them to :func:`stof_tvm.runtime.load` there). An artifact already in ``path`` is replaced only once
+        every file is written; its files the new one does not have are then removed."""
         path = os.fspath(path)
         os.makedirs(path, exist_ok=True)
-        self.executable.export_library(os.path.join(path, LIBRARY))
-        for name, array in self.arrays.items():
-            np.save(os.path.join(path, name), array, allow_pickle=False)
-        if weights and self.weights:
-            np.savez(os.path.join(path, WEIGHTS), **self.weights)
-        if self.binaries:
-            os.makedirs(os.path.join(path, CUBINS), exist_ok=True)
+        stored = WEIGHTS if weights and self.weights else None
+        manifest = {**self.manifest, "weights_file": stored}
+        with StagedFiles(path) as staged:
+            self.executable.export_library(staged.path(LIBRARY))
+            for name, array in self.arrays.items():
+                np.save(staged.path(name), array, allow_pickle=False)
+            if stored:
+                write_weights(staged.path(stored), self.weights)
             for key, binary in self.binaries.items():
-                with open(os.path.join(path, CUBINS, key + ".cubin"), "wb") as f:
+                with open(staged.path(os.path.join(CUBINS, key + ".cubin")), "wb") as f:
                     f.write(binary)
-        with open(os.path.join(path, MANIFEST), "w") as f:
-            json.dump(self.manifest, f, indent=2)
-            f.write("\n")
+            with open(staged.path(MANIFEST), "w") as f:
+                json.dump(manifest, f, indent=2)
+                f.write("\n")
+            staged.commit(stale=_previous_files(path))
         return path
 
     def load(self, device=None):
@@ -76,3 +86,19 @@ class Artifact:
         att = self.manifest["attention"]
         return (f"Artifact(kernel={att['kernel']['kind']!r}, target={self.manifest['target']['kind']!r}, "
                 f"batch={att['batch']}, seq_len={att.get('seq_q')}, dtype={self.manifest['dtype']!r})")
+
+
+def _previous_files(path: str) -> set[str]:
+    """The files of the artifact already in ``path`` (by its manifest; none if it has none or it does not
+    parse), relative to ``path``: those a new save into ``path`` removes when it does not write them."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+        mask = manifest.get("mask") or {}
+        files = {LIBRARY, MANIFEST, WEIGHTS}
+        files |= {os.path.basename(name) for name in (mask.get("array"), mask.get("model_keep")) if name}
+        binaries = manifest.get("cuda_binaries") or {}
+        files |= {os.path.join(CUBINS, os.path.basename(key) + ".cubin") for key in binaries.get("files", [])}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return set()
+    return files

@@ -37,10 +37,10 @@ from tvm_ffi import Array
 from stof_tvm.deferred_checks import DeferredRangeChecks
 from stof_tvm.call_inputs import BoundInputs, InputBinder, check_host_values, is_torch, to_numpy, value_error
 from stof_tvm.mask_formats import MaskFormats
+from stof_tvm.weights_file import WEIGHTS, as_weight, read_weights
 
 LIBRARY = "module.so"
 MANIFEST = "manifest.json"
-WEIGHTS = "weights.npz"
 FORMAT_VERSION = 1
 MASKED_FILL = -1.0e4
 
@@ -87,11 +87,10 @@ def load(path: str | os.PathLike, device=None, weights: dict | None = None,
         if name.endswith(".npy"):
             arrays[name] = np.load(os.path.join(path, name), allow_pickle=False)
     if weights is None and manifest.get("weights"):
-        weights_path = os.path.join(path, WEIGHTS)
-        if not os.path.isfile(weights_path):
+        stored = manifest.get("weights_file", WEIGHTS)     # no such key: saved before it existed, with the file
+        if stored is None or not os.path.isfile(os.path.join(path, stored)):
             raise FileNotFoundError(f"weights: {path!r} was saved without {WEIGHTS}; pass weights={{name: array}}")
-        with np.load(weights_path, allow_pickle=False) as data:
-            weights = {name: data[name] for name in data.files}
+        weights = read_weights(os.path.join(path, stored), manifest["weights"])
     binaries = manifest.get("cuda_binaries")
     if binaries and manifest["target"]["kind"] == "cuda":
         from stof_tvm.cuda_runtime import serve_cubins
@@ -160,12 +159,7 @@ class CompiledModel:
         missing = [w["name"] for w in specs if w["name"] not in weights]
         if missing:
             raise ValueError(f"weights: missing {missing[:5]}{'...' if len(missing) > 5 else ''}")
-        tensors = []
-        for spec in specs:
-            value = np.asarray(weights[spec["name"]])
-            if value.shape != tuple(spec["shape"]):
-                raise ValueError(f"weight {spec['name']!r}: expected shape {spec['shape']}, got {list(value.shape)}")
-            tensors.append(tvm.runtime.tensor(np.ascontiguousarray(value, dtype=spec["dtype"]), self.device))
+        tensors = [tvm.runtime.tensor(as_weight(spec, weights[spec["name"]]), self.device) for spec in specs]
         if not self.manifest.get("transform_params"):
             return tensors
         return list(self.vm[self.manifest["transform_params"]](tensors))

@@ -29,7 +29,6 @@ import warnings
 
 import numpy as np
 import tvm
-from onnx import numpy_helper
 from tvm import relax
 
 from stof_tvm.sparse_formats.masks import normalize_mask
@@ -47,6 +46,7 @@ from .pipeline import build, fold_constant_casts, make_target, optimize, target_
 from .layout import fold_permute_pairs
 from .record_calls import record_calls
 from .rewrite import rewrite_attention
+from .weight_storage import store_weights_float16, stored_values
 
 DTYPES = ("float32", "float16")
 TRANSFORM_PARAMS = "main_transform_params"
@@ -232,6 +232,8 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
                           templates=f"TVM's default pipeline ({reason})")
         checks = value_checks(inputs, onnx_model, None)
         mod, checks_output = add_value_checks(clip_gathers(mod), checks)
+        if dtype == "float16" and precision_note is None:
+            mod, weights = store_weights_float16(mod, weights, onnx_model)
         return FrontEnd(onnx_model, mod, inputs, weights, outputs, [], None, None, None, None, [], {}, tspec, gemm,
                         tvm_target, fallback=reason, coverage=report, checks=checks, checks_output=checks_output)
     site = sites[0]
@@ -269,6 +271,8 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
                       templates=None if templates else _templates_off(tspec, dtype), template_entry=template_entry)
     checks = value_checks(inputs, onnx_model, plan.padding if choice.padding else None)
     mod, checks_output = add_value_checks(clip_gathers(mod), checks)
+    if dtype == "float16" and precision_note is None:
+        mod, weights = store_weights_float16(mod, weights, onnx_model)
     return FrontEnd(onnx_model, mod, inputs, weights, outputs, sites, plan, user_mask, combined, choice,
                     format_inputs, template_entry, tspec, gemm, tvm_target, coverage=report, checks=checks,
                     checks_output=checks_output)
@@ -395,9 +399,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     manifest["static_mask_inputs"] = cuda_graph and static_mask_inputs(front)
     if binaries:
         manifest["cuda_binaries"] = {"arch": tspec["arch"], "files": sorted(binaries)}
-    wanted = {w.name for w in front.weights}
-    values = {t.name: numpy_helper.to_array(t) for t in front.onnx_model.graph.initializer if t.name in wanted}
-    return Artifact(executable, manifest, arrays, values, binaries)
+    return Artifact(executable, manifest, arrays, stored_values(front.onnx_model, front.weights), binaries)
 
 
 def lower(front: FrontEnd, database: str | None, cuda_graph: bool) -> tuple[tvm.IRModule, object]:
