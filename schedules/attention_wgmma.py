@@ -165,16 +165,25 @@ class WgmmaAttentionConfig:
         return self.layout(head_dim)["end"] + ALIGN
 
 
+# The producer's loads in the default configuration, by (head dim, key padding): TMA where it was measured faster
+# and checked on the H200 (session 9, bench_attention.py plan s8tma, ms cp.async / TMA, B4 H16 S8192 D128: 64-key
+# tiles 4 stages causal 2.396 / 2.023, dense 4.559 / 3.811; persistent 128-key tiles causal 1.992 / 1.758, dense
+# 4.151 / 3.780); the key-padded kernel with TMA is not checked on a GPU yet (plan s9attn checks it).
+DEFAULT_LOADS = {(64, False): "cp.async", (64, True): "cp.async", (128, False): "tma", (128, True): "cp.async"}
+
+
 def default_config(head_dim: int, padding: bool = False) -> WgmmaAttentionConfig:
     """128-key tiles; as many ring stages as fit (2 at head dim 128, 3 at 64); three consumers at head dim 64
-    unless the kernel applies key padding (``padding``: its column predicate makes three consumers spill).
+    unless the kernel applies key padding (``padding``: its column predicate makes three consumers spill); the
+    loads of :data:`DEFAULT_LOADS`.
 
     Three consumers at head dim 64 measured on the H200 (session 7, ``bench_attention.py`` plan ``s7causal``, B16 H12
     S4096): causal 1.000 ms against 1.103 with two, dense 1.800 against 1.968. At head dim 128 three consumers do not
     fit the registers; two stay."""
+    loads = DEFAULT_LOADS[head_dim, bool(padding)]
     if head_dim == 64 and not padding:
-        return WgmmaAttentionConfig(block_n=128, stages=3, consumers=3)
-    return WgmmaAttentionConfig(block_n=128, stages=2 if head_dim == 128 else 3)
+        return WgmmaAttentionConfig(block_n=128, stages=3, consumers=3, loads=loads)
+    return WgmmaAttentionConfig(block_n=128, stages=2 if head_dim == 128 else 3, loads=loads)
 
 
 def _check_problem(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, out_layout):

@@ -36,6 +36,15 @@ The GPU machine's command (modules prebuilt here; it needs only the TVM runtime 
 Plan ``s8wgmma`` (25 modules, 6.3 MB, built in ~85 s here): ``build --plan s8wgmma --out out/s8wgmma``, then on the
 GPU machine ``run --out out/s8wgmma --json $OUT/s8wgmma.json --budget 85`` (same carry, out/s8wgmma for out/attn);
 ``scripts/calibrate_model.py fit-wgmma --json`` that JSON and the session-7 ones refits the wgmma constants.
+
+Plan ``s9attn`` (44 modules, 11 MB, built in ~8 min here with ``--jobs 1``; :func:`plan_s9attn`): ``build --plan
+s9attn --out out/s9attn``, then on the GPU machine (carry .devkit/runtime.tar.xz, .devkit/bootstrap.sh, out/s9attn)::
+
+    python3 scripts/bench_attention.py run --out out/s9attn --only check --json $OUT/s9attn_checks.json --budget 30
+    python3 scripts/bench_attention.py run --out out/s9attn --only time --skip-failed-in $OUT/s9attn_checks.json \
+        --json $OUT/s9attn.json --budget 60
+
+then ``calibrate_model.py fit-wgmma --json s9attn.json --constants wgmma_tma_tile_cycles --loads tma``.
 """
 from __future__ import annotations
 
@@ -581,9 +590,71 @@ def plan_s8wgmma() -> list[dict]:
     return cases
 
 
+# s9attn: TMA candidates (block_n, stages, pingpong, persistent, consumers, loads) timed on issue 16's shapes beside
+# the cp.async defaults; after session 9's s8tma run (TMA faster in all 6 pairs measured, by 6-16%), the default
+# D64 configuration with TMA (its checks had failed in the harness) and persistent grids at D64 too
+S9A_TIMED = {64: ((128, 3, True, False, 3, "cp.async"), (128, 3, True, False, 3, "tma"), (128, 4, True, False, 3, "tma"),
+                  (128, 2, True, False, 3, "tma"), (128, 3, True, True, 3, "tma"), (128, 4, True, True, 3, "tma")),
+             128: ((128, 2, True, False, 2, "cp.async"), (128, 2, True, False, 2, "tma"), (128, 2, True, True, 2, "tma"),
+                   (64, 4, True, False, 2, "tma"), (64, 4, True, True, 2, "tma"), (64, 5, True, True, 2, "tma"))}
+# what padded models (HF exports with an attention_mask) run: two consumers at D64
+S9A_PADDED = {64: ((128, 3, True, False, 2, "cp.async"), (128, 3, True, False, 2, "tma"),
+                   (128, 3, True, True, 2, "tma")),
+              128: ((128, 2, True, False, 2, "cp.async"), (128, 2, True, False, 2, "tma"),
+                    (128, 2, True, True, 2, "tma"))}
+
+
+def plan_s9attn() -> list[dict]:
+    """TMA loads as the wgmma kernel's default: one short run (< 90 s with ``--budget 85``). Checks first (S=1000,
+    Q scaled by 8): session 9's two failed checks again (Q/K/V as views 16 bytes into one packed projection,
+    ``qkv_offset``: the harness passed them misaligned to ``from_dlpack``; now as TVM passes views), every TMA
+    configuration to be timed on causal and per-head random masks with empty rows, the device-side key padding
+    with TMA (right / left-with-holes / empty rows on causal, dense, sliding; bf16), and ``replays``: the same
+    module called again on fresh tensors at new addresses (maps encoded from that call's pointers) and captured in
+    a torch CUDA graph, replayed after new values are written into the captured buffers (the maps captured with
+    the graph must read them). Then issue 16's shapes (D64 B16 H12 S4096, D128 B4 H16 S8192) causal and dense for
+    every S9A_TIMED configuration, the padded causal ones, and the first two of each head dim again at the end
+    (``repeat``: drift within the run)."""
+    cases = []
+
+    def check(recipe, head_dim, config, batch=2, heads=3, dtype="float16", padding=False, **extra):
+        cases.append(dict(_case("check", "wgmma", recipe, batch, heads, 1000, head_dim, dtype, config,
+                                padding=padding), q_scale=8.0, **extra))
+
+    check("causal", 64, S9A_TIMED[64][1], qkv_offset=8)
+    check("random_empty:0.05", 128, S9A_TIMED[128][1], qkv_offset=8)
+    for head_dim, configs in S9A_TIMED.items():
+        for config in configs[1:]:
+            for recipe in ("causal", "random_empty:0.05"):
+                check(recipe, head_dim, config)
+    for head_dim, configs in S9A_PADDED.items():
+        for config in configs[1:]:
+            for recipe in ("causal", "dense", "sliding"):
+                check(recipe, head_dim, config, batch=4, heads=2, padding=True)
+        check("causal", head_dim, configs[1], batch=4, heads=2, dtype="bfloat16", padding=True)
+    check("causal", 64, S9A_TIMED[64][1], replays=True)
+    check("causal", 128, S9A_TIMED[128][2], replays=True)
+    check("causal", 64, S9A_PADDED[64][1], batch=4, heads=2, padding=True, replays=True)
+    for head_dim, configs in S9A_TIMED.items():
+        batch, heads, seq = S7C_SHAPES[head_dim]
+        for recipe in ("causal", "dense"):
+            for config in configs:
+                cases.append(_case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16", config))
+        for config in S9A_PADDED[head_dim]:
+            cases.append(_case("time", "wgmma", "causal", batch, heads, seq, head_dim, "float16", config,
+                               padding=True))
+    for head_dim, configs in S9A_TIMED.items():
+        batch, heads, seq = S7C_SHAPES[head_dim]
+        for recipe in ("causal", "dense"):
+            for config in configs[:2]:
+                cases.append(dict(_case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16", config),
+                                  repeat=True))
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
-         "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma}
+         "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
@@ -819,6 +890,9 @@ class Runner:
         ref = self.reference(q, k, v, mask_t, scale)
         err = self.rel_err(out, ref)
         row = dict(case, kept=kept, rel_err=err, ok=err <= TOLERANCE[dtype])
+        if case.get("replays"):
+            row.update(self.replays(fn, args, (q, k, v), out, mask_t, scale, case.get("q_scale", 1.0)))
+            row["ok"] = row["ok"] and max(row["fresh_rel_err"], row["graph_rel_err"]) <= TOLERANCE[dtype]
         if case["kind"] == "time":
             ms = self.bench(lambda: fn(*args))
             out.fill_(float("nan"))          # the timed runs must have rewritten every element, too
@@ -830,6 +904,35 @@ class Runner:
             row["baselines"] = self.baselines_for(case, q, k, v, mask_t, ref, flops)
         del q, k, v, out, ref
         return row
+
+    def replays(self, fn, args, qkv, out, mask_t, scale, q_scale) -> dict:
+        """The module called again on fresh Q/K/V and output at new addresses (the maps are encoded from each
+        call's pointers), then the first call's buffers captured in a torch CUDA graph (launched on torch's
+        stream), new values written into them, the output poisoned and the graph replayed (the maps captured
+        with the graph must read the new values): both against float32 on their inputs."""
+        import tvm_ffi
+        torch = self.torch
+
+        def fresh_like(t, factor):
+            return torch.randn(t.shape, device=t.device, dtype=t.dtype) * factor
+
+        new = [fresh_like(t, q_scale if i == 0 else 1.0) for i, t in enumerate(qkv)]
+        new_out = torch.full_like(out, float("nan"))
+        fn(*[self.to_tvm(t, 16) for t in new], *args[3:-1], self.to_tvm(new_out))
+        torch.cuda.synchronize()
+        fresh = self.rel_err(new_out, self.reference(*new, mask_t, scale))
+
+        def call():
+            with tvm_ffi.use_torch_stream():
+                fn(*args)
+
+        replay, _ = bl.graphed(call)
+        for i, t in enumerate(qkv):
+            t.copy_(fresh_like(t, q_scale if i == 0 else 1.0))
+        out.fill_(float("nan"))
+        replay()
+        torch.cuda.synchronize()
+        return {"fresh_rel_err": fresh, "graph_rel_err": self.rel_err(out, self.reference(*qkv, mask_t, scale))}
 
     def baselines_for(self, case, q, k, v, mask_t, ref, flops) -> dict:
         key = (case["mask"], case["batch"], case["seq"], case["head_dim"], case["dtype"])
@@ -917,7 +1020,8 @@ def print_variants(timed: list[dict]) -> None:
 def print_loads(timed: list[dict]) -> None:
     """wgmma cases timed with both loads (config field 6): TMA beside cp.async, same mask, shape and knobs."""
     by_key = {(r["mask"], r["batch"], r["seq"], r["head_dim"], str(r["config"][:5]), r["config"][5]): r
-              for r in timed if r["family"] == "wgmma" and len(r["config"]) == 6}
+              for r in timed if r["family"] == "wgmma" and len(r["config"]) == 6 and not r.get("padding")
+              and not r.get("repeat")}
     pairs = [(r, by_key.get(key[:5] + ("cp.async",))) for key, r in by_key.items() if key[5] == "tma"]
     if not pairs:
         return
@@ -930,6 +1034,30 @@ def print_loads(timed: list[dict]) -> None:
               f"cp.async {cp['ms'] if cp else float('nan'):.4f}  tma {tma['ms']:.4f}  "
               f"ratio {tma['ms'] / cp['ms'] if cp else float('nan'):.3f}  sdpa {sdpa or float('nan'):.4f}"
               + ("" if tma["ok"] and (cp is None or cp["ok"]) else "  CHECK FAILED"))
+
+
+def print_candidates(timed: list[dict]) -> None:
+    """Plan s9attn's last table: per mask, head dim and padding every wgmma configuration timed, fastest first,
+    against the cp.async one of the group (its first timing) and SDPA (causal flag / dense); ``again``: a second
+    timing at the end of the run."""
+    groups = {}
+    for r in timed:
+        if r["family"] == "wgmma" and len(r["config"]) == 6:
+            key = (r["mask"] + (" +pad" if r.get("padding") else ""), r["batch"], r["seq"], r["head_dim"])
+            groups.setdefault(key, []).append(r)
+    if not groups:
+        return
+    print("\nwgmma configurations, fastest first (ms; cfg = block_n x stages x pingpong x persistent x consumers x "
+          "loads; x cp.async = the group's cp.async ms / ms; x SDPA = SDPA causal/dense ms / ms)")
+    for (mask, batch, seq, head_dim), rs in groups.items():
+        cp = next((r for r in rs if r["config"][5] == "cp.async" and not r.get("repeat")), None)
+        sdpa = rs[0]["baselines"].get("sdpa_dense" if mask == "dense" else "sdpa_causal", {}).get("ms", float("nan"))
+        print(f"  {mask} B{batch} S{seq} D{head_dim} (SDPA {sdpa:.4f})")
+        for r in sorted(rs, key=lambda r: r["ms"]):
+            cfg = "x".join(str(x)[0] if isinstance(x, bool) else str(x) for x in r["config"])
+            print(f"    {cfg:<22} {r['ms']:.4f}  x cp.async {cp['ms'] / r['ms'] if cp else float('nan'):.3f}  "
+                  f"x SDPA {sdpa / r['ms']:.3f}" + ("  again" if r.get("repeat") else "")
+                  + ("" if r["ok"] else "  CHECK FAILED"))
 
 
 def print_model(timed: list[dict]) -> None:
@@ -1045,6 +1173,7 @@ def run(args) -> None:
             runner.results.append(runner.run_case(case))
             r = runner.results[-1]
             print(f"{case['kind']} {case['module']} {case['mask']}: err {r['rel_err']:.1e}"
+                  + (f" fresh {r['fresh_rel_err']:.1e} graph {r['graph_rel_err']:.1e}" if "graph_rel_err" in r else "")
                   + (f" {r['ms']:.3f} ms" if "ms" in r else "") + f" ({time.time() - t0:.1f} s)", flush=True)
         except Exception as exc:
             runner.results.append(dict(case, kind=case["kind"], ok=False, rel_err=float("inf"),
@@ -1071,6 +1200,7 @@ def run(args) -> None:
     print_loads(timed)
     print_model(timed)
     print_summary(timed)
+    print_candidates(timed)
     info["summary"] = summarize([r for r in runner.results if r["kind"] == "time" and "ms" in r])
     runner.save(info)
 

@@ -16,7 +16,9 @@ Three steps:
    the fitted constants (``Calibration.load`` reads them).
 4. ``fit-wgmma`` (here): the Hopper wgmma kernel's own constants (``wgmma_*``) from ``scripts/bench_attention.py``
    JSON (its ``time`` rows of family ``wgmma``, current tree only: no ``variant`` builds, no persistent grids,
-   which are not candidates, no key-padded builds, no TMA loads), the other constants as they are.
+   which are not candidates, no key-padded builds), the other constants as they are; ``--constants`` fits a
+   subset and ``--loads`` takes one producer's timings (``--constants wgmma_tma_tile_cycles --loads tma``: the
+   TMA producer's per-tile latency, the rest as fitted on cp.async).
 
 Grid: STOF's masks (causal, sliding, longformer, bigbird) x B {1, 8, 16} x S {128 .. 4096}, H=12, D=64, fp16,
 plus masks where gathering rows should win (random 1% and 0.1%, dilated) at B=8, S {1024, 4096}.
@@ -348,22 +350,25 @@ def fit(args) -> None:
 
 
 WGMMA_CONSTANTS = ("wgmma_attn_tc_eff", "wgmma_softmax_ops", "wgmma_mask_ops", "wgmma_tile_cycles",
-                   "wgmma_item_cycles", "wgmma_stage_gain")
-WGMMA_BOUNDS = ((0.8, 0.0, 0.0, 0.0, 0.0, 0.0), (1.5, 20.0, 60.0, 5000.0, 50000.0, 0.5))
+                   "wgmma_item_cycles", "wgmma_stage_gain", "wgmma_tma_tile_cycles")
+WGMMA_BOUNDS = ((0.8, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), (1.5, 20.0, 60.0, 5000.0, 50000.0, 0.5, 5000.0))
 
 
 def wgmma_timings(paths) -> list[tuple[dict, float]]:
     """``[(row, ms)]``: the checked wgmma timings of bench_attention JSON files built from the current tree
     (rows of ``variant`` builds, persistent grids and key-padded builds left out: the model does not price the
-    padding predicate), repeated measurements of one case averaged."""
+    padding predicate), repeated measurements of one case averaged. Configurations without a loads field ran
+    cp.async."""
     cases: dict[tuple, list] = {}
     for path in paths:
         for r in json.loads(Path(path).read_text())["results"]:
             variant = r.get("variant") or "x" not in r["module"].rsplit("_", 1)[-1]   # e.g. ..._order80670e1
             if (r["kind"] != "time" or r["family"] != "wgmma" or not r["ok"] or variant or r["config"][3]
-                    or r.get("padding") or len(r["config"]) > 5):
+                    or r.get("padding")):
                 continue
-            key = (r["mask"], r["batch"], r["heads"], r["seq"], r["head_dim"], r["dtype"], tuple(r["config"]))
+            config = tuple(r["config"]) + ((2,) if len(r["config"]) == 4 else ()) + (
+                ("cp.async",) if len(r["config"]) < 6 else ())
+            key = (r["mask"], r["batch"], r["heads"], r["seq"], r["head_dim"], r["dtype"], config)
             cases.setdefault(key, []).append(r)
     return [(rows[0], float(np.mean([r["ms"] for r in rows]))) for _, rows in sorted(cases.items())]
 
@@ -373,9 +378,7 @@ def _wgmma_case(row: dict):
     from bench_attention import build_mask
     from stof_tvm.schedules.attention_wgmma import WgmmaAttentionConfig
 
-    block_n, stages, pingpong, persistent, *consumers = row["config"]
-    config = WgmmaAttentionConfig(block_n=block_n, stages=stages, pingpong=pingpong, persistent=persistent,
-                                  consumers=consumers[0] if consumers else 2)
+    config = WgmmaAttentionConfig(*row["config"])
     mask = build_mask(row["mask"], row["batch"], row["heads"], row["seq"], row["seed"])    # as the bench built it
     problem = AttentionProblem.build(mask, batch=row["batch"], heads=row["heads"], seq_len=row["seq"],
                                      head_dim=row["head_dim"], dtype=row["dtype"])
@@ -389,19 +392,26 @@ def fit_wgmma(args) -> None:
     from stof_tvm.cost_model import DEFAULT_CALIBRATION, attention_work, predict
     from stof_tvm.hardware import H200
 
+    names = args.constants.split(",") if args.constants else list(WGMMA_CONSTANTS)
+    unknown = set(names) - set(WGMMA_CONSTANTS)
+    if unknown:
+        raise SystemExit(f"--constants: unknown {sorted(unknown)}; choose among {WGMMA_CONSTANTS}")
     timings = wgmma_timings(args.json)
+    if args.loads:
+        timings = [(row, ms) for row, ms in timings if (row["config"] + ["cp.async"])[5] == args.loads]
     cases = [(_wgmma_case(row), ms) for row, ms in timings]
     masks = [row["mask"] for row, _ in timings]
+    picked = [WGMMA_CONSTANTS.index(k) for k in names]
 
     def calibration(theta):
-        return DEFAULT_CALIBRATION.replace(**{k: float(v) for k, v in zip(WGMMA_CONSTANTS, theta)})
+        return DEFAULT_CALIBRATION.replace(**{k: float(v) for k, v in zip(names, theta)})
 
     def predicted_ms(cal):
         return np.array([predict(attention_work(p, c, cal), H200, cal).time_s * 1e3 for (p, c), _ in cases])
 
     measured = np.array([ms for _, ms in cases])
-    start = np.array([getattr(DEFAULT_CALIBRATION, k) for k in WGMMA_CONSTANTS])
-    lower, upper = (np.array(b) for b in WGMMA_BOUNDS)
+    start = np.array([getattr(DEFAULT_CALIBRATION, k) for k in names])
+    lower, upper = (np.array(b)[picked] for b in WGMMA_BOUNDS)
     solution = least_squares(lambda th: np.log(predicted_ms(calibration(th)) / measured),
                              np.clip(start, lower, upper), bounds=(lower, upper), x_scale="jac",
                              max_nfev=args.max_evals)
@@ -412,7 +422,7 @@ def fit_wgmma(args) -> None:
     for ((problem, cand), ms), p0, p1, mask in zip(cases, before, after, masks):
         print(f"  {mask:>8} B={problem.batch:<2} H={problem.heads:<2} S={problem.seq_q:<5} "
               f"D={problem.head_dim:<3} {str(cand):<36} measured {ms:.3f} ms  predicted {p0:.3f} -> {p1:.3f}")
-    constants = {k: round(float(getattr(fitted, k)), 4) for k in WGMMA_CONSTANTS}
+    constants = {k: round(float(getattr(fitted, k)), 4) for k in names}
     print("fitted constants:", json.dumps(constants))
     if args.write:
         Path(args.write).write_text(json.dumps(constants, indent=2))
@@ -437,6 +447,8 @@ def main(argv=None) -> None:
     w.add_argument("--json", nargs="+", required=True, help="bench_attention.py JSON files")
     w.add_argument("--write", help="write the fitted constants to this JSON file")
     w.add_argument("--max-evals", type=int, default=200)
+    w.add_argument("--constants", help="comma-separated wgmma_* constants to fit (default all; the others stay)")
+    w.add_argument("--loads", choices=("cp.async", "tma"), help="only the timings of these loads")
     args = parser.parse_args(argv)
     {"build": build, "run": run, "fit": fit, "fit-wgmma": fit_wgmma}[args.step](args)
 

@@ -3,6 +3,8 @@ and dense masks on sm_90 targets), where it does not (sparse masks, other GPUs, 
 not take), the reason given each time, and what its fitted constants predict against the H200 timings on record."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from stof_tvm.attention import AttentionPlan, decide_kernel
@@ -114,6 +116,25 @@ def test_fitted_constants_predict_the_h200_timings(spec, shape, config, measured
                                      head_dim=shape["head_dim"])
     ms = predict(attention_work(problem, AttentionCandidate("wgmma", config)), H200).time_s * 1e3
     assert abs(ms / measured_ms - 1) < 0.1, ms
+
+
+@pytest.mark.parametrize("spec, shape, config, cp_async_ms, tma_ms", [
+    ("causal", D64, WgmmaAttentionConfig(block_n=128, stages=4, consumers=3), 1.082, 1.019),
+    ("dense", D64, WgmmaAttentionConfig(block_n=128, stages=4, consumers=3), 1.797, 1.590),
+    ("causal", D128, WgmmaAttentionConfig(block_n=64, stages=4, consumers=2), 2.396, 2.023),
+    ("dense", D128, WgmmaAttentionConfig(block_n=64, stages=4, consumers=2), 4.559, 3.811),
+])
+def test_tma_loads_are_priced_faster_as_measured(spec, shape, config, cp_async_ms, tma_ms):
+    """The TMA producer's per-tile latency (``wgmma_tma_tile_cycles``): each TMA timing of session 9's s8tma run
+    within 10%, and below the same configuration's cp.async prediction."""
+    problem = AttentionProblem.build(spec, batch=shape["batch"], heads=shape["heads"], seq_len=shape["seq"],
+                                     head_dim=shape["head_dim"])
+
+    def ms(loads):
+        candidate = AttentionCandidate("wgmma", dataclasses.replace(config, loads=loads))
+        return predict(attention_work(problem, candidate), H200).time_s * 1e3
+
+    assert abs(ms("tma") / tma_ms - 1) < 0.1 and ms("tma") < ms("cp.async"), (ms("tma"), ms("cp.async"))
 
 
 def _choose(requested="auto", bias=None, arch="sm_90", head_dim=64, padding=False):

@@ -73,3 +73,37 @@ def test_gpt2_llvm_path_is_exact_through_the_users_call(hf_export, batch):
     out = np.asarray(out, np.float64)
     assert np.isfinite(out).all()
     assert np.linalg.norm(out - expected) / np.linalg.norm(expected) < 1e-4
+
+
+def test_tma_attention_runs_inside_the_whole_forward_cuda_graph(hf_export, monkeypatch, tmp_path):
+    """The wgmma attention kernel with TMA loads in the compile path with ``cuda_graph=True`` (the same tiny GPT-2,
+    its key padding applied by the kernel; TMA forced for the padded kernel too): the kernel takes the Q, K and V
+    maps as ``__grid_constant__`` parameters, every attention launch is inside the one captured graph (the maps are
+    encoded when the graph is captured, from the static buffers it replays on; without a graph at each call from
+    that call's tensors), and the host library calls the runtime's ``cuTensorMapEncodeTiled``."""
+    from stof_tvm.compiler import front_end, lower
+    from stof_tvm.compiler.kernel_grids import kernel_grids
+    from stof_tvm.schedules import attention_wgmma
+    from stof_tvm.vm_census import vm_census
+
+    for key in attention_wgmma.DEFAULT_LOADS:
+        monkeypatch.setitem(attention_wgmma.DEFAULT_LOADS, key, "tma")
+    path = hf_export("gpt2", "eager", "torchscript", 17, False, batch=BATCH, seq_len=SEQ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        front = front_end(path, mask="dense", batch=BATCH, seq_len=SEQ, target="cuda", dtype="float16")
+    optimized, executable = lower(front, None, cuda_graph=True)
+    (src,) = cuda_sources(executable)
+    kernels = dict(re.findall(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{', src))
+    params = kernels["stof_attention_wgmma_kernel"]
+    assert params.count("const __grid_constant__ CUtensorMap") == 3, params
+    assert "pad_bits" in params
+    grids = kernel_grids(optimized)
+    census = vm_census(executable.as_python(), {name: max(1, len(k)) for name, k in grids.items()})
+    assert census.graph_launches == 1, census.table()
+    assert not [name for name in census.outside if "attention" in name], census.outside
+    calls = census.per_function()
+    assert sum(n for name, n in calls.items() if "stof_attention_wgmma" in name) == 2, calls   # two layers
+    library = tmp_path / "model.so"
+    executable.export_library(str(library))
+    assert b"runtime.cuTensorMapEncodeTiled" in library.read_bytes()

@@ -16,7 +16,8 @@ For one attention problem (shapes, dtype, mask) every candidate ``(kind, config)
   rows last to first. Its own constants (``wgmma_*`` in :class:`~stof_tvm.cost_model.core.Calibration`): the
   products at ``wgmma_attn_tc_eff`` of the mma.sync peak, ``wgmma_softmax_ops`` *exposed* CUDA-core operations
   per score element (the softmax runs under the other consumers' products, so this is what the overlap leaves),
-  ``wgmma_tile_cycles`` per tile (divided by ``1 + wgmma_stage_gain * (stages - 2)``) and ``wgmma_item_cycles``
+  ``wgmma_tile_cycles`` per tile (``wgmma_tma_tile_cycles`` with TMA loads: one producer thread issues the copies
+  and the consumers fence no proxy; divided by ``1 + wgmma_stage_gain * (stages - 2)``) and ``wgmma_item_cycles``
   per work item (Q load, the first ``S`` and last ``P V`` that nothing overlaps, the stores). Fitted on causal, dense
   and sparse masks (:func:`scripts.calibrate_model.fit_wgmma`), with ``wgmma_mask_ops`` its extra cost per element
   of a partial tile.
@@ -147,7 +148,8 @@ class AttentionCandidate:
                     + (" heavy-first" if c.heavy_first else "")
                     + (f" split-KV {c.kv_splits}x{c.split_rows}" if c.kv_splits > 1 else ""))
         if self.kind == "wgmma":
-            return f"wgmma consumers={c.consumers} BN={c.block_n} stages={c.stages}"
+            return (f"wgmma consumers={c.consumers} BN={c.block_n} stages={c.stages}"
+                    + (" persistent" if c.persistent else "") + (" TMA" if c.loads == "tma" else ""))
         return f"row KG={c.key_groups} U={c.keys_per_step} rows/block={c.rows_per_block}"
 
 
@@ -199,7 +201,7 @@ def wgmma_candidates(head_dim: int, hw: HardwareProfile = H200, padding: bool = 
     """The wgmma kernel's configurations for ``head_dim`` on ``hw`` (none off Hopper, compute capability 9.x, or
     at head dims it does not take): the default (:func:`~stof_tvm.schedules.attention_wgmma.default_config`)
     first, so that it wins ties, then 2 / 3 consumers x 64 / 128 keys x 2-5 ring stages that fit; ping-pong,
-    one block per work item (see the module docstring for what is left out and why). Left out because ptxas
+    one block per work item, the default's loads (see the module docstring for what is left out and why). Left out because ptxas
     builds them badly (nvcc 13.0, sm_90a): 64-key tiles at head dim 64 (C7508, setmaxnreg ignored) and, with
     ``padding``, three consumers (the padding predicate makes their 160 registers spill: 12-48 spill stores);
     with padding at head dim 64 the first is then two consumers."""
@@ -210,7 +212,8 @@ def wgmma_candidates(head_dim: int, hw: HardwareProfile = H200, padding: bool = 
     for consumers in ((2,) if padding else (3, 2)):
         for block_n in ((128,) if head_dim == 64 else (128, 64)):
             for stages in _WGMMA_STAGES:
-                config = WgmmaAttentionConfig(block_n=block_n, stages=stages, consumers=consumers)
+                config = WgmmaAttentionConfig(block_n=block_n, stages=stages, consumers=consumers,
+                                              loads=default.loads)
                 try:
                     config.validate(head_dim)
                 except ValueError:
@@ -344,6 +347,7 @@ def _wgmma_work(problem: AttentionProblem, config: WgmmaAttentionConfig, cal: Ca
     tiles = full + part
     count = np.full(tiles.shape, float(problem.replicas))
     pipeline = 1.0 / (1.0 + cal.wgmma_stage_gain * (config.stages - 2))
+    tile_cycles = cal.wgmma_tma_tile_cycles if config.loads == "tma" else cal.wgmma_tile_cycles
     bitmap_bytes = bm * bn / 8
     per_block_l2 = tiles * 2 * bn * d * eb + part * bitmap_bytes + 2 * bm * d * eb
     format_bytes = part.sum() * (bitmap_bytes + 4) + full.sum() * 4 + 8 * (tiles.size + 1)
@@ -355,7 +359,7 @@ def _wgmma_work(problem: AttentionProblem, config: WgmmaAttentionConfig, cal: Ca
         regs_per_thread=launch_registers, count=count,
         tc_flops=tiles * 4.0 * bm * bn * d * (cal.tc_eff / cal.wgmma_attn_tc_eff),
         cuda_ops=(tiles * cal.wgmma_softmax_ops / (config.consumers - 1) + part * cal.wgmma_mask_ops) * bm * bn,
-        latency_cycles=tiles * cal.wgmma_tile_cycles * pipeline + cal.wgmma_item_cycles,
+        latency_cycles=tiles * tile_cycles * pipeline + cal.wgmma_item_cycles,
         dram_bytes=problem.dram_floor_bytes() + format_bytes,
         l2_bytes=float((count * per_block_l2).sum()), useful_flops=problem.useful_flops, order=order)
 
