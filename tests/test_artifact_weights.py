@@ -18,6 +18,7 @@ import stof_tvm
 import stof_tvm.artifact
 import stof_tvm.compiler
 from stof_tvm import runtime
+from stof_tvm.compiler import front_end, lower
 from stof_tvm.compiler.weight_storage import FLOAT16_MAX, fits_float16
 from stof_tvm.models.reference import random_inputs
 from stof_tvm.weights_file import as_weight
@@ -181,6 +182,19 @@ def test_weight_beyond_float16_range_stays_float32(tiny, feeds):
     ids = feeds["input_ids"].copy()
     ids[ids == 0] = 1
     assert np.isfinite(art.load()({**feeds, "input_ids": ids})[OUT]).all()
+
+
+def test_float32_reads_of_float16_weights_run_once_at_load(tiny):
+    """An embedding table stored float16 is widened to the float32 its gather reads in main_transform_params
+    (once at load), not in every call: ``main`` takes the widened table, the transform the stored one."""
+    front = front_end(tiny, mask="sliding", batch=B, seq_len=S, target="llvm", dtype="float16")
+    optimized, _ = lower(front, None, cuda_graph=False)
+    stored = [str(t.dtype) for t in optimized["main_transform_params"].params[0].ty.fields]
+    assert stored == [w.dtype for w in front.weights] == ["float16"] * len(front.weights)
+    main = optimized["main"]
+    taken = {p.name: str(p.ty.dtype) for p in main.params[int(main.attrs["num_input"]):]}
+    tables = [name for name in taken if "embeddings" in name]
+    assert tables and {taken[name] for name in tables} == {"float32"}, taken
 
 
 @settings(max_examples=60, deadline=None)

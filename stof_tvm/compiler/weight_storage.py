@@ -52,10 +52,11 @@ def store_weights_float16(mod, weights: list[TensorSpec], onnx_model):
         specs.append(spec)
     if not fresh:
         return mod, specs
-    # a converted parameter's old variable is now bound to its float32 view, so other reads stay as they are
+    # a converted parameter's old variable is now bound to its float32 view, so other reads stay as they are; in
+    # a dataflow block of its own, which LiftTransformParams lifts (it lifts nothing from plain blocks)
     widened = [relax.VarBinding(var, relax.op.astype(half, "float32")) for var, half in fresh.items()
                if not all(_is_float16_cast(b, var) for b in users.get(var, []))]
-    blocks = [relax.BindingBlock(widened)] if widened else []
+    blocks = [relax.DataflowBlock(widened)] if widened else []
     for block in func.body.blocks:
         bindings = []
         for binding in block.bindings:
