@@ -607,7 +607,8 @@ S9A_PADDED = {64: ((128, 3, True, False, 2, "cp.async"), (128, 3, True, False, 2
 def plan_s9attn() -> list[dict]:
     """TMA loads as the wgmma kernel's default: one short run (< 90 s with ``--budget 85``). Checks first (S=1000,
     Q scaled by 8): session 9's two failed checks again (Q/K/V as views 16 bytes into one packed projection,
-    ``qkv_offset``: the harness passed them misaligned to ``from_dlpack``; now as TVM passes views), every TMA
+    ``qkv_offset``: the harness passed them misaligned to ``from_dlpack``; now as TVM passes views), the same views
+    on the cp.async producer (unpadded and key-padded: the compile path hands the kernel such views), every TMA
     configuration to be timed on causal and per-head random masks with empty rows, the device-side key padding
     with TMA (right / left-with-holes / empty rows on causal, dense, sliding; bf16), and ``replays``: the same
     module called again on fresh tensors at new addresses (maps encoded from that call's pointers) and captured in
@@ -623,6 +624,9 @@ def plan_s9attn() -> list[dict]:
 
     check("causal", 64, S9A_TIMED[64][1], qkv_offset=8)
     check("random_empty:0.05", 128, S9A_TIMED[128][1], qkv_offset=8)
+    check("causal", 64, S9A_TIMED[64][0], qkv_offset=8)                  # the cp.async producer on views too,
+    for head_dim in S9A_PADDED:                                         # as padded models run
+        check("causal", head_dim, S9A_PADDED[head_dim][0], batch=4, heads=2, padding=True, qkv_offset=8)
     for head_dim, configs in S9A_TIMED.items():
         for config in configs[1:]:
             for recipe in ("causal", "random_empty:0.05"):
@@ -652,9 +656,74 @@ def plan_s9attn() -> list[dict]:
     return cases
 
 
+# s9sparse: issue 16's sparse shapes, each block configuration in three forms side by side: row sums of P on the
+# tensor cores (``mma``, the default since 65cc2c5) and by float adds (``fadd``, as before it), both with this
+# tree's one-load-a-lane skip vote, and the same mma configuration built from the tree before that vote
+# (``variant: head``). The configurations: the model's session-9 picks (32x32x1x2, 32x16x1x2), session 7's
+# measured best (32x32x2x2, with min_blocks 10: 96 registers, ten 2-warp blocks an SM), the 64x32x4x2 default with
+# min_blocks 5, and untried ones (32x16x2x2 and 32x32x2x3 at min_blocks 10: 94 / 96 registers, 0 spills).
+S9S_D64 = (((32, 32, 1, 2, True), True), ((32, 32, 1, 2, False), True), ((32, 16, 1, 2, True), True),
+           ((32, 32, 2, 2, True), True), ((32, 32, 2, 2, True, 1, 1, 10), True),
+           ((32, 16, 2, 2, True, 1, 1, 10), False), ((64, 32, 4, 2, True, 1, 1, 5), True),
+           ((32, 32, 2, 3, True, 1, 1, 10), False))
+# D128 B4 H16 S8192: session 9's picks (sliding 32x32x2x2 default order, Longformer heavy-first, BigBird split-KV)
+S9S_D128 = {"sliding": (32, 32, 2, 2, False), "longformer": (32, 32, 2, 2, True),
+            "bigbird": (32, 16, 2, 2, True, 4, 1)}
+
+
+def _with_row_sums(config: tuple, row_sums: str) -> tuple:
+    """``config`` (a BlockConfig field tuple) with ``row_sums`` written out, the fields before it at defaults."""
+    return tuple(config) + (1, 1, 0)[len(config) - 5:] + (row_sums,)
+
+
+def plan_s9sparse() -> list[dict]:
+    """Issue 16's sparse goals (sliding, Longformer, BigBird at B16 H12 S4096 D64 fp16 <= 0.133 ms), one short run
+    (< 90 s with ``--budget 85``): every S9S_D64 configuration on the three masks in its three forms (``mma``,
+    ``fadd``, and ``variant: head`` where built), then D128 B4 H16 S8192 (S9S_D128, the same three forms). Checks
+    first (S=1000 and 1024, Q scaled by 8): both row-sum forms with the new vote on shared masks, per-head random
+    masks with empty rows (warps whose rows keep nothing in a partial tile), device key padding, bf16 D128 and
+    split-KV. Each timed case carries the model's block pick (``model_pick``)."""
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile, decide_attention
+
+    cases = []
+
+    def check(recipe, config, seq=1000, head_dim=64, dtype="float16", batch=2, heads=3, padding=False):
+        cases.append(dict(_case("check", "block", recipe, batch, heads, seq, head_dim, dtype, config,
+                                padding=padding), q_scale=8.0))
+
+    for row_sums in ("fadd", "mma"):
+        for config in ((32, 32, 1, 2, True), (32, 32, 2, 2, True, 1, 1, 10), (64, 32, 4, 2, True, 1, 1, 5)):
+            for recipe in ("longformer", "random_empty:0.05"):
+                check(recipe, _with_row_sums(config, row_sums))
+            check("bigbird", _with_row_sums(config, row_sums), seq=1024)
+        check("sliding", _with_row_sums((32, 16, 1, 2, False), row_sums))
+        check("longformer", _with_row_sums((64, 32, 4, 2, True), row_sums), batch=4, heads=2, padding=True)
+        check("bigbird", _with_row_sums((64, 32, 4, 2, True), row_sums), head_dim=128, dtype="bfloat16")
+        check("bigbird", _with_row_sums((32, 16, 2, 2, True, 4, 1), row_sums), head_dim=128)
+
+    def timed(recipe, batch, heads, seq, head_dim, config, with_head):
+        problem = AttentionProblem(batch=batch, heads=heads, head_dim=head_dim, dtype="float16",
+                                   mask=MaskProfile(build_mask(recipe, batch, heads, seq, 0)))
+        pick = str(decide_attention(problem, kinds=("block",)).best.candidate)
+        base = _case("time", "block", recipe, batch, heads, seq, head_dim, "float16", config)
+        forms = [dict(base, variant="head")] if with_head else []
+        for row_sums in ("mma", "fadd"):
+            forms.append(_case("time", "block", recipe, batch, heads, seq, head_dim, "float16",
+                               _with_row_sums(config, row_sums)))
+        cases.extend(dict(case, model_pick=pick) for case in forms)
+
+    for recipe in ("longformer", "bigbird", "sliding"):
+        for config, with_head in S9S_D64:
+            timed(recipe, 16, H_BENCH, 4096, 64, config, with_head)
+    for recipe, config in S9S_D128.items():
+        timed(recipe, 4, 16, 8192, 128, config, True)
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
-         "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn}
+         "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
+         "s9sparse": plan_s9sparse}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 

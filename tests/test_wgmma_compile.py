@@ -77,8 +77,9 @@ def test_gpt2_llvm_path_is_exact_through_the_users_call(hf_export, batch):
 
 def test_tma_attention_runs_inside_the_whole_forward_cuda_graph(hf_export, monkeypatch, tmp_path):
     """The wgmma attention kernel with TMA loads in the compile path with ``cuda_graph=True`` (the same tiny GPT-2,
-    its key padding applied by the kernel; TMA forced for the padded kernel too): the kernel takes the Q, K and V
-    maps as ``__grid_constant__`` parameters, every attention launch is inside the one captured graph (the maps are
+    its key padding applied by the kernel; TMA forced for the padded kernel too): Q, K and V are views into the QKV
+    projection's output (no split copy; the maps start at each view), the kernel takes their maps as
+    ``__grid_constant__`` parameters, every attention launch is inside the one captured graph (the maps are
     encoded when the graph is captured, from the static buffers it replays on; without a graph at each call from
     that call's tensors), and the host library calls the runtime's ``cuTensorMapEncodeTiled``."""
     from stof_tvm.compiler import front_end, lower
@@ -92,6 +93,9 @@ def test_tma_attention_runs_inside_the_whole_forward_cuda_graph(hf_export, monke
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         front = front_end(path, mask="dense", batch=BATCH, seq_len=SEQ, target="cuda", dtype="float16")
+    ops = [binding.value.op.name for block in front.mod["main"].body.blocks for binding in block.bindings
+           if hasattr(binding.value, "op") and hasattr(binding.value.op, "name")]
+    assert ops.count("relax.memory.view") == 3 * 2 and "relax.split" not in ops     # Q/K/V: views, 2 layers
     optimized, executable = lower(front, None, cuda_graph=True)
     (src,) = cuda_sources(executable)
     kernels = dict(re.findall(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{', src))

@@ -210,8 +210,10 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
 
 
 # Kernels whose Q/K/V buffers accept a view at an offset into a larger allocation (TVM's own kernels assume
-# offset 0): the block-wise attention kernel (schedules/attention_blockwise.py, VIEW_ALIGN).
-VIEW_READERS = ("stof_attention_block",)
+# offset 0): the block-wise and wgmma attention kernels (schedules/attention_blockwise.py and attention_wgmma.py,
+# VIEW_ALIGN; the wgmma kernel's TMA maps are encoded from the view's first element; its views checked on the H200
+# by bench_attention.py plan s9attn, qkv_offset).
+VIEW_READERS = ("stof_attention_block", "stof_attention_wgmma")
 
 
 def _reads_views(var, users) -> bool:
