@@ -48,6 +48,22 @@ check`` / ``--only time --skip-failed-in``); the table comparing each knob set's
                 "--json $OUT/s8gemm_tma_checks.json; python3 scripts/bench_wgmma_small_k.py run --plan s8tma "
                 "--only time --skip-failed-in $OUT/s8gemm_tma_checks.json --json $OUT/s8gemm_tma.json; }",
         carry=[".devkit/runtime.tar.xz", ".devkit/bootstrap.sh", "out/s8gemm_tma"], timeout_s=300)
+
+``--plan s9splitk`` (issue 17; default folder ``out/s9splitk``, 6.3 MB): split-K (knob ``split_k``: a cluster of
+blocks per tile, each on its own k slice, float32 partials reduced through distributed shared memory in rank order,
+then the epilogue) and the new knob order (128 x 128 first where 256 x 192 fills the waves worse, TMA loads by
+default) at RoBERTa-base's four GEMMs at 1 x 128, 1 x 512 and 8 x 512 tokens (128, 512 and 4096 rows): per case what
+the compile path ran before (commit 098a891: the wgmma default with cp.async, or the mma.sync template where the GEMM
+had fewer than 66 tiles), the knob space's first set now, its first two split-K tilings with both loads, and at
+FFN down at 4096 rows two multi-wave split-K sets; beside cuBLAS. Split-K modules are also called twice (bitwise
+equal outputs: deterministic) and replayed from a torch CUDA graph; the summary table comes last::
+
+    .venv/bin/python scripts/bench_wgmma_small_k.py build --plan s9splitk
+    run(command="source .devkit/bootstrap.sh && python3 -m pip install -q --no-deps --no-build-isolation --no-index "
+                "-e . && { python3 scripts/bench_wgmma_small_k.py run --plan s9splitk --only check "
+                "--json $OUT/s9splitk_checks.json; python3 scripts/bench_wgmma_small_k.py run --plan s9splitk "
+                "--only time --skip-failed-in $OUT/s9splitk_checks.json --json $OUT/s9splitk.json; }",
+        carry=[".devkit/runtime.tar.xz", ".devkit/bootstrap.sh", "out/s9splitk"], timeout_s=300)
 """
 from __future__ import annotations
 
@@ -82,7 +98,21 @@ TMA_CASES = [case for rows, (batch, seq) in ((32768, (16, 2048)), (4096, (8, 512
     ("gemm_bias_gelu_erf_wgmma", {"m": rows, "n": 3072, "k": 768}),
     ("gemm_wgmma", {"m": rows, "n": 768, "k": 3072}),
     ("gemm_wgmma", {"m": rows, "n": 768, "k": 768}))]
-PLANS = {"small_k": (CASES, OUT), "s8tma": (TMA_CASES, ROOT / "out" / "s8gemm_tma")}
+# --plan s9splitk: RoBERTa-base's GEMMs at 1 x 128, 1 x 512 and 8 x 512 tokens (128, 512 and 4096 rows)
+SPLITK_CASES = [case for rows, (batch, seq) in ((128, (1, 128)), (512, (1, 512)), (4096, (8, 512))) for case in (
+    ("qkv_projection_wgmma", {"batch": batch, "seq": seq, "heads": 12, "head_dim": 64}),
+    ("gemm_bias_gelu_erf_wgmma", {"m": rows, "n": 3072, "k": 768}),
+    ("gemm_wgmma", {"m": rows, "n": 768, "k": 3072}),
+    ("gemm_wgmma", {"m": rows, "n": 768, "k": 768}))]
+PLANS = {"small_k": (CASES, OUT), "s8tma": (TMA_CASES, ROOT / "out" / "s8gemm_tma"),
+         "s9splitk": (SPLITK_CASES, ROOT / "out" / "s9splitk")}
+# --plan s9splitk: the compile path's wgmma knobs before split-K and the knob order by wave efficiency (commit
+# 098a891; GEMMs with fewer than WGMMA_MIN_TILES 128 x 128 tiles ran the mma.sync template the model ranks first)
+HEAD_WGMMA = {"block_n": 192, "stages": 3, "persistent": True, "pingpong": False, "block_m": 256, "staged": True}
+SPLITK_TILINGS = 2        # split-K tilings (block_n, split_k) timed per case, the knob space's first, both loads
+# multi-wave split-K sets (not in the knob space, which keeps split-K to one wave) where cuBLAS beat us: FFN down
+EXTRA_SPLITS = {(4096, 768, 3072): [{"block_n": bn, "stages": 4, "persistent": False, "pingpong": False,
+                                     "split_k": 2, "loads": "tma"} for bn in (128, 192)]}
 # --plan s8tma's whole-model check: a tiny HF RoBERTa (hidden 128, 2 layers) at 48 x 256 tokens (12288 rows: every
 # GEMM on wgmma, the FFN unfused) compiled for CUDA with graphs, dense mask, once per loads value
 MODEL_BATCH, MODEL_SEQ = 48, 256
@@ -90,19 +120,56 @@ MODEL_ROWS = (0, MODEL_BATCH - 1)   # batch rows whose float32 torch outputs tra
 MODEL_SEEDS = (0, 1, 0)             # the calls' input sets: capture, replay on new inputs, replay on the first
 
 
-def is_new(knobs) -> bool:
+def is_new(knobs, plan: str = "") -> bool:
     """Whether a knob set uses a value added by this work: 256-row tiles or the staged epilogue (``small_k``); TMA
-    loads (``s8tma``: "new" is TMA, "old" cp.async, so the summary's best new / best old is TMA / cp.async)."""
+    loads (``s8tma``: "new" is TMA, "old" cp.async, so the summary's best new / best old is TMA / cp.async); split-K
+    (``plan`` s9splitk)."""
+    if plan == "s9splitk":
+        return knobs.get("split_k", 1) > 1
     if "loads" in knobs:
         return knobs["loads"] == "tma"
     return knobs.get("block_m", 128) != 128 or bool(knobs.get("staged"))
 
 
 def knob_tag(knobs) -> str:
+    if "mma" in knobs:   # an mma.sync template's knobs
+        return "mma_" + "_".join(f"{key[:2]}{int(v) if isinstance(v, bool) else v}" for key, v in knobs["mma"].items())
     return (f"n{knobs['block_n']}_s{knobs['stages']}{'_p' if knobs['persistent'] else ''}"
             f"{'_pp' if knobs['pingpong'] else ''}{'_m256' if knobs.get('block_m', 128) != 128 else ''}"
             f"{'_st' if knobs.get('staged') else ''}{'_fast' if knobs.get('fast_gelu') else ''}"
+            f"{'_k' + str(knobs['split_k']) if knobs.get('split_k', 1) > 1 else ''}"
             f"{'_' + knobs['loads'].replace('.', '') if 'loads' in knobs else ''}")
+
+
+def splitk_knob_sets(name, shape, space) -> list[dict]:
+    """``--plan s9splitk``: what the compile path ran before (HEAD's wgmma default with cp.async, or where the GEMM
+    had too few tiles the mma.sync template's model-ranked first knobs, as ``{"mma": knobs}``), the knob space's
+    first set now, its first :data:`SPLITK_TILINGS` split-K tilings with both loads (4 stages where the slice has
+    them), and :data:`EXTRA_SPLITS`; each once, in that order."""
+    from stof_tvm.cost_model.templates import rank_template
+    from stof_tvm.schedules.templates import get_template
+
+    m, n, k = gemm_dims(name, shape)
+    if (m // 128) * (n // 128) >= 66:
+        before = dict(HEAD_WGMMA, fast_gelu=True) if "gelu" in name else dict(HEAD_WGMMA)
+    else:
+        before = {"mma": rank_template(get_template(mma_twin(name)), shape)[0].candidate}
+    sets = [before, space[0]]
+    tilings = []
+    for kn in space:
+        tiling = (kn["block_n"], kn.get("split_k", 1))
+        if tiling[1] > 1 and tiling not in tilings and len(tilings) < SPLITK_TILINGS:
+            tilings.append(tiling)
+            same = [other for other in space if (other["block_n"], other.get("split_k", 1)) == tiling]
+            best = min(same, key=lambda other: abs(other["stages"] - 4))
+            sets += [dict(best, loads=loads) for loads in ("tma", "cp.async")]
+    sets += EXTRA_SPLITS.get((m, n, k), [])
+    return [kn for i, kn in enumerate(sets) if kn not in sets[:i]]
+
+
+def mma_twin(name: str) -> str:
+    """The mma.sync template (weight [k, n]) the compile path runs where a GEMM stays off wgmma."""
+    return "qkv_projection_kn" if name == "qkv_projection_wgmma" else name.removesuffix("_wgmma") + "_kn"
 
 
 def tma_knob_sets(space) -> list[dict]:
@@ -145,7 +212,10 @@ def gemm_dims(name, shape) -> tuple[int, int, int]:
 # ---- build (here) ----------------------------------------------------------------------------------------
 
 def build(args) -> None:
+    from stof_tvm.cost_model.templates import price_knobs
     from stof_tvm.schedules.templates import cuda_source, get_template
+    from stof_tvm.schedules.templates.build import build as build_template
+    from stof_tvm.schedules.templates.build import cuda_target
     from stof_tvm.schedules.templates.gemm_wgmma import build_kernel
 
     OUT.mkdir(parents=True, exist_ok=True)
@@ -157,11 +227,21 @@ def build(args) -> None:
         ckey = f"{name}_{m}x{n}x{k}_{DTYPE}"
         entry = {"key": ckey, "template": name, "shape": shape, "gemm": [m, n, k], "modules": []}
         space = get_template(name).knob_space(shape, DTYPE)
-        for knobs in (tma_knob_sets(space) if args.plan == "s8tma" else choose_knobs(space)):
+        chosen = {"s8tma": tma_knob_sets, "s9splitk": lambda sp: splitk_knob_sets(name, shape, sp)}.get(
+            args.plan, choose_knobs)(space)
+        for knobs in chosen:
             key = f"{ckey}__{knob_tag(knobs)}"
-            ex = build_kernel(name, shape, DTYPE, knobs)
-            common._export(manifest, key, "wgmma", knobs, ex, "gemm_wgmma")
-            manifest["modules"][key]["new"] = is_new(knobs)
+            if "mma" in knobs:
+                template = get_template(mma_twin(name))
+                ex = build_template(template.schedule(shape, DTYPE, knobs["mma"]), cuda_target())
+                common._export(manifest, key, "mma", knobs, ex, "main")
+            else:
+                ex = build_kernel(name, shape, DTYPE, knobs)
+                common._export(manifest, key, "wgmma", knobs, ex, "gemm_wgmma")
+                manifest["modules"][key]["predicted_ms"] = 1e3 * float(
+                    price_knobs(get_template(name), shape, DTYPE, [knobs])[0])
+            manifest["modules"][key]["new"] = is_new(knobs, args.plan)
+            manifest["modules"][key]["default"] = knobs == space[0]
             if args.plan == "s8tma":
                 manifest["modules"][key]["sass"] = sass_counts(OUT / f"{common.source_key(cuda_source(ex))}.cubin")
             entry["modules"].append(key)
@@ -296,6 +376,8 @@ def run(args) -> None:
         table(results)
         if manifest.get("suite") == "s8tma":
             table_tma(results)
+        if manifest.get("suite") == "s9splitk":
+            table_splitk(results, manifest["modules"])
             for call in models.get("calls", []):
                 print(f"tiny RoBERTa (CUDA graph) inputs {call['seed']}: rel err vs torch float32 cp.async "
                       f"{call['cp.async_rel_err']:.2e} / TMA {call['tma_rel_err']:.2e}, TMA - cp.async max |diff| "
@@ -343,8 +425,13 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
             row.update(cublas_ms=common.median_ms(gemm, args.iters, args.reps),
                        eager_ms=common.median_ms(eager, args.iters, args.reps))
     args_in = [a, w] + ([bias] if name != "gemm_wgmma" else [])
+    w_kn = None
     for key in keys:
         info = modules[key]
+        own_args = args_in
+        if info["kind"] == "mma":   # the mma.sync templates take the weight as [k, n]
+            w_kn = w.t().contiguous() if w_kn is None else w_kn
+            own_args = [a, w_kn] + args_in[2:]
         entry = {"knobs": info["knobs"], "new": info["new"]}
         if passed is not None and key not in passed:
             row["kernels"][key] = dict(entry, error="skipped: not passed by the check process")
@@ -358,8 +445,12 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
             row["kernels"][key] = dict(entry, error=f"load: {err}"[:300])
             continue
         out = torch.full(tuple(ref.shape), float("nan"), device=dev, dtype=torch.float16)
-        tv = [tvm.runtime.from_dlpack(t) for t in args_in + [out]]
-        func(*tv)
+        tv = [tvm.runtime.from_dlpack(t) for t in own_args + [out]]
+        try:
+            func(*tv)
+        except Exception as err:  # a launch the runtime refuses (e.g. a cluster it cannot place) is a result
+            row["kernels"][key] = dict(entry, error=f"launch: {type(err).__name__}: {err}"[:300])
+            continue
         if not common.bl.finished(common.HANG_S):
             row["kernels"][key] = dict(entry, error=f"hang: not finished after {common.HANG_S:.0f} s")
             print(f"{key}: HANG; stopping the run", flush=True)
@@ -368,6 +459,13 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
         err = float(torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref))
         entry.update(rel_err=err, finite=bool(torch.isfinite(out).all()))
         entry["correct"] = entry["finite"] and err < common.TOL[DTYPE]
+        split = info["knobs"].get("split_k", 1) > 1
+        if split and args.only != "time":   # the cluster's reduction sums in rank order: the same bits every call
+            first = out.clone()
+            out.fill_(float("nan"))
+            func(*tv)
+            entry["deterministic"] = bool(torch.equal(out, first))
+            entry["correct"] = entry["correct"] and entry["deterministic"]
         if entry["correct"] and args.only != "check":
             entry["ms"] = common.median_ms(lambda: func(*tv), args.iters, args.reps)
             entry["tflops"] = flops / entry["ms"] / 1e9
@@ -375,7 +473,7 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
         elif not entry["correct"]:
             entry["diagnosis"] = common._diagnose(torch, out.float().reshape(-1, ref.shape[-1]),
                                                   ref.reshape(-1, ref.shape[-1]))
-        if entry["correct"] and info["knobs"].get("loads") == "tma" and args.only != "time":
+        if entry["correct"] and (info["knobs"].get("loads") == "tma" or split) and args.only != "time":
             entry.update(graph_replay(torch, func, case, args_in, out, tv))   # after the timing: cannot cost it
         elif passed is not None:
             entry.update({field: v for field, v in passed[key].items() if field.startswith("graph_")})
@@ -512,6 +610,31 @@ def table_tma(results) -> None:
           "module replayed from a CUDA graph on new activations)")
 
 
+def table_splitk(results, modules) -> None:
+    """``--plan s9splitk``, printed last: per case cuBLAS, what the compile path ran before (HEAD: the wgmma default
+    with cp.async, or the mma.sync template), the knob space's first set now (its model prediction beside it), the
+    best split-K set and the best of all."""
+    print(f"\n{'case':44s} {'cuBLAS':>7s} {'before':>7s} {'default':>7s} {'pred':>7s} {'split':>7s} {'best':>7s} "
+          f"{'x before':>8s} {'x cuBLAS':>8s}  default / best split / best knobs")
+    for row in results:
+        timed = {key: e["ms"] for key, e in row["kernels"].items() if "ms" in e}
+        tag = lambda key: key.split("__")[1] if key else "-"  # noqa: E731
+        before = next((key for key in row["kernels"] if not modules[key]["new"] and not modules[key]["default"]),
+                      None)
+        default = next((key for key in row["kernels"] if modules[key]["default"]), None)
+        split = min((key for key in timed if modules[key]["new"]), key=timed.get, default=None)
+        best = min(timed, key=timed.get, default=None)
+        cell = lambda key: f"{timed[key]:7.4f}" if key in timed else f"{'-':>7s}"  # noqa: E731
+        pred = modules[default].get("predicted_ms") if default else None
+        ratio = lambda x, y: f"{x / y:8.2f}" if x and y else f"{'-':>8s}"  # noqa: E731
+        print(f"{row['case'].removesuffix('_' + DTYPE):44s} {row['cublas_ms']:7.4f} {cell(before)} {cell(default)} "
+              f"{pred if pred is not None else float('nan'):7.4f} {cell(split)} {cell(best)} "
+              f"{ratio(timed.get(before), timed.get(best))} {ratio(row['cublas_ms'], timed.get(best))}  "
+              f"{tag(default)} / {tag(split)} / {tag(best)}")
+    print("(ms per call, CUDA events; before = the compile path at commit 098a891, default = the knob space's first "
+          "set now, pred = the model's time for it, split = the fastest split-K set; x before = before / best)")
+
+
 def main(argv=None) -> None:
     global OUT
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -527,7 +650,8 @@ def main(argv=None) -> None:
                    help="a --only check JSON: run only the modules it passed")
     for p in sub.choices.values():
         p.add_argument("--plan", choices=sorted(PLANS), default="small_k",
-                       help="small_k: the session-4 knob sets; s8tma: cp.async vs TMA loads (issue 17)")
+                       help="small_k: the session-4 knob sets; s8tma: cp.async vs TMA loads (issue 17); "
+                            "s9splitk: split-K and the new defaults at 128-4096 rows (issue 17)")
         p.add_argument("--out", type=Path, default=None,
                        help="artifact folder (default out/wgmma_small_k, --plan s8tma: out/s8gemm_tma)")
     args = parser.parse_args(argv)

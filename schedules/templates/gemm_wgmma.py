@@ -30,12 +30,18 @@ only in the knob sets that use them (so older sets keep their names and kernels)
 256-row tiles, 128 rows per consumer warpgroup; default 128), ``staged = True`` (the epilogue through shared memory
 with 16-byte coalesced stores; default False) and, for the GELU templates, ``fast_gelu = True`` (staged only: the GELU
 from one exp2 of a fitted polynomial, :mod:`.fast_gelu`, within 1e-5 / 3e-5 relative of the erf / tanh GELU; default
-False: CUDA's ``erff`` / ``tanhf``). One more, ``loads = "tma"`` (one producer thread issuing TMA boxes from tensor maps
-the host encodes at each call, :mod:`.wgmma_kernel`), is opt-in until the H200 has measured it: no knob space offers
-it, so the tuner never measures it and the compile path never picks it; a knob set or record naming it builds it.
+False: CUDA's ``erff`` / ``tanhf``). ``loads`` (``"tma"``: one producer thread issuing TMA boxes from tensor maps the
+host encodes at each call, :mod:`.wgmma_kernel`; or ``"cp.async"``, the default of knob sets without it) is named by
+every knob set of the space: TMA, measured faster on the H200 (:meth:`WgmmaKernelMixin.default_loads`), except the QKV
+projection's 256-row tiles. ``split_k`` (2-8; absent: 1) shares each 128-row tile's k steps between the blocks of one
+cluster, whose float32 partials are reduced through distributed shared memory before the epilogue
+(:mod:`.wgmma_kernel`): the split-K sets (:meth:`WgmmaKernelMixin.split_sets`, one wave of blocks) lead the space where
+the first unsplit set's tiles fill fewer than half the SMs (RoBERTa-base at 1 x 128 tokens: 6-24 tiles), else they
+follow it.
 
 Knob order (the first set is the untuned choice of the compile path): the staged sets come first, led by the ones the
-H200 measured fastest (:data:`MEASURED_FIRST`), then the direct-store sets in their older order; a GELU template's
+H200 measured fastest (:data:`MEASURED_FIRST`, 128 x 128 before 256 x 192 where the latter fills the SMs' waves worse:
+:func:`measured_order`), then the direct-store sets in their older order; a GELU template's
 ``fast_gelu`` twins of its staged sets lead them, in the same order. On the H200 every
 staged cooperative set beat every direct-store one at BERT-Base's 32768-token GEMMs, by 1.40-2.24x best against best
 (``scripts/bench_wgmma_small_k.py``; BENCHMARKS.md, session 4). Every shape has staged sets (the QKV projection's
@@ -52,7 +58,7 @@ from .gemm import GemmTemplate
 from .qkv import QKVTemplate
 from .registry import H200, Hardware, Template, register
 from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_M_CHOICES, BLOCK_N_CHOICES, CONSUMER_REGS, LAUNCH_REGISTERS,
-                           PINGPONG_TILE_M, STAGE_CHOICES, THREADS, WgmmaConfig, check_wgmma_shape,
+                           PINGPONG_TILE_M, SPLIT_K_CHOICES, STAGE_CHOICES, THREADS, WgmmaConfig, check_wgmma_shape,
                            wgmma_gemm_primfunc)
 
 ARCH = "sm_90a"
@@ -65,16 +71,65 @@ TALL_BLOCK_N = (128, 192)             # block_n accumulators per thread: 256 wou
 # erf-GELU GEMM (0.3536 ms), which is not offered 256 x 192 staged (ptxas spilled) - it is the first choice wherever
 # 256 x 192 is not offered (also m not a multiple of 256).
 MEASURED_FIRST = ((256, 192, 3, True), (128, 128, 4, True))
+# ... unless 256 x 192's tiles fill the SMs' waves worse, by more than this share, than 128 x 128's (wave
+# efficiency: tiles / (waves * SMs)). H200, session 9 (scripts/bench_wgmma_small_k.py --plan s8tma, 4096 rows): at
+# 0.73 against 0.87 (QKV), 0.48 against 0.73 (FFN down, attention output) 128 x 128 was 1.17-1.37x faster; at
+# 0.97 against 0.97 (FFN up + GELU) and at 32768 rows (at most 0.03 apart) 256 x 192 was 1.04-1.16x faster.
+WAVE_MARGIN = 0.1
 # CUDA-core instructions per output element that CUDA's erff / tanhf GELU costs over the fast_gelu one (SASS of the
 # staged kernels at 32768 x 3072 x 768: erf 2255 vs 1287 instructions for 64 outputs a thread at 128 x 128, tanh 5511
 # vs 3782 for 192 at 256 x 192), for the cost model (resource ``activation_ops``)
 LIBM_GELU_EXTRA_OPS = {"gelu_erf": 15.0, "gelu_tanh": 9.0}
+# split-K (knob ``split_k``): the cluster's reduction per output element and per block of the split, in CUDA-core
+# operations for the cost model (a float32 partial written to shared memory, read back through the cluster and
+# added: assumed, not yet fitted to H200 timings)
+SPLIT_K_OPS = 3.0
+# split-K sets lead the knob space where the first unsplit set's tiles fill fewer SMs than this share of the GPU
+# (the same half as the compile path's wgmma gate, :data:`stof_tvm.compiler.linear_match.WGMMA_MIN_TILES`)
+SPLIT_K_FILL = 0.5
+SPLIT_K_MIN_STEPS = 2    # k steps per block of a split at least: one step leaves the ring nothing to overlap
 
 
-def _measured_rank(knobs) -> int:
-    """Position of a cooperative knob set's tile in :data:`MEASURED_FIRST` (after them all when absent)."""
+def wave_efficiency(m: int, n: int, block_m: int, block_n: int, sm_count: int) -> float:
+    """Share of the SMs' waves that an m x n output's block_m x block_n tiles fill: tiles / (waves * SMs)."""
+    tiles = (m // block_m) * (n // block_n)
+    return tiles / (-(-tiles // sm_count) * sm_count)
+
+
+def measured_order(m: int, n: int, sm_count: int) -> tuple:
+    """:data:`MEASURED_FIRST` for an m x n output: 128 x 128 first where 256 x 192's tiles fill the waves worse by
+    more than :data:`WAVE_MARGIN` (or do not divide the output)."""
+    (tall_m, tall_n, *_), (base_m, base_n, *_) = MEASURED_FIRST
+    if m % tall_m or n % tall_n or n % base_n:
+        return MEASURED_FIRST[::-1]
+    tall = wave_efficiency(m, n, tall_m, tall_n, sm_count)
+    return MEASURED_FIRST if tall >= wave_efficiency(m, n, base_m, base_n, sm_count) - WAVE_MARGIN \
+        else MEASURED_FIRST[::-1]
+
+
+def split_k_tilings(m: int, n: int, k: int, sm_count: int):
+    """The (block_n, split_k) pairs a split-K knob set of an m x n x k GEMM may take: 128-row tiles of block_n columns,
+    ``split_k`` blocks (one cluster) per tile on k slices of :data:`SPLIT_K_MIN_STEPS` steps or more, all blocks in
+    one wave (tiles x split_k at most the SMs)."""
+    steps = k // BLOCK_K
+    for bn in BLOCK_N_CHOICES:
+        tiles = (m // BLOCK_M) * (n // bn)
+        for split in SPLIT_K_CHOICES[1:]:
+            if not (m % BLOCK_M or n % bn or k % BLOCK_K or steps % split or steps // split < SPLIT_K_MIN_STEPS
+                    or tiles * split > sm_count):
+                yield bn, split
+
+
+def split_k_blocks(m: int, n: int, k: int, sm_count: int = H200.sm_count) -> int:
+    """The most blocks a split-K knob set of an m x n x k GEMM launches (0 where none applies): what the compile
+    path's wgmma gate counts for GEMMs with too few tiles of their own."""
+    return max(((m // BLOCK_M) * (n // bn) * split for bn, split in split_k_tilings(m, n, k, sm_count)), default=0)
+
+
+def _measured_rank(knobs, order=MEASURED_FIRST) -> int:
+    """Position of a cooperative knob set's tile in ``order`` (after them all when absent)."""
     tile = (knobs.get("block_m", BLOCK_M), knobs["block_n"], knobs["stages"], knobs["persistent"])
-    return MEASURED_FIRST.index(tile) if tile in MEASURED_FIRST else len(MEASURED_FIRST)
+    return order.index(tile) if tile in order else len(order)
 
 
 class WgmmaKernelMixin:
@@ -102,7 +157,8 @@ class WgmmaKernelMixin:
         config = WgmmaConfig(block_n=knobs["block_n"], stages=knobs["stages"],
                              persistent=knobs.get("persistent", True), pingpong=knobs.get("pingpong", False),
                              block_m=knobs.get("block_m", BLOCK_M), staged=knobs.get("staged", False),
-                             fast_gelu=knobs.get("fast_gelu", False), loads=knobs.get("loads", "cp.async"))
+                             fast_gelu=knobs.get("fast_gelu", False), loads=knobs.get("loads", "cp.async"),
+                             split_k=knobs.get("split_k", 1))
         config.validate()
         return config
 
@@ -134,12 +190,37 @@ class WgmmaKernelMixin:
                                               kn["persistent"] != persist(kn), abs(kn["stages"] - 4)))
         direct = space + [dict(kn, block_m=TALL_BLOCK_M) for kn in space if not kn["pingpong"]
                           and kn["block_n"] in TALL_BLOCK_N and m % TALL_BLOCK_M == 0]
-        return self._staged_sets(direct) + direct
+        unsplit = self._staged_sets(direct, measured_order(m, n, hw.sm_count)) + direct
+        split = self.split_sets(shape, hw)
+        first_tiles = (m // self.config(unsplit[0]).tile_m) * (n // unsplit[0]["block_n"])
+        ordered = split + unsplit if first_tiles < SPLIT_K_FILL * hw.sm_count else unsplit + split
+        return [dict(kn, loads=self.default_loads(kn)) for kn in ordered]
 
-    def _staged_sets(self, direct):
+    def default_loads(self, knobs) -> str:
+        """How a knob set of the space loads its tiles: TMA (one producer thread, tensor maps), measured faster than
+        cp.async on the H200 at every measured knob set of the GEMMs (session 9, ``--plan s8tma``: 4096 and 32768
+        rows, 1.01-1.10x) and of the QKV projection at 128 x 128 tiles (1.07-1.09x). The QKV projection's 256 x 192
+        tiles keep cp.async: TMA measured slower there at 32768 rows (0.1949 against 0.1798 ms)."""
+        return "tma"
+
+    def split_sets(self, shape, hw: Hardware = H200) -> list[dict]:
+        """The split-K knob sets (``split_k`` blocks of one cluster per 128-row tile, each on its own k slice of at
+        least :data:`SPLIT_K_MIN_STEPS` steps; one wave: the tiles x splits fit the SMs), least work on a block first
+        (columns x k steps of its slice), then fewer splits (less reduction), then 4 stages (at most the slice's
+        steps, 2 at least)."""
+        m, n, k = self.gemm_dims(shape)
+        steps = k // BLOCK_K
+        sets = [{"block_n": bn, "stages": stages, "persistent": False, "pingpong": False, "split_k": split}
+                for bn, split in split_k_tilings(m, n, k, hw.sm_count)
+                for stages in sorted({min(st, steps // split) for st in STAGE_CHOICES if st <= 4})]
+        return sorted(sets, key=lambda kn: (kn["block_n"] * steps // kn["split_k"], kn["split_k"],
+                                              abs(kn["stages"] - 4)))
+
+    def _staged_sets(self, direct, order=MEASURED_FIRST):
         """The staged twin of every direct-store set that takes it, to come first: cooperative before ping-pong
         (slower staged too at every measured shape), the measured winners (:data:`MEASURED_FIRST`) first among them,
-        the rest in the direct order. Not offered: 256 x 192 with the erf GELU (its 192 accumulators and the erf left
+        the rest in the direct order (``order``: :data:`MEASURED_FIRST`, or as :func:`measured_order` gives it for
+        the shape). Not offered: 256 x 192 with the erf GELU (its 192 accumulators and the erf left
         too few of the 232 registers: ptxas spilled 28 bytes). Only keys that differ from the defaults are written, so
         direct sets keep their names.
 
@@ -147,7 +228,7 @@ class WgmmaKernelMixin:
         GELU included: the exp2-polynomial GELU leaves it no spills): the same kernel with about half the epilogue's
         instructions (the erf GELU's SASS at 128 x 128: 1304 instructions instead of 2272), so never slower than its
         twin (not yet measured on the H200)."""
-        key = lambda kn: (kn["pingpong"], _measured_rank(kn))  # noqa: E731
+        key = lambda kn: (kn["pingpong"], _measured_rank(kn, order))  # noqa: E731
         act = getattr(self, "act", "none")
         staged = sorted((dict(kn, staged=True) for kn in direct
                          if not (act == "gelu_erf" and kn.get("block_m") == TALL_BLOCK_M and kn["block_n"] == 192)),
@@ -159,7 +240,9 @@ class WgmmaKernelMixin:
     def resources(self, shape, dtype, knobs):
         config = self.config(knobs)
         m, n, _ = self.gemm_dims(shape)
-        tiles = (m // config.tile_m) * (n // config.block_n)
+        # split-K: a tile's k steps are shared by split_k blocks, each a unit of work of 1 / split_k of the flops
+        tiles = (m // config.tile_m) * (n // config.block_n) * config.split_k
+        split_ops = SPLIT_K_OPS * config.split_k if config.split_k > 1 else 0.0
         return {"block_m": config.tile_m, "block_n": config.block_n, "block_k": BLOCK_K, "threads": THREADS,
                 "shared_bytes": config.shared_bytes, "acc_registers": config.acc_registers,
                 "max_registers_per_thread": CONSUMER_REGS, "launch_registers": LAUNCH_REGISTERS,
@@ -168,8 +251,10 @@ class WgmmaKernelMixin:
                 "overlapped_epilogue": config.pingpong,
                 # for the cost model: wgmma's main-loop rate; one 2-byte store per output element unless staged;
                 # the activation's extra epilogue operations per output element (CUDA's GELU over fast_gelu)
-                "wgmma": True, "narrow_stores": not config.staged,
-                "activation_ops": 0.0 if config.fast_gelu else LIBM_GELU_EXTRA_OPS.get(getattr(self, "act", ""), 0.0)}
+                # (split-K: 8-byte stores after the reduction, whose operations count with the activation's)
+                "wgmma": True, "narrow_stores": not config.staged and config.split_k == 1,
+                "activation_ops": split_ops + (0.0 if config.fast_gelu
+                                               else LIBM_GELU_EXTRA_OPS.get(getattr(self, "act", ""), 0.0))}
 
     def resource_columns(self, shape, dtype, space):
         # not the mma.sync main-loop formulas: these resources come from WgmmaConfig, one knob set at a time
@@ -232,6 +317,9 @@ class WgmmaQKVTemplate(WgmmaKernelMixin, QKVTemplate):
     def kernel_options(self, shape):
         return {"bias": True, "act": "none",
                 "heads": tuple(shape[key] for key in ("batch", "seq", "heads", "head_dim"))}
+
+    def default_loads(self, knobs) -> str:
+        return "cp.async" if knobs.get("block_m", BLOCK_M) == TALL_BLOCK_M else "tma"
 
 
 register(WgmmaGemmTemplate(bias=False, act="none"))

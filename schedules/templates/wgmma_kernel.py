@@ -66,9 +66,9 @@ A third, ``fast_gelu`` (GELU activations with ``staged`` only): the staged epilo
 (:mod:`.fast_gelu`: 7 FMAs for erf, 10 for tanh) instead of CUDA's ``erff`` / ``tanhf``: about half the epilogue's
 instructions, within 1e-5 (erf) / 3e-5 (tanh) relative of the float64 GELU.
 
-A fourth, ``loads = "tma"`` (opt-in until measured on the H200; absent or ``"cp.async"``: the kernels above, byte
-for byte): one thread of the producer warpgroup (the other 127 leave after ``setmaxnreg``) fills each slot with two
-TMA boxes (``cp.async.bulk.tensor.2d``), 64 columns x ``tile_m`` rows of A and 64 x ``block_n`` rows of W, from
+A fourth, ``loads = "tma"`` (absent or ``"cp.async"``: the kernels above, byte for byte; the knob spaces' default
+since the H200 measured it faster, :mod:`.gemm_wgmma`): one thread of the producer warpgroup (the other 127 leave
+after ``setmaxnreg``) fills each slot with two TMA boxes (``cp.async.bulk.tensor.2d``), 64 columns x ``tile_m`` rows of A and 64 x ``block_n`` rows of W, from
 tensor maps in the same 128-byte swizzle (:func:`stof_tvm.schedules.tensor_maps.matrix_map`) that the host
 encodes from A's and W's device pointers at every call (TVM's ``runtime.cuTensorMapEncodeTiled``; ``const
 __grid_constant__ CUtensorMap`` kernel parameters, passed by value, so a CUDA graph replays the maps it captured
@@ -77,7 +77,20 @@ with the pointers it captured). A slot's full mbarrier expects one arrival, the 
 drop their per-step ``fence.proxy.async``: the copy engine and wgmma both use the async proxy, and nothing writes
 the ring through the generic proxy.
 
-Shapes must tile exactly: m % tile_m, n % block_n and k % 64 all zero (:func:`check_wgmma_shape`). Build for
+A fifth, ``split_k`` (2, 3, 4, 6 or 8; 1 by default, the kernels above byte for byte; cooperative 128-row tiles, not
+persistent, not staged): ``split_k`` blocks share each tile, one k slice of ``k / 64 / split_k`` steps each, launched
+as one thread-block cluster (TVM's ``clusterCtaIdx.x`` launch parameter: block ``bx`` is rank ``bx % split_k`` of
+tile ``bx // split_k``). After its main loop a block's consumers (after a named barrier: both off the ring) write
+their float32 fragments into shared memory over the ring (rows padded by 32 bytes), the cluster meets at
+``barrier.cluster`` (release / acquire), and each consumer thread then sums 4 adjacent columns of the tile over all
+the cluster's partial tiles (``mapa`` + ``ld.shared::cluster.v4.f32``, always in rank order 0, 1, ...: the same
+bits whichever block sums, so the result is deterministic), applies bias and activation, rounds and stores 8 bytes;
+the ranks take turns over runs of 256 chunks. A second cluster barrier keeps every block's shared memory alive
+until all have read it. Where a GEMM's tiles alone leave most SMs idle (RoBERTa-base at 1 x 128 tokens), the
+clusters fill them.
+
+Shapes must tile exactly: m % tile_m, n % block_n and k % 64 all zero, and split_k must divide k / 64
+(:func:`check_wgmma_shape`). Build for
 ``arch="sm_90a"`` (``wgmma`` and ``setmaxnreg`` exist only there).
 """
 from __future__ import annotations
@@ -117,6 +130,10 @@ CONSUMER_WARPS = 2 * WG // 32
 PACK_TYPE = {"float16": "f16x2", "bfloat16": "bf16x2"}
 # How the producer fills a slot: 16-byte cp.async from its 128 threads, or two TMA boxes from one thread
 LOAD_CHOICES = ("cp.async", "tma")
+# split_k: thread blocks (one cluster) sharing a tile's k steps; at most 8, the portable cluster size
+SPLIT_K_CHOICES = (1, 2, 3, 4, 6, 8)
+PARTIAL_PAD = 32         # bytes after each float32 partial row: a warp's 8-byte fragment stores take 2 wavefronts
+SPLIT_BAR = 1            # named barrier of the two consumer warpgroups before the ring is reused for partials
 
 
 @dataclass(frozen=True)
@@ -125,9 +142,10 @@ class WgmmaConfig:
     (one block per SM looping over tiles), ``pingpong`` (consumer schedule: each consumer warpgroup owns
     alternate tiles instead of half of every tile; persistent only), ``block_m`` (cooperative tile rows: 128, or
     256 with 128 rows per consumer), ``staged`` (epilogue through shared memory with 16-byte stores),
-    ``fast_gelu`` (a GELU activation from one exp2 of a fitted polynomial, :mod:`.fast_gelu`; staged only) and
+    ``fast_gelu`` (a GELU activation from one exp2 of a fitted polynomial, :mod:`.fast_gelu`; staged only),
     ``loads`` (``"cp.async"``, or ``"tma"``: one producer thread issues TMA boxes from tensor maps the host encodes
-    at each call; opt-in, not in the tuner's knob space until measured)."""
+    at each call) and ``split_k`` (blocks of one cluster sharing a tile's k steps, reduced through distributed
+    shared memory; module docstring)."""
 
     block_n: int = 128
     stages: int = 4
@@ -137,6 +155,7 @@ class WgmmaConfig:
     staged: bool = False
     fast_gelu: bool = False
     loads: str = "cp.async"
+    split_k: int = 1
 
     def validate(self) -> None:
         if self.block_n not in BLOCK_N_CHOICES:
@@ -161,6 +180,11 @@ class WgmmaConfig:
             raise ValueError("fast_gelu needs staged=True (its GELU is computed where the staged epilogue packs pairs)")
         if not isinstance(self.loads, str) or self.loads not in LOAD_CHOICES:
             raise ValueError(f"loads must be one of {LOAD_CHOICES}, got {self.loads!r}")
+        if self.split_k not in SPLIT_K_CHOICES:
+            raise ValueError(f"split_k must be one of {SPLIT_K_CHOICES}, got {self.split_k!r}")
+        if self.split_k > 1 and (self.persistent or self.pingpong or self.block_m != BLOCK_M or self.staged):
+            raise ValueError("split_k > 1 is one cooperative 128-row tile per block with the reduction's own "
+                             "epilogue: persistent, pingpong, staged must be False and block_m 128")
 
     @property
     def tile_m(self) -> int:
@@ -182,10 +206,21 @@ class WgmmaConfig:
         return CONSUMER_WARPS * STAGED_WARP_BYTES if self.staged else 0
 
     @property
+    def partial_bytes(self) -> int:
+        """``split_k``: the block's float32 partial tile (rows padded by :data:`PARTIAL_PAD`), over the ring once
+        the main loop is done (0 without split-K)."""
+        return self.tile_m * (self.block_n * 4 + PARTIAL_PAD) if self.split_k > 1 else 0
+
+    @property
+    def ring_bytes(self) -> int:
+        """Shared memory before the mbarriers: the ring, or the partial tile where that is larger."""
+        return max(self.stages * self.stage_bytes, self.partial_bytes)
+
+    @property
     def shared_bytes(self) -> int:
-        """The ring, 2 mbarriers per slot, the staging buffers, and slack to align the ring to 1024 bytes at run
-        time."""
-        return self.stages * self.stage_bytes + 16 * self.stages + self.staging_bytes + ALIGN
+        """The ring (or the larger partial tile), 2 mbarriers per slot, the staging buffers, and slack to align the
+        ring to 1024 bytes at run time."""
+        return self.ring_bytes + 16 * self.stages + self.staging_bytes + ALIGN
 
     @property
     def acc_registers(self) -> int:
@@ -198,6 +233,8 @@ def check_wgmma_shape(m: int, n: int, k: int, config: WgmmaConfig) -> None:
         if size % tile:
             raise ValueError(f"gemm_wgmma: shape[{name!r}] = {size} must be a multiple of {tile} "
                              f"(block_m={config.tile_m}, block_n={config.block_n}, block_k={BLOCK_K})")
+    if (k // BLOCK_K) % config.split_k:
+        raise ValueError(f"gemm_wgmma: split_k={config.split_k} must divide the {k // BLOCK_K} k steps of k = {k}")
 
 
 def descriptor(addr):
@@ -249,19 +286,25 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     CR = config.consumer_rows
     HALVES = CR // 64                    # m64 wgmmas per k16 step of one consumer (2 for 128-row consumer tiles)
     KT = k // BLOCK_K
+    SPLIT = config.split_k
+    KS = KT // SPLIT                     # k steps of one block's slice (all of them without split-K)
     GRID_N = n // BN
     NUM_TILES = GRID_N * (m // TM)
     # persistent: one block per SM walks tiles bx, bx + GRID, ...; its producer fills the ring for the next
     # tile while the consumers run the epilogue of this one (one block per SM fits: setmaxnreg hands it the
-    # whole register file, so without this the epilogue and the ring's refill are never overlapped)
-    GRID = min(NUM_TILES, sm_count) if config.persistent else NUM_TILES
-    ROUNDS = (NUM_TILES + GRID - 1) // GRID
+    # whole register file, so without this the epilogue and the ring's refill are never overlapped).
+    # split-K: SPLIT blocks per tile, one cluster (blocks bx = tile * SPLIT + rank), one k slice each
+    GRID = min(NUM_TILES, sm_count) if config.persistent else NUM_TILES * SPLIT
+    ROUNDS = (NUM_TILES * SPLIT + GRID - 1) // GRID
     PINGPONG = config.pingpong
     EMPTY_ARRIVALS = WG if PINGPONG else 2 * WG   # the consumers that read a slot: one (ping-pong) or both
     A_BYTES = TM * ROW_BYTES
     STAGE = config.stage_bytes
-    BAR_OFF = ST * STAGE                 # mbarriers after the ring: full[s] at +8s, empty[s] at +8(ST+s)
+    BAR_OFF = config.ring_bytes          # mbarriers after the ring: full[s] at +8s, empty[s] at +8(ST+s)
     STAGING_OFF = BAR_OFF + 16 * ST      # staged epilogue: consumer warp v's buffer at + v * STAGED_WARP_BYTES
+    PARTIAL_ROW = BN * 4 + PARTIAL_PAD   # split-K: bytes per row of a block's float32 partial tile
+    TILE_CHUNKS = TM * BN // 4           # split-K: 16-byte chunks (4 columns) of a tile, reduced one per thread
+    REDUCE_ROUNDS = -(-TILE_CHUNKS // (SPLIT * 2 * WG))
     SMEM_WORDS = config.shared_bytes // 8
     A_ITERS = TM * CHUNKS // WG
     B_ITERS = BN * CHUNKS // WG
@@ -280,6 +323,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         if HB * HS > m or 3 * HH * HD != n or HD % 2:
             raise ValueError(f"heads={heads} does not match m={m}, n={n} (m = batch*seq, or more: padded rows; "
                              "n = 3*heads*head_dim, head_dim even)")
+        if config.split_k > 1 and HD % 4:
+            raise ValueError(f"split_k > 1 stores 4 columns at once: head_dim must be a multiple of 4, got {HD}")
         if config.staged and HD % 8:
             raise ValueError(f"staged=True stores 8 columns at once: head_dim must be a multiple of 8, got {HD}")
         OUT_SHAPE = (3, HB, HH, HS, HD)
@@ -292,6 +337,14 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     # be hoisted above the wait (the wait names no registers). Without it nvcc moved the conversions of the
     # plain-GEMM epilogue up and ptxas serialized every wgmma (warning C7514).
     FENCE_REG = T.ptx["add.rn.f32"]
+
+    def tile_of(bx, r):
+        """The output tile of block ``bx``'s round ``r``."""
+        return bx + r * GRID if SPLIT == 1 else bx // SPLIT
+
+    def k_col(bx, t):
+        """The first column of A and W that block ``bx``'s k step ``t`` reads (its slice's under split-K)."""
+        return t * BLOCK_K if SPLIT == 1 else ((bx % SPLIT) * KS + t) * BLOCK_K
 
     def full_bar(base, s):
         return base + T.uint32(BAR_OFF + 8 * s)
@@ -403,8 +456,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         """The consumer main loop of round ``r``'s tile: per k step, wait for its slot, issue the step's wgmma
         (operand A ``a_rows_offset`` bytes into the slot's A tile: this consumer's rows), keep one batch in flight and
         free the previous step's slot."""
-        for t in range(KT):
-            g: T.let = r * KT + t
+        for t in range(KS):
+            g: T.let = r * KS + t
             wait_parity(flag, full_bar(base, g % ST), T.Cast("uint32", (g // ST) % 2))
             if not TMA:   # cp.async wrote the slot through the generic proxy; wgmma reads it through the async one
                 T.ptx["fence.proxy.async.shared::cta"]()
@@ -425,7 +478,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         """After round ``r``'s main loop: retire the last wgmma batch, free the tile's last slot (the producer may
         refill it for the next tile) and store the tile's rows from ``row0``."""
         T.ptx["wgmma.wait_group.sync.aligned"](0)
-        T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (r * KT + KT - 1) % ST))
+        T.ptx["mbarrier.arrive.shared::cta.b64"](empty_bar(base, (r * KS + KS - 1) % ST))
         for i in T.unroll(HALVES * NACC):
             FENCE_REG(acc[i], acc[i], T.float32(-0.0))
         store_tile(acc, out, bias_buf, row0, col0, base, wt, warp, words)
@@ -435,12 +488,12 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         """The producer warpgroup's copies: per k step of each of the block's tiles, wait for the slot to be free,
         16-byte cp.async of the A and W tiles by all 128 threads, each arriving on the slot's full barrier."""
         for r in range(ROUNDS):
-            tile: T.let = bx + r * GRID
+            tile: T.let = tile_of(bx, r)
             if tile < NUM_TILES:
                 m0: T.let = (tile // GRID_N) * TM
                 n0: T.let = (tile % GRID_N) * BN
-                for t in range(KT):
-                    g: T.let = r * KT + t
+                for t in range(KS):
+                    g: T.let = r * KS + t
                     if g >= ST:
                         wait_parity(flag, empty_bar(base, g % ST), T.Cast("uint32", (g // ST - 1) % 2))
                     a_dst: T.let = base + T.Cast("uint32", (g % ST) * STAGE)
@@ -448,12 +501,12 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                         row: T.let = (it * WG + wt) // CHUNKS
                         ch: T.let = (it * WG + wt) % CHUNKS
                         CP_ASYNC_16(a_dst + T.Cast("uint32", swizzled(row, ch)),
-                                    T.address_of(A[m0 + row, t * BLOCK_K + ch * 8]), 16, T.uint32(16))
+                                    T.address_of(A[m0 + row, k_col(bx, t) + ch * 8]), 16, T.uint32(16))
                     for it in T.unroll(B_ITERS):
                         row: T.let = (it * WG + wt) // CHUNKS
                         ch: T.let = (it * WG + wt) % CHUNKS
                         CP_ASYNC_16(a_dst + T.Cast("uint32", A_BYTES + swizzled(row, ch)),
-                                    T.address_of(W[n0 + row, t * BLOCK_K + ch * 8]), 16, T.uint32(16))
+                                    T.address_of(W[n0 + row, k_col(bx, t) + ch * 8]), 16, T.uint32(16))
                     T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](full_bar(base, g % ST))
 
     @T.macro
@@ -464,71 +517,141 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         T.ptx["prefetch.tensormap"](T.address_of(maps[0]))
         T.ptx["prefetch.tensormap"](T.address_of(maps[1]))
         for r in range(ROUNDS):
-            tile: T.let = bx + r * GRID
+            tile: T.let = tile_of(bx, r)
             if tile < NUM_TILES:
                 m0: T.let = (tile // GRID_N) * TM
                 n0: T.let = (tile % GRID_N) * BN
-                for t in range(KT):
-                    g: T.let = r * KT + t
+                for t in range(KS):
+                    g: T.let = r * KS + t
                     if g >= ST:
                         wait_parity(flag, empty_bar(base, g % ST), T.Cast("uint32", (g // ST - 1) % 2))
                     a_dst: T.let = base + T.Cast("uint32", (g % ST) * STAGE)
                     EXPECT_TX(full_bar(base, g % ST), T.uint32(A_MAP.box_bytes + W_MAP.box_bytes))
-                    TMA_2D(a_dst, T.address_of(maps[0]), T.int32(t * BLOCK_K), m0, full_bar(base, g % ST))
-                    TMA_2D(a_dst + T.uint32(A_BYTES), T.address_of(maps[1]), T.int32(t * BLOCK_K), n0,
+                    TMA_2D(a_dst, T.address_of(maps[0]), T.int32(k_col(bx, t)), m0, full_bar(base, g % ST))
+                    TMA_2D(a_dst + T.uint32(A_BYTES), T.address_of(maps[1]), T.int32(k_col(bx, t)), n0,
                            full_bar(base, g % ST))
+
+    @T.macro
+    def write_partial(acc, base, wg, wt):
+        """split-K: the consumer thread's float32 fragment of the block's partial tile into shared memory (rows of
+        ``4 * BN + PARTIAL_PAD`` bytes at ``base``, over the ring), two adjacent columns per 8-byte store."""
+        for j in T.unroll(BN // 8):
+            for h in T.unroll(2):
+                row: T.let = (wg - 1) * CR + (wt // 32) * 16 + (wt % 32) // 4 + 8 * h
+                col: T.let = j * 8 + (wt % 4) * 2
+                T.ptx["st.shared.v2.f32"](base + T.Cast("uint32", row * PARTIAL_ROW + col * 4),
+                                          acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1])
+
+    @T.macro
+    def reduce_and_store(out, bias_buf, base, bx, cr, ct, sums, vals, remote, words):
+        """split-K, after the cluster barrier: consumer thread ``ct`` (0-255) of cluster rank ``cr`` sums 4
+        consecutive float32 columns of the tile over the cluster's ``SPLIT`` partial tiles (read from each block's
+        shared memory through ``mapa``), always in rank order 0, 1, ... (the same sum whichever block computes it),
+        then bias, activation, rounding and one 8-byte store. The ranks take turns over 256-chunk runs of the
+        tile's rows."""
+        m0: T.let = (tile_of(bx, 0) // GRID_N) * TM
+        n0: T.let = (tile_of(bx, 0) % GRID_N) * BN
+        for it in range(REDUCE_ROUNDS):
+            c: T.let = (it * SPLIT + cr) * (2 * WG) + ct
+            if c < TILE_CHUNKS:
+                row: T.let = c // (BN // 4)
+                col: T.let = (c % (BN // 4)) * 4
+                for e in T.unroll(4):
+                    sums[e] = T.float32(0)
+                for s in T.unroll(SPLIT):
+                    T.ptx["mapa.shared::cluster.u32"](remote[0], base + T.Cast("uint32", row * PARTIAL_ROW + col * 4),
+                                                      T.uint32(s))
+                    T.ptx["ld.shared::cluster.v4.f32"](vals[0], vals[1], vals[2], vals[3], remote[0])
+                    for e in T.unroll(4):
+                        sums[e] = sums[e] + vals[e]
+                for e in T.unroll(2):
+                    PACK(words[e], epilogue_f32(sums[2 * e + 1], n0 + col + 2 * e + 1, bias_buf),
+                         epilogue_f32(sums[2 * e], n0 + col + 2 * e, bias_buf))
+                if PADDED:
+                    if m0 + row < REAL_ROWS:
+                        T.ptx["st.global.v2.b32"](out_ptr(out, m0 + row, n0 + col), words[0], words[1])
+                else:
+                    T.ptx["st.global.v2.b32"](out_ptr(out, m0 + row, n0 + col), words[0], words[1])
+
+    @T.macro
+    def block(A, W, bias_buf, out, maps, bx, cr, tx):
+        """One thread block's work (``cr``: its rank in the split-K cluster, 0 without split-K)."""
+        wgmma_smem = T.alloc_buffer((SMEM_WORDS,), "uint64", scope="shared.dyn")
+        acc = T.alloc_buffer((HALVES * NACC,), "float32", scope="local")
+        flag = T.alloc_buffer((1,), "uint32", scope="local")
+        words = T.alloc_buffer((4,), "uint32", scope="local")
+        raw: T.let = T.cuda.cvta_generic_to_shared(whole_buffer(wgmma_smem, SMEM_WORDS))
+        base: T.let = T.bitwise_and(raw + T.uint32(ALIGN - 1), T.uint32(0xFFFFFFFF - (ALIGN - 1)))
+        wg: T.let = tx // WG
+        wt: T.let = tx % WG
+        if tx == 0:
+            for s in T.unroll(ST):
+                T.ptx["mbarrier.init.shared::cta.b64"](full_bar(base, s), T.uint32(FULL_ARRIVALS))
+                T.ptx["mbarrier.init.shared::cta.b64"](empty_bar(base, s), T.uint32(EMPTY_ARRIVALS))
+            T.ptx["fence.mbarrier_init.release.cluster"]()
+        T.tvm_storage_sync("shared")
+        # g = r * KT + t counts k steps over all of this block's tiles: slot g % ST, phase g // ST
+        if wg == 0:
+            T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
+            if TMA:
+                if wt == 0:          # one thread issues every copy
+                    produce_tma(maps, base, flag, bx)
+            else:
+                produce_cp_async(A, W, base, flag, bx, wt)
+        else:
+            T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
+            if PINGPONG:
+                # consumer c = wg - 1 owns rounds c, c + 2, ...; main loops take turns (module docstring)
+                for r in range(ROUNDS):
+                    tile: T.let = bx + r * GRID
+                    if r % 2 == wg - 1 and tile < NUM_TILES:
+                        for i in T.unroll(HALVES * NACC):
+                            acc[i] = T.float32(0)
+                        if r > 0:  # the other consumer has issued round r - 1
+                            T.ptx["bar.sync"](T.Cast("uint32", ORDER_BAR - 1 + wg), T.uint32(2 * WG))
+                        mma_tile(acc, flag, base, r, 0)
+                        if tile + GRID < NUM_TILES:  # round r + 1 exists: the other consumer may start it
+                            T.ptx["bar.arrive"](T.Cast("uint32", ORDER_BAR + 2 - wg), T.uint32(2 * WG))
+                        drain_and_store(acc, out, bias_buf, base, r, (tile // GRID_N) * TM,
+                                        (tile % GRID_N) * BN, wt, tx // 32 - WG // 32, words)
+            elif SPLIT > 1:
+                for i in T.unroll(HALVES * NACC):
+                    acc[i] = T.float32(0)
+                mma_tile(acc, flag, base, 0, (wg - 1) * CR * ROW_BYTES)
+                T.ptx["wgmma.wait_group.sync.aligned"](0)
+                for i in T.unroll(HALVES * NACC):
+                    FENCE_REG(acc[i], acc[i], T.float32(-0.0))
+                T.ptx["bar.sync"](T.uint32(SPLIT_BAR), T.uint32(2 * WG))   # both consumers are off the ring
+                write_partial(acc, base, wg, wt)
+            else:
+                for r in range(ROUNDS):
+                    tile: T.let = bx + r * GRID
+                    if tile < NUM_TILES:
+                        for i in T.unroll(HALVES * NACC):
+                            acc[i] = T.float32(0)
+                        mma_tile(acc, flag, base, r, (wg - 1) * CR * ROW_BYTES)
+                        drain_and_store(acc, out, bias_buf, base, r, (tile // GRID_N) * TM + (wg - 1) * CR,
+                                        (tile % GRID_N) * BN, wt, tx // 32 - WG // 32, words)
+        if SPLIT > 1:
+            # every block's partial tile written before any is read; none leaves while others read it
+            T.ptx["barrier.cluster.arrive.release"]()
+            T.ptx["barrier.cluster.wait.acquire"]()
+            if wg > 0:
+                vals = T.alloc_buffer((4,), "float32", scope="local")
+                reduce_and_store(out, bias_buf, base, bx, cr, tx - WG, acc, vals, flag, words)
+            T.ptx["barrier.cluster.arrive.release"]()
+            T.ptx["barrier.cluster.wait.acquire"]()
 
     @T.macro
     def body(A, W, bias_buf, out, maps):
         for bx in T.thread_binding(GRID, thread="blockIdx.x"):
-            for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                wgmma_smem = T.alloc_buffer((SMEM_WORDS,), "uint64", scope="shared.dyn")
-                acc = T.alloc_buffer((HALVES * NACC,), "float32", scope="local")
-                flag = T.alloc_buffer((1,), "uint32", scope="local")
-                words = T.alloc_buffer((4,), "uint32", scope="local")
-                raw: T.let = T.cuda.cvta_generic_to_shared(whole_buffer(wgmma_smem, SMEM_WORDS))
-                base: T.let = T.bitwise_and(raw + T.uint32(ALIGN - 1), T.uint32(0xFFFFFFFF - (ALIGN - 1)))
-                wg: T.let = tx // WG
-                wt: T.let = tx % WG
-                if tx == 0:
-                    for s in T.unroll(ST):
-                        T.ptx["mbarrier.init.shared::cta.b64"](full_bar(base, s), T.uint32(FULL_ARRIVALS))
-                        T.ptx["mbarrier.init.shared::cta.b64"](empty_bar(base, s), T.uint32(EMPTY_ARRIVALS))
-                    T.ptx["fence.mbarrier_init.release.cluster"]()
-                T.tvm_storage_sync("shared")
-                # g = r * KT + t counts k steps over all of this block's tiles: slot g % ST, phase g // ST
-                if wg == 0:
-                    T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
-                    if TMA:
-                        if wt == 0:          # one thread issues every copy
-                            produce_tma(maps, base, flag, bx)
-                    else:
-                        produce_cp_async(A, W, base, flag, bx, wt)
-                else:
-                    T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
-                    if PINGPONG:
-                        # consumer c = wg - 1 owns rounds c, c + 2, ...; main loops take turns (module docstring)
-                        for r in range(ROUNDS):
-                            tile: T.let = bx + r * GRID
-                            if r % 2 == wg - 1 and tile < NUM_TILES:
-                                for i in T.unroll(HALVES * NACC):
-                                    acc[i] = T.float32(0)
-                                if r > 0:  # the other consumer has issued round r - 1
-                                    T.ptx["bar.sync"](T.Cast("uint32", ORDER_BAR - 1 + wg), T.uint32(2 * WG))
-                                mma_tile(acc, flag, base, r, 0)
-                                if tile + GRID < NUM_TILES:  # round r + 1 exists: the other consumer may start it
-                                    T.ptx["bar.arrive"](T.Cast("uint32", ORDER_BAR + 2 - wg), T.uint32(2 * WG))
-                                drain_and_store(acc, out, bias_buf, base, r, (tile // GRID_N) * TM,
-                                                (tile % GRID_N) * BN, wt, tx // 32 - WG // 32, words)
-                    else:
-                        for r in range(ROUNDS):
-                            tile: T.let = bx + r * GRID
-                            if tile < NUM_TILES:
-                                for i in T.unroll(HALVES * NACC):
-                                    acc[i] = T.float32(0)
-                                mma_tile(acc, flag, base, r, (wg - 1) * CR * ROW_BYTES)
-                                drain_and_store(acc, out, bias_buf, base, r, (tile // GRID_N) * TM + (wg - 1) * CR,
-                                                (tile % GRID_N) * BN, wt, tx // 32 - WG // 32, words)
+            if SPLIT > 1:
+                for cr in T.thread_binding(SPLIT, thread="clusterCtaIdx.x"):
+                    for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                        block(A, W, bias_buf, out, maps, bx, cr, tx)
+            else:
+                for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                    block(A, W, bias_buf, out, maps, bx, 0, tx)
 
     @T.macro
     def launch(A, W, bias_buf, out):

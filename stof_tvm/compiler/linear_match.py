@@ -13,6 +13,7 @@ from tvm import relax
 from tvm.ir.expr import Constant
 from tvm.relax.dpl import is_const, is_op, wildcard
 
+from ..schedules.templates.gemm_wgmma import split_k_blocks
 from .attention_match import static_shape
 
 TEMPLATE_DTYPES = ("float16", "bfloat16")
@@ -21,6 +22,10 @@ WGMMA_TILES = {"m": 128, "n": 128, "k": 64}
 # 128-row tiles leave most SMs idle; measured on the H200 (BENCHMARKS.md, end to end): BERT-Base at 1x128 tokens
 # ran 0.76 ms with mma.sync templates and 1.03 ms with wgmma, at 8x512 4.35 ms and 3.35 ms.
 WGMMA_MIN_TILES = 66
+# Whether a GEMM with fewer tiles still goes to wgmma where split-K (:func:`...schedules.templates.gemm_wgmma.
+# split_k_blocks`) launches WGMMA_MIN_TILES blocks or more: off until the H200 has timed the split-K kernels against
+# the mma.sync templates at those shapes (scripts/bench_wgmma_small_k.py --plan s9splitk).
+SPLIT_K_GATE = False
 
 
 def wgmma_misfit(m: int, n: int, k: int) -> str | None:
@@ -30,9 +35,9 @@ def wgmma_misfit(m: int, n: int, k: int) -> str | None:
     if misfit:
         return f"wgmma needs {', '.join(f'{key} % {WGMMA_TILES[key]} == 0' for key in misfit)}: mma.sync"
     tiles = (m // WGMMA_TILES["m"]) * (n // WGMMA_TILES["n"])
-    if tiles < WGMMA_MIN_TILES:
-        return f"{tiles} wgmma tiles fill too few SMs (< {WGMMA_MIN_TILES}): mma.sync"
-    return None
+    if tiles >= WGMMA_MIN_TILES or (SPLIT_K_GATE and split_k_blocks(m, n, k) >= WGMMA_MIN_TILES):
+        return None
+    return f"{tiles} wgmma tiles fill too few SMs (< {WGMMA_MIN_TILES}): mma.sync"
 
 
 ROW_MULTIPLE = 16     # the mma.sync GEMM templates' row granularity
