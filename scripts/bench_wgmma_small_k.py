@@ -110,9 +110,12 @@ PLANS = {"small_k": (CASES, OUT), "s8tma": (TMA_CASES, ROOT / "out" / "s8gemm_tm
 # 098a891; GEMMs with fewer than WGMMA_MIN_TILES 128 x 128 tiles ran the mma.sync template the model ranks first)
 HEAD_WGMMA = {"block_n": 192, "stages": 3, "persistent": True, "pingpong": False, "block_m": 256, "staged": True}
 SPLITK_TILINGS = 2        # split-K tilings (block_n, split_k) timed per case, the knob space's first, both loads
-# multi-wave split-K sets (not in the knob space, which keeps split-K to one wave) where cuBLAS beat us: FFN down
-EXTRA_SPLITS = {(4096, 768, 3072): [{"block_n": bn, "stages": 4, "persistent": False, "pingpong": False,
-                                     "split_k": 2, "loads": "tma"} for bn in (128, 192)]}
+# split-K sets not in the knob space: multi-wave where cuBLAS beat us (FFN down at 4096 rows), and the non-portable
+# cluster sizes 12 and 16 where 8 leaves the SMs idle (FFN down, attention output at 128 rows: 48 and 36 blocks)
+_SPLIT = {"persistent": False, "pingpong": False, "loads": "tma"}
+EXTRA_SPLITS = {(4096, 768, 3072): [dict(_SPLIT, block_n=bn, stages=4, split_k=2) for bn in (128, 192)],
+                (128, 768, 3072): [dict(_SPLIT, block_n=128, stages=3, split_k=16)],
+                (128, 768, 768): [dict(_SPLIT, block_n=128, stages=2, split_k=12)]}
 # --plan s8tma's whole-model check: a tiny HF RoBERTa (hidden 128, 2 layers) at 48 x 256 tokens (12288 rows: every
 # GEMM on wgmma, the FFN unfused) compiled for CUDA with graphs, dense mask, once per loads value
 MODEL_BATCH, MODEL_SEQ = 48, 256

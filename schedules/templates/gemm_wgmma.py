@@ -33,7 +33,7 @@ from one exp2 of a fitted polynomial, :mod:`.fast_gelu`, within 1e-5 / 3e-5 rela
 False: CUDA's ``erff`` / ``tanhf``). ``loads`` (``"tma"``: one producer thread issuing TMA boxes from tensor maps the
 host encodes at each call, :mod:`.wgmma_kernel`; or ``"cp.async"``, the default of knob sets without it) is named by
 every knob set of the space: TMA, measured faster on the H200 (:meth:`WgmmaKernelMixin.default_loads`), except the QKV
-projection's 256-row tiles. ``split_k`` (2-8; absent: 1) shares each 128-row tile's k steps between the blocks of one
+projection's 256-row tiles. ``split_k`` (2-8 in the space, 12 and 16 too in a knob set; absent: 1) shares each 128-row tile's k steps between the blocks of one
 cluster, whose float32 partials are reduced through distributed shared memory before the epilogue
 (:mod:`.wgmma_kernel`): the split-K sets (:meth:`WgmmaKernelMixin.split_sets`, one wave of blocks) lead the space where
 the first unsplit set's tiles fill fewer than half the SMs (RoBERTa-base at 1 x 128 tokens: 6-24 tiles), else they
@@ -58,7 +58,7 @@ from .gemm import GemmTemplate
 from .qkv import QKVTemplate
 from .registry import H200, Hardware, Template, register
 from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_M_CHOICES, BLOCK_N_CHOICES, CONSUMER_REGS, LAUNCH_REGISTERS,
-                           PINGPONG_TILE_M, SPLIT_K_CHOICES, STAGE_CHOICES, THREADS, WgmmaConfig, check_wgmma_shape,
+                           PINGPONG_TILE_M, PORTABLE_SPLIT_K, SPLIT_K_CHOICES, STAGE_CHOICES, THREADS, WgmmaConfig, check_wgmma_shape,
                            wgmma_gemm_primfunc)
 
 ARCH = "sm_90a"
@@ -110,12 +110,12 @@ def measured_order(m: int, n: int, sm_count: int) -> tuple:
 def split_k_tilings(m: int, n: int, k: int, sm_count: int):
     """The (block_n, split_k) pairs a split-K knob set of an m x n x k GEMM may take: 128-row tiles of block_n columns,
     ``split_k`` blocks (one cluster) per tile on k slices of :data:`SPLIT_K_MIN_STEPS` steps or more, all blocks in
-    one wave (tiles x split_k at most the SMs)."""
+    one wave (tiles x split_k at most the SMs), clusters of the portable size (8) at most."""
     steps = k // BLOCK_K
     for bn in BLOCK_N_CHOICES:
         tiles = (m // BLOCK_M) * (n // bn)
         for split in SPLIT_K_CHOICES[1:]:
-            if not (m % BLOCK_M or n % bn or k % BLOCK_K or steps % split or steps // split < SPLIT_K_MIN_STEPS
+            if split <= PORTABLE_SPLIT_K and not (m % BLOCK_M or n % bn or k % BLOCK_K or steps % split or steps // split < SPLIT_K_MIN_STEPS
                     or tiles * split > sm_count):
                 yield bn, split
 

@@ -77,7 +77,7 @@ with the pointers it captured). A slot's full mbarrier expects one arrival, the 
 drop their per-step ``fence.proxy.async``: the copy engine and wgmma both use the async proxy, and nothing writes
 the ring through the generic proxy.
 
-A fifth, ``split_k`` (2, 3, 4, 6 or 8; 1 by default, the kernels above byte for byte; cooperative 128-row tiles, not
+A fifth, ``split_k`` (2, 3, 4, 6, 8, and the non-portable cluster sizes 12 and 16; 1 by default, the kernels above byte for byte; cooperative 128-row tiles, not
 persistent, not staged): ``split_k`` blocks share each tile, one k slice of ``k / 64 / split_k`` steps each, launched
 as one thread-block cluster (TVM's ``clusterCtaIdx.x`` launch parameter: block ``bx`` is rank ``bx % split_k`` of
 tile ``bx // split_k``). After its main loop a block's consumers (after a named barrier: both off the ring) write
@@ -130,8 +130,10 @@ CONSUMER_WARPS = 2 * WG // 32
 PACK_TYPE = {"float16": "f16x2", "bfloat16": "bf16x2"}
 # How the producer fills a slot: 16-byte cp.async from its 128 threads, or two TMA boxes from one thread
 LOAD_CHOICES = ("cp.async", "tma")
-# split_k: thread blocks (one cluster) sharing a tile's k steps; at most 8, the portable cluster size
-SPLIT_K_CHOICES = (1, 2, 3, 4, 6, 8)
+# split_k: thread blocks (one cluster) sharing a tile's k steps; above 8 (the portable cluster size) the runtime
+# allows a non-portable cluster size, which a GPC of the H200 may not place
+SPLIT_K_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
+PORTABLE_SPLIT_K = 8
 PARTIAL_PAD = 32         # bytes after each float32 partial row: a warp's 8-byte fragment stores take 2 wavefronts
 SPLIT_BAR = 1            # named barrier of the two consumer warpgroups before the ring is reused for partials
 
