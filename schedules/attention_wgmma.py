@@ -96,6 +96,7 @@ PANEL_COLS = 64          # head-dim columns of one 128-byte swizzled row
 ROW_BYTES = PANEL_COLS * 2
 ORDER_BAR = 1            # named barriers 1 and 2: consumer c may issue its next turn
 VIEW_ALIGN = 8
+PERSISTENT_GRID = 132    # blocks of a persistent grid at most (the H200's SMs; the compile path keeps this default)
 # The model's key padding (stof_tvm.schedules.key_padding's pad_range / pad_bits) is applied by the consumers: keys
 # outside a batch row's kept span, or at its holes, are masked by a column predicate in the tiles that reach them
 # (the compile path reads this to offer the kernel to padded models; checked against float32 on the H200 in
@@ -226,7 +227,7 @@ def cpu_twin_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_di
 def wgmma_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: str,
                              mask_batch: int, mask_heads: int, scale: float | None = None,
                              config: WgmmaAttentionConfig | None = None, out_layout: str = "bhsd",
-                             sm_count: int = 132, padding: bool = False) -> tvm.tirx.PrimFunc:
+                             sm_count: int = PERSISTENT_GRID, padding: bool = False) -> tvm.tirx.PrimFunc:
     """The sm_90a PrimFunc ``wgmma_attention(q, k, v, full_indptr, full_indices, part_indptr, part_indices,
     part_bitmaps, out)``: the parameter list of the block-wise kernel without a score bias, the format built at
     ``config.block_m x config.block_n``. ``sm_count``: blocks of a persistent grid (the H200's 132 SMs).

@@ -15,10 +15,10 @@ Three steps:
    of the faster kind, for the model (default and fitted constants) and for STOF's rule. ``--write FILE`` saves
    the fitted constants (``Calibration.load`` reads them).
 4. ``fit-wgmma`` (here): the Hopper wgmma kernel's own constants (``wgmma_*``) from ``scripts/bench_attention.py``
-   JSON (its ``time`` rows of family ``wgmma``, current tree only: no ``variant`` builds, no persistent grids,
-   which are not candidates, no key-padded builds), the other constants as they are; ``--constants`` fits a
-   subset and ``--loads`` takes one producer's timings (``--constants wgmma_tma_tile_cycles --loads tma``: the
-   TMA producer's per-tile latency, the rest as fitted on cp.async).
+   JSON (its ``time`` rows of family ``wgmma``, current tree only: no ``variant`` builds, no key-padded builds),
+   the other constants as they are; ``--constants`` fits a subset, ``--loads`` and ``--persistent`` take some
+   timings only (``--constants wgmma_tma_tile_cycles --loads tma --persistent no``: the TMA producer's per-tile
+   latency; ``--constants wgmma_persistent_item_cycles --persistent yes``: a persistent block's cost per item).
 
 Grid: STOF's masks (causal, sliding, longformer, bigbird) x B {1, 8, 16} x S {128 .. 4096}, H=12, D=64, fp16,
 plus masks where gathering rows should win (random 1% and 0.1%, dilated) at B=8, S {1024, 4096}.
@@ -350,21 +350,20 @@ def fit(args) -> None:
 
 
 WGMMA_CONSTANTS = ("wgmma_attn_tc_eff", "wgmma_softmax_ops", "wgmma_mask_ops", "wgmma_tile_cycles",
-                   "wgmma_item_cycles", "wgmma_stage_gain", "wgmma_tma_tile_cycles")
-WGMMA_BOUNDS = ((0.8, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), (1.5, 20.0, 60.0, 5000.0, 50000.0, 0.5, 5000.0))
+                   "wgmma_item_cycles", "wgmma_stage_gain", "wgmma_tma_tile_cycles", "wgmma_persistent_item_cycles")
+WGMMA_BOUNDS = ((0.8, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), (1.5, 20.0, 60.0, 5000.0, 50000.0, 0.5, 5000.0, 50000.0))
 
 
 def wgmma_timings(paths) -> list[tuple[dict, float]]:
     """``[(row, ms)]``: the checked wgmma timings of bench_attention JSON files built from the current tree
-    (rows of ``variant`` builds, persistent grids and key-padded builds left out: the model does not price the
-    padding predicate), repeated measurements of one case averaged. Configurations without a loads field ran
-    cp.async."""
+    (rows of ``variant`` builds and key-padded builds left out: the model does not price the padding predicate),
+    repeated measurements of one case averaged. Configurations without a consumers field ran two, without a
+    loads field cp.async."""
     cases: dict[tuple, list] = {}
     for path in paths:
         for r in json.loads(Path(path).read_text())["results"]:
             variant = r.get("variant") or "x" not in r["module"].rsplit("_", 1)[-1]   # e.g. ..._order80670e1
-            if (r["kind"] != "time" or r["family"] != "wgmma" or not r["ok"] or variant or r["config"][3]
-                    or r.get("padding")):
+            if r["kind"] != "time" or r["family"] != "wgmma" or not r["ok"] or variant or r.get("padding"):
                 continue
             config = tuple(r["config"]) + ((2,) if len(r["config"]) == 4 else ()) + (
                 ("cp.async",) if len(r["config"]) < 6 else ())
@@ -398,7 +397,10 @@ def fit_wgmma(args) -> None:
         raise SystemExit(f"--constants: unknown {sorted(unknown)}; choose among {WGMMA_CONSTANTS}")
     timings = wgmma_timings(args.json)
     if args.loads:
-        timings = [(row, ms) for row, ms in timings if (row["config"] + ["cp.async"])[5] == args.loads]
+        timings = [(row, ms) for row, ms in timings
+                   if (row["config"][5] if len(row["config"]) > 5 else "cp.async") == args.loads]
+    if args.persistent is not None:
+        timings = [(row, ms) for row, ms in timings if row["config"][3] == (args.persistent == "yes")]
     cases = [(_wgmma_case(row), ms) for row, ms in timings]
     masks = [row["mask"] for row, _ in timings]
     picked = [WGMMA_CONSTANTS.index(k) for k in names]
@@ -449,6 +451,7 @@ def main(argv=None) -> None:
     w.add_argument("--max-evals", type=int, default=200)
     w.add_argument("--constants", help="comma-separated wgmma_* constants to fit (default all; the others stay)")
     w.add_argument("--loads", choices=("cp.async", "tma"), help="only the timings of these loads")
+    w.add_argument("--persistent", choices=("yes", "no"), help="only the persistent (or one-block-per-item) grids")
     args = parser.parse_args(argv)
     {"build": build, "run": run, "fit": fit, "fit-wgmma": fit_wgmma}[args.step](args)
 

@@ -21,8 +21,11 @@ For one attention problem (shapes, dtype, mask) every candidate ``(kind, config)
   per work item (Q load, the first ``S`` and last ``P V`` that nothing overlaps, the stores). Fitted on causal, dense
   and sparse masks (:func:`scripts.calibrate_model.fit_wgmma`), with ``wgmma_mask_ops`` its extra cost per element
   of a partial tile.
-  Persistent grids are not candidates: on the H200 they never ran faster (s7causal: 1.218 vs 1.000 ms causal D64,
-  2.016 vs 2.007 D128), and neither are non-ping-pong ones (never timed).
+  A persistent grid (``persistent``) is priced per block of its static walk (:func:`_persistent_sums`), with
+  ``wgmma_persistent_item_cycles`` per item; its blocks keep one residue of the unit index at D64 (132 blocks,
+  11-unit heads), so a causal mask's partial tiles pile up on some of them, as measured (s7causal: 1.218 vs 1.000
+  ms causal D64; the model: 1.19 vs 1.03). Persistent grids are not candidates yet, and neither are non-ping-pong
+  ones (never timed).
 - **row-wise** (:class:`~stof_tvm.schedules.attention_rowwise.RowConfig`): ``rows_per_block`` query rows per
   thread block, ``key_groups * keys_per_step`` key slots per loop step. Work counts key *slots* (padding of
   the last step included) at CUDA-core rates, latency counts the block's longest row in steps, and L2
@@ -43,6 +46,7 @@ from ..schedules.attention_blockwise import SUPPORTED_HEAD_DIMS as BLOCK_HEAD_DI
 from ..schedules.attention_blockwise import BlockConfig
 from ..schedules.attention_rowwise import SUPPORTED_HEAD_DIMS as ROW_HEAD_DIMS
 from ..schedules.attention_rowwise import RowConfig, cuda_config_fits, cuda_lanes
+from ..schedules.attention_wgmma import PERSISTENT_GRID as WGMMA_PERSISTENT_GRID
 from ..schedules.attention_wgmma import REGISTERS as WGMMA_REGISTERS
 from ..schedules.attention_wgmma import SUPPORTED_DTYPES as WGMMA_DTYPES
 from ..schedules.attention_wgmma import SUPPORTED_HEAD_DIMS as WGMMA_HEAD_DIMS
@@ -354,14 +358,40 @@ def _wgmma_work(problem: AttentionProblem, config: WgmmaAttentionConfig, cal: Ca
     threads = (config.consumers + 1) * _WARPGROUP
     producer, consumer = WGMMA_REGISTERS[config.consumers]
     launch_registers = (producer + config.consumers * consumer) // (config.consumers + 1)   # before setmaxnreg
+    l2_bytes = float((count * per_block_l2).sum())
+    items = np.ones_like(tiles)
+    item_cycles = cal.wgmma_item_cycles
+    if config.persistent:                   # one block per SM walking its share of the items (same tiles, same L2)
+        tiles, part, items = (_persistent_sums(problem, a.reshape(full2d.shape), WGMMA_PERSISTENT_GRID)
+                              for a in (tiles, part, items))
+        count, order, item_cycles = np.ones_like(tiles), None, cal.wgmma_persistent_item_cycles
     return KernelWork(
         name=str(AttentionCandidate("wgmma", config)), threads=threads, smem_bytes=config.shared_bytes(d),
         regs_per_thread=launch_registers, count=count,
         tc_flops=tiles * 4.0 * bm * bn * d * (cal.tc_eff / cal.wgmma_attn_tc_eff),
         cuda_ops=(tiles * cal.wgmma_softmax_ops / (config.consumers - 1) + part * cal.wgmma_mask_ops) * bm * bn,
-        latency_cycles=tiles * tile_cycles * pipeline + cal.wgmma_item_cycles,
-        dram_bytes=problem.dram_floor_bytes() + format_bytes,
-        l2_bytes=float((count * per_block_l2).sum()), useful_flops=problem.useful_flops, order=order)
+        latency_cycles=tiles * tile_cycles * pipeline + items * item_cycles,
+        dram_bytes=problem.dram_floor_bytes() + format_bytes, l2_bytes=l2_bytes, useful_flops=problem.useful_flops,
+        order=order)
+
+
+def _persistent_sums(problem: AttentionProblem, per_row: np.ndarray, sm_count: int) -> np.ndarray:
+    """Per block of the persistent grid, the sum of ``per_row`` (``[mask groups, tile rows]``) over the work items
+    it walks: :func:`~stof_tvm.schedules.attention_wgmma.block_work_item`'s static walk (block ``bx`` takes units
+    ``bx, bx + grid, ...``; a unit is one head's tile rows ``TR-1-k`` and ``k - TR % 2``, the latter absent when
+    negative)."""
+    tile_rows = per_row.shape[1]
+    half = -(-tile_rows // 2)
+    heads = problem.batch * problem.heads
+    grid = min(heads * half, sm_count)
+    unit = np.arange(heads * half)
+    head, k = unit // half, unit % half
+    b, h = head // problem.heads, head % problem.heads
+    mb, mh = problem.mask.mask_batch, problem.mask.mask_heads
+    group = (b % mb) * mh + h % mh
+    second = k - tile_rows % 2
+    work = per_row[group, tile_rows - 1 - k] + np.where(second >= 0, per_row[group, np.maximum(second, 0)], 0.0)
+    return np.bincount(unit % grid, weights=work, minlength=grid)
 
 
 def _split_kv(problem: AttentionProblem, config: BlockConfig, full2d: np.ndarray, part2d: np.ndarray,
