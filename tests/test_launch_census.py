@@ -120,6 +120,25 @@ def test_row_scan_kernel_runs_on_cpu_threads(rows, length, tmp_path):
     np.testing.assert_array_equal(got, np.cumsum(x, axis=1))
 
 
+def _compile_keeping_front(path, **options):
+    """``stof_tvm.compile(path, **options)`` with the front end it built kept as ``art._front`` (the module the
+    whole-graph rewrites start from): one import and attention rewrite of the model per test, not a second
+    ``front_end`` call with the same arguments."""
+    import stof_tvm.compiler as compiler
+
+    plain, fronts = compiler.front_end, []
+
+    def keep(*args, **kwargs):
+        fronts.append(plain(*args, **kwargs))
+        return fronts[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiler, "front_end", keep)
+        art = stof_tvm.compile(path, **options)
+    (art._front,) = fronts
+    return art
+
+
 def _staged_model(art) -> CompiledModel:
     """``art`` (an llvm artifact) rebuilt with the whole-graph rewrites of a CUDA-graph build, and loaded with the
     runtime's fixed format tensors (and the row scan of the position ids on our kernel)."""
@@ -137,9 +156,7 @@ def test_staged_inputs_keep_the_call_exact(roberta, batch):
     from stof_tvm.models import hf_export as hx
 
     inputs = hx.example_inputs("roberta", batch, SEQ)
-    front = front_end(roberta, mask="bigbird", batch=batch, seq_len=SEQ, target="llvm", dtype="float32")
-    art = stof_tvm.compile(roberta, mask="bigbird", batch=batch, seq_len=SEQ, target="llvm", dtype="float32")
-    art._front = front
+    art = _compile_keeping_front(roberta, mask="bigbird", batch=batch, seq_len=SEQ, target="llvm", dtype="float32")
     (staged, mod), plain = _staged_model(art), art.load()
     assert staged.formats.static and not plain.formats.static
     assert any(gv.name_hint.startswith("stof_scan_rows") for gv, _ in mod.functions_items())    # the position ids
@@ -221,8 +238,7 @@ def test_staged_single_input_model_is_exact(hf_export):
     path = hf_export("vit", "eager", "torchscript", 17, True, 2, SEQ)
     inputs = hx.example_inputs("vit", 1, SEQ)
     tokens = hx.sequence_length("vit")
-    art = stof_tvm.compile(path, mask="dense", batch=1, seq_len=SEQ, target="llvm", dtype="float32")
-    art._front = front_end(path, mask="dense", batch=1, seq_len=SEQ, target="llvm", dtype="float32")
+    art = _compile_keeping_front(path, mask="dense", batch=1, seq_len=SEQ, target="llvm", dtype="float32")
     (staged, _), plain = _staged_model(art), art.load()
     out = staged(**inputs)["last_hidden_state"]
     np.testing.assert_array_equal(out, plain(**inputs)["last_hidden_state"])
