@@ -293,12 +293,15 @@ def block_work_item(bx, j, tile_rows: int, heads: int, grid: int, persistent: bo
     heaviest left with the lightest left: ``(TR-1-k, k)`` where the head has an even number ``TR`` of them, else
     ``TR-1`` alone and then ``(TR-1-k, k-1)``. On a causal mask every unit then holds the same tiles (``TR + 1``,
     or ``TR``), so the static walk stays balanced (round-robin over single rows gives blocks whose rows repeat
-    mod 4 up to 12% more tiles than the mean at 32 tile rows, 132 blocks)."""
+    mod 4 up to 12% more tiles than the mean at 32 tile rows, 132 blocks). Unit ``u`` of head ``u // half`` is
+    pair ``k = (u + u // half) % half``: rotated by the head, so that a block whose units are ``grid`` apart
+    does not meet the same ``k`` in every head when ``grid`` is a multiple of ``half`` (132 blocks, 11-unit heads
+    at D64 S4096: the same diagonal rows, with their partial tiles, on the same blocks)."""
     if not persistent:
         return True, bx // tile_rows, tile_rows - 1 - bx % tile_rows
     half = -(-tile_rows // 2)
     unit = bx + (j // 2) * grid
-    k = unit % half
+    k = (unit % half + unit // half) % half
     second = k - tile_rows % 2
     if isinstance(unit, int):
         return unit < heads * half and (j % 2 == 0 or second >= 0), unit // half, \

@@ -22,10 +22,10 @@ For one attention problem (shapes, dtype, mask) every candidate ``(kind, config)
   and sparse masks (:func:`scripts.calibrate_model.fit_wgmma`), with ``wgmma_mask_ops`` its extra cost per element
   of a partial tile.
   A persistent grid (``persistent``) is priced per block of its static walk (:func:`_persistent_sums`), with
-  ``wgmma_persistent_item_cycles`` per item; its blocks keep one residue of the unit index at D64 (132 blocks,
-  11-unit heads), so a causal mask's partial tiles pile up on some of them, as measured (s7causal: 1.218 vs 1.000
-  ms causal D64; the model: 1.19 vs 1.03). Persistent grids are not candidates yet, and neither are non-ping-pong
-  ones (never timed).
+  ``wgmma_persistent_item_cycles`` per item. Until session 9 its blocks kept one residue of the unit index at D64
+  (132 blocks, 11-unit heads), so a causal mask's partial tiles piled up on some of them, as measured (s7causal:
+  1.218 vs 1.000 ms causal D64; this pricing of that walk: 1.19 vs 1.03); the walk now rotates each head's units.
+  Persistent grids are not candidates yet, and neither are non-ping-pong ones (never timed).
 - **row-wise** (:class:`~stof_tvm.schedules.attention_rowwise.RowConfig`): ``rows_per_block`` query rows per
   thread block, ``key_groups * keys_per_step`` key slots per loop step. Work counts key *slots* (padding of
   the last step included) at CUDA-core rates, latency counts the block's longest row in steps, and L2
@@ -378,14 +378,15 @@ def _wgmma_work(problem: AttentionProblem, config: WgmmaAttentionConfig, cal: Ca
 def _persistent_sums(problem: AttentionProblem, per_row: np.ndarray, sm_count: int) -> np.ndarray:
     """Per block of the persistent grid, the sum of ``per_row`` (``[mask groups, tile rows]``) over the work items
     it walks: :func:`~stof_tvm.schedules.attention_wgmma.block_work_item`'s static walk (block ``bx`` takes units
-    ``bx, bx + grid, ...``; a unit is one head's tile rows ``TR-1-k`` and ``k - TR % 2``, the latter absent when
-    negative)."""
+    ``bx, bx + grid, ...``; unit ``u`` is head ``u // half``'s tile rows ``TR-1-k`` and ``k - TR % 2``, the latter
+    absent when negative, ``k = (u + u // half) % half``)."""
     tile_rows = per_row.shape[1]
     half = -(-tile_rows // 2)
     heads = problem.batch * problem.heads
     grid = min(heads * half, sm_count)
     unit = np.arange(heads * half)
-    head, k = unit // half, unit % half
+    head = unit // half
+    k = (unit % half + head) % half
     b, h = head // problem.heads, head % problem.heads
     mb, mh = problem.mask.mask_batch, problem.mask.mask_heads
     group = (b % mb) * mh + h % mh
