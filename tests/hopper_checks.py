@@ -35,6 +35,16 @@ def sm90_ptxas_report(src: str, tmp_path, arch: str = "sm_90") -> str:
     return proc.stderr
 
 
+def kernel_alone(src: str, name: str) -> str:
+    """TVM's CUDA source ``src`` cut down to its preamble (includes, types, device helpers: everything before the
+    first kernel) and kernel ``name``'s definition: what ptxas needs to report that kernel's registers, spills and
+    stack frame (figures per kernel, the same as in the whole module) without compiling the module's other
+    kernels."""
+    match = re.search(rf'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?{name}\([^)]*\)\s*\{{', src)
+    assert match, f"no definition of kernel {name}"
+    return src[:src.index('extern "C" __global__')] + src[match.start():src.index("\n}\n", match.end()) + 3]
+
+
 # ptxas notes that would each cost a wgmma kernel its overlap: C7514 / C7520 (wgmma serialised), C7508 (setmaxnreg
 # ignored), C7515
 OVERLAP_WARNINGS = re.compile(r"C75(14|08|15|20)")
