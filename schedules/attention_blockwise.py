@@ -45,12 +45,13 @@ from .attention_rowwise import check_score_bias
 from .key_padding import bit_words
 
 __all__ = ["BlockConfig", "default_block_config", "blockwise_attention_primfunc", "SUPPORTED_DTYPES",
-           "SUPPORTED_HEAD_DIMS", "OUT_LAYOUTS"]
+           "SUPPORTED_HEAD_DIMS", "OUT_LAYOUTS", "ROW_SUMS"]
 
 SUPPORTED_DTYPES = ("float16", "bfloat16")
 # Every multiple of 16 from 32 to 256: a k16 step of QK^T and two n8 tiles of PV per 16 channels.
 SUPPORTED_HEAD_DIMS = tuple(range(32, 257, 16))
 OUT_LAYOUTS = ("bhsd", "bshd")
+ROW_SUMS = ("mma", "fadd")       # BlockConfig.row_sums: P's row sums on the tensor cores or by float adds
 VIEW_ALIGN = 8           # Q/K/V may start at any multiple of 8 elements (16 bytes: the kernel's cp.async width)
 _LOG2E = 1.4426950408889634
 _FULL_MASK = 0xFFFFFFFF
@@ -88,6 +89,12 @@ class BlockConfig:
     ``min_blocks`` > 0 asks ptxas (``__launch_bounds__(threads, min_blocks)``) to fit that many blocks on an SM,
     i.e. at most ``65536 / (threads * min_blocks)`` registers a thread (it spills beyond); 0 leaves the register
     count to ptxas, whose choice moves with small code changes (96 or 122 for the same 64x32 kernel, nvcc 13).
+
+    ``row_sums`` is how the softmax's row sums of P are formed: ``"mma"`` on the tensor cores (P times a column
+    of ones, one more ``mma`` per k16 step, no float add per score and no quad reduction at the end) or
+    ``"fadd"`` (a float add per score, the four lanes of a row reduced once at the end). The first issues fewer
+    instructions per tile but needs more registers (ptxas: 169-184 instead of ~128 at 32x32 tiles, one warp);
+    the H200 ranks the two per configuration (session 7: 32x32x1x2 was 11-17% slower on the tensor cores).
     """
 
     block_m: int = 128
@@ -98,6 +105,7 @@ class BlockConfig:
     kv_splits: int = 1
     split_rows: int = 1
     min_blocks: int = 0
+    row_sums: str = "mma"
 
     @property
     def threads(self) -> int:
@@ -124,6 +132,8 @@ class BlockConfig:
             raise ValueError(f"BlockConfig.stages must be >= 2, got {self.stages}")
         if isinstance(self.min_blocks, bool) or not isinstance(self.min_blocks, int) or self.min_blocks < 0:
             raise ValueError(f"BlockConfig.min_blocks must be an int >= 0, got {self.min_blocks!r}")
+        if self.row_sums not in ROW_SUMS:
+            raise ValueError(f"BlockConfig.row_sums must be one of {ROW_SUMS}, got {self.row_sums!r}")
         if self.kv_splits > 1 and not self.heavy_first:
             raise ValueError("BlockConfig.kv_splits > 1 needs heavy_first=True (the split rows are the heavy ones)")
         if self.block_n * head_dim // 8 < self.threads:
@@ -373,11 +383,13 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     KV_ITERS, Q_ITERS = -(-BN * CPR // NT), BM * CPR // NT
     KV_EVEN = BN * CPR % NT == 0                  # else the last K/V copy pass runs on the first threads only
     M_ITERS = -(-MW_CHUNKS // NT)
+    VOTE_ITERS = -(-(MT * NJ) // 32)              # 16-byte bitmap chunks a lane reads for its warp's skip vote
     OUT_ITERS = MT * 16 * CPR // 32
     NW = cfg.num_warps
     HF = 1 if cfg.heavy_first else 0              # heavy_first: grid (B*H, TR) and in-kernel row selection
     HEAVY = cfg.heavy_first
     MIN_BLOCKS = cfg.min_blocks                   # > 0: __launch_bounds__(NT, MIN_BLOCKS)
+    MMA_SUMS = cfg.row_sums == "mma"              # P's row sums on the tensor cores (else a float add per score)
     SPLIT = cfg.kv_splits > 1                     # split-KV (heavy_first only): KS blocks on each of SR heavy rows
     KS, SR = cfg.kv_splits, min(cfg.split_rows, TR)
     GX, GY = (B * H, TR + (SR * (KS - 1) if SPLIT else 0)) if HF else (TR, B * H)
@@ -520,13 +532,11 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     q_base + T.Cast("uint32", swz(warp * (MT * 16) + mt * 16 + lane % 16, kk * 2 + lane // 16)))
 
     @T.macro
-    def issue_tile(tt, n_tiles, n_part_row, p0, f0, tx, b, h, k_base, v_base, m_base, k, v, part_indices,
-                   full_indices, part_bitmaps, lo, hi):
+    def issue_tile(tt, col, n_tiles, n_part_row, p0, tx, b, h, k_base, v_base, m_base, k, v, part_bitmaps, lo, hi):
         # cp.async of tile tt's K, V (rows >= Sk, or outside the batch row's kept key span [lo, hi), zero-filled:
-        # a zero-byte source reads no memory) and, for a partial tile, its bitmap words.
+        # a zero-byte source reads no memory) and, for a partial tile, its bitmap words; `col` is its key tile.
         if tt < n_tiles:
             slot: T.let = tt % ST
-            col: T.let = T.if_then_else(tt < n_part_row, part_indices[p0 + tt], full_indices[f0 + tt - n_part_row])
             for it in T.unroll(KV_ITERS):
                 if kv_copy_live(it, tx):
                     row: T.let = (it * NT + tx) // CPR
@@ -545,6 +555,11 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                                               ((it * NT + tx) * 2) % NJ]),
                                     16, T.uint32(16))
         T.ptx.cp.async_.commit_group()
+
+    def tile_col(tt, n_tiles, n_part_row, p0, f0, part_indices, full_indices):
+        # Key tile of the row's tt-th tile (partial tiles first); 0 past the block's last tile (never issued).
+        return T.if_then_else(tt < n_tiles, T.if_then_else(tt < n_part_row, part_indices[p0 + tt],
+                                                           full_indices[f0 + tt - n_part_row]), 0)
 
     @T.macro
     def kernel_body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, pad_range,
@@ -565,15 +580,18 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     s_acc = T.alloc_buffer((MT * NJ * 4,), "float32", scope="local")
                     o_acc = T.alloc_buffer((MT * ND * 4,), "float32", scope="local")
                     m_run = T.alloc_buffer((MT * 2,), "float32", scope="local")
-                    # Row sums of P, accumulated on the tensor cores as P times a column of ones (C fragment of
-                    # an m16n8 tile per m-tile: every column holds the sum of its row, rows g and g+8).
+                    # Row sums of P. MMA_SUMS: accumulated on the tensor cores as P times a column of ones (C
+                    # fragment of an m16n8 tile per m-tile: every column holds the sum of its row, rows g and g+8,
+                    # registers mt*4 + hh*2 (+1)); else the thread's share of rows g, g+8 (register mt*4 + hh*2),
+                    # by float adds, summed over the quad's four lanes at the end.
                     l_acc = T.alloc_buffer((MT * 4,), "float32", scope="local")
-                    red = T.alloc_buffer((4,), "float32", scope="local")
+                    red = T.alloc_buffer((4 if MMA_SUMS else 5,), "float32", scope="local")   # red[4]: a row's tile sum
                     word = T.alloc_buffer((2,), "uint32", scope="local")
                     if HAS_BIAS and not WIDE:
                         bias_reg = T.alloc_buffer((MT * 2 * NJ if STAGE else 1,), "uint32", scope="local")
                     rank = T.alloc_buffer((RI * 2,), "uint32", scope="local")
                     live = T.alloc_buffer((1,), "int32", scope="local")
+                    next_col = T.alloc_buffer((1,), "int32", scope="local")
                     before = T.alloc_buffer((1,), "int32", scope="local")
                     bh: T.let = bx * HF + by * (1 - HF)
                     b: T.let = bh // H
@@ -652,7 +670,6 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     # The thread's two bits in each bitmap word it reads, computed once (no shift per word).
                     bit_first: T.let = mask_bit(g, qd)
                     bit_second: T.let = T.shift_left(bit_first, T.uint32(1))
-                    bit_pair: T.let = T.bitwise_or(bit_first, bit_second)
                     q_base: T.let = T.cuda.cvta_generic_to_shared(T.address_of(smem[0]))
                     k_base: T.let = q_base + T.uint32(K_OFF)
                     v_base: T.let = q_base + T.uint32(V_OFF)
@@ -665,8 +682,13 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                     16, T.Cast("uint32", T.Select(qrow < SQ, 16, 0)))
                     T.ptx.cp.async_.commit_group()
                     for s in T.unroll(ST - 1):
-                        issue_tile(tile_at(t_first, s), t_end, n_part_row, p0, f0, tx, b, h, k_base, v_base,
-                                   m_base, k, v, part_indices, full_indices, part_bitmaps, lo, hi)
+                        issue_tile(tile_at(t_first, s), tile_col(tile_at(t_first, s), t_end, n_part_row, p0, f0,
+                                                                 part_indices, full_indices),
+                                   t_end, n_part_row, p0, tx, b, h, k_base, v_base, m_base, k, v, part_bitmaps, lo, hi)
+                    # The key tile of the next tile to issue, read one tile ahead: its global load is off the
+                    # path from each tile's barrier to the copies it issues.
+                    next_col[0] = tile_col(tile_at(t_first, ST - 1), t_end, n_part_row, p0, f0, part_indices,
+                                           full_indices)
                     for i in T.unroll(MT * ND * 4):
                         o_acc[i] = T.float32(0)
                     for i in T.unroll(MT * 2):
@@ -684,19 +706,23 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                         # which the copy of tile t+STAGES-1 now refills.
                         T.ptx.cp.async_.wait_group(ST - 2)
                         T.tvm_storage_sync("shared")
-                        issue_tile(t + ST - 1, t_end, n_part_row, p0, f0, tx, b, h, k_base, v_base, m_base,
-                                   k, v, part_indices, full_indices, part_bitmaps, lo, hi)
+                        issue_tile(t + ST - 1, next_col[0], t_end, n_part_row, p0, tx, b, h, k_base, v_base, m_base,
+                                   k, v, part_bitmaps, lo, hi)
+                        next_col[0] = tile_col(t + ST, t_end, n_part_row, p0, f0, part_indices, full_indices)
                         kv_off: T.let = T.Cast("uint32", (t % ST) * KV_BYTES)
-                        # A partial tile whose bitmap keeps nothing in this warp's rows is skipped by the warp.
+                        # A partial tile whose bitmap keeps nothing in this warp's rows is skipped by the warp. The
+                        # warp's rows own MT*NJ consecutive 16-byte chunks of the bitmap tile: lane l reads chunk l
+                        # (clamped: repeats are harmless), so the vote costs one 16-byte load a lane.
                         live[0] = 1
                         if t < n_part_row:
                             word[0] = T.uint32(0)
-                            for mt in T.unroll(MT):
-                                for hh in T.unroll(2):
-                                    for j in T.unroll(NJ):
-                                        word[0] = T.bitwise_or(word[0], mask_word(smem, t, warp, g, mt, hh, j))
-                            live[0] = T.cuda.any_sync(T.uint32(_FULL_MASK), T.Cast("int32", T.bitwise_and(
-                                word[0], bit_pair) != T.uint32(0)))
+                            for it in T.unroll(VOTE_ITERS):
+                                LD_SHARED_V4(b_frag[0], b_frag[1], b_frag[2], b_frag[3], m_base + T.Cast(
+                                    "uint32", (t % ST) * MW_BYTES + (warp * (MT * NJ)
+                                                                    + T.min(it * 32 + lane, MT * NJ - 1)) * 16))
+                                word[0] = T.bitwise_or(word[0], T.bitwise_or(T.bitwise_or(b_frag[0], b_frag[1]),
+                                                                             T.bitwise_or(b_frag[2], b_frag[3])))
+                            live[0] = T.cuda.any_sync(T.uint32(_FULL_MASK), T.Cast("int32", word[0] != T.uint32(0)))
                         if PAD:                 # a key tile outside the batch row's kept span is skipped too
                             tcol: T.let = T.if_then_else(t < n_part_row, part_indices[p0 + t],
                                                          full_indices[f0 + t - n_part_row])
@@ -797,13 +823,20 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                     EX2(red[3], m_run[mt * 2 + hh] * T.float32(SL) - red[2])
                                     red[3] = T.Select(raise_max, red[3], T.float32(1))
                                     m_run[mt * 2 + hh] = red[1]
+                                    if not MMA_SUMS:
+                                        red[4] = T.float32(0)
                                     for j in T.unroll(NJ):
                                         for e in T.unroll(2):
                                             EX2(s_acc[s_at(mt, j, hh * 2 + e)],
                                                 s_acc[s_at(mt, j, hh * 2 + e)] * T.float32(SL) - red[2])
+                                            if not MMA_SUMS:
+                                                red[4] = red[4] + s_acc[s_at(mt, j, hh * 2 + e)]
+                                    if not MMA_SUMS:
+                                        l_acc[mt * 4 + hh * 2] = l_acc[mt * 4 + hh * 2] * red[3] + red[4]
                                     if T.cuda.any_sync(T.uint32(_FULL_MASK), T.Cast("int32", raise_max)) != 0:
-                                        for e in T.unroll(2):
-                                            l_acc[mt * 4 + hh * 2 + e] = l_acc[mt * 4 + hh * 2 + e] * red[3]
+                                        if MMA_SUMS:
+                                            for e in T.unroll(2):
+                                                l_acc[mt * 4 + hh * 2 + e] = l_acc[mt * 4 + hh * 2 + e] * red[3]
                                         for dn in T.unroll(ND):
                                             for e in T.unroll(2):
                                                 o_acc[o_at(mt, dn, hh * 2 + e)] = \
@@ -814,10 +847,11 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                     for a in T.unroll(4):
                                         PACK(p_frag[mt * 4 + a], s_acc[s_at(mt, 2 * kk + a // 2, (a % 2) * 2 + 1)],
                                              s_acc[s_at(mt, 2 * kk + a // 2, (a % 2) * 2)])
-                                    MMA(l_acc[mt * 4], l_acc[mt * 4 + 1], l_acc[mt * 4 + 2], l_acc[mt * 4 + 3],
-                                        p_frag[mt * 4], p_frag[mt * 4 + 1], p_frag[mt * 4 + 2], p_frag[mt * 4 + 3],
-                                        ONES, ONES, l_acc[mt * 4], l_acc[mt * 4 + 1], l_acc[mt * 4 + 2],
-                                        l_acc[mt * 4 + 3])
+                                    if MMA_SUMS:
+                                        MMA(l_acc[mt * 4], l_acc[mt * 4 + 1], l_acc[mt * 4 + 2], l_acc[mt * 4 + 3],
+                                            p_frag[mt * 4], p_frag[mt * 4 + 1], p_frag[mt * 4 + 2],
+                                            p_frag[mt * 4 + 3], ONES, ONES, l_acc[mt * 4], l_acc[mt * 4 + 1],
+                                            l_acc[mt * 4 + 2], l_acc[mt * 4 + 3])
                                 for dp in T.unroll(ND // 2):
                                     LDMATRIX_X4_TRANS(b_frag[0], b_frag[1], b_frag[2], b_frag[3],
                                                       v_base + kv_off + T.Cast("uint32", swz(
@@ -839,6 +873,9 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     for mt in T.unroll(MT):
                         for hh in T.unroll(2):
                             red[0] = l_acc[mt * 4 + hh * 2]
+                            if not MMA_SUMS:
+                                red[0] = red[0] + quad_xor(red[0], 1)
+                                red[0] = red[0] + quad_xor(red[0], 2)
                             red[1] = T.Select(red[0] > T.float32(0), T.float32(1) / red[0], T.float32(0))
                             if SPLIT:   # a split slice: normalised partial rows and their log2-sum-exp
                                 if split_block(n_heavy, by):

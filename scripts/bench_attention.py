@@ -45,6 +45,20 @@ s9attn --out out/s9attn``, then on the GPU machine (carry .devkit/runtime.tar.xz
         --json $OUT/s9attn.json --budget 60
 
 then ``calibrate_model.py fit-wgmma --json s9attn.json --constants wgmma_tma_tile_cycles --loads tma``.
+
+Plan ``s9sparse`` (:func:`plan_s9sparse`, 63 modules, 9.2 MB, ~13 min here with ``--jobs 1``: the block-wise
+kernel's row-sum forms, skip vote and key-tile prefetch on issue 16's sparse masks). The ``head`` variant is built
+from the tree before them, ``vote`` from a tree with the vote alone (the kernel file without the prefetch), then
+this tree's modules (merged)::
+
+    git archive d8cd128 | tar -x -C /tmp/s9head && ln -s ../schedules /tmp/s9head/stof_tvm/schedules &&
+    ln -s ../sparse_formats /tmp/s9head/stof_tvm/sparse_formats
+    python scripts/bench_attention.py build --plan s9sparse --out out/s9sparse --only-variant head \
+        --source-tree /tmp/s9head --source-commit d8cd128 --jobs 1      # and --only-variant vote, /tmp/s9vote
+    python scripts/bench_attention.py build --plan s9sparse --out out/s9sparse --jobs 1
+
+and on the GPU machine (carry .devkit/runtime.tar.xz, .devkit/bootstrap.sh, out/s9sparse) ``run --out
+out/s9sparse`` with ``--only check`` then ``--only time --skip-failed-in`` as for s9attn (budgets 20 + 65 s).
 """
 from __future__ import annotations
 
@@ -267,9 +281,13 @@ def plan_pick() -> list[dict]:
 
 
 def _config_tuple(config) -> tuple:
-    """A block configuration as a case's list: the five classic fields, plus the split-KV pair where it splits."""
+    """A block configuration as a case's list: the five classic fields, then the later ones up to the last one
+    that is not at its default (split-KV pair, ``min_blocks``, ``row_sums``)."""
     fields = (config.block_m, config.block_n, config.num_warps, config.stages, config.heavy_first)
-    return fields + ((config.kv_splits, config.split_rows) if config.kv_splits > 1 else ())
+    later = (config.kv_splits, config.split_rows, config.min_blocks, getattr(config, "row_sums", "mma"))
+    defaults = (1, 1, 0, "mma")
+    kept = max((i + 1 for i in range(len(later)) if later[i] != defaults[i]), default=0)
+    return fields + later[:kept]
 
 
 HEAD_DIM_CHECKS = (32, 80, 96, 192, 256)          # odd-stride rows (32, 80, 96); Q reloaded per tile (192, 256)
@@ -656,12 +674,13 @@ def plan_s9attn() -> list[dict]:
     return cases
 
 
-# s9sparse: issue 16's sparse shapes, each block configuration in three forms side by side: row sums of P on the
-# tensor cores (``mma``, the default since 65cc2c5) and by float adds (``fadd``, as before it), both with this
-# tree's one-load-a-lane skip vote, and the same mma configuration built from the tree before that vote
-# (``variant: head``). The configurations: the model's session-9 picks (32x32x1x2, 32x16x1x2), session 7's
-# measured best (32x32x2x2, with min_blocks 10: 96 registers, ten 2-warp blocks an SM), the 64x32x4x2 default with
-# min_blocks 5, and untried ones (32x16x2x2 and 32x32x2x3 at min_blocks 10: 94 / 96 registers, 0 spills).
+# s9sparse: issue 16's sparse shapes, each block configuration in up to four forms side by side: row sums of P on
+# the tensor cores (``mma``, the default since 65cc2c5) and by float adds (``fadd``, as before it), both with this
+# tree's one-load-a-lane skip vote and key tiles read one tile ahead, and the same mma configuration built from
+# the tree before both (``variant: head``) and with the vote only (``variant: vote``, D64). The configurations:
+# the model's session-9 picks (32x32x1x2, 32x16x1x2), session 7's measured best (32x32x2x2, with min_blocks 10:
+# 96 registers, ten 2-warp blocks an SM), the 64x32x4x2 default with min_blocks 5, and untried ones (32x16x2x2 and
+# 32x32x2x3 at min_blocks 10: 94 / 96 registers, 0 spills).
 S9S_D64 = (((32, 32, 1, 2, True), True), ((32, 32, 1, 2, False), True), ((32, 16, 1, 2, True), True),
            ((32, 32, 2, 2, True), True), ((32, 32, 2, 2, True, 1, 1, 10), True),
            ((32, 16, 2, 2, True, 1, 1, 10), False), ((64, 32, 4, 2, True, 1, 1, 5), True),
@@ -678,8 +697,8 @@ def _with_row_sums(config: tuple, row_sums: str) -> tuple:
 
 def plan_s9sparse() -> list[dict]:
     """Issue 16's sparse goals (sliding, Longformer, BigBird at B16 H12 S4096 D64 fp16 <= 0.133 ms), one short run
-    (< 90 s with ``--budget 85``): every S9S_D64 configuration on the three masks in its three forms (``mma``,
-    ``fadd``, and ``variant: head`` where built), then D128 B4 H16 S8192 (S9S_D128, the same three forms). Checks
+    (< 90 s with ``--budget 85``): every S9S_D64 configuration on the three masks in its forms (``mma``, ``fadd``,
+    and ``variant: head`` / ``vote`` where built), then D128 B4 H16 S8192 (S9S_D128; mma, fadd, head). Checks
     first (S=1000 and 1024, Q scaled by 8): both row-sum forms with the new vote on shared masks, per-head random
     masks with empty rows (warps whose rows keep nothing in a partial tile), device key padding, bf16 D128 and
     split-KV. Each timed case carries the model's block pick (``model_pick``)."""
@@ -706,7 +725,8 @@ def plan_s9sparse() -> list[dict]:
                                    mask=MaskProfile(build_mask(recipe, batch, heads, seq, 0)))
         pick = str(decide_attention(problem, kinds=("block",)).best.candidate)
         base = _case("time", "block", recipe, batch, heads, seq, head_dim, "float16", config)
-        forms = [dict(base, variant="head")] if with_head else []
+        forms = [dict(base, variant=name) for name in (("head", "vote") if head_dim == 64 else ("head",))
+                 if with_head]
         for row_sums in ("mma", "fadd"):
             forms.append(_case("time", "block", recipe, batch, heads, seq, head_dim, "float16",
                                _with_row_sums(config, row_sums)))
@@ -1086,6 +1106,40 @@ def print_variants(timed: list[dict]) -> None:
               + ("" if old["ok"] and (new is None or new["ok"]) else "  CHECK FAILED"))
 
 
+def print_row_sums(timed: list[dict]) -> None:
+    """Block cases of plan s9sparse: per mask, shape and configuration, the row sums of P on the tensor cores
+    (``mma``) and by float adds (``fadd``) in this tree, beside the mma form built from the tree before its skip
+    vote and key-tile prefetch (``head``) and with the vote only (``vote``); fastest first per mask and shape (a
+    failed check counts as NaN)."""
+    rows = {}
+    for r in timed:
+        if r["family"] != "block" or not (len(r["config"]) == 9 or r.get("variant") in ("head", "vote")):
+            continue
+        config = list(r["config"]) + [1, 1, 0, "mma"][len(r["config"]) - 5:]
+        form = r.get("variant") or config[8]
+        cfg = "x".join(str(x)[0] if isinstance(x, bool) else str(x) for x in config[:8])
+        key = (r["mask"], f"{r['batch']},{r['heads']},{r['seq']},{r['head_dim']}", cfg)
+        rows.setdefault(key, {})[form] = r["ms"] if r["ok"] else float("nan")
+    if not rows:
+        return
+
+    def fastest(forms):        # (ms, form) of the fastest form that passed its check
+        return min(((ms, form) for form, ms in forms.items() if ms == ms), default=(math.inf, "-"))
+
+    def ratio(forms, a, b):
+        return f"{forms[a] / forms[b]:.3f}" if a in forms and b in forms else "-"
+
+    print("\nrow sums of P: tensor cores (mma) vs float adds (fadd), this tree; head = mma before the one-load vote"
+          " and the key-tile prefetch, vote = with the vote only (ms; cfg BMxBNxwarpsxstagesxheavyxsplitsxrowsx"
+          "min_blocks)")
+    print(f"  {'mask':<10} {'B,H,S,D':<16} {'cfg':<22} {'head':>7} {'vote':>7} {'mma':>7} {'fadd':>7}  best   "
+          "fadd/mma mma/head")
+    for key, forms in sorted(rows.items(), key=lambda item: (item[0][:2], fastest(item[1]))):
+        cells = " ".join(f"{forms[f]:7.4f}" if f in forms else f"{'-':>7}" for f in ("head", "vote", "mma", "fadd"))
+        print(f"  {key[0]:<10} {key[1]:<16} {key[2]:<22} {cells}  {fastest(forms)[1]:<6} "
+              f"{ratio(forms, 'fadd', 'mma'):>8} {ratio(forms, 'mma', 'head'):>8}")
+
+
 def print_loads(timed: list[dict]) -> None:
     """wgmma cases timed with both loads (config field 6): TMA beside cp.async, same mask, shape and knobs."""
     by_key = {(r["mask"], r["batch"], r["seq"], r["head_dim"], str(r["config"][:5]), r["config"][5]): r
@@ -1270,6 +1324,7 @@ def run(args) -> None:
     print_model(timed)
     print_summary(timed)
     print_candidates(timed)
+    print_row_sums(timed)
     info["summary"] = summarize([r for r in runner.results if r["kind"] == "time" and "ms" in r])
     runner.save(info)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -326,6 +327,7 @@ def test_default_config():
     (dict(config=BlockConfig(64, 32, 4, 2, heavy_first=True, kv_splits=4, split_rows=0)), ValueError),
     (dict(config=BlockConfig(64, 32, 4, 2, min_blocks=-1)), ValueError),
     (dict(config=BlockConfig(64, 32, 4, 2, min_blocks=True)), ValueError),
+    (dict(config=BlockConfig(64, 32, 4, 2, row_sums="alu")), ValueError),
 ])
 def test_bad_arguments(kwargs, error):
     args = dict(batch=2, heads=4, seq_q=64, seq_k=64, head_dim=64, dtype="float16", mask_batch=1, mask_heads=1,
@@ -407,6 +409,32 @@ def test_min_blocks_bounds_the_registers_without_spills(config, registers, tmp_p
     assert_no_spills(report)
     used = int(re.search(r"Used (\d+) registers", report).group(1))
     assert used <= registers, report
+
+
+@pytest.mark.parametrize("config", [BlockConfig(32, 32, 2, 2, heavy_first=True, min_blocks=10),
+                                    BlockConfig(32, 16, 2, 2, heavy_first=True, kv_splits=4)])
+def test_row_sums_by_float_adds_build_without_spills(config, tmp_path):
+    """``row_sums="fadd"``: the tile loop sums P with float adds (no mma on a B operand of ones: MT * BN / 16
+    fewer mma per tile; each row's four quad partial sums reduced by two shuffles at the end) and both forms build
+    for sm_90 with 0 spills (within the launch bounds where ``min_blocks`` sets them); the CPU loop nest has one form
+    (float32 sums). Not every configuration: a word spills in the fadd form at 32x32x1x2 (ptxas's own choice of
+    168 registers) and 64x32x4x2 with min_blocks 5 (96 registers; the tensor-core form fits)."""
+    def source(row_sums):
+        func = blockwise_attention_primfunc(batch=4, heads=12, seq_q=2048, seq_k=2048, head_dim=64,
+                                            dtype="float16", mask_batch=1, mask_heads=1,
+                                            config=replace(config, row_sums=row_sums), target_kind="cuda")
+        return tvm.compile(func, target=CUDA).mod.imports[0].inspect_source()
+
+    mma, fadd = source("mma"), source("fadd")
+    assert source("mma") == mma and "(uint)1006648320" in mma and "(uint)1006648320" not in fadd
+    mt = config.m_tiles_per_warp
+    call = "tvm_builtin_ptx_mma_sync_aligned_m16n8k16_row_col_f32_f16_f16_f32("      # the kernel is unrolled
+    assert mma.count(call) - fadd.count(call) == mt * config.block_n // 16
+    assert fadd.count("__shfl_xor_sync(") == mma.count("__shfl_xor_sync(") + 4 * mt     # 2 rows per m-tile
+    for src in (mma, fadd):
+        report = sm90_ptxas_report(src, tmp_path)
+        assert_no_spills(report)
+        assert max(int(r) for r in re.findall(r"Used (\d+) registers", report)) <= config.register_limit, report
 
 
 @pytest.mark.parametrize("head_dim, out_layout, splits, rows, padding", [(64, "bshd", 16, 2, True),

@@ -36,12 +36,14 @@ _ROW_FORMAT = ("indptr", "indices")
 
 def _short(config: dict) -> dict:
     """Config fields under short names for task names (block_m -> bm, key_groups -> kg, ...); the split-KV
-    fields only where the config splits and ``min_blocks`` only where set, so other tasks keep the names they had
-    before those fields existed."""
+    fields only where the config splits, ``min_blocks`` only where set and ``row_sums`` only where not the tensor
+    cores' default, so other tasks keep the names they had before those fields existed."""
     if config.get("kv_splits", 1) == 1:
         config = {k: v for k, v in config.items() if k not in ("kv_splits", "split_rows")}
     if config.get("min_blocks", 0) == 0:
         config = {k: v for k, v in config.items() if k != "min_blocks"}
+    if config.get("row_sums", "mma") == "mma":
+        config = {k: v for k, v in config.items() if k != "row_sums"}
     return {"".join(part[0] for part in key.split("_")): value for key, value in config.items()}
 
 
@@ -134,7 +136,8 @@ def attention_tasks(problem: AttentionProblem, target, *, top_k: int = 8, hw: Ha
         kind, config = entry.candidate.kind, entry.candidate.config
         func, fixed = attention_workload(problem, kind, config, target_kind, scale)
         task = TuningTask(
-            name=f"{name}_{kind}_" + "_".join(f"{k}{int(v)}" for k, v in _short(asdict(config)).items()), func=func,
+            name=f"{name}_{kind}_" + "_".join(f"{k}{v if isinstance(v, str) else int(v)}"
+                                              for k, v in _short(asdict(config)).items()), func=func,
             predicted_s=[entry.time_s] if entry.time_s is not None else [], fixed_args=fixed, weight=weight,
             group=group,
             meta={"kind": kind, "config": asdict(config), "predicted_s": entry.time_s,
