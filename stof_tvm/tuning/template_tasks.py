@@ -83,7 +83,7 @@ def wgmma_tasks(template, shape: Mapping[str, int], dtype: str = "float16", *, t
         if key in seen:
             continue
         seen.add(key)
-        tag = "_".join(f"{k}{int(v)}" for k, v in knobs.items())
+        tag = "_".join(f"{k}{v.replace('.', '') if isinstance(v, str) else int(v)}" for k, v in knobs.items())
         time_s = predicted.get(json.dumps(knobs, sort_keys=True))
         tasks.append(TuningTask(
             name=f"{template.name}_{label}_{tag}", func=func, weight=weight,
