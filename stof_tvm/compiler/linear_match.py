@@ -23,9 +23,10 @@ WGMMA_TILES = {"m": 128, "n": 128, "k": 64}
 # ran 0.76 ms with mma.sync templates and 1.03 ms with wgmma, at 8x512 4.35 ms and 3.35 ms.
 WGMMA_MIN_TILES = 66
 # Whether a GEMM with fewer tiles still goes to wgmma where split-K (:func:`...schedules.templates.gemm_wgmma.
-# split_k_blocks`) launches WGMMA_MIN_TILES blocks or more: off until the H200 has timed the split-K kernels against
+# split_k_blocks`) launches SPLIT_K_MIN_BLOCKS blocks or more: off until the H200 has timed the split-K kernels against
 # the mma.sync templates at those shapes (scripts/bench_wgmma_small_k.py --plan s9splitk).
 SPLIT_K_GATE = False
+SPLIT_K_MIN_BLOCKS = WGMMA_MIN_TILES   # the fewest split-K blocks for which the gate sends a GEMM to wgmma
 
 
 def wgmma_misfit(m: int, n: int, k: int) -> str | None:
@@ -35,7 +36,7 @@ def wgmma_misfit(m: int, n: int, k: int) -> str | None:
     if misfit:
         return f"wgmma needs {', '.join(f'{key} % {WGMMA_TILES[key]} == 0' for key in misfit)}: mma.sync"
     tiles = (m // WGMMA_TILES["m"]) * (n // WGMMA_TILES["n"])
-    if tiles >= WGMMA_MIN_TILES or (SPLIT_K_GATE and split_k_blocks(m, n, k) >= WGMMA_MIN_TILES):
+    if tiles >= WGMMA_MIN_TILES or (SPLIT_K_GATE and split_k_blocks(m, n, k) >= SPLIT_K_MIN_BLOCKS):
         return None
     return f"{tiles} wgmma tiles fill too few SMs (< {WGMMA_MIN_TILES}): mma.sync"
 
