@@ -545,12 +545,13 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                                           acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1])
 
     @T.macro
-    def reduce_and_store(out, bias_buf, base, bx, cr, ct, sums, vals, remote, words):
+    def reduce_and_store(out, bias_buf, base, bx, cr, ct, sums, parts, remote, words):
         """split-K, after the cluster barrier: consumer thread ``ct`` (0-255) of cluster rank ``cr`` sums 4
         consecutive float32 columns of the tile over the cluster's ``SPLIT`` partial tiles (read from each block's
         shared memory through ``mapa``), always in rank order 0, 1, ... (the same sum whichever block computes it),
         then bias, activation, rounding and one 8-byte store. The ranks take turns over 256-chunk runs of the
-        tile's rows."""
+        tile's rows. A chunk's ``SPLIT`` remote reads are all issued (into ``parts``) before the sum, so their
+        latencies overlap."""
         m0: T.let = (tile_of(bx, 0) // GRID_N) * TM
         n0: T.let = (tile_of(bx, 0) % GRID_N) * BN
         for it in range(REDUCE_ROUNDS):
@@ -558,14 +559,16 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             if c < TILE_CHUNKS:
                 row: T.let = c // (BN // 4)
                 col: T.let = (c % (BN // 4)) * 4
-                for e in T.unroll(4):
-                    sums[e] = T.float32(0)
                 for s in T.unroll(SPLIT):
                     T.ptx["mapa.shared::cluster.u32"](remote[0], base + T.Cast("uint32", row * PARTIAL_ROW + col * 4),
                                                       T.uint32(s))
-                    T.ptx["ld.shared::cluster.v4.f32"](vals[0], vals[1], vals[2], vals[3], remote[0])
+                    T.ptx["ld.shared::cluster.v4.f32"](parts[s * 4], parts[s * 4 + 1], parts[s * 4 + 2],
+                                                       parts[s * 4 + 3], remote[0])
+                for e in T.unroll(4):
+                    sums[e] = T.float32(0)
+                for s in T.unroll(SPLIT):
                     for e in T.unroll(4):
-                        sums[e] = sums[e] + vals[e]
+                        sums[e] = sums[e] + parts[s * 4 + e]
                 for e in T.unroll(2):
                     PACK(words[e], epilogue_f32(sums[2 * e + 1], n0 + col + 2 * e + 1, bias_buf),
                          epilogue_f32(sums[2 * e], n0 + col + 2 * e, bias_buf))
@@ -639,8 +642,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             T.ptx["barrier.cluster.arrive.release"]()
             T.ptx["barrier.cluster.wait.acquire"]()
             if wg > 0:
-                vals = T.alloc_buffer((4,), "float32", scope="local")
-                reduce_and_store(out, bias_buf, base, bx, cr, tx - WG, acc, vals, flag, words)
+                parts = T.alloc_buffer((SPLIT * 4,), "float32", scope="local")
+                reduce_and_store(out, bias_buf, base, bx, cr, tx - WG, acc, parts, flag, words)
             T.ptx["barrier.cluster.arrive.release"]()
             T.ptx["barrier.cluster.wait.acquire"]()
 
