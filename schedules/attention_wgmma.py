@@ -166,25 +166,30 @@ class WgmmaAttentionConfig:
         return self.layout(head_dim)["end"] + ALIGN
 
 
-# The producer's loads in the default configuration, by (head dim, key padding): TMA where it was measured faster
-# and checked on the H200 (session 9, bench_attention.py plan s8tma, ms cp.async / TMA, B4 H16 S8192 D128: 64-key
-# tiles 4 stages causal 2.396 / 2.023, dense 4.559 / 3.811; persistent 128-key tiles causal 1.992 / 1.758, dense
-# 4.151 / 3.780); the key-padded kernel with TMA is not checked on a GPU yet (plan s9attn checks it).
-DEFAULT_LOADS = {(64, False): "cp.async", (64, True): "cp.async", (128, False): "tma", (128, True): "cp.async"}
+# The default configuration's producer loads and grid, by (head dim, key padding), from the H200 (session 9,
+# bench_attention.py plans s8tma and s9attn, every check passed: TMA with key padding, Q/K/V views, fresh tensors,
+# CUDA-graph replays). ms of s9attn, B16 H12 S4096 D64 / B4 H16 S8192 D128 (two timings: both, in run order):
+# D64 3 consumers causal cp.async 1.005/1.034, TMA 0.976/0.985, TMA persistent 1.156 (before the walk's rotation);
+# dense 1.653/1.727, 1.644/1.550, 1.843. D64 key-padded (2 consumers) causal 1.491, 1.433, persistent 1.348.
+# D128 causal 1.975/2.226, 1.982/1.947, persistent 1.853 (s8tma 1.758); dense 3.984/4.184, 3.690/3.583, persistent
+# 3.656 (s8tma 3.780); key-padded causal 2.307, 2.241, persistent 2.060.
+DEFAULT_LOADS = {(64, False): "tma", (64, True): "tma", (128, False): "tma", (128, True): "tma"}
+DEFAULT_PERSISTENT = {(64, False): False, (64, True): True, (128, False): True, (128, True): True}
 
 
 def default_config(head_dim: int, padding: bool = False) -> WgmmaAttentionConfig:
     """128-key tiles; as many ring stages as fit (2 at head dim 128, 3 at 64); three consumers at head dim 64
     unless the kernel applies key padding (``padding``: its column predicate makes three consumers spill); the
-    loads of :data:`DEFAULT_LOADS`.
+    loads and grid of :data:`DEFAULT_LOADS` and :data:`DEFAULT_PERSISTENT`.
 
     Three consumers at head dim 64 measured on the H200 (session 7, ``bench_attention.py`` plan ``s7causal``, B16 H12
     S4096): causal 1.000 ms against 1.103 with two, dense 1.800 against 1.968. At head dim 128 three consumers do not
     fit the registers; two stay."""
-    loads = DEFAULT_LOADS[head_dim, bool(padding)]
+    key = (head_dim, bool(padding))
+    knobs = dict(block_n=128, loads=DEFAULT_LOADS[key], persistent=DEFAULT_PERSISTENT[key])
     if head_dim == 64 and not padding:
-        return WgmmaAttentionConfig(block_n=128, stages=3, consumers=3, loads=loads)
-    return WgmmaAttentionConfig(block_n=128, stages=2 if head_dim == 128 else 3, loads=loads)
+        return WgmmaAttentionConfig(stages=3, consumers=3, **knobs)
+    return WgmmaAttentionConfig(stages=2 if head_dim == 128 else 3, **knobs)
 
 
 def _check_problem(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, out_layout):
@@ -293,15 +298,16 @@ def block_work_item(bx, j, tile_rows: int, heads: int, grid: int, persistent: bo
     heaviest left with the lightest left: ``(TR-1-k, k)`` where the head has an even number ``TR`` of them, else
     ``TR-1`` alone and then ``(TR-1-k, k-1)``. On a causal mask every unit then holds the same tiles (``TR + 1``,
     or ``TR``), so the static walk stays balanced (round-robin over single rows gives blocks whose rows repeat
-    mod 4 up to 12% more tiles than the mean at 32 tile rows, 132 blocks). Unit ``u`` of head ``u // half`` is
-    pair ``k = (u + u // half) % half``: rotated by the head, so that a block whose units are ``grid`` apart
-    does not meet the same ``k`` in every head when ``grid`` is a multiple of ``half`` (132 blocks, 11-unit heads
-    at D64 S4096: the same diagonal rows, with their partial tiles, on the same blocks)."""
+    mod 4 up to 12% more tiles than the mean at 32 tile rows, 132 blocks). Where ``grid`` is a multiple of the
+    units a head has (132 blocks, 11-unit heads: three consumers at D64 S4096) a block meets the same pair in
+    every head, so the edge row's partial tiles pile up on a few blocks (measured: persistent 1.156 vs 0.976 ms
+    causal); rotating each head's units (``k = (u + u // half) % half``) spreads them (bench_attention.py plan
+    s9attn's second build has it, not yet run on a GPU)."""
     if not persistent:
         return True, bx // tile_rows, tile_rows - 1 - bx % tile_rows
     half = -(-tile_rows // 2)
     unit = bx + (j // 2) * grid
-    k = (unit % half + unit // half) % half
+    k = unit % half
     second = k - tile_rows % 2
     if isinstance(unit, int):
         return unit < heads * half and (j % 2 == 0 or second >= 0), unit // half, \

@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stof_tvm.schedules.attention_blockwise import BlockConfig, blockwise_attention_primfunc
-from stof_tvm.schedules.attention_wgmma import (BLOCK_M, DEFAULT_LOADS, LOAD_CHOICES, REGISTERS, WgmmaAttentionConfig,
+from stof_tvm.schedules.attention_wgmma import (BLOCK_M, DEFAULT_LOADS, DEFAULT_PERSISTENT, LOAD_CHOICES, REGISTERS,
+                                                WgmmaAttentionConfig,
                                                 block_work_item, cpu_twin_primfunc, default_config,
                                                 fragment_position, grid_shape, mask_bit, mask_word,
                                                 wgmma_attention_primfunc)
@@ -37,9 +38,12 @@ def test_default_configs_fit_and_follow_the_head_dim():
         assert config.shared_bytes(head_dim) <= 227 * 1024
     assert default_config(128).stages == 2 and default_config(64).stages == 3
     assert default_config(64).consumers == 3 and default_config(128).consumers == 2
-    for (head_dim, padding), loads in DEFAULT_LOADS.items():          # the measured-faster producer, per head dim
-        assert default_config(head_dim, padding).loads == loads in LOAD_CHOICES
-    assert default_config(128).loads == "tma"
+    for (head_dim, padding), loads in DEFAULT_LOADS.items():          # the measured-faster producer and grid
+        config = default_config(head_dim, padding)
+        assert config.loads == loads in LOAD_CHOICES and config.persistent == DEFAULT_PERSISTENT[head_dim, padding]
+        config.validate(head_dim)
+    assert default_config(64).loads == default_config(128).loads == "tma"
+    assert default_config(128).persistent and not default_config(64).persistent and default_config(64, True).persistent
 
 
 @pytest.mark.parametrize("config, error", [

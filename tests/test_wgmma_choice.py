@@ -67,14 +67,15 @@ def test_wgmma_candidates_exist_on_hopper_only():
     for head_dim, consumers, widths in ((64, {2, 3}, {128}), (128, {2}, {64, 128})):
         configs = [c.config for c in wgmma_candidates(head_dim, H200)]
         assert configs[0] == default_config(head_dim) and len(set(configs)) == len(configs)
-        assert all(not c.persistent and c.pingpong for c in configs)      # what was measured faster
+        assert all(c.pingpong and c.loads == "tma" for c in configs)      # what was measured faster
+        assert {c.consumers for c in configs if c.persistent} == {2}        # persistent: measured with two
         assert {c.consumers for c in configs} == consumers and {c.block_n for c in configs} == widths
 
 
 def test_padded_calls_run_two_consumers():
     """With the key padding's predicate three consumers spill, so a padded call takes two at head dim 64."""
     padded = [c.config for c in wgmma_candidates(64, H200, padding=True)]
-    assert padded[0] == WgmmaAttentionConfig(block_n=128, stages=3, consumers=2)
+    assert padded[0] == WgmmaAttentionConfig(block_n=128, stages=3, consumers=2, persistent=True, loads="tma")
     assert {c.consumers for c in padded} == {2}
     kind, config, reason = decide_kernel(normalize_mask("causal", seq_q=4096), batch=16, heads=12, head_dim=64,
                                          dtype="float16", target_kind="cuda", target_arch="sm_90", padding=True)
@@ -120,14 +121,14 @@ def test_fitted_constants_predict_the_h200_timings(spec, shape, config, measured
 
 
 @pytest.mark.parametrize("spec, shape, config, cp_async_ms, tma_ms", [
-    ("causal", D64, WgmmaAttentionConfig(block_n=128, stages=4, consumers=3), 1.082, 1.019),
-    ("dense", D64, WgmmaAttentionConfig(block_n=128, stages=4, consumers=3), 1.797, 1.590),
-    ("causal", D128, WgmmaAttentionConfig(block_n=64, stages=4, consumers=2), 2.396, 2.023),
-    ("dense", D128, WgmmaAttentionConfig(block_n=64, stages=4, consumers=2), 4.559, 3.811),
+    ("causal", D64, WgmmaAttentionConfig(block_n=128, stages=3, consumers=3), 1.020, 0.980),
+    ("dense", D64, WgmmaAttentionConfig(block_n=128, stages=3, consumers=3), 1.690, 1.597),
+    ("causal", D128, WgmmaAttentionConfig(block_n=128, stages=2, consumers=2), 2.100, 1.964),
+    ("dense", D128, WgmmaAttentionConfig(block_n=128, stages=2, consumers=2), 4.084, 3.636),
 ])
 def test_tma_loads_are_priced_faster_as_measured(spec, shape, config, cp_async_ms, tma_ms):
-    """The TMA producer's per-tile latency (``wgmma_tma_tile_cycles``): each TMA timing of session 9's s8tma run
-    within 10%, and below the same configuration's cp.async prediction."""
+    """The TMA producer's per-tile latency (``wgmma_tma_tile_cycles``): the mean TMA timing of session 9's s9attn
+    run (two timings each; cp.async beside) within 10%, and below the same configuration's cp.async prediction."""
     problem = AttentionProblem.build(spec, batch=shape["batch"], heads=shape["heads"], seq_len=shape["seq"],
                                      head_dim=shape["head_dim"])
 
@@ -220,21 +221,14 @@ def test_persistent_pricing_follows_the_kernels_static_walk(batch, heads, seq, h
     np.testing.assert_allclose(_persistent_sums(problem, tiles, PERSISTENT_GRID), walked)
 
 
-def test_persistent_blocks_share_the_partial_tiles_evenly():
-    """Causal D64 B16 H12 S4096 (three consumers: 22 tile rows, 11 units a head, 132 blocks): each block's units are
-    rotated per head, so the diagonal's partial tiles spread over the blocks (without the rotation every block met
-    one ``k`` in every head: up to 2.7x the mean, and s7causal measured the persistent grid 1.218 ms against 1.000);
-    the model then prices the persistent grid no slower than one block per item."""
-    from stof_tvm.cost_model.attention import _persistent_sums
-    from stof_tvm.schedules.attention_wgmma import PERSISTENT_GRID
-
+def test_persistent_d64_causal_is_priced_slower_as_measured():
+    """Causal D64 B16 H12 S4096, three consumers (22 tile rows, 11 units a head, 132 blocks: each block meets one
+    pair of tile rows in every head, the edge row's 32 partial tiles on 12 blocks): the persistent grid measured
+    1.218 ms against 1.000 one block per item (s7causal; s9attn with TMA 1.156 vs 0.976), and is priced slower."""
     problem = AttentionProblem.build("causal", batch=16, heads=12, seq_len=4096, head_dim=64)
-    _, part = problem.mask.tile_counts(192, 128)
-    per_block = _persistent_sums(problem, part.astype(np.float64), PERSISTENT_GRID)
-    assert per_block.max() <= 1.2 * per_block.mean()     # the edge row's 32 partial tiles: in 1 or 2 units a block
 
     def ms(persistent):
-        config = WgmmaAttentionConfig(block_n=128, stages=3, consumers=3, persistent=persistent)
+        config = WgmmaAttentionConfig(block_n=128, stages=3, consumers=3, persistent=persistent, loads="tma")
         return predict(attention_work(problem, AttentionCandidate("wgmma", config)), H200).time_s * 1e3
 
-    assert ms(True) <= ms(False)
+    assert ms(True) > 1.1 * ms(False)

@@ -22,10 +22,12 @@ For one attention problem (shapes, dtype, mask) every candidate ``(kind, config)
   and sparse masks (:func:`scripts.calibrate_model.fit_wgmma`), with ``wgmma_mask_ops`` its extra cost per element
   of a partial tile.
   A persistent grid (``persistent``) is priced per block of its static walk (:func:`_persistent_sums`), with
-  ``wgmma_persistent_item_cycles`` per item. Until session 9 its blocks kept one residue of the unit index at D64
-  (132 blocks, 11-unit heads), so a causal mask's partial tiles piled up on some of them, as measured (s7causal:
-  1.218 vs 1.000 ms causal D64; this pricing of that walk: 1.19 vs 1.03); the walk now rotates each head's units.
-  Persistent grids are not candidates yet, and neither are non-ping-pong ones (never timed).
+  ``wgmma_persistent_item_cycles`` per item. With three consumers at D64 its blocks keep one residue of the unit
+  index (132 blocks, 11-unit heads), so a causal mask's partial tiles pile up on some of them, as measured
+  (s7causal: 1.218 vs 1.000 ms causal D64, s9attn 1.156 vs 0.976 with TMA; this pricing: 1.19 vs 1.03). Persistent
+  grids are candidates with two consumers (128-row tiles: measured faster in session 9, s9attn: D128 causal 1.853
+  vs 1.947-1.982 ms, key-padded D64 1.348 vs 1.433, D128 2.060 vs 2.241). Non-ping-pong grids are not candidates
+  (never timed).
 - **row-wise** (:class:`~stof_tvm.schedules.attention_rowwise.RowConfig`): ``rows_per_block`` query rows per
   thread block, ``key_groups * keys_per_step`` key slots per loop step. Work counts key *slots* (padding of
   the last step included) at CUDA-core rates, latency counts the block's longest row in steps, and L2
@@ -205,7 +207,8 @@ def wgmma_candidates(head_dim: int, hw: HardwareProfile = H200, padding: bool = 
     """The wgmma kernel's configurations for ``head_dim`` on ``hw`` (none off Hopper, compute capability 9.x, or
     at head dims it does not take): the default (:func:`~stof_tvm.schedules.attention_wgmma.default_config`)
     first, so that it wins ties, then 2 / 3 consumers x 64 / 128 keys x 2-5 ring stages that fit; ping-pong,
-    one block per work item, the default's loads (see the module docstring for what is left out and why). Left out because ptxas
+    the default's loads, one block per work item and, with two consumers, persistent (see the module docstring
+    for what is left out and why). Left out because ptxas
     builds them badly (nvcc 13.0, sm_90a): 64-key tiles at head dim 64 (C7508, setmaxnreg ignored) and, with
     ``padding``, three consumers (the padding predicate makes their 160 registers spill: 12-48 spill stores);
     with padding at head dim 64 the first is then two consumers."""
@@ -216,14 +219,15 @@ def wgmma_candidates(head_dim: int, hw: HardwareProfile = H200, padding: bool = 
     for consumers in ((2,) if padding else (3, 2)):
         for block_n in ((128,) if head_dim == 64 else (128, 64)):
             for stages in _WGMMA_STAGES:
-                config = WgmmaAttentionConfig(block_n=block_n, stages=stages, consumers=consumers,
-                                              loads=default.loads)
-                try:
-                    config.validate(head_dim)
-                except ValueError:
-                    continue
-                if config != default and config.shared_bytes(head_dim) <= hw.smem_per_block:
-                    out.append(config)
+                for persistent in (False, True) if consumers == 2 else (False,):
+                    config = WgmmaAttentionConfig(block_n=block_n, stages=stages, consumers=consumers,
+                                                  persistent=persistent, loads=default.loads)
+                    try:
+                        config.validate(head_dim)
+                    except ValueError:
+                        continue
+                    if config != default and config.shared_bytes(head_dim) <= hw.smem_per_block:
+                        out.append(config)
     return [AttentionCandidate("wgmma", c) for c in out]
 
 
@@ -379,14 +383,13 @@ def _persistent_sums(problem: AttentionProblem, per_row: np.ndarray, sm_count: i
     """Per block of the persistent grid, the sum of ``per_row`` (``[mask groups, tile rows]``) over the work items
     it walks: :func:`~stof_tvm.schedules.attention_wgmma.block_work_item`'s static walk (block ``bx`` takes units
     ``bx, bx + grid, ...``; unit ``u`` is head ``u // half``'s tile rows ``TR-1-k`` and ``k - TR % 2``, the latter
-    absent when negative, ``k = (u + u // half) % half``)."""
+    absent when negative, ``k = u % half``)."""
     tile_rows = per_row.shape[1]
     half = -(-tile_rows // 2)
     heads = problem.batch * problem.heads
     grid = min(heads * half, sm_count)
     unit = np.arange(heads * half)
-    head = unit // half
-    k = (unit % half + head) % half
+    head, k = unit // half, unit % half
     b, h = head // problem.heads, head % problem.heads
     mb, mh = problem.mask.mask_batch, problem.mask.mask_heads
     group = (b % mb) * mh + h % mh
