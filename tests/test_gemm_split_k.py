@@ -13,8 +13,8 @@ import pytest
 from stof_tvm.compiler import linear_match
 from stof_tvm.cost_model.templates import rank_template
 from stof_tvm.schedules.templates import cuda_source, get_template
-from stof_tvm.schedules.templates.gemm_wgmma import (SPLIT_K_MIN_STEPS, build_kernel, measured_order,
-                                                     split_k_blocks, split_k_tilings)
+from stof_tvm.schedules.templates.gemm_wgmma import (SPLIT_K_MAX_SHARE, SPLIT_K_MIN_STEPS, build_kernel,
+                                                     measured_order, split_k_blocks, split_k_tilings)
 from stof_tvm.schedules.templates.registry import H200
 from stof_tvm.schedules.templates.wgmma_kernel import BLOCK_K, WgmmaConfig, wgmma_gemm_primfunc
 
@@ -35,8 +35,9 @@ def _blocks(template, shape, knobs):
 @pytest.mark.parametrize("name, shape", SMALL)
 def test_split_k_sets_lead_where_the_tiles_leave_the_sms_idle(name, shape):
     """The first knob set of a GEMM whose first unsplit set has fewer tiles than half the SMs is split-K: one cluster
-    of ``split_k`` blocks per 128-row tile, each on an equal k slice of at least 2 steps, all in one wave; no other
-    split tiling gives a block less work (columns x k steps)."""
+    of ``split_k`` blocks per 128-row tile, each on an equal k slice of at least 3 steps, all in one wave (96 blocks
+    at most: what the H200 placed at once); no other split tiling gives a block less work (columns x k steps). These
+    are the sets measured fastest (--plan s9splitk)."""
     t = get_template(name)
     space = t.knob_space(shape, "float16")
     m, n, k = t.gemm_dims(shape)
@@ -49,7 +50,7 @@ def test_split_k_sets_lead_where_the_tiles_leave_the_sms_idle(name, shape):
     split, bn = first["split_k"], first["block_n"]
     steps = k // BLOCK_K
     assert steps % split == 0 and steps // split >= SPLIT_K_MIN_STEPS
-    assert _blocks(t, shape, first) == (m // 128) * (n // bn) * split <= H200.sm_count
+    assert _blocks(t, shape, first) == (m // 128) * (n // bn) * split <= SPLIT_K_MAX_SHARE * H200.sm_count == 96
     assert not first["persistent"] and not first["pingpong"] and not first.get("staged")
     work = lambda b, s: b * steps // s  # noqa: E731
     assert work(bn, split) == min(work(b, s) for b, s in split_k_tilings(m, n, k, H200.sm_count))
@@ -75,20 +76,22 @@ def test_large_gemms_keep_unsplit_sets_first(name, shape):
 
 def test_split_k_blocks_counts_what_the_knob_space_offers():
     """The compile path's gate counts the most blocks a split set launches: RoBERTa-base's QKV at 128 rows 18 tiles
-    x 6, its attention output 6 tiles x 6; none where the tiles alone would pass two waves."""
-    assert split_k_blocks(128, 2304, 768) == 108
-    assert split_k_blocks(128, 768, 768) == 36
+    x 4 (x 6 would leave 2 k steps a block), its attention output 6 tiles x 4; none where the tiles alone pass 96."""
+    assert split_k_blocks(128, 2304, 768) == 72
+    assert split_k_blocks(128, 768, 768) == 24
     assert split_k_blocks(128, 768, 3072) == 48          # 6 tiles x 8, the portable cluster size
     assert split_k_blocks(4096, 768, 3072) == 0
-    assert split_k_blocks(128, 768, 64) == 0             # one k step: nothing to split
+    assert split_k_blocks(128, 768, 128) == 0            # two k steps: nothing to split
 
 
-def test_the_gate_sends_split_k_gemms_to_wgmma_only_when_enabled(monkeypatch):
-    assert linear_match.wgmma_misfit(128, 2304, 768) is not None       # off: 18 tiles stay on mma.sync
-    monkeypatch.setattr(linear_match, "SPLIT_K_GATE", True)
-    assert linear_match.wgmma_misfit(128, 2304, 768) is None           # 108 split-K blocks
-    assert linear_match.wgmma_misfit(128, 768, 768) is not None        # 36 blocks: still too few
-    assert linear_match.wgmma_misfit(4096, 768, 768) is None
+def test_the_gate_sends_split_k_gemms_to_wgmma(monkeypatch):
+    """Measured faster than mma.sync at RoBERTa-base's four GEMMs at 128 rows (24-96 blocks): they go to wgmma;
+    without split-K (the flag off, or too few k steps) 18 tiles stay on mma.sync."""
+    for m, n, k in ((128, 2304, 768), (128, 3072, 768), (128, 768, 3072), (128, 768, 768), (4096, 768, 768)):
+        assert linear_match.wgmma_misfit(m, n, k) is None
+    assert "6 wgmma tiles" in linear_match.wgmma_misfit(128, 768, 128)
+    monkeypatch.setattr(linear_match, "SPLIT_K_GATE", False)
+    assert "18 wgmma tiles" in linear_match.wgmma_misfit(128, 2304, 768)
 
 
 @pytest.mark.parametrize("knobs, message", [
@@ -189,10 +192,11 @@ def test_first_knob_sets_follow_the_wave_order(name, shape, first):
 @pytest.mark.parametrize("name, shape", SMALL + [
     ("gemm_wgmma", {"m": 32768, "n": 768, "k": 3072}),
     ("qkv_projection_wgmma", {"batch": 16, "seq": 2048, "heads": 12, "head_dim": 64})])
-def test_tma_loads_by_default_except_the_qkv_256_row_tiles(name, shape):
-    """Every knob set names its loads: TMA (measured faster on the H200 at every GEMM knob set), cp.async for the
-    QKV projection's 256-row tiles (TMA measured slower at 32768 rows)."""
+def test_tma_loads_by_default_except_the_qkv_256_row_tiles_and_split_k(name, shape):
+    """Every knob set names its loads: TMA (measured faster on the H200 at every unsplit GEMM knob set), cp.async for
+    the QKV projection's 256-row tiles (TMA measured slower at 32768 rows) and the split-K sets (cp.async measured
+    faster at 128 and 512 rows)."""
     t = get_template(name)
     for kn in t.knob_space(shape, "float16"):
         tall_qkv = name == "qkv_projection_wgmma" and kn.get("block_m", 128) == 256
-        assert kn["loads"] == ("cp.async" if tall_qkv else "tma"), kn
+        assert kn["loads"] == ("cp.async" if tall_qkv or "split_k" in kn else "tma"), kn

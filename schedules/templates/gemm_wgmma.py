@@ -33,11 +33,12 @@ from one exp2 of a fitted polynomial, :mod:`.fast_gelu`, within 1e-5 / 3e-5 rela
 False: CUDA's ``erff`` / ``tanhf``). ``loads`` (``"tma"``: one producer thread issuing TMA boxes from tensor maps the
 host encodes at each call, :mod:`.wgmma_kernel`; or ``"cp.async"``, the default of knob sets without it) is named by
 every knob set of the space: TMA, measured faster on the H200 (:meth:`WgmmaKernelMixin.default_loads`), except the QKV
-projection's 256-row tiles. ``split_k`` (2-8 in the space, 12 and 16 too in a knob set; absent: 1) shares each 128-row tile's k steps between the blocks of one
-cluster, whose float32 partials are reduced through distributed shared memory before the epilogue
-(:mod:`.wgmma_kernel`): the split-K sets (:meth:`WgmmaKernelMixin.split_sets`, one wave of blocks) lead the space where
-the first unsplit set's tiles fill fewer than half the SMs (RoBERTa-base at 1 x 128 tokens: 6-24 tiles), else they
-follow it.
+projection's 256-row tiles and the split-K sets (cp.async). ``split_k`` (2-8 in the space, 12 and 16 too in a knob set; absent: 1) shares each 128-row
+tile's k steps between the blocks of one cluster, whose float32 partials are reduced through distributed shared memory
+before the epilogue (:mod:`.wgmma_kernel`): the split-K sets (:meth:`WgmmaKernelMixin.split_sets`, one wave of blocks)
+lead the space where the first unsplit set's tiles fill fewer than half the SMs (RoBERTa-base at 1 x 128 tokens: 6-24
+tiles, 24-96 blocks split, measured 1.17-1.60x faster than the mma.sync templates on the H200, ``--plan s9splitk``),
+else they follow it.
 
 Knob order (the first set is the untuned choice of the compile path): the staged sets come first, led by the ones the
 H200 measured fastest (:data:`MEASURED_FIRST`, 128 x 128 before 256 x 192 where the latter fills the SMs' waves worse:
@@ -58,8 +59,8 @@ from .gemm import GemmTemplate
 from .qkv import QKVTemplate
 from .registry import H200, Hardware, Template, register
 from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_M_CHOICES, BLOCK_N_CHOICES, CONSUMER_REGS, LAUNCH_REGISTERS,
-                           PINGPONG_TILE_M, PORTABLE_SPLIT_K, SPLIT_K_CHOICES, STAGE_CHOICES, THREADS, WgmmaConfig, check_wgmma_shape,
-                           wgmma_gemm_primfunc)
+                           PINGPONG_TILE_M, PORTABLE_SPLIT_K, SPLIT_K_CHOICES, STAGE_CHOICES, THREADS, WgmmaConfig,
+                           check_wgmma_shape, wgmma_gemm_primfunc)
 
 ARCH = "sm_90a"
 TALL_BLOCK_M = max(BLOCK_M_CHOICES)   # 256-row cooperative tiles: 128 rows per consumer warpgroup
@@ -87,7 +88,13 @@ SPLIT_K_OPS = 3.0
 # split-K sets lead the knob space where the first unsplit set's tiles fill fewer SMs than this share of the GPU
 # (the same half as the compile path's wgmma gate, :data:`stof_tvm.compiler.linear_match.WGMMA_MIN_TILES`)
 SPLIT_K_FILL = 0.5
-SPLIT_K_MIN_STEPS = 2    # k steps per block of a split at least: one step leaves the ring nothing to overlap
+# k steps per block of a split at least. H200, session 9 (--plan s9splitk): RoBERTa-base's QKV projection at 128 rows
+# ran 0.0069 ms in clusters of 4 (3 steps each) and 0.0112 ms in clusters of 6 (2 steps)
+SPLIT_K_MIN_STEPS = 3
+# Most blocks of a split-K launch, as a share of the SMs: a cluster's blocks must share a GPC, and the H200 ran 108
+# blocks in clusters of 6 and 128 in clusters of 8 1.6-1.7x slower than 72-96 in clusters of 4 (--plan s9splitk:
+# QKV at 128 rows, FFN down at 512 rows), as if in two waves; 96 blocks of 132 SMs
+SPLIT_K_MAX_SHARE = 96 / 132
 
 
 def wave_efficiency(m: int, n: int, block_m: int, block_n: int, sm_count: int) -> float:
@@ -110,13 +117,15 @@ def measured_order(m: int, n: int, sm_count: int) -> tuple:
 def split_k_tilings(m: int, n: int, k: int, sm_count: int):
     """The (block_n, split_k) pairs a split-K knob set of an m x n x k GEMM may take: 128-row tiles of block_n columns,
     ``split_k`` blocks (one cluster) per tile on k slices of :data:`SPLIT_K_MIN_STEPS` steps or more, all blocks in
-    one wave (tiles x split_k at most the SMs), clusters of the portable size (8) at most."""
+    one wave (tiles x split_k at most :data:`SPLIT_K_MAX_SHARE` of the SMs), clusters of the portable size (8) at
+    most."""
     steps = k // BLOCK_K
     for bn in BLOCK_N_CHOICES:
         tiles = (m // BLOCK_M) * (n // bn)
         for split in SPLIT_K_CHOICES[1:]:
-            if split <= PORTABLE_SPLIT_K and not (m % BLOCK_M or n % bn or k % BLOCK_K or steps % split or steps // split < SPLIT_K_MIN_STEPS
-                    or tiles * split > sm_count):
+            if split <= PORTABLE_SPLIT_K and not (m % BLOCK_M or n % bn or k % BLOCK_K or steps % split
+                                                  or steps // split < SPLIT_K_MIN_STEPS
+                                                  or tiles * split > SPLIT_K_MAX_SHARE * sm_count):
                 yield bn, split
 
 
@@ -200,12 +209,14 @@ class WgmmaKernelMixin:
         """How a knob set of the space loads its tiles: TMA (one producer thread, tensor maps), measured faster than
         cp.async on the H200 at every measured knob set of the GEMMs (session 9, ``--plan s8tma``: 4096 and 32768
         rows, 1.01-1.10x) and of the QKV projection at 128 x 128 tiles (1.07-1.09x). The QKV projection's 256 x 192
-        tiles keep cp.async: TMA measured slower there at 32768 rows (0.1949 against 0.1798 ms)."""
-        return "tma"
+        tiles keep cp.async: TMA measured slower there at 32768 rows (0.1949 against 0.1798 ms); so do the split-K
+        sets (``--plan s9splitk`` at 128 and 512 rows: cp.async 1.00-1.06x faster, the host's map encoding at each
+        call included)."""
+        return "cp.async" if knobs.get("split_k", 1) > 1 else "tma"
 
     def split_sets(self, shape, hw: Hardware = H200) -> list[dict]:
         """The split-K knob sets (``split_k`` blocks of one cluster per 128-row tile, each on its own k slice of at
-        least :data:`SPLIT_K_MIN_STEPS` steps; one wave: the tiles x splits fit the SMs), least work on a block first
+        least :data:`SPLIT_K_MIN_STEPS` steps; one wave: :func:`split_k_tilings`), least work on a block first
         (columns x k steps of its slice), then fewer splits (less reduction), then 4 stages (at most the slice's
         steps, 2 at least)."""
         m, n, k = self.gemm_dims(shape)
@@ -319,7 +330,8 @@ class WgmmaQKVTemplate(WgmmaKernelMixin, QKVTemplate):
                 "heads": tuple(shape[key] for key in ("batch", "seq", "heads", "head_dim"))}
 
     def default_loads(self, knobs) -> str:
-        return "cp.async" if knobs.get("block_m", BLOCK_M) == TALL_BLOCK_M else "tma"
+        tall = knobs.get("block_m", BLOCK_M) == TALL_BLOCK_M
+        return "cp.async" if tall else super().default_loads(knobs)
 
 
 register(WgmmaGemmTemplate(bias=False, act="none"))

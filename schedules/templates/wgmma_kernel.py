@@ -66,28 +66,28 @@ A third, ``fast_gelu`` (GELU activations with ``staged`` only): the staged epilo
 (:mod:`.fast_gelu`: 7 FMAs for erf, 10 for tanh) instead of CUDA's ``erff`` / ``tanhf``: about half the epilogue's
 instructions, within 1e-5 (erf) / 3e-5 (tanh) relative of the float64 GELU.
 
-A fourth, ``loads = "tma"`` (absent or ``"cp.async"``: the kernels above, byte for byte; the knob spaces' default
-since the H200 measured it faster, :mod:`.gemm_wgmma`): one thread of the producer warpgroup (the other 127 leave
-after ``setmaxnreg``) fills each slot with two TMA boxes (``cp.async.bulk.tensor.2d``), 64 columns x ``tile_m`` rows of A and 64 x ``block_n`` rows of W, from
-tensor maps in the same 128-byte swizzle (:func:`stof_tvm.schedules.tensor_maps.matrix_map`) that the host
-encodes from A's and W's device pointers at every call (TVM's ``runtime.cuTensorMapEncodeTiled``; ``const
-__grid_constant__ CUtensorMap`` kernel parameters, passed by value, so a CUDA graph replays the maps it captured
-with the pointers it captured). A slot's full mbarrier expects one arrival, the producer's
-``mbarrier.arrive.expect_tx`` of the slot's bytes, and completes when the copies have written them; the consumers
-drop their per-step ``fence.proxy.async``: the copy engine and wgmma both use the async proxy, and nothing writes
-the ring through the generic proxy.
+A fourth, ``loads = "tma"`` (absent or ``"cp.async"``: the kernels above, byte for byte; the knob spaces' default since
+the H200 measured it faster, :mod:`.gemm_wgmma`): one thread of the producer warpgroup (the other 127 leave after
+``setmaxnreg``) fills each slot with two TMA boxes (``cp.async.bulk.tensor.2d``), 64 columns x ``tile_m`` rows of A and
+64 x ``block_n`` rows of W, from tensor maps in the same 128-byte swizzle
+(:func:`stof_tvm.schedules.tensor_maps.matrix_map`) that the host encodes from A's and W's device pointers at every call
+(TVM's ``runtime.cuTensorMapEncodeTiled``; ``const __grid_constant__ CUtensorMap`` kernel parameters, passed by value,
+so a CUDA graph replays the maps it captured with the pointers it captured). A slot's full mbarrier expects one arrival,
+the producer's ``mbarrier.arrive.expect_tx`` of the slot's bytes, and completes when the copies have written them; the
+consumers drop their per-step ``fence.proxy.async``: the copy engine and wgmma both use the async proxy, and nothing
+writes the ring through the generic proxy.
 
-A fifth, ``split_k`` (2, 3, 4, 6, 8, and the non-portable cluster sizes 12 and 16; 1 by default, the kernels above byte for byte; cooperative 128-row tiles, not
-persistent, not staged): ``split_k`` blocks share each tile, one k slice of ``k / 64 / split_k`` steps each, launched
-as one thread-block cluster (TVM's ``clusterCtaIdx.x`` launch parameter: block ``bx`` is rank ``bx % split_k`` of
-tile ``bx // split_k``). After its main loop a block's consumers (after a named barrier: both off the ring) write
-their float32 fragments into shared memory over the ring (rows padded by 32 bytes), the cluster meets at
-``barrier.cluster`` (release / acquire), and each consumer thread then sums 4 adjacent columns of the tile over all
-the cluster's partial tiles (``mapa`` + ``ld.shared::cluster.v4.f32``, always in rank order 0, 1, ...: the same
-bits whichever block sums, so the result is deterministic), applies bias and activation, rounds and stores 8 bytes;
-the ranks take turns over runs of 256 chunks. A second cluster barrier keeps every block's shared memory alive
-until all have read it. Where a GEMM's tiles alone leave most SMs idle (RoBERTa-base at 1 x 128 tokens), the
-clusters fill them.
+A fifth, ``split_k`` (2, 3, 4, 6, 8, and the non-portable cluster sizes 12 and 16; 1 by default, the kernels above byte
+for byte; cooperative 128-row tiles, not persistent, not staged): ``split_k`` blocks share each tile, one k slice of ``k
+/ 64 / split_k`` steps each, launched as one thread-block cluster (TVM's ``clusterCtaIdx.x`` launch parameter: block
+``bx`` is rank ``bx % split_k`` of tile ``bx // split_k``). After its main loop a block's consumers (after a named
+barrier: both off the ring) write their float32 fragments into shared memory over the ring (rows padded by 32 bytes),
+the cluster meets at ``barrier.cluster`` (release / acquire), and each consumer thread then sums 4 adjacent columns of
+the tile over all the cluster's partial tiles (``mapa`` + ``ld.shared::cluster.v4.f32``, always in rank order 0, 1, ...:
+the same bits whichever block sums, so the result is deterministic), applies bias and activation, rounds and stores 8
+bytes; the ranks take turns over runs of 256 chunks. A second cluster barrier keeps every block's shared memory alive
+until all have read it. Where a GEMM's tiles alone leave most SMs idle (RoBERTa-base at 1 x 128 tokens), the clusters
+fill them.
 
 Shapes must tile exactly: m % tile_m, n % block_n and k % 64 all zero, and split_k must divide k / 64
 (:func:`check_wgmma_shape`). Build for

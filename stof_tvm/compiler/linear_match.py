@@ -22,11 +22,12 @@ WGMMA_TILES = {"m": 128, "n": 128, "k": 64}
 # 128-row tiles leave most SMs idle; measured on the H200 (BENCHMARKS.md, end to end): BERT-Base at 1x128 tokens
 # ran 0.76 ms with mma.sync templates and 1.03 ms with wgmma, at 8x512 4.35 ms and 3.35 ms.
 WGMMA_MIN_TILES = 66
-# Whether a GEMM with fewer tiles still goes to wgmma where split-K (:func:`...schedules.templates.gemm_wgmma.
-# split_k_blocks`) launches SPLIT_K_MIN_BLOCKS blocks or more: off until the H200 has timed the split-K kernels against
-# the mma.sync templates at those shapes (scripts/bench_wgmma_small_k.py --plan s9splitk).
-SPLIT_K_GATE = False
-SPLIT_K_MIN_BLOCKS = WGMMA_MIN_TILES   # the fewest split-K blocks for which the gate sends a GEMM to wgmma
+# A GEMM with fewer tiles still goes to wgmma where split-K (:func:`...schedules.templates.gemm_wgmma.split_k_blocks`)
+# launches SPLIT_K_MIN_BLOCKS blocks or more. H200, session 9 (scripts/bench_wgmma_small_k.py --plan s9splitk): at
+# RoBERTa-base's four GEMMs at 128 and 512 rows split-K beat the mma.sync templates the compile path ran, 1.13-2.28x,
+# down to the attention output at 128 rows (24 blocks: 0.0066 against 0.0077 ms)
+SPLIT_K_GATE = True
+SPLIT_K_MIN_BLOCKS = 24
 
 
 def wgmma_misfit(m: int, n: int, k: int) -> str | None:
