@@ -33,12 +33,12 @@ from one exp2 of a fitted polynomial, :mod:`.fast_gelu`, within 1e-5 / 3e-5 rela
 False: CUDA's ``erff`` / ``tanhf``). ``loads`` (``"tma"``: one producer thread issuing TMA boxes from tensor maps the
 host encodes at each call, :mod:`.wgmma_kernel`; or ``"cp.async"``, the default of knob sets without it) is named by
 every knob set of the space: TMA, measured faster on the H200 (:meth:`WgmmaKernelMixin.default_loads`), except the QKV
-projection's 256-row tiles and the split-K sets (cp.async). ``split_k`` (2-8 in the space, 12 and 16 too in a knob set; absent: 1) shares each 128-row
-tile's k steps between the blocks of one cluster, whose float32 partials are reduced through distributed shared memory
-before the epilogue (:mod:`.wgmma_kernel`): the split-K sets (:meth:`WgmmaKernelMixin.split_sets`, one wave of blocks)
-lead the space where the first unsplit set's tiles fill fewer than half the SMs (RoBERTa-base at 1 x 128 tokens: 6-24
-tiles, 24-96 blocks split, measured 1.17-1.60x faster than the mma.sync templates on the H200, ``--plan s9splitk``),
-else they follow it.
+projection's 256-row tiles and the split-K sets (cp.async). ``split_k`` (2-8 in the space, 12 and 16 too in a knob set;
+absent: 1) shares each 128-row tile's k steps between the blocks of one cluster, whose float32 partials are reduced
+through distributed shared memory before the epilogue (:mod:`.wgmma_kernel`): the split-K sets
+(:meth:`WgmmaKernelMixin.split_sets`, one wave of blocks) lead the space where the first unsplit set's tiles fill fewer
+than half the SMs (RoBERTa-base at 1 x 128 tokens: 6-24 tiles, 24-96 blocks split, measured 1.17-1.60x faster than the
+mma.sync templates on the H200, ``--plan s9splitk``), else they follow it.
 
 Knob order (the first set is the untuned choice of the compile path): the staged sets come first, led by the ones the
 H200 measured fastest (:data:`MEASURED_FIRST`, 128 x 128 before 256 x 192 where the latter fills the SMs' waves worse:
