@@ -44,6 +44,7 @@ from .mask_sources import plan_masks, score_bias
 from .onnx_import import TensorSpec, embedding_rows, import_onnx, load_model, output_names
 from .pipeline import build, fold_constant_casts, make_target, optimize, target_dict
 from .layout import fold_permute_pairs
+from .numpy_fold import fold_numpy
 from .record_calls import record_calls
 from .rewrite import rewrite_attention
 from .weight_storage import store_weights_float16, stored_values
@@ -205,7 +206,8 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     onnx_model = load_model(model)
     mod, inputs, weights = import_onnx(onnx_model, batch, seq_len)
     outputs = _output_specs(mod["main"], output_names(onnx_model))
-    mod = canonicalize(relax.transform.FoldConstant()(mod))       # one form of every exporter's spelling
+    # one form of every exporter's spelling; the folds TVM would build a kernel for each are done in numpy first
+    mod = canonicalize(relax.transform.FoldConstant()(fold_numpy(mod)))
     precision_note = None
     if dtype == "float16":
         mod, precision_note = _to_float16(mod)

@@ -16,6 +16,7 @@ from tvm import relax
 
 from .bool_access import scalar_bool_access
 from .gathers import gathers_injective
+from .numpy_fold import fold_numpy
 
 CUDA_DEFAULTS = {"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024,
                  "max_shared_memory_per_block": 232448}
@@ -71,6 +72,7 @@ def optimize(mod: tvm.IRModule, target: tvm.target.Target, database: str | None)
         from stof_tvm.records import open_database
 
         records = open_database(database).ms
+    mod = fold_numpy(mod)           # the constant calls the rewrites left, without a CPU kernel each
     with target, tvm.transform.PassContext(opt_level=3), records:   # MetaScheduleApplyDatabase reads both here
         passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), gathers_injective,
                   relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
