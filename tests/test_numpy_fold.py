@@ -125,6 +125,19 @@ def test_the_onnx_gather_on_a_shape_folds_like_fold_constant():
         _check_same_fold(gather, [x])
 
 
+def test_a_variable_bound_to_a_constant_folds_through():
+    """The importer binds some constants to variables (``lv = R.const(...)``): calls reading them fold too."""
+    bb = relax.BlockBuilder()
+    with bb.function("main", []):
+        with bb.dataflow():
+            bound = bb.emit(_const(np.arange(6, dtype="int64")))
+            out = bb.emit_output(bb.emit(relax.op.strided_slice(relax.op.add(bound, bound), [0], [1], [4])))
+        bb.emit_func_output(out)
+    folded = _result(fold_numpy(bb.get()))
+    assert isinstance(folded, tvm.ir.expr.Constant)
+    np.testing.assert_array_equal(folded.value.numpy(), [2, 4, 6])
+
+
 def test_take_out_of_range_is_left_to_tvm():
     mod = _module(lambda: relax.op.take(_const(np.arange(3, dtype="int64")), _const(np.array([3], "int64")),
                                         axis=0))
@@ -153,8 +166,10 @@ def test_where_take_and_casts_match_fold_constant(dtype):
     lambda c: relax.op.concat([c, c], axis=1),
     lambda c: relax.op.strided_slice(c, [0, 2], [1, 3], [2, 0], [1, -1]),
     lambda c: relax.op.strided_slice(c, [1], [0], [100], [2]),
+    lambda c: relax.op.strided_slice(c, [2], [1], [3]),
 ], ids=["reshape", "expand_dims", "squeeze", "broadcast_to", "permute_dims", "transpose", "concat",
-        "strided_slice_negative_step", "strided_slice_clamped"])
+        "strided_slice_negative_step", "strided_slice_clamped",
+        "strided_slice_no_strides"])
 def test_layout_ops_match_fold_constant(make):
     data = np.arange(24, dtype="float32").reshape(2, 3, 4)
     _check_same_fold(lambda: make(_const(data)))

@@ -116,17 +116,18 @@ class Take(Rule):
 
 
 class StridedSlice(Rule):
-    """``strided_slice(x, axes, begin, end, strides)`` with constant bounds: Python slicing, as TVM clamps."""
+    """``strided_slice(x, axes, begin, end[, strides])`` with constant bounds: Python slicing, as TVM clamps."""
     ops = ("relax.strided_slice",)
 
     def apply(self, call, args):
         data = args[0]
-        if not isinstance(data, np.ndarray) or len(call.args) != 5:
+        if not isinstance(data, np.ndarray):
             return None
         try:
-            axes, begin, end, strides = (_ints(a) for a in call.args[1:])
+            axes, begin, end, *strides = (_ints(a) for a in call.args[1:])
         except TypeError:
             return None
+        strides = strides[0] if strides else [1] * len(axes)
         index = [slice(None)] * data.ndim
         for axis, lo, hi, step in zip(axes, begin, end, strides):
             index[axis] = slice(lo, hi, step)
@@ -245,6 +246,8 @@ def fold_numpy(mod: tvm.IRModule) -> tvm.IRModule:
         def visit_var_binding_(self, binding):
             value = self.visit_expr(binding.value)
             folded = fold_call(value, self.values) if isinstance(value, relax.Call) else None
+            if folded is None and isinstance(value, tvm.ir.expr.Constant):      # a constant the import bound
+                folded = value
             if folded is None:
                 super().visit_var_binding_(binding)
                 return
