@@ -94,6 +94,12 @@ def test_division_matches_fold_constant(op, operands, floats):
     _check_same_fold(lambda: getattr(relax.op, op)(_const(a), _const(b)))
 
 
+def test_float_floor_divide_is_floor_of_the_quotient():
+    """TVM floors the rounded quotient: 1 // 0.1 is 10 there (numpy's floor_divide says 9)."""
+    _check_same_fold(lambda: relax.op.floor_divide(_const(np.array([1.0, 7.0], "float32")),
+                                                   _const(np.array([0.1, 0.7], "float32"))))
+
+
 def test_integer_division_by_zero_is_left_to_tvm():
     mod = _module(lambda: relax.op.divide(_const(np.array([4, 5], "int64")), _const(np.array([2, 0], "int64"))))
     assert isinstance(_result(fold_numpy(mod)), relax.Call)
