@@ -94,6 +94,15 @@ def test_division_matches_fold_constant(op, operands, floats):
     _check_same_fold(lambda: getattr(relax.op, op)(_const(a), _const(b)))
 
 
+@pytest.mark.parametrize("op", ["divide", "floor_divide"])
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+def test_integer_division_rounds_like_tvm(op, dtype):
+    """Every sign combination, exact and inexact: ``divide`` truncates, ``floor_divide`` floors."""
+    a = np.array([-7, 7, -7, 7, -6, 0, -1, 5], dtype)
+    b = np.array([2, -2, -2, 2, 3, -3, 4, -7], dtype)
+    _check_same_fold(lambda: getattr(relax.op, op)(_const(a), _const(b)))
+
+
 def test_float_floor_divide_is_floor_of_the_quotient():
     """TVM floors the rounded quotient: 1 // 0.1 is 10 there (numpy's floor_divide says 9)."""
     _check_same_fold(lambda: relax.op.floor_divide(_const(np.array([1.0, 7.0], "float32")),
