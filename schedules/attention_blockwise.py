@@ -532,11 +532,13 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     q_base + T.Cast("uint32", swz(warp * (MT * 16) + mt * 16 + lane % 16, kk * 2 + lane // 16)))
 
     @T.macro
-    def issue_tile(tt, col, n_tiles, n_part_row, p0, tx, b, h, k_base, v_base, m_base, k, v, part_bitmaps, lo, hi):
+    def issue_tile(tt, n_tiles, n_part_row, p0, f0, tx, b, h, k_base, v_base, m_base, k, v, part_indices,
+                   full_indices, part_bitmaps, lo, hi):
         # cp.async of tile tt's K, V (rows >= Sk, or outside the batch row's kept key span [lo, hi), zero-filled:
-        # a zero-byte source reads no memory) and, for a partial tile, its bitmap words; `col` is its key tile.
+        # a zero-byte source reads no memory) and, for a partial tile, its bitmap words.
         if tt < n_tiles:
             slot: T.let = tt % ST
+            col: T.let = T.if_then_else(tt < n_part_row, part_indices[p0 + tt], full_indices[f0 + tt - n_part_row])
             for it in T.unroll(KV_ITERS):
                 if kv_copy_live(it, tx):
                     row: T.let = (it * NT + tx) // CPR
@@ -555,11 +557,6 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                                               ((it * NT + tx) * 2) % NJ]),
                                     16, T.uint32(16))
         T.ptx.cp.async_.commit_group()
-
-    def tile_col(tt, n_tiles, n_part_row, p0, f0, part_indices, full_indices):
-        # Key tile of the row's tt-th tile (partial tiles first); 0 past the block's last tile (never issued).
-        return T.if_then_else(tt < n_tiles, T.if_then_else(tt < n_part_row, part_indices[p0 + tt],
-                                                           full_indices[f0 + tt - n_part_row]), 0)
 
     @T.macro
     def kernel_body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, pad_range,
@@ -591,7 +588,6 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                         bias_reg = T.alloc_buffer((MT * 2 * NJ if STAGE else 1,), "uint32", scope="local")
                     rank = T.alloc_buffer((RI * 2,), "uint32", scope="local")
                     live = T.alloc_buffer((1,), "int32", scope="local")
-                    next_col = T.alloc_buffer((1,), "int32", scope="local")
                     before = T.alloc_buffer((1,), "int32", scope="local")
                     bh: T.let = bx * HF + by * (1 - HF)
                     b: T.let = bh // H
@@ -682,13 +678,8 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                     16, T.Cast("uint32", T.Select(qrow < SQ, 16, 0)))
                     T.ptx.cp.async_.commit_group()
                     for s in T.unroll(ST - 1):
-                        issue_tile(tile_at(t_first, s), tile_col(tile_at(t_first, s), t_end, n_part_row, p0, f0,
-                                                                 part_indices, full_indices),
-                                   t_end, n_part_row, p0, tx, b, h, k_base, v_base, m_base, k, v, part_bitmaps, lo, hi)
-                    # The key tile of the next tile to issue, read one tile ahead: its global load is off the
-                    # path from each tile's barrier to the copies it issues.
-                    next_col[0] = tile_col(tile_at(t_first, ST - 1), t_end, n_part_row, p0, f0, part_indices,
-                                           full_indices)
+                        issue_tile(tile_at(t_first, s), t_end, n_part_row, p0, f0, tx, b, h, k_base, v_base,
+                                   m_base, k, v, part_indices, full_indices, part_bitmaps, lo, hi)
                     for i in T.unroll(MT * ND * 4):
                         o_acc[i] = T.float32(0)
                     for i in T.unroll(MT * 2):
@@ -706,9 +697,8 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                         # which the copy of tile t+STAGES-1 now refills.
                         T.ptx.cp.async_.wait_group(ST - 2)
                         T.tvm_storage_sync("shared")
-                        issue_tile(t + ST - 1, next_col[0], t_end, n_part_row, p0, tx, b, h, k_base, v_base, m_base,
-                                   k, v, part_bitmaps, lo, hi)
-                        next_col[0] = tile_col(t + ST, t_end, n_part_row, p0, f0, part_indices, full_indices)
+                        issue_tile(t + ST - 1, t_end, n_part_row, p0, f0, tx, b, h, k_base, v_base, m_base,
+                                   k, v, part_indices, full_indices, part_bitmaps, lo, hi)
                         kv_off: T.let = T.Cast("uint32", (t % ST) * KV_BYTES)
                         # A partial tile whose bitmap keeps nothing in this warp's rows is skipped by the warp. The
                         # warp's rows own MT*NJ consecutive 16-byte chunks of the bitmap tile: lane l reads chunk l

@@ -287,7 +287,7 @@ def _config_tuple(config) -> tuple:
     later = (config.kv_splits, config.split_rows, config.min_blocks, getattr(config, "row_sums", "mma"))
     defaults = (1, 1, 0, "mma")
     kept = max((i + 1 for i in range(len(later)) if later[i] != defaults[i]), default=0)
-    return fields + later[:kept]
+    return fields + later[:max(kept, 2) if kept else 0]             # the split-KV pair stays whole
 
 
 HEAD_DIM_CHECKS = (32, 80, 96, 192, 256)          # odd-stride rows (32, 80, 96); Q reloaded per tile (192, 256)
@@ -677,7 +677,8 @@ def plan_s9attn() -> list[dict]:
 # s9sparse: issue 16's sparse shapes, each block configuration in up to four forms side by side: row sums of P on
 # the tensor cores (``mma``, the default since 65cc2c5) and by float adds (``fadd``, as before it), both with this
 # tree's one-load-a-lane skip vote and key tiles read one tile ahead, and the same mma configuration built from
-# the tree before both (``variant: head``) and with the vote only (``variant: vote``, D64). The configurations:
+# the tree before both (``variant: head``) and with the vote only (``variant: vote``, D64; what the kernel is since
+# the session-9 run, which found the prefetch slower: scripts/NOTES_attention.md). The configurations:
 # the model's session-9 picks (32x32x1x2, 32x16x1x2), session 7's measured best (32x32x2x2, with min_blocks 10:
 # 96 registers, ten 2-warp blocks an SM), the 64x32x4x2 default with min_blocks 5, and untried ones (32x16x2x2 and
 # 32x32x2x3 at min_blocks 10: 94 / 96 registers, 0 spills).

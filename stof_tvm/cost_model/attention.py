@@ -39,7 +39,7 @@ configuration from the work really done.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -74,6 +74,11 @@ _KV_SPLITS = (4, 16)        # split-KV: thread blocks per split heavy row
 _MAX_SPLIT_ROWS = 4         # split-KV: heavy rows per (batch, head) split at most
 _MERGE_CYCLES_PER_SLICE = 40   # split-KV merge: per output element and slice (two loads, exp2, fma)
 _WGMMA_STAGES = (2, 3, 4, 5)
+# Launch-bound registers of the block-wise kernel at head dim 64: warps of one m16 tile on 16- or 32-key tiles (2 or
+# 4 warps) build with 0 spills at 96 registers (nvcc 13: ten 2-warp or five 4-warp blocks an SM; 80 spill), and the
+# H200 ran heavy-first 32x32x2x2 so on BigBird 0.196 ms vs 0.201 with ptxas's 116 (session 9, s9sparse). Offered
+# with the heavy-first order only: the default order was not measured bounded.
+_BOUNDED_REGISTERS = 96
 _WARPGROUP = 128
 _BASE_REGISTERS = 40        # addresses, loop counters, softmax row state beyond the fragments
 _VECTOR_BYTES = 16
@@ -152,7 +157,8 @@ class AttentionCandidate:
         if self.kind == "block":
             return (f"block BM={c.block_m} BN={c.block_n} warps={c.num_warps} stages={c.stages}"
                     + (" heavy-first" if c.heavy_first else "")
-                    + (f" split-KV {c.kv_splits}x{c.split_rows}" if c.kv_splits > 1 else ""))
+                    + (f" split-KV {c.kv_splits}x{c.split_rows}" if c.kv_splits > 1 else "")
+                    + (f" min_blocks {c.min_blocks}" if c.min_blocks else ""))
         if self.kind == "wgmma":
             return (f"wgmma consumers={c.consumers} BN={c.block_n} stages={c.stages}"
                     + (" persistent" if c.persistent else "") + (" TMA" if c.loads == "tma" else ""))
@@ -187,7 +193,21 @@ def block_candidates(head_dim: int, hw: HardwareProfile = H200,
                             continue
                         if config.shared_bytes(head_dim) <= hw.smem_per_block:
                             out.append(AttentionCandidate("block", config))
+                            bounded = _bounded(config, head_dim)
+                            if bounded is not None:
+                                out.append(AttentionCandidate("block", bounded))
     return out
+
+
+def _bounded(config: BlockConfig, head_dim: int) -> BlockConfig | None:
+    """``config`` under launch bounds that hold it to _BOUNDED_REGISTERS (``min_blocks``) where it is a heavy-first
+    shape known to fit there without spills and its own estimate is above; else None."""
+    if (head_dim != 64 or not config.heavy_first or config.m_tiles_per_warp != 1 or config.block_n > 32
+            or config.num_warps not in (2, 4)):
+        return None
+    if config.registers(head_dim) <= _BOUNDED_REGISTERS:
+        return None
+    return replace(config, min_blocks=65536 // (config.threads * _BOUNDED_REGISTERS))
 
 
 def row_candidates(head_dim: int, dtype: str, hw: HardwareProfile = H200) -> list[AttentionCandidate]:
@@ -480,8 +500,17 @@ def rank_attention(problem: AttentionProblem, hw: HardwareProfile = H200, cal: C
     ranked = [RankedCandidate(c, predict(attention_work(problem, c, cal), hw, cal)) for c in candidates]
     if not keep_infeasible:
         ranked = [r for r in ranked if r.prediction.feasible]
-    ranked.sort(key=lambda r: r.time_s)
+    ranked.sort(key=_rank_key)
     return ranked
+
+
+def _rank_key(ranked: RankedCandidate) -> tuple:
+    """Fastest predicted first. Where a shared bandwidth bound gives candidates the same time (sparse masks at
+    32-row tiles: the L2 or DRAM term), the smaller SM term goes first, then more co-resident warps (latency the
+    model's issue rate does not see; session 9 on the H200: 10 one-warp blocks an SM ran BigBird 0.240 ms, 10
+    two-warp ones 0.196)."""
+    terms = ranked.prediction.terms
+    return ranked.time_s, terms.get("sm_s", 0.0), -terms.get("resident", 0) * terms.get("threads", 0) / 32
 
 
 def choose_attention(problem: AttentionProblem, hw: HardwareProfile = H200,
