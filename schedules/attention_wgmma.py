@@ -172,9 +172,11 @@ class WgmmaAttentionConfig:
 # D64 3 consumers causal cp.async 1.005/1.034, TMA 0.976/0.985, TMA persistent 1.156 (before the walk's rotation);
 # dense 1.653/1.727, 1.644/1.550, 1.843. D64 key-padded (2 consumers) causal 1.491, 1.433, persistent 1.348.
 # D128 causal 1.975/2.226, 1.982/1.947, persistent 1.853 (s8tma 1.758); dense 3.984/4.184, 3.690/3.583, persistent
-# 3.656 (s8tma 3.780); key-padded causal 2.307, 2.241, persistent 2.060.
+# 3.656 (s8tma 3.780); key-padded causal 2.307, 2.241, persistent 2.060. With the walk's rotation (session 9 call
+# 14, same plan rebuilt, 42/42 checks): D64 3 consumers causal TMA 0.944/0.968, persistent 0.944; dense 1.741/1.728,
+# persistent 1.580; D128 causal 1.985/2.009, persistent 1.925.
 DEFAULT_LOADS = {(64, False): "tma", (64, True): "tma", (128, False): "tma", (128, True): "tma"}
-DEFAULT_PERSISTENT = {(64, False): False, (64, True): True, (128, False): True, (128, True): True}
+DEFAULT_PERSISTENT = {(64, False): True, (64, True): True, (128, False): True, (128, True): True}
 
 
 def default_config(head_dim: int, padding: bool = False) -> WgmmaAttentionConfig:
@@ -298,16 +300,16 @@ def block_work_item(bx, j, tile_rows: int, heads: int, grid: int, persistent: bo
     heaviest left with the lightest left: ``(TR-1-k, k)`` where the head has an even number ``TR`` of them, else
     ``TR-1`` alone and then ``(TR-1-k, k-1)``. On a causal mask every unit then holds the same tiles (``TR + 1``,
     or ``TR``), so the static walk stays balanced (round-robin over single rows gives blocks whose rows repeat
-    mod 4 up to 12% more tiles than the mean at 32 tile rows, 132 blocks). Where ``grid`` is a multiple of the
-    units a head has (132 blocks, 11-unit heads: three consumers at D64 S4096) a block meets the same pair in
-    every head, so the edge row's partial tiles pile up on a few blocks (measured: persistent 1.156 vs 0.976 ms
-    causal); rotating each head's units (``k = (u + u // half) % half``) spreads them (bench_attention.py plan
-    s9attn's second build has it, not yet run on a GPU)."""
+    mod 4 up to 12% more tiles than the mean at 32 tile rows, 132 blocks). Unit ``u`` of head ``u // half`` is
+    pair ``k = (u + u // half) % half``: rotated by the head, so that a block whose units are ``grid`` apart
+    does not meet the same ``k`` in every head when ``grid`` is a multiple of ``half`` (132 blocks, 11-unit heads
+    at D64 S4096: without the rotation the edge row's partial tiles piled up on 12 blocks, and the persistent grid
+    measured 1.156 vs 0.976 ms causal; with it 0.944 vs 0.944-0.968, session 9 call 14, checked vs float32)."""
     if not persistent:
         return True, bx // tile_rows, tile_rows - 1 - bx % tile_rows
     half = -(-tile_rows // 2)
     unit = bx + (j // 2) * grid
-    k = unit % half
+    k = (unit % half + unit // half) % half
     second = k - tile_rows % 2
     if isinstance(unit, int):
         return unit < heads * half and (j % 2 == 0 or second >= 0), unit // half, \

@@ -68,7 +68,7 @@ def test_wgmma_candidates_exist_on_hopper_only():
         configs = [c.config for c in wgmma_candidates(head_dim, H200)]
         assert configs[0] == default_config(head_dim) and len(set(configs)) == len(configs)
         assert all(c.pingpong and c.loads == "tma" for c in configs)      # what was measured faster
-        assert {c.consumers for c in configs if c.persistent} == {2}        # persistent: measured with two
+        assert {c.consumers for c in configs if c.persistent} == consumers  # persistent: measured with both
         assert {c.consumers for c in configs} == consumers and {c.block_n for c in configs} == widths
 
 
@@ -221,14 +221,21 @@ def test_persistent_pricing_follows_the_kernels_static_walk(batch, heads, seq, h
     np.testing.assert_allclose(_persistent_sums(problem, tiles, PERSISTENT_GRID), walked)
 
 
-def test_persistent_d64_causal_is_priced_slower_as_measured():
-    """Causal D64 B16 H12 S4096, three consumers (22 tile rows, 11 units a head, 132 blocks: each block meets one
-    pair of tile rows in every head, the edge row's 32 partial tiles on 12 blocks): the persistent grid measured
-    1.218 ms against 1.000 one block per item (s7causal; s9attn with TMA 1.156 vs 0.976), and is priced slower."""
+def test_persistent_blocks_share_the_partial_tiles_evenly():
+    """Causal D64 B16 H12 S4096 (three consumers: 22 tile rows, 11 units a head, 132 blocks): each block's units are
+    rotated per head, so the diagonal's partial tiles spread over the blocks (without the rotation every block met
+    one ``k`` in every head: up to 2.7x the mean, and s7causal measured the persistent grid 1.218 ms against 1.000;
+    with it 0.944 vs 0.944-0.968, session 9 call 14): the model prices it no slower than one block per item."""
+    from stof_tvm.cost_model.attention import _persistent_sums
+    from stof_tvm.schedules.attention_wgmma import PERSISTENT_GRID
+
     problem = AttentionProblem.build("causal", batch=16, heads=12, seq_len=4096, head_dim=64)
+    _, part = problem.mask.tile_counts(192, 128)
+    per_block = _persistent_sums(problem, part.astype(np.float64), PERSISTENT_GRID)
+    assert per_block.max() <= 1.2 * per_block.mean()     # the edge row's 32 partial tiles: in 1 or 2 units a block
 
     def ms(persistent):
         config = WgmmaAttentionConfig(block_n=128, stages=3, consumers=3, persistent=persistent, loads="tma")
         return predict(attention_work(problem, AttentionCandidate("wgmma", config)), H200).time_s * 1e3
 
-    assert ms(True) > 1.1 * ms(False)
+    assert ms(True) <= ms(False)

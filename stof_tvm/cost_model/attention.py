@@ -22,11 +22,12 @@ For one attention problem (shapes, dtype, mask) every candidate ``(kind, config)
   and sparse masks (:func:`scripts.calibrate_model.fit_wgmma`), with ``wgmma_mask_ops`` its extra cost per element
   of a partial tile.
   A persistent grid (``persistent``) is priced per block of its static walk (:func:`_persistent_sums`), with
-  ``wgmma_persistent_item_cycles`` per item. With three consumers at D64 its blocks keep one residue of the unit
-  index (132 blocks, 11-unit heads), so a causal mask's partial tiles pile up on some of them, as measured
-  (s7causal: 1.218 vs 1.000 ms causal D64, s9attn 1.156 vs 0.976 with TMA; this pricing: 1.19 vs 1.03). Persistent
-  grids are candidates with two consumers (128-row tiles: measured faster in session 9, s9attn: D128 causal 1.853
-  vs 1.947-1.982 ms, key-padded D64 1.348 vs 1.433, D128 2.060 vs 2.241). Non-ping-pong grids are not candidates
+  ``wgmma_persistent_item_cycles`` per item. Each head's units are rotated (``k = (u + u // half) % half``): without
+  that, at D64 with three consumers (132 blocks, 11-unit heads) a block met one pair of tile rows in every head and
+  a causal mask's partial tiles piled up on some blocks (s7causal: 1.218 vs 1.000 ms; s9attn 1.156 vs 0.976); with
+  it the persistent grid measured 0.944 ms causal, 1.580 dense, against 0.944-0.968 / 1.723-1.741 (session 9, call
+  14). Persistent grids are candidates (128-row tiles measured faster in session 9: D128 causal 1.853 vs
+  1.947-1.982 ms, key-padded D64 1.348 vs 1.433, D128 2.060 vs 2.241). Non-ping-pong grids are not candidates
   (never timed).
 - **row-wise** (:class:`~stof_tvm.schedules.attention_rowwise.RowConfig`): ``rows_per_block`` query rows per
   thread block, ``key_groups * keys_per_step`` key slots per loop step. Work counts key *slots* (padding of
@@ -227,8 +228,8 @@ def wgmma_candidates(head_dim: int, hw: HardwareProfile = H200, padding: bool = 
     """The wgmma kernel's configurations for ``head_dim`` on ``hw`` (none off Hopper, compute capability 9.x, or
     at head dims it does not take): the default (:func:`~stof_tvm.schedules.attention_wgmma.default_config`)
     first, so that it wins ties, then 2 / 3 consumers x 64 / 128 keys x 2-5 ring stages that fit; ping-pong,
-    the default's loads, one block per work item and, with two consumers, persistent (see the module docstring
-    for what is left out and why). Left out because ptxas
+    the default's loads, one block per work item and persistent (see the module docstring for what is left out
+    and why). Left out because ptxas
     builds them badly (nvcc 13.0, sm_90a): 64-key tiles at head dim 64 (C7508, setmaxnreg ignored) and, with
     ``padding``, three consumers (the padding predicate makes their 160 registers spill: 12-48 spill stores);
     with padding at head dim 64 the first is then two consumers."""
@@ -239,7 +240,7 @@ def wgmma_candidates(head_dim: int, hw: HardwareProfile = H200, padding: bool = 
     for consumers in ((2,) if padding else (3, 2)):
         for block_n in ((128,) if head_dim == 64 else (128, 64)):
             for stages in _WGMMA_STAGES:
-                for persistent in (False, True) if consumers == 2 else (False,):
+                for persistent in (False, True):
                     config = WgmmaAttentionConfig(block_n=block_n, stages=stages, consumers=consumers,
                                                   persistent=persistent, loads=default.loads)
                     try:
@@ -403,13 +404,14 @@ def _persistent_sums(problem: AttentionProblem, per_row: np.ndarray, sm_count: i
     """Per block of the persistent grid, the sum of ``per_row`` (``[mask groups, tile rows]``) over the work items
     it walks: :func:`~stof_tvm.schedules.attention_wgmma.block_work_item`'s static walk (block ``bx`` takes units
     ``bx, bx + grid, ...``; unit ``u`` is head ``u // half``'s tile rows ``TR-1-k`` and ``k - TR % 2``, the latter
-    absent when negative, ``k = u % half``)."""
+    absent when negative, ``k = (u + u // half) % half``)."""
     tile_rows = per_row.shape[1]
     half = -(-tile_rows // 2)
     heads = problem.batch * problem.heads
     grid = min(heads * half, sm_count)
     unit = np.arange(heads * half)
-    head, k = unit // half, unit % half
+    head = unit // half
+    k = (unit % half + head) % half
     b, h = head // problem.heads, head % problem.heads
     mb, mh = problem.mask.mask_batch, problem.mask.mask_heads
     group = (b % mb) * mh + h % mh
