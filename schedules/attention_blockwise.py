@@ -186,6 +186,13 @@ def shared_row_bytes(head_dim: int) -> int:
     return chunk_stride(head_dim // 8) * 16
 
 
+def default_row_sums(head_dim: int) -> str:
+    """``BlockConfig.row_sums`` of the candidates and defaults: ``"fadd"`` at head dim 32, where with the
+    tensor-core row sums ptxas (nvcc 13.0, sm_90) gives the 64 x 32 heavy-first kernel 64 registers and a 4-byte
+    spill (72 registers and none with float adds), ``"mma"`` elsewhere."""
+    return "fadd" if head_dim == 32 else "mma"
+
+
 def default_block_config(head_dim: int, dtype: str, seq_q: int, *, sparse: bool = False) -> BlockConfig:
     """A good starting configuration for the H200 (fp16 and bf16 run at the same rate).
 
@@ -199,7 +206,8 @@ def default_block_config(head_dim: int, dtype: str, seq_q: int, *, sparse: bool 
     _check_head_dim(head_dim)
     _check_positive("seq_q", seq_q)
     if sparse:
-        return BlockConfig(block_m=64, block_n=32, num_warps=4, stages=2, heavy_first=True)
+        return BlockConfig(block_m=64, block_n=32, num_warps=4, stages=2, heavy_first=True,
+                           row_sums=default_row_sums(head_dim))
     if head_dim > 64:
         return BlockConfig(block_m=128, block_n=64, num_warps=8, stages=2)
     if seq_q <= 64:

@@ -46,7 +46,7 @@ import numpy as np
 
 from ..hardware import H200, HardwareProfile
 from ..schedules.attention_blockwise import SUPPORTED_HEAD_DIMS as BLOCK_HEAD_DIMS
-from ..schedules.attention_blockwise import BlockConfig
+from ..schedules.attention_blockwise import BlockConfig, default_row_sums
 from ..schedules.attention_rowwise import SUPPORTED_HEAD_DIMS as ROW_HEAD_DIMS
 from ..schedules.attention_rowwise import RowConfig, cuda_config_fits, cuda_lanes
 from ..schedules.attention_wgmma import PERSISTENT_GRID as WGMMA_PERSISTENT_GRID
@@ -187,7 +187,7 @@ def block_candidates(head_dim: int, hw: HardwareProfile = H200,
                 for stages in _STAGES:
                     for heavy in heavy_first:
                         config = BlockConfig(block_m=bm, block_n=bn, num_warps=warps, stages=stages,
-                                             heavy_first=heavy)
+                                             heavy_first=heavy, row_sums=default_row_sums(head_dim))
                         try:
                             config.validate(head_dim)
                         except ValueError:
@@ -294,7 +294,7 @@ def _split_candidates(problem: AttentionProblem, blocks: list[AttentionCandidate
         for splits in _KV_SPLITS:
             out.append(AttentionCandidate("block", BlockConfig(
                 block_m=c.block_m, block_n=c.block_n, num_warps=c.num_warps, stages=c.stages, heavy_first=True,
-                kv_splits=splits, split_rows=min(rows, _MAX_SPLIT_ROWS))))
+                kv_splits=splits, split_rows=min(rows, _MAX_SPLIT_ROWS), row_sums=c.row_sums)))
     return out
 
 
