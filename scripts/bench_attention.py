@@ -117,7 +117,7 @@ def grid_configs(recipe: str, seq: int, head_dim: int) -> list[tuple]:
 def mask_groups(recipe: str, batch: int, heads: int) -> tuple[int, int]:
     """(mask_batch, mask_heads) of a mask recipe: named masks are shared, random ones per (batch, head)."""
     kind = recipe.split(":")[0]
-    if kind in ("random", "random_empty"):
+    if kind in ("random", "random_empty", "random_global"):
         return batch, heads
     if kind == "padding":
         return batch, 1
@@ -137,6 +137,13 @@ def build_mask(recipe: str, batch: int, heads: int, seq: int, seed: int) -> np.n
         mask = rng.random((batch, heads, seq, seq)) < float(arg)
         if kind == "random_empty":
             mask[:, :, rng.random(seq) < 0.2, :] = False
+        return normalize_mask(mask, batch=batch, heads=heads, seq_q=seq)
+    if kind == "random_global":
+        mask = rng.random((batch, heads, seq, seq)) < float(arg)
+        dense = rng.random((batch, heads, seq)) < 0.03
+        dense[:, ::3] = False
+        mask[dense] = True
+        mask[(rng.random((batch, heads, seq)) < 0.1) & ~dense] = False
         return normalize_mask(mask, batch=batch, heads=heads, seq_q=seq)
     if kind == "padding":
         lengths = rng.integers(1, seq + 1, size=batch)
@@ -196,6 +203,24 @@ def key_padding_inputs(keep: np.ndarray) -> list[np.ndarray]:
     return [ranges, bits]
 
 
+def split_arrays(mask4: np.ndarray, block_tile: tuple, dense_tile: tuple) -> tuple:
+    """The dense-row split's host inputs (:mod:`stof_tvm.sparse_formats.row_classes`): the block-wise format of
+    the mask with its dense query rows emptied, the dense rows' ids ``[Bm, Hm, G]`` (-1: a pad slot) and the
+    tiled format of the packed ``[Bm, Hm, G, Sk]`` dense rows at the wgmma tile."""
+    from stof_tvm.sparse_formats.row_classes import pack_dense_rows, split_dense_rows
+
+    _, sparse = split_dense_rows(mask4)
+    row_ids, packed = pack_dense_rows(mask4)
+    return tiled_arrays(sparse, *block_tile), row_ids, tiled_arrays(packed, *dense_tile)
+
+
+def dense_row_count(recipe: str, batch: int, heads: int, seq: int, seed: int) -> int:
+    """G of a mask's packed dense rows (the wgmma module of a split case is built for it)."""
+    from stof_tvm.sparse_formats.row_classes import pack_dense_rows
+
+    return int(pack_dense_rows(build_mask(recipe, batch, heads, seq, seed))[0].shape[2])
+
+
 def row_arrays(mask4: np.ndarray) -> list[np.ndarray]:
     from stof_tvm.sparse_formats import build_rows
 
@@ -208,12 +233,33 @@ def row_arrays(mask4: np.ndarray) -> list[np.ndarray]:
 # ----------------------------------------------------------------------------------------------------------
 
 def _case(kind, family, recipe, batch, heads, seq, head_dim, dtype, config, seed=0, padding=False):
-    """One case. ``family``: "block", "row" or "wgmma" (config ``(block_n, stages, pingpong, persistent)``);
-    ``padding``: the module takes the device-side key padding inputs (``pad_range``, ``pad_bits``) and the run
-    gives it a per-batch attention mask (PADDING_PATTERNS), as the compiled models do."""
+    """One case. ``family``: "block", "row", "wgmma" (config ``(block_n, stages, pingpong, persistent)``) or
+    "split" (the dense-row split, :func:`split_case`); ``padding``: the module takes the device-side key padding
+    inputs (``pad_range``, ``pad_bits``) and the run gives it a per-batch attention mask (PADDING_PATTERNS), as
+    the compiled models do."""
     case = {"kind": kind, "family": family, "mask": recipe, "batch": batch, "heads": heads, "seq": seq,
             "head_dim": head_dim, "dtype": dtype, "config": list(config) if config else None, "seed": seed}
     return dict(case, padding=True) if padding else case
+
+
+def split_case(kind, recipe, batch, heads, seq, head_dim, dtype, block_config, dense_config, seed=0) -> dict:
+    """A dense-row split case: the block-wise kernel (``block_config``) on the mask with its dense query rows
+    emptied (it writes every row, 0 at the dense ones), then the dense rows gathered (torch ``index_select``),
+    the wgmma kernel (``dense_config``, a WgmmaAttentionConfig field tuple) on them as a dense problem of G
+    queries, and their outputs scattered into the same output (``index_copy_``): exact, each row's softmax is
+    the mask's. Its wgmma module is built for this mask's G."""
+    case = _case(kind, "split", recipe, batch, heads, seq, head_dim, dtype, block_config, seed)
+    return dict(case, dense_config=list(dense_config),
+                dense_rows=dense_row_count(recipe, batch, heads, seq, seed))
+
+
+def _parts(case: dict) -> list[dict]:
+    """The modules a case runs, as cases of their own: a split case's block-wise module (the one a block case of
+    its configuration runs) and its wgmma module at ``seq_q = G``; any other case is its own module."""
+    if case["family"] != "split":
+        return [case]
+    return [dict(case, family="block"), dict(case, family="wgmma", config=case["dense_config"],
+                                             seq_q=case["dense_rows"])]
 
 
 def plan_check() -> list[dict]:
@@ -748,10 +794,56 @@ def plan_s9check() -> list[dict]:
     return [case for case in plan_s9sparse() if case["kind"] == "check"]
 
 
+S10_BLOCK_ALONE = ((32, 32, 2, 2, True, 1, 1, 10), (32, 32, 2, 2, True))     # the model's pick, Longformer's best
+S10_SPLIT_BLOCK = ((32, 32, 2, 2, True, 1, 1, 10), (32, 32, 1, 2, False), (32, 32, 2, 2, False))
+# wgmma configurations of the packed dense rows: the D64 default (three consumers, persistent, TMA), and two
+# consumers, one block per (batch, head): the second consumer's rows lie past G <= 64, so it only keeps the turns
+S10_SPLIT_DENSE = ((128, 3, True, True, 3, "tma"), (128, 3, True, False, 2, "tma"),
+                   (128, 3, True, False, 2, "cp.async"))
+
+
+def plan_s10sparse() -> list[dict]:
+    """Issue 16's sparse masks with the dense-row split (:func:`split_case`): Longformer's and BigBird's global
+    query rows (every key kept) on the wgmma kernel, packed, and the other rows on the block-wise kernel, against
+    the block-wise kernel alone on the whole mask (the model's pick and Longformer's best of session 9), at B16
+    H12 S4096 D64 fp16, beside FlexAttention and SDPA; each split case also times its parts apart. Checks first
+    (S=1000/1024, Q scaled by 8, outputs poisoned): every dense configuration on Longformer, BigBird and per-head
+    random masks whose heads hold different numbers of dense rows (none in every third head: pad slots only)
+    with empty rows, bf16 too."""
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile, decide_attention
+
+    cases = []
+
+    def check(recipe, block, dense, seq=1000, dtype="float16"):
+        cases.append(dict(split_case("check", recipe, 2, 3, seq, 64, dtype, block, dense), q_scale=8.0))
+
+    for dense in S10_SPLIT_DENSE:
+        for recipe, seq in (("longformer", 1000), ("bigbird", 1024), ("random_global:0.1", 1000)):
+            check(recipe, S10_SPLIT_BLOCK[0], dense, seq)
+    check("random_global:0.1", S10_SPLIT_BLOCK[1], S10_SPLIT_DENSE[1], dtype="bfloat16")
+    check("longformer", S10_SPLIT_BLOCK[2], S10_SPLIT_DENSE[2])
+    cases.append(dict(_case("check", "block", "random_global:0.1", 2, 3, 1000, 64, "float16", S10_SPLIT_BLOCK[0]),
+                      q_scale=8.0))
+    batch, heads, seq = 16, H_BENCH, 4096
+    for recipe in ("longformer", "bigbird"):
+        problem = AttentionProblem(batch=batch, heads=heads, head_dim=64, dtype="float16",
+                                   mask=MaskProfile(build_mask(recipe, batch, heads, seq, 0)))
+        pick = str(decide_attention(problem, kinds=("block",)).best.candidate)
+        for config in S10_BLOCK_ALONE:
+            cases.append(dict(_case("time", "block", recipe, batch, heads, seq, 64, "float16", config),
+                              model_pick=pick))
+        for block in S10_SPLIT_BLOCK:
+            for dense in S10_SPLIT_DENSE:
+                cases.append(dict(split_case("time", recipe, batch, heads, seq, 64, "float16", block, dense),
+                                  model_pick=pick))
+    cases.append(_case("time", "block", "sliding", batch, heads, seq, 64, "float16", (32, 32, 1, 2, False)))
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
-         "s9sparse": plan_s9sparse, "s9check": plan_s9check}
+         "s9sparse": plan_s9sparse, "s9check": plan_s9check, "s10sparse": plan_s10sparse}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
@@ -762,15 +854,17 @@ SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": 
 def _module_key(case: dict) -> str:
     mb, mh = mask_groups(case["mask"], case["batch"], case["heads"])
     cfg = "x".join(map(str, case["config"])) if case["config"] else "default"
-    return (f"{case['family']}_b{case['batch']}h{case['heads']}s{case['seq']}d{case['head_dim']}_"
+    seq = f"s{case['seq']}" + (f"q{case['seq_q']}" if case.get("seq_q") is not None else "")
+    return (f"{case['family']}_b{case['batch']}h{case['heads']}{seq}d{case['head_dim']}_"
             f"{case['dtype']}_g{mb}x{mh}_{cfg}" + ("_pad" if case.get("padding") else "")
             + (f"_{case['variant']}" if case.get("variant") else ""))
 
 
 def _primfunc(case: dict):
     mb, mh = mask_groups(case["mask"], case["batch"], case["heads"])
-    common = dict(batch=case["batch"], heads=case["heads"], seq_q=case["seq"], seq_k=case["seq"],
-                  head_dim=case["head_dim"], dtype=case["dtype"], mask_batch=mb, mask_heads=mh, scale=None,
+    common = dict(batch=case["batch"], heads=case["heads"], seq_q=case.get("seq_q") or case["seq"],
+                  seq_k=case["seq"], head_dim=case["head_dim"], dtype=case["dtype"], mask_batch=mb, mask_heads=mh,
+                  scale=None,
                   target_kind="cuda")
     if case["family"] == "wgmma":
         from stof_tvm.schedules.attention_wgmma import WgmmaAttentionConfig, wgmma_attention_primfunc
@@ -821,14 +915,22 @@ def build(args) -> None:
     cases = [c for c in cases if c.get("variant") == variant
              or (not variant and c.get("variant") in merged)]
     have_rowwise = (Path(__file__).resolve().parents[1] / "schedules" / "attention_rowwise.py").exists()
-    cases = [c for c in cases if c["family"] == "block" or have_rowwise]
+    cases = [c for c in cases if c["family"] != "row" or have_rowwise]
     targets = {arch: tvm.target.Target(dict(CUDA_TARGET, arch=arch), host={"kind": "llvm"})
                for arch in ("sm_90", "sm_90a")}
     modules, sources, sass, arches = {}, {}, {}, {}
     t0 = time.time()
+    parts = []
     for case in cases:
-        key = _module_key(case)
-        case["module"] = key
+        pieces = _parts(case)
+        for piece in pieces:
+            piece["module"] = _module_key(piece)
+        case["module"] = pieces[0]["module"]
+        if case["family"] == "split":
+            case["dense_module"] = pieces[1]["module"]
+        parts.extend(pieces)
+    for case in parts:
+        key = case["module"]
         if key in modules or case.get("variant") != variant:
             continue
         arch = "sm_90a" if case["family"] == "wgmma" else "sm_90"
@@ -969,18 +1071,25 @@ class Runner:
             if case.get("q_scale", 1.0) != 1.0:       # larger scores: running maxima keep rising along a row
                 q = q * case["q_scale"]
         out = torch.full_like(q, float("nan"))
-        # the wgmma kernel's tiles: 64 query rows per consumer warpgroup (config field 5, default 2) x block_n
-        fmt_key = {"block": lambda c: tuple(c[:2]), "wgmma": lambda c: (64 * (c[4] if len(c) > 4 else 2), c[0]),
-                   "row": lambda c: "row"}[case["family"]](case["config"])
-        if fmt_key not in formats:
-            fmt = row_arrays(mask4) if fmt_key == "row" else tiled_arrays(mask4, *fmt_key)
-            formats[fmt_key] = [torch.from_numpy(a).cuda() for a in fmt]
-        fmt_t = formats[fmt_key]
-        fn = self.kernel(case["module"])
-        views = 0 if case["family"] == "row" else 16      # the block-wise and wgmma kernels read Q/K/V views
-        args = ([self.to_tvm(t, views) for t in (q, k, v)] + [self.to_tvm(t) for t in fmt_t] + pad_inputs
-                + [self.to_tvm(out)])
-        fn(*args)
+        parts = {}
+        if case["family"] == "split":
+            call, parts = self.split_call(case, mask4, formats, q, k, v, out)
+        else:
+            # the wgmma kernel's tiles: 64 query rows per consumer warpgroup (config field 5, default 2) x block_n
+            fmt_key = _wgmma_tile(case["config"]) if case["family"] == "wgmma" else \
+                "row" if case["family"] == "row" else tuple(case["config"][:2])
+            if fmt_key not in formats:
+                fmt = row_arrays(mask4) if fmt_key == "row" else tiled_arrays(mask4, *fmt_key)
+                formats[fmt_key] = [torch.from_numpy(a).cuda() for a in fmt]
+            fmt_t = formats[fmt_key]
+            fn = self.kernel(case["module"])
+            views = 0 if case["family"] == "row" else 16      # the block-wise and wgmma kernels read Q/K/V views
+            args = ([self.to_tvm(t, views) for t in (q, k, v)] + [self.to_tvm(t) for t in fmt_t] + pad_inputs
+                    + [self.to_tvm(out)])
+
+            def call():
+                fn(*args)
+        call()
         torch.cuda.synchronize()
         mask_t = torch.from_numpy(np.ascontiguousarray(keep4)).cuda()
         scale = 1.0 / math.sqrt(D)
@@ -991,16 +1100,61 @@ class Runner:
             row.update(self.replays(fn, args, (q, k, v), out, mask_t, scale, case.get("q_scale", 1.0)))
             row["ok"] = row["ok"] and max(row["fresh_rel_err"], row["graph_rel_err"]) <= TOLERANCE[dtype]
         if case["kind"] == "time":
-            ms = self.bench(lambda: fn(*args))
+            ms = self.bench(call)
             out.fill_(float("nan"))          # the timed runs must have rewritten every element, too
-            fn(*args)
+            call()
             torch.cuda.synchronize()
             row["rel_err_after_timing"] = self.rel_err(out, ref)
             row["ok"] = row["ok"] and row["rel_err_after_timing"] <= TOLERANCE[dtype]
             row.update(ms=ms, tflops=flops / ms / 1e9)
+            if parts:
+                row["parts_ms"] = {name: self.bench(part) for name, part in parts.items()}
             row["baselines"] = self.baselines_for(case, q, k, v, mask_t, ref, flops)
         del q, k, v, out, ref
         return row
+
+    def split_call(self, case, mask4, formats, q, k, v, out):
+        """(call, parts) of a split case (:func:`split_case`): ``call`` runs the block-wise kernel on the sparse
+        rows, the gather, the wgmma kernel on the dense rows and the scatter, in that order on torch's and TVM's
+        default stream; ``parts``: each piece alone, timed apart (``parts_ms``)."""
+        torch = self.torch
+        B, H, S, D = case["batch"], case["heads"], case["seq"], case["head_dim"]
+        block_tile, dense_tile = tuple(case["config"][:2]), _wgmma_tile(case["dense_config"])
+        key = ("split", block_tile, dense_tile)
+        if key not in formats:
+            block_fmt, row_ids, dense_fmt = split_arrays(mask4, block_tile, dense_tile)
+            ids = np.broadcast_to(row_ids, (B, H, row_ids.shape[2]))
+            base = (np.arange(B * H, dtype=np.int64) * S).reshape(B, H, 1)
+            valid = (ids >= 0).reshape(-1)
+            gather = (np.where(ids >= 0, ids, 0) + base).reshape(-1)     # a pad slot reads its head's row 0
+            formats[key] = ([torch.from_numpy(a).cuda() for a in block_fmt],
+                            [torch.from_numpy(a).cuda() for a in dense_fmt], torch.from_numpy(gather).cuda(),
+                            None if valid.all() else torch.from_numpy(np.flatnonzero(valid)).cuda(),
+                            torch.from_numpy(gather[valid]).cuda(), row_ids.shape[2])
+        block_fmt, dense_fmt, gather, slots, rows, count = formats[key]
+        if count != case["dense_rows"]:
+            raise RuntimeError(f"the mask has {count} packed dense rows, the module was built for "
+                               f"{case['dense_rows']}")
+        q_packed = torch.empty((B, H, count, D), dtype=q.dtype, device=q.device)
+        out_packed = torch.empty_like(q_packed)
+        block_fn, dense_fn = self.kernel(case["module"]), self.kernel(case["dense_module"])
+        block_args = [self.to_tvm(t, 16) for t in (q, k, v)] + [self.to_tvm(t) for t in block_fmt] + [self.to_tvm(out)]
+        dense_args = ([self.to_tvm(t, 16) for t in (q_packed, k, v)] + [self.to_tvm(t) for t in dense_fmt]
+                      + [self.to_tvm(out_packed)])
+        flat_q, flat_out = q.view(-1, D), out.view(-1, D)
+        packed_q, packed_out = q_packed.view(-1, D), out_packed.view(-1, D)
+
+        def dense():
+            torch.index_select(flat_q, 0, gather, out=packed_q)
+            dense_fn(*dense_args)
+            flat_out.index_copy_(0, rows, packed_out if slots is None else packed_out.index_select(0, slots))
+
+        def call():
+            block_fn(*block_args)
+            dense()
+
+        return call, {"sparse_rows_block": lambda: block_fn(*block_args), "dense_rows_wgmma": lambda:
+                      dense_fn(*dense_args), "dense_rows_with_gather_scatter": dense}
 
     def replays(self, fn, args, qkv, out, mask_t, scale, q_scale) -> dict:
         """The module called again on fresh Q/K/V and output at new addresses (the maps are encoded from each
@@ -1071,6 +1225,11 @@ class Runner:
     def save(self, extra: dict) -> None:
         if self.json_path:
             self.json_path.write_text(json.dumps({"results": self.results, **extra}, indent=1))
+
+
+def _wgmma_tile(config) -> tuple:
+    """(block_m, block_n) of a wgmma configuration tuple: 64 query rows per consumer (field 5, default 2)."""
+    return 64 * (config[4] if len(config) > 4 else 2), config[0]
 
 
 def sass_summary(out: Path, manifest: dict) -> dict:
@@ -1215,6 +1374,33 @@ def print_model(timed: list[dict]) -> None:
               f"(wgmma / block {best['wgmma'] / best['block']:.2f}); the model picks {pick.split(' (')[0]}")
 
 
+def print_split(timed: list[dict]) -> None:
+    """The dense-row split beside the block-wise kernel alone on the whole mask: per mask the fastest checked
+    block-wise case, then every split case with its parts timed apart (ms)."""
+    rows = [r for r in timed if r["family"] == "split"]
+    if not rows:
+        return
+    print("\ndense-row split (block-wise on the sparse rows, then gather + wgmma on the dense rows + scatter), ms; "
+          "block cfg as above, wgmma cfg = block_n x stages x pingpong x persistent x consumers x loads:")
+    for mask in dict.fromkeys(r["mask"] for r in rows):
+        block = [r for r in timed if r["mask"] == mask and r["family"] == "block" and r["ok"]
+                 and (r["batch"], r["seq"]) == (rows[0]["batch"], rows[0]["seq"])]
+        best = min(block, key=lambda r: r["ms"]) if block else None
+        print(f"  {mask}: block-wise alone {best['ms']:.4f} ({_cfg_text(best['config'])})" if best else
+              f"  {mask}: no block-wise case")
+        for r in (r for r in rows if r["mask"] == mask):
+            p = r.get("parts_ms", {})
+            print(f"    split {_cfg_text(r['config']):<14} + {_cfg_text(r['dense_config']):<22} G={r['dense_rows']:<3} "
+                  f"{r['ms']:.4f}  sparse rows {p.get('sparse_rows_block', float('nan')):.4f}  dense wgmma "
+                  f"{p.get('dense_rows_wgmma', float('nan')):.4f}  dense + gather/scatter "
+                  f"{p.get('dense_rows_with_gather_scatter', float('nan')):.4f}"
+                  + (f"  vs alone {best['ms'] / r['ms']:.2f}x" if best else "") + ("" if r["ok"] else "  CHECK FAILED"))
+
+
+def _cfg_text(config) -> str:
+    return "x".join(str(x)[0] if isinstance(x, bool) else str(x) for x in config)
+
+
 def print_checks(results: list[dict]) -> None:
     bad = [r for r in results if not r["ok"]]
     errs = {dt: max([r["rel_err"] for r in results if r["dtype"] == dt] or [0.0]) for dt in TOLERANCE}
@@ -1244,7 +1430,7 @@ def print_summary(timed: list[dict]) -> None:
 
 def summarize(timed: list[dict]) -> list[dict]:
     """One row per (mask, B, S, D): our best checked block-wise configuration (mma.sync or, prefixed ``w``,
-    wgmma), the row-wise kernel, the baselines."""
+    wgmma, or ``s``, the dense-row split: its block-wise configuration), the row-wise kernel, the baselines."""
     groups = {}
     for r in timed:       # device-padded cases (a per-batch attention mask on top) are rows of their own
         groups.setdefault((r["mask"] + (" +pad" if r.get("padding") else ""), r["batch"], r["seq"], r["head_dim"]),
@@ -1252,7 +1438,7 @@ def summarize(timed: list[dict]) -> list[dict]:
     rows = []
     nan = float("nan")
     for (mask, batch, seq, head_dim), rs in groups.items():
-        blocks = [r for r in rs if r["family"] in ("block", "wgmma") and r["ok"] and not r.get("variant")]
+        blocks = [r for r in rs if r["family"] in ("block", "wgmma", "split") and r["ok"] and not r.get("variant")]
         rows_k = [r for r in rs if r["family"] == "row" and r["ok"]]
         best = min(blocks, key=lambda r: r["ms"]) if blocks else None
         base = rs[0]["baselines"]
@@ -1261,7 +1447,7 @@ def summarize(timed: list[dict]) -> list[dict]:
         rows.append({
             "mask": mask, "batch": batch, "seq": seq, "head_dim": head_dim,
             "block_ms": best["ms"] if best else nan,
-            "block_cfg": ("w" if best["family"] == "wgmma" else "")
+            "block_cfg": {"wgmma": "w", "split": "s"}.get(best["family"], "")
             + "x".join(str(x)[0] if isinstance(x, bool) else str(x) for x in best["config"]) if best else "-",
             "block_tflops": best["tflops"] if best else nan,
             "row_ms": rows_k[0]["ms"] if rows_k else nan,
@@ -1330,9 +1516,10 @@ def run(args) -> None:
     print_variants(timed)
     print_loads(timed)
     print_model(timed)
-    print_summary(timed)
     print_candidates(timed)
     print_row_sums(timed)
+    print_split(timed)
+    print_summary(timed)
     info["summary"] = summarize([r for r in runner.results if r["kind"] == "time" and "ms" in r])
     runner.save(info)
 
