@@ -1459,6 +1459,12 @@ def summarize(timed: list[dict]) -> list[dict]:
     return rows
 
 
+def _config_key(case: dict) -> tuple:
+    """A case's kernel configuration (a split case's: both kernels'), for --skip-failed-in."""
+    return (case["family"], case["head_dim"], str(case["config"])) + \
+        ((str(case["dense_config"]),) if case.get("dense_config") else ())
+
+
 def run(args) -> None:
     out = Path(args.out)
     runner = Runner(out, Path(args.json) if args.json else None, args.budget)
@@ -1476,10 +1482,10 @@ def run(args) -> None:
         cases = [c for c in cases if c["head_dim"] in {int(d) for d in args.head_dims.split(",")}]
     if args.skip_failed_in:
         # Kernel configurations that failed a check in an earlier run (its JSON) are not timed.
-        failed = {(r["family"], r["head_dim"], str(r["config"])) for r in
-                  json.loads(Path(args.skip_failed_in).read_text())["results"] if not r["ok"]}
+        failed = {_config_key(r) for r in json.loads(Path(args.skip_failed_in).read_text())["results"]
+                  if not r["ok"]}
         info["skipped_configs"] = sorted(map(list, failed))
-        cases = [c for c in cases if (c["family"], c["head_dim"], str(c["config"])) not in failed]
+        cases = [c for c in cases if _config_key(c) not in failed]
     skipped = 0
     for case in cases:
         if time.time() > runner.deadline:
