@@ -68,6 +68,14 @@ equal outputs: deterministic) and replayed from a torch CUDA graph; the summary 
 ``--plan s9wide`` (default folder ``out/s9wide``): the four GEMMs at 4096 rows, the knob space's first set ("old" in
 the tables) against the model's 7 best-ranked others ("new"), for the FFN down that cuBLAS still beat and the model's
 calibration; the same two-process command with ``--plan s9wide`` and ``out/s9wide`` carried.
+
+``--plan s10gemm`` (issue 17; default folder ``out/s10gemm``): TMA multicast (knob ``multicast``: clusters of 2 or 4
+blocks on vertically adjacent tiles loading each W box once between them, :mod:`stof_tvm.schedules.templates.
+wgmma_kernel`) at the four GEMMs at 4096 rows and the erf-GELU GEMM at 32768 rows: per case the knob space's first
+set, then per tile schedule of :data:`S10_SCHEDULES` its staged TMA set with multicast 1, 2 and 4, beside cuBLAS.
+Multicast modules are also called twice (bitwise equal outputs) and every TMA module replayed from a CUDA graph;
+the table comparing each schedule's multicast values comes last. The same two-process command with ``--plan
+s10gemm`` and ``out/s10gemm`` carried.
 """
 from __future__ import annotations
 
@@ -112,8 +120,15 @@ SPLITK_CASES = [case for rows, (batch, seq) in ((128, (1, 128)), (512, (1, 512))
 # ms), the default against the model's best-ranked other knob sets
 WIDE_CASES = SPLITK_CASES[8:]
 WIDE_RANKED = 7           # model-ranked knob sets per case besides the default
+# --plan s10gemm: the 4096-row GEMMs and the erf-GELU GEMM at 32768 rows (ours 0.3087 ms, cuBLAS 0.2585 without the
+# GELU); per case the tile schedules (block_m, block_n, persistent) whose staged TMA set is timed with each multicast
+S10_CASES = WIDE_CASES + [("gemm_bias_gelu_erf_wgmma", {"m": 32768, "n": 3072, "k": 768})]
+S10_SCHEDULES = ((128, 192, False), (128, 192, True), (128, 128, True), (256, 192, True), (256, 128, True),
+                 (128, 256, True))
+S10_MULTICASTS = (1, 2, 4)
 PLANS = {"small_k": (CASES, OUT), "s8tma": (TMA_CASES, ROOT / "out" / "s8gemm_tma"),
-         "s9splitk": (SPLITK_CASES, ROOT / "out" / "s9splitk"), "s9wide": (WIDE_CASES, ROOT / "out" / "s9wide")}
+         "s9splitk": (SPLITK_CASES, ROOT / "out" / "s9splitk"), "s9wide": (WIDE_CASES, ROOT / "out" / "s9wide"),
+         "s10gemm": (S10_CASES, ROOT / "out" / "s10gemm")}
 # --plan s9splitk: the compile path's wgmma knobs before split-K and the knob order by wave efficiency (commit
 # 098a891; GEMMs with fewer than WGMMA_MIN_TILES 128 x 128 tiles ran the mma.sync template the model ranks first)
 HEAD_WGMMA = {"block_n": 192, "stages": 3, "persistent": True, "pingpong": False, "block_m": 256, "staged": True}
@@ -139,6 +154,8 @@ def is_new(knobs, plan: str = "", default: bool | None = None) -> bool:
         return knobs.get("split_k", 1) > 1
     if plan == "s9wide":
         return default is False
+    if plan == "s10gemm":
+        return knobs.get("multicast", 1) > 1
     if "loads" in knobs:
         return knobs["loads"] == "tma"
     return knobs.get("block_m", 128) != 128 or bool(knobs.get("staged"))
@@ -151,6 +168,7 @@ def knob_tag(knobs) -> str:
             f"{'_pp' if knobs['pingpong'] else ''}{'_m256' if knobs.get('block_m', 128) != 128 else ''}"
             f"{'_st' if knobs.get('staged') else ''}{'_fast' if knobs.get('fast_gelu') else ''}"
             f"{'_k' + str(knobs['split_k']) if knobs.get('split_k', 1) > 1 else ''}"
+            f"{'_mc' + str(knobs['multicast']) if knobs.get('multicast', 1) > 1 else ''}"
             f"{'_' + knobs['loads'].replace('.', '') if 'loads' in knobs else ''}")
 
 
@@ -194,6 +212,25 @@ def wide_knob_sets(name, shape, space) -> list[dict]:
             seen.add(schedule(r.candidate))
             sets.append(r.candidate)
     return sets
+
+
+def multicast_knob_sets(name, shape, space) -> list[dict]:
+    """``--plan s10gemm``: the knob space's first set, then per tile schedule of :data:`S10_SCHEDULES` the space's
+    first staged cooperative TMA set of it (the GELU's ``fast_gelu`` one) with each multicast of
+    :data:`S10_MULTICASTS` that divides its row tiles; each set once."""
+    from stof_tvm.schedules.templates import get_template
+
+    m = get_template(name).gemm_dims(shape)[0]
+    sets = [space[0]]
+    for block_m, block_n, persistent in S10_SCHEDULES:
+        base = next((kn for kn in space if kn.get("block_m", 128) == block_m and kn["block_n"] == block_n
+                     and kn["persistent"] == persistent and not kn["pingpong"] and kn.get("staged")
+                     and kn.get("fast_gelu") == space[0].get("fast_gelu") and kn["loads"] == "tma"
+                     and kn.get("split_k", 1) == 1 and kn.get("multicast", 1) == 1), None)
+        if base is not None:
+            sets += [dict(base, multicast=mc) if mc > 1 else base for mc in S10_MULTICASTS
+                     if (m // block_m) % mc == 0]
+    return [kn for i, kn in enumerate(sets) if kn not in sets[:i]]
 
 
 def mma_twin(name: str) -> str:
@@ -257,7 +294,8 @@ def build(args) -> None:
         entry = {"key": ckey, "template": name, "shape": shape, "gemm": [m, n, k], "modules": []}
         space = get_template(name).knob_space(shape, DTYPE)
         chosen = {"s8tma": tma_knob_sets, "s9splitk": lambda sp: splitk_knob_sets(name, shape, sp),
-                  "s9wide": lambda sp: wide_knob_sets(name, shape, sp)}.get(args.plan, choose_knobs)(space)
+                  "s9wide": lambda sp: wide_knob_sets(name, shape, sp),
+                  "s10gemm": lambda sp: multicast_knob_sets(name, shape, sp)}.get(args.plan, choose_knobs)(space)
         for knobs in chosen:
             key = f"{ckey}__{knob_tag(knobs)}"
             if "mma" in knobs:
@@ -277,7 +315,7 @@ def build(args) -> None:
         manifest["cases"].append(entry)
     bad = {key: info for key, info in manifest["modules"].items()
            if info["spill_stores"] or info["spill_loads"] or info["stack_frame"] or info["warnings"]}
-    if bad and args.plan == "s9wide":   # a sweep of the model's picks: report a spilling set, do not time it
+    if bad and args.plan in ("s9wide", "s10gemm"):   # a sweep of the model's picks: report a spilling set, do not time it
         print(f"ptxas spilled or warned, dropped: {sorted(bad)}")
         manifest["dropped"] = sorted(bad)
         for case in manifest["cases"]:
@@ -410,6 +448,8 @@ def run(args) -> None:
         table(results)
         if manifest.get("suite") == "s8tma":
             table_tma(results)
+        if manifest.get("suite") == "s10gemm":
+            table_multicast(results)
         if manifest.get("suite") == "s9splitk":
             table_splitk(results, manifest["modules"])
             for call in models.get("calls", []):
@@ -493,8 +533,8 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
         err = float(torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref))
         entry.update(rel_err=err, finite=bool(torch.isfinite(out).all()))
         entry["correct"] = entry["finite"] and err < common.TOL[DTYPE]
-        split = info["knobs"].get("split_k", 1) > 1
-        if split and args.only != "time":   # the cluster's reduction sums in rank order: the same bits every call
+        split = info["knobs"].get("split_k", 1) > 1 or info["knobs"].get("multicast", 1) > 1
+        if split and args.only != "time":   # split-K sums in rank order, multicast shares loads: the same bits
             first = out.clone()
             out.fill_(float("nan"))
             func(*tv)
@@ -669,6 +709,27 @@ def table_splitk(results, modules) -> None:
           "set now, pred = the model's time for it, split = the fastest split-K set; x before = before / best)")
 
 
+def table_multicast(results) -> None:
+    """``--plan s10gemm``, printed last: per case and tile schedule, each multicast's ms beside cuBLAS; then per case
+    the default's and the best module's ms."""
+    print(f"\n{'case':44s} {'schedule':22s} {'cuBLAS':>7s} " + " ".join(f"{'mc' + str(mc):>7s}" for mc in S10_MULTICASTS)
+          + f" {'best x cuBLAS':>13s}")
+    for row in results:
+        by_schedule = {}
+        for key, e in row["kernels"].items():
+            knobs = e["knobs"]
+            schedule = knob_tag({kk: v for kk, v in knobs.items() if kk != "multicast"})
+            by_schedule.setdefault(schedule, {})[knobs.get("multicast", 1)] = e
+        for schedule, cells in by_schedule.items():
+            timed = [e["ms"] for e in cells.values() if "ms" in e]
+            text = " ".join(f"{cells[mc]['ms']:7.4f}" if "ms" in cells.get(mc, {}) else
+                            f"{('-' if mc not in cells else 'FAIL'):>7s}" for mc in S10_MULTICASTS)
+            best = f"{row['cublas_ms'] / min(timed):13.2f}" if timed else f"{'-':>13s}"
+            print(f"{row['case'].removesuffix('_' + DTYPE):44s} {schedule:22s} {row['cublas_ms']:7.4f} {text} {best}")
+    print("(ms per call, CUDA events; mcN = clusters of N blocks sharing each W box by TMA multicast, mc1 = none; "
+          "FAIL = wrong, faulted or not deterministic (see the check table); best x cuBLAS > 1: faster than cuBLAS)")
+
+
 def main(argv=None) -> None:
     global OUT
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -686,7 +747,8 @@ def main(argv=None) -> None:
         p.add_argument("--plan", choices=sorted(PLANS), default="small_k",
                        help="small_k: the session-4 knob sets; s8tma: cp.async vs TMA loads (issue 17); "
                             "s9splitk: split-K and the new defaults at 128-4096 rows (issue 17); "
-                            "s9wide: the 4096-row defaults against the model's best-ranked sets")
+                            "s9wide: the 4096-row defaults against the model's best-ranked sets; "
+                            "s10gemm: TMA multicast clusters at the 4096-row GEMMs")
         p.add_argument("--out", type=Path, default=None,
                        help="artifact folder (default out/wgmma_small_k, --plan s8tma: out/s8gemm_tma)")
     args = parser.parse_args(argv)

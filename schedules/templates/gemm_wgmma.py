@@ -38,7 +38,10 @@ absent: 1) shares each 128-row tile's k steps between the blocks of one cluster,
 through distributed shared memory before the epilogue (:mod:`.wgmma_kernel`): the split-K sets
 (:meth:`WgmmaKernelMixin.split_sets`, one wave of blocks) lead the space where the first unsplit set's tiles fill fewer
 than half the SMs (RoBERTa-base at 1 x 128 tokens: 6-24 tiles, 24-96 blocks split, measured 1.17-1.60x faster than the
-mma.sync templates on the H200, ``--plan s9splitk``), else they follow it.
+mma.sync templates on the H200, ``--plan s9splitk``), else they follow it. ``multicast`` (2; absent: 1) launches
+clusters of 2 blocks on vertically adjacent tiles that load each W box once between them by TMA multicast (L2 reads
+``tile_m + block_n / 2`` rows per k step instead of ``tile_m + block_n``, which the cost model counts): the twins of
+the unsplit cooperative TMA sets close the space (:meth:`WgmmaKernelMixin.multicast_sets`), not yet measured.
 
 Knob order (the first set is the untuned choice of the compile path): the staged sets come first, led by the ones the
 H200 measured fastest (:data:`MEASURED_FIRST`, 128 x 128 before 256 x 192 where the latter fills the SMs' waves worse:
@@ -60,7 +63,7 @@ from .qkv import QKVTemplate
 from .registry import H200, Hardware, Template, register
 from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_M_CHOICES, BLOCK_N_CHOICES, CONSUMER_REGS, LAUNCH_REGISTERS,
                            PINGPONG_TILE_M, PORTABLE_SPLIT_K, SPLIT_K_CHOICES, STAGE_CHOICES, THREADS, WgmmaConfig,
-                           check_wgmma_shape, wgmma_gemm_primfunc)
+                           check_wgmma_shape, grid_blocks, wgmma_gemm_primfunc)
 
 ARCH = "sm_90a"
 TALL_BLOCK_M = max(BLOCK_M_CHOICES)   # 256-row cooperative tiles: 128 rows per consumer warpgroup
@@ -95,6 +98,9 @@ SPLIT_K_MIN_STEPS = 3
 # blocks in clusters of 6 and 128 in clusters of 8 1.6-1.7x slower than 72-96 in clusters of 4 (--plan s9splitk:
 # QKV at 128 rows, FFN down at 512 rows), as if in two waves; 96 blocks of 132 SMs
 SPLIT_K_MAX_SHARE = 96 / 132
+# Blocks of a cluster sharing W's TMA boxes in the multicast knob sets of the space (knob ``multicast``; the kernel
+# takes 4 too)
+MULTICAST = 2
 
 
 def wave_efficiency(m: int, n: int, block_m: int, block_n: int, sm_count: int) -> float:
@@ -167,7 +173,7 @@ class WgmmaKernelMixin:
                              persistent=knobs.get("persistent", True), pingpong=knobs.get("pingpong", False),
                              block_m=knobs.get("block_m", BLOCK_M), staged=knobs.get("staged", False),
                              fast_gelu=knobs.get("fast_gelu", False), loads=knobs.get("loads", "cp.async"),
-                             split_k=knobs.get("split_k", 1))
+                             split_k=knobs.get("split_k", 1), multicast=knobs.get("multicast", 1))
         config.validate()
         return config
 
@@ -203,7 +209,17 @@ class WgmmaKernelMixin:
         split = self.split_sets(shape, hw)
         first_tiles = (m // self.config(unsplit[0]).tile_m) * (n // unsplit[0]["block_n"])
         ordered = split + unsplit if first_tiles < SPLIT_K_FILL * hw.sm_count else unsplit + split
-        return [dict(kn, loads=self.default_loads(kn)) for kn in ordered]
+        loaded = [dict(kn, loads=self.default_loads(kn)) for kn in ordered]
+        return loaded + self.multicast_sets(shape, loaded)
+
+    def multicast_sets(self, shape, space) -> list[dict]:
+        """The ``multicast`` twins of the space's unsplit cooperative TMA sets, in the space's order: clusters of
+        :data:`MULTICAST` blocks on vertically adjacent tiles that load each W box once between them (L2 reads per
+        k step ``tile_m + block_n / multicast`` rows instead of ``tile_m + block_n``), where the row tiles pair up."""
+        m = self.gemm_dims(shape)[0]
+        return [dict(kn, multicast=MULTICAST) for kn in space
+                if kn["loads"] == "tma" and kn.get("split_k", 1) == 1 and not kn["pingpong"]
+                and (m // kn.get("block_m", BLOCK_M)) % MULTICAST == 0]
 
     def default_loads(self, knobs) -> str:
         """How a knob set of the space loads its tiles: TMA (one producer thread, tensor maps), measured faster than
@@ -257,7 +273,9 @@ class WgmmaKernelMixin:
         return {"block_m": config.tile_m, "block_n": config.block_n, "block_k": BLOCK_K, "threads": THREADS,
                 "shared_bytes": config.shared_bytes, "acc_registers": config.acc_registers,
                 "max_registers_per_thread": CONSUMER_REGS, "launch_registers": LAUNCH_REGISTERS,
-                "grid": min(tiles, H200.sm_count) if config.persistent else tiles, "tiles": tiles,
+                "grid": grid_blocks(config, tiles // config.split_k, H200.sm_count), "tiles": tiles,
+                # rows of A and W through L2 per k step: W's once per multicast cluster
+                "l2_rows": config.tile_m + config.block_n / config.multicast,
                 # ping-pong: a tile's epilogue runs under the other consumer's MMAs (the cost model hides it)
                 "overlapped_epilogue": config.pingpong,
                 # for the cost model: wgmma's main-loop rate; one 2-byte store per output element unless staged;

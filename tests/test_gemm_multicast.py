@@ -1,0 +1,166 @@
+"""TMA multicast in the wgmma GEMM kernels (knob ``multicast``, schedules/templates/wgmma_kernel.py; issue 17): clusters
+of 2 or 4 blocks on vertically adjacent tiles of one column panel, each loading its own A box and a slice of the
+shared W box multicast into every block of the cluster. The tile walk covers every tile once with a cluster's blocks
+on the same columns; the kernels launch as clusters, multicast W's slices, free a slot in every block of the cluster
+and build for sm_90a without spills; multicast = 1 builds the older kernels byte for byte; the cost model counts W's
+L2 reads once per cluster; the knob space offers the twins after every older set.
+
+The kernels' numerics need an H200: ``scripts/bench_wgmma_small_k.py --plan s10gemm``."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from stof_tvm.cost_model.templates import template_work
+from stof_tvm.schedules.templates import cuda_source, get_template
+from stof_tvm.schedules.templates.gemm_wgmma import MULTICAST, build_kernel
+from stof_tvm.schedules.templates.wgmma_kernel import (ROW_BYTES, WgmmaConfig, check_wgmma_shape, grid_blocks,
+                                                       tile_origin, wgmma_gemm_primfunc)
+
+from hopper_checks import sm90a_sass
+
+FFN_DOWN = {"m": 4096, "n": 768, "k": 3072}
+SM_COUNT = 132
+
+
+def _walk(m, n, config, sm_count=SM_COUNT):
+    """(block, round) -> (first row, first column) of every tile the kernel's blocks compute, as the kernel walks
+    them (block bx's round r: tile bx + r * grid, while below the tile count)."""
+    grid_n = n // config.block_n
+    tiles = (m // config.tile_m) * grid_n
+    grid = grid_blocks(config, tiles, sm_count)
+    walk = {}
+    for bx in range(grid):
+        for r in range(-(-tiles // grid)):
+            if bx + r * grid < tiles:
+                walk[bx, r] = tile_origin(bx + r * grid, grid_n, config.tile_m, config.block_n, config.multicast)
+    return walk, grid
+
+
+@pytest.mark.parametrize("m, n, block_m, block_n, persistent, multicast", [
+    (4096, 768, 128, 192, False, 2), (4096, 768, 128, 192, True, 4), (4096, 3072, 256, 192, True, 2),
+    (4096, 2304, 128, 128, True, 2), (32768, 3072, 256, 192, True, 4), (512, 768, 128, 128, True, 4),
+    (4096, 768, 128, 128, True, 1)])
+def test_the_walk_covers_every_tile_once_and_a_cluster_shares_its_columns(m, n, block_m, block_n, persistent,
+                                                                          multicast):
+    """Every output tile is computed exactly once; the blocks of one cluster (bx // multicast) compute, in every
+    round, ``multicast`` vertically adjacent tiles of the same column panel, rank r (bx % multicast) the r-th, so they
+    read the same W box; a persistent grid is whole clusters, so a cluster's blocks take the same rounds."""
+    config = WgmmaConfig(block_n=block_n, stages=4, persistent=persistent, block_m=block_m, loads="tma",
+                         multicast=multicast)
+    walk, grid = _walk(m, n, config)
+    assert grid % multicast == 0
+    expected = {(row, col) for row in range(0, m, block_m) for col in range(0, n, block_n)}
+    assert sorted(walk.values()) == sorted(expected)
+    for (bx, r), (row, col) in walk.items():
+        first = bx - bx % multicast
+        assert (first, r) in walk, "a cluster's blocks take the same rounds"
+        first_row, first_col = walk[first, r]
+        assert col == first_col and row == first_row + (bx % multicast) * block_m
+        assert first_row % (multicast * block_m) == 0
+
+
+def test_the_w_slices_of_a_cluster_make_up_the_box():
+    """Rank r loads W rows n0 + r * block_n / multicast on, into the slot's W tile r * block_n / multicast rows
+    in: the slices of all ranks are the whole box, each a whole number of 1024-byte swizzle atoms."""
+    for block_n in (128, 192, 256):
+        for multicast in (2, 4):
+            rows = block_n // multicast
+            assert rows * multicast == block_n and rows * ROW_BYTES % 1024 == 0
+
+
+def test_multicast_1_builds_the_older_kernel():
+    """``multicast = 1`` written out is the knob set without it, byte for byte (records and prebuilt cubins keyed by
+    the source stay valid)."""
+    shape = {"m": 512, "n": 256, "k": 128}
+    for knobs in ({"block_n": 128, "stages": 4, "persistent": True, "pingpong": True},
+                  {"block_n": 256, "stages": 2, "persistent": False, "pingpong": False, "staged": True,
+                   "loads": "tma"}):
+        plain = cuda_source(build_kernel("gemm_bias_gelu_erf_wgmma", shape, "float16", knobs))
+        assert plain == cuda_source(build_kernel("gemm_bias_gelu_erf_wgmma", shape, "float16",
+                                                 dict(knobs, multicast=1)))
+
+
+@pytest.mark.parametrize("knobs, message", [
+    (dict(multicast=3, loads="tma"), "multicast must be one of"),
+    (dict(multicast=2), "loads must be 'tma'"),
+    (dict(multicast=2, loads="tma", split_k=2, persistent=False), "split_k 1"),
+    (dict(multicast=2, loads="tma", pingpong=True), "pingpong False"),
+])
+def test_multicast_refuses_bad_values(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        WgmmaConfig(block_n=128, stages=4, **knobs).validate()
+
+
+def test_multicast_needs_row_tiles_in_whole_clusters():
+    """m = 384 has 3 row tiles of 128: no clusters of 2."""
+    config = WgmmaConfig(block_n=128, stages=4, loads="tma", multicast=2)
+    with pytest.raises(ValueError, match="multicast=2 must divide the 3 row tiles"):
+        check_wgmma_shape(384, 256, 128, config)
+    with pytest.raises(ValueError, match="multicast=2 must divide"):
+        wgmma_gemm_primfunc(384, 256, 128, "float16", bias=False, act="none", config=config)
+
+
+@pytest.mark.parametrize("name, shape, knobs", [
+    ("gemm_wgmma", FFN_DOWN,
+     {"block_n": 192, "stages": 4, "persistent": False, "pingpong": False, "staged": True, "loads": "tma",
+      "multicast": 2}),
+    ("gemm_bias_gelu_erf_wgmma", {"m": 4096, "n": 3072, "k": 768},
+     {"block_n": 192, "stages": 3, "persistent": True, "pingpong": False, "block_m": 256, "staged": True,
+      "fast_gelu": True, "loads": "tma", "multicast": 2}),
+    ("qkv_projection_wgmma", {"batch": 8, "seq": 512, "heads": 12, "head_dim": 64},
+     {"block_n": 128, "stages": 4, "persistent": True, "pingpong": False, "staged": True, "loads": "tma",
+      "multicast": 4}),
+])
+def test_multicast_kernels_build_for_sm90a_as_clusters(name, shape, knobs, tmp_path):
+    """A multicast kernel launches in clusters of ``multicast`` (TVM's ``clusterCtaIdx`` launch parameter), meets
+    the cluster after the barriers' initialisation and before leaving, loads its A box and multicasts its W slice
+    (CTA mask of all ranks) with the slot's full barrier expecting A and the whole W box, and frees each slot in every
+    block of the cluster (empty barriers expecting one arrival per consumer warpgroup and block); ptxas: no spills,
+    no stack, no wgmma serialisation."""
+    mc = knobs["multicast"]
+    config = get_template(name).config(knobs)
+    ex = build_kernel(name, shape, "float16", knobs)
+    src = cuda_source(ex)
+    kernel = src[src.index('extern "C" __global__'):]
+    for text in ("%cluster_ctarank", "mapa.shared::cluster.u32", "mbarrier.arrive.release.cluster.shared::cluster.b64",
+                 ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;"):
+        assert text in src, text
+    assert kernel.count("barrier_cluster_arrive_cluster_arrive_release();") == 2
+    assert f"(ushort){(1 << mc) - 1})" in kernel                     # every rank of the cluster
+    box_bytes = (config.tile_m + config.block_n) * ROW_BYTES
+    assert re.search(rf"expect_tx_shared__cta_b64\(.*\(uint\){box_bytes}\);", kernel)
+    assert re.search(rf"mbarrier_init_init_shared__cta_b64\(.*\(uint\){2 * mc}\);", kernel)   # the empty barriers
+    assert f"* {config.block_n // mc * ROW_BYTES}))" in kernel      # rank r's slice r * block_n / mc rows in
+    library = tmp_path / "kernel.so"
+    ex.export_library(str(library))
+    assert b"clusterCtaIdx.x" in library.read_bytes()
+    assert get_template(name).resources(shape, "float16", knobs)["grid"] % mc == 0
+    sm90a_sass(src, tmp_path)
+
+
+def test_the_model_counts_w_once_per_cluster():
+    """The L2 bytes of a multicast set: A's rows per block and W's once per cluster (outputs alike)."""
+    t = get_template("gemm_wgmma")
+    base = {"block_n": 192, "stages": 4, "persistent": False, "pingpong": False, "staged": True, "loads": "tma"}
+    l2 = {mc: template_work(t, FFN_DOWN, "float16", dict(base, multicast=mc)).l2_bytes for mc in (1, 2, 4)}
+    out_bytes = FFN_DOWN["m"] * FFN_DOWN["n"] * 2
+    panels = {mc: l2[mc] - out_bytes for mc in l2}
+    assert panels[1] == (4096 // 128) * (768 // 192) * (128 + 192) * 3072 * 2   # tiles x panel rows x k x 2 bytes
+    assert panels[2] / panels[1] == pytest.approx((128 + 96) / (128 + 192))
+    assert panels[4] / panels[1] == pytest.approx((128 + 48) / (128 + 192))
+
+
+@pytest.mark.parametrize("name, shape", [("gemm_wgmma", FFN_DOWN), ("gemm_bias_gelu_erf_wgmma",
+                                                                    {"m": 4096, "n": 3072, "k": 768})])
+def test_the_knob_space_ends_with_the_multicast_twins(name, shape):
+    """The multicast sets come after every older set (the first choice and the older order stay) and are the twins
+    of the unsplit cooperative TMA sets whose row tiles pair up."""
+    space = get_template(name).knob_space(shape, "float16")
+    first = next(i for i, kn in enumerate(space) if "multicast" in kn)
+    older, twins = space[:first], space[first:]
+    assert all("multicast" not in kn for kn in older) and all(kn["multicast"] == MULTICAST for kn in twins)
+    expected = [dict(kn, multicast=MULTICAST) for kn in older if kn["loads"] == "tma" and not kn["pingpong"]
+                and kn.get("split_k", 1) == 1 and (shape["m"] // kn.get("block_m", 128)) % MULTICAST == 0]
+    assert twins == expected and twins
