@@ -43,14 +43,25 @@ and ``consumers`` (2, or 3 at head dim 64) consumer warpgroups (384 or 512 threa
   Ping-pong turns run on over items: consumer 0 waits before every turn but its first, the last consumer gives a
   turn after every one of its own, and consumer 0 takes the last of those after its last item.
 
-Shared tiles are 64-column panels of 128-byte rows in the 128-byte swizzle of the wgmma descriptors (chunk ``c``
-of row ``r`` at ``r * 128 + ((c ^ r % 8) * 16)``, panels 1024-aligned), the layout of
-:mod:`.templates.wgmma_kernel`. For ``S``, Q and K are K-major (head dim contiguous): the k16 steps advance the
-start address by 32 bytes inside a panel and move to the next panel every four steps. For ``P V``, V is
-MN-major (head dim contiguous, keys the reduction): a k16 step is 16 rows (2048 bytes); the stride byte offset is
-1024 (eight key rows) and the leading byte offset the panel size (the next 64 head-dim columns).
+Shared tiles are panels of head-dim columns whose rows are one swizzle span of the wgmma descriptors
+(:func:`panel_cols`): 64 columns of 128-byte rows in the 128-byte swizzle at head dims 64, 128 and 256 (chunk ``c``
+of row ``r`` at ``r * 128 + ((c ^ r % 8) * 16)``, the layout of :mod:`.templates.wgmma_kernel`), 32 columns of
+64-byte rows in the 64-byte swizzle at 32 and 96 (``c ^ (r // 2) % 4``), 16 columns of 32-byte rows in the
+32-byte swizzle at 80 (``c ^ (r // 4) % 2``; :func:`panel_offset`), so that no row is cut by a span and no k16
+step by a panel; panels 1024-aligned. For ``S``, Q and K are K-major (head dim contiguous): the k16 steps advance
+the start address by 32 bytes inside a panel row and move to the next panel every ``panel_cols / 16`` steps
+(:func:`s_step_offset`). For ``P V``, V is MN-major (head dim contiguous, keys the reduction): a k16 step is 16 rows
+(:func:`pv_step_offset`); the stride byte offset is eight key rows and the leading byte offset the panel size (the
+next panel of head-dim columns; :func:`descriptor_bits`). wgmma takes ``N = D`` for any multiple of 8 up to 256,
+so ``O += P V`` is one ``m64n{D}k16`` at every head dim. With TMA each panel is one box in the panel's swizzle
+(:func:`.tensor_maps.panel_map`). Registers bound the tiles (:meth:`WgmmaAttentionConfig.fragment_registers`): at
+head dim 256 O alone is 128 floats a consumer thread, so 64-key tiles; three consumers fit at head dims 32 and 64.
 
 Everything comes from TVM 0.27's ``T.ptx`` table, as in the wgmma GEMM. Build for ``arch="sm_90a"``.
+
+Head dims 32, 80, 96 and 256 are built and ptxas-checked here (HGMMA, no spills; the layouts read back through
+the descriptors in ``tests/test_attention_wgmma_dims.py``); the model and the compile path use the kernel only at
+:data:`CHECKED_HEAD_DIMS`, those checked against float32 on an H200.
 
 Status: checked on an H200 at commit 2161894 (``scripts/check_attention_wgmma_gpu.py``; 7 masks x 3 shapes correct,
 causal 0.83x / 0.85x SDPA at D 64 / 128; numbers in ``scripts/NOTES_attention_wgmma.md``; the head-by-head order
@@ -72,14 +83,17 @@ from tvm.script import tirx as T
 from .attention_blockwise import BlockConfig, blockwise_attention_primfunc
 from .key_padding import bit_words
 from .tensor_maps import encode_tensor_map, panel_map
-from .templates.wgmma_kernel import (ALIGN, CONSUMER_REGS, PRODUCER_REGS, PTX_TYPE, SWIZZLE_128B, descriptor,
-                                     swizzled, wait_parity)
+from .templates.wgmma_kernel import ALIGN, CONSUMER_REGS, PRODUCER_REGS, PTX_TYPE, wait_parity
 
 __all__ = ["WgmmaAttentionConfig", "wgmma_attention_primfunc", "cpu_twin_primfunc", "SUPPORTED_HEAD_DIMS",
-           "SUPPORTED_DTYPES", "ARCH"]
+           "SUPPORTED_DTYPES", "ARCH", "CHECKED_HEAD_DIMS", "panel_cols", "panel_offset", "descriptor_bits",
+           "s_step_offset", "pv_step_offset"]
 
 ARCH = "sm_90a"
-SUPPORTED_HEAD_DIMS = (64, 128)
+# Head dims the kernel builds (ptxas-checked here: HGMMA, no spills); CHECKED_HEAD_DIMS: those whose kernels were
+# also checked against float32 on the H200, the only ones the analytical model and the compile path offer.
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
+CHECKED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = tuple(PTX_TYPE)
 OUT_LAYOUTS = ("bhsd", "bshd")
 BLOCK_M = 128            # default tile rows: two consumer warpgroups x 64 query rows
@@ -88,12 +102,20 @@ BLOCK_N_CHOICES = (64, 128)
 # How the producer fills shared memory: 16-byte cp.async from all its 128 threads, or TMA (one thread: tensor maps
 # encoded on the host at each call, cp.async.bulk for the bitmap words)
 LOAD_CHOICES = ("cp.async", "tma")
+# Head dims whose cp.async producer builds clean (nvcc 13.0, sm_90a): at 80, 96 and 256 ptxas spills (100, 88 and 8
+# spill stores with the default tiles); TMA, the default everywhere, builds clean at every head dim
+CP_ASYNC_HEAD_DIMS = (32, 64, 128)
 WG = 128
 # setmaxnreg (producer, consumer) per consumer count: one block holds the whole register file (65536). Two
 # consumers: 168 at launch, 40 + 2 x 232; three: 128 at launch, 32 + 3 x 160 (FlashAttention-3's D=64 split).
 REGISTERS = {2: (PRODUCER_REGS, CONSUMER_REGS), 3: (32, 160)}
-PANEL_COLS = 64          # head-dim columns of one 128-byte swizzled row
-ROW_BYTES = PANEL_COLS * 2
+# Shared tiles are panels of head-dim columns whose rows are one swizzle span: 64 columns (128-byte rows) where the
+# head dim is a multiple of 64, else 32 (64-byte rows: 32, 96) or 16 (32-byte rows: 80); wgmma descriptor layout
+# type by row bytes (PTX ISA "Matrix Descriptor Format": 1 = 128-byte, 2 = 64-byte, 3 = 32-byte swizzle)
+PANEL_COLS_CHOICES = (64, 32, 16)
+LAYOUT_TYPE = {128: 1, 64: 2, 32: 3}
+# Registers a consumer thread holds besides its fragments (S, O, P): addresses, row state, loop counters
+FRAGMENT_SLACK = 32
 ORDER_BAR = 1            # named barriers 1 and 2: consumer c may issue its next turn
 VIEW_ALIGN = 8
 PERSISTENT_GRID = 132    # blocks of a persistent grid at most (the H200's SMs; the compile path keeps this default)
@@ -135,9 +157,13 @@ class WgmmaAttentionConfig:
             raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {self.block_n!r}")
         if isinstance(self.consumers, bool) or self.consumers not in CONSUMER_CHOICES:
             raise ValueError(f"consumers must be one of {CONSUMER_CHOICES}, got {self.consumers!r}")
-        if self.consumers == 3 and (head_dim != 64 or self.block_n != 128):
-            raise ValueError("consumers=3 needs head_dim 64 and block_n 128 (S, O and P of a consumer in its 160 "
-                             f"registers), got head_dim {head_dim}, block_n {self.block_n}")
+        if self.consumers == 3 and self.block_n != 128:
+            raise ValueError(f"consumers=3 needs block_n 128, got {self.block_n}")
+        limit = REGISTERS[self.consumers][1] - FRAGMENT_SLACK
+        if self.fragment_registers(head_dim) > limit:
+            raise ValueError(f"consumers={self.consumers} at head_dim {head_dim}, block_n {self.block_n}: S, O and P "
+                             f"take {self.fragment_registers(head_dim)} registers a consumer thread, more than the "
+                             f"{limit} its {REGISTERS[self.consumers][1]} leave beside them")
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"stages must be an int >= 2, got {self.stages!r}")
         for name in ("pingpong", "persistent"):
@@ -145,9 +171,18 @@ class WgmmaAttentionConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.loads, str) or self.loads not in LOAD_CHOICES:
             raise ValueError(f"loads must be one of {LOAD_CHOICES}, got {self.loads!r}")
+        if self.loads == "cp.async" and head_dim not in CP_ASYNC_HEAD_DIMS:
+            raise ValueError(f"loads='cp.async' takes head dims {CP_ASYNC_HEAD_DIMS} (ptxas spills its producer at "
+                             f"others), got {head_dim}; use loads='tma'")
         if self.shared_bytes(head_dim) > 227 * 1024:
             raise ValueError(f"{self} needs {self.shared_bytes(head_dim)} bytes of shared memory at head_dim "
                              f"{head_dim}, more than the 227 KiB of sm_90")
+
+    def fragment_registers(self, head_dim: int) -> int:
+        """32-bit registers of a consumer thread's fragments: S (block_n / 2 floats), O (head_dim / 2) and P
+        (block_n / 4 packed pairs). 128 at head dim 64 with three consumers (ptxas: 155 in use of 160); 176 at
+        head dim 256 with 64-key tiles and two consumers (of 232)."""
+        return self.block_n // 2 + head_dim // 2 + self.block_n // 4
 
     def layout(self, head_dim: int) -> dict:
         """Byte offsets of the shared regions from the 1024-aligned base."""
@@ -175,23 +210,27 @@ class WgmmaAttentionConfig:
 # 3.656 (s8tma 3.780); key-padded causal 2.307, 2.241, persistent 2.060. With the walk's rotation (session 9 call
 # 14, same plan rebuilt, 42/42 checks): D64 3 consumers causal TMA 0.944/0.968, persistent 0.944; dense 1.741/1.728,
 # persistent 1.580; D128 causal 1.985/2.009, persistent 1.925.
-DEFAULT_LOADS = {(64, False): "tma", (64, True): "tma", (128, False): "tma", (128, True): "tma"}
-DEFAULT_PERSISTENT = {(64, False): True, (64, True): True, (128, False): True, (128, True): True}
+# Head dims 32, 80, 96 and 256 (not yet run on a GPU; plan s10dims checks and times them) take the same loads and
+# grid until measured.
+DEFAULT_LOADS = {(d, pad): "tma" for d in SUPPORTED_HEAD_DIMS for pad in (False, True)}
+DEFAULT_PERSISTENT = {(d, pad): True for d in SUPPORTED_HEAD_DIMS for pad in (False, True)}
 
 
 def default_config(head_dim: int, padding: bool = False) -> WgmmaAttentionConfig:
-    """128-key tiles; as many ring stages as fit (2 at head dim 128, 3 at 64); three consumers at head dim 64
-    unless the kernel applies key padding (``padding``: its column predicate makes three consumers spill); the
+    """128-key tiles (64 at head dim 256: 128 would not fit S, O and P in the registers, nor two ring stages in
+    shared memory); ring stages 2 at head dims 128 and 256, 4 at 32, else 3; three consumers at head dims 32 and 64
+    unless the kernel applies key padding (``padding``: its column predicate makes three consumers spill at 64); the
     loads and grid of :data:`DEFAULT_LOADS` and :data:`DEFAULT_PERSISTENT`.
 
     Three consumers at head dim 64 measured on the H200 (session 7, ``bench_attention.py`` plan ``s7causal``, B16 H12
     S4096): causal 1.000 ms against 1.103 with two, dense 1.800 against 1.968. At head dim 128 three consumers do not
     fit the registers; two stay."""
     key = (head_dim, bool(padding))
-    knobs = dict(block_n=128, loads=DEFAULT_LOADS[key], persistent=DEFAULT_PERSISTENT[key])
-    if head_dim == 64 and not padding:
-        return WgmmaAttentionConfig(stages=3, consumers=3, **knobs)
-    return WgmmaAttentionConfig(stages=2 if head_dim == 128 else 3, **knobs)
+    knobs = dict(loads=DEFAULT_LOADS[key], persistent=DEFAULT_PERSISTENT[key])
+    stages = {32: 4, 128: 2, 256: 2}.get(head_dim, 3)
+    if head_dim <= 64 and not padding:
+        return WgmmaAttentionConfig(block_n=128, stages=stages, consumers=3, **knobs)
+    return WgmmaAttentionConfig(block_n=64 if head_dim == 256 else 128, stages=stages, **knobs)
 
 
 def _check_problem(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, out_layout):
@@ -254,13 +293,47 @@ def wgmma_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, 
                    out_layout == "bshd", sm_count, bool(padding))
 
 
-def descriptor_mn(addr, leading_bytes: int):
-    """64-bit MN-major SWIZZLE_128B matrix descriptor at shared address ``addr``: eight-row groups of the
-    reduction dimension 1024 bytes apart (stride byte offset), 64-column panels ``leading_bytes`` apart."""
+def panel_cols(head_dim: int) -> int:
+    """Head-dim columns of one shared panel: the widest of 64, 32, 16 that divides ``head_dim``, so that each row
+    of a panel is one swizzle span (128, 64 or 32 bytes) and a panel boundary never splits a k16 step."""
+    return next(cols for cols in PANEL_COLS_CHOICES if head_dim % cols == 0)
+
+
+def panel_offset(row, chunk, row_bytes: int):
+    """Byte offset of 16-byte chunk ``chunk`` of row ``row`` in a panel of ``row_bytes``-byte rows swizzled with
+    that span (the copy engine's and wgmma's swizzle on address bits, panels aligned to 8 rows): the chunk index
+    is XORed with address bits 7 and up, ``(row * row_bytes >> 7) % chunks``. For 128-byte rows ``chunk ^ row % 8``,
+    64-byte ``chunk ^ (row // 2) % 4``, 32-byte ``chunk ^ (row // 4) % 2``. ``row``, ``chunk``: ints or TIR."""
+    chunks = row_bytes // 16
+    return row * row_bytes + (chunk ^ ((row * chunks // 8) % chunks)) * 16
+
+
+def s_step_offset(kk, head_dim: int, panel_bytes: int):
+    """Bytes from a K-major Q or K tile's start to k16 step ``kk`` of ``S = Q K^T`` (16 head-dim columns): the
+    steps advance 32 bytes inside a panel row, and move to the next panel (``panel_bytes`` on) every
+    ``panel_cols(head_dim) / 16`` steps."""
+    steps = panel_cols(head_dim) // 16
+    return (kk // steps) * panel_bytes + (kk % steps) * 32
+
+
+def pv_step_offset(kk, head_dim: int):
+    """Bytes from an MN-major V tile's start to k16 step ``kk`` of ``O += P V`` (keys ``16 kk ..``): 16 rows."""
+    return kk * 16 * 2 * panel_cols(head_dim)
+
+
+def descriptor_bits(row_bytes: int, leading_bytes: int) -> int:
+    """The fields of a wgmma shared-memory descriptor besides its start address, for panels of ``row_bytes``-byte
+    rows in the swizzle of that span: leading byte offset ``leading_bytes`` (>> 4, bits 16-29; 16 by convention
+    for K-major operands, where the swizzled layout does not read it; MN-major: the next panel), stride byte
+    offset one eight-row group (``8 * row_bytes`` >> 4, bits 32-45), layout type (bits 62-63)."""
+    return ((leading_bytes >> 4) << 16) | ((8 * row_bytes >> 4) << 32) | (LAYOUT_TYPE[row_bytes] << 62)
+
+
+def descriptor(addr, row_bytes: int, leading_bytes: int = 16):
+    """64-bit wgmma matrix descriptor at shared address ``addr`` (:func:`descriptor_bits`)."""
     start = T.Cast("uint64", T.bitwise_and(T.shift_right(addr, T.uint32(4)), T.uint32(0x3FFF)))
-    lead = T.uint64(leading_bytes >> 4) << T.uint64(16)
-    stride = T.uint64(ALIGN >> 4) << T.uint64(32)
-    return start | lead | stride | (T.uint64(SWIZZLE_128B) << T.uint64(62))
+    low = descriptor_bits(row_bytes, leading_bytes) & ((1 << 62) - 1)     # a uint64 immediate must fit int64
+    return start | T.uint64(low) | (T.uint64(LAYOUT_TYPE[row_bytes]) << T.uint64(62))
 
 
 def mask_word(c, w, g, hh, j, n8_tiles: int):
@@ -335,7 +408,10 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     K_OFF, V_OFF, M_OFF, BAR_OFF = lay["k_off"], lay["v_off"], lay["m_off"], lay["bar_off"]
     SMEM_WORDS = cfg.shared_bytes(D) // 4
     CPR = D // 8                       # 16-byte chunks per Q/K/V row
-    Q_PANEL, KV_PANEL = BM * ROW_BYTES, BN * ROW_BYTES
+    PC = panel_cols(D)                 # head-dim columns of a panel, its rows one swizzle span of RB bytes
+    RB = 2 * PC
+    CPP, NP = RB // 16, D // PC        # 16-byte chunks of a panel row, panels
+    Q_PANEL, KV_PANEL = BM * RB, BN * RB
     Q_ITERS, KV_ITERS = BM * CPR // WG, BN * CPR // WG
     MW_CHUNKS = MW_BYTES // 16
     M_ITERS = -(-MW_CHUNKS // WG)
@@ -352,7 +428,8 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     # arrivals completing a full mbarrier's phase: every producer thread's (cp.async), or the issuing thread's
     # arrive.expect_tx, the phase then waiting for the copies' transaction bytes too (TMA)
     FULL_ARRIVALS = 1 if TMA else WG
-    Q_MAP, KV_MAP = (panel_map(B * H, SQ, D, BM, DT), panel_map(B * H, SK, D, BN, DT)) if TMA else (None, None)
+    Q_MAP, KV_MAP = ((panel_map(B * H, SQ, D, BM, DT, PC), panel_map(B * H, SK, D, BN, DT, PC)) if TMA
+                     else (None, None))
     TMA_3D = T.ptx["cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"]
     BULK = T.ptx["cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"]
     EXPECT_TX = T.ptx["mbarrier.arrive.expect_tx.shared::cta.b64"]
@@ -379,22 +456,22 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
 
     @T.macro
     def tma_rows(tmap, dst, panel_bytes, row0, bh, bar):
-        """TMA: rows ``row0 ..`` of (batch x head) ``bh`` into the 64-column panels at ``dst``, one box per panel
-        (rows past the operand's end zero-filled), completing on mbarrier ``bar``."""
-        for p in T.unroll(D // PANEL_COLS):
-            TMA_3D(dst + T.uint32(p * panel_bytes), T.address_of(tmap), T.int32(p * PANEL_COLS), row0, bh, bar)
+        """TMA: rows ``row0 ..`` of (batch x head) ``bh`` into the panels at ``dst``, one box per panel (rows past
+        the operand's end zero-filled), completing on mbarrier ``bar``."""
+        for p in T.unroll(NP):
+            TMA_3D(dst + T.uint32(p * panel_bytes), T.address_of(tmap), T.int32(p * PC), row0, bh, bar)
 
     @T.macro
     def load_q(q, q_map, base, b, h, tr, wt):
         if TMA:
-            EXPECT_TX(q_bar(base), T.uint32(Q_MAP.box_bytes * (D // PANEL_COLS)))
+            EXPECT_TX(q_bar(base), T.uint32(Q_MAP.box_bytes * NP))
             tma_rows(q_map, base, Q_PANEL, tr * BM, b * H + h, q_bar(base))
         else:
             for it in T.unroll(Q_ITERS):
                 row: T.let = (it * WG + wt) // CPR
                 ch: T.let = (it * WG + wt) % CPR
                 qrow: T.let = tr * BM + row
-                CP_ASYNC_16(base + T.Cast("uint32", (ch // 8) * Q_PANEL + swizzled(row, ch % 8)),
+                CP_ASYNC_16(base + T.Cast("uint32", (ch // CPP) * Q_PANEL + panel_offset(row, ch % CPP, RB)),
                             T.address_of(q[b, h, T.min(qrow, SQ - 1), ch * 8]), 16,
                             T.Cast("uint32", T.Select(qrow < SQ, 16, 0)))
             T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](q_bar(base))
@@ -411,8 +488,8 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                 row: T.let = (it * WG + wt) // CPR
                 ch: T.let = (it * WG + wt) % CPR
                 key: T.let = col * BN + row
-                CP_ASYNC_16(base + T.Cast("uint32", dst_off + (gt % ST) * KV_BYTES + (ch // 8) * KV_PANEL
-                                          + swizzled(row, ch % 8)),
+                CP_ASYNC_16(base + T.Cast("uint32", dst_off + (gt % ST) * KV_BYTES + (ch // CPP) * KV_PANEL
+                                          + panel_offset(row, ch % CPP, RB)),
                             T.address_of(src[b, h, T.min(key, SK - 1), ch * 8]), 16,
                             T.Cast("uint32", T.Select(key < SK, 16, 0)))
 
@@ -494,8 +571,8 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     def issue_s(s_acc, q_desc, k_desc, i):
         """S(i) = Q K(i)^T: one m64n{BN}k16 per 16 head-dim columns, both operands from shared memory."""
         for kk in T.unroll(KD):
-            MMA_S(*[s_acc[x] for x in range(NS)], advance(q_desc, (kk // 4) * Q_PANEL + (kk % 4) * 32),
-                  advance(k_desc, (i % ST) * KV_BYTES + (kk // 4) * KV_PANEL + (kk % 4) * 32), kk > 0, 1, 1, 0, 0)
+            MMA_S(*[s_acc[x] for x in range(NS)], advance(q_desc, s_step_offset(kk, D, Q_PANEL)),
+                  advance(k_desc, (i % ST) * KV_BYTES + s_step_offset(kk, D, KV_PANEL)), kk > 0, 1, 1, 0, 0)
         T.ptx["wgmma.commit_group.sync.aligned"]()
 
     @T.macro
@@ -503,7 +580,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
         """O += P(i) V(i): one m64n{D}k16 per 16 keys, P from registers, V transposed from shared memory."""
         for kk in T.unroll(KN):
             MMA_PV(*[o_acc[x] for x in range(NO)], p_frag[kk * 4], p_frag[kk * 4 + 1], p_frag[kk * 4 + 2],
-                   p_frag[kk * 4 + 3], advance(v_desc, (i % ST) * KV_BYTES + kk * 16 * ROW_BYTES), True, 1, 1, 1)
+                   p_frag[kk * 4 + 3], advance(v_desc, (i % ST) * KV_BYTES + pv_step_offset(kk, D)), True, 1, 1, 1)
         T.ptx["wgmma.commit_group.sync.aligned"]()
 
     @T.macro
@@ -715,9 +792,9 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                     g: T.let = (tx % 32) // 4
                     qd: T.let = tx % 4
                     mw0: T.let = T.Cast("int32", (base - raw) // T.uint32(4))   # smem word of the aligned base
-                    q_desc: T.let = descriptor(base + T.Cast("uint32", c * (64 * ROW_BYTES)))   # this consumer's rows
-                    k_desc: T.let = descriptor(base + T.uint32(K_OFF))
-                    v_desc: T.let = descriptor_mn(base + T.uint32(V_OFF), KV_PANEL)
+                    q_desc: T.let = descriptor(base + T.Cast("uint32", c * (64 * RB)), RB)   # this consumer's rows
+                    k_desc: T.let = descriptor(base + T.uint32(K_OFF), RB)
+                    v_desc: T.let = descriptor(base + T.uint32(V_OFF), RB, KV_PANEL)    # MN-major: panels apart
                     started[0] = 0
                     for j in range(ROUNDS):
                         if work_item(bx, j)[0]:

@@ -6,7 +6,10 @@ multiple of 8 elements) as 64-column *panels*: one TMA box is ``box_rows`` rows 
 row) of one (batch, head), placed in shared memory in the 128-byte swizzle of the wgmma descriptors (chunk ``c`` of
 row ``r`` at ``r * 128 + (c ^ r % 8) * 16`` in a 1024-aligned panel). The map is three-dimensional, innermost
 first: (head dim, rows, batch x head), so rows past ``rows`` (keys past Sk, queries past Sq) are zero-filled by the
-copy engine instead of reading the next head. A head dim of 128 is two boxes, at columns 0 and 64.
+copy engine instead of reading the next head. A head dim of 128 is two boxes, at columns 0 and 64. Head dims that
+are not multiples of 64 take narrower panels in the swizzle of their row (``panel_cols``: 32 columns in the 64-byte
+swizzle for head dims 32 and 96, 16 columns in the 32-byte swizzle for 80; chunk ``c`` of row ``r`` then at
+``r * row_bytes + (c ^ (r * row_bytes >> 7) % chunks_per_row) * 16``).
 
 The wgmma GEMMs read a row-major ``[rows, k]`` operand (the activations A and the ``torch.nn.Linear`` weight W)
 as K-major tiles of ``box_rows`` rows x 64 columns in the same swizzle: :func:`matrix_map` is its two-dimensional
@@ -23,13 +26,16 @@ from dataclasses import dataclass
 
 from tvm.script import tirx as T
 
-__all__ = ["TensorMapParams", "panel_map", "matrix_map", "encode_tensor_map", "PANEL_COLS", "SWIZZLE_128B"]
+__all__ = ["TensorMapParams", "panel_map", "matrix_map", "encode_tensor_map", "PANEL_COLS", "PANEL_SWIZZLE",
+           "SWIZZLE_128B"]
 
 PANEL_COLS = 64                  # head-dim columns of one 128-byte row
 ELEMENT_BYTES = {"float16": 2, "bfloat16": 2}
 # CUDA driver enums (cuda.h): CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapInterleave, OOB fill
 SWIZZLE_BYTES = {0: 0, 1: 32, 2: 64, 3: 128}   # CU_TENSOR_MAP_SWIZZLE_{NONE, 32B, 64B, 128B}
 SWIZZLE_128B = 3
+# the swizzle whose span is a panel's row, by panel columns (16-bit elements): 128, 64 or 32 bytes
+PANEL_SWIZZLE = {64: SWIZZLE_128B, 32: 2, 16: 1}
 L2_PROMOTION_128B = 2
 INTERLEAVE_NONE = 0
 OOB_FILL_ZERO = 0                # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-bounds elements read as zeros
@@ -93,17 +99,24 @@ class TensorMapParams:
                              f"a row, got {inner}")
 
 
-def panel_map(batch_heads: int, rows: int, head_dim: int, box_rows: int, dtype: str) -> TensorMapParams:
+def panel_map(batch_heads: int, rows: int, head_dim: int, box_rows: int, dtype: str,
+              panel_cols: int = PANEL_COLS) -> TensorMapParams:
     """The map of a compact ``[B, H, rows, head_dim]`` operand (``batch_heads = B * H``) copied as boxes of
-    ``box_rows`` rows x 64 columns into 128-byte-swizzled panels. Checked (:meth:`TensorMapParams.validate`)."""
-    if head_dim % PANEL_COLS:
-        raise ValueError(f"head_dim must be a multiple of {PANEL_COLS} for 128-byte panels, got {head_dim}")
+    ``box_rows`` rows x ``panel_cols`` columns into swizzled panels: 64 columns (128-byte rows, the 128-byte
+    swizzle), 32 (64-byte rows, 64-byte swizzle: head dims 32 and 96) or 16 (32-byte rows, 32-byte swizzle: head
+    dim 80), the swizzle span being the row, as the wgmma descriptors of that layout read it. Checked
+    (:meth:`TensorMapParams.validate`)."""
+    if panel_cols not in PANEL_SWIZZLE:
+        raise ValueError(f"panel_cols must be one of {tuple(PANEL_SWIZZLE)}, got {panel_cols!r}")
+    if head_dim % panel_cols:
+        raise ValueError(f"head_dim must be a multiple of {panel_cols} for {panel_cols * 2}-byte panels, "
+                         f"got {head_dim}")
     size = ELEMENT_BYTES.get(dtype)
     if size is None:
         raise ValueError(f"tensor map dtype must be one of {tuple(ELEMENT_BYTES)}, got {dtype!r}")
     params = TensorMapParams(dtype=dtype, dims=(head_dim, rows, batch_heads),
-                             strides=(head_dim * size, rows * head_dim * size), box=(PANEL_COLS, box_rows, 1),
-                             element_strides=(1, 1, 1))
+                             strides=(head_dim * size, rows * head_dim * size), box=(panel_cols, box_rows, 1),
+                             element_strides=(1, 1, 1), swizzle=PANEL_SWIZZLE[panel_cols])
     params.validate()
     return params
 

@@ -52,7 +52,7 @@ from ..schedules.attention_rowwise import RowConfig, cuda_config_fits, cuda_lane
 from ..schedules.attention_wgmma import PERSISTENT_GRID as WGMMA_PERSISTENT_GRID
 from ..schedules.attention_wgmma import REGISTERS as WGMMA_REGISTERS
 from ..schedules.attention_wgmma import SUPPORTED_DTYPES as WGMMA_DTYPES
-from ..schedules.attention_wgmma import SUPPORTED_HEAD_DIMS as WGMMA_HEAD_DIMS
+from ..schedules.attention_wgmma import CHECKED_HEAD_DIMS as WGMMA_HEAD_DIMS
 from ..schedules.attention_wgmma import WgmmaAttentionConfig
 from ..schedules.attention_wgmma import default_config as wgmma_default_config
 from .core import DEFAULT_CALIBRATION, Calibration, KernelWork, Prediction, predict
@@ -226,19 +226,19 @@ def row_candidates(head_dim: int, dtype: str, hw: HardwareProfile = H200) -> lis
 
 def wgmma_candidates(head_dim: int, hw: HardwareProfile = H200, padding: bool = False) -> list[AttentionCandidate]:
     """The wgmma kernel's configurations for ``head_dim`` on ``hw`` (none off Hopper, compute capability 9.x, or
-    at head dims it does not take): the default (:func:`~stof_tvm.schedules.attention_wgmma.default_config`)
-    first, so that it wins ties, then 2 / 3 consumers x 64 / 128 keys x 2-5 ring stages that fit; ping-pong,
-    the default's loads, one block per work item and persistent (see the module docstring for what is left out
-    and why). Left out because ptxas
-    builds them badly (nvcc 13.0, sm_90a): 64-key tiles at head dim 64 (C7508, setmaxnreg ignored) and, with
-    ``padding``, three consumers (the padding predicate makes their 160 registers spill: 12-48 spill stores);
+    at head dims whose kernels were not checked on a GPU, ``CHECKED_HEAD_DIMS``): the default
+    (:func:`~stof_tvm.schedules.attention_wgmma.default_config`) first, so that it wins ties, then 2 / 3 consumers
+    x 64 / 128 keys x 2-5 ring stages that fit (the kernel's register and shared-memory checks); ping-pong, the
+    default's loads, one block per work item and persistent (see the module docstring for what is left out and
+    why). Left out because ptxas builds them badly (nvcc 13.0, sm_90a): 64-key tiles at head dims 32 and 64
+    (C7508, setmaxnreg ignored) and, with ``padding``, three consumers (the padding predicate makes their 160 registers spill: 12-48 spill stores);
     with padding at head dim 64 the first is then two consumers."""
     if head_dim not in WGMMA_HEAD_DIMS or not hw.compute_version.startswith("9."):
         return []
     default = wgmma_default_config(head_dim, padding)
     out = [default]
     for consumers in ((2,) if padding else (3, 2)):
-        for block_n in ((128,) if head_dim == 64 else (128, 64)):
+        for block_n in ((128,) if head_dim <= 64 else (128, 64)):
             for stages in _WGMMA_STAGES:
                 for persistent in (False, True):
                     config = WgmmaAttentionConfig(block_n=block_n, stages=stages, consumers=consumers,

@@ -1,0 +1,242 @@
+"""Head dims 32, 80, 96 and 256 of the Hopper wgmma attention kernel (schedules/attention_wgmma.py), beside 64 and 128.
+
+Rows of 64, 160 and 192 bytes are not whole 128-byte swizzle spans, so those head dims keep their tiles as panels of
+32 columns (64-byte rows, 64-byte swizzle: 32 and 96) or 16 columns (32-byte rows, 32-byte swizzle: 80). Checked
+here without a GPU:
+
+- the layout: a tile placed by the cp.async producer (:func:`panel_offset`) and by an emulation of the copy engine
+  (TMA boxes of :func:`panel_map`, the swizzle applied on shared address bits) is the same bytes, and reading it
+  back through the kernel's descriptors (:func:`descriptor_bits` decoded, the PTX ISA canonical K-major and
+  MN-major layouts of each swizzle mode, the swizzle on the address) at every k16 step of ``S = Q K^T`` and of
+  ``O += P V`` (:func:`s_step_offset`, :func:`pv_step_offset`) gives exactly the operand's elements;
+- the configurations (registers of S, O and P per consumer thread, shared memory, the cp.async producer's head
+  dims) and the defaults;
+- the CUDA source built for sm_90a: the wgmma shapes of each head dim, 0 spills, no stack, no serialised wgmma,
+  HGMMA in the SASS where a disassembler exists;
+- the CPU twin's numerics at the new tile shapes;
+- that the analytical model and the compile path offer the kernel only at head dims checked on a GPU
+  (:data:`CHECKED_HEAD_DIMS`).
+
+Their numerics on the H200: ``scripts/bench_attention.py`` plan ``s10dims``."""
+from __future__ import annotations
+
+import math
+import re
+import shutil
+
+import numpy as np
+import pytest
+import tvm
+
+from stof_tvm.schedules.attention_wgmma import (CHECKED_HEAD_DIMS, SUPPORTED_HEAD_DIMS, WgmmaAttentionConfig,
+                                                cpu_twin_primfunc, default_config, descriptor_bits, panel_cols,
+                                                panel_offset, pv_step_offset, s_step_offset,
+                                                wgmma_attention_primfunc)
+from stof_tvm.schedules.tensor_maps import SWIZZLE_BYTES, panel_map
+from stof_tvm.schedules.templates.build import cuda_source, cuda_target
+from stof_tvm.sparse_formats import build_tiled, normalize_mask
+
+from attention_reference import assert_attention_close, numpy_dtype, random_qkv, reference_attention
+from hopper_checks import sm90a_sass
+
+NEW_HEAD_DIMS = (32, 80, 96, 256)
+SPAN_OF_LAYOUT = {1: 128, 2: 64, 3: 32}       # descriptor layout type -> swizzle span in bytes
+
+
+def swizzle(addr, span: int):
+    """The shared-memory swizzle of a ``span``-byte mode on byte addresses: 16-byte chunk bits 4.. XORed with bits
+    7.. (128: three bits, 64: two, 32: one)."""
+    return addr ^ (((addr >> 7) & (span // 16 - 1)) << 4)
+
+
+def cp_async_tile(operand: np.ndarray, row0: int, rows: int, head_dim: int) -> np.ndarray:
+    """Bytes the cp.async producer writes for rows ``row0 ..`` of ``operand`` [S, D] (uint16): chunk ``ch`` of row
+    ``r`` into panel ``ch // chunks`` at :func:`panel_offset`; rows past the end zero-filled."""
+    cols = panel_cols(head_dim)
+    row_bytes, chunks = 2 * cols, cols // 8
+    out = np.zeros(rows * head_dim * 2, np.uint8)
+    for r in range(rows):
+        for ch in range(head_dim // 8):
+            dst = (ch // chunks) * rows * row_bytes + panel_offset(r, ch % chunks, row_bytes)
+            if row0 + r < operand.shape[0]:
+                out[dst:dst + 16] = np.ascontiguousarray(operand[row0 + r, ch * 8:ch * 8 + 8]).view(np.uint8)
+    return out
+
+
+def tma_tile(operand: np.ndarray, row0: int, rows: int, head_dim: int) -> np.ndarray:
+    """Bytes the TMA producer's boxes write (:func:`panel_map` of this head dim, one box per panel at panel
+    ``p * rows * row_bytes``): box element (x, y) stored densely, then moved by the map's swizzle; rows past the end
+    read as zeros."""
+    params = panel_map(1, operand.shape[0], head_dim, rows, "float16", panel_cols(head_dim))
+    box_cols, span = params.box[0], SWIZZLE_BYTES[params.swizzle]
+    y, x = np.meshgrid(np.arange(rows), np.arange(box_cols), indexing="ij")
+    offset = swizzle((y * box_cols + x) * 2, span)
+    out = np.zeros(rows * head_dim * 2, np.uint8)
+    padded = np.zeros((row0 + rows, head_dim), np.uint16)
+    valid = min(operand.shape[0], row0 + rows)
+    padded[:valid] = operand[:valid]
+    for p in range(head_dim // box_cols):
+        panel = out[p * rows * box_cols * 2:(p + 1) * rows * box_cols * 2].view(np.uint16)
+        panel[offset // 2] = padded[row0 + y, p * box_cols + x]
+    return out
+
+
+def decode(bits: int):
+    """(leading byte offset, stride byte offset, swizzle span) of a descriptor's upper fields."""
+    return ((bits >> 16) & 0x3FFF) << 4, ((bits >> 32) & 0x3FFF) << 4, SPAN_OF_LAYOUT[bits >> 62]
+
+
+def read_k_major(smem: np.ndarray, start: int, bits: int, rows: int) -> np.ndarray:
+    """The [rows, 16] operand a K-major wgmma reads at ``start``: row m at ``(m // 8) * SBO + (m % 8) * span``,
+    element k at ``2 k`` on (the canonical swizzled K-major layout), the swizzle on the address."""
+    _, sbo, span = decode(bits)
+    m, k = np.meshgrid(np.arange(rows), np.arange(16), indexing="ij")
+    addr = swizzle(start + (m // 8) * sbo + (m % 8) * span + k * 2, span)
+    return smem.view(np.uint16)[addr // 2]
+
+
+def read_mn_major(smem: np.ndarray, start: int, bits: int, n: int) -> np.ndarray:
+    """The [16, n] operand an MN-major (transposed) wgmma reads at ``start``: element (k, j) at ``(j % (span / 2))
+    * 2 + (j // (span / 2)) * LBO + (k % 8) * span + (k // 8) * SBO`` (the canonical swizzled MN-major layout)."""
+    lbo, sbo, span = decode(bits)
+    k, j = np.meshgrid(np.arange(16), np.arange(n), indexing="ij")
+    addr = swizzle(start + (j % (span // 2)) * 2 + (j // (span // 2)) * lbo + (k % 8) * span + (k // 8) * sbo, span)
+    return smem.view(np.uint16)[addr // 2]
+
+
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+def test_panel_layout_reads_back_through_the_descriptors_at_every_step(head_dim):
+    """Q (both consumers' rows), K and V tiles, each placed both ways (the last one partly past the operand's end),
+    read through the kernel's descriptors step by step: exactly the operand's elements, zeros past its end."""
+    config = default_config(head_dim)
+    bm, bn = config.block_m, config.block_n
+    row_bytes = 2 * panel_cols(head_dim)
+    rng = np.random.default_rng(head_dim)
+    seq = bm + bn + 37
+    q, k, v = (rng.integers(1, 1 << 15, size=(seq, head_dim), dtype=np.uint16) for _ in range(3))
+    q_tile = cp_async_tile(q, bm, bm, head_dim)                   # the second tile row: 37 + bn rows, then zeros
+    assert np.array_equal(q_tile, tma_tile(q, bm, bm, head_dim))
+    k_tile, v_tile = cp_async_tile(k, bn, bn, head_dim), cp_async_tile(v, bn, bn, head_dim)
+    assert np.array_equal(k_tile, tma_tile(k, bn, bn, head_dim))
+    assert np.array_equal(v_tile, tma_tile(v, bn, bn, head_dim))
+    padded = lambda x, row0, rows: np.concatenate([x, np.zeros((row0 + rows, head_dim), np.uint16)])[row0:row0 + rows]
+    q_rows, k_rows, v_rows = padded(q, bm, bm), padded(k, bn, bn), padded(v, bn, bn)
+    k_major = descriptor_bits(row_bytes, 16)
+    mn_major = descriptor_bits(row_bytes, bn * row_bytes)          # the next panel of the V tile
+    for kk in range(head_dim // 16):
+        cols = slice(16 * kk, 16 * kk + 16)
+        for c in range(config.consumers):
+            start = c * 64 * row_bytes + s_step_offset(kk, head_dim, bm * row_bytes)
+            assert np.array_equal(read_k_major(q_tile, start, k_major, 64), q_rows[64 * c:64 * c + 64, cols])
+        start = s_step_offset(kk, head_dim, bn * row_bytes)
+        assert np.array_equal(read_k_major(k_tile, start, k_major, bn), k_rows[:, cols])
+    for kk in range(bn // 16):
+        got = read_mn_major(v_tile, pv_step_offset(kk, head_dim), mn_major, head_dim)
+        assert np.array_equal(got, v_rows[16 * kk:16 * kk + 16])
+
+
+def test_panels_and_maps_per_head_dim():
+    assert [panel_cols(d) for d in SUPPORTED_HEAD_DIMS] == [32, 64, 16, 32, 64, 64]
+    for head_dim, (box_cols, span) in {32: (32, 64), 80: (16, 32), 96: (32, 64), 256: (64, 128)}.items():
+        params = panel_map(6, 300, head_dim, 128, "bfloat16", panel_cols(head_dim))
+        assert params.box == (box_cols, 128, 1) and SWIZZLE_BYTES[params.swizzle] == span
+        assert params.strides == (head_dim * 2, 300 * head_dim * 2)
+        assert decode(descriptor_bits(2 * box_cols, 16))[1:] == (16 * box_cols, span)   # SBO: eight rows
+    with pytest.raises(ValueError, match="multiple of 32"):
+        panel_map(6, 300, 80, 128, "float16", 32)
+    with pytest.raises(ValueError, match="panel_cols"):
+        panel_map(6, 300, 80, 128, "float16", 8)
+
+
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+def test_default_configs_fit_every_head_dim(head_dim):
+    for padding in (False, True):
+        config = default_config(head_dim, padding)
+        config.validate(head_dim)
+        assert config.shared_bytes(head_dim) <= 227 * 1024
+        assert config.loads == "tma" and config.persistent
+        assert config.consumers == (3 if head_dim <= 64 and not padding else 2)
+    assert default_config(head_dim).block_n == (64 if head_dim == 256 else 128)
+
+
+@pytest.mark.parametrize("head_dim, config, error", [
+    (256, WgmmaAttentionConfig(block_n=128, stages=2, loads="tma"), "224 registers"),          # S 64 + O 128 + P 32
+    (80, WgmmaAttentionConfig(block_n=128, stages=2, consumers=3, loads="tma"), "consumers=3"),
+    (96, WgmmaAttentionConfig(block_n=128, stages=2, consumers=3, loads="tma"), "consumers=3"),
+    (256, WgmmaAttentionConfig(block_n=64, stages=3, loads="tma"), "shared memory"),
+    (80, WgmmaAttentionConfig(block_n=128, stages=3, loads="cp.async"), "cp.async"),
+    (256, WgmmaAttentionConfig(block_n=64, stages=2, loads="cp.async"), "cp.async"),
+])
+def test_configs_that_cannot_build_well_are_refused(head_dim, config, error):
+    with pytest.raises(ValueError, match=error):
+        wgmma_attention_primfunc(batch=1, heads=2, seq_q=300, seq_k=300, head_dim=head_dim, dtype="float16",
+                                 mask_batch=1, mask_heads=1, config=config)
+
+
+@pytest.mark.parametrize("head_dim, dtype, padding", [
+    (32, "float16", False), (80, "float16", False), (96, "float16", False), (256, "float16", False),
+    (32, "bfloat16", True), (80, "bfloat16", True), (96, "float16", True), (256, "float16", True),
+])
+def test_cuda_source_of_each_new_head_dim_compiles_without_spills(head_dim, dtype, padding, tmp_path):
+    """The default configuration (TMA, persistent; key-padded too): both products at this head dim's shapes, one TMA
+    box per panel, 0 spills, no stack, no serialised wgmma; HGMMA of both shapes and no local memory in the SASS."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    config = default_config(head_dim, padding)
+    func = wgmma_attention_primfunc(batch=2, heads=3, seq_q=300, seq_k=300, head_dim=head_dim, dtype=dtype,
+                                    mask_batch=1, mask_heads=1, config=config, padding=padding)
+    src = cuda_source(tvm.compile(tvm.IRModule({"main": func}), target=cuda_target("sm_90a")))
+    ab = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    for text in (f"wgmma.mma_async.sync.aligned.m64n{config.block_n}k16.f32.{ab}.{ab}",
+                 f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.{ab}.{ab}",
+                 "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"):
+        assert text in src, text
+    sass = sm90a_sass(src, tmp_path)
+    if sass is None:
+        return
+    assert re.search(rf"HGMMA\.64x{config.block_n}x16\.F32", sass)
+    assert re.search(rf"HGMMA\.64x{head_dim}x16\.F32", sass)
+    assert not re.search(r"\b(LDL|STL|LDGSTS)\b", sass)
+
+
+@pytest.mark.parametrize("head_dim, dtype, out_layout", [(80, "float16", "bshd"), (256, "bfloat16", "bhsd")])
+def test_cpu_twin_at_the_new_tile_shapes(head_dim, dtype, out_layout):
+    """The llvm twin at the default tile shape (128 x 128 at 80, 128 x 64 at 256) against float64 numpy, per-head
+    random mask with empty rows, two tile rows, the second partial."""
+    config = default_config(head_dim)
+    batch, heads, seq = 1, 2, config.block_m + 22
+    rng = np.random.default_rng(head_dim)
+    dense = rng.random((batch, heads, seq, seq)) < 0.3
+    dense[:, :, rng.random(seq) < 0.2, :] = False
+    mask4 = normalize_mask(dense, batch=batch, heads=heads, seq_q=seq)
+    func = cpu_twin_primfunc(batch=batch, heads=heads, seq_q=seq, seq_k=seq, head_dim=head_dim, dtype=dtype,
+                             mask_batch=batch, mask_heads=heads, config=config, out_layout=out_layout)
+    fn = tvm.compile(func, target=tvm.target.Target({"kind": "llvm"}))["blockwise_attention"]
+    q, k, v = random_qkv(batch, heads, seq, seq, head_dim, dtype)
+    fmt = build_tiled(mask4, config.block_m, config.block_n)
+    arrays = [fmt.full_indptr, fmt.full_indices if fmt.full_indices.size else np.zeros(1, np.int32),
+              fmt.part_indptr, fmt.part_indices, fmt.part_bitmaps]
+    shape = (batch, seq, heads, head_dim) if out_layout == "bshd" else q.shape
+    out = np.full(shape, np.nan, dtype=numpy_dtype(dtype))
+    args = [tvm.runtime.tensor(np.ascontiguousarray(a), tvm.cpu()) for a in (q, k, v, *arrays, out)]
+    fn(*args)
+    got = args[-1].numpy()
+    if out_layout == "bshd":
+        got = got.transpose(0, 2, 1, 3)
+    assert_attention_close(got, reference_attention(q, k, v, mask4, 1 / math.sqrt(head_dim)), mask4, dtype)
+
+
+def test_model_and_compile_path_offer_only_gpu_checked_head_dims():
+    """Head dims built here but not yet checked against float32 on an H200 get no wgmma candidate from the model,
+    and the compile path says why it does not use the kernel there."""
+    from stof_tvm.compiler.kernels import wgmma_unavailable
+    from stof_tvm.cost_model.attention import wgmma_candidates
+
+    for head_dim in SUPPORTED_HEAD_DIMS:
+        offered = wgmma_candidates(head_dim)
+        assert bool(offered) == (head_dim in CHECKED_HEAD_DIMS)
+        assert all(c.config.validate(head_dim) is None for c in offered)
+        reason = wgmma_unavailable(head_dim=head_dim, dtype="float16", target_kind="cuda", target_arch="sm_90a",
+                                   bias=None, padding=False)
+        if head_dim not in CHECKED_HEAD_DIMS:
+            assert reason is not None and "head dim" in reason
