@@ -19,6 +19,10 @@ dense launch reads every head's K and V again (201 MB: 0.047 ms at 4.3 TB/s; L2 
 finds none of them there), where the single block-wise launch runs a head's global rows beside its other rows
 (heavy-first) and reads K and V once; ``split packed`` takes the larger of the dense rows' compute and that re-read.
 
+A last table sets 32x16 tiles beside 32x32 (measured, one warp, heavy-first): twice the tiles over the same area
+cost within 2% of each other, so the kernel's time follows the pairs it computes, not its tile count, and wider
+key tiles for the heavy rows would not buy much either.
+
     python scripts/sparse_breakdown.py [--json out.json]
 """
 from __future__ import annotations
@@ -45,6 +49,9 @@ WGMMA_DENSE_TFLOPS = 4 * BATCH * HEADS * SEQ * SEQ * HEAD_DIM / 1.580e-3 / 1e12
 MMA_SYNC_TFLOPS = 4 * BATCH * HEADS * SEQ * (SEQ + 1) / 2 * HEAD_DIM / 1.315e-3 / 1e12
 FLOOR_MS = 4 * BATCH * HEADS * SEQ * HEAD_DIM * 2 / 4.3e12 * 1e3
 KV_REREAD_MS = FLOOR_MS / 2                   # K and V of every head read again by a second launch
+# ms, 32x16x1x2 and 32x32x1x2 heavy-first (s9sparse 'vote' build): half-width tiles, twice as many, same area
+MEASURED_WIDTH = {("sliding", 16): 0.1521, ("sliding", 32): 0.1540, ("longformer", 16): 0.2740,
+                  ("longformer", 32): 0.2702, ("bigbird", 16): 0.2453, ("bigbird", 32): 0.2404}
 GOAL_MS = 0.133
 BLOCK_TILE = (32, 32)
 WGMMA_TILE = (192, 128)
@@ -169,6 +176,18 @@ def main(argv=None) -> int:
                 [[r["mask"], BEST_MEASURED[r["mask"]], r["dense_packed_ms_wgmma"], r["dense_in_place_ms_wgmma"],
                   r["wgmma_tile_rows"], r["split_packed_ms"], r["split_packed_no_reread_ms"], r["split_in_place_ms"],
                   GOAL_MS] for r in rows]))
+    print("\ntile width: 32x16 vs 32x32 (one warp, heavy-first): twice the tiles over the same area, ms and ms per "
+          "million computed pairs a head")
+    for name in MASKS:
+        mask = normalize_mask(name, batch=BATCH, heads=HEADS, seq_q=SEQ)
+        cells = []
+        for width in (16, 32):
+            counts = tile_counts(mask, 32, width)
+            area = (counts["full"] + counts["partial"]) * 32 * width
+            ms = MEASURED_WIDTH[(name, width)]
+            cells.append(f"32x{width}: {counts['full'] + counts['partial']} tiles, {ms:.4f} ms, "
+                         f"{ms / (area / 1e6):.3f} ms/M")
+        print(f"  {name:<10} " + "; ".join(cells))
     print("\nthe analytical model's prices (ms; its best configuration of each part):")
     for r in rows:
         m = r["model"] = model_split_ms(r["mask"])
