@@ -38,6 +38,9 @@ def register(subparsers) -> None:
                              "(mma.sync) or auto (default: wgmma on sm_90 when nvcc is found, else mma)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="capture the static regions between attention calls in CUDA graphs (cuda only)")
+    parser.add_argument("--dependent-launch", action=argparse.BooleanOptionalAction, default=None,
+                        help="launch each kernel so that its start overlaps the end of the one before it "
+                             "(programmatic dependent launch; default: on for sm_90 and later)")
     parser.add_argument("--tune-trials", type=int, default=0, metavar="N",
                         help="tune the calls this compile makes first, at most N measurements per task (needs "
                              "--database; complete tasks there are not measured again)")
@@ -79,7 +82,8 @@ def run(args) -> int:
 
     artifact = compile_model(model, mask=load_mask_arg(args.mask), batch=args.batch, seq_len=args.seq_len,
                              target=target, dtype=dtype, kernel=args.kernel, templates=args.templates,
-                             gemm=args.gemm, cuda_graph=args.cuda_graph, tune_trials=args.tune_trials,
+                             gemm=args.gemm, cuda_graph=args.cuda_graph, dependent_launch=args.dependent_launch,
+                             tune_trials=args.tune_trials,
                              database=args.database, top_k=args.top_k, time_budget_s=args.time_budget,
                              progress=progress)
     if args.builtin:

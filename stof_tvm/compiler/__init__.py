@@ -42,7 +42,7 @@ from .input_checks import ValueCheck, add_value_checks, clip_gathers
 from .kernels import KERNELS, choose_kernel, kernel_primfunc
 from .mask_sources import plan_masks, score_bias
 from .onnx_import import TensorSpec, embedding_rows, import_onnx, load_model, output_names
-from .pipeline import build, fold_constant_casts, make_target, optimize, target_dict
+from .pipeline import build, dependent_launch_supported, fold_constant_casts, make_target, optimize, target_dict
 from .layout import fold_permute_pairs
 from .numpy_fold import fold_numpy
 from .record_calls import record_calls
@@ -318,7 +318,7 @@ def _check_fallback_mask(mask, batch: int, seq_len: int, reason: str) -> None:
 
 def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
             kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
-            database: str | None = None, progress=None):
+            dependent_launch: bool | None = None, database: str | None = None, progress=None):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
 
     ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
@@ -339,6 +339,9 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     ``cuda_graph``: capture the module's static
     regions in CUDA graphs (Relax's ``RewriteCUDAGraph``; CUDA only; see :mod:`.pipeline`), the whole forward pass
     made one region first (:mod:`.graph_inputs`).
+    ``dependent_launch``: launch every kernel as a programmatic dependent launch, so its start overlaps the end of
+    the kernel before it (:mod:`stof_tvm.schedules.dependent_launch`; sm_90 and later). ``None`` (default): on
+    where the target supports it.
     ``database``: a tuning work dir (``stof-tvm tune``; :func:`stof_tvm.compile` can tune into it first) whose
     records are applied; the manifest's ``tuning`` entry counts them (``applied``), names the calls that found
     none (``missing``) and the database's measured jobs no call asked for (``unused``).
@@ -366,7 +369,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
                f"(attention kernel {choice.kind if choice else 'none: ' + front.fallback}, "
                f"templates {front.gemm if front.template_entry else 'off'})")
-        mod, executable = lower(front, database, cuda_graph)
+        mod, executable = lower(front, database, cuda_graph, dependent_launch)
     user_mask = front.user_mask
     binaries = {}
     if front.gemm == "wgmma" or (choice is not None and choice.kind == "wgmma"):
@@ -397,6 +400,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     manifest["value_checks"] = {"output": front.checks_output, "inputs": [c.to_json() for c in front.checks]} \
         if front.checks else None
     manifest["cuda_graph"] = cuda_graph
+    manifest["dependent_launch"] = uses_dependent_launch(front.target, dependent_launch)
     # the runtime keeps the format arrays of each size at one address (the CUDA graphs read them there)
     manifest["static_mask_inputs"] = cuda_graph and static_mask_inputs(front)
     if binaries:
@@ -404,15 +408,29 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     return Artifact(executable, manifest, arrays, stored_values(front.onnx_model, front.weights), binaries)
 
 
-def lower(front: FrontEnd, database: str | None, cuda_graph: bool) -> tuple[tvm.IRModule, object]:
+def uses_dependent_launch(target: tvm.target.Target, requested: bool | None) -> bool:
+    """Whether the build launches its kernels as programmatic dependent launches: ``requested``, or where
+    ``None`` whether ``target`` supports them; a clear error where it was asked for on a target without them."""
+    if requested not in (None, False, True):
+        raise TypeError(f"dependent_launch: expected a bool or None, got {requested!r}")
+    supported = dependent_launch_supported(target)
+    if requested and not supported:
+        raise ValueError(f"dependent_launch: programmatic dependent launch needs a CUDA sm_90+ target, got "
+                         f"{target.kind.name} {target.attrs.get('arch', '')}".rstrip())
+    return supported if requested is None else requested
+
+
+def lower(front: FrontEnd, database: str | None, cuda_graph: bool,
+          dependent_launch: bool | None = None) -> tuple[tvm.IRModule, object]:
     """Step 6 of :func:`compile`: lift the weight-only work into ``main_transform_params`` (run once at load),
     fuse, schedule and build; returns (the optimised module, the executable). The launch census
-    (``scripts/count_launches.py``) reads both."""
+    (``scripts/count_launches.py``) reads both. ``dependent_launch``: see :func:`compile`."""
     mod = relax.transform.LiftTransformParams()(front.mod)
     if cuda_graph:
         mod = whole_graph(mod, len(front.inputs), static_mask_inputs(front), front.tspec["kind"])
     optimized = optimize(mod, front.target, database)
-    executable = build(optimized, front.target, templates=bool(front.template_entry), cuda_graph=cuda_graph)
+    executable = build(optimized, front.target, templates=bool(front.template_entry), cuda_graph=cuda_graph,
+                       dependent_launch=uses_dependent_launch(front.target, dependent_launch))
     return optimized, executable
 
 
@@ -445,4 +463,4 @@ def check_gemm(gemm: str, templates: bool, tspec: dict) -> tuple[str, dict]:
     return gemm, {**tspec, "arch": "sm_90a"}
 
 
-__all__ = ["compile", "front_end", "lower", "FrontEnd", "check_gemm", "DTYPES"]
+__all__ = ["compile", "front_end", "lower", "uses_dependent_launch", "FrontEnd", "check_gemm", "DTYPES"]

@@ -14,6 +14,8 @@ import contextlib
 import tvm
 from tvm import relax
 
+from stof_tvm.schedules import dependent_launch as launch_overlap
+
 from .bool_access import scalar_bool_access
 from .gathers import gathers_injective
 from .numpy_fold import fold_numpy
@@ -89,7 +91,14 @@ def optimize(mod: tvm.IRModule, target: tvm.target.Target, database: str | None)
     return scalar_bool_access(mod) if target.kind.name == "cuda" else mod
 
 
-def build(mod: tvm.IRModule, target: tvm.target.Target, templates: bool = False, cuda_graph: bool = False):
+def dependent_launch_supported(target: tvm.target.Target) -> bool:
+    """Whether ``target``'s kernels can be programmatic dependent launches
+    (:mod:`stof_tvm.schedules.dependent_launch`)."""
+    return launch_overlap.supports(target)
+
+
+def build(mod: tvm.IRModule, target: tvm.target.Target, templates: bool = False, cuda_graph: bool = False,
+          dependent_launch: bool = False):
     """Compile the optimised module into a Relax VM executable; CUDA builds must contain device code.
 
     CUDA modules calling fusion templates build under the templates' pass configuration (``cp.async``).
@@ -97,7 +106,9 @@ def build(mod: tvm.IRModule, target: tvm.target.Target, templates: bool = False,
     ``RewriteCUDAGraph``: each region of kernel launches whose arguments are all statically planned buffers,
     weights or constants is captured into a CUDA graph on its first run and replayed after; launches that read
     the model's inputs stay outside the graphs (:func:`stof_tvm.compiler.lower` first makes the forward pass one
-    static region: :mod:`.graph_inputs`)."""
+    static region: :mod:`.graph_inputs`).
+    ``dependent_launch``: lower with :data:`stof_tvm.schedules.dependent_launch.PIPELINE`, which makes every kernel a
+    programmatic dependent launch (its start overlaps the end of the kernel before it; sm_90+)."""
     config = {}
     if templates and target.kind.name == "cuda":
         from stof_tvm.schedules.templates.build import BUILD_CONFIG
@@ -106,7 +117,8 @@ def build(mod: tvm.IRModule, target: tvm.target.Target, templates: bool = False,
     if cuda_graph:
         config["relax.backend.use_cuda_graph"] = True
     with tvm.transform.PassContext(opt_level=3, config=config):
-        executable = tvm.compile(mod, target=target)
+        executable = tvm.compile(mod, target=target,
+                                 tir_pipeline=launch_overlap.PIPELINE if dependent_launch else "default")
     if target.kind.name == "cuda" and "cuda" not in _import_kinds(executable.mod):
         raise RuntimeError("build produced no CUDA device code (a kernel without thread bindings?)")
     return executable
