@@ -165,22 +165,27 @@ def test_split_k_kernels_build_for_sm90a_as_clusters(name, shape, knobs, tmp_pat
     sm90a_sass(src, tmp_path)
 
 
-def test_wave_efficiency_orders_the_measured_tiles():
-    """256 x 192 leads where its waves are about as full as 128 x 128's (the H200 measured it faster at all four
-    RoBERTa GEMMs at 32768 rows and the FFN up at 4096); 128 x 128 leads at QKV, FFN down and attention output at
-    4096 rows (measured 1.17-1.37x faster there)."""
-    tall, base = (256, 192, 3, True), (128, 128, 4, True)
+def test_the_busiest_sm_orders_the_measured_tiles():
+    """256 x 192 leads where its tiles leave the busiest SM about as few outputs as the best measured tile's (the H200
+    measured it faster at all four RoBERTa GEMMs at 32768 rows and the FFN up at 4096); 128 x 192 leads at QKV, FFN
+    down and attention output at 4096 rows (measured 1.15-1.28x faster than 128 x 128 there, session 10), then 128 x
+    128 (measured 1.17-1.37x faster than 256 x 192 there); 128 x 128 where 192 does not divide the columns or below
+    one wave (512 rows, 384 rows: more tiles, less on each SM)."""
+    tall, wide, base = (256, 192, 3, True), (128, 192, 4, True), (128, 128, 4, True)
     for n in (2304, 3072, 768):
         assert measured_order(32768, n, 132)[0] == tall
     assert measured_order(4096, 3072, 132)[0] == tall
     for n in (2304, 768):
-        assert measured_order(4096, n, 132)[0] == base
-    assert measured_order(384, 768, 132)[0] == base       # no 256-row tiles
+        assert measured_order(4096, n, 132) == (wide, base, tall)
+    assert measured_order(4096, 1024, 132)[0] == base     # 192 divides no 1024 columns
+    for m, n in ((512, 2304), (512, 3072), (384, 768)):
+        assert measured_order(m, n, 132)[0] == base      # one tile an SM: the smaller one
 
 
 @pytest.mark.parametrize("name, shape, first", [
-    ("gemm_wgmma", {"m": 4096, "n": 768, "k": 3072}, (128, 128)),
-    ("qkv_projection_wgmma", {"batch": 8, "seq": 512, "heads": 12, "head_dim": 64}, (128, 128)),
+    ("gemm_wgmma", {"m": 4096, "n": 768, "k": 3072}, (128, 192)),
+    ("gemm_wgmma", {"m": 4096, "n": 768, "k": 768}, (128, 192)),
+    ("qkv_projection_wgmma", {"batch": 8, "seq": 512, "heads": 12, "head_dim": 64}, (128, 192)),
     ("gemm_bias_gelu_erf_wgmma", {"m": 4096, "n": 3072, "k": 768}, (256, 192)),
     ("gemm_wgmma", {"m": 32768, "n": 768, "k": 768}, (256, 192)),
 ])

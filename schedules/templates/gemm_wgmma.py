@@ -44,8 +44,8 @@ clusters of 2 blocks on vertically adjacent tiles that load each W box once betw
 the unsplit cooperative TMA sets close the space (:meth:`WgmmaKernelMixin.multicast_sets`), not yet measured.
 
 Knob order (the first set is the untuned choice of the compile path): the staged sets come first, led by the ones the
-H200 measured fastest (:data:`MEASURED_FIRST`, 128 x 128 before 256 x 192 where the latter fills the SMs' waves worse:
-:func:`measured_order`), then the direct-store sets in their older order; a GELU template's
+H200 measured fastest (:data:`MEASURED_FIRST`, led by the first whose tiles leave the busiest SM about as few outputs as
+the best: :func:`measured_order`), then the direct-store sets in their older order; a GELU template's
 ``fast_gelu`` twins of its staged sets lead them, in the same order. On the H200 every
 staged cooperative set beat every direct-store one at BERT-Base's 32768-token GEMMs, by 1.40-2.24x best against best
 (``scripts/bench_wgmma_small_k.py``; BENCHMARKS.md, session 4). Every shape has staged sets (the QKV projection's
@@ -73,12 +73,17 @@ TALL_BLOCK_N = (128, 192)             # block_n accumulators per thread: 256 wou
 # preference, cooperative: 256 x 192 with 3 stages was the fastest of 19-21 timed sets at the attention-output GEMM
 # (0.0621 ms), the FFN down-projection (0.2344 ms) and the QKV projection (0.1882 ms); 128 x 128 with 4 stages at the
 # erf-GELU GEMM (0.3536 ms), which is not offered 256 x 192 staged (ptxas spilled) - it is the first choice wherever
-# 256 x 192 is not offered (also m not a multiple of 256).
-MEASURED_FIRST = ((256, 192, 3, True), (128, 128, 4, True))
-# ... unless 256 x 192's tiles fill the SMs' waves worse, by more than this share, than 128 x 128's (wave
-# efficiency: tiles / (waves * SMs)). H200, session 9 (scripts/bench_wgmma_small_k.py --plan s8tma, 4096 rows): at
-# 0.73 against 0.87 (QKV), 0.48 against 0.73 (FFN down, attention output) 128 x 128 was 1.17-1.37x faster; at
-# 0.97 against 0.97 (FFN up + GELU) and at 32768 rows (at most 0.03 apart) 256 x 192 was 1.04-1.16x faster.
+# 256 x 192 is not offered (also m not a multiple of 256). 128 x 192 with 4 stages: the fastest of 8 timed sets at
+# three of RoBERTa-base's GEMMs at 4096 rows (H200 session 10, --plan s9wide: QKV 0.0249 ms against 128 x 128's
+# 0.0286 and cuBLAS 0.0277, FFN down 0.0277 against 0.0355 and 0.0308, attention output 0.0101 against 0.0122 at 5
+# stages), where its busiest SM computes one tile (3 at QKV: 24576 and 73728 outputs), 128 x 128's 33% (11%) more and
+# 256 x 192's 100% (33%) more; at FFN up + GELU (as many outputs on the busiest SM for all three) it tied 256 x 192
+# (0.0360 against 0.0357).
+MEASURED_FIRST = ((256, 192, 3, True), (128, 192, 4, True), (128, 128, 4, True))
+# ... the first of them whose busiest SM computes at most this share more outputs than the least busy's leads
+# (:func:`busiest_sm_outputs`: whole waves of tiles). H200, session 9 (scripts/bench_wgmma_small_k.py --plan s8tma,
+# 4096 rows): with 20% more (QKV), 50% more (FFN down, attention output) on the busiest SM 256 x 192 was 1.17-1.37x
+# slower than 128 x 128; with as many (FFN up + GELU) and with 0-3% more at 32768 rows 1.04-1.16x faster.
 WAVE_MARGIN = 0.1
 # CUDA-core instructions per output element that CUDA's erff / tanhf GELU costs over the fast_gelu one (SASS of the
 # staged kernels at 32768 x 3072 x 768: erf 2255 vs 1287 instructions for 64 outputs a thread at 128 x 128, tanh 5511
@@ -103,21 +108,24 @@ SPLIT_K_MAX_SHARE = 96 / 132
 MULTICAST = 2
 
 
-def wave_efficiency(m: int, n: int, block_m: int, block_n: int, sm_count: int) -> float:
-    """Share of the SMs' waves that an m x n output's block_m x block_n tiles fill: tiles / (waves * SMs)."""
+def busiest_sm_outputs(m: int, n: int, block_m: int, block_n: int, sm_count: int) -> int:
+    """Outputs the busiest SM computes when an m x n output's block_m x block_n tiles run in whole waves over
+    ``sm_count`` SMs: waves x tile size (below one wave, one tile)."""
     tiles = (m // block_m) * (n // block_n)
-    return tiles / (-(-tiles // sm_count) * sm_count)
+    return -(-tiles // sm_count) * block_m * block_n
 
 
 def measured_order(m: int, n: int, sm_count: int) -> tuple:
-    """:data:`MEASURED_FIRST` for an m x n output: 128 x 128 first where 256 x 192's tiles fill the waves worse by
-    more than :data:`WAVE_MARGIN` (or do not divide the output)."""
-    (tall_m, tall_n, *_), (base_m, base_n, *_) = MEASURED_FIRST
-    if m % tall_m or n % tall_n or n % base_n:
-        return MEASURED_FIRST[::-1]
-    tall = wave_efficiency(m, n, tall_m, tall_n, sm_count)
-    return MEASURED_FIRST if tall >= wave_efficiency(m, n, base_m, base_n, sm_count) - WAVE_MARGIN \
-        else MEASURED_FIRST[::-1]
+    """:data:`MEASURED_FIRST` ordered for an m x n output: first the first of its tiles that divide the output whose
+    busiest SM computes at most :data:`WAVE_MARGIN` more outputs than the least busy's (:func:`busiest_sm_outputs`),
+    then the other dividing ones, least busy first (ties in the preference order), then those that do not divide it."""
+    fits = [tile for tile in MEASURED_FIRST if m % tile[0] == 0 and n % tile[1] == 0]
+    if not fits:
+        return MEASURED_FIRST
+    busiest = {tile: busiest_sm_outputs(m, n, tile[0], tile[1], sm_count) for tile in fits}
+    lead = next(tile for tile in fits if busiest[tile] <= (1 + WAVE_MARGIN) * min(busiest.values()))
+    rest = sorted((tile for tile in fits if tile != lead), key=busiest.get)
+    return (lead, *rest, *(tile for tile in MEASURED_FIRST if tile not in fits))
 
 
 def split_k_tilings(m: int, n: int, k: int, sm_count: int):
