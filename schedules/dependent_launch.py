@@ -12,7 +12,9 @@ memory accesses as before.
 The pass works on the device kernels SplitHostDevice made, so it covers every kernel alike (fusion templates,
 attention kernels, TVM's default schedules): it puts ``wait`` then ``launch_dependents`` at the top of each
 kernel, after its thread bindings and before any statement that could touch global memory, and adds TVM's
-launch tag (spelled ``use_programtic`` in TVM) that makes the runtime launch the kernel with the attribute.
+launch tag (spelled ``use_programtic`` in TVM) that makes the runtime launch the kernel with the attribute. A kernel
+that already places its own ``wait`` (to read constant data, weights, before it) keeps its placement and only
+gets the tag.
 Signalling right after the wait lets the next kernel's blocks take SM slots freed by this one's finished blocks;
 they hold no global state until their own wait returns. A kernel launched after a plain one (a copy, a torch
 kernel) simply waits for it as stream order would. Builds use it through :data:`PIPELINE` (TVM's ``s_tir`` TIR
@@ -21,6 +23,7 @@ pipeline followed by this pass).
 from __future__ import annotations
 
 import tvm
+import tvm_ffi
 from tvm.script import tirx as T
 
 LAUNCH_TAG = "tirx.use_programtic_dependent_launch"
@@ -42,6 +45,20 @@ def supports(target: tvm.target.Target) -> bool:
 def _grid_dependency_prologue() -> list:
     return [tvm.tirx.Evaluate(T.ptx["griddepcontrol.wait"]()),
             tvm.tirx.Evaluate(T.ptx["griddepcontrol.launch_dependents"]())]
+
+
+def places_own_wait(body) -> bool:
+    """Whether ``body`` already runs ``griddepcontrol.wait`` somewhere."""
+    found = []
+
+    def visit(call):
+        action = getattr(call.args[0], "value", None) if call.args else None
+        if getattr(call.op, "name", "") == "tirx.ptx.griddepcontrol" and action == "wait":
+            found.append(call)
+        return call
+
+    tvm_ffi.structural_map(body, (tvm.ir.Call, visit), order="post")
+    return bool(found)
 
 
 def _is_thread_binding(stmt) -> bool:
@@ -92,7 +109,8 @@ def dependent_launch(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     for gvar, func in mod.functions_items():
         if _is_kernel(func):
             tags = launch_tags(func.attrs.get("tirx.kernel_launch_params", []))
-            updates[gvar] = func.with_body(with_prologue(func.body)).with_attr("tirx.kernel_launch_params", tags)
+            body = func.body if places_own_wait(func.body) else with_prologue(func.body)
+            updates[gvar] = func.with_body(body).with_attr("tirx.kernel_launch_params", tags)
     for gvar, func in updates.items():
         mod[gvar] = func
     return mod

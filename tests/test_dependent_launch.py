@@ -114,3 +114,26 @@ def test_asking_for_it_on_a_target_without_it_is_a_clear_error():
     with pytest.raises(TypeError, match="dependent_launch"):
         uses_dependent_launch(tvm.target.Target("llvm"), "yes")
     assert uses_dependent_launch(tvm.target.Target("llvm"), None) is False
+
+
+@T.prim_func
+def waits_after_a_weight_read(w: T.Buffer((1024,), "float32"), a: T.Buffer((1024,), "float32"),
+                              b: T.Buffer((1024,), "float32")):
+    T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+    for bx in T.thread_binding(8, thread="blockIdx.x"):
+        for tx in T.thread_binding(128, thread="threadIdx.x"):
+            weight: T.let = w[bx * 128 + tx]
+            T.evaluate(T.ptx["griddepcontrol.wait"]())
+            b[bx * 128 + tx] = a[bx * 128 + tx] * weight
+
+
+def test_a_kernel_with_its_own_wait_keeps_it_and_gets_the_tag(tmp_path):
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
+    executable = tvm.compile(tvm.IRModule({"main": waits_after_a_weight_read}), target=target,
+                             tir_pipeline=dl.PIPELINE)
+    (body,) = kernel_bodies(cuda_sources(executable)[0]).values()
+    assert body.count(WAIT) == 1 and SIGNAL not in body
+    assert body.index("w_ptr[") < body.index(WAIT) < body.index("a_ptr[")
+    library = tmp_path / "lib.so"
+    executable.export_library(str(library))
+    assert dl.LAUNCH_TAG.encode() in library.read_bytes()
