@@ -121,10 +121,12 @@ SPLITK_CASES = [case for rows, (batch, seq) in ((128, (1, 128)), (512, (1, 512))
 WIDE_CASES = SPLITK_CASES[8:]
 WIDE_RANKED = 7           # model-ranked knob sets per case besides the default
 # --plan s10gemm: the 4096-row GEMMs and the erf-GELU GEMM at 32768 rows (ours 0.3087 ms, cuBLAS 0.2585 without the
-# GELU); per case the tile schedules (block_m, block_n, persistent) whose staged TMA set is timed with each multicast
+# GELU); per case the tile schedules (block_m, block_n, persistent) whose staged TMA set is timed, with the multicast
+# values to time it with (the 32768-row case: the two widest tiles only)
 S10_CASES = WIDE_CASES + [("gemm_bias_gelu_erf_wgmma", {"m": 32768, "n": 3072, "k": 768})]
-S10_SCHEDULES = ((128, 192, False), (128, 192, True), (128, 128, True), (256, 192, True), (256, 128, True),
-                 (128, 256, True))
+S10_SCHEDULES = {4096: (((128, 192, True), (1, 2, 4)), ((128, 192, False), (1, 2)), ((256, 192, True), (1, 2, 4)),
+                        ((128, 128, True), (1, 2)), ((128, 256, True), (1, 2))),
+                 32768: (((256, 192, True), (1, 2, 4)), ((128, 192, True), (1, 2)))}
 S10_MULTICASTS = (1, 2, 4)
 PLANS = {"small_k": (CASES, OUT), "s8tma": (TMA_CASES, ROOT / "out" / "s8gemm_tma"),
          "s9splitk": (SPLITK_CASES, ROOT / "out" / "s9splitk"), "s9wide": (WIDE_CASES, ROOT / "out" / "s9wide"),
@@ -215,21 +217,20 @@ def wide_knob_sets(name, shape, space) -> list[dict]:
 
 
 def multicast_knob_sets(name, shape, space) -> list[dict]:
-    """``--plan s10gemm``: the knob space's first set, then per tile schedule of :data:`S10_SCHEDULES` the space's
-    first staged cooperative TMA set of it (the GELU's ``fast_gelu`` one) with each multicast of
-    :data:`S10_MULTICASTS` that divides its row tiles; each set once."""
+    """``--plan s10gemm``: the knob space's first set, then per tile schedule of :data:`S10_SCHEDULES` (for the
+    case's rows) the space's first staged cooperative TMA set of it (the GELU's ``fast_gelu`` one) with each of its
+    multicast values that divides its row tiles; each set once."""
     from stof_tvm.schedules.templates import get_template
 
     m = get_template(name).gemm_dims(shape)[0]
     sets = [space[0]]
-    for block_m, block_n, persistent in S10_SCHEDULES:
+    for (block_m, block_n, persistent), multicasts in S10_SCHEDULES[m]:
         base = next((kn for kn in space if kn.get("block_m", 128) == block_m and kn["block_n"] == block_n
                      and kn["persistent"] == persistent and not kn["pingpong"] and kn.get("staged")
                      and kn.get("fast_gelu") == space[0].get("fast_gelu") and kn["loads"] == "tma"
                      and kn.get("split_k", 1) == 1 and kn.get("multicast", 1) == 1), None)
         if base is not None:
-            sets += [dict(base, multicast=mc) if mc > 1 else base for mc in S10_MULTICASTS
-                     if (m // block_m) % mc == 0]
+            sets += [dict(base, multicast=mc) if mc > 1 else base for mc in multicasts if (m // block_m) % mc == 0]
     return [kn for i, kn in enumerate(sets) if kn not in sets[:i]]
 
 
@@ -712,7 +713,7 @@ def table_splitk(results, modules) -> None:
 def table_multicast(results) -> None:
     """``--plan s10gemm``, printed last: per case and tile schedule, each multicast's ms beside cuBLAS; then per case
     the default's and the best module's ms."""
-    print(f"\n{'case':44s} {'schedule':22s} {'cuBLAS':>7s} " + " ".join(f"{'mc' + str(mc):>7s}" for mc in S10_MULTICASTS)
+    print(f"\n{'case':44s} {'schedule':28s} {'cuBLAS':>7s} " + " ".join(f"{'mc' + str(mc):>7s}" for mc in S10_MULTICASTS)
           + f" {'best x cuBLAS':>13s}")
     for row in results:
         by_schedule = {}
@@ -725,7 +726,7 @@ def table_multicast(results) -> None:
             text = " ".join(f"{cells[mc]['ms']:7.4f}" if "ms" in cells.get(mc, {}) else
                             f"{('-' if mc not in cells else 'FAIL'):>7s}" for mc in S10_MULTICASTS)
             best = f"{row['cublas_ms'] / min(timed):13.2f}" if timed else f"{'-':>13s}"
-            print(f"{row['case'].removesuffix('_' + DTYPE):44s} {schedule:22s} {row['cublas_ms']:7.4f} {text} {best}")
+            print(f"{row['case'].removesuffix('_' + DTYPE):44s} {schedule:28s} {row['cublas_ms']:7.4f} {text} {best}")
     print("(ms per call, CUDA events; mcN = clusters of N blocks sharing each W box by TMA multicast, mc1 = none; "
           "FAIL = wrong, faulted or not deterministic (see the check table); best x cuBLAS > 1: faster than cuBLAS)")
 
