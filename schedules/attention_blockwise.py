@@ -95,6 +95,12 @@ class BlockConfig:
     ``"fadd"`` (a float add per score, the four lanes of a row reduced once at the end). The first issues fewer
     instructions per tile but needs more registers (ptxas: 169-184 instead of ~128 at 32x32 tiles, one warp);
     the H200 ranks the two per configuration (session 7: 32x32x1x2 was 11-17% slower on the tensor cores).
+
+    ``reverse_full`` walks each tile row's full tiles last column first (the partial tiles still come first, in
+    their order; the result is the same, the online softmax does not depend on the order). With ``heavy_first``
+    the global rows of Longformer/BigBird start at once and run about as long as the whole launch, while the other
+    rows go last to first: walking the global rows' keys from the last too, both meet the same K/V tiles at about
+    the same time, so the global rows read them from L2 instead of a second time from DRAM.
     """
 
     block_m: int = 128
@@ -106,6 +112,7 @@ class BlockConfig:
     split_rows: int = 1
     min_blocks: int = 0
     row_sums: str = "mma"
+    reverse_full: bool = False
 
     @property
     def threads(self) -> int:
@@ -117,8 +124,9 @@ class BlockConfig:
 
     def validate(self, head_dim: int) -> None:
         """Raise ValueError unless this configuration can be compiled for ``head_dim``."""
-        if not isinstance(self.heavy_first, bool):
-            raise ValueError(f"BlockConfig.heavy_first must be a bool, got {self.heavy_first!r}")
+        for name in ("heavy_first", "reverse_full"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"BlockConfig.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("block_m", "block_n", "num_warps", "stages", "kv_splits", "split_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -433,6 +441,13 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     def swz(row, chunk):
         return chunk_offset(row, chunk, CPR)
 
+    def full_at(f0, t, n_part_row, row_tiles):   # full_indices position of the row's tile t (t >= n_part_row)
+        return f0 + row_tiles - 1 - t if cfg.reverse_full else f0 + t - n_part_row
+
+    def tile_col(part_indices, full_indices, p0, f0, t, n_part_row, row_tiles):   # column tile of the row's tile t
+        return T.if_then_else(t < n_part_row, part_indices[p0 + t],
+                              full_indices[full_at(f0, t, n_part_row, row_tiles)])
+
     def mask_word(smem, t, warp, g, mt, hh, j):
         # The 32-bit half g//4 of the uint64 word of sub-tile (rows hh*8.. of m-tile mt, n8 tile j): it holds the
         # thread's row hh*8+g (bit r*8+c holds row r, column c); the thread's two columns are mask_bit(g, qd) << e.
@@ -541,12 +556,13 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
 
     @T.macro
     def issue_tile(tt, n_tiles, n_part_row, p0, f0, tx, b, h, k_base, v_base, m_base, k, v, part_indices,
-                   full_indices, part_bitmaps, lo, hi):
+                   full_indices, part_bitmaps, lo, hi, row_tiles):
         # cp.async of tile tt's K, V (rows >= Sk, or outside the batch row's kept key span [lo, hi), zero-filled:
-        # a zero-byte source reads no memory) and, for a partial tile, its bitmap words.
+        # a zero-byte source reads no memory) and, for a partial tile, its bitmap words. ``n_tiles``: the end of
+        # the block's tiles (a split slice's), ``row_tiles``: the row's tile count.
         if tt < n_tiles:
             slot: T.let = tt % ST
-            col: T.let = T.if_then_else(tt < n_part_row, part_indices[p0 + tt], full_indices[f0 + tt - n_part_row])
+            col: T.let = tile_col(part_indices, full_indices, p0, f0, tt, n_part_row, row_tiles)
             for it in T.unroll(KV_ITERS):
                 if kv_copy_live(it, tx):
                     row: T.let = (it * NT + tx) // CPR
@@ -687,7 +703,7 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     T.ptx.cp.async_.commit_group()
                     for s in T.unroll(ST - 1):
                         issue_tile(tile_at(t_first, s), t_end, n_part_row, p0, f0, tx, b, h, k_base, v_base,
-                                   m_base, k, v, part_indices, full_indices, part_bitmaps, lo, hi)
+                                   m_base, k, v, part_indices, full_indices, part_bitmaps, lo, hi, n_tiles)
                     for i in T.unroll(MT * ND * 4):
                         o_acc[i] = T.float32(0)
                     for i in T.unroll(MT * 2):
@@ -706,7 +722,7 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                         T.ptx.cp.async_.wait_group(ST - 2)
                         T.tvm_storage_sync("shared")
                         issue_tile(t + ST - 1, t_end, n_part_row, p0, f0, tx, b, h, k_base, v_base, m_base,
-                                   k, v, part_indices, full_indices, part_bitmaps, lo, hi)
+                                   k, v, part_indices, full_indices, part_bitmaps, lo, hi, n_tiles)
                         kv_off: T.let = T.Cast("uint32", (t % ST) * KV_BYTES)
                         # A partial tile whose bitmap keeps nothing in this warp's rows is skipped by the warp. The
                         # warp's rows own MT*NJ consecutive 16-byte chunks of the bitmap tile: lane l reads chunk l
@@ -722,13 +738,11 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                                                              T.bitwise_or(b_frag[2], b_frag[3])))
                             live[0] = T.cuda.any_sync(T.uint32(_FULL_MASK), T.Cast("int32", word[0] != T.uint32(0)))
                         if PAD:                 # a key tile outside the batch row's kept span is skipped too
-                            tcol: T.let = T.if_then_else(t < n_part_row, part_indices[p0 + t],
-                                                         full_indices[f0 + t - n_part_row])
+                            tcol: T.let = tile_col(part_indices, full_indices, p0, f0, t, n_part_row, n_tiles)
                             live[0] = T.Select(pad.overlaps(lo, hi, tcol * BN, BN), live[0], 0)
                         if live[0] != 0:
                             if HAS_BIAS:        # column tile of tile t; STAGE: the bias of all pairs, before QK^T
-                                bcol: T.let = T.if_then_else(t < n_part_row, part_indices[p0 + t],
-                                                             full_indices[f0 + t - n_part_row])
+                                bcol: T.let = tile_col(part_indices, full_indices, p0, f0, t, n_part_row, n_tiles)
                                 if STAGE:
                                     for mt in T.unroll(MT):
                                         for hh in T.unroll(2):
@@ -789,8 +803,7 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                                 T.bitwise_and(word[0], bit_second) != T.uint32(0),
                                                 s_acc[s_at(mt, j, hh * 2 + 1)], NEG_INF)
                             if PAD:             # keys the padding drops: in a tile crossing [lo, hi), or at holes
-                                pcol: T.let = T.if_then_else(t < n_part_row, part_indices[p0 + t],
-                                                             full_indices[f0 + t - n_part_row])
+                                pcol: T.let = tile_col(part_indices, full_indices, p0, f0, t, n_part_row, n_tiles)
                                 if pad.needs_predicate(lo, hi, holes, pcol * BN, BN):
                                     for j in T.unroll(NJ):
                                         for e in T.unroll(2):

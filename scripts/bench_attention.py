@@ -328,10 +328,11 @@ def plan_pick() -> list[dict]:
 
 def _config_tuple(config) -> tuple:
     """A block configuration as a case's list: the five classic fields, then the later ones up to the last one
-    that is not at its default (split-KV pair, ``min_blocks``, ``row_sums``)."""
+    that is not at its default (split-KV pair, ``min_blocks``, ``row_sums``, ``reverse_full``)."""
     fields = (config.block_m, config.block_n, config.num_warps, config.stages, config.heavy_first)
-    later = (config.kv_splits, config.split_rows, config.min_blocks, getattr(config, "row_sums", "mma"))
-    defaults = (1, 1, 0, "mma")
+    later = (config.kv_splits, config.split_rows, config.min_blocks, getattr(config, "row_sums", "mma"),
+             getattr(config, "reverse_full", False))
+    defaults = (1, 1, 0, "mma", False)
     kept = max((i + 1 for i in range(len(later)) if later[i] != defaults[i]), default=0)
     return fields + later[:max(kept, 2) if kept else 0]             # the split-KV pair stays whole
 
@@ -844,10 +845,86 @@ def plan_s10sparse() -> list[dict]:
     return cases
 
 
+# s10dims: the wgmma kernel at head dims 32, 80, 96 and 256 (39cc1a3), issue 16's "every head dim >= FlexAttention"
+# and causal lines. Timed shapes: B16 H12 S4096 (B4 H16 S4096 at 256, as session 7 timed the block-wise kernel there),
+# in the order of what is at stake (D32 below FlexAttention on mma.sync, D256 level with it, D80/96 behind SDPA).
+S10D_SHAPES = {32: (16, 12, 4096), 256: (4, 16, 4096), 80: (16, 12, 4096), 96: (16, 12, 4096)}
+# wgmma configurations timed (block_n, stages, pingpong, persistent, consumers, loads): the default first, its
+# one-block-per-item twin, and one other form (D32: two consumers; D80/96: two stages; 64-key tiles at 80/96 lose
+# setmaxnreg: ptxas drops it)
+S10D_TIMED = {32: ((128, 4, True, True, 3, "tma"), (128, 4, True, False, 3, "tma"), (128, 4, True, True, 2, "tma")),
+              256: ((64, 2, True, True, 2, "tma"), (64, 2, True, False, 2, "tma")),
+              80: ((128, 3, True, True, 2, "tma"), (128, 3, True, False, 2, "tma"), (128, 2, True, True, 2, "tma")),
+              96: ((128, 3, True, True, 2, "tma"), (128, 3, True, False, 2, "tma"), (128, 2, True, True, 2, "tma"))}
+# issue 16's causal D64 goal (0.92 ms; 0.944 in session 9): the default beside 2 and 4 ring stages
+S10D_D64 = ((128, 3, True, True, 3, "tma"), (128, 4, True, True, 3, "tma"), (128, 2, True, True, 3, "tma"))
+
+
+def _wgmma_tuple(config) -> tuple:
+    return (config.block_n, config.stages, config.pingpong, config.persistent, config.consumers, config.loads)
+
+
+def plan_s10dims() -> list[dict]:
+    """The wgmma kernel at head dims 32, 80, 96 and 256 against FlexAttention and SDPA, one short run (checks
+    < 30 s, timings < 70 s). Checks first (S=1000, Q scaled by 8, outputs poisoned), at each new head dim on the
+    default configuration: causal, BigBird (partial tiles' bitmaps), a document mask, causal with Q/K/V as views
+    16 bytes into one packed projection (``qkv_offset``) and again on fresh tensors and in a CUDA-graph replay
+    (``replays``), per-head random masks with empty rows (fp16 and bf16), the device-side key padding (right,
+    left with holes, empty batch rows) on causal and sliding (bf16 at 80 and 256); at 64 and 128 the default
+    causal and key-padded causal again (their CUDA changed only in folded constants). Then S10D_SHAPES causal
+    (every S10D_TIMED configuration and the block-wise kernel's model pick) and BigBird (the default and the
+    block-wise pick), each checked against float32 and carrying the model's prediction; last causal D64 B16 H12
+    S4096 with 2, 3 (the default) and 4 ring stages (issue 16's 0.92 ms goal)."""
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile, decide_attention
+    from stof_tvm.schedules.attention_wgmma import WgmmaAttentionConfig, default_config
+
+    cases = []
+
+    def check(recipe, head_dim, config, batch=2, heads=3, dtype="float16", padding=False, **extra):
+        cases.append(dict(_case("check", "wgmma", recipe, batch, heads, 1000, head_dim, dtype, config,
+                                padding=padding), q_scale=8.0, **extra))
+
+    for head_dim in S10D_SHAPES:
+        config = S10D_TIMED[head_dim][0]
+        assert config == _wgmma_tuple(default_config(head_dim))
+        for recipe in ("causal", "bigbird", "document", "random_empty:0.05"):
+            check(recipe, head_dim, config)
+        check("causal", head_dim, config, qkv_offset=8)
+        check("causal", head_dim, config, replays=True)
+        check("random_empty:0.05", head_dim, config, dtype="bfloat16")
+        padded = _wgmma_tuple(default_config(head_dim, padding=True))
+        pad_dtype = "bfloat16" if head_dim in (80, 256) else "float16"
+        for recipe in ("causal", "sliding"):
+            check(recipe, head_dim, padded, batch=4, heads=2, dtype=pad_dtype, padding=True)
+    for head_dim in (64, 128):
+        check("causal", head_dim, _wgmma_tuple(default_config(head_dim)))
+        check("causal", head_dim, _wgmma_tuple(default_config(head_dim, padding=True)), batch=4, heads=2,
+              padding=True)
+    for head_dim, (batch, heads, seq) in S10D_SHAPES.items():
+        for recipe, configs in (("causal", S10D_TIMED[head_dim]), ("bigbird", S10D_TIMED[head_dim][:1])):
+            problem = AttentionProblem(batch=batch, heads=heads, head_dim=head_dim, dtype="float16",
+                                       mask=MaskProfile(build_mask(recipe, batch, heads, seq, 0)))
+            decision = decide_attention(problem, kinds=("block", "row", "wgmma"))
+            pick = f"{decision.best.candidate} ({decision.reason})"
+            block = decide_attention(problem, kinds=("block",)).best.candidate.config
+            for config in configs:
+                cases.append(dict(_case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16", config),
+                                  model_pick=pick,
+                                  predicted_ms=_predicted_ms(problem, "wgmma", WgmmaAttentionConfig(*config))))
+            cases.append(dict(_case("time", "block", recipe, batch, heads, seq, head_dim, "float16",
+                                    _config_tuple(block)), model_pick=pick,
+                              predicted_ms=_predicted_ms(problem, "block", block)))
+    assert S10D_D64[0] == _wgmma_tuple(default_config(64))
+    for config in S10D_D64:
+        cases.append(_case("time", "wgmma", "causal", 16, H_BENCH, 4096, 64, "float16", config))
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
-         "s9sparse": plan_s9sparse, "s9check": plan_s9check, "s10sparse": plan_s10sparse}
+         "s9sparse": plan_s9sparse, "s9check": plan_s9check, "s10sparse": plan_s10sparse,
+         "s10dims": plan_s10dims}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 

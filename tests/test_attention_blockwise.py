@@ -328,6 +328,7 @@ def test_default_config():
     (dict(config=BlockConfig(64, 32, 4, 2, min_blocks=-1)), ValueError),
     (dict(config=BlockConfig(64, 32, 4, 2, min_blocks=True)), ValueError),
     (dict(config=BlockConfig(64, 32, 4, 2, row_sums="alu")), ValueError),
+    (dict(config=BlockConfig(64, 32, 4, 2, reverse_full=1)), ValueError),
 ])
 def test_bad_arguments(kwargs, error):
     args = dict(batch=2, heads=4, seq_q=64, seq_k=64, head_dim=64, dtype="float16", mask_batch=1, mask_heads=1,
@@ -436,6 +437,34 @@ def test_row_sums_by_float_adds_build_without_spills(config, tmp_path):
         report = sm90_ptxas_report(src, tmp_path)
         assert_no_spills(report)
         assert max(int(r) for r in re.findall(r"Used (\d+) registers", report)) <= config.register_limit, report
+
+
+@pytest.mark.parametrize("config", [BlockConfig(32, 32, 2, 2, heavy_first=True, min_blocks=10, reverse_full=True),
+                                    BlockConfig(32, 32, 2, 2, heavy_first=True, kv_splits=4, split_rows=2,
+                                                min_blocks=10, reverse_full=True)])
+def test_reverse_full_walks_the_full_tiles_last_column_first_without_spills(config, tmp_path):
+    """``reverse_full``: the CUDA kernel reads the row's full tiles from the end of its list (``f0 + row_tiles - 1
+    - t``; partial tiles keep their order), the default builds the same source as before the knob existed (no
+    reversal term), and both build for sm_90 with 0 spills within the launch bounds; the CPU loop nest computes
+    one function for both orders (the order does not change the result)."""
+    def source(reverse):
+        func = blockwise_attention_primfunc(batch=16, heads=12, seq_q=4096, seq_k=4096, head_dim=64, dtype="float16",
+                                            mask_batch=1, mask_heads=1, config=replace(config, reverse_full=reverse),
+                                            target_kind="cuda")
+        return tvm.compile(func, target=CUDA).mod.imports[0].inspect_source()
+
+    reversed_src, plain = source(True), source(False)
+    assert reversed_src != plain
+    from_end = r"full_indices_ptr\[\(+f0 \+ n_tiles\) - "           # f0 + row_tiles - 1 - t: from the list's end
+    assert re.search(from_end, reversed_src) and not re.search(from_end, plain)
+    for src in (reversed_src, plain):
+        report = sm90_ptxas_report(src, tmp_path)
+        assert_no_spills(report)
+        assert max(int(r) for r in re.findall(r"Used (\d+) registers", report)) <= config.register_limit, report
+    cpu = [blockwise_attention_primfunc(batch=1, heads=2, seq_q=64, seq_k=64, head_dim=64, dtype="float16",
+                                        mask_batch=1, mask_heads=1, config=replace(config, reverse_full=reverse),
+                                        target_kind="llvm") for reverse in (False, True)]
+    tvm.ir.assert_structural_equal(cpu[0], cpu[1])
 
 
 @pytest.mark.parametrize("head_dim, out_layout, splits, rows, padding", [(64, "bshd", 16, 2, True),
