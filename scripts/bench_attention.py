@@ -795,8 +795,17 @@ def plan_s9check() -> list[dict]:
     return [case for case in plan_s9sparse() if case["kind"] == "check"]
 
 
-S10_BLOCK_ALONE = ((32, 32, 2, 2, True, 1, 1, 10), (32, 32, 2, 2, True))     # the model's pick, Longformer's best
-S10_SPLIT_BLOCK = ((32, 32, 2, 2, True, 1, 1, 10), (32, 32, 1, 2, False), (32, 32, 2, 2, False))
+def _reversed(config: tuple) -> tuple:
+    """A block configuration tuple with ``reverse_full`` set (the fields before it at their defaults)."""
+    return tuple(config) + (1, 1, 0, "mma")[len(config) - 5:] + (True,)
+
+
+S10_PICK = (32, 32, 2, 2, True, 1, 1, 10)            # the model's pick for Longformer and BigBird (session 9)
+S10_BEST = (32, 32, 2, 2, True)                     # Longformer's best of session 9 (0.251 ms)
+# split-KV of the global rows at B16: Longformer has 2 heavy tile rows a head, BigBird 1
+S10_SPLIT_KV = {"longformer": ((32, 32, 2, 2, True, 2, 2, 10), (32, 32, 2, 2, True, 4, 2, 10)),
+                "bigbird": ((32, 32, 2, 2, True, 2, 1, 10), (32, 32, 2, 2, True, 4, 1, 10))}
+S10_SPLIT_BLOCK = (S10_PICK, (32, 32, 1, 2, False))
 # wgmma configurations of the packed dense rows: the D64 default (three consumers, persistent, TMA), and two
 # consumers, one block per (batch, head): the second consumer's rows lie past G <= 64, so it only keeps the turns
 S10_SPLIT_DENSE = ((128, 3, True, True, 3, "tma"), (128, 3, True, False, 2, "tma"),
@@ -804,43 +813,58 @@ S10_SPLIT_DENSE = ((128, 3, True, True, 3, "tma"), (128, 3, True, False, 2, "tma
 
 
 def plan_s10sparse() -> list[dict]:
-    """Issue 16's sparse masks with the dense-row split (:func:`split_case`): Longformer's and BigBird's global
-    query rows (every key kept) on the wgmma kernel, packed, and the other rows on the block-wise kernel, against
-    the block-wise kernel alone on the whole mask (the model's pick and Longformer's best of session 9), at B16
-    H12 S4096 D64 fp16, beside FlexAttention and SDPA; each split case also times its parts apart (the dense
-    launch reads all of K and V again: scripts/sparse_breakdown.py predicts no gain). Checks first
-    (S=1000/1024, Q scaled by 8, outputs poisoned): every dense configuration on Longformer, BigBird and per-head
-    random masks whose heads hold different numbers of dense rows (none in every third head: pad slots only)
-    with empty rows, bf16 too."""
+    """Issue 16's sparse masks, B16 H12 S4096 D64 fp16, beside FlexAttention and SDPA, what is expected to win first:
+
+    1. ``reverse_full`` (the global rows walk their keys from the end, as the other rows do under heavy-first, so
+       both read each K/V tile at about the same time: from L2, not twice from DRAM) on the model's pick and on
+       Longformer's best of session 9, each beside itself without it;
+    2. split-KV of the global rows at B16 (2 and 4 slices; with ``reverse_full`` too);
+    3. the dense-row split (:func:`split_case`: the global rows packed on the wgmma kernel, the other rows on the
+       block-wise kernel; its dense launch reads all of K and V again, so scripts/sparse_breakdown.py predicts no
+       gain), each split case with its parts timed apart.
+
+    Checks first (S=1000/1024, Q scaled by 8, outputs poisoned): ``reverse_full`` on Longformer, BigBird, per-head
+    random masks with empty rows, device key padding and split-KV; the split on Longformer, BigBird and per-head
+    masks whose heads hold different numbers of dense rows (pad-only heads) with empty rows, bf16 too."""
     from stof_tvm.cost_model import AttentionProblem, MaskProfile, decide_attention
 
     cases = []
 
-    def check(recipe, block, dense, seq=1000, dtype="float16"):
+    def check(recipe, config, seq=1000, dtype="float16", batch=2, heads=3, padding=False):
+        cases.append(dict(_case("check", "block", recipe, batch, heads, seq, 64, dtype, config, padding=padding),
+                          q_scale=8.0))
+
+    def check_split(recipe, block, dense, seq=1000, dtype="float16"):
         cases.append(dict(split_case("check", recipe, 2, 3, seq, 64, dtype, block, dense), q_scale=8.0))
 
-    for dense in S10_SPLIT_DENSE:
-        for recipe, seq in (("longformer", 1000), ("bigbird", 1024), ("random_global:0.1", 1000)):
-            check(recipe, S10_SPLIT_BLOCK[0], dense, seq)
-    check("random_global:0.1", S10_SPLIT_BLOCK[1], S10_SPLIT_DENSE[1], dtype="bfloat16")
-    check("longformer", S10_SPLIT_BLOCK[2], S10_SPLIT_DENSE[2])
-    cases.append(dict(_case("check", "block", "random_global:0.1", 2, 3, 1000, 64, "float16", S10_SPLIT_BLOCK[0]),
-                      q_scale=8.0))
+    check("longformer", _reversed(S10_PICK))
+    check("bigbird", _reversed(S10_PICK), seq=1024)
+    check("random_empty:0.05", _reversed(S10_PICK))
+    check("random_empty:0.05", _reversed(S10_BEST), dtype="bfloat16")
+    check("longformer", _reversed((64, 32, 4, 2, True)), batch=4, heads=2, padding=True)
+    check("longformer", _reversed(S10_SPLIT_KV["longformer"][1]))
+    check("bigbird", _reversed(S10_SPLIT_KV["bigbird"][1]), seq=1024)
+    for recipe, seq in (("longformer", 1000), ("bigbird", 1024), ("random_global:0.1", 1000)):
+        check_split(recipe, S10_SPLIT_BLOCK[0], S10_SPLIT_DENSE[0], seq)
+    check_split("random_global:0.1", S10_SPLIT_BLOCK[1], S10_SPLIT_DENSE[1], dtype="bfloat16")
+    check_split("longformer", S10_SPLIT_BLOCK[1], S10_SPLIT_DENSE[2])
     batch, heads, seq = 16, H_BENCH, 4096
+    timed = {}
     for recipe in ("longformer", "bigbird"):
         problem = AttentionProblem(batch=batch, heads=heads, head_dim=64, dtype="float16",
                                    mask=MaskProfile(build_mask(recipe, batch, heads, seq, 0)))
         pick = str(decide_attention(problem, kinds=("block",)).best.candidate)
-        for config in S10_BLOCK_ALONE:
-            cases.append(dict(_case("time", "block", recipe, batch, heads, seq, 64, "float16", config),
-                              model_pick=pick))
-        # the sparse rows' block-wise pick (the model's, on the mask with its dense rows emptied) with every dense
-        # configuration, the whole mask's pick and the other default-order one with the D64 default
-        pairs = [(S10_SPLIT_BLOCK[1], dense) for dense in S10_SPLIT_DENSE] + \
-            [(block, S10_SPLIT_DENSE[0]) for block in (S10_SPLIT_BLOCK[0], S10_SPLIT_BLOCK[2])]
-        for block, dense in pairs:
-            cases.append(dict(split_case("time", recipe, batch, heads, seq, 64, "float16", block, dense),
-                              model_pick=pick))
+        blocks = [S10_PICK, _reversed(S10_PICK), S10_BEST, _reversed(S10_BEST), *S10_SPLIT_KV[recipe],
+                  _reversed(S10_SPLIT_KV[recipe][1])]
+        splits = [(S10_SPLIT_BLOCK[1], S10_SPLIT_DENSE[0]), (S10_SPLIT_BLOCK[1], S10_SPLIT_DENSE[1]),
+                  (S10_SPLIT_BLOCK[0], S10_SPLIT_DENSE[0])]
+        timed[recipe] = ([dict(_case("time", "block", recipe, batch, heads, seq, 64, "float16", config),
+                               model_pick=pick) for config in blocks],
+                         [dict(split_case("time", recipe, batch, heads, seq, 64, "float16", block, dense),
+                               model_pick=pick) for block, dense in splits])
+    for part in (0, 1):             # every mask's block-wise cases before any split case
+        for recipe in timed:
+            cases.extend(timed[recipe][part])
     cases.append(_case("time", "block", "sliding", batch, heads, seq, 64, "float16", (32, 32, 1, 2, False)))
     return cases
 
@@ -1478,6 +1502,33 @@ def print_split(timed: list[dict]) -> None:
                   + (f"  vs alone {best['ms'] / r['ms']:.2f}x" if best else "") + ("" if r["ok"] else "  CHECK FAILED"))
 
 
+def print_reverse(timed: list[dict]) -> None:
+    """Block cases with ``reverse_full`` (config field 10) beside the same configuration without it (ms)."""
+    plain = {(r["mask"], r["batch"], r["seq"], r["head_dim"], _cfg_text(r["config"])): r for r in timed
+             if r["family"] == "block" and not (len(r["config"]) > 9 and r["config"][9])}
+    pairs = [(r, plain.get((r["mask"], r["batch"], r["seq"], r["head_dim"],
+                            _cfg_text(_trimmed(r["config"][:9]))))) for r in timed
+             if r["family"] == "block" and len(r["config"]) > 9 and r["config"][9]]
+    if not pairs:
+        return
+    print("\nreverse_full (full tiles walked last column first) vs the same configuration walked first column first "
+          "(ms; ratio = reversed / plain)")
+    for rev, base in pairs:
+        ratio = f"{rev['ms'] / base['ms']:.3f}" if base else "-"
+        print(f"  {rev['mask']:<10} B{rev['batch']} S{rev['seq']} {_cfg_text(_trimmed(rev['config'][:9])):<26} "
+              f"plain {base['ms'] if base else float('nan'):.4f}  reversed {rev['ms']:.4f}  ratio {ratio}"
+              + ("" if rev["ok"] and (base is None or base["ok"]) else "  CHECK FAILED"))
+
+
+def _trimmed(config) -> list:
+    """A block configuration tuple without its trailing default fields (as the plans write them)."""
+    defaults = (None, None, None, None, None, 1, 1, 0, "mma", False)
+    config = list(config)
+    while len(config) > 5 and config[-1] == defaults[len(config) - 1]:
+        config.pop()
+    return config
+
+
 def _cfg_text(config) -> str:
     return "x".join(str(x)[0] if isinstance(x, bool) else str(x) for x in config)
 
@@ -1605,6 +1656,7 @@ def run(args) -> None:
     print_model(timed)
     print_candidates(timed)
     print_row_sums(timed)
+    print_reverse(timed)
     print_split(timed)
     print_summary(timed)
     info["summary"] = summarize([r for r in runner.results if r["kind"] == "time" and "ms" in r])
