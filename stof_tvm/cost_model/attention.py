@@ -230,15 +230,16 @@ def wgmma_candidates(head_dim: int, hw: HardwareProfile = H200, padding: bool = 
     (:func:`~stof_tvm.schedules.attention_wgmma.default_config`) first, so that it wins ties, then 2 / 3 consumers
     x 64 / 128 keys x 2-5 ring stages that fit (the kernel's register and shared-memory checks); ping-pong, the
     default's loads, one block per work item and persistent (see the module docstring for what is left out and
-    why). Left out because ptxas builds them badly (nvcc 13.0, sm_90a): 64-key tiles at head dims 32 and 64
-    (C7508, setmaxnreg ignored) and, with ``padding``, three consumers (the padding predicate makes their 160 registers spill: 12-48 spill stores);
+    why). Left out because ptxas builds them badly (nvcc 13.0, sm_90a): 64-key tiles below head dim 128
+    (setmaxnreg dropped: C7508 at 64; at 80 and 96 no USETMAXREG in the SASS, 126 / 131 registers for every
+    warpgroup) and, with ``padding``, three consumers (the padding predicate makes their 160 registers spill: 12-48 spill stores);
     with padding at head dim 64 the first is then two consumers."""
     if head_dim not in WGMMA_HEAD_DIMS or not hw.compute_version.startswith("9."):
         return []
     default = wgmma_default_config(head_dim, padding)
     out = [default]
     for consumers in ((2,) if padding else (3, 2)):
-        for block_n in ((128,) if head_dim <= 64 else (128, 64)):
+        for block_n in ((128,) if head_dim < 128 else (128, 64)):
             for stages in _WGMMA_STAGES:
                 for persistent in (False, True):
                     config = WgmmaAttentionConfig(block_n=block_n, stages=stages, consumers=consumers,
