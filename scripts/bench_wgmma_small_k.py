@@ -71,8 +71,9 @@ calibration; the same two-process command with ``--plan s9wide`` and ``out/s9wid
 
 ``--plan s10gemm`` (issue 17; default folder ``out/s10gemm``): TMA multicast (knob ``multicast``: clusters of 2 or 4
 blocks on vertically adjacent tiles loading each W box once between them, :mod:`stof_tvm.schedules.templates.
-wgmma_kernel`) at the four GEMMs at 4096 rows and the erf-GELU GEMM at 32768 rows: per case the knob space's first
-set, then per tile schedule of :data:`S10_SCHEDULES` its staged TMA set with multicast 1, 2 and 4, beside cuBLAS.
+wgmma_kernel`) and 128 x 192 ping-pong tiles at the four GEMMs at 4096 rows and the erf-GELU GEMM at 32768 rows: per
+case the knob space's first set, then per tile schedule of :data:`S10_SCHEDULES` its staged TMA set with multicast 1, 2
+and 4, beside cuBLAS.
 Multicast modules are also called twice (bitwise equal outputs) and every TMA module replayed from a CUDA graph;
 the table comparing each schedule's multicast values comes last. The same two-process command with ``--plan
 s10gemm`` and ``out/s10gemm`` carried.
@@ -121,12 +122,15 @@ SPLITK_CASES = [case for rows, (batch, seq) in ((128, (1, 128)), (512, (1, 512))
 WIDE_CASES = SPLITK_CASES[8:]
 WIDE_RANKED = 7           # model-ranked knob sets per case besides the default
 # --plan s10gemm: the 4096-row GEMMs and the erf-GELU GEMM at 32768 rows (ours 0.3087 ms, cuBLAS 0.2585 without the
-# GELU); per case the tile schedules (block_m, block_n, persistent) whose staged TMA set is timed, with the multicast
-# values to time it with (the 32768-row case: the two widest tiles only)
+# GELU); per case the tile schedules (block_m, block_n, persistent, pingpong) whose staged TMA set is timed, with the
+# multicast values to time it with (the 32768-row case: the two widest tiles only); (256, 192, True, True): the
+# 128 x 192 ping-pong tiles (block_m 256: two in flight)
 S10_CASES = WIDE_CASES + [("gemm_bias_gelu_erf_wgmma", {"m": 32768, "n": 3072, "k": 768})]
-S10_SCHEDULES = {4096: (((128, 192, True), (1, 2, 4)), ((128, 192, False), (1, 2)), ((256, 192, True), (1, 2, 4)),
-                        ((128, 128, True), (1, 2)), ((128, 256, True), (1, 2))),
-                 32768: (((256, 192, True), (1, 2, 4)), ((128, 192, True), (1, 2)))}
+S10_SCHEDULES = {4096: (((128, 192, True, False), (1, 2, 4)), ((128, 192, False, False), (1, 2)),
+                        ((256, 192, True, False), (1, 2, 4)), ((128, 128, True, False), (1, 2)),
+                        ((128, 256, True, False), (1, 2)), ((256, 192, True, True), (1,))),
+                 32768: (((256, 192, True, False), (1, 2, 4)), ((128, 192, True, False), (1, 2)),
+                         ((256, 192, True, True), (1,)))}
 S10_MULTICASTS = (1, 2, 4)
 PLANS = {"small_k": (CASES, OUT), "s8tma": (TMA_CASES, ROOT / "out" / "s8gemm_tma"),
          "s9splitk": (SPLITK_CASES, ROOT / "out" / "s9splitk"), "s9wide": (WIDE_CASES, ROOT / "out" / "s9wide"),
@@ -156,8 +160,8 @@ def is_new(knobs, plan: str = "", default: bool | None = None) -> bool:
         return knobs.get("split_k", 1) > 1
     if plan == "s9wide":
         return default is False
-    if plan == "s10gemm":
-        return knobs.get("multicast", 1) > 1
+    if plan == "s10gemm":   # multicast, or the 128 x 192 ping-pong tiles (block_m 256 with pingpong)
+        return knobs.get("multicast", 1) > 1 or (knobs.get("pingpong", False) and knobs.get("block_m", 128) == 256)
     if "loads" in knobs:
         return knobs["loads"] == "tma"
     return knobs.get("block_m", 128) != 128 or bool(knobs.get("staged"))
@@ -224,9 +228,9 @@ def multicast_knob_sets(name, shape, space) -> list[dict]:
 
     m = get_template(name).gemm_dims(shape)[0]
     sets = [space[0]]
-    for (block_m, block_n, persistent), multicasts in S10_SCHEDULES[m]:
+    for (block_m, block_n, persistent, pingpong), multicasts in S10_SCHEDULES[m]:
         base = next((kn for kn in space if kn.get("block_m", 128) == block_m and kn["block_n"] == block_n
-                     and kn["persistent"] == persistent and not kn["pingpong"] and kn.get("staged")
+                     and kn["persistent"] == persistent and kn["pingpong"] == pingpong and kn.get("staged")
                      and kn.get("fast_gelu") == space[0].get("fast_gelu") and kn["loads"] == "tma"
                      and kn.get("split_k", 1) == 1 and kn.get("multicast", 1) == 1), None)
         if base is not None:

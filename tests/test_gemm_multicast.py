@@ -164,3 +164,50 @@ def test_the_knob_space_ends_with_the_multicast_twins(name, shape):
     expected = [dict(kn, multicast=MULTICAST) for kn in older if kn["loads"] == "tma" and not kn["pingpong"]
                 and kn.get("split_k", 1) == 1 and (shape["m"] // kn.get("block_m", 128)) % MULTICAST == 0]
     assert twins == expected and twins
+
+
+# ---- 128-row ping-pong tiles at width 192 (block_m = 256 with pingpong: two tiles in flight, one per consumer) ----
+
+def test_tall_pingpong_gives_each_consumer_128_row_tiles_at_width_192_only():
+    config = WgmmaConfig(block_n=192, stages=4, pingpong=True, block_m=256, staged=True)
+    config.validate()
+    assert config.tile_m == config.consumer_rows == 128 and config.acc_registers == 192
+    assert WgmmaConfig(block_n=192, stages=4, pingpong=True).tile_m == 64          # the older 64-row tiles
+    for block_n in (128, 256):
+        with pytest.raises(ValueError, match="128-row tiles at block_n 192 only"):
+            WgmmaConfig(block_n=block_n, stages=4, pingpong=True, block_m=256).validate()
+
+
+@pytest.mark.parametrize("name, shape", [("gemm_bias_gelu_erf_wgmma", {"m": 32768, "n": 3072, "k": 768}),
+                                         ("qkv_projection_wgmma", {"batch": 8, "seq": 512, "heads": 12,
+                                                                   "head_dim": 64}),
+                                         ("gemm_wgmma", FFN_DOWN)])
+def test_the_knob_space_offers_tall_pingpong_twins_of_the_staged_192_wide_sets(name, shape):
+    """The twins follow the older sets, staged only (TMA loads, the QKV projection's too: 128-row tiles), and for
+    the erf GELU only with ``fast_gelu`` (its ``erff`` form spilled); the model hides their epilogues but the last."""
+    t = get_template(name)
+    space = t.knob_space(shape, "float16")
+    tall = [kn for kn in space if kn["pingpong"] and kn.get("block_m") == 256]
+    assert tall and space.index(tall[0]) > max(i for i, kn in enumerate(space) if "block_m" not in kn
+                                               and "multicast" not in kn)
+    for kn in tall:
+        assert kn["block_n"] == 192 and kn["staged"] and kn["loads"] == "tma" and "multicast" not in kn
+        assert kn.get("fast_gelu") == ("gelu" in name or None)
+        res = t.resources(shape, "float16", kn)
+        assert res["block_m"] == 128 and res["overlapped_epilogue"] and res["acc_registers"] == 192
+
+
+@pytest.mark.parametrize("name, shape, knobs", [
+    ("gemm_bias_gelu_erf_wgmma", {"m": 32768, "n": 3072, "k": 768},
+     {"block_n": 192, "stages": 4, "persistent": True, "pingpong": True, "block_m": 256, "staged": True,
+      "fast_gelu": True, "loads": "tma"}),
+    ("qkv_projection_wgmma", {"batch": 8, "seq": 512, "heads": 12, "head_dim": 64},
+     {"block_n": 192, "stages": 4, "persistent": True, "pingpong": True, "block_m": 256, "staged": True,
+      "loads": "tma"}),
+])
+def test_tall_pingpong_kernels_build_for_sm90a_without_spills(name, shape, knobs, tmp_path):
+    """Two m64n192 wgmma per k16 step per consumer (192 accumulators), the ping-pong order barriers, the staged
+    epilogue; ptxas: no spills, no stack, no wgmma serialisation."""
+    src = cuda_source(build_kernel(name, shape, "float16", knobs))
+    assert "wgmma.mma_async.sync.aligned.m64n192k16" in src and "bar.arrive" in src and "st.global.v4.b32" in src
+    sm90a_sass(src, tmp_path)

@@ -62,8 +62,8 @@ from .gemm import GemmTemplate
 from .qkv import QKVTemplate
 from .registry import H200, Hardware, Template, register
 from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_M_CHOICES, BLOCK_N_CHOICES, CONSUMER_REGS, LAUNCH_REGISTERS,
-                           PINGPONG_TILE_M, PORTABLE_SPLIT_K, SPLIT_K_CHOICES, STAGE_CHOICES, THREADS, WgmmaConfig,
-                           check_wgmma_shape, grid_blocks, wgmma_gemm_primfunc)
+                           PINGPONG_TILE_M, PORTABLE_SPLIT_K, SPLIT_K_CHOICES, STAGE_CHOICES, TALL_PINGPONG_N, THREADS,
+                           WgmmaConfig, check_wgmma_shape, grid_blocks, wgmma_gemm_primfunc)
 
 ARCH = "sm_90a"
 TALL_BLOCK_M = max(BLOCK_M_CHOICES)   # 256-row cooperative tiles: 128 rows per consumer warpgroup
@@ -218,7 +218,16 @@ class WgmmaKernelMixin:
         first_tiles = (m // self.config(unsplit[0]).tile_m) * (n // unsplit[0]["block_n"])
         ordered = split + unsplit if first_tiles < SPLIT_K_FILL * hw.sm_count else unsplit + split
         loaded = [dict(kn, loads=self.default_loads(kn)) for kn in ordered]
-        return loaded + self.multicast_sets(shape, loaded)
+        return loaded + self.tall_pingpong_sets(loaded) + self.multicast_sets(shape, loaded)
+
+    def tall_pingpong_sets(self, space) -> list[dict]:
+        """The ``block_m = 256`` twins of the space's staged 192-wide ping-pong sets: each consumer warpgroup owns
+        whole 128 x 192 tiles (instead of 64 x 192), so one consumer's epilogue overlaps the other's MMAs on tiles of
+        the width the H200 measured fastest at 4096 rows (cooperative); not the erf GELU's CUDA ``erff`` form (ptxas
+        spilled 4 bytes, like the cooperative 256 x 192 tile's), its ``fast_gelu`` twin only."""
+        erf = getattr(self, "act", "none") == "gelu_erf"
+        return [dict(kn, block_m=TALL_BLOCK_M) for kn in space if kn["pingpong"] and kn["block_n"] == TALL_PINGPONG_N
+                and kn.get("staged") and "block_m" not in kn and not (erf and not kn.get("fast_gelu"))]
 
     def multicast_sets(self, shape, space) -> list[dict]:
         """The ``multicast`` twins of the space's unsplit cooperative TMA sets, in the space's order: clusters of
@@ -356,7 +365,7 @@ class WgmmaQKVTemplate(WgmmaKernelMixin, QKVTemplate):
                 "heads": tuple(shape[key] for key in ("batch", "seq", "heads", "head_dim"))}
 
     def default_loads(self, knobs) -> str:
-        tall = knobs.get("block_m", BLOCK_M) == TALL_BLOCK_M
+        tall = knobs.get("block_m", BLOCK_M) == TALL_BLOCK_M and not knobs.get("pingpong")   # 256-row tiles
         return "cp.async" if tall else super().default_loads(knobs)
 
 

@@ -136,6 +136,9 @@ SWIZZLE_128B = 1         # descriptor layout type
 # ping-pong tile rows per block_n: one warpgroup holds the whole tile's accumulators (tile_m / 64 * block_n / 2
 # per thread; 128 x 192 would leave 40 of the 232 registers for everything else)
 PINGPONG_TILE_M = {128: 128, 192: 64, 256: 64}
+# ... or, with block_m = 256 (two 128-row tiles in flight, one per consumer), 128 rows at block_n 192: 192 accumulators
+# per thread, as in the cooperative 256 x 192 tile
+TALL_PINGPONG_N = 192
 ORDER_BAR = 1            # named barriers ORDER_BAR + c (c = 0, 1): consumer c may start its next main loop
 STAGED_COLS = 64         # staged epilogue: columns of a warp's chunk (one 128-byte swizzled row per output row)
 STAGED_WARP_BYTES = 16 * STAGED_COLS * 2   # 16 rows (one warp's m16 slice of an m64 wgmma) x 64 fp16 columns
@@ -190,8 +193,9 @@ class WgmmaConfig:
             raise ValueError("pingpong needs persistent=True (the consumers alternate over a block's tiles)")
         if self.block_m not in BLOCK_M_CHOICES:
             raise ValueError(f"block_m must be one of {BLOCK_M_CHOICES}, got {self.block_m!r}")
-        if self.block_m != BLOCK_M and self.pingpong:
-            raise ValueError("block_m=256 is a cooperative tile (pingpong=False); ping-pong tiles follow block_n")
+        if self.block_m != BLOCK_M and self.pingpong and self.block_n != TALL_PINGPONG_N:
+            raise ValueError(f"block_m=256 with pingpong gives each consumer 128-row tiles at block_n "
+                             f"{TALL_PINGPONG_N} only; other ping-pong tiles follow block_n")
         if self.staged not in (True, False):
             raise ValueError(f"staged must be a bool, got {self.staged!r}")
         if self.fast_gelu not in (True, False):
@@ -213,8 +217,11 @@ class WgmmaConfig:
 
     @property
     def tile_m(self) -> int:
-        """Output rows of one tile (one ring fill): ``block_m`` cooperative; ping-pong by ``block_n``."""
-        return PINGPONG_TILE_M[self.block_n] if self.pingpong else self.block_m
+        """Output rows of one tile (one ring fill): ``block_m`` cooperative; ping-pong by ``block_n``, or 128 with
+        ``block_m = 256`` (two tiles in flight)."""
+        if self.pingpong:
+            return self.block_m // 2 if self.block_m != BLOCK_M else PINGPONG_TILE_M[self.block_n]
+        return self.block_m
 
     @property
     def consumer_rows(self) -> int:
