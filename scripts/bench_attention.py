@@ -1597,6 +1597,16 @@ def _config_key(case: dict) -> tuple:
         ((str(case["dense_config"]),) if case.get("dense_config") else ())
 
 
+def failed_configs(earlier: dict) -> set:
+    """Kernel configurations (:func:`_config_key`) not to time after an earlier run (its JSON): those that failed a
+    check there, and the one it was running when it was killed (``in_flight``: a kernel that hung, stopped by the
+    caller's timeout, so that the timing run does not hang on it again)."""
+    failed = {_config_key(r) for r in earlier["results"] if not r["ok"]}
+    if earlier.get("in_flight"):
+        failed.add(_config_key(earlier["in_flight"]))
+    return failed
+
+
 def run(args) -> None:
     out = Path(args.out)
     runner = Runner(out, Path(args.json) if args.json else None, args.budget)
@@ -1613,9 +1623,7 @@ def run(args) -> None:
     if args.head_dims:
         cases = [c for c in cases if c["head_dim"] in {int(d) for d in args.head_dims.split(",")}]
     if args.skip_failed_in:
-        # Kernel configurations that failed a check in an earlier run (its JSON) are not timed.
-        failed = {_config_key(r) for r in json.loads(Path(args.skip_failed_in).read_text())["results"]
-                  if not r["ok"]}
+        failed = failed_configs(json.loads(Path(args.skip_failed_in).read_text()))
         info["skipped_configs"] = sorted(map(list, failed))
         cases = [c for c in cases if _config_key(c) not in failed]
     skipped = 0
@@ -1623,6 +1631,7 @@ def run(args) -> None:
         if time.time() > runner.deadline:
             skipped += 1
             continue
+        runner.save(dict(info, in_flight=case))       # what a killed run was doing (replaced after the case)
         try:
             t0 = time.time()
             runner.results.append(runner.run_case(case))

@@ -241,3 +241,24 @@ def test_model_and_compile_path_offer_only_gpu_checked_head_dims():
                                    bias=None, padding=False)
         if head_dim not in CHECKED_HEAD_DIMS:
             assert reason is not None and "head dim" in reason
+
+
+def test_a_timing_run_skips_what_failed_or_hung_in_the_checks():
+    """s10dims runs its checks and timings as two processes under timeouts: a configuration that failed a check, or
+    whose check was in flight when the check process was killed (a hung kernel), is not timed."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_attention
+
+    def case(head_dim, config, ok=None):
+        row = {"family": "wgmma", "head_dim": head_dim, "config": list(config)}
+        return row if ok is None else dict(row, ok=ok)
+
+    good, bad, hung = (128, 4, True, True, 3, "tma"), (128, 3, True, True, 2, "tma"), (64, 2, True, True, 2, "tma")
+    earlier = {"results": [case(32, good, True), case(80, bad, False)], "in_flight": case(256, hung)}
+    failed = bench_attention.failed_configs(earlier)
+    assert failed == {bench_attention._config_key(case(80, bad)), bench_attention._config_key(case(256, hung))}
+    assert bench_attention._config_key(case(32, good)) not in failed
+    assert bench_attention.failed_configs({"results": [case(32, good, True)]}) == set()
