@@ -24,7 +24,8 @@ Knobs: ``block_n`` (128, 192 or 256: wgmma N, output columns per tile), ``stages
 ``persistent`` (one block per SM looping over tiles, or one block per tile) and ``pingpong`` (consumer schedule,
 persistent only: False = *cooperative*, a 128-row tile split between the two consumer warpgroups, 64 rows each;
 True = *ping-pong*, each consumer owns alternate tiles of ``tile_m`` rows, 128 at ``block_n`` 128 and 64 at 192
-and 256, so that one consumer's epilogue overlaps the other's MMAs). ``block_k`` is 64. Knob sets without
+and 256, so that one consumer's epilogue overlaps the other's MMAs; 128 at 192 with ``block_m = 256``, two tiles in
+flight: :meth:`WgmmaKernelMixin.tall_pingpong_sets`, not yet measured). ``block_k`` is 64. Knob sets without
 ``pingpong`` are cooperative (the kernels built before the knob existed, byte for byte). Three optional knobs, present
 only in the knob sets that use them (so older sets keep their names and kernels): ``block_m = 256`` (cooperative
 256-row tiles, 128 rows per consumer warpgroup; default 128), ``staged = True`` (the epilogue through shared memory

@@ -38,7 +38,8 @@ Consumer schedules (knob ``pingpong``):
   even rounds r = 0, 2, ..., consumer 2 the odd ones), so one consumer's epilogue runs while the other issues its
   MMAs. A tile is ``tile_m`` rows: 128 for ``block_n = 128`` (two m64 wgmma per k16 step, ``block_n``
   accumulators per thread) and 64 for 192 and 256 (``block_n / 2`` accumulators), which keeps the fragment within
-  the 232 registers. The producer fills the ring in tile order as before; a slot's *empty* mbarrier expects the
+  the 232 registers; with ``block_m = 256`` (two 128-row tiles in flight) 128 at 192 too (192 accumulators, as in
+  the cooperative 256 x 192 tile). The producer fills the ring in tile order as before; a slot's *empty* mbarrier expects the
   128 arrivals of the one warpgroup that consumed it. The main loops take turns through two named barriers
   (ids 1 and 2, 256 threads): a consumer starts round r > 0 only after the other has issued all of round r-1's
   MMAs (``bar.sync`` on its own id; the other ``bar.arrive``s on it). That order is also what keeps the
