@@ -299,7 +299,8 @@ def test_single_row_and_tiny_sequences():
 def test_default_config():
     assert default_block_config(64, "float16", 4096) == BlockConfig(128, 64, 4, 2)
     assert default_block_config(128, "bfloat16", 4096).num_warps == 8
-    assert default_block_config(64, "float16", 4096, sparse=True) == BlockConfig(64, 32, 4, 2, heavy_first=True)
+    assert default_block_config(64, "float16", 4096, sparse=True) == BlockConfig(64, 32, 4, 2, heavy_first=True,
+                                                                                 reverse_full=True)
     assert default_block_config(80, "float16", 4096) == BlockConfig(128, 64, 8, 2)
     assert default_block_config(32, "float16", 4096) == BlockConfig(128, 64, 4, 2)
     for head_dim in SUPPORTED_HEAD_DIMS:
