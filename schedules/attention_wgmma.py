@@ -138,8 +138,12 @@ class WgmmaAttentionConfig:
     producer thread copies 16-byte chunks and arrives on the slot's mbarrier, the consumers fence the generic proxy
     before each turn's products; ``"tma"``: one producer thread issues TMA copies from tensor maps encoded on the
     host at each call, and the bitmap words with one ``cp.async.bulk``, all completing on the slot's mbarrier by
-    transaction bytes, so the consumers need no proxy fence). The tiled format must be built at
-    ``block_m x block_n`` (``block_m = 64 * consumers``)."""
+    transaction bytes, so the consumers need no proxy fence), ``pad_panels`` (TMA only, head dims that are not
+    multiples of 64: shared tiles of 64-column panels in the 128-byte swizzle as at head dims 64 and 128, the head
+    dim padded to the next multiple of 64 with zeros, which the copy engine writes for the columns past ``D``;
+    ``S`` reads the real columns only, ``O += P V`` runs over the padded width and only ``D`` columns are stored: the
+    layout the H200 has checked since session 6, at the cost of the padded product). The tiled format must be built
+    at ``block_m x block_n`` (``block_m = 64 * consumers``)."""
 
     block_n: int = 128
     stages: int = 2
@@ -147,6 +151,7 @@ class WgmmaAttentionConfig:
     persistent: bool = False
     consumers: int = 2
     loads: str = "cp.async"
+    pad_panels: bool = False
 
     @property
     def block_m(self) -> int:
@@ -166,11 +171,14 @@ class WgmmaAttentionConfig:
                              f"{limit} its {REGISTERS[self.consumers][1]} leave beside them")
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"stages must be an int >= 2, got {self.stages!r}")
-        for name in ("pingpong", "persistent"):
+        for name in ("pingpong", "persistent", "pad_panels"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.loads, str) or self.loads not in LOAD_CHOICES:
             raise ValueError(f"loads must be one of {LOAD_CHOICES}, got {self.loads!r}")
+        if self.pad_panels and (self.loads != "tma" or head_dim % PANEL_COLS_CHOICES[0] == 0):
+            raise ValueError(f"pad_panels needs loads='tma' (its zero fill) and a head dim that is not a multiple of "
+                             f"64, got loads={self.loads!r}, head_dim {head_dim}")
         if self.loads == "cp.async" and head_dim not in CP_ASYNC_HEAD_DIMS:
             raise ValueError(f"loads='cp.async' takes head dims {CP_ASYNC_HEAD_DIMS} (ptxas spills its producer at "
                              f"others), got {head_dim}; use loads='tma'")
@@ -180,14 +188,23 @@ class WgmmaAttentionConfig:
 
     def fragment_registers(self, head_dim: int) -> int:
         """32-bit registers of a consumer thread's fragments: S (block_n / 2 floats), O (head_dim / 2) and P
-        (block_n / 4 packed pairs). 128 at head dim 64 with three consumers (ptxas: 155 in use of 160); 176 at
-        head dim 256 with 64-key tiles and two consumers (of 232)."""
-        return self.block_n // 2 + head_dim // 2 + self.block_n // 4
+        (block_n / 4 packed pairs; O over the padded width with ``pad_panels``). 128 at head dim 64 with three
+        consumers (ptxas: 155 in use of 160); 176 at head dim 256 with 64-key tiles and two consumers (of 232)."""
+        return self.block_n // 2 + self.smem_head_dim(head_dim) // 2 + self.block_n // 4
+
+    def smem_head_dim(self, head_dim: int) -> int:
+        """Head-dim columns of the shared tiles (and of the P V product): ``head_dim``, or with ``pad_panels`` the
+        next multiple of 64."""
+        return -(-head_dim // 64) * 64 if self.pad_panels else head_dim
+
+    def panel_cols(self, head_dim: int) -> int:
+        """Head-dim columns of one shared panel (:func:`panel_cols`; 64 with ``pad_panels``)."""
+        return PANEL_COLS_CHOICES[0] if self.pad_panels else panel_cols(head_dim)
 
     def layout(self, head_dim: int) -> dict:
         """Byte offsets of the shared regions from the 1024-aligned base."""
-        q_bytes = self.block_m * head_dim * 2
-        kv_bytes = self.block_n * head_dim * 2
+        q_bytes = self.block_m * self.smem_head_dim(head_dim) * 2
+        kv_bytes = self.block_n * self.smem_head_dim(head_dim) * 2
         mw_bytes = self.block_m * self.block_n // 8
         k_off = q_bytes
         v_off = k_off + self.stages * kv_bytes
@@ -308,17 +325,18 @@ def panel_offset(row, chunk, row_bytes: int):
     return row * row_bytes + (chunk ^ ((row * chunks // 8) % chunks)) * 16
 
 
-def s_step_offset(kk, head_dim: int, panel_bytes: int):
-    """Bytes from a K-major Q or K tile's start to k16 step ``kk`` of ``S = Q K^T`` (16 head-dim columns): the
-    steps advance 32 bytes inside a panel row, and move to the next panel (``panel_bytes`` on) every
-    ``panel_cols(head_dim) / 16`` steps."""
-    steps = panel_cols(head_dim) // 16
+def s_step_offset(kk, cols: int, panel_bytes: int):
+    """Bytes from a K-major Q or K tile's start to k16 step ``kk`` of ``S = Q K^T`` (16 head-dim columns) in panels
+    of ``cols`` columns: the steps advance 32 bytes inside a panel row, and move to the next panel (``panel_bytes``
+    on) every ``cols / 16`` steps."""
+    steps = cols // 16
     return (kk // steps) * panel_bytes + (kk % steps) * 32
 
 
-def pv_step_offset(kk, head_dim: int):
-    """Bytes from an MN-major V tile's start to k16 step ``kk`` of ``O += P V`` (keys ``16 kk ..``): 16 rows."""
-    return kk * 16 * 2 * panel_cols(head_dim)
+def pv_step_offset(kk, cols: int):
+    """Bytes from an MN-major V tile's start (panels of ``cols`` columns) to k16 step ``kk`` of ``O += P V`` (keys
+    ``16 kk ..``): 16 rows."""
+    return kk * 16 * 2 * cols
 
 
 def descriptor_bits(row_bytes: int, leading_bytes: int) -> int:
@@ -408,28 +426,29 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     K_OFF, V_OFF, M_OFF, BAR_OFF = lay["k_off"], lay["v_off"], lay["m_off"], lay["bar_off"]
     SMEM_WORDS = cfg.shared_bytes(D) // 4
     CPR = D // 8                       # 16-byte chunks per Q/K/V row
-    PC = panel_cols(D)                 # head-dim columns of a panel, its rows one swizzle span of RB bytes
+    DS = cfg.smem_head_dim(D)          # head-dim columns of the shared tiles and of O (D, or padded to 64s)
+    PC = cfg.panel_cols(D)             # head-dim columns of a panel, its rows one swizzle span of RB bytes
     RB = 2 * PC
-    CPP, NP = RB // 16, D // PC        # 16-byte chunks of a panel row, panels
+    CPP, NP = RB // 16, DS // PC       # 16-byte chunks of a panel row, panels
     Q_PANEL, KV_PANEL = BM * RB, BN * RB
     Q_ITERS, KV_ITERS = BM * CPR // WG, BN * CPR // WG
     MW_CHUNKS = MW_BYTES // 16
     M_ITERS = -(-MW_CHUNKS // WG)
-    NJ, KD, KN, ND = BN // 8, D // 16, BN // 16, D // 8   # n8 tiles of S, k16 steps of S and of PV, n8 tiles of O
-    NS, NO = BN // 2, D // 2           # accumulators per thread: S and O
+    NJ, KD, KN, ND = BN // 8, D // 16, BN // 16, DS // 8   # n8 tiles of S, k16 steps of S and of PV, n8 tiles of O
+    NS, NO = BN // 2, DS // 2          # accumulators per thread: S and O
     SL = scale * _LOG2E
     NEG_INF = T.float32(float("-inf"))
     ab = PTX_TYPE[DT]
     MMA_S = T.ptx[f"wgmma.mma_async.sync.aligned.m64n{BN}k16.f32.{ab}.{ab}"]
-    MMA_PV = T.ptx[f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}"]
+    MMA_PV = T.ptx[f"wgmma.mma_async.sync.aligned.m64n{DS}k16.f32.{ab}.{ab}"]
     PACK = T.ptx[f"cvt.rn.{ab}x2.f32"]
     CP_ASYNC_16 = T.ptx["cp.async.cg.shared.global"]
     TMA = cfg.loads == "tma"
     # arrivals completing a full mbarrier's phase: every producer thread's (cp.async), or the issuing thread's
     # arrive.expect_tx, the phase then waiting for the copies' transaction bytes too (TMA)
     FULL_ARRIVALS = 1 if TMA else WG
-    Q_MAP, KV_MAP = ((panel_map(B * H, SQ, D, BM, DT, PC), panel_map(B * H, SK, D, BN, DT, PC)) if TMA
-                     else (None, None))
+    Q_MAP, KV_MAP = ((panel_map(B * H, SQ, D, BM, DT, PC, cfg.pad_panels),
+                      panel_map(B * H, SK, D, BN, DT, PC, cfg.pad_panels)) if TMA else (None, None))
     TMA_3D = T.ptx["cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"]
     BULK = T.ptx["cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"]
     EXPECT_TX = T.ptx["mbarrier.arrive.expect_tx.shared::cta.b64"]
@@ -571,16 +590,16 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     def issue_s(s_acc, q_desc, k_desc, i):
         """S(i) = Q K(i)^T: one m64n{BN}k16 per 16 head-dim columns, both operands from shared memory."""
         for kk in T.unroll(KD):
-            MMA_S(*[s_acc[x] for x in range(NS)], advance(q_desc, s_step_offset(kk, D, Q_PANEL)),
-                  advance(k_desc, (i % ST) * KV_BYTES + s_step_offset(kk, D, KV_PANEL)), kk > 0, 1, 1, 0, 0)
+            MMA_S(*[s_acc[x] for x in range(NS)], advance(q_desc, s_step_offset(kk, PC, Q_PANEL)),
+                  advance(k_desc, (i % ST) * KV_BYTES + s_step_offset(kk, PC, KV_PANEL)), kk > 0, 1, 1, 0, 0)
         T.ptx["wgmma.commit_group.sync.aligned"]()
 
     @T.macro
     def issue_pv(o_acc, p_frag, v_desc, i):
-        """O += P(i) V(i): one m64n{D}k16 per 16 keys, P from registers, V transposed from shared memory."""
+        """O += P(i) V(i): one m64n{DS}k16 per 16 keys, P from registers, V transposed from shared memory."""
         for kk in T.unroll(KN):
             MMA_PV(*[o_acc[x] for x in range(NO)], p_frag[kk * 4], p_frag[kk * 4 + 1], p_frag[kk * 4 + 2],
-                   p_frag[kk * 4 + 3], advance(v_desc, (i % ST) * KV_BYTES + pv_step_offset(kk, D)), True, 1, 1, 1)
+                   p_frag[kk * 4 + 3], advance(v_desc, (i % ST) * KV_BYTES + pv_step_offset(kk, PC)), True, 1, 1, 1)
         T.ptx["wgmma.commit_group.sync.aligned"]()
 
     @T.macro
@@ -658,7 +677,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
             red[1] = T.Select(red[0] > T.float32(0), T.float32(1) / red[0], T.float32(0))
             row: T.let = tr * BM + fragment_position(c, w, g * 4, 0, hh, 0)[0]
             if row < SQ:
-                for dn in T.unroll(ND):
+                for dn in T.unroll(D // 8):      # the head dim's columns (with pad_panels O is wider)
                     PACK(word[0], o_acc[dn * 4 + hh * 2 + 1] * red[1], o_acc[dn * 4 + hh * 2] * red[1])
                     out_words[out_word(b, h, row, dn * 8 + qd * 2)] = word[0]
 

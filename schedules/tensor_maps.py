@@ -100,15 +100,17 @@ class TensorMapParams:
 
 
 def panel_map(batch_heads: int, rows: int, head_dim: int, box_rows: int, dtype: str,
-              panel_cols: int = PANEL_COLS) -> TensorMapParams:
+              panel_cols: int = PANEL_COLS, padded: bool = False) -> TensorMapParams:
     """The map of a compact ``[B, H, rows, head_dim]`` operand (``batch_heads = B * H``) copied as boxes of
     ``box_rows`` rows x ``panel_cols`` columns into swizzled panels: 64 columns (128-byte rows, the 128-byte
     swizzle), 32 (64-byte rows, 64-byte swizzle: head dims 32 and 96) or 16 (32-byte rows, 32-byte swizzle: head
-    dim 80), the swizzle span being the row, as the wgmma descriptors of that layout read it. Checked
+    dim 80), the swizzle span being the row, as the wgmma descriptors of that layout read it. ``padded``: the head
+    dim need not fill whole panels; the last box reaches past the row and the copy engine writes zeros for the
+    columns past ``head_dim`` (the wgmma attention kernel's ``pad_panels``). Checked
     (:meth:`TensorMapParams.validate`)."""
     if panel_cols not in PANEL_SWIZZLE:
         raise ValueError(f"panel_cols must be one of {tuple(PANEL_SWIZZLE)}, got {panel_cols!r}")
-    if head_dim % panel_cols:
+    if head_dim % panel_cols and not padded:
         raise ValueError(f"head_dim must be a multiple of {panel_cols} for {panel_cols * 2}-byte panels, "
                          f"got {head_dim}")
     size = ELEMENT_BYTES.get(dtype)

@@ -873,15 +873,17 @@ def plan_s10sparse() -> list[dict]:
 # and causal lines. Timed shapes: B16 H12 S4096 (B4 H16 S4096 at 256, as session 7 timed the block-wise kernel there),
 # in the order of what is at stake (D32 below FlexAttention on mma.sync, D256 level with it, D80/96 behind SDPA).
 S10D_SHAPES = {32: (16, 12, 4096), 256: (4, 16, 4096), 80: (16, 12, 4096), 96: (16, 12, 4096)}
-# wgmma configurations timed (block_n, stages, pingpong, persistent, consumers, loads): the default first, its
-# one-block-per-item twin, and one other form (D32: two consumers; D80/96: two stages; 64-key tiles at 80/96 lose
-# setmaxnreg: ptxas drops it)
-S10D_TIMED = {32: ((128, 4, True, True, 3, "tma"), (128, 4, True, False, 3, "tma"), (128, 4, True, True, 2, "tma")),
+# wgmma configurations timed (block_n, stages, pingpong, persistent, consumers, loads[, pad_panels]): the default
+# first, its one-block-per-item twin, and at 32 / 80 / 96 the padded-panel form (the 128-byte swizzle of head dims
+# 64 and 128, checked on the H200 since session 6: the fallback should the 64- and 32-byte swizzles fail their checks)
+S10D_PADDED = {32: (128, 4, True, True, 3, "tma", True), 80: (128, 2, True, True, 2, "tma", True),
+               96: (128, 2, True, True, 2, "tma", True)}
+S10D_TIMED = {32: ((128, 4, True, True, 3, "tma"), (128, 4, True, False, 3, "tma"), S10D_PADDED[32]),
               256: ((64, 2, True, True, 2, "tma"), (64, 2, True, False, 2, "tma")),
-              80: ((128, 3, True, True, 2, "tma"), (128, 3, True, False, 2, "tma"), (128, 2, True, True, 2, "tma")),
-              96: ((128, 3, True, True, 2, "tma"), (128, 3, True, False, 2, "tma"), (128, 2, True, True, 2, "tma"))}
-# issue 16's causal D64 goal (0.92 ms; 0.944 in session 9): the default beside 2 and 4 ring stages
-S10D_D64 = ((128, 3, True, True, 3, "tma"), (128, 4, True, True, 3, "tma"), (128, 2, True, True, 3, "tma"))
+              80: ((128, 3, True, True, 2, "tma"), (128, 3, True, False, 2, "tma"), S10D_PADDED[80]),
+              96: ((128, 3, True, True, 2, "tma"), (128, 3, True, False, 2, "tma"), S10D_PADDED[96])}
+# issue 16's causal D64 goal (0.92 ms; 0.944 in session 9): the default beside 4 ring stages
+S10D_D64 = ((128, 3, True, True, 3, "tma"), (128, 4, True, True, 3, "tma"))
 
 
 def _wgmma_tuple(config) -> tuple:
@@ -894,11 +896,12 @@ def plan_s10dims() -> list[dict]:
     default configuration: causal, BigBird (partial tiles' bitmaps), a document mask, causal with Q/K/V as views
     16 bytes into one packed projection (``qkv_offset``) and again on fresh tensors and in a CUDA-graph replay
     (``replays``), per-head random masks with empty rows (fp16 and bf16), the device-side key padding (right,
-    left with holes, empty batch rows) on causal and sliding (bf16 at 80 and 256); at 64 and 128 the default
+    left with holes, empty batch rows) on causal and sliding (bf16 at 80 and 256), the padded-panel form
+    (S10D_PADDED) on causal, BigBird and document; at 64 and 128 the default
     causal and key-padded causal again (their CUDA changed only in folded constants). Then S10D_SHAPES causal
     (every S10D_TIMED configuration and the block-wise kernel's model pick) and BigBird (the default and the
     block-wise pick), each checked against float32 and carrying the model's prediction; last causal D64 B16 H12
-    S4096 with 2, 3 (the default) and 4 ring stages (issue 16's 0.92 ms goal)."""
+    S4096 with 3 (the default) and 4 ring stages (issue 16's 0.92 ms goal)."""
     from stof_tvm.cost_model import AttentionProblem, MaskProfile, decide_attention
     from stof_tvm.schedules.attention_wgmma import WgmmaAttentionConfig, default_config
 
@@ -920,6 +923,9 @@ def plan_s10dims() -> list[dict]:
         pad_dtype = "bfloat16" if head_dim in (80, 256) else "float16"
         for recipe in ("causal", "sliding"):
             check(recipe, head_dim, padded, batch=4, heads=2, dtype=pad_dtype, padding=True)
+        if head_dim in S10D_PADDED:
+            for recipe in ("causal", "bigbird", "document"):
+                check(recipe, head_dim, S10D_PADDED[head_dim])
     for head_dim in (64, 128):
         check("causal", head_dim, _wgmma_tuple(default_config(head_dim)))
         check("causal", head_dim, _wgmma_tuple(default_config(head_dim, padding=True)), batch=4, heads=2,
@@ -1437,7 +1443,7 @@ def print_candidates(timed: list[dict]) -> None:
     timing at the end of the run."""
     groups = {}
     for r in timed:
-        if r["family"] == "wgmma" and len(r["config"]) == 6:
+        if r["family"] == "wgmma" and len(r["config"]) in (6, 7):       # 7: with pad_panels (plan s10dims)
             key = (r["mask"] + (" +pad" if r.get("padding") else ""), r["batch"], r["seq"], r["head_dim"])
             groups.setdefault(key, []).append(r)
     if not groups:

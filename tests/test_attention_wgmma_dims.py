@@ -63,19 +63,21 @@ def cp_async_tile(operand: np.ndarray, row0: int, rows: int, head_dim: int) -> n
     return out
 
 
-def tma_tile(operand: np.ndarray, row0: int, rows: int, head_dim: int) -> np.ndarray:
-    """Bytes the TMA producer's boxes write (:func:`panel_map` of this head dim, one box per panel at panel
-    ``p * rows * row_bytes``): box element (x, y) stored densely, then moved by the map's swizzle; rows past the end
-    read as zeros."""
-    params = panel_map(1, operand.shape[0], head_dim, rows, "float16", panel_cols(head_dim))
+def tma_tile(operand: np.ndarray, row0: int, rows: int, config: WgmmaAttentionConfig) -> np.ndarray:
+    """Bytes the TMA producer's boxes write (:func:`panel_map` of this head dim and configuration, one box per panel
+    at panel ``p * rows * row_bytes``): box element (x, y) stored densely, then moved by the map's swizzle; rows
+    past the end, and with ``pad_panels`` columns past the head dim, read as zeros."""
+    head_dim = operand.shape[1]
+    cols, width = config.panel_cols(head_dim), config.smem_head_dim(head_dim)
+    params = panel_map(1, operand.shape[0], head_dim, rows, "float16", cols, config.pad_panels)
     box_cols, span = params.box[0], SWIZZLE_BYTES[params.swizzle]
     y, x = np.meshgrid(np.arange(rows), np.arange(box_cols), indexing="ij")
     offset = swizzle((y * box_cols + x) * 2, span)
-    out = np.zeros(rows * head_dim * 2, np.uint8)
-    padded = np.zeros((row0 + rows, head_dim), np.uint16)
+    out = np.zeros(rows * width * 2, np.uint8)
+    padded = np.zeros((row0 + rows, width), np.uint16)
     valid = min(operand.shape[0], row0 + rows)
-    padded[:valid] = operand[:valid]
-    for p in range(head_dim // box_cols):
+    padded[:valid, :head_dim] = operand[:valid]
+    for p in range(width // box_cols):
         panel = out[p * rows * box_cols * 2:(p + 1) * rows * box_cols * 2].view(np.uint16)
         panel[offset // 2] = padded[row0 + y, p * box_cols + x]
     return out
@@ -104,34 +106,49 @@ def read_mn_major(smem: np.ndarray, start: int, bits: int, n: int) -> np.ndarray
     return smem.view(np.uint16)[addr // 2]
 
 
-@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
-def test_panel_layout_reads_back_through_the_descriptors_at_every_step(head_dim):
-    """Q (both consumers' rows), K and V tiles, each placed both ways (the last one partly past the operand's end),
-    read through the kernel's descriptors step by step: exactly the operand's elements, zeros past its end."""
-    config = default_config(head_dim)
+def _padded_config(head_dim):
+    return WgmmaAttentionConfig(block_n=128, stages=2, consumers=3 if head_dim == 32 else 2, loads="tma",
+                                pad_panels=True)
+
+
+@pytest.mark.parametrize("head_dim, pad_panels", [(d, False) for d in SUPPORTED_HEAD_DIMS] +
+                         [(32, True), (80, True), (96, True)])
+def test_panel_layout_reads_back_through_the_descriptors_at_every_step(head_dim, pad_panels):
+    """Q (every consumer's rows), K and V tiles, each placed both ways (cp.async: not with ``pad_panels``; the last
+    tile partly past the operand's end), read through the kernel's descriptors step by step: exactly the operand's
+    elements, zeros past its end (and, with ``pad_panels``, in the padded columns P V reads)."""
+    config = _padded_config(head_dim) if pad_panels else default_config(head_dim)
     bm, bn = config.block_m, config.block_n
-    row_bytes = 2 * panel_cols(head_dim)
+    cols, width = config.panel_cols(head_dim), config.smem_head_dim(head_dim)
+    row_bytes = 2 * cols
     rng = np.random.default_rng(head_dim)
     seq = bm + bn + 37
     q, k, v = (rng.integers(1, 1 << 15, size=(seq, head_dim), dtype=np.uint16) for _ in range(3))
-    q_tile = cp_async_tile(q, bm, bm, head_dim)                   # the second tile row: 37 + bn rows, then zeros
-    assert np.array_equal(q_tile, tma_tile(q, bm, bm, head_dim))
-    k_tile, v_tile = cp_async_tile(k, bn, bn, head_dim), cp_async_tile(v, bn, bn, head_dim)
-    assert np.array_equal(k_tile, tma_tile(k, bn, bn, head_dim))
-    assert np.array_equal(v_tile, tma_tile(v, bn, bn, head_dim))
-    padded = lambda x, row0, rows: np.concatenate([x, np.zeros((row0 + rows, head_dim), np.uint16)])[row0:row0 + rows]
-    q_rows, k_rows, v_rows = padded(q, bm, bm), padded(k, bn, bn), padded(v, bn, bn)
+    # the second tile row: 37 + bn rows, then zeros
+    q_tile, k_tile, v_tile = tma_tile(q, bm, bm, config), tma_tile(k, bn, bn, config), tma_tile(v, bn, bn, config)
+    if not pad_panels:
+        assert np.array_equal(q_tile, cp_async_tile(q, bm, bm, head_dim))
+        assert np.array_equal(k_tile, cp_async_tile(k, bn, bn, head_dim))
+        assert np.array_equal(v_tile, cp_async_tile(v, bn, bn, head_dim))
+
+    def rows_of(x, row0, rows):
+        out = np.zeros((rows, width), np.uint16)
+        valid = x[row0:row0 + rows]
+        out[:len(valid), :head_dim] = valid
+        return out
+
+    q_rows, k_rows, v_rows = rows_of(q, bm, bm), rows_of(k, bn, bn), rows_of(v, bn, bn)
     k_major = descriptor_bits(row_bytes, 16)
     mn_major = descriptor_bits(row_bytes, bn * row_bytes)          # the next panel of the V tile
-    for kk in range(head_dim // 16):
-        cols = slice(16 * kk, 16 * kk + 16)
+    for kk in range(head_dim // 16):                               # S reads the head dim's columns only
+        step = slice(16 * kk, 16 * kk + 16)
         for c in range(config.consumers):
-            start = c * 64 * row_bytes + s_step_offset(kk, head_dim, bm * row_bytes)
-            assert np.array_equal(read_k_major(q_tile, start, k_major, 64), q_rows[64 * c:64 * c + 64, cols])
-        start = s_step_offset(kk, head_dim, bn * row_bytes)
-        assert np.array_equal(read_k_major(k_tile, start, k_major, bn), k_rows[:, cols])
-    for kk in range(bn // 16):
-        got = read_mn_major(v_tile, pv_step_offset(kk, head_dim), mn_major, head_dim)
+            start = c * 64 * row_bytes + s_step_offset(kk, cols, bm * row_bytes)
+            assert np.array_equal(read_k_major(q_tile, start, k_major, 64), q_rows[64 * c:64 * c + 64, step])
+        start = s_step_offset(kk, cols, bn * row_bytes)
+        assert np.array_equal(read_k_major(k_tile, start, k_major, bn), k_rows[:, step])
+    for kk in range(bn // 16):                                     # P V: the shared tiles' width
+        got = read_mn_major(v_tile, pv_step_offset(kk, cols), mn_major, width)
         assert np.array_equal(got, v_rows[16 * kk:16 * kk + 16])
 
 
@@ -166,6 +183,9 @@ def test_default_configs_fit_every_head_dim(head_dim):
     (256, WgmmaAttentionConfig(block_n=64, stages=3, loads="tma"), "shared memory"),
     (80, WgmmaAttentionConfig(block_n=128, stages=3, loads="cp.async"), "cp.async"),
     (256, WgmmaAttentionConfig(block_n=64, stages=2, loads="cp.async"), "cp.async"),
+    (80, WgmmaAttentionConfig(block_n=128, stages=3, loads="tma", pad_panels=True), "shared memory"),   # 128 wide
+    (64, WgmmaAttentionConfig(block_n=128, stages=2, loads="tma", pad_panels=True), "pad_panels"),
+    (32, WgmmaAttentionConfig(block_n=128, stages=2, loads="cp.async", pad_panels=True), "pad_panels"),
 ])
 def test_configs_that_cannot_build_well_are_refused(head_dim, config, error):
     with pytest.raises(ValueError, match=error):
@@ -173,29 +193,36 @@ def test_configs_that_cannot_build_well_are_refused(head_dim, config, error):
                                  mask_batch=1, mask_heads=1, config=config)
 
 
-@pytest.mark.parametrize("head_dim, dtype, padding", [
-    (32, "float16", False), (80, "float16", False), (96, "float16", False), (256, "float16", False),
-    (32, "bfloat16", True), (80, "bfloat16", True), (96, "float16", True), (256, "float16", True),
+@pytest.mark.parametrize("head_dim, dtype, padding, pad_panels", [
+    (32, "float16", False, False), (80, "float16", False, False), (96, "float16", False, False),
+    (256, "float16", False, False), (32, "bfloat16", True, False), (80, "bfloat16", True, False),
+    (96, "float16", True, False), (256, "float16", True, False), (32, "float16", False, True),
+    (80, "bfloat16", True, True),
 ])
-def test_cuda_source_of_each_new_head_dim_compiles_without_spills(head_dim, dtype, padding, tmp_path):
-    """The default configuration (TMA, persistent; key-padded too): both products at this head dim's shapes, one TMA
-    box per panel, 0 spills, no stack, no serialised wgmma; HGMMA of both shapes and no local memory in the SASS."""
+def test_cuda_source_of_each_new_head_dim_compiles_without_spills(head_dim, dtype, padding, pad_panels, tmp_path):
+    """The default configuration (TMA, persistent; key-padded too), and the padded-panel form: both products at this
+    head dim's shapes (P V over the padded width with ``pad_panels``), 0 spills, no stack, no serialised wgmma;
+    HGMMA of both shapes, setmaxnreg kept and no local memory in the SASS."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not installed")
     config = default_config(head_dim, padding)
+    if pad_panels:
+        config = WgmmaAttentionConfig(block_n=128, stages=2, consumers=config.consumers, loads="tma",
+                                      persistent=True, pad_panels=True)
+    width = config.smem_head_dim(head_dim)
     func = wgmma_attention_primfunc(batch=2, heads=3, seq_q=300, seq_k=300, head_dim=head_dim, dtype=dtype,
                                     mask_batch=1, mask_heads=1, config=config, padding=padding)
     src = cuda_source(tvm.compile(tvm.IRModule({"main": func}), target=cuda_target("sm_90a")))
     ab = {"float16": "f16", "bfloat16": "bf16"}[dtype]
     for text in (f"wgmma.mma_async.sync.aligned.m64n{config.block_n}k16.f32.{ab}.{ab}",
-                 f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.{ab}.{ab}",
+                 f"wgmma.mma_async.sync.aligned.m64n{width}k16.f32.{ab}.{ab}",
                  "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"):
         assert text in src, text
     sass = sm90a_sass(src, tmp_path)
     if sass is None:
         return
     assert re.search(rf"HGMMA\.64x{config.block_n}x16\.F32", sass)
-    assert re.search(rf"HGMMA\.64x{head_dim}x16\.F32", sass)
+    assert re.search(rf"HGMMA\.64x{width}x16\.F32", sass)
     assert sass.count("USETMAXREG") == 2           # setmaxnreg kept (ptxas drops it silently in some shapes)
     assert not re.search(r"\b(LDL|STL|LDGSTS)\b", sass)
 
