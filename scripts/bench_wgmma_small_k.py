@@ -320,7 +320,7 @@ def build(args) -> None:
         manifest["cases"].append(entry)
     bad = {key: info for key, info in manifest["modules"].items()
            if info["spill_stores"] or info["spill_loads"] or info["stack_frame"] or info["warnings"]}
-    if bad and args.plan in ("s9wide", "s10gemm"):   # a sweep of the model's picks: report a spilling set, do not time it
+    if bad and args.plan in ("s9wide", "s10gemm"):   # a sweep: report a spilling set, do not time it
         print(f"ptxas spilled or warned, dropped: {sorted(bad)}")
         manifest["dropped"] = sorted(bad)
         for case in manifest["cases"]:
@@ -717,8 +717,8 @@ def table_splitk(results, modules) -> None:
 def table_multicast(results) -> None:
     """``--plan s10gemm``, printed last: per case and tile schedule, each multicast's ms beside cuBLAS; then per case
     the default's and the best module's ms."""
-    print(f"\n{'case':44s} {'schedule':28s} {'cuBLAS':>7s} " + " ".join(f"{'mc' + str(mc):>7s}" for mc in S10_MULTICASTS)
-          + f" {'best x cuBLAS':>13s}")
+    heads = " ".join(f"{'mc' + str(mc):>7s}" for mc in S10_MULTICASTS)
+    print(f"\n{'case':44s} {'schedule':28s} {'cuBLAS':>7s} {heads} {'best x cuBLAS':>13s}")
     for row in results:
         by_schedule = {}
         for key, e in row["kernels"].items():

@@ -25,7 +25,8 @@ Knobs: ``block_n`` (128, 192 or 256: wgmma N, output columns per tile), ``stages
 persistent only: False = *cooperative*, a 128-row tile split between the two consumer warpgroups, 64 rows each;
 True = *ping-pong*, each consumer owns alternate tiles of ``tile_m`` rows, 128 at ``block_n`` 128 and 64 at 192
 and 256, so that one consumer's epilogue overlaps the other's MMAs; 128 at 192 with ``block_m = 256``, two tiles in
-flight: :meth:`WgmmaKernelMixin.tall_pingpong_sets`, not yet measured). ``block_k`` is 64. Knob sets without
+flight: :meth:`WgmmaKernelMixin.tall_pingpong_sets`, which lead where the H200 measured them fastest,
+:data:`PINGPONG_FIRST`). ``block_k`` is 64. Knob sets without
 ``pingpong`` are cooperative (the kernels built before the knob existed, byte for byte). Three optional knobs, present
 only in the knob sets that use them (so older sets keep their names and kernels): ``block_m = 256`` (cooperative
 256-row tiles, 128 rows per consumer warpgroup; default 128), ``staged = True`` (the epilogue through shared memory
@@ -39,10 +40,11 @@ absent: 1) shares each 128-row tile's k steps between the blocks of one cluster,
 through distributed shared memory before the epilogue (:mod:`.wgmma_kernel`): the split-K sets
 (:meth:`WgmmaKernelMixin.split_sets`, one wave of blocks) lead the space where the first unsplit set's tiles fill fewer
 than half the SMs (RoBERTa-base at 1 x 128 tokens: 6-24 tiles, 24-96 blocks split, measured 1.17-1.60x faster than the
-mma.sync templates on the H200, ``--plan s9splitk``), else they follow it. ``multicast`` (2; absent: 1) launches
-clusters of 2 blocks on vertically adjacent tiles that load each W box once between them by TMA multicast (L2 reads
-``tile_m + block_n / 2`` rows per k step instead of ``tile_m + block_n``, which the cost model counts): the twins of
-the unsplit cooperative TMA sets close the space (:meth:`WgmmaKernelMixin.multicast_sets`), not yet measured.
+mma.sync templates on the H200, ``--plan s9splitk``), else they follow it. The kernel's ``multicast`` (clusters of 2
+or 4 blocks sharing each W box by TMA multicast) is in no knob set of the space: the H200 ran every measured set with it
+1.2-2.2x slower than without (session 10, ``--plan s10gemm``: e.g. 128 x 192 at the QKV projection at 4096 rows
+0.0344 / 0.0531 ms at 2 / 4 against 0.0255, FFN down 0.0494 / 0.0832 against 0.0283), although W then passes
+through L2 once per cluster.
 
 Knob order (the first set is the untuned choice of the compile path): the staged sets come first, led by the ones the
 H200 measured fastest (:data:`MEASURED_FIRST`, led by the first whose tiles leave the busiest SM about as few outputs as
@@ -104,9 +106,14 @@ SPLIT_K_MIN_STEPS = 3
 # blocks in clusters of 6 and 128 in clusters of 8 1.6-1.7x slower than 72-96 in clusters of 4 (--plan s9splitk:
 # QKV at 128 rows, FFN down at 512 rows), as if in two waves; 96 blocks of 132 SMs
 SPLIT_K_MAX_SHARE = 96 / 132
-# Blocks of a cluster sharing W's TMA boxes in the multicast knob sets of the space (knob ``multicast``; the kernel
-# takes 4 too)
-MULTICAST = 2
+# The staged 128 x 192 ping-pong set with 4 stages (block_m 256: two 128-row tiles in flight, one per consumer) leads
+# the space where the measured order's lead is the cooperative tile (block_m, block_n) of a key here (value True: for
+# the GELU templates only). H200, session 10 (--plan s10gemm, every check ok), against the space's first set then:
+# the QKV projection at 4096 rows 0.0226 ms against 128 x 192's 0.0255 (cuBLAS 0.0281), FFN down 0.0280 against
+# 0.0283, attention output 0.0105 against 0.0104 (ties); the erf GELU GEMM (fast_gelu) 0.0345 against 256 x 192's
+# 0.0355 at 4096 rows, 0.2710 against 0.2740 at 32768. Not measured: the other GEMMs where 256 x 192 leads (32768 rows).
+PINGPONG_FIRST = {(128, 192): False, (256, 192): True}
+PINGPONG_FIRST_STAGES = 4
 
 
 def busiest_sm_outputs(m: int, n: int, block_m: int, block_n: int, sm_count: int) -> int:
@@ -219,25 +226,31 @@ class WgmmaKernelMixin:
         first_tiles = (m // self.config(unsplit[0]).tile_m) * (n // unsplit[0]["block_n"])
         ordered = split + unsplit if first_tiles < SPLIT_K_FILL * hw.sm_count else unsplit + split
         loaded = [dict(kn, loads=self.default_loads(kn)) for kn in ordered]
-        return loaded + self.tall_pingpong_sets(loaded) + self.multicast_sets(shape, loaded)
+        tall_pingpong = self.tall_pingpong_sets(loaded)
+        lead = self._pingpong_lead(loaded[0], tall_pingpong)
+        return ([lead] if lead else []) + loaded + [kn for kn in tall_pingpong if kn is not lead]
+
+    def _pingpong_lead(self, first, tall_pingpong) -> dict | None:
+        """The 128 x 192 ping-pong set (4 stages, ``fast_gelu`` as ``first``) that leads the space in place of the
+        cooperative set ``first`` where the H200 measured it faster or as fast (:data:`PINGPONG_FIRST`): where
+        ``first`` is staged 128 x 192 cooperative, and for the GELU templates also where it is 256 x 192; else None."""
+        tile = (first.get("block_m", BLOCK_M), first["block_n"])
+        gelu = getattr(self, "act", "none") in FAST_GELU_ACTIVATIONS
+        if not first.get("staged") or first["pingpong"] or tile not in PINGPONG_FIRST or (PINGPONG_FIRST[tile]
+                                                                                            and not gelu):
+            return None
+        return next((kn for kn in tall_pingpong if kn["stages"] == PINGPONG_FIRST_STAGES
+                     and kn.get("fast_gelu") == first.get("fast_gelu")), None)
 
     def tall_pingpong_sets(self, space) -> list[dict]:
         """The ``block_m = 256`` twins of the space's staged 192-wide ping-pong sets: each consumer warpgroup owns
         whole 128 x 192 tiles (instead of 64 x 192), so one consumer's epilogue overlaps the other's MMAs on tiles of
         the width the H200 measured fastest at 4096 rows (cooperative); not the erf GELU's CUDA ``erff`` form (ptxas
-        spilled 4 bytes, like the cooperative 256 x 192 tile's), its ``fast_gelu`` twin only."""
+        spilled 4 bytes, like the cooperative 256 x 192 tile's), its ``fast_gelu`` twin only. One of them may lead
+        the space (:meth:`_pingpong_lead`); the others close it."""
         erf = getattr(self, "act", "none") == "gelu_erf"
         return [dict(kn, block_m=TALL_BLOCK_M) for kn in space if kn["pingpong"] and kn["block_n"] == TALL_PINGPONG_N
                 and kn.get("staged") and "block_m" not in kn and not (erf and not kn.get("fast_gelu"))]
-
-    def multicast_sets(self, shape, space) -> list[dict]:
-        """The ``multicast`` twins of the space's unsplit cooperative TMA sets, in the space's order: clusters of
-        :data:`MULTICAST` blocks on vertically adjacent tiles that load each W box once between them (L2 reads per
-        k step ``tile_m + block_n / multicast`` rows instead of ``tile_m + block_n``), where the row tiles pair up."""
-        m = self.gemm_dims(shape)[0]
-        return [dict(kn, multicast=MULTICAST) for kn in space
-                if kn["loads"] == "tma" and kn.get("split_k", 1) == 1 and not kn["pingpong"]
-                and (m // kn.get("block_m", BLOCK_M)) % MULTICAST == 0]
 
     def default_loads(self, knobs) -> str:
         """How a knob set of the space loads its tiles: TMA (one producer thread, tensor maps), measured faster than
@@ -292,8 +305,6 @@ class WgmmaKernelMixin:
                 "shared_bytes": config.shared_bytes, "acc_registers": config.acc_registers,
                 "max_registers_per_thread": CONSUMER_REGS, "launch_registers": LAUNCH_REGISTERS,
                 "grid": grid_blocks(config, tiles // config.split_k, H200.sm_count), "tiles": tiles,
-                # rows of A and W through L2 per k step: W's once per multicast cluster
-                "l2_rows": config.tile_m + config.block_n / config.multicast,
                 # ping-pong: a tile's epilogue runs under the other consumer's MMAs (the cost model hides it)
                 "overlapped_epilogue": config.pingpong,
                 # for the cost model: wgmma's main-loop rate; one 2-byte store per output element unless staged;

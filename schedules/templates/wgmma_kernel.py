@@ -39,8 +39,8 @@ Consumer schedules (knob ``pingpong``):
   MMAs. A tile is ``tile_m`` rows: 128 for ``block_n = 128`` (two m64 wgmma per k16 step, ``block_n``
   accumulators per thread) and 64 for 192 and 256 (``block_n / 2`` accumulators), which keeps the fragment within
   the 232 registers; with ``block_m = 256`` (two 128-row tiles in flight) 128 at 192 too (192 accumulators, as in
-  the cooperative 256 x 192 tile). The producer fills the ring in tile order as before; a slot's *empty* mbarrier expects the
-  128 arrivals of the one warpgroup that consumed it. The main loops take turns through two named barriers
+  the cooperative 256 x 192 tile). The producer fills the ring in tile order as before; a slot's *empty* mbarrier
+  expects the 128 arrivals of the one warpgroup that consumed it. The main loops take turns through two named barriers
   (ids 1 and 2, 256 threads): a consumer starts round r > 0 only after the other has issued all of round r-1's
   MMAs (``bar.sync`` on its own id; the other ``bar.arrive``s on it). That order is also what keeps the
   full-barrier parities unambiguous: when a consumer waits for step g, step g - stages (the slot's previous
@@ -101,7 +101,10 @@ in block c's, through ``mapa``). The cluster meets at ``barrier.cluster`` after 
 multicast may reach a barrier not yet initialised) and before leaving (no block's shared memory may go while the others'
 copies or arrivals can still reach it). What it saves: W's rows pass through L2 once per cluster instead of once per
 block, ``tile_m + block_n / multicast`` rows per k step instead of ``tile_m + block_n`` (128 x 192 tiles: 30% fewer
-bytes at multicast 2), where the 4096-row GEMMs of RoBERTa-base ran at 5-8 TB/s of L2 reads.
+bytes at multicast 2), where the 4096-row GEMMs of RoBERTa-base ran at 5-8 TB/s of L2 reads. Measured on the H200
+(session 10, ``scripts/bench_wgmma_small_k.py --plan s10gemm``): correct, deterministic and graph-replayable, but
+1.2-2.2x slower than the same tiles without it at every RoBERTa GEMM (presumably as a cluster's blocks advance in
+lockstep, each slot waiting for the slowest block's consumers), so no knob space offers it.
 
 Shapes must tile exactly: m % tile_m, n % block_n and k % 64 all zero, split_k must divide k / 64 and multicast the
 row tiles m / tile_m (:func:`check_wgmma_shape`). Build for ``arch="sm_90a"`` (``wgmma`` and ``setmaxnreg`` exist

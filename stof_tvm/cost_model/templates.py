@@ -106,9 +106,7 @@ def _launch_columns(template, shape, dtype: str, space, invariants, cal: Calibra
     if "block_m" in res:  # a tiled main loop: count its k steps and the panels every tile reads through L2
         bm, bn, bk = res["block_m"], res["block_n"], res["block_k"]
         trips = per_block / (2.0 * bm * bn * bk)
-        # rows of A and W a tile's k step reads through L2: bm + bn, or as reported (W's boxes shared by a cluster)
-        panel_rows = res["l2_rows"] if "l2_rows" in res else bm + bn
-        l2 = units * (per_unit / (2.0 * bm * bn * bk)) * panel_rows * bk * eb + out_bytes
+        l2 = units * (per_unit / (2.0 * bm * bn * bk)) * (bm + bn) * bk * eb + out_bytes
         smem = trips * bk * eb * ((bm + bn) + bm * warps_n + bn * warps_m)
     else:
         trips, l2, smem = 0.0, dram, 0.0
