@@ -108,7 +108,7 @@ SPLIT_K_MIN_STEPS = 3
 SPLIT_K_MAX_SHARE = 96 / 132
 # The staged 128 x 192 ping-pong set with 4 stages (block_m 256: two 128-row tiles in flight, one per consumer) leads
 # the space where the measured order's lead is the cooperative tile (block_m, block_n) of a key here (value True: for
-# the GELU templates only). H200, session 10 (--plan s10gemm, every check ok), against the space's first set then:
+# the erf-GELU template only, the one measured; the tanh GELU's heavier epilogue is the next to measure). H200, session 10 (--plan s10gemm, every check ok), against the space's first set then:
 # the QKV projection at 4096 rows 0.0226 ms against 128 x 192's 0.0255 (cuBLAS 0.0281), FFN down 0.0280 against
 # 0.0283, attention output 0.0105 against 0.0104 (ties); the erf GELU GEMM (fast_gelu) 0.0345 against 256 x 192's
 # 0.0355 at 4096 rows, 0.2710 against 0.2740 at 32768. Not measured: the other GEMMs where 256 x 192 leads (32768 rows).
@@ -233,11 +233,12 @@ class WgmmaKernelMixin:
     def _pingpong_lead(self, first, tall_pingpong) -> dict | None:
         """The 128 x 192 ping-pong set (4 stages, ``fast_gelu`` as ``first``) that leads the space in place of the
         cooperative set ``first`` where the H200 measured it faster or as fast (:data:`PINGPONG_FIRST`): where
-        ``first`` is staged 128 x 192 cooperative, and for the GELU templates also where it is 256 x 192; else None."""
+        ``first`` is staged 128 x 192 cooperative, and for the erf-GELU template also where it is 256 x 192; else
+        None."""
         tile = (first.get("block_m", BLOCK_M), first["block_n"])
-        gelu = getattr(self, "act", "none") in FAST_GELU_ACTIVATIONS
+        erf_gelu = getattr(self, "act", "none") == "gelu_erf"
         if not first.get("staged") or first["pingpong"] or tile not in PINGPONG_FIRST or (PINGPONG_FIRST[tile]
-                                                                                            and not gelu):
+                                                                                            and not erf_gelu):
             return None
         return next((kn for kn in tall_pingpong if kn["stages"] == PINGPONG_FIRST_STAGES
                      and kn.get("fast_gelu") == first.get("fast_gelu")), None)
