@@ -77,6 +77,13 @@ and 4, beside cuBLAS.
 Multicast modules are also called twice (bitwise equal outputs) and every TMA module replayed from a CUDA graph;
 the table comparing each schedule's multicast values comes last. The same two-process command with ``--plan
 s10gemm`` and ``out/s10gemm`` carried.
+
+``--plan s10ragged`` (default folder ``out/s10ragged``): GEMMs whose m is not a multiple of the row tile, as the
+compile path now runs them on wgmma without padding (ViT-Base at 1 x 197, 8 x 197 and 32 x 197 tokens: m = 197, 1576,
+6304; its four GEMMs), per case the knob space's first set and the first set of another tile schedule, beside cuBLAS.
+The GEMMs' outputs are the first m rows of a poisoned buffer :data:`GUARD_ROWS` rows longer, whose rows past m must
+stay untouched (the partial last tile's stores are guarded); the QKV projection's [3, B, H, S, D] output is poisoned
+whole. The same two-process command with ``--plan s10ragged`` and ``out/s10ragged`` carried.
 """
 from __future__ import annotations
 
@@ -132,9 +139,16 @@ S10_SCHEDULES = {4096: (((128, 192, True, False), (1, 2, 4)), ((128, 192, False,
                  32768: (((256, 192, True, False), (1, 2, 4)), ((128, 192, True, False), (1, 2)),
                          ((256, 192, True, True), (1,)))}
 S10_MULTICASTS = (1, 2, 4)
+# --plan s10ragged: ViT-Base's GEMMs (hidden 768, the compile path's forms) at 1, 8 and 32 x 197 tokens
+RAGGED_CASES = [case for batch in (1, 8, 32) for case in (
+    ("qkv_projection_wgmma", {"batch": batch, "seq": 197, "heads": 12, "head_dim": 64}),
+    ("gemm_bias_gelu_erf_wgmma", {"m": 197 * batch, "n": 3072, "k": 768}),
+    ("gemm_bias_wgmma", {"m": 197 * batch, "n": 768, "k": 3072}),
+    ("gemm_bias_wgmma", {"m": 197 * batch, "n": 768, "k": 768}))]
+GUARD_ROWS = 128    # poisoned rows after a GEMM's m output rows, which its kernel must not write
 PLANS = {"small_k": (CASES, OUT), "s8tma": (TMA_CASES, ROOT / "out" / "s8gemm_tma"),
          "s9splitk": (SPLITK_CASES, ROOT / "out" / "s9splitk"), "s9wide": (WIDE_CASES, ROOT / "out" / "s9wide"),
-         "s10gemm": (S10_CASES, ROOT / "out" / "s10gemm")}
+         "s10gemm": (S10_CASES, ROOT / "out" / "s10gemm"), "s10ragged": (RAGGED_CASES, ROOT / "out" / "s10ragged")}
 # --plan s9splitk: the compile path's wgmma knobs before split-K and the knob order by wave efficiency (commit
 # 098a891; GEMMs with fewer than WGMMA_MIN_TILES 128 x 128 tiles ran the mma.sync template the model ranks first)
 HEAD_WGMMA = {"block_n": 192, "stages": 3, "persistent": True, "pingpong": False, "block_m": 256, "staged": True}
@@ -158,7 +172,7 @@ def is_new(knobs, plan: str = "", default: bool | None = None) -> bool:
     (``plan`` s9splitk)."""
     if plan == "s9splitk":
         return knobs.get("split_k", 1) > 1
-    if plan == "s9wide":
+    if plan in ("s9wide", "s10ragged"):
         return default is False
     if plan == "s10gemm":   # multicast, or the 128 x 192 ping-pong tiles (block_m 256 with pingpong)
         return knobs.get("multicast", 1) > 1 or (knobs.get("pingpong", False) and knobs.get("block_m", 128) == 256)
@@ -238,6 +252,14 @@ def multicast_knob_sets(name, shape, space) -> list[dict]:
     return [kn for i, kn in enumerate(sets) if kn not in sets[:i]]
 
 
+def ragged_knob_sets(space) -> list[dict]:
+    """``--plan s10ragged``: the knob space's first set and the first of another tile schedule (block_m, block_n,
+    pingpong, split_k)."""
+    schedule = lambda kn: (kn.get("block_m", 128), kn["block_n"], kn["pingpong"], kn.get("split_k", 1))  # noqa: E731
+    other = next((kn for kn in space if schedule(kn) != schedule(space[0])), None)
+    return [space[0]] + ([other] if other else [])
+
+
 def mma_twin(name: str) -> str:
     """The mma.sync template (weight [k, n]) the compile path runs where a GEMM stays off wgmma."""
     return "qkv_projection_kn" if name == "qkv_projection_wgmma" else name.removesuffix("_wgmma") + "_kn"
@@ -300,7 +322,8 @@ def build(args) -> None:
         space = get_template(name).knob_space(shape, DTYPE)
         chosen = {"s8tma": tma_knob_sets, "s9splitk": lambda sp: splitk_knob_sets(name, shape, sp),
                   "s9wide": lambda sp: wide_knob_sets(name, shape, sp),
-                  "s10gemm": lambda sp: multicast_knob_sets(name, shape, sp)}.get(args.plan, choose_knobs)(space)
+                  "s10gemm": lambda sp: multicast_knob_sets(name, shape, sp),
+                  "s10ragged": ragged_knob_sets}.get(args.plan, choose_knobs)(space)
         for knobs in chosen:
             key = f"{ckey}__{knob_tag(knobs)}"
             if "mma" in knobs:
@@ -523,7 +546,10 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
         except Exception as err:  # a failed load is a result to report, not a reason to stop the run
             row["kernels"][key] = dict(entry, error=f"load: {err}"[:300])
             continue
-        out = torch.full(tuple(ref.shape), float("nan"), device=dev, dtype=torch.float16)
+        guard = GUARD_ROWS if ref.dim() == 2 and args.plan == "s10ragged" else 0
+        padded_out = torch.full((ref.shape[0] + guard, *ref.shape[1:]), float("nan"), device=dev,
+                                dtype=torch.float16)
+        out = padded_out[:ref.shape[0]]   # the first rows: the kernel's output; the rest must stay NaN
         tv = [tvm.runtime.from_dlpack(t) for t in own_args + [out]]
         try:
             func(*tv)
@@ -538,6 +564,9 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
         err = float(torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref))
         entry.update(rel_err=err, finite=bool(torch.isfinite(out).all()))
         entry["correct"] = entry["finite"] and err < common.TOL[DTYPE]
+        if guard:
+            entry["rows_past_m_untouched"] = bool(torch.isnan(padded_out[ref.shape[0]:]).all())
+            entry["correct"] = entry["correct"] and entry["rows_past_m_untouched"]
         split = info["knobs"].get("split_k", 1) > 1 or info["knobs"].get("multicast", 1) > 1
         if split and args.only != "time":   # split-K sums in rank order, multicast shares loads: the same bits
             first = out.clone()

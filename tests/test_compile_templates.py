@@ -151,24 +151,24 @@ def test_wgmma_build_carries_sm90a_cubins(tiny, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("m, n, k, why", [
     (4096, 768, 768, None), (16384, 128, 128, None), (8192, 128, 128, "64 wgmma tiles"),
-    (128, 768, 128, "6 wgmma tiles fill too few SMs"), (4096, 768, 96, "k % 64"), (4000, 768, 768, "m % 128"),
-    (128, 768, 768, None),
+    (128, 768, 128, "6 wgmma tiles fill too few SMs"), (4096, 768, 96, "k % 64"), (4096, 200, 768, "n % 128"),
+    (128, 768, 768, None), (4000, 768, 768, None), (197, 2304, 768, None), (197, 768, 128, "12 wgmma tiles"),
 ])
-def test_small_or_ragged_gemms_stay_on_mma_sync(m, n, k, why):
-    """wgmma only where its 128-row tiles, or its split-K blocks, fill enough of the GPU (measured: mma.sync was
-    1.35x faster for BERT at 128 tokens without split-K, wgmma 1.3x faster at 4096; split-K 1.17x faster than
-    mma.sync at 128 x 768 x 768) and the shape tiles exactly."""
+def test_small_gemms_stay_on_mma_sync(m, n, k, why):
+    """wgmma only where its 128-row tiles (a partial last one counted whole), or its split-K blocks, fill enough of
+    the GPU (measured: mma.sync was 1.35x faster for BERT at 128 tokens without split-K, wgmma 1.3x faster at 4096;
+    split-K 1.17x faster than mma.sync at 128 x 768 x 768) and the columns and k tile exactly; any m."""
     note = linear_match.wgmma_misfit(m, n, k)
     assert (note is None) if why is None else (why in note and note.endswith("mma.sync"))
 
 
 @pytest.mark.parametrize("m, gemm, rows", [
-    (394, "mma", 400), (394, "wgmma", 400),       # ViT-Base at 2x197: 512 rows would add 30%: mma.sync at 400
-    (6304, "mma", 6304), (6304, "wgmma", 6400),   # at 32x197: 1.5% more rows put the GEMM on wgmma
-    (4096, "wgmma", 4096), (34, "mma", 48),
+    (394, "mma", 400), (394, "wgmma", 394),       # ViT-Base at 2x197: wgmma takes the rows as they are
+    (6304, "mma", 6304), (6304, "wgmma", 6304), (197, "wgmma", 197),
+    (4096, "wgmma", 4096), (34, "mma", 48), (34, "wgmma", 34),   # 34 rows: split-K (18 tiles, 96 blocks)
 ])
 def test_gemm_rows_padded_for_the_templates(m, gemm, rows):
-    """Any row count takes a template: rows are padded to 16, or to wgmma's 128 for at most 1/8 more work."""
+    """Any row count takes a template: wgmma's as they are (a partial last row tile), mma.sync's padded to 16."""
     assert linear_match.padded_rows(m, 2304, 768, gemm) == rows
 
 

@@ -25,7 +25,7 @@ from hopper_checks import sm90a_sass
 
 GEMMS = ["gemm_wgmma", "gemm_bias_wgmma", "gemm_bias_relu_wgmma", "gemm_bias_gelu_erf_wgmma",
          "gemm_bias_gelu_tanh_wgmma"]
-QKV = {"batch": 3, "seq": 197, "heads": 4, "head_dim": 64}      # 591 rows padded to 640: the stores are guarded
+QKV = {"batch": 3, "seq": 197, "heads": 4, "head_dim": 64}      # 591 rows in 5 row tiles: the stores are guarded
 
 
 @pytest.mark.parametrize("name, shape", [(name, {"m": 4096, "n": 3072, "k": 768}) for name in GEMMS]
@@ -76,12 +76,12 @@ def _encodes(func):
     ("gemm_bias_wgmma", {"m": 1024, "n": 768, "k": 320}, {"block_n": 192, "stages": 3, "block_m": 256},
      (1024, 768, 320)),
     ("gemm_wgmma", {"m": 512, "n": 512, "k": 128}, {"block_n": 256, "stages": 4, "pingpong": True}, (512, 512, 128)),
-    ("qkv_projection_wgmma", QKV, {"block_n": 128, "stages": 4, "staged": True}, (640, 768, 256)),
+    ("qkv_projection_wgmma", QKV, {"block_n": 128, "stages": 4, "staged": True}, (591, 768, 256)),
 ])
 def test_host_encodes_the_a_and_w_maps(name, shape, knobs, gemm):
     """Two host-side encodes per kernel, from A's and W's first elements, with :func:`matrix_map`'s parameters: boxes
-    of ``tile_m`` rows of A (256 for 256-row tiles, 64 for a 64 x 256 ping-pong tile, the padded rows of the QKV
-    projection's x included) and ``block_n`` rows of W, 64 columns each."""
+    of ``tile_m`` rows of A (256 for 256-row tiles, 64 for a 64 x 256 ping-pong tile) from a map of its real rows
+    (the QKV projection's 591: the box past them reads zeros) and ``block_n`` rows of W, 64 columns each."""
     m, n, k = gemm
     dtype = "bfloat16" if name == "gemm_wgmma" else "float16"
     knobs = dict(knobs, loads="tma")

@@ -66,7 +66,7 @@ from .qkv import QKVTemplate
 from .registry import H200, Hardware, Template, register
 from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_M_CHOICES, BLOCK_N_CHOICES, CONSUMER_REGS, LAUNCH_REGISTERS,
                            PINGPONG_TILE_M, PORTABLE_SPLIT_K, SPLIT_K_CHOICES, STAGE_CHOICES, TALL_PINGPONG_N, THREADS,
-                           WgmmaConfig, check_wgmma_shape, grid_blocks, wgmma_gemm_primfunc)
+                           WgmmaConfig, check_wgmma_shape, grid_blocks, row_tiles, wgmma_gemm_primfunc)
 
 ARCH = "sm_90a"
 TALL_BLOCK_M = max(BLOCK_M_CHOICES)   # 256-row cooperative tiles: 128 rows per consumer warpgroup
@@ -108,12 +108,15 @@ SPLIT_K_MIN_STEPS = 3
 SPLIT_K_MAX_SHARE = 96 / 132
 # The staged 128 x 192 ping-pong set with 4 stages (block_m 256: two 128-row tiles in flight, one per consumer) leads
 # the space where the measured order's lead is the cooperative tile (block_m, block_n) of a key here (value True: for
-# the erf-GELU template only, the one measured; the tanh GELU's heavier epilogue is the next to measure). H200, session 10 (--plan s10gemm, every check ok), against the space's first set then:
-# the QKV projection at 4096 rows 0.0226 ms against 128 x 192's 0.0255 (cuBLAS 0.0281), FFN down 0.0280 against
-# 0.0283, attention output 0.0105 against 0.0104 (ties); the erf GELU GEMM (fast_gelu) 0.0345 against 256 x 192's
-# 0.0355 at 4096 rows, 0.2710 against 0.2740 at 32768. Not measured: the other GEMMs where 256 x 192 leads (32768 rows).
+# the erf-GELU template only, the one measured; the tanh GELU's heavier epilogue is the next to measure). H200,
+# session 10 (--plan s10gemm, every check ok), against the space's first set then: the QKV projection at 4096 rows
+# 0.0226 ms against 128 x 192's 0.0255 (cuBLAS 0.0281), FFN down 0.0280 against 0.0283, attention output 0.0105
+# against 0.0104 (ties); the erf GELU GEMM (fast_gelu) 0.0345 against 256 x 192's 0.0355 at 4096 rows, 0.2710 against
+# 0.2740 at 32768. Not measured: the other GEMMs where 256 x 192 leads (32768 rows).
 PINGPONG_FIRST = {(128, 192): False, (256, 192): True}
 PINGPONG_FIRST_STAGES = 4
+# Staged sets with this many accumulators a thread or more spill where a tile's stores are guarded (rows not stored)
+GUARDED_STAGED_MAX_ACC = 192
 
 
 def busiest_sm_outputs(m: int, n: int, block_m: int, block_n: int, sm_count: int) -> int:
@@ -153,8 +156,15 @@ def split_k_tilings(m: int, n: int, k: int, sm_count: int):
 
 def split_k_blocks(m: int, n: int, k: int, sm_count: int = H200.sm_count) -> int:
     """The most blocks a split-K knob set of an m x n x k GEMM launches (0 where none applies): what the compile
-    path's wgmma gate counts for GEMMs with too few tiles of their own."""
+    path's wgmma gate counts for GEMMs with too few tiles of their own (a partial last row tile counts whole)."""
+    m = space_rows(m)
     return max(((m // BLOCK_M) * (n // bn) * split for bn, split in split_k_tilings(m, n, k, sm_count)), default=0)
+
+
+def space_rows(m: int) -> int:
+    """The rows the knob space is built for: ``m`` rounded up to whole 128-row tiles (the kernel computes a partial
+    last tile whole, loading its rows past ``m`` as zeros and storing none of them)."""
+    return row_tiles(m, BLOCK_M) * BLOCK_M
 
 
 def _measured_rank(knobs, order=MEASURED_FIRST) -> int:
@@ -172,10 +182,11 @@ class WgmmaKernelMixin:
 
     knob_names = ("block_n", "stages", "persistent", "pingpong")
     persistent_first = True
+    head_major_stores = False   # the QKV projection's epilogue stores into [3, B, H, S, D]
 
     def _check_tiles(self, shape):
-        m, n, k = self.gemm_dims(shape)
-        for key, size, tile in (("m", m, BLOCK_M), ("n", n, min(BLOCK_N_CHOICES)), ("k", k, BLOCK_K)):
+        _, n, k = self.gemm_dims(shape)   # any m: a partial last row tile
+        for key, size, tile in (("n", n, min(BLOCK_N_CHOICES)), ("k", k, BLOCK_K)):
             if size % tile:
                 raise ValueError(f"{self.name}: the GEMM's {key} = {size} must be a multiple of {tile} "
                                  f"(shape {shape})")
@@ -206,6 +217,7 @@ class WgmmaKernelMixin:
 
     def _knob_space(self, shape, dtype, hw: Hardware = H200):
         m, n, _ = self.gemm_dims(shape)
+        m = space_rows(m)
         space = [{"block_n": bn, "stages": st, "persistent": p, "pingpong": pp}
                  for p, pp in ((True, False), (False, False), (True, True)) for bn in BLOCK_N_CHOICES
                  for st in STAGE_CHOICES if n % bn == 0 and m % (PINGPONG_TILE_M[bn] if pp else BLOCK_M) == 0]
@@ -225,8 +237,10 @@ class WgmmaKernelMixin:
         split = self.split_sets(shape, hw)
         first_tiles = (m // self.config(unsplit[0]).tile_m) * (n // unsplit[0]["block_n"])
         ordered = split + unsplit if first_tiles < SPLIT_K_FILL * hw.sm_count else unsplit + split
-        loaded = [dict(kn, loads=self.default_loads(kn)) for kn in ordered]
-        tall_pingpong = self.tall_pingpong_sets(loaded)
+        loaded = [dict(kn, loads=self.default_loads(kn)) for kn in ordered
+                  if not self._spills_with_guarded_rows(shape, kn)]
+        tall_pingpong = [kn for kn in self.tall_pingpong_sets(loaded)
+                         if not self._spills_with_guarded_rows(shape, kn)]
         lead = self._pingpong_lead(loaded[0], tall_pingpong)
         return ([lead] if lead else []) + loaded + [kn for kn in tall_pingpong if kn is not lead]
 
@@ -242,6 +256,26 @@ class WgmmaKernelMixin:
             return None
         return next((kn for kn in tall_pingpong if kn["stages"] == PINGPONG_FIRST_STAGES
                      and kn.get("fast_gelu") == first.get("fast_gelu")), None)
+
+    def stored_rows(self, shape) -> int:
+        """Rows of the output the kernel stores (the GEMM's m; the QKV projection's batch * seq)."""
+        return self.gemm_dims(shape)[0]
+
+    def _spills_with_guarded_rows(self, shape, knobs) -> bool:
+        """Whether ptxas spills ``knobs``' kernel where some rows of its tiles are not stored (:meth:`stored_rows` not
+        a multiple of the tile's rows: every store of the tile guarded by its row): the staged sets with
+        :data:`GUARDED_STAGED_MAX_ACC` accumulators a thread, cooperative (256 x 192: 36 bytes at ViT-Base's 6304 rows,
+        56 for the QKV projection, also at its older 6400 padded rows) and for the QKV projection's head-major stores
+        ping-pong too (128 x 192: 56 bytes; the GEMMs' 0), and split-K 3 of 192 columns with CUDA's erff / tanhf GELU
+        (56 bytes at 197 rows). Measured with nvcc 13.0 -O3 for sm_90a; the same sets without guarded rows do not
+        spill."""
+        config = self.config(knobs)
+        if not self.stored_rows(shape) % config.tile_m:
+            return False
+        libm_gelu = getattr(self, "act", "none") in LIBM_GELU_EXTRA_OPS
+        wide_staged = config.staged and config.acc_registers >= GUARDED_STAGED_MAX_ACC
+        return ((wide_staged and (not config.pingpong or self.head_major_stores))
+                or (libm_gelu and config.split_k == 3 and config.block_n == 192))
 
     def tall_pingpong_sets(self, space) -> list[dict]:
         """The ``block_m = 256`` twins of the space's staged 192-wide ping-pong sets: each consumer warpgroup owns
@@ -268,7 +302,7 @@ class WgmmaKernelMixin:
         (columns x k steps of its slice), then fewer splits (less reduction), then 4 stages (at most the slice's
         steps, 2 at least)."""
         m, n, k = self.gemm_dims(shape)
-        steps = k // BLOCK_K
+        m, steps = space_rows(m), k // BLOCK_K
         sets = [{"block_n": bn, "stages": stages, "persistent": False, "pingpong": False, "split_k": split}
                 for bn, split in split_k_tilings(m, n, k, hw.sm_count)
                 for stages in sorted({min(st, steps // split) for st in STAGE_CHOICES if st <= 4})]
@@ -300,7 +334,7 @@ class WgmmaKernelMixin:
         config = self.config(knobs)
         m, n, _ = self.gemm_dims(shape)
         # split-K: a tile's k steps are shared by split_k blocks, each a unit of work of 1 / split_k of the flops
-        tiles = (m // config.tile_m) * (n // config.block_n) * config.split_k
+        tiles = row_tiles(m, config.tile_m) * (n // config.block_n) * config.split_k
         split_ops = SPLIT_K_OPS * config.split_k if config.split_k > 1 else 0.0
         return {"block_m": config.tile_m, "block_n": config.block_n, "block_k": BLOCK_K, "threads": THREADS,
                 "shared_bytes": config.shared_bytes, "acc_registers": config.acc_registers,
@@ -356,7 +390,8 @@ class WgmmaQKVTemplate(WgmmaKernelMixin, QKVTemplate):
 
     family = "qkv_wgmma"
     persistent_first = False
-    row_multiple = BLOCK_M      # x's rows: batch * seq rounded up to whole 128-row tiles (the padding not stored)
+    head_major_stores = True
+    row_multiple = 1            # x's rows: batch * seq (a partial last row tile loads zeros past them, stores none)
 
     def __init__(self):
         super().__init__(w_layout="nk")
@@ -376,6 +411,9 @@ class WgmmaQKVTemplate(WgmmaKernelMixin, QKVTemplate):
     def kernel_options(self, shape):
         return {"bias": True, "act": "none",
                 "heads": tuple(shape[key] for key in ("batch", "seq", "heads", "head_dim"))}
+
+    def stored_rows(self, shape) -> int:
+        return shape["batch"] * shape["seq"]
 
     def default_loads(self, knobs) -> str:
         tall = knobs.get("block_m", BLOCK_M) == TALL_BLOCK_M and not knobs.get("pingpong")   # 256-row tiles

@@ -263,15 +263,23 @@ class WgmmaConfig:
         return self.consumer_rows // 64 * self.block_n // 2
 
 
+def row_tiles(m: int, tile_m: int) -> int:
+    """Row tiles of an m-row output: the last one partial where ``tile_m`` does not divide ``m`` (its rows past ``m``
+    are loaded as zeros and never stored)."""
+    return -(-m // tile_m)
+
+
 def check_wgmma_shape(m: int, n: int, k: int, config: WgmmaConfig) -> None:
-    """Raise ValueError unless the tiles divide the problem."""
-    for name, size, tile in (("m", m, config.tile_m), ("n", n, config.block_n), ("k", k, BLOCK_K)):
+    """Raise ValueError unless the tiles divide the columns and k (rows may end in a partial tile)."""
+    if m < 1:
+        raise ValueError(f"gemm_wgmma: shape['m'] = {m} must be positive")
+    for name, size, tile in (("n", n, config.block_n), ("k", k, BLOCK_K)):
         if size % tile:
             raise ValueError(f"gemm_wgmma: shape[{name!r}] = {size} must be a multiple of {tile} "
                              f"(block_m={config.tile_m}, block_n={config.block_n}, block_k={BLOCK_K})")
-    if (m // config.tile_m) % config.multicast:
-        raise ValueError(f"gemm_wgmma: multicast={config.multicast} must divide the {m // config.tile_m} row tiles "
-                         f"of m = {m}")
+    if row_tiles(m, config.tile_m) % config.multicast:
+        raise ValueError(f"gemm_wgmma: multicast={config.multicast} must divide the {row_tiles(m, config.tile_m)} "
+                         f"row tiles of m = {m}")
     if (k // BLOCK_K) % config.split_k:
         raise ValueError(f"gemm_wgmma: split_k={config.split_k} must divide the {k // BLOCK_K} k steps of k = {k}")
 
@@ -349,7 +357,10 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     MC = config.multicast                # blocks of a cluster sharing each W box (1: no multicast)
     CLUSTER = SPLIT if SPLIT > 1 else MC   # blocks of one cluster (1: no cluster launch)
     GRID_N = n // BN
-    NUM_TILES = GRID_N * (m // TM)
+    NUM_TILES = GRID_N * row_tiles(m, TM)
+    # m not a multiple of TM: the last row tile is partial. TMA loads its rows past m as zeros (A's map has m rows);
+    # cp.async reads 0 bytes for them (zero-filled, from a row clamped to m - 1); the stores skip them (PADDED)
+    RAGGED = m % TM != 0
     # persistent: one block per SM walks tiles bx, bx + GRID, ...; its producer fills the ring for the next
     # tile while the consumers run the epilogue of this one (one block per SM fits: setmaxnreg hands it the
     # whole register file, so without this the epilogue and the ring's refill are never overlapped).
@@ -395,8 +406,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         OUT_SHAPE = (3, HB, HH, HS, HD)
     else:
         OUT_SHAPE = (m, n)
-    PADDED = heads is not None and heads[0] * heads[1] != m    # rows past batch * seq: computed, never stored
     REAL_ROWS = m if heads is None else heads[0] * heads[1]
+    PADDED = REAL_ROWS != row_tiles(m, TM) * TM    # rows past m or batch * seq: computed, never stored
     # ``acc + (-0.0)`` (exact for every value) as a *volatile* asm per accumulator after the final
     # wgmma.wait_group: nvcc keeps volatile asm in order, so the epilogue's reads, which depend on it, cannot
     # be hoisted above the wait (the wait names no registers). Without it nvcc moved the conversions of the
@@ -451,7 +462,10 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                 for e in T.unroll(2):
                     col: T.let = col0 + j * 8 + (lane % 4) * 2 + e
                     row: T.let = row0 + lane // 4 + 8 * h
-                    if heads is None:
+                    if heads is None and PADDED:
+                        if row < REAL_ROWS:
+                            out[row, col] = epilogue(acc[first + j * 4 + h * 2 + e], col, bias_buf)
+                    elif heads is None:
                         out[row, col] = epilogue(acc[first + j * 4 + h * 2 + e], col, bias_buf)
                     elif PADDED:
                         if row < REAL_ROWS:
@@ -583,8 +597,13 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     for it in T.unroll(A_ITERS):
                         row: T.let = (it * WG + wt) // CHUNKS
                         ch: T.let = (it * WG + wt) % CHUNKS
-                        CP_ASYNC_16(a_dst + T.Cast("uint32", swizzled(row, ch)),
-                                    T.address_of(A[m0 + row, k_col(bx, t) + ch * 8]), 16, T.uint32(16))
+                        if RAGGED:   # rows past m: 0 bytes read (zero-filled) from the last row
+                            CP_ASYNC_16(a_dst + T.Cast("uint32", swizzled(row, ch)),
+                                        T.address_of(A[T.min(m0 + row, m - 1), k_col(bx, t) + ch * 8]), 16,
+                                        T.Select(m0 + row < m, T.uint32(16), T.uint32(0)))
+                        else:
+                            CP_ASYNC_16(a_dst + T.Cast("uint32", swizzled(row, ch)),
+                                        T.address_of(A[m0 + row, k_col(bx, t) + ch * 8]), 16, T.uint32(16))
                     for it in T.unroll(B_ITERS):
                         row: T.let = (it * WG + wt) // CHUNKS
                         ch: T.let = (it * WG + wt) % CHUNKS

@@ -13,10 +13,11 @@ from tvm import relax
 from tvm.ir.expr import Constant
 from tvm.relax.dpl import is_const, is_op, wildcard
 
-from ..schedules.templates.gemm_wgmma import split_k_blocks
+from ..schedules.templates.gemm_wgmma import space_rows, split_k_blocks
 from .attention_match import static_shape
 
 TEMPLATE_DTYPES = ("float16", "bfloat16")
+# the wgmma kernels' tile granularity; rows need none: a partial last row tile loads zeros past m and stores none
 WGMMA_TILES = {"m": 128, "n": 128, "k": 64}
 # Fewest 128x128 output tiles for which a GEMM goes to wgmma: half the H200's SMs. Below that the wgmma kernel's
 # 128-row tiles leave most SMs idle; measured on the H200 (BENCHMARKS.md, end to end): BERT-Base at 1x128 tokens
@@ -32,31 +33,26 @@ SPLIT_K_MIN_BLOCKS = 24
 
 def wgmma_misfit(m: int, n: int, k: int) -> str | None:
     """Why a GEMM of [m, k] x [k, n] stays on mma.sync under ``gemm="wgmma"`` (None: it goes to wgmma)."""
-    shape = {"m": m, "n": n, "k": k}
-    misfit = [key for key, tile in WGMMA_TILES.items() if shape[key] % tile]
+    shape = {"n": n, "k": k}
+    misfit = [key for key in shape if shape[key] % WGMMA_TILES[key]]
     if misfit:
         return f"wgmma needs {', '.join(f'{key} % {WGMMA_TILES[key]} == 0' for key in misfit)}: mma.sync"
-    tiles = (m // WGMMA_TILES["m"]) * (n // WGMMA_TILES["n"])
+    tiles = (space_rows(m) // WGMMA_TILES["m"]) * (n // WGMMA_TILES["n"])   # a partial last row tile counts
     if tiles >= WGMMA_MIN_TILES or (SPLIT_K_GATE and split_k_blocks(m, n, k) >= SPLIT_K_MIN_BLOCKS):
         return None
     return f"{tiles} wgmma tiles fill too few SMs (< {WGMMA_MIN_TILES}): mma.sync"
 
 
 ROW_MULTIPLE = 16     # the mma.sync GEMM templates' row granularity
-WIDE_PADDING = 8      # rows are padded up to wgmma's 128 only where that adds at most 1/8 of the work
 
 
 def padded_rows(m: int, n: int, k: int, gemm: str) -> int:
-    """The rows a GEMM of [m, k] x [k, n] runs on: ``m`` rounded up to a multiple of 16 (the mma.sync templates), or
-    of 128 where that puts it on wgmma under ``gemm="wgmma"`` for at most 1/8 more rows (ViT-Base at 32x197: 6304 ->
-    6400; at 2x197, 394 -> 512 would add 30%: 400 rows on mma.sync). ViT's 197 tokens make m = 197 * batch, which
-    no template took before (2x197 ran no template at all; 32x197 = 6304 stayed on mma.sync)."""
-    rows = -(-m // ROW_MULTIPLE) * ROW_MULTIPLE
-    wide = -(-m // WGMMA_TILES["m"]) * WGMMA_TILES["m"]
-    if (gemm == "wgmma" and wgmma_misfit(rows, n, k) is not None and wgmma_misfit(wide, n, k) is None
-            and (wide - m) * WIDE_PADDING <= m):
-        return wide
-    return rows
+    """The rows a GEMM of [m, k] x [k, n] runs on: ``m`` itself where it goes to wgmma under ``gemm="wgmma"`` (any
+    ``m``: ViT-Base's 197 tokens a sequence, with no pad before the GEMM nor slice after it), else ``m`` rounded up
+    to a multiple of 16 (the mma.sync templates, zero-padded by the caller)."""
+    if gemm == "wgmma" and wgmma_misfit(m, n, k) is None:
+        return m
+    return -(-m // ROW_MULTIPLE) * ROW_MULTIPLE
 
 
 LINEAR_X, LINEAR_W, LINEAR_BIAS = wildcard(), wildcard(), is_const()
