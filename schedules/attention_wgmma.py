@@ -60,8 +60,11 @@ head dim 256 O alone is 128 floats a consumer thread, so 64-key tiles; three con
 Everything comes from TVM 0.27's ``T.ptx`` table, as in the wgmma GEMM. Build for ``arch="sm_90a"``.
 
 Head dims 32, 80, 96 and 256 are built and ptxas-checked here (HGMMA, no spills; the layouts read back through
-the descriptors in ``tests/test_attention_wgmma_dims.py``); the model and the compile path use the kernel only at
-:data:`CHECKED_HEAD_DIMS`, those checked against float32 on an H200.
+the descriptors in ``tests/test_attention_wgmma_dims.py``) and were checked against float32 on the H200 in session
+10 (plan ``s10dims``: 64- and 32-byte swizzles and padded panels, key padding, views, graph replays, bf16); causal
+B16 H12 S4096: D32 0.849 ms (FlexAttention 0.927), D80 1.234 (SDPA 1.399), D96 1.257 (SDPA 1.446); D256 B4 H16
+S4096 0.938 (SDPA 0.871, FlexAttention 1.900). The model and the compile path use the kernel at
+:data:`CHECKED_HEAD_DIMS`, those checked on an H200.
 
 Status: checked on an H200 at commit 2161894 (``scripts/check_attention_wgmma_gpu.py``; 7 masks x 3 shapes correct,
 causal 0.83x / 0.85x SDPA at D 64 / 128; numbers in ``scripts/NOTES_attention_wgmma.md``; the head-by-head order
@@ -91,9 +94,10 @@ __all__ = ["WgmmaAttentionConfig", "wgmma_attention_primfunc", "cpu_twin_primfun
 
 ARCH = "sm_90a"
 # Head dims the kernel builds (ptxas-checked here: HGMMA, no spills); CHECKED_HEAD_DIMS: those whose kernels were
-# also checked against float32 on the H200, the only ones the analytical model and the compile path offer.
+# also checked against float32 on the H200, the only ones the analytical model and the compile path offer (32, 80,
+# 96, 256 since session 10's s10dims run: 49/49 checks incl. key padding, views, graph replays, bf16).
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
-CHECKED_HEAD_DIMS = (64, 128)
+CHECKED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 SUPPORTED_DTYPES = tuple(PTX_TYPE)
 OUT_LAYOUTS = ("bhsd", "bshd")
 BLOCK_M = 128            # default tile rows: two consumer warpgroups x 64 query rows
@@ -227,24 +231,32 @@ class WgmmaAttentionConfig:
 # 3.656 (s8tma 3.780); key-padded causal 2.307, 2.241, persistent 2.060. With the walk's rotation (session 9 call
 # 14, same plan rebuilt, 42/42 checks): D64 3 consumers causal TMA 0.944/0.968, persistent 0.944; dense 1.741/1.728,
 # persistent 1.580; D128 causal 1.985/2.009, persistent 1.925.
-# Head dims 32, 80, 96 and 256 (not yet run on a GPU; plan s10dims checks and times them) take the same loads and
-# grid until measured.
+# Head dims 32, 80, 96 and 256 (session 10, plan s10dims, call 6: 49/49 checks; causal ms B16 H12 S4096, D256 B4
+# H16 S4096; default / one block per item / padded panels): D32 0.849 / 0.865 / 0.935 (FlexAttention 0.927, SDPA
+# causal 0.920, mma.sync 0.978); D80 1.263 / 1.287 / 1.234 (SDPA 1.399); D96 1.342 / 1.257 / 1.390 (SDPA 1.446); D256
+# 0.948 / 0.938 (SDPA 0.871, FlexAttention 1.900). So one block per item at 96 and 256, padded panels at 80 (their
+# key-padded forms, checked but not timed, keep the persistent grid and the head dim's own panels).
 DEFAULT_LOADS = {(d, pad): "tma" for d in SUPPORTED_HEAD_DIMS for pad in (False, True)}
-DEFAULT_PERSISTENT = {(d, pad): True for d in SUPPORTED_HEAD_DIMS for pad in (False, True)}
+DEFAULT_PERSISTENT = {(d, pad): (d, pad) not in ((96, False), (256, False)) for d in SUPPORTED_HEAD_DIMS
+                      for pad in (False, True)}
+DEFAULT_PAD_PANELS = {(d, pad): (d, pad) == (80, False) for d in SUPPORTED_HEAD_DIMS for pad in (False, True)}
 
 
 def default_config(head_dim: int, padding: bool = False) -> WgmmaAttentionConfig:
     """128-key tiles (64 at head dim 256: 128 would not fit S, O and P in the registers, nor two ring stages in
     shared memory); ring stages 2 at head dims 128 and 256, 4 at 32, else 3; three consumers at head dims 32 and 64
     unless the kernel applies key padding (``padding``: its column predicate makes three consumers spill at 64); the
-    loads and grid of :data:`DEFAULT_LOADS` and :data:`DEFAULT_PERSISTENT`.
+    loads, grid and panels of :data:`DEFAULT_LOADS`, :data:`DEFAULT_PERSISTENT` and :data:`DEFAULT_PAD_PANELS` (with
+    padded panels the stages of the padded width: 2 at head dim 80, as at 128).
 
     Three consumers at head dim 64 measured on the H200 (session 7, ``bench_attention.py`` plan ``s7causal``, B16 H12
     S4096): causal 1.000 ms against 1.103 with two, dense 1.800 against 1.968. At head dim 128 three consumers do not
     fit the registers; two stay."""
     key = (head_dim, bool(padding))
-    knobs = dict(loads=DEFAULT_LOADS[key], persistent=DEFAULT_PERSISTENT[key])
-    stages = {32: 4, 128: 2, 256: 2}.get(head_dim, 3)
+    pad_panels = DEFAULT_PAD_PANELS[key]
+    knobs = dict(loads=DEFAULT_LOADS[key], persistent=DEFAULT_PERSISTENT[key], pad_panels=pad_panels)
+    width = -(-head_dim // 64) * 64 if pad_panels else head_dim
+    stages = {32: 4, 128: 2, 256: 2}.get(width, 3)
     if head_dim <= 64 and not padding:
         return WgmmaAttentionConfig(block_n=128, stages=stages, consumers=3, **knobs)
     return WgmmaAttentionConfig(block_n=64 if head_dim == 256 else 128, stages=stages, **knobs)

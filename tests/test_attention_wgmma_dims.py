@@ -14,24 +14,26 @@ here without a GPU:
 - the CUDA source built for sm_90a: the wgmma shapes of each head dim, 0 spills, no stack, no serialised wgmma,
   HGMMA in the SASS where a disassembler exists;
 - the CPU twin's numerics at the new tile shapes;
-- that the analytical model and the compile path offer the kernel only at head dims checked on a GPU
-  (:data:`CHECKED_HEAD_DIMS`).
+- the defaults (the forms measured fastest on the H200) and that the analytical model and the compile path offer
+  the kernel only at head dims checked on a GPU (:data:`CHECKED_HEAD_DIMS`), at the new ones the default alone.
 
-Their numerics on the H200: ``scripts/bench_attention.py`` plan ``s10dims``."""
+Their numerics on the H200: ``scripts/bench_attention.py`` plan ``s10dims`` (session 10, call 6: 49/49 checks)."""
 from __future__ import annotations
 
 import math
 import re
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import tvm
 
-from stof_tvm.schedules.attention_wgmma import (CHECKED_HEAD_DIMS, SUPPORTED_HEAD_DIMS, WgmmaAttentionConfig,
-                                                cpu_twin_primfunc, default_config, descriptor_bits, panel_cols,
-                                                panel_offset, pv_step_offset, s_step_offset,
-                                                wgmma_attention_primfunc)
+from stof_tvm.schedules import attention_wgmma
+from stof_tvm.schedules.attention_wgmma import (DEFAULT_PAD_PANELS, DEFAULT_PERSISTENT, SUPPORTED_HEAD_DIMS,
+                                                WgmmaAttentionConfig, cpu_twin_primfunc, default_config,
+                                                descriptor_bits, panel_cols, panel_offset, pv_step_offset,
+                                                s_step_offset, wgmma_attention_primfunc)
 from stof_tvm.schedules.tensor_maps import SWIZZLE_BYTES, panel_map
 from stof_tvm.schedules.templates.build import cuda_source, cuda_target
 from stof_tvm.sparse_formats import build_tiled, normalize_mask
@@ -117,7 +119,7 @@ def test_panel_layout_reads_back_through_the_descriptors_at_every_step(head_dim,
     """Q (every consumer's rows), K and V tiles, each placed both ways (cp.async: not with ``pad_panels``; the last
     tile partly past the operand's end), read through the kernel's descriptors step by step: exactly the operand's
     elements, zeros past its end (and, with ``pad_panels``, in the padded columns P V reads)."""
-    config = _padded_config(head_dim) if pad_panels else default_config(head_dim)
+    config = _padded_config(head_dim) if pad_panels else replace(default_config(head_dim), pad_panels=False)
     bm, bn = config.block_m, config.block_n
     cols, width = config.panel_cols(head_dim), config.smem_head_dim(head_dim)
     row_bytes = 2 * cols
@@ -171,9 +173,25 @@ def test_default_configs_fit_every_head_dim(head_dim):
         config = default_config(head_dim, padding)
         config.validate(head_dim)
         assert config.shared_bytes(head_dim) <= 227 * 1024
-        assert config.loads == "tma" and config.persistent
+        assert config.loads == "tma" and config.persistent == DEFAULT_PERSISTENT[head_dim, padding]
+        assert config.pad_panels == DEFAULT_PAD_PANELS[head_dim, padding]
         assert config.consumers == (3 if head_dim <= 64 and not padding else 2)
     assert default_config(head_dim).block_n == (64 if head_dim == 256 else 128)
+
+
+def test_defaults_at_the_new_head_dims_are_the_forms_measured_fastest():
+    """s10dims (H200, causal): padded panels at 80 (1.234 ms vs 1.263), one block per item at 96 (1.257 vs 1.342)
+    and 256 (0.938 vs 0.948), the persistent 64-byte-swizzle kernel at 32 (0.849 vs 0.865); key-padded calls keep
+    the forms checked with key padding (persistent, the head dim's own panels)."""
+    assert default_config(32) == WgmmaAttentionConfig(block_n=128, stages=4, persistent=True, consumers=3,
+                                                      loads="tma")
+    assert default_config(80) == WgmmaAttentionConfig(block_n=128, stages=2, persistent=True, loads="tma",
+                                                      pad_panels=True)
+    assert default_config(96) == WgmmaAttentionConfig(block_n=128, stages=3, persistent=False, loads="tma")
+    assert default_config(256) == WgmmaAttentionConfig(block_n=64, stages=2, persistent=False, loads="tma")
+    for head_dim in (32, 80, 96, 256):
+        padded = default_config(head_dim, padding=True)
+        assert padded.persistent and not padded.pad_panels and padded.consumers == 2
 
 
 @pytest.mark.parametrize("head_dim, config, error", [
@@ -254,20 +272,28 @@ def test_cpu_twin_at_the_new_tile_shapes(head_dim, dtype, out_layout):
     assert_attention_close(got, reference_attention(q, k, v, mask4, 1 / math.sqrt(head_dim)), mask4, dtype)
 
 
-def test_model_and_compile_path_offer_only_gpu_checked_head_dims():
-    """Head dims built here but not yet checked against float32 on an H200 get no wgmma candidate from the model,
-    and the compile path says why it does not use the kernel there."""
+@pytest.mark.parametrize("padding", [False, True])
+def test_model_and_compile_path_offer_only_gpu_checked_head_dims(padding, monkeypatch):
+    """Every head dim the kernel builds is GPU-checked now: the model offers the default alone at the new ones (the
+    knob space at 64 and 128). A head dim built but not checked (80 taken out of CHECKED_HEAD_DIMS) gets no wgmma
+    candidate, and the compile path says why it does not use the kernel there."""
     from stof_tvm.compiler.kernels import wgmma_unavailable
-    from stof_tvm.cost_model.attention import wgmma_candidates
+    from stof_tvm.cost_model import attention as model
 
+    def unavailable(head_dim):
+        return wgmma_unavailable(head_dim=head_dim, dtype="float16", target_kind="cuda", target_arch="sm_90a",
+                                 bias=None, padding=padding)
+
+    assert attention_wgmma.CHECKED_HEAD_DIMS == SUPPORTED_HEAD_DIMS
     for head_dim in SUPPORTED_HEAD_DIMS:
-        offered = wgmma_candidates(head_dim)
-        assert bool(offered) == (head_dim in CHECKED_HEAD_DIMS)
-        assert all(c.config.validate(head_dim) is None for c in offered)
-        reason = wgmma_unavailable(head_dim=head_dim, dtype="float16", target_kind="cuda", target_arch="sm_90a",
-                                   bias=None, padding=False)
-        if head_dim not in CHECKED_HEAD_DIMS:
-            assert reason is not None and "head dim" in reason
+        offered = [c.config for c in model.wgmma_candidates(head_dim, padding=padding)]
+        assert offered[0] == default_config(head_dim, padding) and (len(offered) == 1) == (head_dim not in (64, 128))
+        assert unavailable(head_dim) is None or "nvcc" in unavailable(head_dim)
+    checked = tuple(d for d in SUPPORTED_HEAD_DIMS if d != 80)
+    monkeypatch.setattr(attention_wgmma, "CHECKED_HEAD_DIMS", checked)
+    monkeypatch.setattr(model, "WGMMA_HEAD_DIMS", checked)
+    assert model.wgmma_candidates(80, padding=padding) == []
+    assert "checked on the GPU at head dims" in unavailable(80)
 
 
 def test_a_timing_run_skips_what_failed_or_hung_in_the_checks():
@@ -289,3 +315,23 @@ def test_a_timing_run_skips_what_failed_or_hung_in_the_checks():
     assert failed == {bench_attention._config_key(case(80, bad)), bench_attention._config_key(case(256, hung))}
     assert bench_attention._config_key(case(32, good)) not in failed
     assert bench_attention.failed_configs({"results": [case(32, good, True)]}) == set()
+
+
+@pytest.mark.parametrize("head_dim, padding", [(32, False), (80, False), (80, True), (96, False), (256, False)])
+def test_compile_path_takes_the_measured_default_at_the_new_head_dims(head_dim, padding):
+    """``kernel="auto"`` in the compile path on an sm_90 target: a causal mask at a new head dim goes to the wgmma
+    kernel with the default configuration (padded panels at 80 unless key-padded), its format at that tile shape,
+    and the configuration round-trips through the choice's manifest dict into a kernel that builds."""
+    from stof_tvm.compiler.kernels import choose_kernel, config_object, kernel_primfunc
+
+    mask = normalize_mask("causal", seq_q=2048)
+    choice = choose_kernel("auto", mask, batch=16, heads=12, head_dim=head_dim, dtype="float16", seq_q=2048,
+                           target_kind="cuda", mask_batch=1, mask_heads=1, target_arch="sm_90", padding=padding)
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed (the compile path offers wgmma only with it)")
+    config = default_config(head_dim, padding)
+    assert choice.kind == "wgmma" and config_object("wgmma", choice.config) == config, choice.reason
+    assert choice.tile == (config.block_m, config.block_n)
+    func = kernel_primfunc(choice, batch=2, heads=3, seq_q=300, seq_k=300, head_dim=head_dim, dtype="float16",
+                           scale=head_dim ** -0.5, target_kind="cuda")
+    assert func.attrs["global_symbol"] == "wgmma_attention"

@@ -56,14 +56,14 @@ def test_the_cpu_uses_stofs_rule():
     assert kind in ("block", "row") and config is None and "STOF's rule" in reason
 
 
-@pytest.mark.parametrize("head_dim", [32, 96, 256])
+@pytest.mark.parametrize("head_dim", [48, 112, 192])
 def test_head_dims_wgmma_does_not_take_stay_on_mma_sync(head_dim):
     kind, _, reason = decide("causal", dict(D64, head_dim=head_dim))
     assert kind == "block" and f"no wgmma configuration for head dim {head_dim}" in reason
 
 
 def test_wgmma_candidates_exist_on_hopper_only():
-    assert wgmma_candidates(64, A100) == [] and wgmma_candidates(80, H200) == []
+    assert wgmma_candidates(64, A100) == [] and wgmma_candidates(48, H200) == []
     for head_dim, consumers, widths in ((64, {2, 3}, {128}), (128, {2}, {64, 128})):
         configs = [c.config for c in wgmma_candidates(head_dim, H200)]
         assert configs[0] == default_config(head_dim) and len(set(configs)) == len(configs)
@@ -93,7 +93,16 @@ MEASURED_FASTER = [("causal", 16, 12, 4096, 64, "wgmma"),       # 0.999 / 1.400
                    ("dense", 4, 16, 8192, 128, "wgmma"),        # 4.186 / 6.600
                    ("sliding", 4, 16, 8192, 128, "block"),      # 0.276 / 0.175
                    ("longformer", 4, 16, 8192, 128, "block"),   # 0.663 / 0.327
-                   ("bigbird", 4, 16, 8192, 128, "block")]      # 0.559 / 0.304
+                   ("bigbird", 4, 16, 8192, 128, "block"),      # 0.559 / 0.304
+                   # session 10, plan s10dims (call 6): the wgmma default at the head dims new there
+                   ("causal", 16, 12, 4096, 32, "wgmma"),       # 0.849 / 0.978
+                   ("bigbird", 16, 12, 4096, 32, "block"),      # 0.404 / 0.163
+                   ("causal", 16, 12, 4096, 80, "wgmma"),       # 1.234 / 2.095
+                   ("bigbird", 16, 12, 4096, 80, "block"),      # 0.535 / 0.374
+                   ("causal", 16, 12, 4096, 96, "wgmma"),       # 1.257 / 2.496
+                   ("bigbird", 16, 12, 4096, 96, "block"),      # 0.532 / 0.407
+                   ("causal", 4, 16, 4096, 256, "wgmma"),       # 0.938 / 1.909
+                   ("bigbird", 4, 16, 4096, 256, "block")]      # 0.328 / 0.268
 
 
 @pytest.mark.parametrize("mask, batch, heads, seq, head_dim, faster", MEASURED_FASTER)
@@ -167,7 +176,7 @@ def test_compile_path_keeps_biased_scores_off_wgmma_with_a_reason():
     assert choice.kind == "block" and "not the wgmma kernel: it takes no score bias" in choice.reason
 
 
-@pytest.mark.parametrize("change, match", [({"arch": "sm_80"}, "sm_90"), ({"head_dim": 96}, "head dims"),
+@pytest.mark.parametrize("change, match", [({"arch": "sm_80"}, "sm_90"), ({"head_dim": 112}, "head dims"),
                                            ({"bias": (1, 1, "float32")}, "score bias")])
 def test_compile_path_refuses_wgmma_where_it_cannot_run(change, match):
     with pytest.raises(ValueError, match=match):

@@ -75,6 +75,7 @@ _KV_SPLITS = (4, 16)        # split-KV: thread blocks per split heavy row
 _MAX_SPLIT_ROWS = 4         # split-KV: heavy rows per (batch, head) split at most
 _MERGE_CYCLES_PER_SLICE = 40   # split-KV merge: per output element and slice (two loads, exp2, fma)
 _WGMMA_STAGES = (2, 3, 4, 5)
+_WGMMA_SPACE_HEAD_DIMS = (64, 128)   # head dims where the wgmma knob space was timed (sessions 7-9)
 # Launch-bound registers of the block-wise kernel at head dim 64: warps of one m16 tile on 16- or 32-key tiles (2 or
 # 4 warps) build with 0 spills at 96 registers (nvcc 13: ten 2-warp or five 4-warp blocks an SM; 80 spill), and the
 # H200 ran heavy-first 32x32x2x2 so on BigBird 0.196 ms vs 0.201 with ptxas's 116 (session 9, s9sparse). Offered
@@ -238,10 +239,14 @@ def wgmma_candidates(head_dim: int, hw: HardwareProfile = H200, padding: bool = 
     why). Left out because ptxas builds them badly (nvcc 13.0, sm_90a): 64-key tiles below head dim 128
     (setmaxnreg dropped: C7508 at 64; at 80 and 96 no USETMAXREG in the SASS, 126 / 131 registers for every
     warpgroup) and, with ``padding``, three consumers (the padding predicate makes their 160 registers spill: 12-48 spill stores);
-    with padding at head dim 64 the first is then two consumers."""
+    with padding at head dim 64 the first is then two consumers. At head dims 32, 80, 96 and 256 the default alone:
+    the measured best of the forms timed there (one H200 run, session 10; the model, which does not price padded
+    panels or tell the grids apart within a few percent, would pick untimed neighbours)."""
     if head_dim not in WGMMA_HEAD_DIMS or not hw.compute_version.startswith("9."):
         return []
     default = wgmma_default_config(head_dim, padding)
+    if head_dim not in _WGMMA_SPACE_HEAD_DIMS:
+        return [AttentionCandidate("wgmma", default)]
     out = [default]
     for consumers in ((2,) if padding else (3, 2)):
         for block_n in ((128,) if head_dim < 128 else (128, 64)):
