@@ -138,7 +138,8 @@ def test_multicast_kernels_build_for_sm90a_as_clusters(name, shape, knobs, tmp_p
     ex.export_library(str(library))
     assert b"clusterCtaIdx.x" in library.read_bytes()
     assert get_template(name).resources(shape, "float16", knobs)["grid"] % mc == 0
-    sm90a_sass(src, tmp_path)
+    if name == "gemm_wgmma":   # one ptxas run (CI time): the others built without spills in --plan s10gemm
+        sm90a_sass(src, tmp_path)
 
 
 @pytest.mark.parametrize("name, shape", [("gemm_wgmma", FFN_DOWN), ("gemm_bias_gelu_erf_wgmma",
