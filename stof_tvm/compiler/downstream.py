@@ -34,9 +34,9 @@ anything else keeps TVM's default path. The LayerNorm templates take the model's
 16-bit, so the residual stream between layers becomes 16-bit (as in a float16 PyTorch model).
 
 ``gemm="wgmma"`` maps the GEMM stages and the QKV projection (not the fused GEMM + LayerNorm, which exists on
-mma.sync only) to the Hopper ``*_wgmma`` templates where m % 128, n % 128 and k % 64 are 0 and the GEMM has at
-least ``WGMMA_MIN_TILES`` 128x128 output tiles, with the weight transposed to ``[N, K]``; other shapes stay on
-mma.sync with a note. Under ``gemm="wgmma"`` an FFN (an erf-GELU ``linear`` used only by the down-projection of a
+mma.sync only) to the Hopper ``*_wgmma`` templates where n % 128 and k % 64 are 0 and the GEMM has at least
+``WGMMA_MIN_TILES`` 128x128 output tiles (a partial last row tile counted whole: any m, no padding) or enough split-K
+blocks, with the weight transposed to ``[N, K]``; other shapes stay on mma.sync with a note. Under ``gemm="wgmma"`` an FFN (an erf-GELU ``linear`` used only by the down-projection of a
 residual LayerNorm chain) becomes ``ffn_gelu_erf_wgmma`` (intermediate kept on chip) + ``bias_residual_layernorm``
 where :meth:`.template_choice.TemplateChooser.fused_ffn` picks it (hidden 128-256, rows enough to fill the GPU).
 Knobs: :mod:`.template_choice`. On CUDA each
@@ -156,7 +156,8 @@ class _Templates:
     # ---- GEMM stage (mma.sync or wgmma) ---------------------------------------------------------------------
     def gemm_stage(self, act: str, x2d, w, bias, m: int, n: int, k: int, dtype: str) -> tuple[relax.Expr, dict, str]:
         """One GEMM (+ bias) (+ act) call on [m, k] x [k, n]; returns (call, stage, note). Rows are zero-padded to
-        :func:`.linear_match.padded_rows` and the padding sliced off the result."""
+        :func:`.linear_match.padded_rows` (mma.sync's multiple of 16; wgmma takes m as it is) and the padding sliced
+        off the result."""
         rows = padded_rows(m, n, k, self.gemm)
         if rows != m:
             x2d = relax.op.nn.pad(x2d, [0, rows - m, 0, 0])
