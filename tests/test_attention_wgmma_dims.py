@@ -211,22 +211,18 @@ def test_configs_that_cannot_build_well_are_refused(head_dim, config, error):
                                  mask_batch=1, mask_heads=1, config=config)
 
 
-@pytest.mark.parametrize("head_dim, dtype, padding, pad_panels", [
-    (32, "float16", False, False), (80, "float16", False, False), (96, "float16", False, False),
-    (256, "float16", False, False), (32, "bfloat16", True, False), (80, "bfloat16", True, False),
-    (96, "float16", True, False), (256, "float16", True, False), (32, "float16", False, True),
-    (80, "bfloat16", True, True),
+@pytest.mark.parametrize("head_dim, dtype, padding", [
+    (32, "float16", False), (80, "float16", False), (96, "float16", False), (256, "float16", False),
+    (80, "bfloat16", True),
 ])
-def test_cuda_source_of_each_new_head_dim_compiles_without_spills(head_dim, dtype, padding, pad_panels, tmp_path):
-    """The default configuration (TMA, persistent; key-padded too), and the padded-panel form: both products at this
-    head dim's shapes (P V over the padded width with ``pad_panels``), 0 spills, no stack, no serialised wgmma;
-    HGMMA of both shapes, setmaxnreg kept and no local memory in the SASS."""
+def test_cuda_source_of_each_new_head_dim_compiles_without_spills(head_dim, dtype, padding, tmp_path):
+    """The default configuration of each new head dim (padded panels at 80, P V over the padded width) and a
+    key-padded one (80: the 32-byte swizzle with the padding predicate): both products at their shapes, 0 spills, no
+    stack, no serialised wgmma; HGMMA of both shapes, setmaxnreg kept and no local memory in the SASS. (One nvcc per
+    form: CI time; out/s10dims builds every form the H200 ran, all clean.)"""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not installed")
     config = default_config(head_dim, padding)
-    if pad_panels:
-        config = WgmmaAttentionConfig(block_n=128, stages=2, consumers=config.consumers, loads="tma",
-                                      persistent=True, pad_panels=True)
     width = config.smem_head_dim(head_dim)
     func = wgmma_attention_primfunc(batch=2, heads=3, seq_q=300, seq_k=300, head_dim=head_dim, dtype=dtype,
                                     mask_batch=1, mask_heads=1, config=config, padding=padding)
