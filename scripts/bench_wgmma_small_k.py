@@ -69,14 +69,11 @@ equal outputs: deterministic) and replayed from a torch CUDA graph; the summary 
 the tables) against the model's 7 best-ranked others ("new"), for the FFN down that cuBLAS still beat and the model's
 calibration; the same two-process command with ``--plan s9wide`` and ``out/s9wide`` carried.
 
-``--plan s10gemm`` (issue 17; default folder ``out/s10gemm``): TMA multicast (knob ``multicast``: clusters of 2 or 4
-blocks on vertically adjacent tiles loading each W box once between them, :mod:`stof_tvm.schedules.templates.
-wgmma_kernel`) and 128 x 192 ping-pong tiles at the four GEMMs at 4096 rows and the erf-GELU GEMM at 32768 rows: per
-case the knob space's first set, then per tile schedule of :data:`S10_SCHEDULES` its staged TMA set with multicast 1, 2
-and 4, beside cuBLAS.
-Multicast modules are also called twice (bitwise equal outputs) and every TMA module replayed from a CUDA graph;
-the table comparing each schedule's multicast values comes last. The same two-process command with ``--plan
-s10gemm`` and ``out/s10gemm`` carried.
+``--plan s10gemm`` (issue 17; default folder ``out/s10gemm``): the tile schedules of :data:`S10_SCHEDULES`, 128 x 192
+ping-pong tiles among them, at the four GEMMs at 4096 rows and the erf-GELU GEMM at 32768 rows: per case the knob
+space's first set, then per schedule its staged TMA set, beside cuBLAS; every TMA module replayed from a CUDA graph.
+(Session 10 ran it at 2a96759 with TMA multicast twins of each schedule too: 1.2-2.2x slower, since removed.) The
+same two-process command with ``--plan s10gemm`` and ``out/s10gemm`` carried.
 
 ``--plan s10ragged`` (default folder ``out/s10ragged``): GEMMs whose m is not a multiple of the row tile, as the
 compile path now runs them on wgmma without padding (ViT-Base at 1 x 197, 8 x 197 and 32 x 197 tokens: m = 197, 1576,
@@ -129,16 +126,12 @@ SPLITK_CASES = [case for rows, (batch, seq) in ((128, (1, 128)), (512, (1, 512))
 WIDE_CASES = SPLITK_CASES[8:]
 WIDE_RANKED = 7           # model-ranked knob sets per case besides the default
 # --plan s10gemm: the 4096-row GEMMs and the erf-GELU GEMM at 32768 rows (ours 0.3087 ms, cuBLAS 0.2585 without the
-# GELU); per case the tile schedules (block_m, block_n, persistent, pingpong) whose staged TMA set is timed, with the
-# multicast values to time it with (the 32768-row case: the two widest tiles only); (256, 192, True, True): the
-# 128 x 192 ping-pong tiles (block_m 256: two in flight)
+# GELU); per case the tile schedules (block_m, block_n, persistent, pingpong) whose staged TMA set is timed;
+# (256, 192, True, True): the 128 x 192 ping-pong tiles (block_m 256: two in flight)
 S10_CASES = WIDE_CASES + [("gemm_bias_gelu_erf_wgmma", {"m": 32768, "n": 3072, "k": 768})]
-S10_SCHEDULES = {4096: (((128, 192, True, False), (1, 2, 4)), ((128, 192, False, False), (1, 2)),
-                        ((256, 192, True, False), (1, 2, 4)), ((128, 128, True, False), (1, 2)),
-                        ((128, 256, True, False), (1, 2)), ((256, 192, True, True), (1,))),
-                 32768: (((256, 192, True, False), (1, 2, 4)), ((128, 192, True, False), (1, 2)),
-                         ((256, 192, True, True), (1,)))}
-S10_MULTICASTS = (1, 2, 4)
+S10_SCHEDULES = {4096: ((128, 192, True, False), (128, 192, False, False), (256, 192, True, False),
+                        (128, 128, True, False), (128, 256, True, False), (256, 192, True, True)),
+                 32768: ((256, 192, True, False), (128, 192, True, False), (256, 192, True, True))}
 # --plan s10ragged: ViT-Base's GEMMs (hidden 768, the compile path's forms) at 1, 8 and 32 x 197 tokens
 RAGGED_CASES = [case for batch in (1, 8, 32) for case in (
     ("qkv_projection_wgmma", {"batch": batch, "seq": 197, "heads": 12, "head_dim": 64}),
@@ -174,8 +167,8 @@ def is_new(knobs, plan: str = "", default: bool | None = None) -> bool:
         return knobs.get("split_k", 1) > 1
     if plan in ("s9wide", "s10ragged"):
         return default is False
-    if plan == "s10gemm":   # multicast, or the 128 x 192 ping-pong tiles (block_m 256 with pingpong)
-        return knobs.get("multicast", 1) > 1 or (knobs.get("pingpong", False) and knobs.get("block_m", 128) == 256)
+    if plan == "s10gemm":   # the 128 x 192 ping-pong tiles (block_m 256 with pingpong)
+        return knobs.get("pingpong", False) and knobs.get("block_m", 128) == 256
     if "loads" in knobs:
         return knobs["loads"] == "tma"
     return knobs.get("block_m", 128) != 128 or bool(knobs.get("staged"))
@@ -188,7 +181,6 @@ def knob_tag(knobs) -> str:
             f"{'_pp' if knobs['pingpong'] else ''}{'_m256' if knobs.get('block_m', 128) != 128 else ''}"
             f"{'_st' if knobs.get('staged') else ''}{'_fast' if knobs.get('fast_gelu') else ''}"
             f"{'_k' + str(knobs['split_k']) if knobs.get('split_k', 1) > 1 else ''}"
-            f"{'_mc' + str(knobs['multicast']) if knobs.get('multicast', 1) > 1 else ''}"
             f"{'_' + knobs['loads'].replace('.', '') if 'loads' in knobs else ''}")
 
 
@@ -234,21 +226,20 @@ def wide_knob_sets(name, shape, space) -> list[dict]:
     return sets
 
 
-def multicast_knob_sets(name, shape, space) -> list[dict]:
+def schedule_knob_sets(name, shape, space) -> list[dict]:
     """``--plan s10gemm``: the knob space's first set, then per tile schedule of :data:`S10_SCHEDULES` (for the
-    case's rows) the space's first staged cooperative TMA set of it (the GELU's ``fast_gelu`` one) with each of its
-    multicast values that divides its row tiles; each set once."""
+    case's rows) the space's first staged TMA set of it (the GELU's ``fast_gelu`` one); each set once."""
     from stof_tvm.schedules.templates import get_template
 
     m = get_template(name).gemm_dims(shape)[0]
     sets = [space[0]]
-    for (block_m, block_n, persistent, pingpong), multicasts in S10_SCHEDULES[m]:
+    for block_m, block_n, persistent, pingpong in S10_SCHEDULES[m]:
         base = next((kn for kn in space if kn.get("block_m", 128) == block_m and kn["block_n"] == block_n
                      and kn["persistent"] == persistent and kn["pingpong"] == pingpong and kn.get("staged")
                      and kn.get("fast_gelu") == space[0].get("fast_gelu") and kn["loads"] == "tma"
-                     and kn.get("split_k", 1) == 1 and kn.get("multicast", 1) == 1), None)
+                     and kn.get("split_k", 1) == 1), None)
         if base is not None:
-            sets += [dict(base, multicast=mc) if mc > 1 else base for mc in multicasts if (m // block_m) % mc == 0]
+            sets.append(base)
     return [kn for i, kn in enumerate(sets) if kn not in sets[:i]]
 
 
@@ -322,7 +313,7 @@ def build(args) -> None:
         space = get_template(name).knob_space(shape, DTYPE)
         chosen = {"s8tma": tma_knob_sets, "s9splitk": lambda sp: splitk_knob_sets(name, shape, sp),
                   "s9wide": lambda sp: wide_knob_sets(name, shape, sp),
-                  "s10gemm": lambda sp: multicast_knob_sets(name, shape, sp),
+                  "s10gemm": lambda sp: schedule_knob_sets(name, shape, sp),
                   "s10ragged": ragged_knob_sets}.get(args.plan, choose_knobs)(space)
         for knobs in chosen:
             key = f"{ckey}__{knob_tag(knobs)}"
@@ -476,8 +467,6 @@ def run(args) -> None:
         table(results)
         if manifest.get("suite") == "s8tma":
             table_tma(results)
-        if manifest.get("suite") == "s10gemm":
-            table_multicast(results)
         if manifest.get("suite") == "s9splitk":
             table_splitk(results, manifest["modules"])
             for call in models.get("calls", []):
@@ -567,8 +556,8 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
         if guard:
             entry["rows_past_m_untouched"] = bool(torch.isnan(padded_out[ref.shape[0]:]).all())
             entry["correct"] = entry["correct"] and entry["rows_past_m_untouched"]
-        split = info["knobs"].get("split_k", 1) > 1 or info["knobs"].get("multicast", 1) > 1
-        if split and args.only != "time":   # split-K sums in rank order, multicast shares loads: the same bits
+        split = info["knobs"].get("split_k", 1) > 1
+        if split and args.only != "time":   # split-K sums in rank order: the same bits
             first = out.clone()
             out.fill_(float("nan"))
             func(*tv)
@@ -743,27 +732,6 @@ def table_splitk(results, modules) -> None:
           "set now, pred = the model's time for it, split = the fastest split-K set; x before = before / best)")
 
 
-def table_multicast(results) -> None:
-    """``--plan s10gemm``, printed last: per case and tile schedule, each multicast's ms beside cuBLAS; then per case
-    the default's and the best module's ms."""
-    heads = " ".join(f"{'mc' + str(mc):>7s}" for mc in S10_MULTICASTS)
-    print(f"\n{'case':44s} {'schedule':28s} {'cuBLAS':>7s} {heads} {'best x cuBLAS':>13s}")
-    for row in results:
-        by_schedule = {}
-        for key, e in row["kernels"].items():
-            knobs = e["knobs"]
-            schedule = knob_tag({kk: v for kk, v in knobs.items() if kk != "multicast"})
-            by_schedule.setdefault(schedule, {})[knobs.get("multicast", 1)] = e
-        for schedule, cells in by_schedule.items():
-            timed = [e["ms"] for e in cells.values() if "ms" in e]
-            text = " ".join(f"{cells[mc]['ms']:7.4f}" if "ms" in cells.get(mc, {}) else
-                            f"{('-' if mc not in cells else 'FAIL'):>7s}" for mc in S10_MULTICASTS)
-            best = f"{row['cublas_ms'] / min(timed):13.2f}" if timed else f"{'-':>13s}"
-            print(f"{row['case'].removesuffix('_' + DTYPE):44s} {schedule:28s} {row['cublas_ms']:7.4f} {text} {best}")
-    print("(ms per call, CUDA events; mcN = clusters of N blocks sharing each W box by TMA multicast, mc1 = none; "
-          "FAIL = wrong, faulted or not deterministic (see the check table); best x cuBLAS > 1: faster than cuBLAS)")
-
-
 def main(argv=None) -> None:
     global OUT
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -782,7 +750,7 @@ def main(argv=None) -> None:
                        help="small_k: the session-4 knob sets; s8tma: cp.async vs TMA loads (issue 17); "
                             "s9splitk: split-K and the new defaults at 128-4096 rows (issue 17); "
                             "s9wide: the 4096-row defaults against the model's best-ranked sets; "
-                            "s10gemm: TMA multicast clusters at the 4096-row GEMMs")
+                            "s10gemm: the tile schedules at the 4096-row GEMMs; s10ragged: GEMMs of any m")
         p.add_argument("--out", type=Path, default=None,
                        help="artifact folder (default out/wgmma_small_k, --plan s8tma: out/s8gemm_tma)")
     args = parser.parse_args(argv)

@@ -190,7 +190,7 @@ def test_the_busiest_sm_orders_the_measured_tiles():
     ("gemm_wgmma", {"m": 32768, "n": 768, "k": 768}, (256, 192)),
 ])
 def test_first_knob_sets_follow_the_wave_order(name, shape, first):
-    """The first cooperative set (a 128 x 192 ping-pong set may precede it: tests/test_gemm_multicast.py)."""
+    """The first cooperative set (a 128 x 192 ping-pong set may precede it: tests/test_gemm_tall_pingpong.py)."""
     kn = next(kn for kn in get_template(name).knob_space(shape, "float16") if not kn["pingpong"])
     assert (kn.get("block_m", 128), kn["block_n"]) == first and kn["staged"]
 

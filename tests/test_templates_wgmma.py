@@ -58,9 +58,8 @@ def test_every_configuration_fits_the_h200(shape):
     # 256-wide cooperative tiles with 5 stages need 240 KiB: never offered (ping-pong's 64 x 256 tiles fit)
     assert not [kn for kn in space if (kn["block_n"], kn["stages"], kn["pingpong"]) == (256, 5, False)]
     assert {kn["block_n"] for kn in space if kn["pingpong"]} == {kn["block_n"] for kn in space}
-    # among the older direct-store knob sets (after the staged ones, before the multicast twins): cooperative first,
-    # in their measured order
-    space = [kn for kn in space if "block_m" not in kn and "staged" not in kn and "multicast" not in kn]
+    # among the older direct-store knob sets (after the staged ones): cooperative first, in their measured order
+    space = [kn for kn in space if "block_m" not in kn and "staged" not in kn]
     assert not space[0]["pingpong"] and space.index(next(kn for kn in space if kn["pingpong"])) == len(
         [kn for kn in space if not kn["pingpong"]])
     tiles = (shape["m"] // 128) * (shape["n"] // space[0]["block_n"])
@@ -354,9 +353,9 @@ def test_first_knob_set_where_the_measured_best_is_not_offered(name, shape, firs
 
 def tile_knobs(space):
     """The knob sets without ``loads`` (how a set loads its tiles, tests/test_gemm_tma.py) and without the 128-row
-    ping-pong and multicast twins that close the space (tests/test_gemm_multicast.py): what these tests order."""
+    ping-pong twins (tests/test_gemm_tall_pingpong.py): what these tests order."""
     return [{key: v for key, v in kn.items() if key != "loads"} for kn in space
-            if "multicast" not in kn and not (kn["pingpong"] and "block_m" in kn)]
+            if not (kn["pingpong"] and "block_m" in kn)]
 
 def test_default_values_of_the_new_knobs_build_the_older_kernels():
     """``block_m = 128`` and ``staged = False`` written out build byte for byte the kernel of the knob set without them

@@ -40,11 +40,10 @@ absent: 1) shares each 128-row tile's k steps between the blocks of one cluster,
 through distributed shared memory before the epilogue (:mod:`.wgmma_kernel`): the split-K sets
 (:meth:`WgmmaKernelMixin.split_sets`, one wave of blocks) lead the space where the first unsplit set's tiles fill fewer
 than half the SMs (RoBERTa-base at 1 x 128 tokens: 6-24 tiles, 24-96 blocks split, measured 1.17-1.60x faster than the
-mma.sync templates on the H200, ``--plan s9splitk``), else they follow it. The kernel's ``multicast`` (clusters of 2
-or 4 blocks sharing each W box by TMA multicast) is in no knob set of the space: the H200 ran every measured set with it
-1.2-2.2x slower than without (session 10, ``--plan s10gemm``: e.g. 128 x 192 at the QKV projection at 4096 rows
-0.0344 / 0.0531 ms at 2 / 4 against 0.0255, FFN down 0.0494 / 0.0832 against 0.0283), although W then passes
-through L2 once per cluster.
+mma.sync templates on the H200, ``--plan s9splitk``), else they follow it. Clusters of 2 or 4 blocks sharing each W box
+by TMA multicast (W through L2 once per cluster) were built and measured on the H200 1.2-2.2x slower than the same
+sets without (session 10, ``--plan s10gemm`` at 2a96759: e.g. 128 x 192 at the QKV projection at 4096 rows 0.0344 /
+0.0531 ms at 2 / 4 against 0.0255, FFN down 0.0494 / 0.0832 against 0.0283), and removed again.
 
 Knob order (the first set is the untuned choice of the compile path): the staged sets come first, led by the ones the
 H200 measured fastest (:data:`MEASURED_FIRST`, led by the first whose tiles leave the busiest SM about as few outputs as
@@ -200,7 +199,7 @@ class WgmmaKernelMixin:
                              persistent=knobs.get("persistent", True), pingpong=knobs.get("pingpong", False),
                              block_m=knobs.get("block_m", BLOCK_M), staged=knobs.get("staged", False),
                              fast_gelu=knobs.get("fast_gelu", False), loads=knobs.get("loads", "cp.async"),
-                             split_k=knobs.get("split_k", 1), multicast=knobs.get("multicast", 1))
+                             split_k=knobs.get("split_k", 1))
         config.validate()
         return config
 

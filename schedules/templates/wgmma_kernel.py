@@ -90,24 +90,8 @@ bytes; the ranks take turns over runs of 256 chunks. A second cluster barrier ke
 until all have read it. Where a GEMM's tiles alone leave most SMs idle (RoBERTa-base at 1 x 128 tokens), the clusters
 fill them.
 
-A sixth, ``multicast`` (2 or 4; 1 by default, the kernels above byte for byte; TMA loads, cooperative, persistent or
-not, not split): ``multicast`` blocks, one cluster, compute vertically adjacent tiles of one column panel
-(:func:`tile_origin`; a persistent grid holds whole clusters, which take the same rounds) and so read the same W box
-at every k step. Each block's producer loads its own A box and a ``1 / multicast`` slice of W's rows, multicast
-(``.multicast::cluster``, CTA mask of all ranks) into the same offset of every block's slot, whose full mbarrier then
-expects the A box and all slices. Because every block's producer writes every block's slot, a slot's empty mbarrier
-expects one arrival per consumer warpgroup of every block of the cluster (lane 0 of warp c of the warpgroup arrives
-in block c's, through ``mapa``). The cluster meets at ``barrier.cluster`` after the mbarriers' initialisation (no
-multicast may reach a barrier not yet initialised) and before leaving (no block's shared memory may go while the others'
-copies or arrivals can still reach it). What it saves: W's rows pass through L2 once per cluster instead of once per
-block, ``tile_m + block_n / multicast`` rows per k step instead of ``tile_m + block_n`` (128 x 192 tiles: 30% fewer
-bytes at multicast 2), where the 4096-row GEMMs of RoBERTa-base ran at 5-8 TB/s of L2 reads. Measured on the H200
-(session 10, ``scripts/bench_wgmma_small_k.py --plan s10gemm``): correct, deterministic and graph-replayable, but
-1.2-2.2x slower than the same tiles without it at every RoBERTa GEMM (presumably as a cluster's blocks advance in
-lockstep, each slot waiting for the slowest block's consumers), so no knob space offers it.
-
-Shapes must tile exactly: m % tile_m, n % block_n and k % 64 all zero, split_k must divide k / 64 and multicast the
-row tiles m / tile_m (:func:`check_wgmma_shape`). Build for ``arch="sm_90a"`` (``wgmma`` and ``setmaxnreg`` exist
+Shapes must tile exactly: m % tile_m, n % block_n and k % 64 all zero, split_k must divide k / 64
+(:func:`check_wgmma_shape`). Build for ``arch="sm_90a"`` (``wgmma`` and ``setmaxnreg`` exist
 only there).
 """
 from __future__ import annotations
@@ -156,9 +140,6 @@ SPLIT_K_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
 PORTABLE_SPLIT_K = 8
 PARTIAL_PAD = 32         # bytes after each float32 partial row: a warp's 8-byte fragment stores take 2 wavefronts
 SPLIT_BAR = 1            # named barrier of the two consumer warpgroups before the ring is reused for partials
-# multicast: blocks of one cluster on vertically adjacent tiles (the same columns) that load W's box once between
-# them, each a 1 / multicast slice of its rows multicast into every block of the cluster
-MULTICAST_CHOICES = (1, 2, 4)
 
 
 @dataclass(frozen=True)
@@ -169,9 +150,8 @@ class WgmmaConfig:
     256 with 128 rows per consumer), ``staged`` (epilogue through shared memory with 16-byte stores),
     ``fast_gelu`` (a GELU activation from one exp2 of a fitted polynomial, :mod:`.fast_gelu`; staged only),
     ``loads`` (``"cp.async"``, or ``"tma"``: one producer thread issues TMA boxes from tensor maps the host encodes
-    at each call), ``split_k`` (blocks of one cluster sharing a tile's k steps, reduced through distributed
-    shared memory) and ``multicast`` (blocks of one cluster on vertically adjacent tiles sharing W's TMA boxes;
-    module docstring)."""
+    at each call) and ``split_k`` (blocks of one cluster sharing a tile's k steps, reduced through distributed
+    shared memory)."""
 
     block_n: int = 128
     stages: int = 4
@@ -182,7 +162,6 @@ class WgmmaConfig:
     fast_gelu: bool = False
     loads: str = "cp.async"
     split_k: int = 1
-    multicast: int = 1
 
     def validate(self) -> None:
         if self.block_n not in BLOCK_N_CHOICES:
@@ -213,11 +192,6 @@ class WgmmaConfig:
         if self.split_k > 1 and (self.persistent or self.pingpong or self.block_m != BLOCK_M or self.staged):
             raise ValueError("split_k > 1 is one cooperative 128-row tile per block with the reduction's own "
                              "epilogue: persistent, pingpong, staged must be False and block_m 128")
-        if self.multicast not in MULTICAST_CHOICES:
-            raise ValueError(f"multicast must be one of {MULTICAST_CHOICES}, got {self.multicast!r}")
-        if self.multicast > 1 and (self.loads != "tma" or self.split_k > 1 or self.pingpong):
-            raise ValueError("multicast > 1 shares W's TMA boxes between the cooperative blocks of a cluster: loads "
-                             "must be 'tma', split_k 1 and pingpong False")
 
     @property
     def tile_m(self) -> int:
@@ -277,30 +251,22 @@ def check_wgmma_shape(m: int, n: int, k: int, config: WgmmaConfig) -> None:
         if size % tile:
             raise ValueError(f"gemm_wgmma: shape[{name!r}] = {size} must be a multiple of {tile} "
                              f"(block_m={config.tile_m}, block_n={config.block_n}, block_k={BLOCK_K})")
-    if row_tiles(m, config.tile_m) % config.multicast:
-        raise ValueError(f"gemm_wgmma: multicast={config.multicast} must divide the {row_tiles(m, config.tile_m)} "
-                         f"row tiles of m = {m}")
     if (k // BLOCK_K) % config.split_k:
         raise ValueError(f"gemm_wgmma: split_k={config.split_k} must divide the {k // BLOCK_K} k steps of k = {k}")
 
 
 def grid_blocks(config: WgmmaConfig, tiles: int, sm_count: int) -> int:
-    """Thread blocks the kernel launches for ``tiles`` output tiles: one per SM walking tiles (persistent; whole
-    multicast clusters, so that a cluster's blocks take the same rounds), else one per tile and k slice."""
+    """Thread blocks the kernel launches for ``tiles`` output tiles: one per SM walking tiles (persistent), else one
+    per tile and k slice."""
     if config.persistent:
-        return min(tiles, sm_count) // config.multicast * config.multicast
+        return min(tiles, sm_count)
     return tiles * config.split_k
 
 
-def tile_origin(tile, grid_n: int, tile_m: int, block_n: int, multicast: int = 1):
+def tile_origin(tile, grid_n: int, tile_m: int, block_n: int):
     """(first row, first column) of output tile ``tile`` (an int, or a TIR expression in the kernel) of a GEMM with
-    ``grid_n`` column panels: row-major over the tiles, or with ``multicast`` > 1 in groups of ``multicast`` row tiles
-    of one column panel (the blocks of a cluster, ``tile % multicast`` the rank), the groups along the rows of the
-    panels in turn: a cluster's blocks share their columns, so W's boxes."""
-    if multicast == 1:
-        return (tile // grid_n) * tile_m, (tile % grid_n) * block_n
-    group = tile // multicast
-    return (group // grid_n * multicast + tile % multicast) * tile_m, (group % grid_n) * block_n
+    ``grid_n`` column panels: row-major over the tiles."""
+    return (tile // grid_n) * tile_m, (tile % grid_n) * block_n
 
 
 def descriptor(addr):
@@ -354,8 +320,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     KT = k // BLOCK_K
     SPLIT = config.split_k
     KS = KT // SPLIT                     # k steps of one block's slice (all of them without split-K)
-    MC = config.multicast                # blocks of a cluster sharing each W box (1: no multicast)
-    CLUSTER = SPLIT if SPLIT > 1 else MC   # blocks of one cluster (1: no cluster launch)
+    CLUSTER = SPLIT                      # blocks of one cluster (1: no cluster launch)
     GRID_N = n // BN
     NUM_TILES = GRID_N * row_tiles(m, TM)
     # m not a multiple of TM: the last row tile is partial. TMA loads its rows past m as zeros (A's map has m rows);
@@ -368,9 +333,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     GRID = grid_blocks(config, NUM_TILES, sm_count)
     ROUNDS = (NUM_TILES * SPLIT + GRID - 1) // GRID
     PINGPONG = config.pingpong
-    # the consumers that read a slot: one (ping-pong) or both, every thread arriving; with multicast one thread of
-    # each consumer warpgroup of every block of the cluster (each block's producer writes every block's slot)
-    EMPTY_ARRIVALS = 2 * MC if MC > 1 else WG if PINGPONG else 2 * WG
+    # the consumers that read a slot: one (ping-pong) or both, every thread arriving
+    EMPTY_ARRIVALS = WG if PINGPONG else 2 * WG
     A_BYTES = TM * ROW_BYTES
     STAGE = config.stage_bytes
     BAR_OFF = config.ring_bytes          # mbarriers after the ring: full[s] at +8s, empty[s] at +8(ST+s)
@@ -388,11 +352,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     # a full mbarrier's phase completes on every producer thread's cp.async arrival, or on the issuing thread's
     # arrive.expect_tx and the boxes' transaction bytes (TMA)
     FULL_ARRIVALS = 1 if TMA else WG
-    A_MAP, W_MAP = (matrix_map(m, k, TM, DT), matrix_map(n, k, BN // MC, DT)) if TMA else (None, None)
-    W_SLICE = BN // MC * ROW_BYTES       # multicast: bytes of one block's slice of the W box (whole 1024-byte atoms)
+    A_MAP, W_MAP = (matrix_map(m, k, TM, DT), matrix_map(n, k, BN, DT)) if TMA else (None, None)
     TMA_2D = T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"]
-    TMA_2D_MULTICAST = T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-                             ".multicast::cluster"]
     EXPECT_TX = T.ptx["mbarrier.arrive.expect_tx.shared::cta.b64"]
     if heads is not None:
         HB, HS, HH, HD = heads
@@ -419,10 +380,10 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         return bx + r * GRID if SPLIT == 1 else bx // SPLIT
 
     def tile_rows(tile):
-        return tile_origin(tile, GRID_N, TM, BN, MC)[0]
+        return tile_origin(tile, GRID_N, TM, BN)[0]
 
     def tile_cols(tile):
-        return tile_origin(tile, GRID_N, TM, BN, MC)[1]
+        return tile_origin(tile, GRID_N, TM, BN)[1]
 
     def k_col(bx, t):
         """The first column of A and W that block ``bx``'s k step ``t`` reads (its slice's under split-K)."""
@@ -537,16 +498,10 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                 store(acc, out, bias_buf, row0 + q * 64 + (wt // 32) * 16, col0, wt % 32, q * NACC)
 
     @T.macro
-    def release(bar, scratch, wt):
+    def release(bar):
         """A consumer thread done reading a slot (its warpgroup's wgmma batch retired) frees it: every thread arrives
-        on the slot's empty mbarrier at shared address ``bar``; with multicast, whose producers all write every block's
-        slot, the warpgroup arrives once on that barrier in each block of the cluster: lane 0 of its warp c in block
-        c's (``mapa`` into ``scratch[0]``, a local uint32), so the remote arrivals leave from different warps."""
-        if MC == 1:
-            T.ptx["mbarrier.arrive.shared::cta.b64"](bar)
-        elif wt % 32 == 0 and wt // 32 < MC:
-            T.ptx["mapa.shared::cluster.u32"](scratch[0], bar, T.Cast("uint32", wt // 32))
-            T.ptx["mbarrier.arrive.release.cluster.shared::cluster.b64"](scratch[0])
+        on the slot's empty mbarrier at shared address ``bar``."""
+        T.ptx["mbarrier.arrive.shared::cta.b64"](bar)
 
     @T.macro
     def mma_tile(acc, flag, base, r, a_rows_offset, wt):
@@ -568,14 +523,14 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             T.ptx["wgmma.commit_group.sync.aligned"]()
             T.ptx["wgmma.wait_group.sync.aligned"](1)
             if t > 0:
-                release(empty_bar(base, (g - 1) % ST), flag, wt)
+                release(empty_bar(base, (g - 1) % ST))
 
     @T.macro
     def drain_and_store(acc, out, bias_buf, base, r, row0, col0, wt, warp, words):
         """After round ``r``'s main loop: retire the last wgmma batch, free the tile's last slot (the producer may
         refill it for the next tile) and store the tile's rows from ``row0``."""
         T.ptx["wgmma.wait_group.sync.aligned"](0)
-        release(empty_bar(base, (r * KS + KS - 1) % ST), words, wt)
+        release(empty_bar(base, (r * KS + KS - 1) % ST))
         for i in T.unroll(HALVES * NACC):
             FENCE_REG(acc[i], acc[i], T.float32(-0.0))
         store_tile(acc, out, bias_buf, row0, col0, base, wt, warp, words)
@@ -628,15 +583,10 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     if g >= ST:
                         wait_parity(flag, empty_bar(base, g % ST), T.Cast("uint32", (g // ST - 1) % 2))
                     a_dst: T.let = base + T.Cast("uint32", (g % ST) * STAGE)
-                    EXPECT_TX(full_bar(base, g % ST), T.uint32(A_MAP.box_bytes + W_MAP.box_bytes * MC))
+                    EXPECT_TX(full_bar(base, g % ST), T.uint32(A_MAP.box_bytes + W_MAP.box_bytes))
                     TMA_2D(a_dst, T.address_of(maps[0]), T.int32(k_col(bx, t)), m0, full_bar(base, g % ST))
-                    if MC == 1:
-                        TMA_2D(a_dst + T.uint32(A_BYTES), T.address_of(maps[1]), T.int32(k_col(bx, t)), n0,
-                               full_bar(base, g % ST))
-                    else:   # this block's slice of W's box, into the same place of every block of the cluster
-                        TMA_2D_MULTICAST(a_dst + T.uint32(A_BYTES) + T.Cast("uint32", (bx % MC) * W_SLICE),
-                                         T.address_of(maps[1]), T.int32(k_col(bx, t)), n0 + (bx % MC) * (BN // MC),
-                                         full_bar(base, g % ST), T.uint16((1 << MC) - 1))
+                    TMA_2D(a_dst + T.uint32(A_BYTES), T.address_of(maps[1]), T.int32(k_col(bx, t)), n0,
+                           full_bar(base, g % ST))
 
     @T.macro
     def write_partial(acc, base, wg, wt):
@@ -699,11 +649,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                 T.ptx["mbarrier.init.shared::cta.b64"](full_bar(base, s), T.uint32(FULL_ARRIVALS))
                 T.ptx["mbarrier.init.shared::cta.b64"](empty_bar(base, s), T.uint32(EMPTY_ARRIVALS))
             T.ptx["fence.mbarrier_init.release.cluster"]()
-        if MC > 1:   # every block's barriers initialised before any block's multicast or arrival reaches them
-            T.ptx["barrier.cluster.arrive.release"]()
-            T.ptx["barrier.cluster.wait.acquire"]()
-        else:
-            T.tvm_storage_sync("shared")
+        T.tvm_storage_sync("shared")
         # g = r * KT + t counts k steps over all of this block's tiles: slot g % ST, phase g // ST
         if wg == 0:
             T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
@@ -753,9 +699,6 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             if wg > 0:
                 parts = T.alloc_buffer((SPLIT * 4,), "float32", scope="local")
                 reduce_and_store(out, bias_buf, base, bx, cr, tx - WG, acc, parts, flag, words)
-            T.ptx["barrier.cluster.arrive.release"]()
-            T.ptx["barrier.cluster.wait.acquire"]()
-        elif MC > 1:   # no block leaves while the others' multicasts or arrivals may still reach its shared memory
             T.ptx["barrier.cluster.arrive.release"]()
             T.ptx["barrier.cluster.wait.acquire"]()
 
