@@ -42,7 +42,9 @@ from .input_checks import ValueCheck, add_value_checks, clip_gathers
 from .kernels import KERNELS, choose_kernel, kernel_primfunc
 from .mask_sources import plan_masks, score_bias
 from .onnx_import import TensorSpec, embedding_rows, import_onnx, load_model, output_names
-from .pipeline import build, dependent_launch_supported, fold_constant_casts, make_target, optimize, target_dict
+from stof_tvm.schedules.dependent_launch import supports as dependent_launch_supported
+
+from .pipeline import build, fold_constant_casts, make_target, optimize, target_dict
 from .layout import fold_permute_pairs
 from .numpy_fold import fold_numpy
 from .record_calls import record_calls
@@ -369,6 +371,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
                f"(attention kernel {choice.kind if choice else 'none: ' + front.fallback}, "
                f"templates {front.gemm if front.template_entry else 'off'})")
+        dependent_launch = uses_dependent_launch(front.target, dependent_launch)
         mod, executable = lower(front, database, cuda_graph, dependent_launch)
     user_mask = front.user_mask
     binaries = {}
@@ -400,7 +403,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     manifest["value_checks"] = {"output": front.checks_output, "inputs": [c.to_json() for c in front.checks]} \
         if front.checks else None
     manifest["cuda_graph"] = cuda_graph
-    manifest["dependent_launch"] = uses_dependent_launch(front.target, dependent_launch)
+    manifest["dependent_launch"] = dependent_launch
     # the runtime keeps the format arrays of each size at one address (the CUDA graphs read them there)
     manifest["static_mask_inputs"] = cuda_graph and static_mask_inputs(front)
     if binaries:

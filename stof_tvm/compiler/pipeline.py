@@ -91,12 +91,6 @@ def optimize(mod: tvm.IRModule, target: tvm.target.Target, database: str | None)
     return scalar_bool_access(mod) if target.kind.name == "cuda" else mod
 
 
-def dependent_launch_supported(target: tvm.target.Target) -> bool:
-    """Whether ``target``'s kernels can be programmatic dependent launches
-    (:mod:`stof_tvm.schedules.dependent_launch`)."""
-    return launch_overlap.supports(target)
-
-
 def build(mod: tvm.IRModule, target: tvm.target.Target, templates: bool = False, cuda_graph: bool = False,
           dependent_launch: bool = False):
     """Compile the optimised module into a Relax VM executable; CUDA builds must contain device code.
