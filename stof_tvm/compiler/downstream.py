@@ -40,9 +40,10 @@ split-K blocks, with the weight transposed to ``[N, K]``; other shapes stay on m
 ``gemm="wgmma"`` an FFN (an erf-GELU ``linear`` used only by the down-projection of a residual LayerNorm chain)
 becomes ``ffn_gelu_erf_wgmma`` (intermediate kept on chip) + ``bias_residual_layernorm`` where
 :meth:`.template_choice.TemplateChooser.fused_ffn` picks it (hidden 128-256, rows enough to fill the GPU).
-Knobs: :mod:`.template_choice`. On CUDA each PrimFunc is scheduled with its knobs; on the CPU the definitions run unscheduled (TVM's default lowering), which
-keeps the rewrite testable without a GPU (a tuning record of the definition, measured on llvm, is applied
-there too). The wgmma kernels are thread-level code built per knob set (``template.kernel``), not scheduled.
+Knobs: :mod:`.template_choice`. On CUDA each PrimFunc is scheduled with its knobs; on the CPU the definitions run
+unscheduled (TVM's default lowering), which keeps the rewrite testable without a GPU (a tuning record of the
+definition, measured on llvm, is applied there too). The wgmma kernels are thread-level code built per knob set
+(``template.kernel``), not scheduled.
 :func:`use_templates` returns the manifest entry of every site. The linear-layer patterns live in
 :mod:`.linear_match`, the QKV projection and its heads in :mod:`.qkv_heads`.
 """
