@@ -128,6 +128,14 @@ PERSISTENT_GRID = 132    # blocks of a persistent grid at most (the H200's SMs; 
 # (the compile path reads this to offer the kernel to padded models; checked against float32 on the H200 in
 # session 9: right/left padding with holes and empty rows, D64 and D128, fp16 and bf16, rel err <= 1.6e-3).
 KEY_PADDING = True
+# What ptxas (nvcc 13.0, sm_90a) makes of the turn loop, read from the SASS of the causal D64 (3 consumers) and
+# D128 (2 consumers) defaults: the source waits for P(i-1) V(i-1) (wgmma.wait_group 0) after the softmax of tile i,
+# but ptxas moves that wait (WARPGROUP.DEPBAR.LE gsb0, 0x0) above the 64 MUFU.EX2 of the tile, so that it can
+# interleave the F2FP packs of P(i), which overwrite the registers the product still reads, with the exponentials:
+# the softmax then starts only once the product has retired, and the two overlap only across consumers
+# (ping-pong). With ``softmax_under_pv`` the wait for V(i) sits between them (SYNCS.PHASECHK plus a branch to its
+# retry loop): all 66 MUFU.EX2 of a turn come before the DEPBAR, the same registers, no spills.
+SOFTMAX_UNDER_PV = "ptxas keeps the wait for P(i-1) V(i-1) behind the softmax of tile i"
 _LOG2E = 1.4426950408889634
 _FULL_MASK = 0xFFFFFFFF
 
@@ -146,8 +154,13 @@ class WgmmaAttentionConfig:
     multiples of 64: shared tiles of 64-column panels in the 128-byte swizzle as at head dims 64 and 128, the head
     dim padded to the next multiple of 64 with zeros, which the copy engine writes for the columns past ``D``;
     ``S`` reads the real columns only, ``O += P V`` runs over the padded width and only ``D`` columns are stored: the
-    layout the H200 has checked since session 6, at the cost of the padded product). The tiled format must be built
-    at ``block_m x block_n`` (``block_m = 64 * consumers``)."""
+    layout the H200 has checked since session 6, at the cost of the padded product), ``softmax_under_pv`` (each
+    turn waits for its own V tile right after its softmax, instead of the previous tile's V at the next turn's
+    start: that wait is a branch to a retry loop in the SASS, which ptxas does not schedule across, so the wait
+    for ``P(i-1) V(i-1)`` stays behind the softmax of tile ``i``; without it ptxas hoists that wait above the
+    exponentials, to pack ``P(i)`` into the registers ``P(i-1) V(i-1)`` still reads, and the softmax runs after
+    the product instead of under it: :data:`SOFTMAX_UNDER_PV`). The tiled format must be built at
+    ``block_m x block_n`` (``block_m = 64 * consumers``)."""
 
     block_n: int = 128
     stages: int = 2
@@ -156,6 +169,7 @@ class WgmmaAttentionConfig:
     consumers: int = 2
     loads: str = "cp.async"
     pad_panels: bool = False
+    softmax_under_pv: bool = False
 
     @property
     def block_m(self) -> int:
@@ -175,7 +189,7 @@ class WgmmaAttentionConfig:
                              f"{limit} its {REGISTERS[self.consumers][1]} leave beside them")
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"stages must be an int >= 2, got {self.stages!r}")
-        for name in ("pingpong", "persistent", "pad_panels"):
+        for name in ("pingpong", "persistent", "pad_panels", "softmax_under_pv"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.loads, str) or self.loads not in LOAD_CHOICES:
@@ -456,6 +470,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     PACK = T.ptx[f"cvt.rn.{ab}x2.f32"]
     CP_ASYNC_16 = T.ptx["cp.async.cg.shared.global"]
     TMA = cfg.loads == "tma"
+    UNDER = cfg.softmax_under_pv       # each turn waits for its V tile after its softmax (SOFTMAX_UNDER_PV)
     # arrivals completing a full mbarrier's phase: every producer thread's (cp.async), or the issuing thread's
     # arrive.expect_tx, the phase then waiting for the copies' transaction bytes too (TMA)
     FULL_ARRIVALS = 1 if TMA else WG
@@ -721,13 +736,16 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
             T.ptx["wgmma.wait_group.sync.aligned"](0)
             softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + (M_OFF + (g0 % ST) * MW_BYTES) // 4, c, w, g,
                     qd, 0, n_part_row, pads, b, tile_col(tiles, 0, n_part_row))
+        if UNDER:
+            wait_parity(flag, ring_bar(base, 2, g0), phase(g0))
         T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 1, g0))
         if compute:
             pack_p(s_acc, p_frag)
         for i in range(1, n_tiles):
             gi: T.let = g0 + i
             wait_parity(flag, ring_bar(base, 0, gi), phase(gi))
-            wait_parity(flag, ring_bar(base, 2, gi - 1), phase(gi - 1))
+            if not UNDER:
+                wait_parity(flag, ring_bar(base, 2, gi - 1), phase(gi - 1))
             if compute and not TMA:
                 T.ptx["fence.proxy.async.shared::cta"]()
             turn_start(o_acc, corr, c, compute, True, compute)
@@ -739,11 +757,14 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                 T.ptx["wgmma.wait_group.sync.aligned"](1)
                 softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + (M_OFF + (gi % ST) * MW_BYTES) // 4, c, w,
                         g, qd, i, n_part_row, pads, b, tile_col(tiles, i, n_part_row))
+            if UNDER:
+                wait_parity(flag, ring_bar(base, 2, gi), phase(gi))
             T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 1, gi))
             retire_pv(o_acc, base, gi - 1, compute)
             if compute:
                 pack_p(s_acc, p_frag)
-        wait_parity(flag, ring_bar(base, 2, g0 + n_tiles - 1), phase(g0 + n_tiles - 1))
+        if not UNDER:
+            wait_parity(flag, ring_bar(base, 2, g0 + n_tiles - 1), phase(g0 + n_tiles - 1))
         if compute and not TMA:
             T.ptx["fence.proxy.async.shared::cta"]()
         turn_start(o_acc, corr, c, compute, True, compute)

@@ -950,11 +950,74 @@ def plan_s10dims() -> list[dict]:
     return cases
 
 
+# s11attn: ptxas's placement of the wait for P(i-1) V(i-1) (schedules/attention_wgmma.py SOFTMAX_UNDER_PV). Each
+# configuration tuple is a WgmmaAttentionConfig's fields (block_n, stages, pingpong, persistent, consumers, loads,
+# pad_panels, softmax_under_pv); the first of each head dim is the default.
+S11_TIMED = {64: ((128, 3, True, True, 3, "tma"), (128, 3, True, True, 3, "tma", False, True),
+                  (128, 4, True, True, 3, "tma"), (128, 4, True, True, 3, "tma", False, True),
+                  (128, 3, True, False, 3, "tma", False, True), (128, 3, True, True, 2, "tma", False, True)),
+             128: ((128, 2, True, True, 2, "tma"), (128, 2, True, True, 2, "tma", False, True),
+                   (128, 2, True, False, 2, "tma", False, True), (64, 4, True, True, 2, "tma", False, True))}
+S11_DENSE = {64: 4, 128: 2}      # dense: the first n configurations of S11_TIMED
+
+
+def _under(config) -> tuple:
+    """A configuration tuple (fields of WgmmaAttentionConfig) with ``softmax_under_pv`` set."""
+    return tuple(config) + (False,) * (7 - len(config)) + (True,)
+
+
+def plan_s11attn() -> list[dict]:
+    """``softmax_under_pv`` against the defaults on issue 16's causal goals, one short run (checks < 30 s, timings
+    < 80 s). Checks first (S=1000, Q scaled by 8, outputs poisoned, vs float32), of every timed configuration with
+    the knob on causal and per-head random masks with empty rows, and of the D64 / D128 ones on BigBird (partial
+    tiles' bitmaps), a document mask, bf16, Q/K/V as 16-byte-offset views of one packed projection, fresh tensors
+    and a CUDA-graph replay; the key-padded defaults with it (right / left with holes / empty batch rows, causal
+    and sliding); the cp.async producer and the one-block-per-item three-consumer kernel whose last tile row
+    leaves a consumer idle. Then causal at D64 B16 H12 S4096 and D128 B4 H16 S8192, every S11_TIMED
+    configuration, then dense with the first S11_DENSE of them, beside FlexAttention and SDPA; the defaults and their
+    ``softmax_under_pv`` twins again at the end (drift within the run)."""
+    from stof_tvm.schedules.attention_wgmma import default_config
+
+    cases = []
+
+    def check(recipe, head_dim, config, batch=2, heads=3, dtype="float16", padding=False, **extra):
+        cases.append(dict(_case("check", "wgmma", recipe, batch, heads, 1000, head_dim, dtype, config,
+                                padding=padding), q_scale=8.0, **extra))
+
+    for head_dim, configs in S11_TIMED.items():
+        assert configs[0] == _wgmma_tuple(default_config(head_dim))
+        under = configs[1]
+        for recipe in ("bigbird", "document"):
+            check(recipe, head_dim, under)
+        check("random_empty:0.05", head_dim, under, dtype="bfloat16")
+        check("causal", head_dim, under, qkv_offset=8)
+        check("causal", head_dim, under, replays=True)
+        for config in dict.fromkeys(c if len(c) == 8 else _under(c) for c in configs[1:]):
+            for recipe in ("causal", "random_empty:0.05"):
+                check(recipe, head_dim, config)
+        padded = _under(_wgmma_tuple(default_config(head_dim, padding=True)))
+        for recipe in ("causal", "sliding"):
+            check(recipe, head_dim, padded, batch=4, heads=2, padding=True)
+    check("causal", 64, _under((128, 3, True, True, 3, "cp.async")))
+    check("random_empty:0.05", 128, _under((128, 2, True, True, 2, "cp.async")))
+    for recipe in ("causal", "dense"):
+        for head_dim, configs in S11_TIMED.items():
+            batch, heads, seq = S7C_SHAPES[head_dim]
+            for config in configs if recipe == "causal" else configs[:S11_DENSE[head_dim]]:
+                cases.append(_case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16", config))
+    for head_dim, configs in S11_TIMED.items():
+        batch, heads, seq = S7C_SHAPES[head_dim]
+        for config in configs[:2]:
+            cases.append(dict(_case("time", "wgmma", "causal", batch, heads, seq, head_dim, "float16", config),
+                              repeat=True))
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
          "s9sparse": plan_s9sparse, "s9check": plan_s9check, "s10sparse": plan_s10sparse,
-         "s10dims": plan_s10dims}
+         "s10dims": plan_s10dims, "s11attn": plan_s11attn}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 

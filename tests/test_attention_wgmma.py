@@ -6,6 +6,7 @@ registers, no spills, no serialised wgmma, setmaxnreg honoured; HGMMA in the SAS
 The kernel's numerics and speed need an H200: scripts/check_attention_wgmma_gpu.py."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import shutil
@@ -304,3 +305,29 @@ def test_tma_kernel_compiles_for_sm90a_with_tma_and_no_proxy_fence(head_dim, dty
     assert re.search(rf"HGMMA\.64x{config.block_n}x16\.F32", sass)
     assert "UTMALDG.3D" in sass and "UBLKCP" in sass
     assert not re.search(r"\b(LDGSTS|MEMBAR|LDL|STL)\b", sass)
+
+
+def test_softmax_under_pv_waits_for_the_v_tile_between_softmax_and_product_wait(tmp_path):
+    """``softmax_under_pv``: in the turn loop, after waiting for S(i) (``wait_group 1``), the tile's exponentials,
+    then the wait for its V tile (a try-wait loop, which ptxas does not schedule across), then the wait for
+    P(i-1) V(i-1) (``wait_group 0``); the default has no wait there (ptxas then moves the product's wait above the
+    exponentials: scripts/NOTES_attention_wgmma.md, session 11). Where a disassembler exists: every MUFU.EX2 of
+    the turn comes before the product's WARPGROUP.DEPBAR in the SASS, and no spills."""
+    from hopper_checks import disassembler
+
+    def turn(config):
+        func = wgmma_attention_primfunc(**BASE, config=config)
+        src = cuda_source(tvm.compile(tvm.IRModule({"main": func}), target=cuda_target("sm_90a")))
+        loop = src[src.index("wait_group_sync_aligned_1();"):]
+        return src, loop[:loop.index("wait_group_sync_aligned_0();")]
+
+    config = WgmmaAttentionConfig(stages=3, persistent=True, consumers=3, loads="tma", softmax_under_pv=True)
+    src, between = turn(config)
+    assert 0 <= between.rfind("ex2_approx") < between.rfind("try_wait_parity")
+    assert "try_wait_parity" not in turn(dataclasses.replace(config, softmax_under_pv=False))[1]
+    if shutil.which("nvcc") is None or disassembler() is None:
+        return
+    sass = sm90a_sass(src, tmp_path)
+    ops = re.findall(r"(MUFU\.EX2|WARPGROUP\.DEPBAR\.LE gsb0, 0x[01])", sass)
+    loop = ops[ops.index("WARPGROUP.DEPBAR.LE gsb0, 0x1"):]
+    assert loop[:loop.index("WARPGROUP.DEPBAR.LE gsb0, 0x0")].count("MUFU.EX2") == config.block_n // 2 + 2
