@@ -20,6 +20,16 @@ Two steps, because the GPU machine has TVM's runtime only:
 
     python scripts/bench_rownorm.py build --out out/s7ln
     python3 scripts/bench_rownorm.py run --out out/s7ln       # on the GPU machine, <= ~50 s
+
+``--plan s11norm`` (issue 17; folder ``out/s11norm``): bias + residual + LayerNorm at RoBERTa-base's 16x2048,
+8x512 and 1x128 tokens (32768, 4096, 128 rows of 768) and BERT-large's 8x2048 (16384 rows of 1024): the compile
+path's current kernel (the scheduled TE template, its model-ranked knob set: "old default" in the table) and other
+register-row knob sets, against the thread-level warp kernel of :mod:`stof_tvm.schedules.templates.layernorm_warp`
+(each warp takes ``rows_per_warp`` rows with the next row's loads in flight) at a few block sizes, rows per warp and
+occupancy targets; beside torch eager ``F.layer_norm(x + residual + bias)`` (no torch.compile: ``--no-compile``)::
+
+    python scripts/bench_rownorm.py build --plan s11norm
+    python3 scripts/bench_rownorm.py run --plan s11norm --no-compile   # GPU machine, ~40 s
 """
 from __future__ import annotations
 
@@ -47,6 +57,17 @@ VARIANTS = [OLD_DEFAULT, {"rows": 2, "lanes": 32, "vec": 8, "registers": 0},
 LN_EPS, RMS_EPS = 1e-5, 1e-6
 TOLERANCE = 5e-3
 L2_BYTES = 60e6          # pool of input sets per case: together at least 2.5x this
+# --plan s11norm: (size label, m, n) of bias + residual + LayerNorm; per case the compile path's TE knob set (the
+# model's first), the other TE register rows of S11_TE, and the warp kernel's sets of S11_WARP that fit its rows
+S11_CASES = [("16x2048", 32768, 768), ("8x512", 4096, 768), ("1x128", 128, 768), ("large 8x2048", 16384, 1024)]
+S11_TE = [{"rows": r, "lanes": 32, "vec": 8, "registers": 1} for r in (8, 4, 2, 1)]
+S11_WARP = [{"warps": w, "rows_per_warp": r, "warps_per_sm": o, "reload": rl}
+            for w, r, o, rl in ((8, 1, 0, False), (8, 1, 0, True), (4, 1, 0, False), (8, 2, 0, False),
+                                (8, 4, 0, False), (4, 4, 0, False), (8, 4, 24, False), (8, 4, 24, True),
+                                (8, 2, 24, True), (4, 16, 0, False), (8, 8, 16, False), (2, 1, 0, False),
+                                (1, 1, 0, False))]
+MIN_BLOCKS = 16          # warp sets with fewer thread blocks than this at a case's rows are left out
+PLANS = {"s7": "out/s7ln", "s11norm": "out/s11norm"}
 
 
 def activation_bytes(template: str, m: int, n: int) -> int:
@@ -57,8 +78,42 @@ def activation_bytes(template: str, m: int, n: int) -> int:
 
 
 def _label(knobs: dict) -> str:
+    if "warps" in knobs:
+        occupancy = f" o{knobs['warps_per_sm']}" if knobs["warps_per_sm"] else ""
+        return f"warp w{knobs['warps']} r{knobs['rows_per_warp']}{occupancy}{' reload' if knobs['reload'] else ''}"
     form = "reg" if knobs["registers"] else "smem"
     return f"{form} r{knobs['rows']} l{knobs['lanes']} v{knobs['vec']}"
+
+
+def _cases(plan: str) -> list[tuple[str, str, dict, list[dict], dict]]:
+    """(template, size label, shape, knob sets, the old default) per case of ``plan``: ``s7`` the templates of
+    :data:`TEMPLATES` at :data:`ROWS` with :data:`VARIANTS`; ``s11norm`` :data:`S11_CASES`, the compile path's
+    current knob set (the model's first, as the compiler picks it) first."""
+    if plan == "s7":
+        return [(name, size, {"m": m, "n": HIDDEN}, VARIANTS, OLD_DEFAULT) for name in TEMPLATES
+                for size, m in ROWS.items()]
+    from stof_tvm.compiler.template_choice import TemplateChooser
+    from stof_tvm.schedules.templates import get_template
+    from stof_tvm.schedules.templates.build import cuda_target
+
+    template, chooser = get_template("bias_residual_layernorm"), TemplateChooser(cuda_target(), None)
+    cases = []
+    for size, m, n in S11_CASES:
+        shape = {"m": m, "n": n}
+        current = chooser.knobs(template, shape, "float16").knobs
+        te = [current] + [k for k in S11_TE if k != current and m % k["rows"] == 0]
+        warp = [k for k in S11_WARP if m // (k["warps"] * k["rows_per_warp"]) >= MIN_BLOCKS]
+        cases.append(("bias_residual_layernorm", size, shape, te + warp, current))
+    return cases
+
+
+def _schedule(template, shape: dict, knobs: dict):
+    """The module to build for one knob set: the TE template scheduled, or the warp kernel's PrimFunc."""
+    if "warps" not in knobs:
+        return template.schedule(shape, "float16", knobs)
+    from stof_tvm.schedules.templates.layernorm_warp import warp_layernorm_primfunc
+
+    return warp_layernorm_primfunc(shape["m"], shape["n"], "float16", bias=True, residual=True, **knobs)
 
 
 # ------------------------------------------------------------------------------------------------- build (here)
@@ -67,29 +122,27 @@ def build(args) -> None:
     from stof_tvm.schedules.templates.build import build as build_template
     from stof_tvm.schedules.templates.build import cuda_source, cuda_target
 
-    out = Path(args.out)
+    out = Path(args.out or PLANS[args.plan])
     out.mkdir(parents=True, exist_ok=True)
     target = cuda_target()
     modules, sources, t0 = [], {}, time.time()
-    for name in TEMPLATES:
+    for name, size, shape, variants, old in _cases(args.plan):
         template = get_template(name)
-        for size, m in ROWS.items():
-            shape = {"m": m, "n": HIDDEN}
-            default = template.default_knobs(shape)
-            for knobs in VARIANTS:
-                if knobs not in template.knob_space(shape):
-                    raise ValueError(f"{name} {shape}: {knobs} is not in the knob space")
-                key = f"{name}_{size}_{_label(knobs).replace(' ', '_')}"
-                executable = build_template(template.schedule(shape, "float16", knobs), target)
-                src = cuda_source(executable)
-                executable.export_library(str(out / f"{key}.so"))
-                sources[bl.source_key(src)] = src
-                modules.append({"key": key, "template": name, "size": size, "shape": shape, "knobs": knobs,
-                                "label": _label(knobs), "library": f"{key}.so", "source": bl.source_key(src),
-                                "old_default": knobs == OLD_DEFAULT, "new_default": knobs == default,
-                                "arguments": [[a, list(s), d] for a, s, d in template.arguments(shape)],
-                                "outputs": template.outputs()})
-            print(f"built {name} {size} ({time.time() - t0:.0f} s)", flush=True)
+        default = template.default_knobs(shape)
+        for knobs in variants:
+            if "warps" not in knobs and knobs not in template.knob_space(shape):
+                raise ValueError(f"{name} {shape}: {knobs} is not in the knob space")
+            key = f"{name}_{size.replace(' ', '_')}_{_label(knobs).replace(' ', '_')}"
+            executable = build_template(_schedule(template, shape, knobs), target)
+            src = cuda_source(executable)
+            executable.export_library(str(out / f"{key}.so"))
+            sources[bl.source_key(src)] = src
+            modules.append({"key": key, "template": name, "size": size, "shape": shape, "knobs": knobs,
+                            "label": _label(knobs), "library": f"{key}.so", "source": bl.source_key(src),
+                            "old_default": knobs == old, "new_default": knobs == default and args.plan == "s7",
+                            "arguments": [[a, list(s), d] for a, s, d in template.arguments(shape)],
+                            "outputs": template.outputs()})
+        print(f"built {name} {size} ({time.time() - t0:.0f} s)", flush=True)
 
     def compile_one(item):
         key, src = item
@@ -193,10 +246,10 @@ def _compile_worker(shapes: str) -> None:
     """Child process (``run --compile-worker``): compile the torch chains so the parent's compile hits the cache."""
     import torch
 
-    for template, m in json.loads(shapes):
-        t = {name: torch.randn(m, HIDDEN, device="cuda").half() for name in ("x", "residual")}
+    for template, m, n in json.loads(shapes):
+        t = {name: torch.randn(m, n, device="cuda").half() for name in ("x", "residual")}
         for name in (("bias", "gamma", "beta") if template == "bias_residual_layernorm" else ("weight",)):
-            t[name] = torch.randn(HIDDEN, device="cuda").half()
+            t[name] = torch.randn(n, device="cuda").half()
         torch.compile(torch_chain(template), dynamic=False)(t)
     torch.cuda.synchronize()
 
@@ -208,14 +261,16 @@ def run(args) -> None:
 
     from stof_tvm.cuda_runtime import ensure_cuda_runtime
 
-    out = Path(args.out)
+    out = Path(args.out or PLANS[args.plan])
     manifest = json.loads((out / "manifest.json").read_text())
-    cases = sorted({(m["template"], m["size"]) for m in manifest["modules"]}, key=lambda c: (c[1], c[0]))
+    cases = list(dict.fromkeys((m["template"], m["size"]) for m in manifest["modules"]))
+    shapes = {(m["template"], m["size"]): m["shape"] for m in manifest["modules"]}
     worker = None
     if not args.no_compile:   # Inductor compiles on the CPU while the TVM kernels are checked and timed
-        shapes = json.dumps([[template, ROWS[size]] for template, size in cases])
+        shapes_arg = json.dumps([[template, shapes[(template, size)]["m"], shapes[(template, size)]["n"]]
+                                 for template, size in cases])
         log = open(bl.out_dir() / "compile_worker.log", "w")  # noqa: SIM115 (the worker writes it while we run)
-        worker = subprocess.Popen([sys.executable, __file__, "run", "--out", str(out), "--compile-worker", shapes],
+        worker = subprocess.Popen([sys.executable, __file__, "run", "--out", str(out), "--compile-worker", shapes_arg],
                                   stdout=log, stderr=subprocess.STDOUT, text=True)
     if not ensure_cuda_runtime():
         raise RuntimeError("TVM's CUDA runtime could not be loaded")
@@ -227,8 +282,8 @@ def run(args) -> None:
     pools = {}
     for template, size in cases:
         mods = [m for m in manifest["modules"] if m["template"] == template and m["size"] == size]
-        m = ROWS[size]
-        nbytes = activation_bytes(template, m, HIDDEN)
+        m, n = shapes[(template, size)]["m"], shapes[(template, size)]["n"]
+        nbytes = activation_bytes(template, m, n)
         sets = max(2, int(2.5 * L2_BYTES / nbytes + 0.999))
         pool = make_inputs(torch, template, mods[0]["arguments"], mods[0]["outputs"], sets)
         pools[(template, size)] = pool
@@ -239,7 +294,8 @@ def run(args) -> None:
         with torch.no_grad():
             eager_us = gpu_time_us(torch, [lambda t=t: chain({k: t[k] for k in inputs}) for t in pool])
             warm_us = bl.time_ms(lambda: chain({k: pool[0][k] for k in inputs}), warmup=3, samples=10).median_ms * 1e3
-        base = {"template": template, "size": size, "m": m, "n": HIDDEN, "bytes": nbytes}
+        base = {"template": template, "size": size, "m": m, "n": n, "bytes": nbytes,
+                "floor_us": nbytes / (bl.PEAK_TBPS * 1e12) * 1e6}
         rows.append(dict(base, kernel="torch eager", us=eager_us, us_warm=warm_us))
         for info in mods:
             row = dict(base, kernel=info["label"], knobs=info["knobs"], old_default=info["old_default"],
@@ -266,7 +322,7 @@ def run(args) -> None:
                                                   for r in rows if r["template"] == template and r["size"] == size),
               flush=True)
     if worker is not None:
-        _torch_compile_rows(torch, worker, cases, pools, rows, started, args.budget)
+        _torch_compile_rows(torch, worker, cases, shapes, pools, rows, started, args.budget)
     payload["cubins"] = {"hits": cubins.hits, "misses": len(cubins.misses)}
     _summarise(rows)
     bl.write_json(json_path, payload)
@@ -275,7 +331,7 @@ def run(args) -> None:
           f"JSON {json_path}")
 
 
-def _torch_compile_rows(torch, worker, cases, pools, rows, started, budget) -> None:
+def _torch_compile_rows(torch, worker, cases, shapes, pools, rows, started, budget) -> None:
     """torch.compile of each chain (cache warmed by the worker) where the budget still allows it."""
     try:
         worker.wait(timeout=max(1.0, budget - 15 - (time.time() - started)))
@@ -297,8 +353,9 @@ def _torch_compile_rows(torch, worker, cases, pools, rows, started, budget) -> N
         with torch.no_grad():
             us = gpu_time_us(torch, [lambda t=t: compiled({k: t[k] for k in inputs}) for t in pool])
             warm = bl.time_ms(lambda: compiled({k: pool[0][k] for k in inputs}), warmup=3, samples=10).median_ms
-        rows.append({"template": template, "size": size, "m": ROWS[size], "n": HIDDEN, "kernel": "torch.compile",
-                     "bytes": activation_bytes(template, ROWS[size], HIDDEN), "us": us, "us_warm": warm * 1e3})
+        m, n = shapes[(template, size)]["m"], shapes[(template, size)]["n"]
+        rows.append({"template": template, "size": size, "m": m, "n": n, "kernel": "torch.compile",
+                     "bytes": activation_bytes(template, m, n), "us": us, "us_warm": warm * 1e3})
 
 
 def _summarise(rows) -> None:
@@ -325,12 +382,12 @@ def _print(rows) -> None:
         return ("old default" if r.get("old_default") else "") + ("new default" if r.get("new_default") else "")
 
     table = [dict(r, tag=tag(r), err="-" if "rel_err" not in r else f"{r['rel_err']:.1e}") for r in rows]
-    bl.print_table(table, [("template", "template", ""), ("size", "BxS", ""), ("kernel", "kernel", ""),
-                           ("tag", "", ""), ("us", "us", ".1f"), ("gbps", "GB/s", ".0f"),
-                           ("fraction", "of 4.2 TB/s", ".2f"), ("us_warm", "us warm", ".1f"),
-                           ("vs_old", "vs old", ".2f"),
+    bl.print_table(table, [("template", "template", ""), ("size", "BxS", ""), ("n", "n", "d"),
+                           ("kernel", "kernel", ""), ("tag", "", ""), ("us", "us", ".1f"),
+                           ("floor_us", "floor us", ".1f"), ("gbps", "GB/s", ".0f"),
+                           ("fraction", "of 4.2 TB/s", ".2f"), ("us_warm", "us warm", ".1f"), ("vs_old", "vs old", ".2f"),
                            ("vs_torch", "vs best torch", ".2f"), ("err", "rel err", "")],
-                   title="Row normalisations between GEMMs, hidden 768, fp16 (H200; us per call on HBM-cold inputs, "
+                   title="Row normalisations between GEMMs, fp16 (H200; us per call on HBM-cold inputs, "
                          "GB/s and fraction from those; us warm: the same inputs back to back)")
 
 
@@ -338,10 +395,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="compile the kernels and their sm_90a cubins here")
-    b.add_argument("--out", default="out/s7ln")
+    b.add_argument("--plan", choices=sorted(PLANS), default="s7")
+    b.add_argument("--out", default=None, help="default: the plan's folder (PLANS)")
     b.add_argument("--jobs", type=int, default=2, help="parallel nvcc processes")
     r = sub.add_parser("run", help="check and time on the GPU machine (TVM runtime only)")
-    r.add_argument("--out", default="out/s7ln")
+    r.add_argument("--plan", choices=sorted(PLANS), default="s7")
+    r.add_argument("--out", default=None, help="default: the plan's folder (PLANS)")
     r.add_argument("--json", default=None, help="default: $OUT/rownorm.json")
     r.add_argument("--budget", type=float, default=50.0, help="seconds; torch.compile rows only within it")
     r.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
