@@ -81,6 +81,16 @@ compile path now runs them on wgmma without padding (ViT-Base at 1 x 197, 8 x 19
 The GEMMs' outputs are the first m rows of a poisoned buffer :data:`GUARD_ROWS` rows longer, whose rows past m must
 stay untouched (the partial last tile's stores are guarded); the QKV projection's [3, B, H, S, D] output is poisoned
 whole. The same two-process command with ``--plan s10ragged`` and ``out/s10ragged`` carried.
+
+``--plan s11big`` (issue 17; default folder ``out/s11big``): RoBERTa-base's four GEMMs at 16 x 2048 tokens (32768
+rows), whose per-call times in the compile path's profile (session 10, call 7) were up to 20% above the best
+standalone ones, and ViT-Base's FFN up + GELU and FFN down at 1576 and 6304 rows (0.85-0.93x cuBLAS in s10ragged):
+per case the knob space's first set (the compile path's untuned pick) and :data:`BIG_CANDIDATES` (cp.async and TMA
+loads, 128 x 192 / 256 x 192 ping-pong and cooperative, 128 x 256, stage counts; at ViT's rows 64-row ping-pong tiles
+and split-K over several waves), beside cuBLAS; GEMM outputs in a poisoned buffer :data:`GUARD_ROWS` rows longer.
+Each module and cuBLAS is also timed over sustained back-to-back samples and one call at a time between device
+synchronisations, as ``stof-tvm bench --profile`` times a call (:func:`in_model_timings`); the table comparing every
+set with the default comes last. The same two-process command with ``--plan s11big`` and ``out/s11big`` carried.
 """
 from __future__ import annotations
 
@@ -139,9 +149,46 @@ RAGGED_CASES = [case for batch in (1, 8, 32) for case in (
     ("gemm_bias_wgmma", {"m": 197 * batch, "n": 768, "k": 3072}),
     ("gemm_bias_wgmma", {"m": 197 * batch, "n": 768, "k": 768}))]
 GUARD_ROWS = 128    # poisoned rows after a GEMM's m output rows, which its kernel must not write
+# --plan s11big: RoBERTa-base's four GEMMs at 16 x 2048 tokens (32768 rows, the compile path's forms: the attention
+# output and FFN down without bias, which the bias + residual LayerNorm adds) and ViT-Base's FFN up + GELU and FFN down
+# at 8 and 32 x 197 tokens (1576 and 6304 rows, bias in the GEMM), where cuBLAS was 1.07-1.18x faster (s10ragged)
+BIG_CASES = TMA_CASES[:4] + [case for case in RAGGED_CASES[4:] if case[0] != "qkv_projection_wgmma"
+                             and case[1]["n"] * case[1]["k"] == 3072 * 768]
+# ... per GEMM (m, n, k) the sets timed beside the knob space's first (the compile path's untuned pick), as (block_m,
+# block_n, stages, pingpong, loads, split_k): unsplit sets are persistent and staged (fast_gelu for the GELU), split
+# ones cooperative one tile a block. Ping-pong tiles are 128 x 128 at block_n 128, 64 rows at 192 and 256, and
+# 128 x 192 with block_m 256 (two tiles in flight, one per consumer).
+# At ViT's rows the candidates fill the SMs' waves better than the default: 64 x 192 / 64 x 256 ping-pong tiles (6304
+# rows: 396 and 1188 tiles, whole waves of 132), 128 x 128 ping-pong, and split-K past the knob space's one-wave
+# limit (clusters of 2-3 blocks: FFN down at 1576 rows has 52-78 tiles)
+_COOP, _PP = False, True
+BIG_CANDIDATES = {
+    (32768, 2304, 768): [(256, 192, 3, _COOP, "tma", 1), (256, 192, 4, _PP, "tma", 1),
+                         (256, 192, 4, _PP, "cp.async", 1), (128, 192, 4, _COOP, "tma", 1),
+                         (128, 256, 4, _COOP, "tma", 1), (128, 128, 4, _PP, "tma", 1)],
+    (32768, 3072, 768): [(256, 192, 4, _PP, "cp.async", 1), (256, 192, 5, _PP, "tma", 1),
+                         (256, 192, 3, _COOP, "tma", 1), (128, 256, 4, _COOP, "tma", 1),
+                         (128, 256, 4, _PP, "tma", 1), (128, 128, 4, _PP, "tma", 1)],
+    (32768, 768, 3072): [(256, 192, 3, _COOP, "cp.async", 1), (256, 192, 4, _PP, "tma", 1),
+                         (256, 192, 5, _PP, "tma", 1), (128, 192, 4, _COOP, "tma", 1),
+                         (128, 256, 4, _COOP, "tma", 1), (128, 128, 4, _PP, "tma", 1)],
+    (32768, 768, 768): [(256, 192, 3, _COOP, "cp.async", 1), (256, 192, 4, _PP, "tma", 1),
+                        (128, 192, 4, _COOP, "tma", 1), (128, 192, 5, _COOP, "tma", 1),
+                        (128, 256, 4, _COOP, "tma", 1), (128, 128, 4, _PP, "tma", 1)],
+    (1576, 3072, 768): [(128, 128, 4, _PP, "tma", 1), (128, 192, 4, _COOP, "tma", 1), (128, 256, 4, _PP, "tma", 1)],
+    (1576, 768, 3072): [(128, 192, 4, _PP, "tma", 1), (128, 192, 4, _COOP, "cp.async", 2),
+                        (128, 256, 4, _COOP, "cp.async", 3), (128, 256, 4, _COOP, "cp.async", 2)],
+    (6304, 3072, 768): [(128, 256, 4, _PP, "tma", 1), (128, 128, 4, _PP, "tma", 1), (128, 256, 4, _COOP, "tma", 1),
+                        (128, 128, 4, _COOP, "tma", 1)],
+    (6304, 768, 3072): [(128, 192, 4, _PP, "tma", 1), (128, 192, 4, _COOP, "cp.async", 3),
+                        (128, 128, 4, _COOP, "cp.async", 2)],
+}
+SUSTAINED_MS = 50.0   # --plan s11big: each sustained sample this long (back-to-back calls, as in a whole forward)
+PROFILED_CALLS = 50   # --plan s11big: calls timed one by one between device synchronisations (as --profile does)
 PLANS = {"small_k": (CASES, OUT), "s8tma": (TMA_CASES, ROOT / "out" / "s8gemm_tma"),
          "s9splitk": (SPLITK_CASES, ROOT / "out" / "s9splitk"), "s9wide": (WIDE_CASES, ROOT / "out" / "s9wide"),
-         "s10gemm": (S10_CASES, ROOT / "out" / "s10gemm"), "s10ragged": (RAGGED_CASES, ROOT / "out" / "s10ragged")}
+         "s10gemm": (S10_CASES, ROOT / "out" / "s10gemm"), "s10ragged": (RAGGED_CASES, ROOT / "out" / "s10ragged"),
+         "s11big": (BIG_CASES, ROOT / "out" / "s11big")}
 # --plan s9splitk: the compile path's wgmma knobs before split-K and the knob order by wave efficiency (commit
 # 098a891; GEMMs with fewer than WGMMA_MIN_TILES 128 x 128 tiles ran the mma.sync template the model ranks first)
 HEAD_WGMMA = {"block_n": 192, "stages": 3, "persistent": True, "pingpong": False, "block_m": 256, "staged": True}
@@ -162,10 +209,10 @@ MODEL_SEEDS = (0, 1, 0)             # the calls' input sets: capture, replay on 
 def is_new(knobs, plan: str = "", default: bool | None = None) -> bool:
     """Whether a knob set uses a value added by this work: 256-row tiles or the staged epilogue (``small_k``); TMA
     loads (``s8tma``: "new" is TMA, "old" cp.async, so the summary's best new / best old is TMA / cp.async); split-K
-    (``plan`` s9splitk)."""
+    (``plan`` s9splitk); every set but the knob space's first (s9wide, s10ragged, s11big)."""
     if plan == "s9splitk":
         return knobs.get("split_k", 1) > 1
-    if plan in ("s9wide", "s10ragged"):
+    if plan in ("s9wide", "s10ragged", "s11big"):
         return default is False
     if plan == "s10gemm":   # the 128 x 192 ping-pong tiles (block_m 256 with pingpong)
         return knobs.get("pingpong", False) and knobs.get("block_m", 128) == 256
@@ -251,6 +298,26 @@ def ragged_knob_sets(space) -> list[dict]:
     return [space[0]] + ([other] if other else [])
 
 
+def big_knob_sets(name, shape, space) -> list[dict]:
+    """``--plan s11big``: the knob space's first set (the compile path's untuned pick), then the case's
+    :data:`BIG_CANDIDATES` (in the space or not: cp.async twins of TMA sets, split-K past one wave); each set once."""
+    m, n, k = gemm_dims(name, shape)
+    sets = [space[0]]
+    for block_m, block_n, stages, pingpong, loads, split in BIG_CANDIDATES[(m, n, k)]:
+        if split > 1:
+            sets.append({"block_n": block_n, "stages": stages, "persistent": False, "pingpong": False,
+                         "split_k": split, "loads": loads})
+            continue
+        knobs = {"block_n": block_n, "stages": stages, "persistent": True, "pingpong": pingpong, "staged": True,
+                 "loads": loads}
+        if block_m != 128:
+            knobs["block_m"] = block_m
+        if "gelu" in name:
+            knobs["fast_gelu"] = True
+        sets.append(knobs)
+    return [kn for i, kn in enumerate(sets) if kn not in sets[:i]]
+
+
 def mma_twin(name: str) -> str:
     """The mma.sync template (weight [k, n]) the compile path runs where a GEMM stays off wgmma."""
     return "qkv_projection_kn" if name == "qkv_projection_wgmma" else name.removesuffix("_wgmma") + "_kn"
@@ -314,7 +381,8 @@ def build(args) -> None:
         chosen = {"s8tma": tma_knob_sets, "s9splitk": lambda sp: splitk_knob_sets(name, shape, sp),
                   "s9wide": lambda sp: wide_knob_sets(name, shape, sp),
                   "s10gemm": lambda sp: schedule_knob_sets(name, shape, sp),
-                  "s10ragged": ragged_knob_sets}.get(args.plan, choose_knobs)(space)
+                  "s10ragged": ragged_knob_sets,
+                  "s11big": lambda sp: big_knob_sets(name, shape, sp)}.get(args.plan, choose_knobs)(space)
         for knobs in chosen:
             key = f"{ckey}__{knob_tag(knobs)}"
             if "mma" in knobs:
@@ -334,7 +402,7 @@ def build(args) -> None:
         manifest["cases"].append(entry)
     bad = {key: info for key, info in manifest["modules"].items()
            if info["spill_stores"] or info["spill_loads"] or info["stack_frame"] or info["warnings"]}
-    if bad and args.plan in ("s9wide", "s10gemm"):   # a sweep: report a spilling set, do not time it
+    if bad and args.plan in ("s9wide", "s10gemm", "s11big"):   # a sweep: report a spilling set, do not time it
         print(f"ptxas spilled or warned, dropped: {sorted(bad)}")
         manifest["dropped"] = sorted(bad)
         for case in manifest["cases"]:
@@ -467,6 +535,8 @@ def run(args) -> None:
         table(results)
         if manifest.get("suite") == "s8tma":
             table_tma(results)
+        if manifest.get("suite") == "s11big":
+            table_big(results, manifest["modules"])
         if manifest.get("suite") == "s9splitk":
             table_splitk(results, manifest["modules"])
             for call in models.get("calls", []):
@@ -515,6 +585,8 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
         if args.only != "check":
             row.update(cublas_ms=common.median_ms(gemm, args.iters, args.reps),
                        eager_ms=common.median_ms(eager, args.iters, args.reps))
+            if args.plan == "s11big":
+                row.update({f"cublas_{field}": ms for field, ms in in_model_timings(gemm, row["cublas_ms"]).items()})
     args_in = [a, w] + ([bias] if name != "gemm_wgmma" else [])
     w_kn = None
     for key in keys:
@@ -535,7 +607,7 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
         except Exception as err:  # a failed load is a result to report, not a reason to stop the run
             row["kernels"][key] = dict(entry, error=f"load: {err}"[:300])
             continue
-        guard = GUARD_ROWS if ref.dim() == 2 and args.plan == "s10ragged" else 0
+        guard = GUARD_ROWS if ref.dim() == 2 and args.plan in ("s10ragged", "s11big") else 0
         padded_out = torch.full((ref.shape[0] + guard, *ref.shape[1:]), float("nan"), device=dev,
                                 dtype=torch.float16)
         out = padded_out[:ref.shape[0]]   # the first rows: the kernel's output; the rest must stay NaN
@@ -567,6 +639,8 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
             entry["ms"] = common.median_ms(lambda: func(*tv), args.iters, args.reps)
             entry["tflops"] = flops / entry["ms"] / 1e9
             entry["vs_cublas"] = row["cublas_ms"] / entry["ms"]
+            if args.plan == "s11big":
+                entry.update(in_model_timings(lambda: func(*tv), entry["ms"]))
         elif not entry["correct"]:
             entry["diagnosis"] = common._diagnose(torch, out.float().reshape(-1, ref.shape[-1]),
                                                   ref.reshape(-1, ref.shape[-1]))
@@ -582,6 +656,17 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
         timed = [(e["ms"], key) for key, e in row["kernels"].items() if e["new"] == new and "ms" in e]
         row["best_new" if new else "best_old"] = min(timed) if timed else None
     return row
+
+
+def in_model_timings(fn, ms: float) -> dict:
+    """``--plan s11big``: a call (``ms`` per call in the usual timing) timed as a whole forward runs it and as
+    ``stof-tvm bench --profile`` measures it: ``sustained_ms``, the median of 5 samples of back-to-back calls lasting
+    :data:`SUSTAINED_MS` each (the clocks under a sustained load), and ``profiled_ms``, the median wall time of one call
+    between device synchronisations (:data:`PROFILED_CALLS` of them: the launch, the host's work such as encoding
+    TMA maps, and the synchronisation included)."""
+    number = max(1, min(5000, round(SUSTAINED_MS / ms)))
+    return {"sustained_ms": bl.time_ms(fn, warmup=5, samples=5, number=number).median_ms,
+            "profiled_ms": bl.time_ms(fn, device="cuda-wall", warmup=5, samples=PROFILED_CALLS, number=1).median_ms}
 
 
 def graph_replay(torch, func, case, args_in, out, tv) -> dict:
@@ -732,6 +817,39 @@ def table_splitk(results, modules) -> None:
           "set now, pred = the model's time for it, split = the fastest split-K set; x before = before / best)")
 
 
+def table_big(results, modules) -> None:
+    """``--plan s11big``, printed last: per case cuBLAS, then every knob set (the default, the compile path's untuned
+    pick, first) with its time against the default and cuBLAS, sustained and as the profiler measures it; then per
+    case the fastest set."""
+    print(f"\n{'case / knobs':58s} {'ms':>7s} {'TFLOP/s':>7s} {'x dflt':>6s} {'x cuBLAS':>8s} {'sustain':>7s} "
+          f"{'profiled':>8s}")
+    best = {}
+    for row in results:
+        print(f"{row['case'].removesuffix('_' + DTYPE):58s} {row['cublas_ms']:7.4f} "
+              f"{row['flops'] / row['cublas_ms'] / 1e9:7.0f} {'':6s} {'(cuBLAS)':>8s} "
+              f"{row.get('cublas_sustained_ms', float('nan')):7.4f} {row.get('cublas_profiled_ms', float('nan')):8.4f}")
+        timed = {key: e for key, e in row["kernels"].items() if "ms" in e}
+        default = next((e["ms"] for key, e in timed.items() if modules[key]["default"]), None)
+        for key, e in row["kernels"].items():
+            tag = ("* " if modules[key]["default"] else "  ") + key.split("__")[1]
+            if key not in timed:
+                print(f"  {tag:56s} {e.get('error') or 'WRONG err %.1e' % e.get('rel_err', float('nan'))}")
+                continue
+            vs_default = f"{default / e['ms']:6.3f}" if default else f"{'-':>6s}"
+            print(f"  {tag:56s} {e['ms']:7.4f} {e['tflops']:7.0f} {vs_default} {e['vs_cublas']:8.3f} "
+                  f"{e.get('sustained_ms', float('nan')):7.4f} {e.get('profiled_ms', float('nan')):8.4f}")
+        if timed:
+            key = min(timed, key=lambda key: timed[key]["ms"])
+            best[row["case"]] = (key.split("__")[1], timed[key]["ms"], default, row["cublas_ms"])
+    print(f"\n{'case':46s} {'default':>7s} {'best':>7s} {'x dflt':>6s} {'x cuBLAS':>8s}  best knobs")
+    for case, (tag, ms, default, cublas) in best.items():
+        print(f"{case.removesuffix('_' + DTYPE):46s} {default or float('nan'):7.4f} {ms:7.4f} "
+              f"{(default or float('nan')) / ms:6.3f} {cublas / ms:8.3f}  {tag}")
+    print("(ms per call, CUDA events, median of the usual samples; * = the knob space's first set, the compile path's "
+          "untuned pick; x dflt = default ms / ms; sustain = back-to-back for 50 ms a sample; profiled = one call "
+          "between device synchronisations, as stof-tvm bench --profile times it)")
+
+
 def main(argv=None) -> None:
     global OUT
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -750,7 +868,8 @@ def main(argv=None) -> None:
                        help="small_k: the session-4 knob sets; s8tma: cp.async vs TMA loads (issue 17); "
                             "s9splitk: split-K and the new defaults at 128-4096 rows (issue 17); "
                             "s9wide: the 4096-row defaults against the model's best-ranked sets; "
-                            "s10gemm: the tile schedules at the 4096-row GEMMs; s10ragged: GEMMs of any m")
+                            "s10gemm: the tile schedules at the 4096-row GEMMs; s10ragged: GEMMs of any m; "
+                            "s11big: the 32768-row GEMMs and ViT-Base's at 1576 / 6304 rows")
         p.add_argument("--out", type=Path, default=None,
                        help="artifact folder (default out/wgmma_small_k, --plan s8tma: out/s8gemm_tma)")
     args = parser.parse_args(argv)

@@ -188,9 +188,8 @@ def test_tiny_roberta_with_tma_gemms_builds_for_cuda_graphs(hf_export, monkeypat
     assert b"runtime.cuTensorMapEncodeTiled" in library.read_bytes()
 
 
-def test_gpu_plan_pairs_each_knob_set_with_both_loads():
-    """``scripts/bench_wgmma_small_k.py --plan s8tma`` times, per RoBERTa-base GEMM, the compile path's first knob
-    set and one more tile shape, each with cp.async and with TMA loads (the pairs its last table compares)."""
+def _bench_module():
+    """``scripts/bench_wgmma_small_k.py`` imported as a module (its own imports from scripts/ resolved)."""
     import importlib.util
     import sys
 
@@ -202,6 +201,13 @@ def test_gpu_plan_pairs_each_knob_set_with_both_loads():
         spec.loader.exec_module(bench)
     finally:
         sys.path.remove(str(scripts))
+    return bench
+
+
+def test_gpu_plan_pairs_each_knob_set_with_both_loads():
+    """``scripts/bench_wgmma_small_k.py --plan s8tma`` times, per RoBERTa-base GEMM, the compile path's first knob
+    set and one more tile shape, each with cp.async and with TMA loads (the pairs its last table compares)."""
+    bench = _bench_module()
     assert len(bench.TMA_CASES) == 8
     for name, shape in bench.TMA_CASES:
         space = get_template(name).knob_space(shape, "float16")
@@ -212,3 +218,25 @@ def test_gpu_plan_pairs_each_knob_set_with_both_loads():
         assert sets[0] != sets[2] and all(bench.is_new(kn) == (kn["loads"] == "tma") for kn in sets)
         tags = [bench.knob_tag(kn) for kn in sets]
         assert len(set(tags)) == 4 and tags[1] == tags[0].removesuffix("_cpasync") + "_tma"
+
+
+def test_big_gpu_plan_times_the_default_first_then_each_candidate_once():
+    """``--plan s11big``: per case the knob space's first set (the compile path's pick) and then its candidates, each
+    once and valid for the shape (split-K ones cooperative, one tile a block); 32768-row QKV, ViT's FFN down."""
+    from stof_tvm.schedules.templates.wgmma_kernel import check_wgmma_shape
+
+    bench = _bench_module()
+    cases = {bench.gemm_dims(name, shape): (name, shape) for name, shape in bench.BIG_CASES}
+    assert set(cases) == set(bench.BIG_CANDIDATES) and len(cases) == 8
+    for dims in ((32768, 2304, 768), (1576, 768, 3072)):
+        name, shape = cases[dims]
+        template = get_template(name)
+        space = template.knob_space(shape, "float16")
+        sets = bench.big_knob_sets(name, shape, space)
+        tags = [bench.knob_tag(kn) for kn in sets]
+        assert sets[0] == space[0] and len(set(tags)) == len(sets) == 1 + len(bench.BIG_CANDIDATES[dims])
+        for knobs in sets:
+            config = template.config(knobs)
+            check_wgmma_shape(*dims, config)
+            assert config.staged != (config.split_k > 1) and config.persistent == (config.split_k == 1)
+    assert "n192_s4_k2_cpasync" in tags and "n192_s4_k2_cpasync" not in map(bench.knob_tag, space)
