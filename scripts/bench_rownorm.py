@@ -26,10 +26,11 @@ Two steps, because the GPU machine has TVM's runtime only:
 path's current kernel (the scheduled TE template, its model-ranked knob set: "old default" in the table) and other
 register-row knob sets, against the thread-level warp kernel of :mod:`stof_tvm.schedules.templates.layernorm_warp`
 (each warp takes ``rows_per_warp`` rows with the next row's loads in flight) at a few block sizes, rows per warp and
-occupancy targets; beside torch eager ``F.layer_norm(x + residual + bias)`` (no torch.compile: ``--no-compile``)::
+occupancy targets; plain LayerNorm (pre-LN GPT-2, ViT) the same way at 32768 and 4096 rows of 768; beside torch eager
+``F.layer_norm(x + residual + bias)`` (no torch.compile: ``--no-compile``)::
 
     python scripts/bench_rownorm.py build --plan s11norm
-    python3 scripts/bench_rownorm.py run --plan s11norm --no-compile   # GPU machine, ~40 s
+    python3 scripts/bench_rownorm.py run --plan s11norm --no-compile   # GPU machine, ~60 s
 """
 from __future__ import annotations
 
@@ -57,9 +58,12 @@ VARIANTS = [OLD_DEFAULT, {"rows": 2, "lanes": 32, "vec": 8, "registers": 0},
 LN_EPS, RMS_EPS = 1e-5, 1e-6
 TOLERANCE = 5e-3
 L2_BYTES = 60e6          # pool of input sets per case: together at least 2.5x this
-# --plan s11norm: (size label, m, n) of bias + residual + LayerNorm; per case the compile path's TE knob set (the
+# --plan s11norm: (template, size label, m, n) of bias + residual + LayerNorm and (pre-LN GPT-2, ViT: the sum is
+# a GEMM's output) plain LayerNorm; per case the compile path's TE knob set (the
 # model's first), the other TE register rows of S11_TE, and the warp kernel's sets of S11_WARP that fit its rows
-S11_CASES = [("16x2048", 32768, 768), ("8x512", 4096, 768), ("1x128", 128, 768), ("large 8x2048", 16384, 1024)]
+S11_CASES = [("bias_residual_layernorm", size, m, n) for size, m, n in (
+    ("16x2048", 32768, 768), ("8x512", 4096, 768), ("1x128", 128, 768), ("large 8x2048", 16384, 1024))]
+S11_CASES += [("layernorm", size, m, 768) for size, m in (("16x2048", 32768), ("8x512", 4096))]   # pre-LN
 S11_TE = [{"rows": r, "lanes": 32, "vec": 8, "registers": 1} for r in (8, 4, 2, 1)]
 S11_WARP = [{"warps": w, "rows_per_warp": r, "warps_per_sm": o, "reload": rl}
             for w, r, o, rl in ((8, 1, 0, False), (8, 1, 0, True), (4, 1, 0, False), (8, 2, 0, False),
@@ -73,7 +77,7 @@ PLANS = {"s7": "out/s7ln", "s11norm": "out/s11norm"}
 def activation_bytes(template: str, m: int, n: int) -> int:
     """HBM bytes one call must move: [m, n] fp16 activations read (x, residual) and written (out; residual_rmsnorm
     also the sum)."""
-    tensors = 4 if template == "residual_rmsnorm" else 3
+    tensors = {"residual_rmsnorm": 4, "layernorm": 2}.get(template, 3)
     return tensors * m * n * 2
 
 
@@ -96,14 +100,14 @@ def _cases(plan: str) -> list[tuple[str, str, dict, list[dict], dict]]:
     from stof_tvm.schedules.templates import get_template
     from stof_tvm.schedules.templates.build import cuda_target
 
-    template, chooser = get_template("bias_residual_layernorm"), TemplateChooser(cuda_target(), None)
+    chooser = TemplateChooser(cuda_target(), None)
     cases = []
-    for size, m, n in S11_CASES:
-        shape = {"m": m, "n": n}
+    for name, size, m, n in S11_CASES:
+        template, shape = get_template(name), {"m": m, "n": n}
         current = chooser.knobs(template, shape, "float16").knobs
         te = [current] + [k for k in S11_TE if k != current and m % k["rows"] == 0]
         warp = [k for k in S11_WARP if m // (k["warps"] * k["rows_per_warp"]) >= MIN_BLOCKS]
-        cases.append(("bias_residual_layernorm", size, shape, te + warp, current))
+        cases.append((name, size, shape, te + warp, current))
     return cases
 
 
@@ -113,7 +117,8 @@ def _schedule(template, shape: dict, knobs: dict):
         return template.schedule(shape, "float16", knobs)
     from stof_tvm.schedules.templates.layernorm_warp import warp_layernorm_primfunc
 
-    return warp_layernorm_primfunc(shape["m"], shape["n"], "float16", bias=True, residual=True, **knobs)
+    return warp_layernorm_primfunc(shape["m"], shape["n"], "float16", bias=template.bias, residual=template.residual,
+                                   **knobs)
 
 
 # ------------------------------------------------------------------------------------------------- build (here)
@@ -172,6 +177,10 @@ def torch_chain(template: str):
             return (F.layer_norm(t["x"] + t["residual"] + t["bias"], (t["x"].shape[-1],), t["gamma"], t["beta"],
                                  eps=LN_EPS),)
         return chain
+    if template == "layernorm":
+        def chain(t):
+            return (F.layer_norm(t["x"], (t["x"].shape[-1],), t["gamma"], t["beta"], eps=LN_EPS),)
+        return chain
 
     def chain(t):         # Hugging Face T5: the sum in fp16, the mean square in float32, weight * normalised
         total = t["x"] + t["residual"]
@@ -189,6 +198,8 @@ def reference(template: str, t: dict):
     if template == "bias_residual_layernorm":
         return (F.layer_norm(f["x"] + f["residual"] + f["bias"], (f["x"].shape[-1],), f["gamma"], f["beta"],
                              eps=LN_EPS),)
+    if template == "layernorm":
+        return (F.layer_norm(f["x"], (f["x"].shape[-1],), f["gamma"], f["beta"], eps=LN_EPS),)
     total = (f["x"] + f["residual"]).half().float()
     return total, total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + RMS_EPS) * f["weight"]
 
@@ -248,7 +259,7 @@ def _compile_worker(shapes: str) -> None:
 
     for template, m, n in json.loads(shapes):
         t = {name: torch.randn(m, n, device="cuda").half() for name in ("x", "residual")}
-        for name in (("bias", "gamma", "beta") if template == "bias_residual_layernorm" else ("weight",)):
+        for name in (("weight",) if template == "residual_rmsnorm" else ("bias", "gamma", "beta")):
             t[name] = torch.randn(n, device="cuda").half()
         torch.compile(torch_chain(template), dynamic=False)(t)
     torch.cuda.synchronize()
