@@ -331,3 +331,27 @@ def test_softmax_under_pv_waits_for_the_v_tile_between_softmax_and_product_wait(
     ops = re.findall(r"(MUFU\.EX2|WARPGROUP\.DEPBAR\.LE gsb0, 0x[01])", sass)
     loop = ops[ops.index("WARPGROUP.DEPBAR.LE gsb0, 0x1"):]
     assert loop[:loop.index("WARPGROUP.DEPBAR.LE gsb0, 0x0")].count("MUFU.EX2") == config.block_n // 2 + 2
+
+
+def test_polynomial_exp2_matches_ex2_where_p_is_kept_and_underflows_to_nothing():
+    """``exp2_poly_every``'s steps in float32 (clamp at -125, round by the 1.5 * 2^23 add, degree-4 polynomial of the
+    rest, times 2^j from the exponent bits): within 4e-6 of 2^x down to -125 (P's fp16 rounding is 4.9e-4), and
+    masked scores (-inf) or anything below give at most 2^-125, which P's 16-bit rounding and the row sum lose."""
+    from stof_tvm.schedules.attention_wgmma import _ONE_BITS, _ROUND_MAGIC, EXP2_POLY
+
+    f32 = np.float32
+    x = np.concatenate([np.linspace(-140, 0, 200001, dtype=f32), f32([-np.inf, -1e30, -0.5, 0.5 - 2 ** -24])])
+    xc = np.maximum(x, f32(-125))
+    t = (xc + f32(_ROUND_MAGIC)).astype(f32)
+    frac = (xc - (t - f32(_ROUND_MAGIC))).astype(f32)
+    poly = f32(EXP2_POLY[4])
+    for c in EXP2_POLY[3::-1]:
+        poly = (poly * frac + f32(c)).astype(f32)
+    scale = ((t.view(np.uint32) << np.uint32(23)) + np.uint32(_ONE_BITS)).view(f32)
+    got = (poly * scale).astype(f32)
+    kept = x >= -125
+    assert np.abs(frac).max() <= 0.5
+    assert np.abs(got[kept] / np.exp2(x[kept].astype(np.float64)) - 1).max() < 4e-6
+    assert np.all((got[~kept] > 0) & (got[~kept] <= 2.0 ** -124.5)) and np.float16(got[~kept]).max() == 0
+    with pytest.raises(ValueError, match="exp2_poly_every"):
+        WgmmaAttentionConfig(exp2_poly_every=3).validate(64)
