@@ -22,15 +22,14 @@ Two steps, because the GPU machine has TVM's runtime only:
     python3 scripts/bench_rownorm.py run --out out/s7ln       # on the GPU machine, <= ~50 s
 
 ``--plan s11norm`` (issue 17; folder ``out/s11norm``): bias + residual + LayerNorm at RoBERTa-base's 16x2048,
-8x512 and 1x128 tokens (32768, 4096, 128 rows of 768) and BERT-large's 8x2048 (16384 rows of 1024): the compile
-path's current kernel (the scheduled TE template, its model-ranked knob set: "old default" in the table) and other
-register-row knob sets, against the thread-level warp kernel of :mod:`stof_tvm.schedules.templates.layernorm_warp`
-(each warp takes ``rows_per_warp`` rows with the next row's loads in flight) at a few block sizes, rows per warp and
-occupancy targets; plain LayerNorm (pre-LN GPT-2, ViT) the same way at 32768 and 4096 rows of 768; beside torch eager
-``F.layer_norm(x + residual + bias)`` (no torch.compile: ``--no-compile``)::
+8x512 and 1x128 tokens (32768, 4096, 128 rows of 768) and BERT-large's 8x2048 (16384 rows of 1024), plain LayerNorm
+(pre-LN GPT-2, ViT) at 32768 and 4096 rows of 768: the compile path's kernel (the model-ranked knob set: "old
+default" in the table) and the other register-row tilings, beside torch eager ``F.layer_norm(x + residual + bias)``
+and the memory floor (no torch.compile: ``--no-compile``). Session 11 ran it at 59f749b with a thread-level warp
+kernel beside (each warp taking several rows, the next row's loads in flight; BENCHMARKS.md): no faster, removed::
 
     python scripts/bench_rownorm.py build --plan s11norm
-    python3 scripts/bench_rownorm.py run --plan s11norm --no-compile   # GPU machine, ~60 s
+    python3 scripts/bench_rownorm.py run --plan s11norm --no-compile   # GPU machine, ~20 s
 """
 from __future__ import annotations
 
@@ -59,18 +58,12 @@ LN_EPS, RMS_EPS = 1e-5, 1e-6
 TOLERANCE = 5e-3
 L2_BYTES = 60e6          # pool of input sets per case: together at least 2.5x this
 # --plan s11norm: (template, size label, m, n) of bias + residual + LayerNorm and (pre-LN GPT-2, ViT: the sum is
-# a GEMM's output) plain LayerNorm; per case the compile path's TE knob set (the
-# model's first), the other TE register rows of S11_TE, and the warp kernel's sets of S11_WARP that fit its rows
+# a GEMM's output) plain LayerNorm; per case the compile path's knob set (the model's first), then the other register
+# rows of S11_TE
 S11_CASES = [("bias_residual_layernorm", size, m, n) for size, m, n in (
     ("16x2048", 32768, 768), ("8x512", 4096, 768), ("1x128", 128, 768), ("large 8x2048", 16384, 1024))]
 S11_CASES += [("layernorm", size, m, 768) for size, m in (("16x2048", 32768), ("8x512", 4096))]   # pre-LN
 S11_TE = [{"rows": r, "lanes": 32, "vec": 8, "registers": 1} for r in (8, 4, 2, 1)]
-S11_WARP = [{"warps": w, "rows_per_warp": r, "warps_per_sm": o, "reload": rl}
-            for w, r, o, rl in ((8, 1, 0, False), (8, 1, 0, True), (4, 1, 0, False), (8, 2, 0, False),
-                                (8, 4, 0, False), (4, 4, 0, False), (8, 4, 24, False), (8, 4, 24, True),
-                                (8, 2, 24, True), (4, 16, 0, False), (8, 8, 16, False), (2, 1, 0, False),
-                                (1, 1, 0, False))]
-MIN_BLOCKS = 16          # warp sets with fewer thread blocks than this at a case's rows are left out
 PLANS = {"s7": "out/s7ln", "s11norm": "out/s11norm"}
 
 
@@ -82,9 +75,6 @@ def activation_bytes(template: str, m: int, n: int) -> int:
 
 
 def _label(knobs: dict) -> str:
-    if "warps" in knobs:
-        occupancy = f" o{knobs['warps_per_sm']}" if knobs["warps_per_sm"] else ""
-        return f"warp w{knobs['warps']} r{knobs['rows_per_warp']}{occupancy}{' reload' if knobs['reload'] else ''}"
     form = "reg" if knobs["registers"] else "smem"
     return f"{form} r{knobs['rows']} l{knobs['lanes']} v{knobs['vec']}"
 
@@ -105,20 +95,9 @@ def _cases(plan: str) -> list[tuple[str, str, dict, list[dict], dict]]:
     for name, size, m, n in S11_CASES:
         template, shape = get_template(name), {"m": m, "n": n}
         current = chooser.knobs(template, shape, "float16").knobs
-        te = [current] + [k for k in S11_TE if k != current and m % k["rows"] == 0]
-        warp = [k for k in S11_WARP if m // (k["warps"] * k["rows_per_warp"]) >= MIN_BLOCKS]
-        cases.append((name, size, shape, te + warp, current))
+        cases.append((name, size, shape, [current] + [k for k in S11_TE if k != current and m % k["rows"] == 0],
+                      current))
     return cases
-
-
-def _schedule(template, shape: dict, knobs: dict):
-    """The module to build for one knob set: the TE template scheduled, or the warp kernel's PrimFunc."""
-    if "warps" not in knobs:
-        return template.schedule(shape, "float16", knobs)
-    from stof_tvm.schedules.templates.layernorm_warp import warp_layernorm_primfunc
-
-    return warp_layernorm_primfunc(shape["m"], shape["n"], "float16", bias=template.bias, residual=template.residual,
-                                   **knobs)
 
 
 # ------------------------------------------------------------------------------------------------- build (here)
@@ -135,10 +114,10 @@ def build(args) -> None:
         template = get_template(name)
         default = template.default_knobs(shape)
         for knobs in variants:
-            if "warps" not in knobs and knobs not in template.knob_space(shape):
+            if knobs not in template.knob_space(shape):
                 raise ValueError(f"{name} {shape}: {knobs} is not in the knob space")
             key = f"{name}_{size.replace(' ', '_')}_{_label(knobs).replace(' ', '_')}"
-            executable = build_template(_schedule(template, shape, knobs), target)
+            executable = build_template(template.schedule(shape, "float16", knobs), target)
             src = cuda_source(executable)
             executable.export_library(str(out / f"{key}.so"))
             sources[bl.source_key(src)] = src
@@ -396,8 +375,8 @@ def _print(rows) -> None:
     bl.print_table(table, [("template", "template", ""), ("size", "BxS", ""), ("n", "n", "d"),
                            ("kernel", "kernel", ""), ("tag", "", ""), ("us", "us", ".1f"),
                            ("floor_us", "floor us", ".1f"), ("gbps", "GB/s", ".0f"),
-                           ("fraction", "of 4.2 TB/s", ".2f"), ("us_warm", "us warm", ".1f"), ("vs_old", "vs old", ".2f"),
-                           ("vs_torch", "vs best torch", ".2f"), ("err", "rel err", "")],
+                           ("fraction", "of 4.2 TB/s", ".2f"), ("us_warm", "us warm", ".1f"),
+                           ("vs_old", "vs old", ".2f"), ("vs_torch", "vs best torch", ".2f"), ("err", "rel err", "")],
                    title="Row normalisations between GEMMs, fp16 (H200; us per call on HBM-cold inputs, "
                          "GB/s and fraction from those; us warm: the same inputs back to back)")
 

@@ -26,7 +26,7 @@ static std::unique_ptr<std::barrier<>> block_bar;
 static std::vector<std::unique_ptr<std::barrier<>>> warp_bars;
 static float warp_buf[32][32];
 #define __global__
-#define __launch_bounds__(...)
+#define __launch_bounds__(n)
 #define __restrict__ __restrict
 #define __shared__ static
 inline void __syncthreads() { block_bar->arrive_and_wait(); }
@@ -46,19 +46,9 @@ inline float __shfl_down_sync(unsigned, float v, int offset, int width) {
   float r = exchange(v, seg + offset < width ? lane + offset : lane);
   return r;
 }
-inline float __shfl_xor_sync(unsigned, float v, int mask, int width) {
-  int lane = lin_id() % 32;
-  return exchange(v, (lane / width) * width + ((lane % width) ^ mask));
-}
 inline float __shfl_sync(unsigned, float v, int src, int width) {
   int lane = lin_id() % 32;
   return exchange(v, (lane / width) * width + (src % width));
-}
-// T.ptx["ld.global.nc.v4.b32"]'s helper: 16 bytes into four words
-inline void tvm_builtin_ptx_ld_vec_global_nc_v4_b32(uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3,
-                                                    const void* addr) {
-  const uint32_t* w = static_cast<const uint32_t*>(addr);
-  d0 = w[0]; d1 = w[1]; d2 = w[2]; d3 = w[3];
 }
 template <class K> void launch(K kernel, int grid, int bx, int by) {
   blockDim = {bx, by, 1};
