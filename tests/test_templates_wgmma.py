@@ -311,8 +311,9 @@ def test_cost_model_ranks_staged_sets_first(name, label):
     ranked = rank_template(t, shape, "float16")
     assert len(ranked) == len(t.knob_space(shape, "float16"))          # every set feasible
     assert all(r.candidate.get("staged") for r in ranked[:8])
-    if "gelu_erf" not in name:
-        assert ranked[0].candidate == t.default_knobs(shape, "float16")
+    if "gelu_erf" not in name:   # the measured order's lead (the 128 x 192 ping-pong set measured faster precedes it)
+        assert ranked[0].candidate == next(kn for kn in t.knob_space(shape, "float16")
+                                           if not (kn["pingpong"] and kn.get("block_m") == 256))
     # the model prices fast_gelu like its twin: a stable ranking keeps the fast twin ahead
     for i, r in enumerate(ranked):
         if r.candidate.get("staged") and not r.candidate.get("fast_gelu") and "gelu" in name:
@@ -342,7 +343,8 @@ def test_first_knob_set_where_the_measured_best_is_not_offered(name, shape, firs
     templates lead with the ``fast_gelu`` twins, 256 x 192 staged (no spills with the exp2-polynomial GELU) where m
     allows, like the other GEMMs. A device with less shared memory gets the first staged set that fits it."""
     t = get_template(name)
-    space = [kn for kn in tile_knobs(t.knob_space(shape, "float16")) if "split_k" not in kn]   # small m: split-K first
+    # small m: split-K first, or a 64 x 192 ping-pong set where the tiles fill less than a wave (test_wgmma_ragged_rows)
+    space = [kn for kn in tile_knobs(t.knob_space(shape, "float16")) if "split_k" not in kn and not kn["pingpong"]]
     assert space[0] == dict(first, persistent=True, pingpong=False, staged=True)
     assert any("block_m" in kn for kn in space) == (t.gemm_dims(shape)[0] % 256 == 0)
     small = dataclasses.replace(H200, max_shared_bytes_per_block=100 * 1024)

@@ -102,3 +102,20 @@ def test_a_vit_export_runs_its_gemms_without_padding(hf_export):
             rows = stage["shape"].get("m", stage["shape"].get("batch", 0) * stage["shape"].get("seq", 0))
             if stage["template"].endswith("_wgmma"):
                 assert rows == 63 * 65, stage
+
+
+@pytest.mark.parametrize("shape, lead", [
+    ({"m": 1576, "n": 768, "k": 3072}, True),    # ViT-Base 8 x 197: 0.0150 ms against 0.0193 (s11big)
+    ({"m": 6304, "n": 768, "k": 3072}, False),   # whole waves: 128 x 192 ping-pong keeps the lead
+    ({"m": 4096, "n": 768, "k": 3072}, False),   # 128 tiles of 128 x 192: 64-row ones leave the busiest SM as many
+    ({"m": 1576, "n": 3072, "k": 768}, False),   # 208 tiles: more than one wave
+])
+def test_64_row_pingpong_tiles_lead_where_the_first_set_fills_less_than_a_wave(shape, lead):
+    """The staged 64 x 192 ping-pong set leads where the first set's tiles leave SMs idle and its own leave the
+    busiest SM fewer outputs; the set it displaces follows it."""
+    space = get_template("gemm_bias_wgmma").knob_space(shape, "float16")
+    first = space[0]
+    assert (first["pingpong"] and first["block_n"] == 192 and "block_m" not in first) == lead
+    if lead:
+        assert first["staged"] and first["stages"] == 4 and first["loads"] == "tma" and space.count(first) == 1
+        assert (space[1]["block_n"], space[1]["pingpong"]) == (128, False)

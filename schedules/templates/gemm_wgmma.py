@@ -52,7 +52,9 @@ the best: :func:`measured_order`), then the direct-store sets in their older ord
 staged cooperative set beat every direct-store one at BERT-Base's 32768-token GEMMs, by 1.40-2.24x best against best
 (``scripts/bench_wgmma_small_k.py``; BENCHMARKS.md, session 4). Every shape has staged sets (the QKV projection's
 ``head_dim``, a multiple of 16, holds the 8 columns of a 16-byte store); where the device's shared memory takes none
-of them, the first fitting set leads.
+of them, the first fitting set leads. Two ping-pong sets may take the lead measured faster on the H200: the 128 x 192
+one (:data:`PINGPONG_FIRST`), and where the first set's tiles fill less than one wave of the SMs the 64 x 192 one if
+its tiles leave the busiest SM fewer outputs (:meth:`WgmmaKernelMixin._wave_lead`).
 """
 from __future__ import annotations
 
@@ -106,13 +108,16 @@ SPLIT_K_MIN_STEPS = 3
 # QKV at 128 rows, FFN down at 512 rows), as if in two waves; 96 blocks of 132 SMs
 SPLIT_K_MAX_SHARE = 96 / 132
 # The staged 128 x 192 ping-pong set with 4 stages (block_m 256: two 128-row tiles in flight, one per consumer) leads
-# the space where the measured order's lead is the cooperative tile (block_m, block_n) of a key here (value True: for
-# the erf-GELU template only, the one measured; the tanh GELU's heavier epilogue is the next to measure). H200,
-# session 10 (--plan s10gemm, every check ok), against the space's first set then: the QKV projection at 4096 rows
-# 0.0226 ms against 128 x 192's 0.0255 (cuBLAS 0.0281), FFN down 0.0280 against 0.0283, attention output 0.0105
-# against 0.0104 (ties); the erf GELU GEMM (fast_gelu) 0.0345 against 256 x 192's 0.0355 at 4096 rows, 0.2710 against
-# 0.2740 at 32768. Not measured: the other GEMMs where 256 x 192 leads (32768 rows).
-PINGPONG_FIRST = {(128, 192): False, (256, 192): True}
+# the space where the measured order's lead is the cooperative tile (block_m, block_n) of a key here and the GEMM's k
+# is at most the key's value (None: any k): where a tile's main loop is short, the epilogue the ping-pong hides under
+# the other consumer's MMAs weighs most. H200, session 10 (--plan s10gemm), against the space's first set then: the
+# QKV projection at 4096 rows 0.0226 ms against 128 x 192's 0.0255 (cuBLAS 0.0281), FFN down 0.0280 against 0.0283,
+# attention output 0.0105 against 0.0104 (ties); the erf GELU GEMM (fast_gelu) 0.0345 against 256 x 192's 0.0355 at
+# 4096 rows, 0.2710 against 0.2740 at 32768. Session 11 (--plan s11big, 32768 rows, against 256 x 192; in 10-call
+# bursts / in sustained 50 ms samples): the QKV projection 0.1789 / 0.2032 against 0.1800 / 0.2082 ms, the attention
+# output 0.0589 / 0.0676 against 0.0677 / 0.0718 (k = 768); FFN down (k = 3072) 0.2374 / 0.2477 against 0.2456 /
+# 0.2443, a tie: it keeps 256 x 192. Not measured: the tanh GELU (k = 768: it leads there too).
+PINGPONG_FIRST = {(128, 192): None, (256, 192): 768}
 PINGPONG_FIRST_STAGES = 4
 # Staged sets with this many accumulators a thread or more spill where a tile's stores are guarded (rows not stored)
 GUARDED_STAGED_MAX_ACC = 192
@@ -215,7 +220,7 @@ class WgmmaKernelMixin:
         return kernel.with_attr("stof.spec", func.attrs["stof.spec"])
 
     def _knob_space(self, shape, dtype, hw: Hardware = H200):
-        m, n, _ = self.gemm_dims(shape)
+        m, n, k = self.gemm_dims(shape)
         m = space_rows(m)
         space = [{"block_n": bn, "stages": st, "persistent": p, "pingpong": pp}
                  for p, pp in ((True, False), (False, False), (True, True)) for bn in BLOCK_N_CHOICES
@@ -240,21 +245,41 @@ class WgmmaKernelMixin:
                   if not self._spills_with_guarded_rows(shape, kn)]
         tall_pingpong = [kn for kn in self.tall_pingpong_sets(loaded)
                          if not self._spills_with_guarded_rows(shape, kn)]
-        lead = self._pingpong_lead(loaded[0], tall_pingpong)
-        return ([lead] if lead else []) + loaded + [kn for kn in tall_pingpong if kn is not lead]
+        lead = self._pingpong_lead(loaded[0], tall_pingpong, k)
+        space = ([lead] if lead else []) + loaded + [kn for kn in tall_pingpong if kn is not lead]
+        wave = self._wave_lead(space, m, n, hw.sm_count)
+        return ([wave] if wave else []) + [kn for kn in space if kn is not wave]
 
-    def _pingpong_lead(self, first, tall_pingpong) -> dict | None:
+    def _pingpong_lead(self, first, tall_pingpong, k: int) -> dict | None:
         """The 128 x 192 ping-pong set (4 stages, ``fast_gelu`` as ``first``) that leads the space in place of the
         cooperative set ``first`` where the H200 measured it faster or as fast (:data:`PINGPONG_FIRST`): where
-        ``first`` is staged 128 x 192 cooperative, and for the erf-GELU template also where it is 256 x 192; else
-        None."""
+        ``first`` is staged 128 x 192 cooperative, or 256 x 192 with k at most 768; else None."""
         tile = (first.get("block_m", BLOCK_M), first["block_n"])
-        erf_gelu = getattr(self, "act", "none") == "gelu_erf"
-        if not first.get("staged") or first["pingpong"] or tile not in PINGPONG_FIRST or (PINGPONG_FIRST[tile]
-                                                                                            and not erf_gelu):
+        if not first.get("staged") or first["pingpong"] or tile not in PINGPONG_FIRST or (
+                PINGPONG_FIRST[tile] is not None and k > PINGPONG_FIRST[tile]):
             return None
         return next((kn for kn in tall_pingpong if kn["stages"] == PINGPONG_FIRST_STAGES
                      and kn.get("fast_gelu") == first.get("fast_gelu")), None)
+
+    def _wave_lead(self, space, m: int, n: int, sm_count: int) -> dict | None:
+        """The staged 64 x 192 ping-pong set (4 stages, ``fast_gelu`` as the first set) that leads the space where the
+        first set is unsplit with fewer tiles than SMs (one partial wave) and the 64-row tiles leave the busiest SM
+        fewer outputs (:func:`busiest_sm_outputs`, ``m`` in whole 128-row tiles); else None. H200, session 11 (--plan
+        s11big): ViT-Base's FFN down at 8 x 197 tokens (1576 x 768 x 3072; 78 tiles of 128 x 128, 100 of 64 x 192)
+        0.0150 ms against 0.0193 (sustained 0.0154 against 0.0175; cuBLAS 0.0182). With whole waves the 64-row
+        tiles gain no more: at 6304 rows 0.0565 against 128 x 192 ping-pong's 0.0627, but 0.0585 against 0.0560
+        sustained."""
+        first = space[0]
+        config = self.config(first)
+        if config.split_k > 1 or (m // config.tile_m) * (n // config.block_n) >= sm_count:
+            return None
+        wave = next((kn for kn in space if kn["pingpong"] and kn["block_n"] == 192 and "block_m" not in kn
+                     and kn.get("staged") and kn["stages"] == PINGPONG_FIRST_STAGES
+                     and kn.get("fast_gelu") == first.get("fast_gelu")), None)
+        if wave is None or (busiest_sm_outputs(m, n, self.config(wave).tile_m, 192, sm_count)
+                            >= busiest_sm_outputs(m, n, config.tile_m, config.block_n, sm_count)):
+            return None
+        return wave
 
     def stored_rows(self, shape) -> int:
         """Rows of the output the kernel stores (the GEMM's m; the QKV projection's batch * seq)."""
