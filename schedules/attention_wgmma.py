@@ -135,8 +135,11 @@ KEY_PADDING = True
 # but ptxas moves that wait (WARPGROUP.DEPBAR.LE gsb0, 0x0) above the 64 MUFU.EX2 of the tile, so that it can
 # interleave the F2FP packs of P(i), which overwrite the registers the product still reads, with the exponentials:
 # the softmax then starts only once the product has retired, and the two overlap only across consumers
-# (ping-pong). With ``softmax_under_pv`` the wait for V(i) sits between them (SYNCS.PHASECHK plus a branch to its
-# retry loop): all 66 MUFU.EX2 of a turn come before the DEPBAR, the same registers, no spills.
+# (ping-pong). With ``softmax_under_pv`` a second wait for K(i) sits between them (SYNCS.PHASECHK plus a branch to
+# its retry loop; K(i) has landed, so it passes at once): all 66 MUFU.EX2 of a turn come before the DEPBAR, the
+# same registers, no spills. (Session 11's first form waited there for V(i) instead, moved from the next turn's
+# start: on the H200 causal D64 3 stages 1.019 / 1.007 ms against 0.942 / 0.943, 4 stages 0.982 against 1.013,
+# D128 1.944 / 1.859 against 1.837 / 1.871: the earlier wait for the next V tile can stall on a 3-slot ring.)
 SOFTMAX_UNDER_PV = "ptxas keeps the wait for P(i-1) V(i-1) behind the softmax of tile i"
 # At head dim 64 a 64 x 128 tile costs a consumer as many MUFU clocks (8192 ex2 at 16 a clock an SM) as tensor
 # clocks (S and P V: 2 x 64 x 128 x 64 FMA at 1024 a clock), so the exponentials bound the kernel as much as the
@@ -166,12 +169,12 @@ class WgmmaAttentionConfig:
     dim padded to the next multiple of 64 with zeros, which the copy engine writes for the columns past ``D``;
     ``S`` reads the real columns only, ``O += P V`` runs over the padded width and only ``D`` columns are stored: the
     layout the H200 has checked since session 6, at the cost of the padded product), ``softmax_under_pv`` (each
-    turn waits for its own V tile right after its softmax, instead of the previous tile's V at the next turn's
-    start: that wait is a branch to a retry loop in the SASS, which ptxas does not schedule across, so the wait
-    for ``P(i-1) V(i-1)`` stays behind the softmax of tile ``i``; without it ptxas hoists that wait above the
-    exponentials, to pack ``P(i)`` into the registers ``P(i-1) V(i-1)`` still reads, and the softmax runs after
-    the product instead of under it: :data:`SOFTMAX_UNDER_PV`), ``exp2_poly_every`` (0, or k: every k-th
-    exponential of a row by a polynomial on the FMA pipe instead of MUFU.EX2, :data:`EXP2_POLY`). The tiled format
+    turn waits once more for its own K tile, which has landed, right after its softmax: that wait is a branch to a
+    retry loop in the SASS, which ptxas does not schedule across, so the wait for ``P(i-1) V(i-1)`` stays behind
+    the softmax of tile ``i``; without it ptxas hoists that wait above the exponentials, to pack ``P(i)`` into the
+    registers ``P(i-1) V(i-1)`` still reads, and the softmax runs after the product instead of under it:
+    :data:`SOFTMAX_UNDER_PV`), ``exp2_poly_every`` (0, or k: every k-th exponential of a row by a polynomial on the
+    FMA pipe instead of MUFU.EX2, :data:`EXP2_POLY`). The tiled format
     must be built at ``block_m x block_n`` (``block_m = 64 * consumers``)."""
 
     block_n: int = 128
@@ -485,7 +488,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     PACK = T.ptx[f"cvt.rn.{ab}x2.f32"]
     CP_ASYNC_16 = T.ptx["cp.async.cg.shared.global"]
     TMA = cfg.loads == "tma"
-    UNDER = cfg.softmax_under_pv       # each turn waits for its V tile after its softmax (SOFTMAX_UNDER_PV)
+    UNDER = cfg.softmax_under_pv       # each turn waits for its K tile again after its softmax (SOFTMAX_UNDER_PV)
     POLY = cfg.exp2_poly_every         # every POLY-th exponential of a row by the polynomial (EXP2_POLY)
     # arrivals completing a full mbarrier's phase: every producer thread's (cp.async), or the issuing thread's
     # arrive.expect_tx, the phase then waiting for the copies' transaction bytes too (TMA)
@@ -773,16 +776,13 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
             T.ptx["wgmma.wait_group.sync.aligned"](0)
             softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + (M_OFF + (g0 % ST) * MW_BYTES) // 4, c, w, g,
                     qd, 0, n_part_row, pads, b, tile_col(tiles, 0, n_part_row))
-        if UNDER:
-            wait_parity(flag, ring_bar(base, 2, g0), phase(g0))
         T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 1, g0))
         if compute:
             pack_p(s_acc, p_frag)
         for i in range(1, n_tiles):
             gi: T.let = g0 + i
             wait_parity(flag, ring_bar(base, 0, gi), phase(gi))
-            if not UNDER:
-                wait_parity(flag, ring_bar(base, 2, gi - 1), phase(gi - 1))
+            wait_parity(flag, ring_bar(base, 2, gi - 1), phase(gi - 1))
             if compute and not TMA:
                 T.ptx["fence.proxy.async.shared::cta"]()
             turn_start(o_acc, corr, c, compute, True, compute)
@@ -794,14 +794,13 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                 T.ptx["wgmma.wait_group.sync.aligned"](1)
                 softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + (M_OFF + (gi % ST) * MW_BYTES) // 4, c, w,
                         g, qd, i, n_part_row, pads, b, tile_col(tiles, i, n_part_row))
-            if UNDER:
-                wait_parity(flag, ring_bar(base, 2, gi), phase(gi))
+            if UNDER:        # K(i) has landed: the wait passes at once, a branch ptxas does not schedule across
+                wait_parity(flag, ring_bar(base, 0, gi), phase(gi))
             T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 1, gi))
             retire_pv(o_acc, base, gi - 1, compute)
             if compute:
                 pack_p(s_acc, p_frag)
-        if not UNDER:
-            wait_parity(flag, ring_bar(base, 2, g0 + n_tiles - 1), phase(g0 + n_tiles - 1))
+        wait_parity(flag, ring_bar(base, 2, g0 + n_tiles - 1), phase(g0 + n_tiles - 1))
         if compute and not TMA:
             T.ptx["fence.proxy.async.shared::cta"]()
         turn_start(o_acc, corr, c, compute, True, compute)

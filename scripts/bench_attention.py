@@ -950,38 +950,37 @@ def plan_s10dims() -> list[dict]:
     return cases
 
 
-# s11attn: ptxas's placement of the wait for P(i-1) V(i-1) (schedules/attention_wgmma.py SOFTMAX_UNDER_PV) and, at
-# D64, every k-th exponential on the FMA pipe (EXP2_POLY). Each configuration tuple is a WgmmaAttentionConfig's
-# fields (block_n, stages, pingpong, persistent, consumers, loads, pad_panels, softmax_under_pv, exp2_poly_every);
-# the first of each head dim is the default.
+# s11attn: ptxas's placement of the wait for P(i-1) V(i-1) (schedules/attention_wgmma.py SOFTMAX_UNDER_PV) and
+# every k-th exponential on the FMA pipe (EXP2_POLY). Each configuration tuple is a WgmmaAttentionConfig's fields
+# (block_n, stages, pingpong, persistent, consumers, loads, pad_panels, softmax_under_pv, exp2_poly_every); the
+# first of each head dim is the default. S11_DENSE: the indices of those also timed on the dense mask, S11_REPEAT:
+# timed again at the end (drift within the run).
 S11_TIMED = {64: ((128, 3, True, True, 3, "tma"), (128, 3, True, True, 3, "tma", False, True),
-                  (128, 4, True, True, 3, "tma"), (128, 4, True, True, 3, "tma", False, True),
-                  (128, 3, True, True, 3, "tma", False, True, 8), (128, 3, True, True, 3, "tma", False, True, 16),
-                  (128, 3, True, False, 3, "tma", False, True), (128, 3, True, True, 2, "tma", False, True),
-                  (128, 3, True, True, 2, "tma", False, True, 4)),
+                  (128, 3, True, True, 3, "tma", False, False, 8), (128, 3, True, True, 3, "tma", False, False, 16),
+                  (128, 3, True, True, 3, "tma", False, True, 8), (128, 4, True, True, 3, "tma"),
+                  (128, 4, True, True, 3, "tma", False, True), (128, 4, True, True, 3, "tma", False, True, 8)),
              128: ((128, 2, True, True, 2, "tma"), (128, 2, True, True, 2, "tma", False, True),
-                   (128, 2, True, False, 2, "tma", False, True), (64, 4, True, True, 2, "tma", False, True))}
-S11_DENSE = {64: 5, 128: 2}      # dense: the first n configurations of S11_TIMED
+                   (128, 2, True, True, 2, "tma", False, False, 16))}
+S11_DENSE = {64: (0, 1, 2, 5, 6), 128: (0, 1)}
+S11_REPEAT = {64: (0, 1, 2), 128: (0, 1)}
 
 
-def _under(config, poly: int = 0) -> tuple:
-    """A configuration tuple (fields of WgmmaAttentionConfig) with ``softmax_under_pv`` set (and
-    ``exp2_poly_every``, where ``poly``)."""
+def _knobs(config, under: bool = False, poly: int = 0) -> tuple:
+    """A configuration tuple (fields of WgmmaAttentionConfig) with ``softmax_under_pv`` and ``exp2_poly_every``."""
     config = tuple(config)[:7]
-    return config + (False,) * (7 - len(config)) + (True,) + ((poly,) if poly else ())
+    return config + (False,) * (7 - len(config)) + (under, poly)
 
 
 def plan_s11attn() -> list[dict]:
-    """``softmax_under_pv`` against the defaults on issue 16's causal goals, and at D64 with ``exp2_poly_every``,
-    one short run (checks < 30 s, timings < 85 s). Checks first (S=1000, Q scaled by 8, outputs poisoned, vs
-    float32), of every timed configuration with the knob on causal and per-head random masks with empty rows, and
-    of the D64 / D128 ones on BigBird (partial tiles' bitmaps), a document mask, bf16, Q/K/V as 16-byte-offset
-    views of one packed projection, fresh tensors and a CUDA-graph replay; the key-padded defaults with it (right /
-    left with holes / empty batch rows, causal and sliding); the cp.async producer and the one-block-per-item
-    three-consumer kernel whose last tile row leaves a consumer idle; the polynomial exponentials on BigBird, empty
-    rows in bf16 and key padding. Then causal at D64 B16 H12 S4096 and D128 B4 H16 S8192, every S11_TIMED
-    configuration, then dense with the first S11_DENSE of them, beside FlexAttention and SDPA; the defaults and
-    their ``softmax_under_pv`` twins again at the end (drift within the run)."""
+    """``softmax_under_pv`` and ``exp2_poly_every`` against the defaults on issue 16's causal goals, one short run
+    (checks < 25 s, timings < 45 s). Checks first (S=1000, Q scaled by 8, outputs poisoned, vs float32): every timed
+    configuration with a knob on causal and per-head random masks with empty rows; each knob alone at D64 (and
+    ``softmax_under_pv`` at D128) on BigBird (partial tiles' bitmaps), a document mask, bf16, Q/K/V as
+    16-byte-offset views of one packed projection, fresh tensors and a CUDA-graph replay; the key-padded defaults
+    with each knob (right / left with holes / empty batch rows; causal and sliding); the cp.async producer and the
+    one-block-per-item three-consumer kernel whose last tile row leaves a consumer idle. Then causal at D64 B16 H12
+    S4096 and D128 B4 H16 S8192, every S11_TIMED configuration, dense with those of S11_DENSE, beside
+    FlexAttention and SDPA, and S11_REPEAT's again."""
     from stof_tvm.schedules.attention_wgmma import default_config
 
     cases = []
@@ -990,36 +989,36 @@ def plan_s11attn() -> list[dict]:
         cases.append(dict(_case("check", "wgmma", recipe, batch, heads, 1000, head_dim, dtype, config,
                                 padding=padding), q_scale=8.0, **extra))
 
+    knobs = {64: ((True, 0), (False, 8)), 128: ((True, 0),)}
     for head_dim, configs in S11_TIMED.items():
         assert configs[0] == _wgmma_tuple(default_config(head_dim))
-        under = configs[1]
-        for recipe in ("bigbird", "document"):
-            check(recipe, head_dim, under)
-        check("random_empty:0.05", head_dim, under, dtype="bfloat16")
-        check("causal", head_dim, under, qkv_offset=8)
-        check("causal", head_dim, under, replays=True)
-        for config in dict.fromkeys(c if c[7:8] == (True,) else _under(c) for c in configs[1:]):
+        for config in configs[1:]:
             for recipe in ("causal", "random_empty:0.05"):
                 check(recipe, head_dim, config)
-        padded = _under(_wgmma_tuple(default_config(head_dim, padding=True)))
-        for recipe in ("causal", "sliding"):
-            check(recipe, head_dim, padded, batch=4, heads=2, padding=True)
-    for config in (S11_TIMED[64][4], S11_TIMED[64][8]):          # the polynomial: masked scores, empty rows
-        check("bigbird", 64, config)
-        check("random_empty:0.05", 64, config, dtype="bfloat16")
-    check("causal", 64, _under(_wgmma_tuple(default_config(64, padding=True)), 8), batch=4, heads=2, padding=True)
-    check("causal", 64, _under((128, 3, True, True, 3, "cp.async")))
-    check("random_empty:0.05", 128, _under((128, 2, True, True, 2, "cp.async")))
+        for under, poly in knobs[head_dim]:
+            config = _knobs(configs[0], under, poly)
+            for recipe in ("bigbird", "document"):
+                check(recipe, head_dim, config)
+            check("random_empty:0.05", head_dim, config, dtype="bfloat16")
+            check("causal", head_dim, config, qkv_offset=8)
+            check("causal", head_dim, config, replays=True)
+            padded = _knobs(_wgmma_tuple(default_config(head_dim, padding=True)), under, poly)
+            for recipe in ("causal", "sliding"):
+                check(recipe, head_dim, padded, batch=4, heads=2, padding=True)
+            check("causal", head_dim, _knobs(configs[0][:5] + ("cp.async",), under, poly))
+    for under, poly in knobs[64]:
+        check("causal", 64, _knobs((128, 3, True, False, 3, "tma"), under, poly))      # idle last-row consumers
     for recipe in ("causal", "dense"):
         for head_dim, configs in S11_TIMED.items():
             batch, heads, seq = S7C_SHAPES[head_dim]
-            for config in configs if recipe == "causal" else configs[:S11_DENSE[head_dim]]:
-                cases.append(_case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16", config))
+            for index, config in enumerate(configs):
+                if recipe == "causal" or index in S11_DENSE[head_dim]:
+                    cases.append(_case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16", config))
     for head_dim, configs in S11_TIMED.items():
         batch, heads, seq = S7C_SHAPES[head_dim]
-        for config in configs[:2]:
-            cases.append(dict(_case("time", "wgmma", "causal", batch, heads, seq, head_dim, "float16", config),
-                              repeat=True))
+        for index in S11_REPEAT[head_dim]:
+            cases.append(dict(_case("time", "wgmma", "causal", batch, heads, seq, head_dim, "float16",
+                                    configs[index]), repeat=True))
     return cases
 
 

@@ -307,9 +307,9 @@ def test_tma_kernel_compiles_for_sm90a_with_tma_and_no_proxy_fence(head_dim, dty
     assert not re.search(r"\b(LDGSTS|MEMBAR|LDL|STL)\b", sass)
 
 
-def test_softmax_under_pv_waits_for_the_v_tile_between_softmax_and_product_wait(tmp_path):
+def test_softmax_under_pv_waits_between_softmax_and_product_wait(tmp_path):
     """``softmax_under_pv``: in the turn loop, after waiting for S(i) (``wait_group 1``), the tile's exponentials,
-    then the wait for its V tile (a try-wait loop, which ptxas does not schedule across), then the wait for
+    then a second wait for its K tile (a try-wait loop, which ptxas does not schedule across), then the wait for
     P(i-1) V(i-1) (``wait_group 0``); the default has no wait there (ptxas then moves the product's wait above the
     exponentials: scripts/NOTES_attention_wgmma.md, session 11). Where a disassembler exists: every MUFU.EX2 of
     the turn comes before the product's WARPGROUP.DEPBAR in the SASS, and no spills."""
