@@ -91,6 +91,11 @@ and split-K over several waves), beside cuBLAS; GEMM outputs in a poisoned buffe
 Each module and cuBLAS is also timed over sustained back-to-back samples and one call at a time between device
 synchronisations, as ``stof-tvm bench --profile`` times a call (:func:`in_model_timings`); the table comparing every
 set with the default comes last. The same two-process command with ``--plan s11big`` and ``out/s11big`` carried.
+
+``--plan s11large`` (issue 17; default folder ``out/s11large``): the same for BERT-large's four GEMMs at 8 x 512 tokens
+(4096 rows: QKV 3072 x 1024, attention output 1024 x 1024, FFN up + erf GELU 4096 x 1024, FFN down 1024 x 4096) and
+GPT-2's tanh-GELU GEMM at 32768 and 4096 rows (:data:`LARGE_CANDIDATES`), and the shapes whose first set session 11's
+knob order changed unmeasured, the new first set against the older one; ``--plan s11large``, ``out/s11large`` carried.
 """
 from __future__ import annotations
 
@@ -183,12 +188,45 @@ BIG_CANDIDATES = {
     (6304, 768, 3072): [(128, 192, 4, _PP, "tma", 1), (128, 192, 4, _COOP, "cp.async", 3),
                         (128, 128, 4, _COOP, "cp.async", 2)],
 }
-SUSTAINED_MS = 50.0   # --plan s11big: each sustained sample this long (back-to-back calls, as in a whole forward)
-PROFILED_CALLS = 50   # --plan s11big: calls timed one by one between device synchronisations (as --profile does)
+# --plan s11large: BERT-large's four GEMMs at 8 x 512 tokens (4096 rows; hidden 1024, 16 heads, FFN 4096) and
+# GPT-2's tanh-GELU GEMM at 16 x 2048 and 8 x 512 tokens (32768 and 4096 rows), each with its candidates as in
+# BIG_CANDIDATES; then the shapes whose first set session 11's order changed without a measurement there (the 64 x 192
+# ping-pong lead: ViT-Base's attention output at 1576 rows, the QKV projection and the erf-GELU GEMM at 512), the
+# new first set against the older one
+LARGE_CASES = [
+    ("qkv_projection_wgmma", {"batch": 8, "seq": 512, "heads": 16, "head_dim": 64}),
+    ("gemm_wgmma", {"m": 4096, "n": 1024, "k": 1024}),
+    ("gemm_bias_gelu_erf_wgmma", {"m": 4096, "n": 4096, "k": 1024}),
+    ("gemm_wgmma", {"m": 4096, "n": 1024, "k": 4096}),
+    ("gemm_bias_gelu_tanh_wgmma", {"m": 32768, "n": 3072, "k": 768}),
+    ("gemm_bias_gelu_tanh_wgmma", {"m": 4096, "n": 3072, "k": 768}),
+    ("gemm_bias_wgmma", {"m": 1576, "n": 768, "k": 768}),
+    ("qkv_projection_wgmma", {"batch": 1, "seq": 512, "heads": 12, "head_dim": 64}),
+    ("gemm_bias_gelu_erf_wgmma", {"m": 512, "n": 3072, "k": 768})]
+_LARGE_TILES = [(128, 256, 4, _COOP, "tma", 1), (256, 128, 4, _COOP, "tma", 1), (128, 128, 4, _PP, "tma", 1),
+                (128, 256, 4, _PP, "tma", 1)]
+LARGE_CANDIDATES = {
+    ("qkv_projection_wgmma", 4096, 3072, 1024): [(256, 192, 4, _PP, "tma", 1), (256, 192, 3, _COOP, "tma", 1),
+                                                 (128, 192, 4, _COOP, "tma", 1), (128, 128, 4, _PP, "tma", 1),
+                                                 (128, 256, 4, _COOP, "tma", 1)],
+    ("gemm_wgmma", 4096, 1024, 1024): _LARGE_TILES,
+    ("gemm_bias_gelu_erf_wgmma", 4096, 4096, 1024): _LARGE_TILES,
+    ("gemm_wgmma", 4096, 1024, 4096): _LARGE_TILES,
+    ("gemm_bias_gelu_tanh_wgmma", 32768, 3072, 768): [(256, 192, 3, _COOP, "tma", 1), (128, 128, 4, _PP, "tma", 1),
+                                                      (128, 256, 4, _COOP, "tma", 1)],
+    ("gemm_bias_gelu_tanh_wgmma", 4096, 3072, 768): [(256, 192, 3, _COOP, "tma", 1), (128, 192, 4, _COOP, "tma", 1),
+                                                     (128, 128, 4, _PP, "tma", 1)],
+    ("gemm_bias_wgmma", 1576, 768, 768): [(128, 128, 4, _COOP, "tma", 1)],
+    ("qkv_projection_wgmma", 512, 2304, 768): [(128, 128, 4, _COOP, "tma", 1)],
+    ("gemm_bias_gelu_erf_wgmma", 512, 3072, 768): [(128, 128, 4, _COOP, "tma", 1)],
+}
+BIG_PLANS = ("s11big", "s11large")   # the plans whose sets are timed sustained and one call at a time too
+SUSTAINED_MS = 50.0   # BIG_PLANS: each sustained sample this long (back-to-back calls, as in a whole forward)
+PROFILED_CALLS = 50   # BIG_PLANS: calls timed one by one between device synchronisations (as --profile does)
 PLANS = {"small_k": (CASES, OUT), "s8tma": (TMA_CASES, ROOT / "out" / "s8gemm_tma"),
          "s9splitk": (SPLITK_CASES, ROOT / "out" / "s9splitk"), "s9wide": (WIDE_CASES, ROOT / "out" / "s9wide"),
          "s10gemm": (S10_CASES, ROOT / "out" / "s10gemm"), "s10ragged": (RAGGED_CASES, ROOT / "out" / "s10ragged"),
-         "s11big": (BIG_CASES, ROOT / "out" / "s11big")}
+         "s11big": (BIG_CASES, ROOT / "out" / "s11big"), "s11large": (LARGE_CASES, ROOT / "out" / "s11large")}
 # --plan s9splitk: the compile path's wgmma knobs before split-K and the knob order by wave efficiency (commit
 # 098a891; GEMMs with fewer than WGMMA_MIN_TILES 128 x 128 tiles ran the mma.sync template the model ranks first)
 HEAD_WGMMA = {"block_n": 192, "stages": 3, "persistent": True, "pingpong": False, "block_m": 256, "staged": True}
@@ -209,10 +247,10 @@ MODEL_SEEDS = (0, 1, 0)             # the calls' input sets: capture, replay on 
 def is_new(knobs, plan: str = "", default: bool | None = None) -> bool:
     """Whether a knob set uses a value added by this work: 256-row tiles or the staged epilogue (``small_k``); TMA
     loads (``s8tma``: "new" is TMA, "old" cp.async, so the summary's best new / best old is TMA / cp.async); split-K
-    (``plan`` s9splitk); every set but the knob space's first (s9wide, s10ragged, s11big)."""
+    (``plan`` s9splitk); every set but the knob space's first (s9wide, s10ragged, s11big, s11large)."""
     if plan == "s9splitk":
         return knobs.get("split_k", 1) > 1
-    if plan in ("s9wide", "s10ragged", "s11big"):
+    if plan in ("s9wide", "s10ragged", *BIG_PLANS):
         return default is False
     if plan == "s10gemm":   # the 128 x 192 ping-pong tiles (block_m 256 with pingpong)
         return knobs.get("pingpong", False) and knobs.get("block_m", 128) == 256
@@ -298,12 +336,12 @@ def ragged_knob_sets(space) -> list[dict]:
     return [space[0]] + ([other] if other else [])
 
 
-def big_knob_sets(name, shape, space) -> list[dict]:
-    """``--plan s11big``: the knob space's first set (the compile path's untuned pick), then the case's
-    :data:`BIG_CANDIDATES` (in the space or not: cp.async twins of TMA sets, split-K past one wave); each set once."""
-    m, n, k = gemm_dims(name, shape)
+def big_knob_sets(name, space, candidates) -> list[dict]:
+    """``--plan s11big`` / ``s11large``: the knob space's first set (the compile path's untuned pick), then the
+    case's ``candidates`` (:data:`BIG_CANDIDATES`; in the space or not: cp.async twins of TMA sets, split-K past one
+    wave); each set once."""
     sets = [space[0]]
-    for block_m, block_n, stages, pingpong, loads, split in BIG_CANDIDATES[(m, n, k)]:
+    for block_m, block_n, stages, pingpong, loads, split in candidates:
         if split > 1:
             sets.append({"block_n": block_n, "stages": stages, "persistent": False, "pingpong": False,
                          "split_k": split, "loads": loads})
@@ -382,7 +420,9 @@ def build(args) -> None:
                   "s9wide": lambda sp: wide_knob_sets(name, shape, sp),
                   "s10gemm": lambda sp: schedule_knob_sets(name, shape, sp),
                   "s10ragged": ragged_knob_sets,
-                  "s11big": lambda sp: big_knob_sets(name, shape, sp)}.get(args.plan, choose_knobs)(space)
+                  "s11big": lambda sp: big_knob_sets(name, sp, BIG_CANDIDATES[m, n, k]),
+                  "s11large": lambda sp: big_knob_sets(name, sp, LARGE_CANDIDATES[name, m, n, k]),
+                  }.get(args.plan, choose_knobs)(space)
         for knobs in chosen:
             key = f"{ckey}__{knob_tag(knobs)}"
             if "mma" in knobs:
@@ -402,7 +442,7 @@ def build(args) -> None:
         manifest["cases"].append(entry)
     bad = {key: info for key, info in manifest["modules"].items()
            if info["spill_stores"] or info["spill_loads"] or info["stack_frame"] or info["warnings"]}
-    if bad and args.plan in ("s9wide", "s10gemm", "s11big"):   # a sweep: report a spilling set, do not time it
+    if bad and args.plan in ("s9wide", "s10gemm", *BIG_PLANS):   # a sweep: report a spilling set, do not time it
         print(f"ptxas spilled or warned, dropped: {sorted(bad)}")
         manifest["dropped"] = sorted(bad)
         for case in manifest["cases"]:
@@ -489,6 +529,8 @@ def torch_forms(torch, name, shape, a, w, bias):
     gemm = lambda: F.linear(a, w, b)  # noqa: E731
     if name == "gemm_bias_gelu_erf_wgmma":
         return gemm, lambda: F.gelu(F.linear(a, w, b))
+    if name == "gemm_bias_gelu_tanh_wgmma":
+        return gemm, lambda: F.gelu(F.linear(a, w, b), approximate="tanh")
     if name == "qkv_projection_wgmma":
         B, S, H, D = (shape[key] for key in ("batch", "seq", "heads", "head_dim"))
         return gemm, lambda: F.linear(a, w, b).view(B, S, 3, H, D).permute(2, 0, 3, 1, 4).contiguous()
@@ -535,7 +577,7 @@ def run(args) -> None:
         table(results)
         if manifest.get("suite") == "s8tma":
             table_tma(results)
-        if manifest.get("suite") == "s11big":
+        if manifest.get("suite") in BIG_PLANS:
             table_big(results, manifest["modules"])
         if manifest.get("suite") == "s9splitk":
             table_splitk(results, manifest["modules"])
@@ -585,7 +627,7 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
         if args.only != "check":
             row.update(cublas_ms=common.median_ms(gemm, args.iters, args.reps),
                        eager_ms=common.median_ms(eager, args.iters, args.reps))
-            if args.plan == "s11big":
+            if args.plan in BIG_PLANS:
                 row.update({f"cublas_{field}": ms for field, ms in in_model_timings(gemm, row["cublas_ms"]).items()})
     args_in = [a, w] + ([bias] if name != "gemm_wgmma" else [])
     w_kn = None
@@ -607,7 +649,7 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
         except Exception as err:  # a failed load is a result to report, not a reason to stop the run
             row["kernels"][key] = dict(entry, error=f"load: {err}"[:300])
             continue
-        guard = GUARD_ROWS if ref.dim() == 2 and args.plan in ("s10ragged", "s11big") else 0
+        guard = GUARD_ROWS if ref.dim() == 2 and args.plan in ("s10ragged", *BIG_PLANS) else 0
         padded_out = torch.full((ref.shape[0] + guard, *ref.shape[1:]), float("nan"), device=dev,
                                 dtype=torch.float16)
         out = padded_out[:ref.shape[0]]   # the first rows: the kernel's output; the rest must stay NaN
@@ -639,7 +681,7 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
             entry["ms"] = common.median_ms(lambda: func(*tv), args.iters, args.reps)
             entry["tflops"] = flops / entry["ms"] / 1e9
             entry["vs_cublas"] = row["cublas_ms"] / entry["ms"]
-            if args.plan == "s11big":
+            if args.plan in BIG_PLANS:
                 entry.update(in_model_timings(lambda: func(*tv), entry["ms"]))
         elif not entry["correct"]:
             entry["diagnosis"] = common._diagnose(torch, out.float().reshape(-1, ref.shape[-1]),
@@ -659,7 +701,7 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
 
 
 def in_model_timings(fn, ms: float) -> dict:
-    """``--plan s11big``: a call (``ms`` per call in the usual timing) timed as a whole forward runs it and as
+    """:data:`BIG_PLANS`: a call (``ms`` per call in the usual timing) timed as a whole forward runs it and as
     ``stof-tvm bench --profile`` measures it: ``sustained_ms``, the median of 5 samples of back-to-back calls lasting
     :data:`SUSTAINED_MS` each (the clocks under a sustained load), and ``profiled_ms``, the median wall time of one call
     between device synchronisations (:data:`PROFILED_CALLS` of them: the launch, the host's work such as encoding
@@ -818,7 +860,7 @@ def table_splitk(results, modules) -> None:
 
 
 def table_big(results, modules) -> None:
-    """``--plan s11big``, printed last: per case cuBLAS, then every knob set (the default, the compile path's untuned
+    """:data:`BIG_PLANS`, printed last: per case cuBLAS, then every knob set (the default, the compile path's untuned
     pick, first) with its time against the default and cuBLAS, sustained and as the profiler measures it; then per
     case the fastest set."""
     print(f"\n{'case / knobs':58s} {'ms':>7s} {'TFLOP/s':>7s} {'x dflt':>6s} {'x cuBLAS':>8s} {'sustain':>7s} "
@@ -869,7 +911,8 @@ def main(argv=None) -> None:
                             "s9splitk: split-K and the new defaults at 128-4096 rows (issue 17); "
                             "s9wide: the 4096-row defaults against the model's best-ranked sets; "
                             "s10gemm: the tile schedules at the 4096-row GEMMs; s10ragged: GEMMs of any m; "
-                            "s11big: the 32768-row GEMMs and ViT-Base's at 1576 / 6304 rows")
+                            "s11big: the 32768-row GEMMs and ViT-Base's at 1576 / 6304 rows; "
+                            "s11large: BERT-large's 4096-row GEMMs, GPT-2's tanh GELU")
         p.add_argument("--out", type=Path, default=None,
                        help="artifact folder (default out/wgmma_small_k, --plan s8tma: out/s8gemm_tma)")
     args = parser.parse_args(argv)
