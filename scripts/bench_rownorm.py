@@ -21,12 +21,14 @@ Two steps, because the GPU machine has TVM's runtime only:
     python scripts/bench_rownorm.py build --out out/s7ln
     python3 scripts/bench_rownorm.py run --out out/s7ln       # on the GPU machine, <= ~50 s
 
-``--plan s11norm`` (issue 17; folder ``out/s11norm``): bias + residual + LayerNorm at RoBERTa-base's 16x2048,
-8x512 and 1x128 tokens (32768, 4096, 128 rows of 768) and BERT-large's 8x2048 (16384 rows of 1024), plain LayerNorm
-(pre-LN GPT-2, ViT) at 32768 and 4096 rows of 768: the compile path's kernel (the model-ranked knob set: "old
-default" in the table) and the other register-row tilings, beside torch eager ``F.layer_norm(x + residual + bias)``
-and the memory floor (no torch.compile: ``--no-compile``). Session 11 ran it at 59f749b with a thread-level warp
-kernel beside (each warp taking several rows, the next row's loads in flight; BENCHMARKS.md): no faster, removed::
+``--plan s11norm`` (issue 17; folder ``out/s11norm``): bias + residual + LayerNorm at RoBERTa-base's 16x2048, 8x512
+and 1x128 tokens (32768, 4096, 128 rows of 768) and BERT-large's 8x2048 (16384 rows of 1024), plain LayerNorm and
+``residual_layernorm`` (pre-LN GPT-2, ViT: the 16-bit sum written too; beside it the torch add alone, what the
+compile path ran before it with ``layernorm``) at 32768 and 4096 rows of 768: the compile path's kernel (the
+model-ranked knob set: "old default" in the table) and the other register-row tilings, beside torch eager
+(``F.layer_norm`` of the sum) and the memory floor (no torch.compile: ``--no-compile``). Session 11 ran it at
+59f749b with a thread-level warp kernel beside (each warp taking several rows, the next row's loads in flight;
+BENCHMARKS.md): no faster, removed::
 
     python scripts/bench_rownorm.py build --plan s11norm
     python3 scripts/bench_rownorm.py run --plan s11norm --no-compile   # GPU machine, ~20 s
@@ -57,12 +59,13 @@ VARIANTS = [OLD_DEFAULT, {"rows": 2, "lanes": 32, "vec": 8, "registers": 0},
 LN_EPS, RMS_EPS = 1e-5, 1e-6
 TOLERANCE = 5e-3
 L2_BYTES = 60e6          # pool of input sets per case: together at least 2.5x this
-# --plan s11norm: (template, size label, m, n) of bias + residual + LayerNorm and (pre-LN GPT-2, ViT: the sum is
-# a GEMM's output) plain LayerNorm; per case the compile path's knob set (the model's first), then the other register
-# rows of S11_TE
+# --plan s11norm: (template, size label, m, n) of bias + residual + LayerNorm, plain LayerNorm and (pre-LN GPT-2,
+# ViT: the GEMM's output + the residual, the sum also written) residual + LayerNorm; per case the compile path's
+# knob set (the model's first), then the other register rows of S11_TE
 S11_CASES = [("bias_residual_layernorm", size, m, n) for size, m, n in (
     ("16x2048", 32768, 768), ("8x512", 4096, 768), ("1x128", 128, 768), ("large 8x2048", 16384, 1024))]
-S11_CASES += [("layernorm", size, m, 768) for size, m in (("16x2048", 32768), ("8x512", 4096))]   # pre-LN
+S11_CASES += [(name, size, m, 768) for name in ("layernorm", "residual_layernorm")   # pre-LN
+              for size, m in (("16x2048", 32768), ("8x512", 4096))]
 S11_TE = [{"rows": r, "lanes": 32, "vec": 8, "registers": 1} for r in (8, 4, 2, 1)]
 PLANS = {"s7": "out/s7ln", "s11norm": "out/s11norm"}
 
@@ -70,7 +73,7 @@ PLANS = {"s7": "out/s7ln", "s11norm": "out/s11norm"}
 def activation_bytes(template: str, m: int, n: int) -> int:
     """HBM bytes one call must move: [m, n] fp16 activations read (x, residual) and written (out; residual_rmsnorm
     also the sum)."""
-    tensors = {"residual_rmsnorm": 4, "layernorm": 2}.get(template, 3)
+    tensors = {"residual_rmsnorm": 4, "residual_layernorm": 4, "layernorm": 2}.get(template, 3)
     return tensors * m * n * 2
 
 
@@ -160,6 +163,11 @@ def torch_chain(template: str):
         def chain(t):
             return (F.layer_norm(t["x"], (t["x"].shape[-1],), t["gamma"], t["beta"], eps=LN_EPS),)
         return chain
+    if template == "residual_layernorm":     # pre-LN GPT-2 / ViT: the fp16 sum (the next residual) and its LN
+        def chain(t):
+            total = t["x"] + t["residual"]
+            return total, F.layer_norm(total, (total.shape[-1],), t["gamma"], t["beta"], eps=LN_EPS)
+        return chain
 
     def chain(t):         # Hugging Face T5: the sum in fp16, the mean square in float32, weight * normalised
         total = t["x"] + t["residual"]
@@ -179,6 +187,9 @@ def reference(template: str, t: dict):
                              eps=LN_EPS),)
     if template == "layernorm":
         return (F.layer_norm(f["x"], (f["x"].shape[-1],), f["gamma"], f["beta"], eps=LN_EPS),)
+    if template == "residual_layernorm":
+        total = (f["x"] + f["residual"]).half().float()
+        return total, F.layer_norm(total, (total.shape[-1],), f["gamma"], f["beta"], eps=LN_EPS)
     total = (f["x"] + f["residual"]).half().float()
     return total, total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + RMS_EPS) * f["weight"]
 
@@ -287,6 +298,10 @@ def run(args) -> None:
         base = {"template": template, "size": size, "m": m, "n": n, "bytes": nbytes,
                 "floor_us": nbytes / (bl.PEAK_TBPS * 1e12) * 1e6}
         rows.append(dict(base, kernel="torch eager", us=eager_us, us_warm=warm_us))
+        if template == "residual_layernorm":   # the add the fused kernel replaces (before it: add + layernorm)
+            with torch.no_grad():
+                add_us = gpu_time_us(torch, [lambda t=t: t["x"] + t["residual"] for t in pool])
+            rows.append(dict(base, kernel="add alone (torch)", us=add_us, bytes=3 * m * n * 2))
         for info in mods:
             row = dict(base, kernel=info["label"], knobs=info["knobs"], old_default=info["old_default"],
                        new_default=info["new_default"], registers_ptxas=info["ptxas"]["registers"])

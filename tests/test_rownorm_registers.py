@@ -30,7 +30,7 @@ from attention_reference import relative_error
 from cuda_emulation import run_on_cpu
 from hopper_checks import sm90_ptxas_report
 
-ROW_TEMPLATES = ("bias_residual_layernorm", "layernorm", "residual_rmsnorm", "rmsnorm")
+ROW_TEMPLATES = ("bias_residual_layernorm", "layernorm", "residual_layernorm", "residual_rmsnorm", "rmsnorm")
 ROBERTA = [{"m": 16 * 2048, "n": 768}, {"m": 8 * 512, "n": 768}]
 
 
@@ -71,6 +71,7 @@ def _source(name, shape, knobs):
 
 
 @pytest.mark.parametrize("name, inputs", [("bias_residual_layernorm", ("x", "residual", "bias", "gamma", "beta")),
+                                          ("residual_layernorm", ("x", "residual", "gamma", "beta")),
                                           ("residual_rmsnorm", ("x", "residual", "weight"))])
 def test_register_form_has_no_shared_row_and_no_barrier(name, inputs, tmp_path):
     shape = {"m": 4096, "n": 768}
@@ -80,7 +81,7 @@ def test_register_form_has_no_shared_row_and_no_barrier(name, inputs, tmp_path):
     assert re.search(r"float y_local_ptr\[24\];", src)       # 768 / 32 lanes
     for ptr in inputs:                                        # one 16-byte load per access of every input
         assert re.search(rf"\*\(uint4\*\)\({ptr}_ptr \+", src), ptr
-    outputs = ("total", "out") if name == "residual_rmsnorm" else ("out",)
+    outputs = ("total", "out") if name.startswith("residual_") else ("out",)
     for ptr in outputs:
         assert re.search(rf"\*\(uint4\*\)\({ptr}_ptr \+", src), ptr
     report = sm90_ptxas_report(src, tmp_path)
@@ -154,6 +155,7 @@ def _emulated(name, shape, knobs, tmp_path, edit=None):
     ("bias_residual_layernorm", 768, {"rows": 8, "lanes": 32, "vec": 8, "registers": 1}),
     ("bias_residual_layernorm", 768, {"rows": 8, "lanes": 32, "vec": 8, "registers": 0}),
     ("bias_residual_layernorm", 1024, {"rows": 2, "lanes": 64, "vec": 4, "registers": 1}),
+    ("residual_layernorm", 768, {"rows": 8, "lanes": 32, "vec": 8, "registers": 1}),
     ("residual_rmsnorm", 768, {"rows": 8, "lanes": 32, "vec": 8, "registers": 1}),
     ("residual_rmsnorm", 768, {"rows": 1, "lanes": 128, "vec": 2, "registers": 1}),
     ("layernorm", 768, {"rows": 2, "lanes": 32, "vec": 4, "registers": 1})])

@@ -3,7 +3,12 @@
 ``y = x + bias + residual`` (float32), ``out = (y - mean) / sqrt(var + eps) * gamma + beta`` with the mean
 and the variance over each row of ``n`` elements, computed in two passes over ``y`` held in shared memory
 (one read of each input from device memory). ``layernorm`` is the plain form (no bias, no residual),
-``bias_residual_layernorm`` the post-attention / post-FFN form that follows an unfused GEMM.
+``bias_residual_layernorm`` the post-attention / post-FFN form that follows an unfused GEMM. ``residual_layernorm`` is
+the pre-LN form (GPT-2, ViT: ``h = h + sublayer(...)``, then ``LayerNorm(h)``, the GEMM's bias already in its
+epilogue): it adds ``x + residual``, rounds the sum to the 16-bit dtype and writes it (``sum``, the next residual)
+and the LayerNorm of the rounded sum, as the unfused 16-bit add followed by ``layernorm`` would, with one read of
+each input and one write of each output instead of the add's own kernel (the RMSNorm family's ``residual_rmsnorm``
+for LayerNorm).
 
 Schedule: ``rows`` rows per thread block (threadIdx.y), each row spread over ``lanes`` threads
 (threadIdx.x) reading ``vec`` consecutive elements per access (16 bytes at vec 8); the two row sums are
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 from tvm import te, tirx
+from tvm.script import tirx as T
 
 from .deferred import row_epilogue
 from .epilogue import LN_EPS, layernorm_np
@@ -150,5 +156,77 @@ class LayerNormTemplate(RowNormTemplate):
         return [layernorm_np(y, inputs["gamma"], inputs["beta"])]
 
 
+def _residual_layernorm(m: int, n: int, dtype: str, eps: float):
+    """The ``residual_layernorm`` PrimFunc: blocks ``y`` (the rounded sum as float32, staged per row), ``mean_sum``,
+    ``var_sum`` and ``out``, which writes both outputs (the sum from the staged row: exact, it holds 16-bit values).
+    TVMScript for the reason :func:`.rmsnorm._residual_rmsnorm` gives: a block writing a function output can only be
+    the row's anchor."""
+    inv_n = 1.0 / n
+
+    @T.prim_func(s_tir=True)
+    def main(x_h: T.handle, residual_h: T.handle, gamma_h: T.handle, beta_h: T.handle, total_h: T.handle,
+             out_h: T.handle):
+        x = T.match_buffer(x_h, (m, n), dtype)
+        residual = T.match_buffer(residual_h, (m, n), dtype)
+        gamma = T.match_buffer(gamma_h, (n,), dtype)
+        beta = T.match_buffer(beta_h, (n,), dtype)
+        total = T.match_buffer(total_h, (m, n), dtype)
+        out = T.match_buffer(out_h, (m, n), dtype)
+        y = T.sblock_alloc_buffer((m, n), "float32")
+        mean_sum = T.sblock_alloc_buffer((m,), "float32")
+        var_sum = T.sblock_alloc_buffer((m,), "float32")
+        for i, j in T.grid(m, n):
+            with T.sblock("y"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = T.Cast("float32", T.Cast(dtype, T.Cast("float32", x[vi, vj])
+                                                     + T.Cast("float32", residual[vi, vj])))
+        for i, r in T.grid(m, n):
+            with T.sblock("mean_sum"):
+                vi, vr = T.axis.remap("SR", [i, r])
+                with T.init():
+                    mean_sum[vi] = T.float32(0)
+                mean_sum[vi] = mean_sum[vi] + y[vi, vr]
+        for i, r in T.grid(m, n):
+            with T.sblock("var_sum"):
+                vi, vr = T.axis.remap("SR", [i, r])
+                with T.init():
+                    var_sum[vi] = T.float32(0)
+                var_sum[vi] = var_sum[vi] + (y[vi, vr] - mean_sum[vi] * T.float32(inv_n)) * (
+                    y[vi, vr] - mean_sum[vi] * T.float32(inv_n))
+        for i, j in T.grid(m, n):
+            with T.sblock("out"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                total[vi, vj] = T.Cast(dtype, y[vi, vj])
+                out[vi, vj] = T.Cast(dtype, (y[vi, vj] - mean_sum[vi] * T.float32(inv_n))
+                                     * T.rsqrt(var_sum[vi] * T.float32(inv_n) + T.float32(eps))
+                                     * T.Cast("float32", gamma[vj]) + T.Cast("float32", beta[vj]))
+
+    return main          # global symbol "main", as te.create_prim_func names the other templates' functions
+
+
+class ResidualLayerNormTemplate(LayerNormTemplate):
+    """``sum = x + residual`` rounded to the 16-bit dtype, ``out = LayerNorm(sum)``: both are outputs."""
+
+    def __init__(self):
+        super().__init__(bias=False, residual=True)
+        self.description = "sum = x + residual; out = LayerNorm(sum)"
+
+    def arguments(self, shape, dtype="float16"):
+        m, n = shape["m"], shape["n"]
+        return [("x", (m, n), dtype), ("residual", (m, n), dtype), ("gamma", (n,), dtype), ("beta", (n,), dtype),
+                ("sum", (m, n), dtype), ("out", (m, n), dtype)]
+
+    def outputs(self) -> int:
+        return 2
+
+    def _primfunc(self, shape, dtype, eps: float = LN_EPS):
+        return _residual_layernorm(shape["m"], shape["n"], dtype, eps)
+
+    def reference(self, shape, inputs):
+        y = np.asarray(inputs["x"], np.float64) + np.asarray(inputs["residual"], np.float64)
+        return [y, layernorm_np(y, inputs["gamma"], inputs["beta"])]
+
+
 register(LayerNormTemplate(bias=False, residual=False))
 register(LayerNormTemplate(bias=True, residual=True))
+register(ResidualLayerNormTemplate())

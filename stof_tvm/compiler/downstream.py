@@ -14,9 +14,11 @@ the same ``X``, each ``reshape [B, S, H, D]`` +         views of it at Q's, K's 
 ``layer_norm(astype(linear) + residual)`` (output       ``gemm_kn`` + ``bias_residual_layernorm`` (unfused,
 projection, FFN down-projection; either add order)      measured faster), or ``gemm_bias_residual_layernorm_kn``
                                                         when :mod:`.template_choice` ranks it faster
-the same where the sum also feeds the next residual     the linear on its own GEMM (below), the sum one 16-bit
-add (pre-LN: GPT-2, ViT)                                add, ``layernorm`` of it (folded into the LayerNorm,
-                                                        the GEMM would run twice: once more for the sum)
+the same where the sum also feeds the next residual     the linear on its own GEMM (below), then
+add (pre-LN: GPT-2, ViT)                                ``residual_layernorm``: the sum (16-bit, written for
+                                                        the next residual add) and its LayerNorm in one kernel
+                                                        (folded into the LayerNorm, the GEMM would run twice:
+                                                        once more for the sum)
 RMSNorm ``w * (X * rsqrt(mean(X * X) + eps))`` (T5,     ``residual_rmsnorm`` (the sum also written, 16-bit) where
 pre-norm; :mod:`.rmsnorm_match`)                        ``X`` is a residual add, else ``rmsnorm``
 ``linear`` + erf GELU / tanh GELU / ReLU (FFN           ``gemm_bias_gelu_erf_kn`` / ``gemm_bias_gelu_tanh_kn``
@@ -232,8 +234,13 @@ def _rewrite_residual_ln(t: _Templates, expr, matches, var2val, users, shared_su
     if len(users.get(total, [])) > 1:
         # pre-LN (GPT-2, ViT): the sum is also the next block's residual, which needs the linear's output anyway;
         # folding that GEMM into the LayerNorm would run it twice, so it stays a GEMM of its own (the linear
-        # pass) and the LayerNorm template reads the sum
-        _note_shared_sum(shared_sums, total, matches[_LIN_OUT], var2val, dtype)
+        # pass); residual_layernorm makes the 16-bit sum and its LayerNorm at the sum's place (_narrow_sums), this
+        # LayerNorm stays as it is until then (rewrite_call offers it again: it is noted already)
+        noted = shared_sums.get(total)
+        if (noted is not None and noted[3]["ln"].same_as(expr)) or _note_shared_sum(
+                shared_sums, total, matches[_LIN_OUT], var2val, dtype,
+                {"ln": expr, "gamma": g16, "beta": b16, "eps": eps, "m": m, "n": n}):
+            return expr
         s2d = relax.op.reshape(total if str(total.ty.dtype) == dtype else relax.op.astype(total, dtype), [m, n])
         call, stage = t.call("layernorm", ln_shape, dtype, [s2d, g16, b16], (m, n), eps)
         t.record("residual_sum_ln", [stage])
@@ -291,39 +298,65 @@ def _rewrite_plain_ln(t: _Templates, expr, matches, dtype: str | None):
     return out if str(expr.ty.dtype) == dtype else relax.op.astype(out, str(expr.ty.dtype))
 
 
-def _note_shared_sum(shared_sums: dict, total, lin_out, var2val, dtype: str) -> None:
+def _note_shared_sum(shared_sums: dict, total, lin_out, var2val, dtype: str, norm: dict) -> bool:
     """Note ``total`` = ``astype(linear) + residual`` (float32; ``lin_out`` the matched ``astype(linear)``) as
-    ``total -> (linear var, residual var, dtype)`` for :func:`_narrow_sums`; nothing when the sum is 16-bit."""
+    ``total -> (linear var, residual var, dtype, norm)`` for :func:`_narrow_sums`, ``norm`` its LayerNorm (the
+    ``layer_norm`` call ``ln``, 16-bit ``gamma`` / ``beta``, ``eps``, rows ``m`` of ``n``); returns whether it was
+    noted: not when the sum is 16-bit or already noted (a second LayerNorm of it reads it through its own
+    ``layernorm`` call)."""
     value = var2val.get(total)
-    if str(total.ty.dtype) == dtype or value is None or not is_call(lin_out, "relax.astype"):
-        return
+    if (str(total.ty.dtype) == dtype or value is None or not is_call(lin_out, "relax.astype")
+            or total in shared_sums):
+        return False
     casts = [arg for arg in value.args if isinstance(arg, relax.Var) and var2val.get(arg) is not None
              and var2val[arg].same_as(lin_out)]
     linear = lin_out.args[0]
-    if len(casts) == 1 and isinstance(linear, relax.Var) and str(linear.ty.dtype) == dtype:
-        residual = value.args[1] if value.args[0].same_as(casts[0]) else value.args[0]
-        shared_sums[total] = (linear, residual, dtype)
+    if len(casts) != 1 or not isinstance(linear, relax.Var) or str(linear.ty.dtype) != dtype:
+        return False
+    residual = value.args[1] if value.args[0].same_as(casts[0]) else value.args[0]
+    shared_sums[total] = (linear, residual, dtype, norm)
+    return True
 
 
-def _narrow_sums(func: relax.Function, shared_sums: dict) -> relax.Function:
+def _narrow_sums(t: _Templates, func: relax.Function, shared_sums: dict) -> relax.Function:
     """Compute each noted pre-LN residual sum in 16 bits (``linear + astype(residual)``, as a 16-bit PyTorch model
-    does), its float32 users reading a cast of it: with the LayerNorm template reading the 16-bit sum, the
-    residual stream's float32 round trips fold away (:func:`_simplify`), leaving one 16-bit add per sum."""
+    does) together with its LayerNorm, as one ``residual_layernorm`` call at the sum's place: its float32 users read
+    a cast of the 16-bit sum (the residual stream's float32 round trips fold away, :func:`_simplify`) and the
+    LayerNorm's binding (the ``layer_norm`` left reading the sum) reads the normalised rows."""
     if not shared_sums:
         return func
 
     @relax.expr_functor.mutator
     class Narrow(relax.PyExprMutator):
+        def __init__(self):
+            super().__init__()
+            self.normed = {}     # sum var -> its LayerNorm (16-bit [m, n]), made at the sum
+
         def visit_var_binding_(self, binding):
-            if binding.var not in shared_sums:
+            if binding.var in shared_sums:
+                self.fuse(binding.var)
+            elif is_call(binding.value, "relax.nn.layer_norm") and binding.value.args[0] in self.normed:
+                out = relax.op.reshape(self.normed[binding.value.args[0]], list(binding.var.ty.shape))
+                dtype = str(binding.var.ty.dtype)
+                value = out if dtype == shared_sums[binding.value.args[0]][2] else relax.op.astype(out, dtype)
+                self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(value)))
+            else:
                 super().visit_var_binding_(binding)
-                return
-            linear, residual, dtype = shared_sums[binding.var]
+
+        def fuse(self, total):
+            linear, residual, dtype, norm = shared_sums[total]
+            m, n = norm["m"], norm["n"]
             residual = self.visit_expr(residual)
             if str(residual.ty.dtype) != dtype:
                 residual = relax.op.astype(residual, dtype)
-            narrow = self.builder_.emit(relax.op.add(self.visit_expr(linear), residual))
-            self.set_var_remap(binding.var, self.builder_.emit(relax.op.astype(narrow, str(binding.var.ty.dtype))))
+            args = [relax.op.reshape(self.visit_expr(linear), [m, n]), relax.op.reshape(residual, [m, n]),
+                    norm["gamma"], norm["beta"]]
+            call, stage = t.call("residual_layernorm", {"m": m, "n": n}, dtype, args, [(m, n), (m, n)], norm["eps"])
+            t.record("residual_sum_ln", [stage])
+            pair = self.builder_.emit(call)
+            narrow = relax.op.reshape(self.builder_.emit(relax.TupleGetItem(pair, 0)), list(total.ty.shape))
+            self.normed[total] = self.builder_.emit(relax.TupleGetItem(pair, 1))
+            self.set_var_remap(total, self.builder_.emit(relax.op.astype(narrow, str(total.ty.dtype))))
 
     return Narrow().visit_expr(func)
 
@@ -390,7 +423,7 @@ def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | 
     shared_sums: dict = {}
     func = rewrite_call(LINEAR_RESIDUAL_LN, lambda e, m: _rewrite_residual_ln(t, e, m, var2val, users, shared_sums),
                         func)
-    func = _narrow_sums(func, shared_sums)
+    func = _narrow_sums(t, func, shared_sums)
     func = relax.analysis.remove_all_unused(func)   # the GELU linears a fused FFN took over
     func = rewrite_call(LINEAR_GELU, lambda e, m: _rewrite_linear(t, "linear_gelu", "gelu_erf", e, m, m[ANY_LINEAR]),
                         func)
