@@ -127,8 +127,9 @@ def mask_groups(recipe: str, batch: int, heads: int) -> tuple[int, int]:
 def build_mask(recipe: str, batch: int, heads: int, seq: int, seed: int) -> np.ndarray:
     """Normalised boolean mask [Bm, Hm, S, S] of a recipe: a mask spec name, ``random:<density>``,
     ``random_empty:<density>`` (random plus whole empty query rows), ``padding`` (random valid lengths per
-    batch, one batch of length 0) or ``document`` (ragged packed sequences, causal within each, shared by the
-    batch: segment lengths drawn from S/16 .. S/4)."""
+    batch, one batch of length 0), ``document`` (ragged packed sequences, causal within each, shared by the
+    batch: segment lengths drawn from S/16 .. S/4) or ``bigbird_causal`` (BigBird AND causal: what a GPT-2 compile
+    with the BigBird mask runs)."""
     from stof_tvm.sparse_formats import normalize_mask
 
     rng = np.random.default_rng(seed)
@@ -149,6 +150,11 @@ def build_mask(recipe: str, batch: int, heads: int, seq: int, seed: int) -> np.n
         lengths = rng.integers(1, seq + 1, size=batch)
         lengths[0] = 0
         return normalize_mask(lengths.astype(np.int64), batch=batch, heads=heads, seq_q=seq)
+    if kind == "bigbird_causal":
+        from stof_tvm.sparse_formats import make_mask
+
+        keep = make_mask("bigbird", seq) & np.tril(np.ones((seq, seq), dtype=bool))
+        return normalize_mask(keep, batch=batch, heads=heads, seq_q=seq)
     if kind == "document":
         ends = np.cumsum(rng.integers(max(1, seq // 16), max(2, seq // 4) + 1, size=seq))
         ends = np.append(ends[ends < seq], seq)
@@ -1022,11 +1028,48 @@ def plan_s11attn() -> list[dict]:
     return cases
 
 
+def plan_s11gpt2() -> list[dict]:
+    """GPT-2 16x2048's attention (issue 17): BigBird AND causal at B16 H12 S2048 D64 fp16 with the key padding of
+    an HF export, as the compile path runs it. The model picks a one-warp block-wise configuration there (no heavy
+    rows, so no heavy-first or launch-bound candidates), RoBERTa's BigBird at the same shape a two-warp heavy-first
+    one with ``min_blocks`` 10 and ``reverse_full``: both, their neighbours, the wgmma kernel's padded default and
+    ``auto``'s pick, beside FlexAttention and SDPA; and BigBird alone with RoBERTa's pick. Checks first (S=1024, Q
+    scaled by 8, outputs poisoned): every timed configuration on the mask at B2 H3 with padding."""
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile, decide_attention
+    from stof_tvm.schedules.attention_wgmma import default_config
+
+    batch, heads, seq = 16, H_BENCH, 2048
+
+    def decided(recipe, kinds):
+        problem = AttentionProblem(batch=batch, heads=heads, head_dim=64, dtype="float16", padding=True,
+                                   mask=MaskProfile(build_mask(recipe, batch, heads, seq, 0)))
+        return decide_attention(problem, kinds=kinds)
+
+    gpt2_pick = decided("bigbird_causal", ("block",)).best.candidate.config
+    roberta_pick = decided("bigbird", ("block",)).best.candidate.config
+    auto = decided("bigbird_causal", ("block", "row", "wgmma"))
+    blocks = list(dict.fromkeys([_config_tuple(gpt2_pick), _config_tuple(roberta_pick), (32, 32, 2, 2, False),
+                                 (32, 32, 2, 2, True), (64, 32, 4, 2, False), (32, 32, 1, 2, True)]))
+    wgmma = _wgmma_tuple(default_config(64, padding=True))
+    cases = [dict(_case("check", "block", "bigbird_causal", 2, 3, 1024, 64, "float16", config, padding=True),
+                  q_scale=8.0) for config in blocks]
+    cases.append(dict(_case("check", "wgmma", "bigbird_causal", 2, 3, 1024, 64, "float16", wgmma, padding=True),
+                      q_scale=8.0))
+    pick = f"{auto.best.candidate} ({auto.reason})"
+    cases += [dict(_case("time", "block", "bigbird_causal", batch, heads, seq, 64, "float16", config, padding=True),
+                   model_pick=pick) for config in blocks]
+    cases.append(dict(_case("time", "wgmma", "bigbird_causal", batch, heads, seq, 64, "float16", wgmma,
+                            padding=True), model_pick=pick))
+    cases.append(_case("time", "block", "bigbird", batch, heads, seq, 64, "float16", _config_tuple(roberta_pick),
+                       padding=True))
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
          "s9sparse": plan_s9sparse, "s9check": plan_s9check, "s10sparse": plan_s10sparse,
-         "s10dims": plan_s10dims, "s11attn": plan_s11attn}
+         "s10dims": plan_s10dims, "s11attn": plan_s11attn, "s11gpt2": plan_s11gpt2}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
