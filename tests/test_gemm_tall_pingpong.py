@@ -89,12 +89,13 @@ def test_tall_pingpong_kernels_build_for_sm90a_without_spills(name, shape, knobs
     ("gemm_bias_gelu_tanh_wgmma", {"m": 32768, "n": 3072, "k": 768}, True),         # k = 768 (not measured)
     ("gemm_wgmma", {"m": 32768, "n": 768, "k": 768}, True),                         # 0.0589 vs 0.0677 (s11big)
     ("qkv_projection_wgmma", {"batch": 16, "seq": 2048, "heads": 12, "head_dim": 64}, True),   # 0.1789 vs 0.1800
-    ("gemm_wgmma", {"m": 32768, "n": 768, "k": 3072}, False),           # k = 3072: a tie, 256 x 192 keeps the lead
+    ("gemm_wgmma", {"m": 32768, "n": 768, "k": 3072}, True),            # 0.2374 / 0.2477 vs 0.2456 / 0.2443
+    ("qkv_projection_wgmma", {"batch": 8, "seq": 512, "heads": 16, "head_dim": 64}, True),    # BERT-large, k = 1024
     ("gemm_wgmma", {"m": 512, "n": 768, "k": 768}, False),              # split-K leads
     ("gemm_wgmma", {"m": 4096, "n": 1024, "k": 1024}, False),           # 192 divides no 1024 columns
 ])
 def test_the_tall_pingpong_set_leads_where_the_h200_measured_it_fastest(name, shape, lead):
-    """Where the measured order's lead is staged 128 x 192 cooperative, or 256 x 192 with k <= 768, the space
+    """Where the measured order's lead is staged 128 x 192 or 256 x 192 cooperative, the space
     starts with the 128 x 192 ping-pong set with 4 stages (``fast_gelu`` like the set it displaces, which follows it);
     elsewhere the first set is not a ping-pong one."""
     space = get_template(name).knob_space(shape, "float16")
@@ -105,3 +106,21 @@ def test_the_tall_pingpong_set_leads_where_the_h200_measured_it_fastest(name, sh
         assert first.get("fast_gelu") == space[1].get("fast_gelu") == ("gelu" in name or None)
         assert not space[1]["pingpong"] and (space[1].get("block_m", 128), space[1]["block_n"]) in ((128, 192),
                                                                                                    (256, 192))
+
+
+@pytest.mark.parametrize("name, shape, lead", [
+    ("gemm_bias_gelu_erf_wgmma", {"m": 4096, "n": 4096, "k": 1024}, True),    # BERT-large: 0.0606 vs 0.0680 ms
+    ("gemm_bias_gelu_tanh_wgmma", {"m": 4096, "n": 4096, "k": 1024}, True),
+    ("gemm_wgmma", {"m": 4096, "n": 1024, "k": 4096}, False),                 # no GELU: no faster (s11large)
+    ("gemm_bias_gelu_erf_wgmma", {"m": 512, "n": 3072, "k": 768}, False),     # 96 tiles: one each, nothing to alternate
+])
+def test_a_gelu_template_leads_with_128_x_128_pingpong_where_128_x_128_cooperative_led(name, shape, lead):
+    """With two waves of 128 x 128 tiles or more the GELU templates start with the staged 128 x 128 ping-pong set
+    (4 stages, fast_gelu like the cooperative set it displaces, which follows it)."""
+    space = get_template(name).knob_space(shape, "float16")
+    first = space[0]
+    assert (first["pingpong"] and first["block_n"] == 128) == lead
+    second = space[1] if lead else first
+    assert (second["block_n"], second["pingpong"], second.get("block_m", 128)) == (128, False, 128)
+    if lead:
+        assert first["staged"] and first["stages"] == 4 and first.get("fast_gelu") == second.get("fast_gelu") is True

@@ -104,16 +104,18 @@ def test_a_vit_export_runs_its_gemms_without_padding(hf_export):
                 assert rows == 63 * 65, stage
 
 
-@pytest.mark.parametrize("shape, lead", [
-    ({"m": 1576, "n": 768, "k": 3072}, True),    # ViT-Base 8 x 197: 0.0150 ms against 0.0193 (s11big)
-    ({"m": 6304, "n": 768, "k": 3072}, False),   # whole waves: 128 x 192 ping-pong keeps the lead
-    ({"m": 4096, "n": 768, "k": 3072}, False),   # 128 tiles of 128 x 192: 64-row ones leave the busiest SM as many
-    ({"m": 1576, "n": 3072, "k": 768}, False),   # 208 tiles: more than one wave
+@pytest.mark.parametrize("name, shape, lead", [
+    ("gemm_bias_wgmma", {"m": 1576, "n": 768, "k": 3072}, True),    # ViT-Base 8 x 197: 0.0150 ms against 0.0193
+    ("gemm_bias_wgmma", {"m": 1576, "n": 768, "k": 768}, True),     # its attention output: 0.0067 against 0.0075
+    ("gemm_bias_wgmma", {"m": 6304, "n": 768, "k": 3072}, False),   # whole waves: 128 x 192 ping-pong keeps the lead
+    ("gemm_bias_wgmma", {"m": 4096, "n": 768, "k": 3072}, False),   # 128 tiles of 128 x 192: 64-row ones, as many
+    ("gemm_bias_wgmma", {"m": 1576, "n": 3072, "k": 768}, False),   # 208 tiles: more than one wave
+    ("gemm_bias_gelu_erf_wgmma", {"m": 512, "n": 3072, "k": 768}, False),   # GELU: 0.0091 against 0.0084 (s11large)
 ])
-def test_64_row_pingpong_tiles_lead_where_the_first_set_fills_less_than_a_wave(shape, lead):
-    """The staged 64 x 192 ping-pong set leads where the first set's tiles leave SMs idle and its own leave the
-    busiest SM fewer outputs; the set it displaces follows it."""
-    space = get_template("gemm_bias_wgmma").knob_space(shape, "float16")
+def test_64_row_pingpong_tiles_lead_where_the_first_set_fills_less_than_a_wave(name, shape, lead):
+    """The staged 64 x 192 ping-pong set leads a template without GELU where the first set's tiles leave SMs idle and
+    its own leave the busiest SM fewer outputs; the set it displaces follows it."""
+    space = get_template(name).knob_space(shape, "float16")
     first = space[0]
     assert (first["pingpong"] and first["block_n"] == 192 and "block_m" not in first) == lead
     if lead:

@@ -52,9 +52,10 @@ the best: :func:`measured_order`), then the direct-store sets in their older ord
 staged cooperative set beat every direct-store one at BERT-Base's 32768-token GEMMs, by 1.40-2.24x best against best
 (``scripts/bench_wgmma_small_k.py``; BENCHMARKS.md, session 4). Every shape has staged sets (the QKV projection's
 ``head_dim``, a multiple of 16, holds the 8 columns of a 16-byte store); where the device's shared memory takes none
-of them, the first fitting set leads. Two ping-pong sets may take the lead measured faster on the H200: the 128 x 192
-one (:data:`PINGPONG_FIRST`), and where the first set's tiles fill less than one wave of the SMs the 64 x 192 one if
-its tiles leave the busiest SM fewer outputs (:meth:`WgmmaKernelMixin._wave_lead`).
+of them, the first fitting set leads. Three ping-pong sets may take the lead where the H200 measured them faster: the
+128 x 192 one (:data:`PINGPONG_FIRST`), a GELU template's 128 x 128 one (:data:`GELU_PINGPONG_MIN_WAVES`), and where
+the first set's tiles fill less than one wave of the SMs the 64 x 192 one if its tiles leave the busiest SM fewer
+outputs (:meth:`WgmmaKernelMixin._wave_lead`).
 """
 from __future__ import annotations
 
@@ -108,16 +109,24 @@ SPLIT_K_MIN_STEPS = 3
 # QKV at 128 rows, FFN down at 512 rows), as if in two waves; 96 blocks of 132 SMs
 SPLIT_K_MAX_SHARE = 96 / 132
 # The staged 128 x 192 ping-pong set with 4 stages (block_m 256: two 128-row tiles in flight, one per consumer) leads
-# the space where the measured order's lead is the cooperative tile (block_m, block_n) of a key here and the GEMM's k
-# is at most the key's value (None: any k): where a tile's main loop is short, the epilogue the ping-pong hides under
-# the other consumer's MMAs weighs most. H200, session 10 (--plan s10gemm), against the space's first set then: the
-# QKV projection at 4096 rows 0.0226 ms against 128 x 192's 0.0255 (cuBLAS 0.0281), FFN down 0.0280 against 0.0283,
-# attention output 0.0105 against 0.0104 (ties); the erf GELU GEMM (fast_gelu) 0.0345 against 256 x 192's 0.0355 at
-# 4096 rows, 0.2710 against 0.2740 at 32768. Session 11 (--plan s11big, 32768 rows, against 256 x 192; in 10-call
-# bursts / in sustained 50 ms samples): the QKV projection 0.1789 / 0.2032 against 0.1800 / 0.2082 ms, the attention
-# output 0.0589 / 0.0676 against 0.0677 / 0.0718 (k = 768); FFN down (k = 3072) 0.2374 / 0.2477 against 0.2456 /
-# 0.2443, a tie: it keeps 256 x 192. Not measured: the tanh GELU (k = 768: it leads there too).
-PINGPONG_FIRST = {(128, 192): None, (256, 192): 768}
+# the space where the measured order's lead is a cooperative tile (block_m, block_n) here. Adopted where it was faster
+# in the geometric mean of the two timings (10-call bursts and sustained 50 ms samples, which narrow every gap).
+# H200, session 10 (--plan s10gemm, bursts), against the space's first set then: the QKV projection at 4096 rows 0.0226
+# ms against 128 x 192's 0.0255 (cuBLAS 0.0281), FFN down 0.0280 against 0.0283, attention output 0.0105 against
+# 0.0104 (ties); the erf GELU GEMM 0.0345 against 256 x 192's 0.0355 at 4096 rows, 0.2710 against 0.2740 at 32768.
+# Session 11 (--plan s11big / s11large, against 256 x 192; burst / sustained ms): at 32768 rows the QKV projection
+# 0.1789 / 0.2032 against 0.1800 / 0.2082, the attention output 0.0589 / 0.0676 against 0.0677 / 0.0718, FFN down
+# 0.2374 / 0.2477 against 0.2456 / 0.2443, the tanh GELU GEMM 0.3049 / 0.3078 against 0.3214 / 0.3071 (0.0384 /
+# 0.0403 against 0.0442 / 0.0397 at 4096 rows); BERT-large's QKV projection at 4096 rows (k = 1024) 0.0417 / 0.0441
+# against 0.0418 / 0.0455.
+PINGPONG_FIRST = ((128, 192), (256, 192))
+# A GELU template's staged 128 x 128 ping-pong set with 4 stages leads where 128 x 128 cooperative leads and there are
+# tiles for two waves at least (each consumer then has tiles of its own to alternate over): BERT-large's FFN up + erf
+# GELU at 8 x 512 tokens (4096 x 4096 x 1024: 192 divides no 4096 columns) 0.0606 / 0.0670 ms against 0.0680 / 0.0697
+# (cuBLAS without the GELU 0.0636 / 0.0593; session 11, --plan s11large). Without the GELU the same pair measured no
+# faster: BERT-large's attention output 0.0157 / 0.0162 against 0.0154 / 0.0155, FFN down 0.0548 / 0.0590 against
+# 0.0589 / 0.0585.
+GELU_PINGPONG_MIN_WAVES = 2
 PINGPONG_FIRST_STAGES = 4
 # Staged sets with this many accumulators a thread or more spill where a tile's stores are guarded (rows not stored)
 GUARDED_STAGED_MAX_ACC = 192
@@ -220,7 +229,7 @@ class WgmmaKernelMixin:
         return kernel.with_attr("stof.spec", func.attrs["stof.spec"])
 
     def _knob_space(self, shape, dtype, hw: Hardware = H200):
-        m, n, k = self.gemm_dims(shape)
+        m, n, _ = self.gemm_dims(shape)
         m = space_rows(m)
         space = [{"block_n": bn, "stages": st, "persistent": p, "pingpong": pp}
                  for p, pp in ((True, False), (False, False), (True, True)) for bn in BLOCK_N_CHOICES
@@ -245,37 +254,51 @@ class WgmmaKernelMixin:
                   if not self._spills_with_guarded_rows(shape, kn)]
         tall_pingpong = [kn for kn in self.tall_pingpong_sets(loaded)
                          if not self._spills_with_guarded_rows(shape, kn)]
-        lead = self._pingpong_lead(loaded[0], tall_pingpong, k)
-        space = ([lead] if lead else []) + loaded + [kn for kn in tall_pingpong if kn is not lead]
-        wave = self._wave_lead(space, m, n, hw.sm_count)
-        return ([wave] if wave else []) + [kn for kn in space if kn is not wave]
+        space = loaded + tall_pingpong
+        lead = (self._pingpong_lead(loaded[0], tall_pingpong)
+                or self._gelu_pingpong_lead(loaded, m, n, hw.sm_count) or self._wave_lead(loaded, m, n, hw.sm_count))
+        return ([lead] if lead else []) + [kn for kn in space if kn is not lead]
 
-    def _pingpong_lead(self, first, tall_pingpong, k: int) -> dict | None:
+    def _pingpong_lead(self, first, tall_pingpong) -> dict | None:
         """The 128 x 192 ping-pong set (4 stages, ``fast_gelu`` as ``first``) that leads the space in place of the
-        cooperative set ``first`` where the H200 measured it faster or as fast (:data:`PINGPONG_FIRST`): where
-        ``first`` is staged 128 x 192 cooperative, or 256 x 192 with k at most 768; else None."""
+        cooperative set ``first`` where the H200 measured it faster (:data:`PINGPONG_FIRST`): where ``first`` is staged
+        128 x 192 or 256 x 192 cooperative; else None."""
         tile = (first.get("block_m", BLOCK_M), first["block_n"])
-        if not first.get("staged") or first["pingpong"] or tile not in PINGPONG_FIRST or (
-                PINGPONG_FIRST[tile] is not None and k > PINGPONG_FIRST[tile]):
+        if not first.get("staged") or first["pingpong"] or tile not in PINGPONG_FIRST:
             return None
         return next((kn for kn in tall_pingpong if kn["stages"] == PINGPONG_FIRST_STAGES
                      and kn.get("fast_gelu") == first.get("fast_gelu")), None)
 
+    def _gelu_pingpong_lead(self, space, m: int, n: int, sm_count: int) -> dict | None:
+        """A GELU template's staged 128 x 128 ping-pong set (4 stages, ``fast_gelu`` as the first set) where the first
+        set is staged 128 x 128 cooperative with :data:`GELU_PINGPONG_MIN_WAVES` waves of tiles or more; else
+        None."""
+        first = space[0]
+        if (getattr(self, "act", "none") not in LIBM_GELU_EXTRA_OPS or not first.get("staged") or first["pingpong"]
+                or (first.get("block_m", BLOCK_M), first["block_n"], first.get("split_k", 1)) != (BLOCK_M, 128, 1)
+                or (m // BLOCK_M) * (n // 128) < GELU_PINGPONG_MIN_WAVES * sm_count):
+            return None
+        return next((kn for kn in space if kn["pingpong"] and kn["block_n"] == 128 and kn.get("staged")
+                     and kn["stages"] == PINGPONG_FIRST_STAGES and kn.get("fast_gelu") == first.get("fast_gelu")),
+                    None)
+
     def _wave_lead(self, space, m: int, n: int, sm_count: int) -> dict | None:
-        """The staged 64 x 192 ping-pong set (4 stages, ``fast_gelu`` as the first set) that leads the space where the
+        """The staged 64 x 192 ping-pong set (4 stages) that leads the space of a template without GELU where the
         first set is unsplit with fewer tiles than SMs (one partial wave) and the 64-row tiles leave the busiest SM
         fewer outputs (:func:`busiest_sm_outputs`, ``m`` in whole 128-row tiles); else None. H200, session 11 (--plan
-        s11big): ViT-Base's FFN down at 8 x 197 tokens (1576 x 768 x 3072; 78 tiles of 128 x 128, 100 of 64 x 192)
-        0.0150 ms against 0.0193 (sustained 0.0154 against 0.0175; cuBLAS 0.0182). With whole waves the 64-row
-        tiles gain no more: at 6304 rows 0.0565 against 128 x 192 ping-pong's 0.0627, but 0.0585 against 0.0560
-        sustained."""
+        s11big / s11large; burst / sustained ms): ViT-Base's FFN down at 8 x 197 tokens (1576 x 768 x 3072; 78 tiles
+        of 128 x 128, 100 of 64 x 192) 0.0150 / 0.0154 against 0.0193 / 0.0175 (cuBLAS 0.0182 / 0.0157), its attention
+        output 0.0067 / 0.0061 against 0.0075 / 0.0069, RoBERTa-base's QKV projection at 1 x 512 0.0072 / 0.0066
+        against 0.0074 / 0.0068; but the erf GELU GEMM at 512 rows 0.0091 / 0.0084 against 0.0084 / 0.0077. With
+        whole waves the 64-row tiles gain nothing sure: at 6304 rows 0.0565 / 0.0585 against 128 x 192 ping-pong's
+        0.0627 / 0.0560."""
         first = space[0]
         config = self.config(first)
-        if config.split_k > 1 or (m // config.tile_m) * (n // config.block_n) >= sm_count:
+        if (getattr(self, "act", "none") in LIBM_GELU_EXTRA_OPS or config.split_k > 1
+                or (m // config.tile_m) * (n // config.block_n) >= sm_count):
             return None
         wave = next((kn for kn in space if kn["pingpong"] and kn["block_n"] == 192 and "block_m" not in kn
-                     and kn.get("staged") and kn["stages"] == PINGPONG_FIRST_STAGES
-                     and kn.get("fast_gelu") == first.get("fast_gelu")), None)
+                     and kn.get("staged") and kn["stages"] == PINGPONG_FIRST_STAGES), None)
         if wave is None or (busiest_sm_outputs(m, n, self.config(wave).tile_m, 192, sm_count)
                             >= busiest_sm_outputs(m, n, config.tile_m, config.block_n, sm_count)):
             return None
