@@ -26,9 +26,13 @@ and ``consumers`` (2, or 3 at head dim 64) consumer warpgroups (384 or 512 threa
   carried over to wgmma) and V read transposed from shared memory (``imm-trans-b``). The softmax runs in float32
   in base 2.
 - Overlap, within a consumer: turn ``i`` issues ``S(i)`` and ``O += P(i-1) V(i-1)`` back to back, then waits for
-  ``S(i)`` only and runs the mask and softmax of tile ``i`` while ``P(i-1) V(i-1)`` is still on the tensor cores.
-  Between consumers (``pingpong``): they take turns issuing, round robin (named barriers 1 ..), so one's softmax
-  runs under the others' products.
+  ``S(i)`` only and runs the mask and softmax of tile ``i``; ptxas, though, moves the wait for ``P(i-1) V(i-1)``
+  above the tile's exponentials (to interleave the packs of ``P(i)``, which overwrite the product's A registers,
+  with them), so the softmax runs once the consumer's own product has retired. Keeping it under the product (a
+  try-wait between them, which ptxas does not schedule across) measured no faster on the H200, nor did moving
+  some exponentials to the FMA pipe (session 11: scripts/NOTES_attention_wgmma.md). Between consumers
+  (``pingpong``): they take turns issuing, round robin (named barriers 1 ..), so one's softmax runs under the
+  others' products.
 - The K slot is released (``empty`` mbarrier, one arrival per consumer thread) once the tile's mask has been
   read, the V slot once its product has retired; ring slots and phases count the block's tiles over all its work items.
 - Work items are (batch, head, tile row), head by head, each head's tile rows last to first (causal-like masks put
@@ -106,8 +110,6 @@ BLOCK_N_CHOICES = (64, 128)
 # How the producer fills shared memory: 16-byte cp.async from all its 128 threads, or TMA (one thread: tensor maps
 # encoded on the host at each call, cp.async.bulk for the bitmap words)
 LOAD_CHOICES = ("cp.async", "tma")
-# Every k-th exponential of a row on the FMA pipe (0: none; EXP2_POLY)
-EXP2_POLY_CHOICES = (0, 2, 4, 8, 16)
 # Head dims whose cp.async producer builds clean (nvcc 13.0, sm_90a): at 80, 96 and 256 ptxas spills (100, 88 and 8
 # spill stores with the default tiles); TMA, the default everywhere, builds clean at every head dim
 CP_ASYNC_HEAD_DIMS = (32, 64, 128)
@@ -130,26 +132,6 @@ PERSISTENT_GRID = 132    # blocks of a persistent grid at most (the H200's SMs; 
 # (the compile path reads this to offer the kernel to padded models; checked against float32 on the H200 in
 # session 9: right/left padding with holes and empty rows, D64 and D128, fp16 and bf16, rel err <= 1.6e-3).
 KEY_PADDING = True
-# What ptxas (nvcc 13.0, sm_90a) makes of the turn loop, read from the SASS of the causal D64 (3 consumers) and
-# D128 (2 consumers) defaults: the source waits for P(i-1) V(i-1) (wgmma.wait_group 0) after the softmax of tile i,
-# but ptxas moves that wait (WARPGROUP.DEPBAR.LE gsb0, 0x0) above the 64 MUFU.EX2 of the tile, so that it can
-# interleave the F2FP packs of P(i), which overwrite the registers the product still reads, with the exponentials:
-# the softmax then starts only once the product has retired, and the two overlap only across consumers
-# (ping-pong). With ``softmax_under_pv`` a second wait for K(i) sits between them (SYNCS.PHASECHK plus a branch to
-# its retry loop; K(i) has landed, so it passes at once): all 66 MUFU.EX2 of a turn come before the DEPBAR, the
-# same registers, no spills. (Session 11's first form waited there for V(i) instead, moved from the next turn's
-# start: on the H200 causal D64 3 stages 1.019 / 1.007 ms against 0.942 / 0.943, 4 stages 0.982 against 1.013,
-# D128 1.944 / 1.859 against 1.837 / 1.871: the earlier wait for the next V tile can stall on a 3-slot ring.)
-SOFTMAX_UNDER_PV = "ptxas keeps the wait for P(i-1) V(i-1) behind the softmax of tile i"
-# At head dim 64 a 64 x 128 tile costs a consumer as many MUFU clocks (8192 ex2 at 16 a clock an SM) as tensor
-# clocks (S and P V: 2 x 64 x 128 x 64 FMA at 1024 a clock), so the exponentials bound the kernel as much as the
-# products. ``exp2_poly_every=k`` moves every k-th exponential of a row to the FMA pipe (FlashAttention-4's split on
-# Blackwell): 2^f on [-0.5, 0.5] by this degree-4 polynomial (Lawson-iterated least squares for relative error:
-# 2.7e-6 at most in float32, against 4.9e-4 for P's fp16 rounding), ten instructions (a clamp, three adds, four
-# FFMA, a shift-add building 2^j, one FMUL) against one MUFU.EX2.
-EXP2_POLY = (0.9999992847442627, 0.6931217908859253, 0.240247443318367, 0.05591785907745361, 0.009570101276040077)
-_ROUND_MAGIC = 12582912.0        # 1.5 * 2^23: x + this rounds x to an integer held in the low mantissa bits
-_ONE_BITS = 0x3F800000           # 1.0f: (those bits << 23) + this is 2^j (the magic's own bits shift out)
 _LOG2E = 1.4426950408889634
 _FULL_MASK = 0xFFFFFFFF
 
@@ -168,14 +150,8 @@ class WgmmaAttentionConfig:
     multiples of 64: shared tiles of 64-column panels in the 128-byte swizzle as at head dims 64 and 128, the head
     dim padded to the next multiple of 64 with zeros, which the copy engine writes for the columns past ``D``;
     ``S`` reads the real columns only, ``O += P V`` runs over the padded width and only ``D`` columns are stored: the
-    layout the H200 has checked since session 6, at the cost of the padded product), ``softmax_under_pv`` (each
-    turn waits once more for its own K tile, which has landed, right after its softmax: that wait is a branch to a
-    retry loop in the SASS, which ptxas does not schedule across, so the wait for ``P(i-1) V(i-1)`` stays behind
-    the softmax of tile ``i``; without it ptxas hoists that wait above the exponentials, to pack ``P(i)`` into the
-    registers ``P(i-1) V(i-1)`` still reads, and the softmax runs after the product instead of under it:
-    :data:`SOFTMAX_UNDER_PV`), ``exp2_poly_every`` (0, or k: every k-th exponential of a row by a polynomial on the
-    FMA pipe instead of MUFU.EX2, :data:`EXP2_POLY`). The tiled format
-    must be built at ``block_m x block_n`` (``block_m = 64 * consumers``)."""
+    layout the H200 has checked since session 6, at the cost of the padded product). The tiled format must be built
+    at ``block_m x block_n`` (``block_m = 64 * consumers``)."""
 
     block_n: int = 128
     stages: int = 2
@@ -184,8 +160,6 @@ class WgmmaAttentionConfig:
     consumers: int = 2
     loads: str = "cp.async"
     pad_panels: bool = False
-    softmax_under_pv: bool = False
-    exp2_poly_every: int = 0
 
     @property
     def block_m(self) -> int:
@@ -205,11 +179,9 @@ class WgmmaAttentionConfig:
                              f"{limit} its {REGISTERS[self.consumers][1]} leave beside them")
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"stages must be an int >= 2, got {self.stages!r}")
-        for name in ("pingpong", "persistent", "pad_panels", "softmax_under_pv"):
+        for name in ("pingpong", "persistent", "pad_panels"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if isinstance(self.exp2_poly_every, bool) or self.exp2_poly_every not in EXP2_POLY_CHOICES:
-            raise ValueError(f"exp2_poly_every must be one of {EXP2_POLY_CHOICES}, got {self.exp2_poly_every!r}")
         if not isinstance(self.loads, str) or self.loads not in LOAD_CHOICES:
             raise ValueError(f"loads must be one of {LOAD_CHOICES}, got {self.loads!r}")
         if self.pad_panels and (self.loads != "tma" or head_dim % PANEL_COLS_CHOICES[0] == 0):
@@ -488,8 +460,6 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     PACK = T.ptx[f"cvt.rn.{ab}x2.f32"]
     CP_ASYNC_16 = T.ptx["cp.async.cg.shared.global"]
     TMA = cfg.loads == "tma"
-    UNDER = cfg.softmax_under_pv       # each turn waits for its K tile again after its softmax (SOFTMAX_UNDER_PV)
-    POLY = cfg.exp2_poly_every         # every POLY-th exponential of a row by the polynomial (EXP2_POLY)
     # arrivals completing a full mbarrier's phase: every producer thread's (cp.async), or the issuing thread's
     # arrive.expect_tx, the phase then waiting for the copies' transaction bytes too (TMA)
     FULL_ARRIVALS = 1 if TMA else WG
@@ -656,21 +626,6 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
         T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 3, i))
 
     @T.macro
-    def poly_exp2(s_acc, x, red):
-        """``s_acc[x] = 2 ** (s_acc[x] * SL - red[2])`` on the FMA and integer pipes instead of MUFU.EX2
-        (:data:`EXP2_POLY`): the argument clamped at -125 (a masked score's -inf gives 2^-125, which P's 16-bit
-        rounding makes 0 as ex2 does), rounded to the nearest integer ``j`` by adding 1.5 * 2^23 (the sum's low
-        mantissa bits are ``j``; ``red[0]``, a register the compilers do not fold), ``2^f`` of the rest ``f`` in
-        [-0.5, 0.5] by a degree-4 polynomial, times 2^j built in the exponent field (an FMUL: with an integer add
-        into the exponent of the accumulator register instead, ptxas serialises the wgmma, C7511)."""
-        red[1] = T.max(s_acc[x] * T.float32(SL) - red[2], T.float32(-125.0))
-        red[0] = red[1] + T.float32(_ROUND_MAGIC)
-        red[1] = red[1] - (red[0] - T.float32(_ROUND_MAGIC))
-        s_acc[x] = (T.float32(EXP2_POLY[0]) + red[1] * (T.float32(EXP2_POLY[1]) + red[1] * (
-            T.float32(EXP2_POLY[2]) + red[1] * (T.float32(EXP2_POLY[3]) + red[1] * T.float32(EXP2_POLY[4]))))) * \
-            T.reinterpret("float32", T.shift_left(T.reinterpret("uint32", red[0]), T.uint32(23)) + T.uint32(_ONE_BITS))
-
-    @T.macro
     def softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0, c, w, g, qd, i, n_part_row, pads, b, col):
         """Tile i's mask (partial tiles; with padding, the keys of column tile ``col`` that batch row ``b`` drops,
         where the tile crosses its kept span or the span has holes) and online softmax on S(i) in place; tile i's
@@ -717,13 +672,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
             red[3] = T.float32(0)
             for j in T.unroll(NJ):
                 for e in T.unroll(2):
-                    if POLY > 0:
-                        if (j * 2 + e) % POLY == POLY - 1:
-                            poly_exp2(s_acc, j * 4 + hh * 2 + e, red)
-                        else:
-                            EX2(s_acc[j * 4 + hh * 2 + e], s_acc[j * 4 + hh * 2 + e] * T.float32(SL) - red[2])
-                    else:
-                        EX2(s_acc[j * 4 + hh * 2 + e], s_acc[j * 4 + hh * 2 + e] * T.float32(SL) - red[2])
+                    EX2(s_acc[j * 4 + hh * 2 + e], s_acc[j * 4 + hh * 2 + e] * T.float32(SL) - red[2])
                     red[3] = red[3] + s_acc[j * 4 + hh * 2 + e]
             l_run[hh] = l_run[hh] * corr[hh] + red[3]
 
@@ -794,8 +743,6 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                 T.ptx["wgmma.wait_group.sync.aligned"](1)
                 softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + (M_OFF + (gi % ST) * MW_BYTES) // 4, c, w,
                         g, qd, i, n_part_row, pads, b, tile_col(tiles, i, n_part_row))
-            if UNDER:        # K(i) has landed: the wait passes at once, a branch ptxas does not schedule across
-                wait_parity(flag, ring_bar(base, 0, gi), phase(gi))
             T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 1, gi))
             retire_pv(o_acc, base, gi - 1, compute)
             if compute:

@@ -956,78 +956,6 @@ def plan_s10dims() -> list[dict]:
     return cases
 
 
-# s11attn: ptxas's placement of the wait for P(i-1) V(i-1) (schedules/attention_wgmma.py SOFTMAX_UNDER_PV) and
-# every k-th exponential on the FMA pipe (EXP2_POLY). Each configuration tuple is a WgmmaAttentionConfig's fields
-# (block_n, stages, pingpong, persistent, consumers, loads, pad_panels, softmax_under_pv, exp2_poly_every); the
-# first of each head dim is the default. S11_DENSE: the indices of those also timed on the dense mask, S11_REPEAT:
-# timed again at the end (drift within the run).
-S11_TIMED = {64: ((128, 3, True, True, 3, "tma"), (128, 3, True, True, 3, "tma", False, True),
-                  (128, 3, True, True, 3, "tma", False, False, 8), (128, 3, True, True, 3, "tma", False, False, 16),
-                  (128, 3, True, True, 3, "tma", False, True, 8), (128, 4, True, True, 3, "tma"),
-                  (128, 4, True, True, 3, "tma", False, True), (128, 4, True, True, 3, "tma", False, True, 8)),
-             128: ((128, 2, True, True, 2, "tma"), (128, 2, True, True, 2, "tma", False, True),
-                   (128, 2, True, True, 2, "tma", False, False, 16))}
-S11_DENSE = {64: (0, 1, 2, 5, 6), 128: (0, 1)}
-S11_REPEAT = {64: (0, 1, 2), 128: (0, 1)}
-
-
-def _knobs(config, under: bool = False, poly: int = 0) -> tuple:
-    """A configuration tuple (fields of WgmmaAttentionConfig) with ``softmax_under_pv`` and ``exp2_poly_every``."""
-    config = tuple(config)[:7]
-    return config + (False,) * (7 - len(config)) + (under, poly)
-
-
-def plan_s11attn() -> list[dict]:
-    """``softmax_under_pv`` and ``exp2_poly_every`` against the defaults on issue 16's causal goals, one short run
-    (checks < 25 s, timings < 45 s). Checks first (S=1000, Q scaled by 8, outputs poisoned, vs float32): every timed
-    configuration with a knob on causal and per-head random masks with empty rows; each knob alone at D64 (and
-    ``softmax_under_pv`` at D128) on BigBird (partial tiles' bitmaps), a document mask, bf16, Q/K/V as
-    16-byte-offset views of one packed projection, fresh tensors and a CUDA-graph replay; the key-padded defaults
-    with each knob (right / left with holes / empty batch rows; causal and sliding); the cp.async producer and the
-    one-block-per-item three-consumer kernel whose last tile row leaves a consumer idle. Then causal at D64 B16 H12
-    S4096 and D128 B4 H16 S8192, every S11_TIMED configuration, dense with those of S11_DENSE, beside
-    FlexAttention and SDPA, and S11_REPEAT's again."""
-    from stof_tvm.schedules.attention_wgmma import default_config
-
-    cases = []
-
-    def check(recipe, head_dim, config, batch=2, heads=3, dtype="float16", padding=False, **extra):
-        cases.append(dict(_case("check", "wgmma", recipe, batch, heads, 1000, head_dim, dtype, config,
-                                padding=padding), q_scale=8.0, **extra))
-
-    knobs = {64: ((True, 0), (False, 8)), 128: ((True, 0),)}
-    for head_dim, configs in S11_TIMED.items():
-        assert configs[0] == _wgmma_tuple(default_config(head_dim))
-        for config in configs[1:]:
-            for recipe in ("causal", "random_empty:0.05"):
-                check(recipe, head_dim, config)
-        for under, poly in knobs[head_dim]:
-            config = _knobs(configs[0], under, poly)
-            for recipe in ("bigbird", "document"):
-                check(recipe, head_dim, config)
-            check("random_empty:0.05", head_dim, config, dtype="bfloat16")
-            check("causal", head_dim, config, qkv_offset=8)
-            check("causal", head_dim, config, replays=True)
-            padded = _knobs(_wgmma_tuple(default_config(head_dim, padding=True)), under, poly)
-            for recipe in ("causal", "sliding"):
-                check(recipe, head_dim, padded, batch=4, heads=2, padding=True)
-            check("causal", head_dim, _knobs(configs[0][:5] + ("cp.async",), under, poly))
-    for under, poly in knobs[64]:
-        check("causal", 64, _knobs((128, 3, True, False, 3, "tma"), under, poly))      # idle last-row consumers
-    for recipe in ("causal", "dense"):
-        for head_dim, configs in S11_TIMED.items():
-            batch, heads, seq = S7C_SHAPES[head_dim]
-            for index, config in enumerate(configs):
-                if recipe == "causal" or index in S11_DENSE[head_dim]:
-                    cases.append(_case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16", config))
-    for head_dim, configs in S11_TIMED.items():
-        batch, heads, seq = S7C_SHAPES[head_dim]
-        for index in S11_REPEAT[head_dim]:
-            cases.append(dict(_case("time", "wgmma", "causal", batch, heads, seq, head_dim, "float16",
-                                    configs[index]), repeat=True))
-    return cases
-
-
 def plan_s11gpt2() -> list[dict]:
     """GPT-2 16x2048's attention (issue 17): BigBird AND causal at B16 H12 S2048 D64 fp16 with the key padding of
     an HF export, as the compile path runs it. The model picks a one-warp block-wise configuration there (no heavy
@@ -1069,7 +997,7 @@ PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
          "s9sparse": plan_s9sparse, "s9check": plan_s9check, "s10sparse": plan_s10sparse,
-         "s10dims": plan_s10dims, "s11attn": plan_s11attn, "s11gpt2": plan_s11gpt2}
+         "s10dims": plan_s10dims, "s11gpt2": plan_s11gpt2}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 

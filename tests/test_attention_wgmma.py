@@ -6,7 +6,6 @@ registers, no spills, no serialised wgmma, setmaxnreg honoured; HGMMA in the SAS
 The kernel's numerics and speed need an H200: scripts/check_attention_wgmma_gpu.py."""
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 import shutil
@@ -305,53 +304,3 @@ def test_tma_kernel_compiles_for_sm90a_with_tma_and_no_proxy_fence(head_dim, dty
     assert re.search(rf"HGMMA\.64x{config.block_n}x16\.F32", sass)
     assert "UTMALDG.3D" in sass and "UBLKCP" in sass
     assert not re.search(r"\b(LDGSTS|MEMBAR|LDL|STL)\b", sass)
-
-
-def test_softmax_under_pv_waits_between_softmax_and_product_wait(tmp_path):
-    """``softmax_under_pv``: in the turn loop, after waiting for S(i) (``wait_group 1``), the tile's exponentials,
-    then a second wait for its K tile (a try-wait loop, which ptxas does not schedule across), then the wait for
-    P(i-1) V(i-1) (``wait_group 0``); the default has no wait there (ptxas then moves the product's wait above the
-    exponentials: scripts/NOTES_attention_wgmma.md, session 11). Where a disassembler exists: every MUFU.EX2 of
-    the turn comes before the product's WARPGROUP.DEPBAR in the SASS, and no spills."""
-    from hopper_checks import disassembler
-
-    def turn(config):
-        func = wgmma_attention_primfunc(**BASE, config=config)
-        src = cuda_source(tvm.compile(tvm.IRModule({"main": func}), target=cuda_target("sm_90a")))
-        loop = src[src.index("wait_group_sync_aligned_1();"):]
-        return src, loop[:loop.index("wait_group_sync_aligned_0();")]
-
-    config = WgmmaAttentionConfig(stages=3, persistent=True, consumers=3, loads="tma", softmax_under_pv=True)
-    src, between = turn(config)
-    assert 0 <= between.rfind("ex2_approx") < between.rfind("try_wait_parity")
-    assert "try_wait_parity" not in turn(dataclasses.replace(config, softmax_under_pv=False))[1]
-    if shutil.which("nvcc") is None or disassembler() is None:
-        return
-    sass = sm90a_sass(src, tmp_path)
-    ops = re.findall(r"(MUFU\.EX2|WARPGROUP\.DEPBAR\.LE gsb0, 0x[01])", sass)
-    loop = ops[ops.index("WARPGROUP.DEPBAR.LE gsb0, 0x1"):]
-    assert loop[:loop.index("WARPGROUP.DEPBAR.LE gsb0, 0x0")].count("MUFU.EX2") == config.block_n // 2 + 2
-
-
-def test_polynomial_exp2_matches_ex2_where_p_is_kept_and_underflows_to_nothing():
-    """``exp2_poly_every``'s steps in float32 (clamp at -125, round by the 1.5 * 2^23 add, degree-4 polynomial of the
-    rest, times 2^j from the exponent bits): within 4e-6 of 2^x down to -125 (P's fp16 rounding is 4.9e-4), and
-    masked scores (-inf) or anything below give at most 2^-125, which P's 16-bit rounding and the row sum lose."""
-    from stof_tvm.schedules.attention_wgmma import _ONE_BITS, _ROUND_MAGIC, EXP2_POLY
-
-    f32 = np.float32
-    x = np.concatenate([np.linspace(-140, 0, 200001, dtype=f32), f32([-np.inf, -1e30, -0.5, 0.5 - 2 ** -24])])
-    xc = np.maximum(x, f32(-125))
-    t = (xc + f32(_ROUND_MAGIC)).astype(f32)
-    frac = (xc - (t - f32(_ROUND_MAGIC))).astype(f32)
-    poly = f32(EXP2_POLY[4])
-    for c in EXP2_POLY[3::-1]:
-        poly = (poly * frac + f32(c)).astype(f32)
-    scale = ((t.view(np.uint32) << np.uint32(23)) + np.uint32(_ONE_BITS)).view(f32)
-    got = (poly * scale).astype(f32)
-    kept = x >= -125
-    assert np.abs(frac).max() <= 0.5
-    assert np.abs(got[kept] / np.exp2(x[kept].astype(np.float64)) - 1).max() < 4e-6
-    assert np.all((got[~kept] > 0) & (got[~kept] <= 2.0 ** -124.5)) and np.float16(got[~kept]).max() == 0
-    with pytest.raises(ValueError, match="exp2_poly_every"):
-        WgmmaAttentionConfig(exp2_poly_every=3).validate(64)
