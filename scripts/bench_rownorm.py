@@ -301,7 +301,8 @@ def run(args) -> None:
         if template == "residual_layernorm":   # the add the fused kernel replaces (before it: add + layernorm)
             with torch.no_grad():
                 add_us = gpu_time_us(torch, [lambda t=t: t["x"] + t["residual"] for t in pool])
-            rows.append(dict(base, kernel="add alone (torch)", us=add_us, bytes=3 * m * n * 2))
+            rows.append(dict(base, kernel="add alone (torch)", us=add_us, bytes=3 * m * n * 2,
+                             floor_us=3 * m * n * 2 / (bl.PEAK_TBPS * 1e12) * 1e6))
         for info in mods:
             row = dict(base, kernel=info["label"], knobs=info["knobs"], old_default=info["old_default"],
                        new_default=info["new_default"], registers_ptxas=info["ptxas"]["registers"])
