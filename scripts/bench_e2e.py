@@ -24,7 +24,7 @@ Per model and shape (each in a child process, so a crash or a sticky CUDA error 
    | ``torch-eager`` | the HF model in float16, ``attn_implementation="sdpa"`` (dense) | dense |
    | ``torch-compile`` | the same through ``torch.compile`` (``--torch-compile-mode``) | dense |
    | ``torch-flex`` | ``torch.compile`` of the model, FlexAttention on a BlockMask of the same sparse mask | sparse |
-   | ``ort`` | onnxruntime (CUDA EP) on the same ONNX after its transformer optimizer, float16, IOBinding | dense |
+   | ``ort`` | onnxruntime, CUDA EP + CUDA graph, this ONNX after ORT's transformer optimizer, fp16, IOBinding | dense |
    | ``tvm-default`` | TVM's default pipeline on the same ONNX (see 2.) | dense |
    | ``ours-nograph`` | with ``--profile``: ``ours`` without CUDA graphs, timed and profiled per kernel class | sparse |
 
@@ -35,8 +35,12 @@ and, for ``ours``, its compute and memory fractions apart (useful TFLOP/s / 790,
 ``vs best`` = the best correct baseline's ms / ours (``torch-*`` and ``ort``) and ``vs tvm`` = tvm-default / ours,
 both for the module (``ours``) and for the call path (``ours-call``). ``results.json`` (rewritten after every
 row, and by each child after every stage) and a table go to ``$OUT`` (the device tool's) or ``--out``.
-``--budget-s`` bounds the whole run: a row or a stage that would not fit is skipped and reported, never cut off
-mid-write.
+The ``ort`` stage prints one ``ort config:`` line (``scripts/e2e_ort.describe``: model_type, fused operator counts
+and the fusions missing against one attention / biased GELU / two residual LayerNorms per layer, the session's graph
+level and CUDA graph, nodes per execution provider from one profiled forward, Memcpy nodes) and an ``ORT WARNING:``
+line for each weakness (fusion missing, node on the CPU EP, host-device copy, a lower graph level, no CUDA graph);
+a row with any has status ``weak:ort``. ``--budget-s`` bounds the whole run: a row or a stage that would not fit
+is skipped and reported, never cut off mid-write.
 
 ViT's sequence is its patch grid: ``vit-base`` 197 tokens, ``vit-base-384`` 577; a shape's batch applies, its
 length is replaced. Models: ``scripts/e2e_models.py`` (``bert-base roberta-base bert-large gpt2 vit-base
@@ -214,6 +218,8 @@ def summarise(row: dict, tolerance: float) -> dict:
     failed = [label for label in STAGES + ("ours-call",) if row.get(f"{label}_ok") is False]
     errors = [label for label in STAGES + ("ours-call", "row") if f"{label}_failed" in row]
     problems = [f"wrong:{x}" for x in failed] + [f"error:{x}" for x in errors]
+    if row.get("ort_warnings"):
+        problems.append("weak:ort")         # ORT ran, but not fully fused / on the GPU alone: the log says how
     if row.get("child_exit"):
         problems.append(f"exit:{row['child_exit']}")
     row["status"] = " ".join(problems) or "ok"
@@ -531,14 +537,26 @@ def measure_row(args, row: "Row") -> None:
         data["ort_version"] = e2e_ort.version()
         optimized = work_dir / "ort.onnx"
         start = time.time()
-        data["ort_fused"] = e2e_ort.optimize(str(onnx_path), str(optimized), model.family, info["heads"],
-                                             info["hidden"], fp16=args.dtype == "float16", gpu=dev == "cuda")
+        prep = e2e_ort.optimize(str(onnx_path), str(optimized), model.family, info["heads"], info["hidden"],
+                                info["layers"], fp16=args.dtype == "float16", gpu=dev == "cuda",
+                                mask=args.ort_mask)
+        data["ort_prep"], data["ort_fused"] = prep, prep["fused"]
         data["ort_optimize_s"] = round(time.time() - start, 1)
-        print(f"    ort fused: {data['ort_fused']}", flush=True)
         shape = tuple(refs["dense"].shape)
-        runners = [e2e_ort.OrtRunner(str(optimized), feeds, shape, dev) for feeds in sets]
-        data["ort_providers"] = runners[0].providers
-        data["ort_session"] = runners[0].session_note or "full graph optimisations"
+        runners = [e2e_ort.OrtRunner(str(optimized), feeds, shape, dev, cuda_graph=args.ort_cuda_graph)
+                   for feeds in sets]
+        session = data["ort_session"] = runners[0].session_record()
+        data["ort_providers"] = session["providers"]
+        summary = data["ort_placement"] = e2e_ort.placement(str(optimized), sets[0], dev, runners[0].level,
+                                                            str(work_dir / "ort-profile"))
+        warnings = [f"fusions missing: {'; '.join(prep['missing'])}"] if prep["missing"] else []
+        warnings += e2e_ort.placement_problems(summary, dev) + session["notes"]
+        if session["level"] != e2e_ort.GRAPH_LEVELS[0]:
+            warnings.append(f"session at {session['level']}")
+        data["ort_warnings"] = warnings
+        print("    " + e2e_ort.describe(prep, session, summary), flush=True)
+        for warning in warnings:
+            print(f"    ORT WARNING: {warning}", flush=True)
         row.check("ort", runners[0].run(), refs["dense"], args.tolerance)
         row.timed("ort", lambda r: r.run(), [(r,) for r in runners], args)
     if onnx_path.exists():
@@ -629,6 +647,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--export-attn", choices=("eager", "sdpa"), default="eager",
                    help="attn_implementation of the model exported to ONNX (default eager)")
     p.add_argument("--opset", type=int, default=17)
+    p.add_argument("--ort-cuda-graph", action=argparse.BooleanOptionalAction, default=True,
+                   help="onnxruntime's CUDA EP replays the forward as a CUDA graph (default on; shapes are static)")
+    p.add_argument("--ort-mask", choices=("index", "none"), default="index",
+                   help="onnxruntime's fused attention mask: index (per-row key lengths, the optimizer's default) or "
+                        "none (no mask input, so ORT's flash kernels may run; same output on the unpadded inputs)")
     p.add_argument("--torch-compile-mode", default="reduce-overhead",
                    choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
                    help="torch.compile mode of the torch-compile and torch-flex baselines (default reduce-overhead: "
