@@ -299,8 +299,16 @@ def whole_buffer(buf, words):
 
 
 def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: str, config: WgmmaConfig,
-                        heads: tuple[int, int, int, int] | None = None, sm_count: int = 132) -> tvm.tirx.PrimFunc:
+                        heads: tuple[int, int, int, int] | None = None, sm_count: int = 132,
+                        residual: bool = False) -> tvm.tirx.PrimFunc:
     """The thread-level CUDA PrimFunc (parameters ``A, W[, bias], out`` like the ``gemm`` templates).
+
+    ``residual`` (with ``bias``; not the QKV projection): a fourth input before ``out``, ``residual`` [m, n] in the
+    input dtype, added in float32 to every output element after the bias and activation, before the rounding
+    (``out = act(A @ W^T + bias) + residual``): the epilogue of a post-LN model's GEMM, whose LayerNorm then reads
+    the one sum instead of the GEMM's output and the residual. The staged epilogue loads it in the lanes' fragment
+    layout one 64-column chunk ahead (:func:`load_residual` in the body); the direct and split-K stores read it
+    where they store.
 
     ``heads = (batch, seq, heads, head_dim)`` makes it the QKV projection: ``n`` is ``3 * heads * head_dim``
     and the epilogue writes row ``b*seq + s``, column ``w*H*D + h*D + d`` to ``out[w, b, h, s, d]``
@@ -313,6 +321,9 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     if config.fast_gelu:
         check_fast_gelu(act)
     check_wgmma_shape(m, n, k, config)
+    if residual and (heads is not None or not bias):
+        raise ValueError("residual: a GEMM with bias only (not the QKV projection)")
+    RESIDUAL = residual
     BN, ST, DT, TM = config.block_n, config.stages, dtype, config.tile_m
     NACC = BN // 2                       # accumulators of one m64 wgmma
     CR = config.consumer_rows
@@ -369,6 +380,10 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         OUT_SHAPE = (m, n)
     REAL_ROWS = m if heads is None else heads[0] * heads[1]
     PADDED = REAL_ROWS != row_tiles(m, TM) * TM    # rows past m or batch * seq: computed, never stored
+    NCH = BN // STAGED_COLS              # staged: 64-column chunks of a tile's row
+    RES_WORDS = STAGED_COLS // 8 * 2     # residual, staged: a lane's packed residual pairs of one warp chunk
+    # the epilogue's local uint32 words: 4 packed outputs (+ residual, staged: two slots of residual pairs)
+    WORD_REGS = 4 + (2 * RES_WORDS if RESIDUAL and config.staged else 0)
     # ``acc + (-0.0)`` (exact for every value) as a *volatile* asm per accumulator after the final
     # wgmma.wait_group: nvcc keeps volatile asm in order, so the epilogue's reads, which depend on it, cannot
     # be hoisted above the wait (the wait names no registers). Without it nvcc moved the conversions of the
@@ -405,6 +420,19 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     def epilogue(x, col, bias_buf):
         return T.Cast(DT, epilogue_f32(x, col, bias_buf))
 
+    def real_row(row):
+        """``row``, or the last real row for rows past them (computed, not stored: a residual read stays inside)."""
+        return T.min(row, REAL_ROWS - 1) if PADDED else row
+
+    def with_residual(y, row, col, ep):
+        """A float32 output ``y`` of element (row, col) plus the residual's element there (``residual``), else ``y``."""
+        return y + T.Cast("float32", ep[1][row, col]) if RESIDUAL else y
+
+    def output(x, row, col, ep):
+        """Output element (row, col) from its accumulator ``x``: epilogue (and residual), rounded to 16 bits."""
+        return T.Cast(DT, with_residual(epilogue_f32(x, col, ep[0]), row, col, ep)) if RESIDUAL else \
+            epilogue(x, col, ep[0])
+
     def out_ptr(out, row, col):
         """Address of output element (row, col) of the GEMM (in [3, B, H, S, D] for the QKV projection)."""
         if heads is None:
@@ -412,12 +440,12 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         return T.address_of(out[col // (HH * HD), row // HS, col % (HH * HD) // HD, row % HS, col % HD])
 
     @T.macro
-    def store_head(x, out, bias_buf, row, col):
+    def store_head(x, out, ep, row, col):
         """The QKV projection's store of one output element (row, col) at its [3, B, H, S, D] place."""
-        out[col // (HH * HD), row // HS, col % (HH * HD) // HD, row % HS, col % HD] = epilogue(x, col, bias_buf)
+        out[col // (HH * HD), row // HS, col % (HH * HD) // HD, row % HS, col % HD] = epilogue(x, col, ep[0])
 
     @T.macro
-    def store(acc, out, bias_buf, row0, col0, lane, first):
+    def store(acc, out, ep, row0, col0, lane, first):
         for j in T.unroll(BN // 8):
             for h in T.unroll(2):
                 for e in T.unroll(2):
@@ -425,32 +453,44 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     row: T.let = row0 + lane // 4 + 8 * h
                     if heads is None and PADDED:
                         if row < REAL_ROWS:
-                            out[row, col] = epilogue(acc[first + j * 4 + h * 2 + e], col, bias_buf)
+                            out[row, col] = output(acc[first + j * 4 + h * 2 + e], row, col, ep)
                     elif heads is None:
-                        out[row, col] = epilogue(acc[first + j * 4 + h * 2 + e], col, bias_buf)
+                        out[row, col] = output(acc[first + j * 4 + h * 2 + e], row, col, ep)
                     elif PADDED:
                         if row < REAL_ROWS:
-                            store_head(acc[first + j * 4 + h * 2 + e], out, bias_buf, row, col)
+                            store_head(acc[first + j * 4 + h * 2 + e], out, ep, row, col)
                     else:
-                        store_head(acc[first + j * 4 + h * 2 + e], out, bias_buf, row, col)
+                        store_head(acc[first + j * 4 + h * 2 + e], out, ep, row, col)
 
     PACK = T.ptx[f"cvt.rn.{PACK_TYPE[DT]}.f32"]
 
-    def pack_pair(words, acc, i, col, bias_buf):
+    def residual_half(word, e):
+        """float32 of element ``e`` (0: the low half, the lower column) of a packed pair of 16-bit residuals: a
+        bfloat16 is the upper half of the float32 it rounds; a float16 is converted."""
+        if DT == "bfloat16":
+            return T.reinterpret("float32", T.bitwise_and(T.shift_left(word, T.uint32(16 - 16 * e)),
+                                                          T.uint32(0xFFFF0000)))
+        return T.Cast("float32", T.reinterpret("float16", T.Cast("uint16", T.shift_right(word, T.uint32(16 * e)))))
+
+    def pack_pair(words, acc, i, col, ep, pair=None):
         """Outputs ``acc[i]`` (column ``col``) and ``acc[i + 1]`` rounded to 16 bits and packed into ``words[0]``, the
-        first in the low half (its address is the lower)."""
-        return PACK(words[0], epilogue_f32(acc[i + 1], col + 1, bias_buf), epilogue_f32(acc[i], col, bias_buf))
+        first in the low half (its address is the lower); ``pair``: the packed residuals added before the rounding
+        (``residual``)."""
+        if pair is None:
+            return PACK(words[0], epilogue_f32(acc[i + 1], col + 1, ep[0]), epilogue_f32(acc[i], col, ep[0]))
+        return PACK(words[0], epilogue_f32(acc[i + 1], col + 1, ep[0]) + residual_half(pair, 1),
+                    epilogue_f32(acc[i], col, ep[0]) + residual_half(pair, 0))
 
     def biased(x, col, bias_buf):
         return x + T.Cast("float32", bias_buf[col]) if bias else x
 
     @T.macro
-    def pack_pair_fast_gelu(words, acc, i, col, bias_buf):
+    def pack_pair_fast_gelu(words, acc, i, col, ep):
         """:func:`pack_pair` with the ``fast_gelu`` activation: per output, the tail exponent's ``ex2.approx.ftz``
         (one MUFU.EX2) into a register, then ``max(y, 0) - |y| * tail``."""
         vals = T.alloc_buffer((2,), "float32", scope="local")
         for e in T.unroll(2):
-            y: T.let = biased(acc[i + e], col + e, bias_buf)
+            y: T.let = biased(acc[i + e], col + e, ep[0])
             T.ptx["ex2.approx.ftz.f32"](vals[e], tail_exponent(act, T.abs(y)))
             vals[e] = gelu_from_tail(y, T.abs(y), vals[e])
         PACK(words[0], vals[1], vals[0])
@@ -461,17 +501,44 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         T.ptx["st.global.v4.b32"](out_ptr(out, row, col), words[0], words[1], words[2], words[3])
 
     @T.macro
-    def store_staged(acc, out, bias_buf, row0, col0, lane, first, buf, words):
+    def load_residual(ep, words, row0, col0, lane, slot):
+        """``residual``, staged epilogue: the residual of one warp's 16 x 64 chunk at (row0, col0), as the chunk's
+        accumulators lie in the lane's fragment (per n8 tile, two adjacent columns of rows ``lane / 4`` and ``+ 8``),
+        into register slot ``slot`` (0 or 1) of ``words`` (after its first 4): 16 four-byte loads, issued one chunk
+        ahead of their use (rows past the real ones are not read: their outputs are not stored)."""
+        pairs = T.decl_buffer((m * n // 2,), "uint32", data=ep[1].data)
+        for j in T.unroll(STAGED_COLS // 8):
+            for h in T.unroll(2):
+                row: T.let = row0 + lane // 4 + 8 * h
+                if PADDED:
+                    if row < REAL_ROWS:
+                        words[4 + slot * RES_WORDS + j * 2 + h] = pairs[row * (n // 2) + col0 // 2 + j * 4 + lane % 4]
+                else:
+                    words[4 + slot * RES_WORDS + j * 2 + h] = pairs[row * (n // 2) + col0 // 2 + j * 4 + lane % 4]
+
+    @T.macro
+    def store_staged(acc, out, ep, row0, col0, lane, first, buf, words, q):
         """The ``staged`` epilogue of one warp's 16 rows (module docstring): per 64-column chunk, packed pairs into
-        the warp's swizzled buffer at shared address ``buf``, then 16-byte rows out. ``words``: 4 local uint32."""
+        the warp's swizzled buffer at shared address ``buf``, then 16-byte rows out. ``words``: 4 local uint32 (with
+        ``residual`` two slots of residual pairs after them: chunk ``c`` = ``q`` * chunks per row + ``cc`` adds the
+        residual in slot ``c % 2``, chunk 0's loaded by :func:`drain_and_store`, after issuing the next chunk's loads
+        into the other slot: the next 64 columns, or the first of the rows 64 further, ``q + 1``)."""
         for cc in T.unroll(BN // STAGED_COLS):
+            if RESIDUAL:
+                if cc + 1 < NCH:
+                    load_residual(ep, words, row0, col0 + (cc + 1) * STAGED_COLS, lane, (q * NCH + cc + 1) % 2)
+                elif q + 1 < HALVES:
+                    load_residual(ep, words, row0 + 64, col0, lane, (q * NCH + cc + 1) % 2)
             for j in T.unroll(STAGED_COLS // 8):
                 for h in T.unroll(2):
                     col: T.let = col0 + cc * STAGED_COLS + j * 8 + (lane % 4) * 2
                     if config.fast_gelu:
-                        pack_pair_fast_gelu(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, bias_buf)
+                        pack_pair_fast_gelu(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, ep)
+                    elif RESIDUAL:
+                        pack_pair(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, ep,
+                                  words[4 + (q * NCH + cc) % 2 * RES_WORDS + j * 2 + h])
                     else:
-                        pack_pair(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, bias_buf)
+                        pack_pair(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, ep)
                     T.ptx["st.shared.b32"](buf + T.Cast("uint32", swizzled(lane // 4 + 8 * h, j) + (lane % 4) * 4),
                                            words[0])
             T.ptx["bar.warp.sync"](T.uint32(0xFFFFFFFF))
@@ -487,15 +554,15 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             T.ptx["bar.warp.sync"](T.uint32(0xFFFFFFFF))
 
     @T.macro
-    def store_tile(acc, out, bias_buf, row0, col0, base, wt, warp, words):
+    def store_tile(acc, out, ep, row0, col0, base, wt, warp, words):
         """Store one consumer's ``CR`` rows of a tile from ``acc`` (first row ``row0``; ``warp``: the thread's consumer
         warp 0-7, which picks its staging buffer)."""
         for q in T.unroll(HALVES):
             if config.staged:
-                store_staged(acc, out, bias_buf, row0 + q * 64 + (wt // 32) * 16, col0, wt % 32, q * NACC,
-                             base + T.Cast("uint32", STAGING_OFF + warp * STAGED_WARP_BYTES), words)
+                store_staged(acc, out, ep, row0 + q * 64 + (wt // 32) * 16, col0, wt % 32, q * NACC,
+                             base + T.Cast("uint32", STAGING_OFF + warp * STAGED_WARP_BYTES), words, q)
             else:
-                store(acc, out, bias_buf, row0 + q * 64 + (wt // 32) * 16, col0, wt % 32, q * NACC)
+                store(acc, out, ep, row0 + q * 64 + (wt // 32) * 16, col0, wt % 32, q * NACC)
 
     @T.macro
     def release(bar):
@@ -526,14 +593,17 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                 release(empty_bar(base, (g - 1) % ST))
 
     @T.macro
-    def drain_and_store(acc, out, bias_buf, base, r, row0, col0, wt, warp, words):
+    def drain_and_store(acc, out, ep, base, r, row0, col0, wt, warp, words):
         """After round ``r``'s main loop: retire the last wgmma batch, free the tile's last slot (the producer may
-        refill it for the next tile) and store the tile's rows from ``row0``."""
+        refill it for the next tile) and store the tile's rows from ``row0``. ``residual``, staged: the loads of the
+        residual's first chunk are issued before the wait, under the last batch."""
+        if RESIDUAL and config.staged:
+            load_residual(ep, words, row0 + (wt // 32) * 16, col0, wt % 32, 0)
         T.ptx["wgmma.wait_group.sync.aligned"](0)
         release(empty_bar(base, (r * KS + KS - 1) % ST))
         for i in T.unroll(HALVES * NACC):
             FENCE_REG(acc[i], acc[i], T.float32(-0.0))
-        store_tile(acc, out, bias_buf, row0, col0, base, wt, warp, words)
+        store_tile(acc, out, ep, row0, col0, base, wt, warp, words)
 
     @T.macro
     def produce_cp_async(A, W, base, flag, bx, wt):
@@ -600,7 +670,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                                           acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1])
 
     @T.macro
-    def reduce_and_store(out, bias_buf, base, bx, cr, ct, sums, parts, remote, words):
+    def reduce_and_store(out, ep, base, bx, cr, ct, sums, parts, remote, words):
         """split-K, after the cluster barrier: consumer thread ``ct`` (0-255) of cluster rank ``cr`` sums 4
         consecutive float32 columns of the tile over the cluster's ``SPLIT`` partial tiles (read from each block's
         shared memory through ``mapa``), always in rank order 0, 1, ... (the same sum whichever block computes it),
@@ -625,8 +695,10 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     for e in T.unroll(4):
                         sums[e] = sums[e] + parts[s * 4 + e]
                 for e in T.unroll(2):
-                    PACK(words[e], epilogue_f32(sums[2 * e + 1], n0 + col + 2 * e + 1, bias_buf),
-                         epilogue_f32(sums[2 * e], n0 + col + 2 * e, bias_buf))
+                    PACK(words[e], with_residual(epilogue_f32(sums[2 * e + 1], n0 + col + 2 * e + 1, ep[0]),
+                                                 real_row(m0 + row), n0 + col + 2 * e + 1, ep),
+                         with_residual(epilogue_f32(sums[2 * e], n0 + col + 2 * e, ep[0]), real_row(m0 + row),
+                                       n0 + col + 2 * e, ep))
                 if PADDED:
                     if m0 + row < REAL_ROWS:
                         T.ptx["st.global.v2.b32"](out_ptr(out, m0 + row, n0 + col), words[0], words[1])
@@ -634,12 +706,13 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     T.ptx["st.global.v2.b32"](out_ptr(out, m0 + row, n0 + col), words[0], words[1])
 
     @T.macro
-    def block(A, W, bias_buf, out, maps, bx, cr, tx):
-        """One thread block's work (``cr``: its rank in the split-K cluster, 0 without split-K)."""
+    def block(A, W, ep, out, maps, bx, cr, tx):
+        """One thread block's work (``cr``: its rank in the split-K cluster, 0 without split-K). ``ep``: the
+        epilogue's inputs, (bias buffer or None, residual buffer or None)."""
         wgmma_smem = T.alloc_buffer((SMEM_WORDS,), "uint64", scope="shared.dyn")
         acc = T.alloc_buffer((HALVES * NACC,), "float32", scope="local")
         flag = T.alloc_buffer((1,), "uint32", scope="local")
-        words = T.alloc_buffer((4,), "uint32", scope="local")
+        words = T.alloc_buffer((WORD_REGS,), "uint32", scope="local")
         raw: T.let = T.cuda.cvta_generic_to_shared(whole_buffer(wgmma_smem, SMEM_WORDS))
         base: T.let = T.bitwise_and(raw + T.uint32(ALIGN - 1), T.uint32(0xFFFFFFFF - (ALIGN - 1)))
         wg: T.let = tx // WG
@@ -672,7 +745,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                         mma_tile(acc, flag, base, r, 0, wt)
                         if tile + GRID < NUM_TILES:  # round r + 1 exists: the other consumer may start it
                             T.ptx["bar.arrive"](T.Cast("uint32", ORDER_BAR + 2 - wg), T.uint32(2 * WG))
-                        drain_and_store(acc, out, bias_buf, base, r, tile_rows(tile),
+                        drain_and_store(acc, out, ep, base, r, tile_rows(tile),
                                         tile_cols(tile), wt, tx // 32 - WG // 32, words)
             elif SPLIT > 1:
                 for i in T.unroll(HALVES * NACC):
@@ -690,7 +763,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                         for i in T.unroll(HALVES * NACC):
                             acc[i] = T.float32(0)
                         mma_tile(acc, flag, base, r, (wg - 1) * CR * ROW_BYTES, wt)
-                        drain_and_store(acc, out, bias_buf, base, r, tile_rows(tile) + (wg - 1) * CR,
+                        drain_and_store(acc, out, ep, base, r, tile_rows(tile) + (wg - 1) * CR,
                                         tile_cols(tile), wt, tx // 32 - WG // 32, words)
         if SPLIT > 1:
             # every block's partial tile written before any is read; none leaves while others read it
@@ -698,23 +771,23 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             T.ptx["barrier.cluster.wait.acquire"]()
             if wg > 0:
                 parts = T.alloc_buffer((SPLIT * 4,), "float32", scope="local")
-                reduce_and_store(out, bias_buf, base, bx, cr, tx - WG, acc, parts, flag, words)
+                reduce_and_store(out, ep, base, bx, cr, tx - WG, acc, parts, flag, words)
             T.ptx["barrier.cluster.arrive.release"]()
             T.ptx["barrier.cluster.wait.acquire"]()
 
     @T.macro
-    def body(A, W, bias_buf, out, maps):
+    def body(A, W, ep, out, maps):
         for bx in T.thread_binding(GRID, thread="blockIdx.x"):
             if CLUSTER > 1:
                 for cr in T.thread_binding(CLUSTER, thread="clusterCtaIdx.x"):
                     for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                        block(A, W, bias_buf, out, maps, bx, cr, tx)
+                        block(A, W, ep, out, maps, bx, cr, tx)
             else:
                 for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                    block(A, W, bias_buf, out, maps, bx, 0, tx)
+                    block(A, W, ep, out, maps, bx, 0, tx)
 
     @T.macro
-    def launch(A, W, bias_buf, out):
+    def launch(A, W, ep, out):
         """The kernel, after (TMA) the host-side encoding of A's and W's maps from their device pointers, at every
         call: the maps travel as ``__grid_constant__`` kernel parameters."""
         if TMA:
@@ -722,11 +795,21 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             w_map: T.let = T.tvm_stack_alloca("tensormap", 1)
             T.evaluate(encode_tensor_map(a_map, T.address_of(A[0, 0]), A_MAP))
             T.evaluate(encode_tensor_map(w_map, T.address_of(W[0, 0]), W_MAP))
-            body(A, W, bias_buf, out, (a_map, w_map))
+            body(A, W, ep, out, (a_map, w_map))
         else:
-            body(A, W, bias_buf, out, (None, None))
+            body(A, W, ep, out, (None, None))
 
-    if bias:
+    if residual:
+        @T.prim_func
+        def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, res_h: T.handle, out_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "global_symbol": "gemm_wgmma"})
+            A = T.match_buffer(a_h, (m, k), DT)
+            W = T.match_buffer(w_h, (n, k), DT)
+            bias_buf = T.match_buffer(bias_h, (n,), DT)
+            res = T.match_buffer(res_h, (m, n), DT)
+            out = T.match_buffer(out_h, OUT_SHAPE, DT)
+            launch(A, W, (bias_buf, res), out)
+    elif bias:
         @T.prim_func
         def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, out_h: T.handle):
             T.func_attr({"tirx.noalias": True, "global_symbol": "gemm_wgmma"})
@@ -734,7 +817,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             W = T.match_buffer(w_h, (n, k), DT)
             bias_buf = T.match_buffer(bias_h, (n,), DT)
             out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            launch(A, W, bias_buf, out)
+            launch(A, W, (bias_buf, None), out)
     else:
         @T.prim_func
         def kernel(a_h: T.handle, w_h: T.handle, out_h: T.handle):
@@ -742,5 +825,5 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             A = T.match_buffer(a_h, (m, k), DT)
             W = T.match_buffer(w_h, (n, k), DT)
             out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            launch(A, W, None, out)
+            launch(A, W, (None, None), out)
     return kernel

@@ -1,0 +1,120 @@
+"""The wgmma GEMM with the residual added in its epilogue (``gemm_bias_residual_wgmma``, kernel option ``residual``):
+the definition against float64 on llvm, the knob space (that of ``gemm_bias_wgmma``), the CUDA kernels compiled for
+sm_90a without spills or stack, where the residual is read, and the refused forms.
+
+The kernel's numerics need an H200: scripts/bench_gemm_residual.py (--plan s12epi)."""
+from __future__ import annotations
+
+import re
+import shutil
+
+import numpy as np
+import pytest
+import tvm
+
+from stof_tvm.schedules.templates import cuda_source, get_template
+from stof_tvm.schedules.templates.gemm_wgmma import build_kernel
+from stof_tvm.schedules.templates.wgmma_kernel import WgmmaConfig, wgmma_gemm_primfunc
+
+from hopper_checks import sm90a_sass
+
+NAME = "gemm_bias_residual_wgmma"
+NP = {"float16": np.float16, "bfloat16": "bfloat16"}
+RES_LOAD = re.compile(r"\(\(uint\*\)res_ptr\)\[")      # a 4-byte load of a residual pair (the staged epilogue)
+TALL_PINGPONG = {"block_n": 192, "stages": 4, "persistent": True, "pingpong": True, "staged": True, "loads": "tma",
+                 "block_m": 256}
+
+
+def test_arguments_definition_and_reference():
+    t = get_template(NAME)
+    shape = {"m": 256, "n": 128, "k": 64}
+    assert [a for a, _, _ in t.arguments(shape)] == ["A", "W", "bias", "residual", "out"]
+    assert t.arguments(shape)[3][1] == (256, 128)
+    assert t.kernel_options(shape) == {"bias": True, "act": "none", "residual": True}
+
+
+@pytest.mark.parametrize("dtype, shape", [("float16", {"m": 128, "n": 128, "k": 64}),
+                                          ("bfloat16", {"m": 256, "n": 256, "k": 128})])
+def test_definition_adds_the_residual_like_float64_on_llvm(dtype, shape):
+    """``primfunc`` (the kernel's signature and semantics) built for llvm against the float64 reference, output
+    poisoned; the residual is large against the GEMM so that leaving it out would fail."""
+    t = get_template(NAME)
+    rng = np.random.default_rng(5)
+    inputs = {n: (rng.standard_normal(s) * (4.0 if n == "residual" else 1.0)).astype(NP[dt])
+              for n, s, dt in t.arguments(shape, dtype)[:-1]}
+    out = tvm.runtime.tensor(np.full((shape["m"], shape["n"]), np.nan, dtype=NP[dtype]))
+    ex = tvm.compile(t.primfunc(shape, dtype), target=tvm.target.Target({"kind": "llvm"}))
+    ex["main"](*[tvm.runtime.tensor(inputs[n]) for n, _, _ in t.arguments(shape, dtype)[:-1]], out)
+    got = out.numpy().astype(np.float64)
+    (ref,) = t.reference(shape, inputs)
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < (1e-2 if dtype == "float16" else 3e-2)
+    without = ref - np.asarray(inputs["residual"], np.float64)
+    assert np.linalg.norm(got - without) / np.linalg.norm(ref) > 0.3
+
+
+@pytest.mark.parametrize("shape", [{"m": 32768, "n": 768, "k": 768}, {"m": 4096, "n": 1024, "k": 4096},
+                                   {"m": 128, "n": 768, "k": 768}, {"m": 1576, "n": 768, "k": 3072}])
+def test_knob_space_is_the_bias_gemms(shape):
+    """Same tiles, order and resources as ``gemm_bias_wgmma`` (the compile path's first set unchanged); the cost model
+    prices the residual among the arguments' bytes."""
+    from stof_tvm.cost_model.templates import _invariants
+
+    t, bias = get_template(NAME), get_template("gemm_bias_wgmma")
+    assert t.knob_space(shape, "float16") == bias.knob_space(shape, "float16")
+    first = t.knob_space(shape, "float16")[0]
+    assert t.resources(shape, "float16", first) == bias.resources(shape, "float16", first)
+    extra = _invariants(t, shape, "float16")[1] - _invariants(bias, shape, "float16")[1]
+    assert extra == 2 * shape["m"] * shape["n"]
+
+
+@pytest.mark.parametrize("shape, dtype, knobs, loads", [
+    ({"m": 32768, "n": 768, "k": 768}, "float16", None, 6 * 16),          # 128 x 192 ping-pong: 6 chunks of 16 x 64
+    ({"m": 32768, "n": 768, "k": 3072}, "bfloat16", None, 6 * 16),
+    ({"m": 16384, "n": 1024, "k": 4096}, "float16", None, 2 * 16),        # 128 x 128 cooperative: 2 chunks a warp
+    ({"m": 1576, "n": 768, "k": 3072}, "float16", None, 3 * 16),          # 64 x 192 ping-pong, the last tile partial
+    ({"m": 32768, "n": 768, "k": 768}, "float16",                          # 256 x 192 cooperative, 3 stages
+     {"block_n": 192, "stages": 3, "persistent": True, "pingpong": False, "block_m": 256, "staged": True,
+      "loads": "tma"}, 6 * 16),
+])
+def test_staged_kernels_read_the_residual_a_chunk_ahead_without_spills(shape, dtype, knobs, loads, tmp_path):
+    """The staged epilogue's residual: 16 four-byte loads per warp chunk (two register slots of 16 after the 4 packed
+    words), every chunk's once; ptxas for sm_90a: no spills, no stack, none of the overlap warnings."""
+    src = cuda_source(build_kernel(NAME, shape, dtype, knobs))
+    body = src[src.index('extern "C" __global__'):]
+    assert "res_ptr" in body.split("{")[0]                     # a kernel parameter
+    assert len(RES_LOAD.findall(body)) == loads
+    assert "uint words_ptr[36];" in body
+    assert "st.global.v4.b32" in src
+    if shutil.which("nvcc"):
+        sm90a_sass(src, tmp_path)
+
+
+@pytest.mark.parametrize("shape, knobs", [
+    ({"m": 128, "n": 768, "k": 768}, None),                                          # split-K (the space's first)
+    ({"m": 4096, "n": 768, "k": 768}, {"block_n": 128, "stages": 4, "persistent": True, "pingpong": False,
+                                       "loads": "tma"}),                            # direct 2-byte stores
+    ({"m": 1576, "n": 768, "k": 768}, {"block_n": 128, "stages": 4, "persistent": False, "pingpong": False}),
+])
+def test_direct_and_split_k_epilogues_add_the_residual_where_they_store(shape, knobs, tmp_path):
+    """Without the staged epilogue the residual is read element by element where each output is stored (2 bytes;
+    split-K: at the reduced chunk, rows past m clamped), with no register slots."""
+    src = cuda_source(build_kernel(NAME, shape, "float16", knobs))
+    body = src[src.index('extern "C" __global__'):]
+    assert not RES_LOAD.search(body) and "res_ptr[" in body and "words_ptr[36]" not in body
+    if shutil.which("nvcc"):
+        sm90a_sass(src, tmp_path)
+
+
+def test_other_templates_have_no_residual():
+    """The bias GEMM's kernel takes no residual and reads none (its source is what it was before the option)."""
+    src = cuda_source(build_kernel("gemm_bias_wgmma", {"m": 32768, "n": 768, "k": 768}, "float16", TALL_PINGPONG))
+    assert "res_ptr" not in src and "uint words_ptr[4];" in src
+
+
+@pytest.mark.parametrize("kwargs", [{"bias": False}, {"heads": (2, 128, 2, 64)}])
+def test_residual_needs_a_bias_gemm(kwargs):
+    args = dict({"bias": True, "act": "none", "config": WgmmaConfig(block_n=128, stages=2)}, **kwargs)
+    with pytest.raises(ValueError, match="residual: a GEMM with bias only"):
+        wgmma_gemm_primfunc(256, 384, 128, "float16", residual=True, **args)
+
