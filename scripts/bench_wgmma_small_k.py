@@ -96,6 +96,12 @@ set with the default comes last. The same two-process command with ``--plan s11b
 (4096 rows: QKV 3072 x 1024, attention output 1024 x 1024, FFN up + erf GELU 4096 x 1024, FFN down 1024 x 4096) and
 GPT-2's tanh-GELU GEMM at 32768 and 4096 rows (:data:`LARGE_CANDIDATES`), and the shapes whose first set session 11's
 knob order changed unmeasured, the new first set against the older one; ``--plan s11large``, ``out/s11large`` carried.
+
+``--plan s12gelu`` (default folder ``out/s12gelu``): the FFN-up GEMM + erf / tanh GELU at 32768 and 4096 rows (n 3072,
+k 768), the compile path's pick (the exp2 tail polynomial) against its ``gelu_form`` twins (tanh.approx.f32,
+tanh.approx.f16x2: :mod:`stof_tvm.schedules.templates.fast_gelu`) and its GELU-less twin (``gemm_bias_wgmma``,
+the same tiles), at 32768 rows also the 256 x 192 cooperative set with and without ``gelu_form="tanh"``, timed as in
+s11big; ``--plan s12gelu``, ``out/s12gelu`` carried.
 """
 from __future__ import annotations
 
@@ -220,13 +226,26 @@ LARGE_CANDIDATES = {
     ("qkv_projection_wgmma", 512, 2304, 768): [(128, 128, 4, _COOP, "tma", 1)],
     ("gemm_bias_gelu_erf_wgmma", 512, 3072, 768): [(128, 128, 4, _COOP, "tma", 1)],
 }
-BIG_PLANS = ("s11big", "s11large")   # the plans whose sets are timed sustained and one call at a time too
+# --plan s12gelu: the FFN-up GEMM + GELU (n 3072, k 768) at 16 x 2048 and 8 x 512 tokens, erf (RoBERTa) and tanh
+# (GPT-2): the knob space's first set (the compile path's pick, epilogue from the exp2 tail polynomial) against its
+# GELU_FORMS twins (tanh.approx.f32, tanh.approx.f16x2), and at each row count the pick's GELU-less twin
+# (gemm_bias_wgmma with the same tiles: what the epilogue's GELU costs)
+S12_FORMS = ("tanh", "tanh_h2")
+S12_COOP_ROWS = 32768   # ... and there the 256 x 192 cooperative set (s11large's runner-up for the tanh GELU) with both
+S12_COOP = {"block_m": 256, "block_n": 192, "stages": 3, "pingpong": False, "persistent": True, "staged": True,
+            "fast_gelu": True, "loads": "tma"}
+S12_CASES = [case for rows in (32768, 4096) for case in (
+    ("gemm_bias_gelu_erf_wgmma", {"m": rows, "n": 3072, "k": 768}),
+    ("gemm_bias_gelu_tanh_wgmma", {"m": rows, "n": 3072, "k": 768}),
+    ("gemm_bias_wgmma", {"m": rows, "n": 3072, "k": 768}))]
+BIG_PLANS = ("s11big", "s11large", "s12gelu")   # the plans whose sets are timed sustained and one call at a time too
 SUSTAINED_MS = 50.0   # BIG_PLANS: each sustained sample this long (back-to-back calls, as in a whole forward)
 PROFILED_CALLS = 50   # BIG_PLANS: calls timed one by one between device synchronisations (as --profile does)
 PLANS = {"small_k": (CASES, OUT), "s8tma": (TMA_CASES, ROOT / "out" / "s8gemm_tma"),
          "s9splitk": (SPLITK_CASES, ROOT / "out" / "s9splitk"), "s9wide": (WIDE_CASES, ROOT / "out" / "s9wide"),
          "s10gemm": (S10_CASES, ROOT / "out" / "s10gemm"), "s10ragged": (RAGGED_CASES, ROOT / "out" / "s10ragged"),
-         "s11big": (BIG_CASES, ROOT / "out" / "s11big"), "s11large": (LARGE_CASES, ROOT / "out" / "s11large")}
+         "s11big": (BIG_CASES, ROOT / "out" / "s11big"), "s11large": (LARGE_CASES, ROOT / "out" / "s11large"),
+         "s12gelu": (S12_CASES, ROOT / "out" / "s12gelu")}
 # --plan s9splitk: the compile path's wgmma knobs before split-K and the knob order by wave efficiency (commit
 # 098a891; GEMMs with fewer than WGMMA_MIN_TILES 128 x 128 tiles ran the mma.sync template the model ranks first)
 HEAD_WGMMA = {"block_n": 192, "stages": 3, "persistent": True, "pingpong": False, "block_m": 256, "staged": True}
@@ -266,7 +285,8 @@ def knob_tag(knobs) -> str:
             f"{'_pp' if knobs['pingpong'] else ''}{'_m256' if knobs.get('block_m', 128) != 128 else ''}"
             f"{'_st' if knobs.get('staged') else ''}{'_fast' if knobs.get('fast_gelu') else ''}"
             f"{'_k' + str(knobs['split_k']) if knobs.get('split_k', 1) > 1 else ''}"
-            f"{'_' + knobs['loads'].replace('.', '') if 'loads' in knobs else ''}")
+            f"{'_' + knobs['loads'].replace('.', '') if 'loads' in knobs else ''}"
+            f"{'_' + knobs['gelu_form'] if 'gelu_form' in knobs else ''}")
 
 
 def splitk_knob_sets(name, shape, space) -> list[dict]:
@@ -356,6 +376,23 @@ def big_knob_sets(name, space, candidates) -> list[dict]:
     return [kn for i, kn in enumerate(sets) if kn not in sets[:i]]
 
 
+def gelu_knob_sets(name, shape, space) -> list[dict]:
+    """``--plan s12gelu``: a GELU template's first set (the compile path's pick) and its :data:`S12_FORMS` twins (at
+    :data:`S12_COOP_ROWS` also the cooperative :data:`S12_COOP` set and its ``tanh`` twin);
+    for ``gemm_bias_wgmma`` the erf-GELU template's first set at the same shape without ``fast_gelu`` (the pick's
+    GELU-less twin)."""
+    from stof_tvm.schedules.templates import get_template
+
+    if "gelu" in name:
+        sets = [space[0]] + [dict(space[0], gelu_form=form) for form in S12_FORMS]
+        if shape["m"] == S12_COOP_ROWS:   # the cooperative set, whose epilogue no other consumer's MMAs hide
+            coop = next(kn for kn in space if kn == dict(kn, **S12_COOP))
+            sets += [coop, dict(coop, gelu_form="tanh")]
+        return sets
+    pick = get_template("gemm_bias_gelu_erf_wgmma").knob_space(shape, DTYPE)[0]
+    return [{key: v for key, v in pick.items() if key != "fast_gelu"}]
+
+
 def mma_twin(name: str) -> str:
     """The mma.sync template (weight [k, n]) the compile path runs where a GEMM stays off wgmma."""
     return "qkv_projection_kn" if name == "qkv_projection_wgmma" else name.removesuffix("_wgmma") + "_kn"
@@ -422,6 +459,7 @@ def build(args) -> None:
                   "s10ragged": ragged_knob_sets,
                   "s11big": lambda sp: big_knob_sets(name, sp, BIG_CANDIDATES[m, n, k]),
                   "s11large": lambda sp: big_knob_sets(name, sp, LARGE_CANDIDATES[name, m, n, k]),
+                  "s12gelu": lambda sp: gelu_knob_sets(name, shape, sp),
                   }.get(args.plan, choose_knobs)(space)
         for knobs in chosen:
             key = f"{ckey}__{knob_tag(knobs)}"
@@ -912,7 +950,8 @@ def main(argv=None) -> None:
                             "s9wide: the 4096-row defaults against the model's best-ranked sets; "
                             "s10gemm: the tile schedules at the 4096-row GEMMs; s10ragged: GEMMs of any m; "
                             "s11big: the 32768-row GEMMs and ViT-Base's at 1576 / 6304 rows; "
-                            "s11large: BERT-large's 4096-row GEMMs, GPT-2's tanh GELU")
+                            "s11large: BERT-large's 4096-row GEMMs, GPT-2's tanh GELU; "
+                            "s12gelu: the GELU GEMM's epilogue forms (gelu_form)")
         p.add_argument("--out", type=Path, default=None,
                        help="artifact folder (default out/wgmma_small_k, --plan s8tma: out/s8gemm_tma)")
     args = parser.parse_args(argv)

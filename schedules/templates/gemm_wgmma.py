@@ -215,7 +215,8 @@ class WgmmaKernelMixin:
         config = WgmmaConfig(block_n=knobs["block_n"], stages=knobs["stages"],
                              persistent=knobs.get("persistent", True), pingpong=knobs.get("pingpong", False),
                              block_m=knobs.get("block_m", BLOCK_M), staged=knobs.get("staged", False),
-                             fast_gelu=knobs.get("fast_gelu", False), loads=knobs.get("loads", "cp.async"),
+                             fast_gelu=knobs.get("fast_gelu", False), gelu_form=knobs.get("gelu_form", "tail"),
+                             loads=knobs.get("loads", "cp.async"),
                              split_k=knobs.get("split_k", 1))
         config.validate()
         return config

@@ -65,7 +65,10 @@ Two further knobs, both off by default (the kernels above are unchanged without 
 A third, ``fast_gelu`` (GELU activations with ``staged`` only): the staged epilogue computes each GELU as
 ``max(y, 0) - |y| * 2 ** q(|y|)`` with one ``ex2.approx.ftz.f32`` (MUFU.EX2) and a fitted polynomial ``q``
 (:mod:`.fast_gelu`: 7 FMAs for erf, 10 for tanh) instead of CUDA's ``erff`` / ``tanhf``: about half the epilogue's
-instructions, within 1e-5 (erf) / 3e-5 (tanh) relative of the float64 GELU.
+instructions, within 1e-5 (erf) / 3e-5 (tanh) relative of the float64 GELU. Its ``gelu_form`` (``"tail"`` by default,
+the above byte for byte) ``"tanh"`` takes ``0.5 y (1 + tanh(u))`` from one ``tanh.approx.f32`` instead (6 instead of 13
+CUDA-core instructions per output for the tanh GELU, 8 instead of 10 for erf with a fitted argument), ``"tanh_h2"`` a
+pair's through one ``tanh.approx.f16x2``: opt-in, to be measured (``scripts/bench_wgmma_small_k.py --plan s12gelu``).
 
 A fourth, ``loads = "tma"`` (absent or ``"cp.async"``: the kernels above, byte for byte; the knob spaces' default since
 the H200 measured it faster, :mod:`.gemm_wgmma`): one thread of the producer warpgroup (the other 127 leave after
@@ -103,7 +106,7 @@ from tvm.script import tirx as T
 
 from ..tensor_maps import encode_tensor_map, matrix_map
 from .epilogue import activation, check_activation
-from .fast_gelu import check_fast_gelu, gelu_from_tail, tail_exponent
+from .fast_gelu import check_fast_gelu, check_gelu_form, gelu_from_tail, gelu_from_tanh, tail_exponent, tanh_argument
 
 BLOCK_M = 128            # two consumer warpgroups x 64 rows (the cooperative tile)
 BLOCK_M_CHOICES = (128, 256)   # cooperative tile rows: 64 or 128 per consumer warpgroup
@@ -132,6 +135,7 @@ STAGED_COLS = 64         # staged epilogue: columns of a warp's chunk (one 128-b
 STAGED_WARP_BYTES = 16 * STAGED_COLS * 2   # 16 rows (one warp's m16 slice of an m64 wgmma) x 64 fp16 columns
 CONSUMER_WARPS = 2 * WG // 32
 PACK_TYPE = {"float16": "f16x2", "bfloat16": "bf16x2"}
+HALF_PAIR = 0x38003800   # gelu_form "tanh_h2": 0.5 in both float16 halves
 # How the producer fills a slot: 16-byte cp.async from its 128 threads, or two TMA boxes from one thread
 LOAD_CHOICES = ("cp.async", "tma")
 # split_k: thread blocks (one cluster) sharing a tile's k steps; above 8 (the portable cluster size) the runtime
@@ -148,7 +152,8 @@ class WgmmaConfig:
     (one block per SM looping over tiles), ``pingpong`` (consumer schedule: each consumer warpgroup owns
     alternate tiles instead of half of every tile; persistent only), ``block_m`` (cooperative tile rows: 128, or
     256 with 128 rows per consumer), ``staged`` (epilogue through shared memory with 16-byte stores),
-    ``fast_gelu`` (a GELU activation from one exp2 of a fitted polynomial, :mod:`.fast_gelu`; staged only),
+    ``fast_gelu`` (a GELU activation from one exp2 of a fitted polynomial, :mod:`.fast_gelu`; staged only) and its
+    ``gelu_form`` (``"tail"``: that exp2; ``"tanh"`` / ``"tanh_h2"``: one tanh.approx.f32 / f16x2 instead),
     ``loads`` (``"cp.async"``, or ``"tma"``: one producer thread issues TMA boxes from tensor maps the host encodes
     at each call) and ``split_k`` (blocks of one cluster sharing a tile's k steps, reduced through distributed
     shared memory)."""
@@ -160,6 +165,7 @@ class WgmmaConfig:
     block_m: int = BLOCK_M
     staged: bool = False
     fast_gelu: bool = False
+    gelu_form: str = "tail"
     loads: str = "cp.async"
     split_k: int = 1
 
@@ -185,6 +191,9 @@ class WgmmaConfig:
             raise ValueError(f"fast_gelu must be a bool, got {self.fast_gelu!r}")
         if self.fast_gelu and not self.staged:
             raise ValueError("fast_gelu needs staged=True (its GELU is computed where the staged epilogue packs pairs)")
+        check_gelu_form(self.gelu_form)
+        if self.gelu_form != "tail" and not self.fast_gelu:
+            raise ValueError(f"gelu_form={self.gelu_form!r} is a form of fast_gelu: it needs fast_gelu=True")
         if not isinstance(self.loads, str) or self.loads not in LOAD_CHOICES:
             raise ValueError(f"loads must be one of {LOAD_CHOICES}, got {self.loads!r}")
         if self.split_k not in SPLIT_K_CHOICES:
@@ -320,6 +329,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     config.validate()
     if config.fast_gelu:
         check_fast_gelu(act)
+    if config.gelu_form == "tanh_h2" and dtype != "float16":
+        raise ValueError(f"gelu_form='tanh_h2' computes in f16x2: float16 only, got {dtype!r}")
     check_wgmma_shape(m, n, k, config)
     if residual and (heads is not None or not bias):
         raise ValueError("residual: a GEMM with bias only (not the QKV projection)")
@@ -487,13 +498,28 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     @T.macro
     def pack_pair_fast_gelu(words, acc, i, col, ep):
         """:func:`pack_pair` with the ``fast_gelu`` activation: per output, the tail exponent's ``ex2.approx.ftz``
-        (one MUFU.EX2) into a register, then ``max(y, 0) - |y| * tail``."""
+        (one MUFU.EX2) into a register, then ``max(y, 0) - |y| * tail``; or (``gelu_form``) ``0.5 y (1 + t)`` from
+        ``t = tanh.approx.f32(u(y))``, or the pair's u packed through one ``tanh.approx.f16x2`` (:mod:`.fast_gelu`)."""
         vals = T.alloc_buffer((2,), "float32", scope="local")
-        for e in T.unroll(2):
-            y: T.let = biased(acc[i + e], col + e, ep[0])
-            T.ptx["ex2.approx.ftz.f32"](vals[e], tail_exponent(act, T.abs(y)))
-            vals[e] = gelu_from_tail(y, T.abs(y), vals[e])
-        PACK(words[0], vals[1], vals[0])
+        if config.gelu_form == "tanh_h2":   # u of both packed, one tanh.approx.f16x2, y16 * (0.5 + 0.5 t) in f16x2
+            halves = T.alloc_buffer((2,), "uint32", scope="local")
+            y0: T.let = biased(acc[i], col, ep[0])
+            y1: T.let = biased(acc[i + 1], col + 1, ep[0])
+            PACK(halves[0], tanh_argument(act, y1), tanh_argument(act, y0))
+            T.ptx["tanh.approx.f16x2"](halves[0], halves[0])
+            T.ptx["fma.rn.f16x2"](halves[0], halves[0], T.uint32(HALF_PAIR), T.uint32(HALF_PAIR))
+            PACK(halves[1], y1, y0)
+            T.ptx["mul.rn.f16x2"](words[0], halves[1], halves[0])
+        else:
+            for e in T.unroll(2):
+                y: T.let = biased(acc[i + e], col + e, ep[0])
+                if config.gelu_form == "tanh":
+                    T.ptx["tanh.approx.f32"](vals[e], tanh_argument(act, y))
+                    vals[e] = gelu_from_tanh(y, vals[e])
+                else:
+                    T.ptx["ex2.approx.ftz.f32"](vals[e], tail_exponent(act, T.abs(y)))
+                    vals[e] = gelu_from_tail(y, T.abs(y), vals[e])
+            PACK(words[0], vals[1], vals[0])
 
     @T.macro
     def store_chunk(out, row, col, words):

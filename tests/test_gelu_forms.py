@@ -1,0 +1,131 @@
+"""The opt-in ``gelu_form`` of the wgmma GELU epilogue (schedules/templates/fast_gelu.py, wgmma_kernel.py): GELU as
+``0.5 y (1 + tanh(u(y)))`` from one tanh.approx.f32 (``"tanh"``) or one tanh.approx.f16x2 per pair (``"tanh_h2"``)
+instead of the exp2 tail polynomial (``"tail"``, the default). Here: the fitted erf argument against the float64 GELU
+(tanh evaluated exactly: MUFU.TANH's own error, up to 2^-11 relative, needs an H200: ``scripts/bench_wgmma_small_k.py
+--plan s12gelu``), the argument growing past its clamp, the knob's validation, the kernels' PTX and SASS, the default
+kernel unchanged, and the GPU plan's knob sets."""
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+import tvm
+from tvm import te
+
+from stof_tvm.schedules.templates import cuda_source, get_template
+from stof_tvm.schedules.templates.epilogue import activation_np
+from stof_tvm.schedules.templates.fast_gelu import (ERF_TANH_ARGUMENT, ERF_TANH_CLAMP, GELU_FORMS, check_gelu_form,
+                                                    gelu_from_tanh, tanh_argument)
+from stof_tvm.schedules.templates.gemm_wgmma import build_kernel
+from stof_tvm.schedules.templates.wgmma_kernel import WgmmaConfig
+
+from hopper_checks import sm90a_sass
+from test_gemm_tma import _bench_module
+
+PICK = {"block_n": 192, "stages": 4, "persistent": True, "pingpong": True, "block_m": 256, "staged": True,
+        "fast_gelu": True, "loads": "tma"}
+SHAPE = {"m": 4096, "n": 3072, "k": 768}
+
+
+def _tanh_gelu_float64(act: str, x: np.ndarray) -> np.ndarray:
+    """The forms' GELU with their float32 argument (compiled for llvm from :func:`tanh_argument`) and an exact tanh."""
+    inp = te.placeholder((x.size,), "float32", name="x")
+    out = te.compute((x.size,), lambda i: tanh_argument(act, inp[i]), name="u")
+    lib = tvm.compile(te.create_prim_func([inp, out]), target="llvm")
+    res = tvm.runtime.empty((x.size,), "float32", tvm.cpu())
+    lib(tvm.runtime.tensor(x.astype(np.float32), tvm.cpu()), res)
+    y = x.astype(np.float64)
+    return 0.5 * y * (1.0 + np.tanh(res.numpy().astype(np.float64)))
+
+
+@pytest.mark.parametrize("act, bound", [("gelu_erf", 2.6e-5), ("gelu_tanh", 2e-6)])
+def test_tanh_argument_gives_the_gelu_within_a_tenth_of_float16_rounding(act, bound):
+    """Absolute output error (the fit's, for erf) over every finite float16 and a fine grid: a tenth of float16's
+    half-ulp at 1 (2.4e-4), relative within 1e-4 wherever |GELU| > 0.5 (near GELU's minimum, -0.17, the erf fit's
+    2.6e-5 is about one float16 half-ulp; MUFU.TANH's 2^-11 relative error on t is ten times the fit's there)."""
+    halves = np.arange(65536, dtype=np.uint16).view(np.float16)
+    x = np.concatenate([halves[np.isfinite(halves)].astype(np.float32), np.linspace(-12, 12, 240001, dtype=np.float32)])
+    got, ref = _tanh_gelu_float64(act, x), activation_np(act, x)
+    err = np.abs(got - ref)
+    assert np.isfinite(got).all() and err.max() <= bound, err.max()
+    big = np.abs(ref) > 0.5
+    assert (err[big] / np.abs(ref[big])).max() < 1e-4
+
+
+def test_erf_argument_grows_past_its_clamp_where_tanh_is_one():
+    """u(y) increases with y up to the clamp (the fit's c5 < 0 turns it round only at y ~ 8.3) and is past 9 there, so
+    tanh(u) = 1 in float32 for every larger y (the clamp keeps s, so u = y p(clamp) keeps growing)."""
+    c1, c3, c5 = ERF_TANH_ARGUMENT
+    y = np.linspace(0.0, math.sqrt(ERF_TANH_CLAMP), 100001)
+    s = y * y
+    u = y * (c1 + s * (c3 + s * c5))
+    assert (np.diff(u) > 0).all() and u[-1] > 9.0 and c1 + ERF_TANH_CLAMP * (c3 + ERF_TANH_CLAMP * c5) > 0
+    assert np.float32(np.tanh(np.float64(u[-1]))) == np.float32(1.0)
+
+
+def test_gelu_from_tanh_is_half_y_times_one_plus_t():
+    inp = te.placeholder((3,), "float32", name="y")
+    t = te.placeholder((3,), "float32", name="t")
+    out = te.compute((3,), lambda i: gelu_from_tanh(inp[i], t[i]), name="out")
+    lib = tvm.compile(te.create_prim_func([inp, t, out]), target="llvm")
+    res = tvm.runtime.empty((3,), "float32", tvm.cpu())
+    lib(tvm.runtime.tensor(np.array([2.0, -3.0, 5.0], np.float32)),
+        tvm.runtime.tensor(np.array([0.5, -1.0, 1.0], np.float32)), res)
+    assert res.numpy().tolist() == [1.5, 0.0, 5.0]
+
+
+def test_bad_forms_are_refused():
+    assert GELU_FORMS[0] == "tail" and WgmmaConfig().gelu_form == "tail"
+    with pytest.raises(ValueError, match="gelu_form must be one of"):
+        check_gelu_form("sigmoid")
+    with pytest.raises(ValueError, match="needs fast_gelu=True"):
+        WgmmaConfig(block_n=192, staged=True, gelu_form="tanh").validate()
+    template = get_template("gemm_bias_gelu_erf_wgmma")
+    with pytest.raises(ValueError, match="float16 only"):
+        template.kernel(SHAPE, "bfloat16", dict(PICK, gelu_form="tanh_h2"))
+
+
+@pytest.mark.parametrize("act", ["erf", "tanh"])
+def test_forms_build_their_instructions_and_leave_the_default_unchanged(act, tmp_path):
+    """"tail" written out is the default kernel byte for byte; "tanh" calls tanh.approx.f32 and no exp2, "tanh_h2"
+    tanh.approx.f16x2; in SASS (where cuobjdump is found) one MUFU.TANH per output of a consumer thread's 128 x 192
+    tile (192) instead of the 192 MUFU.EX2 (tanh_h2 too: ptxas splits each f16x2 tanh into two MUFU.TANH.F16 and a
+    PRMT, so the packed form saves no MUFU op on sm_90a), fewer FFMA, no local memory."""
+    name = f"gemm_bias_gelu_{act}_wgmma"
+    default = cuda_source(build_kernel(name, SHAPE, "float16", PICK))
+    assert cuda_source(build_kernel(name, SHAPE, "float16", dict(PICK, gelu_form="tail"))) == default
+    counts = {}
+    for form, op, mufu in (("tanh", "tanh.approx.f32", "MUFU.TANH"), ("tanh_h2", "tanh.approx.f16x2", "MUFU.TANH")):
+        src = cuda_source(build_kernel(name, SHAPE, "float16", dict(PICK, gelu_form=form)))
+        assert op in src and "ex2.approx" not in src and "tanh.approx" not in default
+        sass = sm90a_sass(src, tmp_path)
+        if sass is not None:
+            ops = re.findall(r"\b(MUFU\.[A-Z0-9]+|FFMA|LDL|STL)\b", sass)
+            counts[form] = {key: ops.count(key) for key in set(ops)}
+            assert counts[form].get(mufu, 0) == 192 and "MUFU.EX2" not in counts[form]
+            assert not {"LDL", "STL"} & set(counts[form])
+    if counts:
+        base = re.findall(r"\bFFMA\b", sm90a_sass(default, tmp_path))
+        assert all(c["FFMA"] < len(base) for c in counts.values())
+
+
+def test_gpu_plan_times_the_pick_its_forms_and_its_gelu_less_twin():
+    """``--plan s12gelu``: per GELU case the knob space's first set, then its forms (at 32768 rows also the
+    cooperative 256 x 192 set and its tanh twin); per row count the GELU-less GEMM with the erf pick's tiles."""
+    bench = _bench_module()
+    assert len(bench.S12_CASES) == 6
+    for name, shape in bench.S12_CASES:
+        space = get_template(name).knob_space(shape, "float16")
+        sets = bench.gelu_knob_sets(name, shape, space)
+        tags = [bench.knob_tag(kn) for kn in sets]
+        assert len(set(tags)) == len(sets)
+        if "gelu" in name:
+            assert sets[0] == space[0] and [kn.get("gelu_form") for kn in sets[1:3]] == ["tanh", "tanh_h2"]
+            assert len(sets) == (5 if shape["m"] == bench.S12_COOP_ROWS else 3)
+        else:
+            pick = get_template("gemm_bias_gelu_erf_wgmma").knob_space(shape, "float16")[0]
+            assert sets == [{key: v for key, v in pick.items() if key != "fast_gelu"}]
+        for knobs in sets:
+            get_template(name).config(knobs)
