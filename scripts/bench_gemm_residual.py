@@ -48,10 +48,11 @@ CASES = [("RoBERTa 16x2048 attention output", 32768, 768, 768), ("RoBERTa 16x204
          ("RoBERTa 8x512 attention output", 4096, 768, 768), ("RoBERTa 8x512 FFN down", 4096, 768, 3072),
          ("BERT-large 8x2048 attention output", 16384, 1024, 1024), ("BERT-large 8x2048 FFN down", 16384, 1024, 4096)]
 # the kernels of a case: role -> template
-ROLES = {"gemm": "gemm_wgmma", "bias_residual_ln": "bias_residual_layernorm", "gemm_residual": "gemm_bias_residual_wgmma",
-         "ln": "layernorm", "gemm_bias": "gemm_bias_wgmma"}
+ROLES = {"gemm": "gemm_wgmma", "bias_residual_ln": "bias_residual_layernorm",
+         "gemm_residual": "gemm_bias_residual_wgmma", "ln": "layernorm", "gemm_bias": "gemm_bias_wgmma"}
 # the two chains: (name, [(role, input names, output name)])
-CHAINS = {"current": [("gemm", ("x", "w"), "y"), ("bias_residual_ln", ("y", "bias", "residual", "gamma", "beta"), "out")],
+CHAINS = {"current": [("gemm", ("x", "w"), "y"),
+                      ("bias_residual_ln", ("y", "bias", "residual", "gamma", "beta"), "out")],
           "residual in the GEMM": [("gemm_residual", ("x", "w", "bias", "residual"), "sum"),
                                    ("ln", ("sum", "gamma", "beta"), "out")]}
 SOLO = {"gemm_bias": ("x", "w", "bias")}   # role -> inputs; its output is named as the role

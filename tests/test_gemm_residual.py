@@ -118,3 +118,72 @@ def test_residual_needs_a_bias_gemm(kwargs):
     with pytest.raises(ValueError, match="residual: a GEMM with bias only"):
         wgmma_gemm_primfunc(256, 384, 128, "float16", residual=True, **args)
 
+
+
+# ---- the compile path: option residual_in_gemm ------------------------------------------------------------------
+
+POST_LN = {"attn_out_ln", "ffn_down_ln"}
+
+
+def _chains(manifest) -> dict:
+    return {site["chain"]: [stage["template"] for stage in site["stages"]] for site in manifest["templates"]["sites"]}
+
+
+def test_residual_in_gemm_wiring_matches_the_reference_on_llvm(tiny, monkeypatch):
+    """The rewrite's wiring (bias and residual into the GEMM, the sum into ``layernorm``) on the CPU: tiny BERT with
+    the wgmma templates' TensorIR definitions on llvm (the compile path's wgmma gate forced open there), option off
+    and on, both within 2e-3 of onnx.reference's float32, the post-LN chains on the residual GEMM when on."""
+    import dataclasses
+    import warnings
+
+    import stof_tvm.compiler as compiler
+    from stof_tvm import make_mask
+    from stof_tvm.compiler import linear_match
+    from stof_tvm.models.reference import random_inputs, reference_outputs
+
+    monkeypatch.setattr(linear_match, "WGMMA_MIN_TILES", 1)     # tiny BERT's GEMMs are too small for wgmma otherwise
+    monkeypatch.setattr(compiler, "check_gemm", lambda gemm, templates, tspec: ("wgmma", tspec))
+    front_end = compiler.front_end   # no sm_90a cubins to prebuild for llvm
+    monkeypatch.setattr(compiler, "front_end", lambda *a, **kw: dataclasses.replace(front_end(*a, **kw), gemm="mma"))
+    data = random_inputs(tiny, {"input_ids": (1, 128), "attention_mask": (1, 128)}, seed=2)
+    ref = reference_outputs(tiny, make_mask("bigbird", 128)[None, None], data)["last_hidden_state"]
+    for flag in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            art = compiler.compile(tiny, mask="bigbird", batch=1, seq_len=128, target="llvm", dtype="float16",
+                                   templates=True, gemm="wgmma", residual_in_gemm=flag)
+        chains = _chains(art.manifest)
+        expected = ["gemm_bias_residual_wgmma", "layernorm"] if flag else ["gemm_wgmma", "bias_residual_layernorm"]
+        assert all(chains[chain] == expected for chain in POST_LN)
+        assert ("bias_residual_layernorm" in art.manifest["templates"]["calls"]) != flag
+        out = np.asarray(art.load()(data)["last_hidden_state"], np.float64)
+        assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-3
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_residual_in_gemm_builds_for_sm90a(tiny, monkeypatch):
+    """On CUDA sm_90 (the defaults: templates, wgmma GEMMs): the post-LN chains take the residual GEMM and the plain
+    LayerNorm, the module's source reads the residual, the artifact carries its sm_90a cubin."""
+    import stof_tvm
+    from stof_tvm.compiler import linear_match
+    from stof_tvm.compiler.cubins import cuda_sources
+
+    monkeypatch.setattr(linear_match, "WGMMA_MIN_TILES", 1)
+    art = stof_tvm.compile(tiny, mask="bigbird", batch=1, seq_len=128, target="cuda", dtype="float16",
+                           residual_in_gemm=True)
+    chains = _chains(art.manifest)
+    assert all(chains[chain] == ["gemm_bias_residual_wgmma", "layernorm"] for chain in POST_LN)
+    (source,) = cuda_sources(art.executable)
+    assert "res_ptr" in source and art.manifest["cuda_binaries"]["files"]
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"residual_in_gemm": "yes"}, TypeError, "residual_in_gemm: expected a bool"),
+    ({"residual_in_gemm": True, "tune_trials": 2, "database": "db"}, ValueError,
+     "residual_in_gemm: opt-in and untuned"),
+])
+def test_residual_in_gemm_refuses(tiny, kwargs, error, match):
+    import stof_tvm
+
+    with pytest.raises(error, match=match):
+        stof_tvm.compile(tiny, mask="bigbird", batch=1, seq_len=128, target="llvm", dtype="float16", **kwargs)
