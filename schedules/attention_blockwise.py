@@ -104,6 +104,14 @@ class BlockConfig:
     s10sparse, B16 H12 S4096 D64, 32x32x2x2 heavy-first): BigBird 0.1998 -> 0.1860 ms (min_blocks 10: 0.1970 ->
     0.1863), Longformer 0.2433 -> 0.2409 (0.2399 -> 0.2376); the model's heavy-first candidates and the sparse
     default set it.
+
+    ``lean_padding`` (with the key padding inputs only) changes how the padding enters each tile. Without it every
+    tile loads its column index again (a dependent global load before the tile's skip test) to test the tile
+    against the batch row's kept span, and a tile that needs the padding predicate loads one ``pad_bits`` word per
+    score element behind a branch each (16 loads a tile at 32x32, two warps). With it the span tests run only in
+    batch rows that drop some key (``lo > 0``, ``hi < Sk`` or holes: a block-uniform branch, so an unpadded row,
+    e.g. a model's all-ones ``attention_mask``, runs the unpadded tile loop's work), and the predicate loads the
+    tile's ``ceil(block_n / 32)`` words once and tests bits in registers.
     """
 
     block_m: int = 128
@@ -116,6 +124,7 @@ class BlockConfig:
     min_blocks: int = 0
     row_sums: str = "mma"
     reverse_full: bool = False
+    lean_padding: bool = False
 
     @property
     def threads(self) -> int:
@@ -127,7 +136,7 @@ class BlockConfig:
 
     def validate(self, head_dim: int) -> None:
         """Raise ValueError unless this configuration can be compiled for ``head_dim``."""
-        for name in ("heavy_first", "reverse_full"):
+        for name in ("heavy_first", "reverse_full", "lean_padding"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BlockConfig.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("block_m", "block_n", "num_warps", "stages", "kv_splits", "split_rows"):
@@ -379,7 +388,11 @@ class _Padding:
         """Key ``key`` survives the padding: inside ``[lo, hi)`` and, when the span has holes, its bit set."""
         if not self.on:
             return True
-        word = pad_bits[b, T.min(key // 32, self.words - 1)]
+        return self.kept_by_word(pad_bits[b, T.min(key // 32, self.words - 1)], lo, hi, holes, key)
+
+    @staticmethod
+    def kept_by_word(word, lo, hi, holes, key):
+        """:meth:`key_kept` with the ``pad_bits`` word holding ``key`` already loaded."""
         bit = T.bitwise_and(T.shift_right(word, T.Cast("uint32", key % 32)), T.uint32(1))
         return tvm.tirx.all(lo <= key, key < hi, tvm.tirx.any(holes == 0, bit != T.uint32(0)))
 
@@ -439,8 +452,17 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     INV_SCALE = T.float32(1.0 / p.scale)
     pad = _Padding(p)
     PAD = p.padding
+    # lean_padding: the span tests only in batch rows that drop a key; the predicate's pad_bits words loaded once a
+    # tile (PAD_WORDS of them) where each score column's word is known statically (block_n a multiple of 32, or 16:
+    # a 16-aligned tile of 16 keys lies in one word), else one load per element as without the knob.
+    LEAN = PAD and cfg.lean_padding
+    PAD_WORDS = max(1, BN // 32)
+    LEAN_WORDS = LEAN and (BN % 32 == 0 or BN == 16)
     # Every key row of a listed tile is inside Sk and kept by the padding (none): no clamp, no zero-fill predicate.
     KEYS_IN_RANGE = not PAD and SK % BN == 0
+
+    def word_of_n8(j):         # lean_padding: which of the tile's pad_bits words holds n8 tile j's columns
+        return j // 4 if BN % 32 == 0 else 0
 
     def swz(row, chunk):
         return chunk_offset(row, chunk, CPR)
@@ -587,6 +609,27 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
         T.ptx.cp.async_.commit_group()
 
     @T.macro
+    def lean_predicate(s_acc, pad_word, pad_bits, b, lo, hi, holes, col, qd):
+        # lean_padding: scores of keys the padding drops become -inf. LEAN_WORDS: the tile's pad_bits words loaded
+        # once (n8 tile j's columns lie in word j // 4 of them; one word for 16-key tiles), else one per element.
+        if LEAN_WORDS:
+            for i in T.unroll(PAD_WORDS):
+                pad_word[i] = pad_bits[b, T.min(col * BN // 32 + i, pad.words - 1)]
+        for j in T.unroll(NJ):
+            for e in T.unroll(2):
+                for mt in T.unroll(MT):
+                    for hh in T.unroll(2):
+                        if LEAN_WORDS:
+                            s_acc[s_at(mt, j, hh * 2 + e)] = T.Select(
+                                pad.kept_by_word(pad_word[word_of_n8(j)], lo, hi, holes,
+                                                 col * BN + j * 8 + qd * 2 + e),
+                                s_acc[s_at(mt, j, hh * 2 + e)], NEG_INF)
+                        else:
+                            s_acc[s_at(mt, j, hh * 2 + e)] = T.Select(
+                                pad.key_kept(pad_bits, b, lo, hi, holes, col * BN + j * 8 + qd * 2 + e),
+                                s_acc[s_at(mt, j, hh * 2 + e)], NEG_INF)
+
+    @T.macro
     def kernel_body(q, k, v, full_indptr, full_indices, part_indptr, part_indices, part_bitmaps, pad_range,
                     pad_bits, bias, out):
         if SPLIT:   # per split slice: its rows' normalised partial output and log2-sum-exp; the split rows' ids
@@ -612,6 +655,8 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     l_acc = T.alloc_buffer((MT * 4,), "float32", scope="local")
                     red = T.alloc_buffer((4 if MMA_SUMS else 5,), "float32", scope="local")   # red[4]: a row's tile sum
                     word = T.alloc_buffer((2,), "uint32", scope="local")
+                    if LEAN:
+                        pad_word = T.alloc_buffer((PAD_WORDS,), "uint32", scope="local")
                     if HAS_BIAS and not WIDE:
                         bias_reg = T.alloc_buffer((MT * 2 * NJ if STAGE else 1,), "uint32", scope="local")
                     rank = T.alloc_buffer((RI * 2,), "uint32", scope="local")
@@ -676,6 +721,8 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     lo: T.let = pad.lo(pad_range, b)
                     hi: T.let = pad.hi(pad_range, b)
                     holes: T.let = pad.holes(pad_range, b)
+                    if LEAN:    # the batch row drops some key (else its tiles need no span test or predicate)
+                        row_drops: T.let = pad.needs_predicate(lo, hi, holes, 0, SK)
                     n_heavy: T.let = heavy_rows(smem)
                     if SPLIT:   # the slice bounds, held in registers (not re-derived at every use)
                         span = T.alloc_buffer((2,), "int32", scope="local")
@@ -741,7 +788,11 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                 word[0] = T.bitwise_or(word[0], T.bitwise_or(T.bitwise_or(b_frag[0], b_frag[1]),
                                                                              T.bitwise_or(b_frag[2], b_frag[3])))
                             live[0] = T.cuda.any_sync(T.uint32(_FULL_MASK), T.Cast("int32", word[0] != T.uint32(0)))
-                        if PAD:                 # a key tile outside the batch row's kept span is skipped too
+                        if LEAN:                # a key tile outside the batch row's kept span is skipped too
+                            if row_drops:
+                                tcol: T.let = tile_col(part_indices, full_indices, p0, f0, t, n_part_row, n_tiles)
+                                live[0] = T.Select(pad.overlaps(lo, hi, tcol * BN, BN), live[0], 0)
+                        elif PAD:
                             tcol: T.let = tile_col(part_indices, full_indices, p0, f0, t, n_part_row, n_tiles)
                             live[0] = T.Select(pad.overlaps(lo, hi, tcol * BN, BN), live[0], 0)
                         if live[0] != 0:
@@ -806,7 +857,13 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                             s_acc[s_at(mt, j, hh * 2 + 1)] = T.Select(
                                                 T.bitwise_and(word[0], bit_second) != T.uint32(0),
                                                 s_acc[s_at(mt, j, hh * 2 + 1)], NEG_INF)
-                            if PAD:             # keys the padding drops: in a tile crossing [lo, hi), or at holes
+                            if LEAN:            # keys the padding drops, in a row that drops some
+                                if row_drops:
+                                    lcol: T.let = tile_col(part_indices, full_indices, p0, f0, t, n_part_row,
+                                                           n_tiles)
+                                    if pad.needs_predicate(lo, hi, holes, lcol * BN, BN):
+                                        lean_predicate(s_acc, pad_word, pad_bits, b, lo, hi, holes, lcol, qd)
+                            elif PAD:           # keys the padding drops: in a tile crossing [lo, hi), or at holes
                                 pcol: T.let = tile_col(part_indices, full_indices, p0, f0, t, n_part_row, n_tiles)
                                 if pad.needs_predicate(lo, hi, holes, pcol * BN, BN):
                                     for j in T.unroll(NJ):

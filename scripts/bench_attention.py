@@ -176,11 +176,24 @@ def tiled_arrays(mask4: np.ndarray, block_m: int, block_n: int) -> list[np.ndarr
     return [fmt.full_indptr, full_idx, fmt.part_indptr, part_idx, np.ascontiguousarray(bitmaps)]
 
 
-def padding_mask(batch: int, seq: int) -> np.ndarray:
-    """A model's ``attention_mask`` [B, S] (True = key kept) for a padded check: batch row b % 4 is right padding
-    (61% kept), left padding with holes (10% of keys dropped), no padding, or nothing kept."""
+PAD_KEEPS = ("mixed", "ones", "right")
+
+
+def padding_mask(batch: int, seq: int, pattern: str = "mixed") -> np.ndarray:
+    """A model's ``attention_mask`` [B, S] (True = key kept). ``mixed`` (the padded checks' and timings' default):
+    batch row b % 4 is right padding (61% kept), left padding with holes (10% of keys dropped), no padding, or
+    nothing kept; ``ones``: every key kept (what the HF exports run in scripts/e2e_models.py); ``right``: right
+    padding of random lengths from S/2 to S, one row unpadded (a batch of real texts)."""
     rng = np.random.default_rng(batch * 7919 + seq)
     keep = np.ones((batch, seq), bool)
+    if pattern not in PAD_KEEPS:
+        raise ValueError(f"padding pattern must be one of {PAD_KEEPS}, got {pattern!r}")
+    if pattern == "ones":
+        return keep
+    if pattern == "right":
+        lengths = rng.integers(seq // 2, seq + 1, size=batch)
+        lengths[0] = seq
+        return np.arange(seq)[None, :] < lengths[:, None]
     for b in range(batch):
         pattern = b % 4
         if pattern == 0:
@@ -334,11 +347,11 @@ def plan_pick() -> list[dict]:
 
 def _config_tuple(config) -> tuple:
     """A block configuration as a case's list: the five classic fields, then the later ones up to the last one
-    that is not at its default (split-KV pair, ``min_blocks``, ``row_sums``, ``reverse_full``)."""
+    that is not at its default (split-KV pair, ``min_blocks``, ``row_sums``, ``reverse_full``, ``lean_padding``)."""
     fields = (config.block_m, config.block_n, config.num_warps, config.stages, config.heavy_first)
     later = (config.kv_splits, config.split_rows, config.min_blocks, getattr(config, "row_sums", "mma"),
-             getattr(config, "reverse_full", False))
-    defaults = (1, 1, 0, "mma", False)
+             getattr(config, "reverse_full", False), getattr(config, "lean_padding", False))
+    defaults = (1, 1, 0, "mma", False, False)
     kept = max((i + 1 for i in range(len(later)) if later[i] != defaults[i]), default=0)
     return fields + later[:max(kept, 2) if kept else 0]             # the split-KV pair stays whole
 
@@ -993,11 +1006,81 @@ def plan_s11gpt2() -> list[dict]:
     return cases
 
 
+# s12bb: RoBERTa-base / BERT-base 16x2048's attention (BigBird, B16 H12 S2048 D64 fp16, the HF export's key padding).
+S12_PICK = (32, 32, 2, 2, True, 1, 1, 10, "mma", True)        # the compile path's pick (heavy-first, min_blocks 10)
+S12_LEAN = S12_PICK + (True,)                                  # the same with lean_padding
+# (label, configuration, key padding patterns timed; () = the unpadded module), BigBird at S2048, in order
+S12_BB = (
+    ("pick 32x32x2x2 hf mb10 rf", S12_PICK, ((), "ones", "mixed", "right")),
+    ("pick + lean_padding", S12_LEAN, ("ones", "mixed", "right")),
+    ("32x32x2x2 hf rf", (32, 32, 2, 2, True, 1, 1, 0, "mma", True), ((), "ones")),
+    ("32x32x2x2 hf rf + lean_padding", (32, 32, 2, 2, True, 1, 1, 0, "mma", True, True), ("ones",)),
+    ("32x32x2x2 hf (walk first column first)", (32, 32, 2, 2, True), ("ones",)),
+    ("32x32x2x2 default order", (32, 32, 2, 2, False), ("ones",)),
+    ("32x32x1x2 hf rf (one warp)", (32, 32, 1, 2, True, 1, 1, 0, "mma", True), ("ones",)),
+    ("32x32x2x3 hf mb10 rf (3 stages)", (32, 32, 2, 3, True, 1, 1, 10, "mma", True), ("ones",)),
+    ("32x64x2x2 hf rf", (32, 64, 2, 2, True, 1, 1, 0, "mma", True), ("ones",)),
+    ("64x32x4x2 hf rf (64-row tiles)", (64, 32, 4, 2, True, 1, 1, 0, "mma", True), ("ones",)),
+    ("64x32x4x2 hf mb5 rf", (64, 32, 4, 2, True, 1, 1, 5, "mma", True), ("ones",)),
+)
+# 34c4ed4's tie-break (padded: more co-resident warps before the SM term): (mask, B, S, current pick, 34c4ed4's pick)
+S12_TIES = (("sliding", 16, 2048, (32, 32, 1, 2, False), (32, 32, 2, 2, False)),
+            ("sliding", 16, 4096, (32, 32, 1, 2, False), (32, 32, 2, 2, False)),
+            ("bigbird_causal", 16, 2048, (32, 32, 1, 2, False), (32, 32, 2, 2, False)),
+            ("bigbird_causal", 8, 512, (32, 32, 2, 4, False), (32, 32, 2, 3, False)),
+            ("bigbird_causal", 8, 577, (32, 32, 2, 3, False), (32, 32, 2, 2, False)),
+            ("bigbird_causal", 32, 197, (32, 32, 2, 3, False), (32, 32, 2, 2, False)))
+
+
+def plan_s12bb() -> list[dict]:
+    """RoBERTa-base (and BERT-base) 16x2048's attention: BigBird at B16 H12 S2048 D64 fp16 as the compile path runs
+    it (the model's pick, S12_PICK, applying the HF export's key padding, which the e2e runs feed all ones), and why
+    it measured 0.143 ms (session 11, s11gpt2: the padded module under the *mixed* padding patterns, holes included)
+    against 0.186 at S4096 without padding. Timed, each a labelled case: the pick unpadded and padded under all-ones,
+    mixed and right padding; the same with ``lean_padding`` (span tests only in batch rows that drop keys, the
+    predicate's pad_bits words loaded once a tile); neighbours (no launch bounds, first-column-first walk, default
+    order, one warp, 3 stages, 32x64, 64-row tiles) under all-ones padding; the wgmma kernel's padded and unpadded
+    defaults; the pick at S4096 unpadded / all-ones (/ lean) for the per-pair rate; FlexAttention beside the first.
+    Then the shapes whose picks 34c4ed4's tie-break moves (S12_TIES: padded, all-ones), current and 34c4ed4's pick.
+    Checks first (S=1000 and 1024, Q scaled by 8, outputs poisoned, mixed padding: right, left with holes, none,
+    nothing kept): lean_padding at 32x32 (the pick), 32x16 and 64x64 tiles (one- and two-word predicates)."""
+    from stof_tvm.schedules.attention_wgmma import default_config
+
+    cases = []
+    for config, seq in ((S12_LEAN, 1024), ((32, 16, 2, 2, True, 1, 1, 0, "mma", True, True), 1000),
+                        ((64, 64, 4, 2, False, 1, 1, 0, "mma", False, True), 1000)):
+        cases.append(dict(_case("check", "block", "bigbird", 4, 2, seq, 64, "float16", config, padding=True),
+                          q_scale=8.0))
+    batch, heads = 16, H_BENCH
+
+    def timed(label, family, recipe, b, seq, config, keep, baselines=False):
+        case = _case("time", family, recipe, b, heads, seq, 64, "float16", config, padding=bool(keep))
+        if keep:
+            case["pad_keep"] = keep
+        cases.append(dict(case, label=label, baselines=baselines))
+
+    first = True
+    for label, config, keeps in S12_BB:
+        for keep in keeps:
+            timed(label, "block", "bigbird", batch, 2048, config, keep, baselines=first)
+            first = False
+    timed("wgmma default (unpadded)", "wgmma", "bigbird", batch, 2048, _wgmma_tuple(default_config(64)), ())
+    timed("wgmma padded default", "wgmma", "bigbird", batch, 2048, _wgmma_tuple(default_config(64, padding=True)),
+          "ones")
+    for keep, config, label in (((), S12_PICK, "pick"), ("ones", S12_PICK, "pick"),
+                                ("ones", S12_LEAN, "pick + lean_padding")):
+        timed(f"S4096: {label}", "block", "bigbird", batch, 4096, config, keep)
+    for recipe, b, seq, current, tied in S12_TIES:
+        timed("34c4ed4: current pick " + "x".join(map(str, current[:4])), "block", recipe, b, seq, current, "ones")
+        timed("34c4ed4: its pick " + "x".join(map(str, tied[:4])), "block", recipe, b, seq, tied, "ones")
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
          "s9sparse": plan_s9sparse, "s9check": plan_s9check, "s10sparse": plan_s10sparse,
-         "s10dims": plan_s10dims, "s11gpt2": plan_s11gpt2}
+         "s10dims": plan_s10dims, "s11gpt2": plan_s11gpt2, "s12bb": plan_s12bb}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
@@ -1207,7 +1290,7 @@ class Runner:
         mask4, formats = self.masks[mask_key]
         pad_inputs, keep4 = [], mask4          # keep4: what the kernel must keep (the mask AND the key padding)
         if case.get("padding"):
-            keep = padding_mask(B, S)
+            keep = padding_mask(B, S, case.get("pad_keep", "mixed"))
             dev = self.tvm.cuda(0)      # TVM tensors: no torch uint32 on the way
             pad_inputs = [self.tvm.runtime.tensor(a, dev) for a in key_padding_inputs(keep)]
             keep4 = mask4 & keep[:, None, None, :]
@@ -1263,7 +1346,8 @@ class Runner:
             row.update(ms=ms, tflops=flops / ms / 1e9)
             if parts:
                 row["parts_ms"] = {name: self.bench(part) for name, part in parts.items()}
-            row["baselines"] = self.baselines_for(case, q, k, v, mask_t, ref, flops)
+            row["baselines"] = self.baselines_for(case, q, k, v, mask_t, ref, flops) \
+                if case.get("baselines", True) else {}
         del q, k, v, out, ref
         return row
 
@@ -1614,15 +1698,15 @@ def summarize(timed: list[dict]) -> list[dict]:
     wgmma, or ``s``, the dense-row split: its block-wise configuration), the row-wise kernel, the baselines."""
     groups = {}
     for r in timed:       # device-padded cases (a per-batch attention mask on top) are rows of their own
-        groups.setdefault((r["mask"] + (" +pad" if r.get("padding") else ""), r["batch"], r["seq"], r["head_dim"]),
-                          []).append(r)
+        groups.setdefault((r["mask"] + (" +" + _pad_label(r) if r.get("padding") else ""), r["batch"], r["seq"],
+                           r["head_dim"]), []).append(r)
     rows = []
     nan = float("nan")
     for (mask, batch, seq, head_dim), rs in groups.items():
         blocks = [r for r in rs if r["family"] in ("block", "wgmma", "split") and r["ok"] and not r.get("variant")]
         rows_k = [r for r in rs if r["family"] == "row" and r["ok"]]
         best = min(blocks, key=lambda r: r["ms"]) if blocks else None
-        base = rs[0]["baselines"]
+        base = next((r["baselines"] for r in rs if r["baselines"]), {})
         exact = [b["ms"] for b in base.values() if b.get("exact") and "ms" in b]
         ours = min([r["ms"] for r in blocks + rows_k] or [nan])
         rows.append({
@@ -1638,6 +1722,26 @@ def summarize(timed: list[dict]) -> list[dict]:
             "speedup": (min(exact) / ours) if exact and ours == ours else nan,
             "all_ok": all(r["ok"] for r in rs)})
     return rows
+
+
+def _pad_label(row: dict) -> str:
+    """``pad`` for the mixed key padding patterns, ``pad:ones`` / ``pad:right`` for the others."""
+    keep = row.get("pad_keep", "mixed")
+    return "pad" if keep == "mixed" else f"pad:{keep}"
+
+
+def print_labelled(timed: list[dict]) -> None:
+    """Every timed case that carries a ``label`` (plans that compare named configurations: s12bb), in plan order:
+    the label, the key padding (none, or its pattern), ms and the check; printed last."""
+    rows = [r for r in timed if r.get("label")]
+    if not rows:
+        return
+    print("\nlabelled cases (ms; padding: the module applies a per-batch attention mask of that pattern)")
+    print(f"{'mask':<15} {'B':>2} {'S':>5} {'padding':<10} {'configuration':<44} {'ms':>7}  check")
+    for r in rows:
+        pad = _pad_label(r) if r.get("padding") else "none"
+        print(f"{r['mask']:<15} {r['batch']:>2} {r['seq']:>5} {pad:<10} {r['label'][:44]:<44} {r['ms']:7.4f}  "
+              + (f"ok {r['rel_err']:.1e}" if r["ok"] else f"FAILED {r['rel_err']:.1e}"))
 
 
 def _config_key(case: dict) -> tuple:
@@ -1717,6 +1821,7 @@ def run(args) -> None:
     print_reverse(timed)
     print_split(timed)
     print_summary(timed)
+    print_labelled(timed)
     info["summary"] = summarize([r for r in runner.results if r["kind"] == "time" and "ms" in r])
     runner.save(info)
 

@@ -4,6 +4,8 @@ fully padded batch row, and irregular patterns (left padding, holes); CUDA code 
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -156,7 +158,46 @@ def test_gpu_script_padding_inputs_match_the_device_summary():
     for batch, seq in ((4, 1000), (5, 64), (3, 33)):
         keep = bench_attention.padding_mask(batch, seq)
         assert keep.any(axis=1).sum() == batch - batch // 4   # every fourth batch row keeps nothing
-        ranges, bits = bench_attention.key_padding_inputs(keep)
-        device_ranges, device_bits = run_summary(keep.astype(np.int64))
-        np.testing.assert_array_equal(ranges, device_ranges)
-        np.testing.assert_array_equal(bits, device_bits)
+        assert bench_attention.padding_mask(batch, seq, "ones").all()
+        right = bench_attention.padding_mask(batch, seq, "right")
+        assert right[0].all() and (right.sum(axis=1) >= seq // 2).all()
+        assert (np.diff(right.astype(np.int8), axis=1) <= 0).all()          # kept keys first, then padding
+        for pattern in (keep, right):
+            ranges, bits = bench_attention.key_padding_inputs(pattern)
+            device_ranges, device_bits = run_summary(pattern.astype(np.int64))
+            np.testing.assert_array_equal(ranges, device_ranges)
+            np.testing.assert_array_equal(bits, device_bits)
+
+
+@pytest.mark.parametrize("config", [BlockConfig(32, 32, 2, 2, heavy_first=True, min_blocks=10, reverse_full=True),
+                                    BlockConfig(32, 16, 2, 2, heavy_first=True, reverse_full=True),
+                                    BlockConfig(64, 64, 4, 2)])
+def test_lean_padding_tests_spans_only_in_rows_that_drop_keys(config, tmp_path):
+    """``lean_padding``: the CUDA kernel guards its per-tile span tests with one block-uniform flag (the batch row
+    drops some key), so the tile's column index is loaded again only there; the padding predicate reads the tile's
+    ``ceil(block_n / 32)`` pad_bits words once instead of one per score element; without the padding inputs the
+    knob changes nothing (the same source). Both forms build for sm_90 with no more spill than without the knob
+    (the pick's 96-register bound spills one word either way). The CPU loop nest has one form for both."""
+    def source(lean, padding=True):
+        func = blockwise_attention_primfunc(batch=16, heads=12, seq_q=2048, seq_k=2048, head_dim=64, dtype="float16",
+                                            mask_batch=1, mask_heads=1, config=replace(config, lean_padding=lean),
+                                            target_kind="cuda", out_layout="bshd", padding=padding)
+        return tvm.compile(func, target=CUDA).mod.imports[0].inspect_source()
+
+    lean, plain = source(True), source(False)
+    assert source(True, padding=False) == source(False, padding=False)
+    assert "bool row_drops = " in lean and "row_drops" not in plain
+    elements = config.m_tiles_per_warp * config.block_n // 8 * 4          # the thread's scores of a tile
+    assert plain.count("pad_bits_ptr[") == elements
+    assert lean.count("pad_bits_ptr[") == max(1, config.block_n // 32)
+    spills = []
+    for index, src in enumerate((plain, lean)):
+        (tmp_path / str(index)).mkdir()
+        report = sm90_ptxas_report(src, tmp_path / str(index))
+        spills.append(int(re.search(r"(\d+) bytes spill stores", report).group(1)))
+        assert max(int(r) for r in re.findall(r"Used (\d+) registers", report)) <= config.register_limit, report
+    assert spills[1] <= spills[0] <= 4
+    cpu = [blockwise_attention_primfunc(batch=2, heads=2, seq_q=70, seq_k=70, head_dim=64, dtype="float16",
+                                        mask_batch=1, mask_heads=1, config=replace(config, lean_padding=lean),
+                                        target_kind="llvm", padding=True) for lean in (False, True)]
+    tvm.ir.assert_structural_equal(cpu[0], cpu[1])
