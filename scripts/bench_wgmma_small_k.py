@@ -100,8 +100,8 @@ knob order changed unmeasured, the new first set against the older one; ``--plan
 ``--plan s12gelu`` (default folder ``out/s12gelu``): the FFN-up GEMM + erf / tanh GELU at 32768 and 4096 rows (n 3072,
 k 768), the compile path's pick (the exp2 tail polynomial) against its ``gelu_form`` twins (tanh.approx.f32,
 tanh.approx.f16x2: :mod:`stof_tvm.schedules.templates.fast_gelu`) and its GELU-less twin (``gemm_bias_wgmma``,
-the same tiles), at 32768 rows also the 256 x 192 cooperative set with and without ``gelu_form="tanh"``, timed as in
-s11big; ``--plan s12gelu``, ``out/s12gelu`` carried.
+the same tiles), at 32768 rows also the 256 x 192 cooperative set with and without ``gelu_form="tanh"`` and the pick
+with ``bias_fence`` (the bias added by the accumulators' ordering fence), with and without tanh, timed as in s11big; ``--plan s12gelu``, ``out/s12gelu`` carried.
 """
 from __future__ import annotations
 
@@ -286,7 +286,7 @@ def knob_tag(knobs) -> str:
             f"{'_st' if knobs.get('staged') else ''}{'_fast' if knobs.get('fast_gelu') else ''}"
             f"{'_k' + str(knobs['split_k']) if knobs.get('split_k', 1) > 1 else ''}"
             f"{'_' + knobs['loads'].replace('.', '') if 'loads' in knobs else ''}"
-            f"{'_' + knobs['gelu_form'] if 'gelu_form' in knobs else ''}")
+            f"{'_' + knobs['gelu_form'] if 'gelu_form' in knobs else ''}{'_bf' if knobs.get('bias_fence') else ''}")
 
 
 def splitk_knob_sets(name, shape, space) -> list[dict]:
@@ -378,7 +378,8 @@ def big_knob_sets(name, space, candidates) -> list[dict]:
 
 def gelu_knob_sets(name, shape, space) -> list[dict]:
     """``--plan s12gelu``: a GELU template's first set (the compile path's pick) and its :data:`S12_FORMS` twins (at
-    :data:`S12_COOP_ROWS` also the cooperative :data:`S12_COOP` set and its ``tanh`` twin);
+    :data:`S12_COOP_ROWS` also the cooperative :data:`S12_COOP` set and its ``tanh`` twin, and the pick with
+    ``bias_fence``, tail and tanh);
     for ``gemm_bias_wgmma`` the erf-GELU template's first set at the same shape without ``fast_gelu`` (the pick's
     GELU-less twin)."""
     from stof_tvm.schedules.templates import get_template
@@ -388,6 +389,7 @@ def gelu_knob_sets(name, shape, space) -> list[dict]:
         if shape["m"] == S12_COOP_ROWS:   # the cooperative set, whose epilogue no other consumer's MMAs hide
             coop = next(kn for kn in space if kn == dict(kn, **S12_COOP))
             sets += [coop, dict(coop, gelu_form="tanh")]
+            sets += [dict(space[0], bias_fence=True), dict(space[0], gelu_form="tanh", bias_fence=True)]
         return sets
     pick = get_template("gemm_bias_gelu_erf_wgmma").knob_space(shape, DTYPE)[0]
     return [{key: v for key, v in pick.items() if key != "fast_gelu"}]

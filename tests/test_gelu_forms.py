@@ -1,9 +1,10 @@
 """The opt-in ``gelu_form`` of the wgmma GELU epilogue (schedules/templates/fast_gelu.py, wgmma_kernel.py): GELU as
 ``0.5 y (1 + tanh(u(y)))`` from one tanh.approx.f32 (``"tanh"``) or one tanh.approx.f16x2 per pair (``"tanh_h2"``)
-instead of the exp2 tail polynomial (``"tail"``, the default). Here: the fitted erf argument against the float64 GELU
+instead of the exp2 tail polynomial (``"tail"``, the default), and ``bias_fence`` (the bias added by the accumulators'
+ordering fence). Here: the fitted erf argument against the float64 GELU
 (tanh evaluated exactly: MUFU.TANH's own error, up to 2^-11 relative, needs an H200: ``scripts/bench_wgmma_small_k.py
 --plan s12gelu``), the argument growing past its clamp, the knob's validation, the kernels' PTX and SASS, the default
-kernel unchanged, and the GPU plan's knob sets."""
+kernel unchanged, bias_fence's FADDs, and the GPU plan's knob sets."""
 from __future__ import annotations
 
 import math
@@ -123,9 +124,30 @@ def test_gpu_plan_times_the_pick_its_forms_and_its_gelu_less_twin():
         assert len(set(tags)) == len(sets)
         if "gelu" in name:
             assert sets[0] == space[0] and [kn.get("gelu_form") for kn in sets[1:3]] == ["tanh", "tanh_h2"]
-            assert len(sets) == (5 if shape["m"] == bench.S12_COOP_ROWS else 3)
+            assert len(sets) == (7 if shape["m"] == bench.S12_COOP_ROWS else 3)
         else:
             pick = get_template("gemm_bias_gelu_erf_wgmma").knob_space(shape, "float16")[0]
             assert sets == [{key: v for key, v in pick.items() if key != "fast_gelu"}]
         for knobs in sets:
             get_template(name).config(knobs)
+
+
+def test_bias_fence_adds_the_bias_in_the_accumulator_fence(tmp_path):
+    """``bias_fence``: the volatile add after the last wgmma wait adds each accumulator's bias instead of -0.0, and the
+    epilogue adds none: the same kernel otherwise (off: byte for byte), 192 FADD fewer per consumer thread of a
+    128 x 192 tile (SASS, where cuobjdump is found); refused without a bias and with split-K."""
+    name = "gemm_bias_gelu_erf_wgmma"
+    default = cuda_source(build_kernel(name, SHAPE, "float16", PICK))
+    assert cuda_source(build_kernel(name, SHAPE, "float16", dict(PICK, bias_fence=False))) == default
+    fenced = cuda_source(build_kernel(name, SHAPE, "float16", dict(PICK, bias_fence=True)))
+    assert "-0x0p+0f" in default and "-0x0p+0f" not in fenced
+    (tmp_path / "fenced").mkdir()
+    sass = sm90a_sass(fenced, tmp_path / "fenced")
+    if sass is not None:
+        base = sm90a_sass(default, tmp_path)
+        assert len(re.findall(r"\bFADD\b", base)) - len(re.findall(r"\bFADD\b", sass)) == 192
+    with pytest.raises(ValueError, match="needs a template with a bias"):
+        get_template("gemm_wgmma").kernel(SHAPE, "float16", {key: v for key, v in dict(PICK, bias_fence=True).items()
+                                                              if key != "fast_gelu"})
+    with pytest.raises(ValueError, match="after the partials' sum"):
+        WgmmaConfig(block_n=128, persistent=False, split_k=2, bias_fence=True).validate()

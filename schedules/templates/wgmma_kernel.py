@@ -69,6 +69,9 @@ instructions, within 1e-5 (erf) / 3e-5 (tanh) relative of the float64 GELU. Its 
 the above byte for byte) ``"tanh"`` takes ``0.5 y (1 + tanh(u))`` from one ``tanh.approx.f32`` instead (6 instead of 13
 CUDA-core instructions per output for the tanh GELU, 8 instead of 10 for erf with a fitted argument), ``"tanh_h2"`` a
 pair's through one ``tanh.approx.f16x2``: opt-in, to be measured (``scripts/bench_wgmma_small_k.py --plan s12gelu``).
+So is ``bias_fence`` (templates with a bias, not split-K): the volatile ``add.rn.f32`` that fences each accumulator
+after the last ``wgmma.wait_group`` (below: ``FENCE_REG``) adds its column's bias instead of -0.0, one FADD less per
+output.
 
 A fourth, ``loads = "tma"`` (absent or ``"cp.async"``: the kernels above, byte for byte; the knob spaces' default since
 the H200 measured it faster, :mod:`.gemm_wgmma`): one thread of the producer warpgroup (the other 127 leave after
@@ -155,8 +158,8 @@ class WgmmaConfig:
     ``fast_gelu`` (a GELU activation from one exp2 of a fitted polynomial, :mod:`.fast_gelu`; staged only) and its
     ``gelu_form`` (``"tail"``: that exp2; ``"tanh"`` / ``"tanh_h2"``: one tanh.approx.f32 / f16x2 instead),
     ``loads`` (``"cp.async"``, or ``"tma"``: one producer thread issues TMA boxes from tensor maps the host encodes
-    at each call) and ``split_k`` (blocks of one cluster sharing a tile's k steps, reduced through distributed
-    shared memory)."""
+    at each call), ``split_k`` (blocks of one cluster sharing a tile's k steps, reduced through distributed
+    shared memory) and ``bias_fence`` (the bias added by the accumulators' fence after the last wgmma wait)."""
 
     block_n: int = 128
     stages: int = 4
@@ -166,6 +169,7 @@ class WgmmaConfig:
     staged: bool = False
     fast_gelu: bool = False
     gelu_form: str = "tail"
+    bias_fence: bool = False
     loads: str = "cp.async"
     split_k: int = 1
 
@@ -201,6 +205,10 @@ class WgmmaConfig:
         if self.split_k > 1 and (self.persistent or self.pingpong or self.block_m != BLOCK_M or self.staged):
             raise ValueError("split_k > 1 is one cooperative 128-row tile per block with the reduction's own "
                              "epilogue: persistent, pingpong, staged must be False and block_m 128")
+        if self.bias_fence not in (True, False):
+            raise ValueError(f"bias_fence must be a bool, got {self.bias_fence!r}")
+        if self.bias_fence and self.split_k > 1:
+            raise ValueError("bias_fence adds the bias to each accumulator; split_k > 1 adds it after the partials' sum")
 
     @property
     def tile_m(self) -> int:
@@ -400,6 +408,11 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     # be hoisted above the wait (the wait names no registers). Without it nvcc moved the conversions of the
     # plain-GEMM epilogue up and ptxas serialized every wgmma (warning C7514).
     FENCE_REG = T.ptx["add.rn.f32"]
+    # bias_fence: that add adds the accumulator's bias instead of -0.0 (the epilogue then adds none): one FADD less
+    # per output (192 of a consumer thread's ~760 epilogue instructions on a 128 x 192 tile without an activation)
+    if config.bias_fence and not bias:
+        raise ValueError("bias_fence needs a template with a bias")
+    BIAS_IN_FENCE = config.bias_fence
 
     def tile_of(bx, r):
         """The output tile of block ``bx``'s round ``r``."""
@@ -425,8 +438,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         return MMA(*[acc[first + i] for i in range(NACC)], a_desc, b_desc, True, 1, 1, 0, 0)
 
     def epilogue_f32(x, col, bias_buf):
-        y = x + T.Cast("float32", bias_buf[col]) if bias else x
-        return activation(act, y)
+        return activation(act, biased(x, col, bias_buf))
 
     def epilogue(x, col, bias_buf):
         return T.Cast(DT, epilogue_f32(x, col, bias_buf))
@@ -493,7 +505,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     epilogue_f32(acc[i], col, ep[0]) + residual_half(pair, 0))
 
     def biased(x, col, bias_buf):
-        return x + T.Cast("float32", bias_buf[col]) if bias else x
+        """``x`` plus its column's bias, unless there is none or the fence added it (``bias_fence``)."""
+        return x + T.Cast("float32", bias_buf[col]) if bias and not BIAS_IN_FENCE else x
 
     @T.macro
     def pack_pair_fast_gelu(words, acc, i, col, ep):
@@ -628,7 +641,10 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         T.ptx["wgmma.wait_group.sync.aligned"](0)
         release(empty_bar(base, (r * KS + KS - 1) % ST))
         for i in T.unroll(HALVES * NACC):
-            FENCE_REG(acc[i], acc[i], T.float32(-0.0))
+            if BIAS_IN_FENCE:   # accumulator i's column: n8 tile (i % NACC) // 4, lane column pair wt % 4, half i % 2
+                FENCE_REG(acc[i], acc[i], T.Cast("float32", ep[0][col0 + (i % NACC) // 4 * 8 + (wt % 4) * 2 + i % 2]))
+            else:
+                FENCE_REG(acc[i], acc[i], T.float32(-0.0))
         store_tile(acc, out, ep, row0, col0, base, wt, warp, words)
 
     @T.macro
