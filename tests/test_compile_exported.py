@@ -33,3 +33,20 @@ def test_exported_model_matches_reference(name, kernel, causal):
     out = art.load()(feeds)["last_hidden_state"]
     ref = reference_outputs(model, make_mask("bigbird", S)[None, None], feeds)["last_hidden_state"]
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
+
+
+def test_lean_padding_option_reaches_the_block_kernel():
+    """``lean_padding=True`` (opt-in) sets ``BlockConfig.lean_padding`` on the block-wise kernel that applies the
+    model's key padding (the CUDA form; the CPU loop nest is the same), and the model still matches."""
+    model = export("tiny-bert", seq_len=S)
+    art = stof_tvm.compile(model, mask="bigbird", batch=2, seq_len=S, target="llvm", dtype="float16", kernel="block",
+                           lean_padding=True)
+    kernel = art.manifest["attention"]["kernel"]
+    assert kernel["kind"] == "block" and kernel["config"]["lean_padding"] is True, kernel
+    feeds = {k: v.numpy() for k, v in example_inputs("tiny-bert", 2, S, seed=3).items()}
+    feeds["attention_mask"][1, 100:] = 0
+    out = art.load()(feeds)["last_hidden_state"].astype(np.float64)
+    ref = reference_outputs(model, make_mask("bigbird", S)[None, None], feeds)["last_hidden_state"]
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+    with pytest.raises(TypeError, match="lean_padding"):
+        stof_tvm.compile(model, mask="bigbird", batch=2, seq_len=S, target="llvm", lean_padding="yes")

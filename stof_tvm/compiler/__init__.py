@@ -188,7 +188,8 @@ class FrontEnd:
 
 def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
               kernel: str = "auto", templates: bool | None = None, gemm: str = "auto",
-              database: str | None = None, schedule: bool = True, residual_in_gemm: bool = False) -> FrontEnd:
+              database: str | None = None, schedule: bool = True, residual_in_gemm: bool = False,
+              lean_padding: bool = False) -> FrontEnd:
     """Steps 1-5 of :func:`compile` (same arguments): import, attention kernel choice and rewrite, templates.
 
     ``schedule=False`` leaves the template PrimFuncs unscheduled (the tuner only reads which calls are made)."""
@@ -257,6 +258,9 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
         choice = dataclasses.replace(choice, mask_batch=user_mask.shape[0], mask_heads=user_mask.shape[1])
     elif plan.padding is not None:  # the model's key padding, applied by the sparse kernel from its input
         choice = dataclasses.replace(choice, padding=True)
+        if lean_padding and choice.kind == "block":
+            choice = dataclasses.replace(choice, config={**choice.config, "lean_padding": True},
+                                         reason=choice.reason + "; lean_padding")
     primfunc = None
     if choice.kind != "dense":
         primfunc = kernel_primfunc(choice, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k,
@@ -322,7 +326,7 @@ def _check_fallback_mask(mask, batch: int, seq_len: int, reason: str) -> None:
 def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
             kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
             dependent_launch: bool | None = None, database: str | None = None, progress=None,
-            residual_in_gemm: bool = False):
+            residual_in_gemm: bool = False, lean_padding: bool = False):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
 
     ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
@@ -354,6 +358,9 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     ``residual_in_gemm`` (opt-in, default off): under ``gemm="wgmma"``, a post-LN ``LayerNorm(linear + residual)``
     runs as ``gemm_bias_residual_wgmma`` (bias and residual added in the GEMM's epilogue) + ``layernorm`` instead of
     ``gemm_wgmma`` + ``bias_residual_layernorm`` (:mod:`.downstream`).
+    ``lean_padding`` (opt-in, default off): where the block-wise kernel applies the model's key padding, its
+    ``BlockConfig.lean_padding`` form (span tests only in batch rows that drop a key; the predicate's pad_bits words
+    loaded once a tile).
     """
     from stof_tvm.artifact import Artifact
     from stof_tvm.records import open_database, record_usage
@@ -362,8 +369,9 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
 
     if cuda_graph not in (False, True):
         raise TypeError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
-    if residual_in_gemm not in (False, True):
-        raise TypeError(f"residual_in_gemm: expected a bool, got {residual_in_gemm!r}")
+    for name, flag in (("residual_in_gemm", residual_in_gemm), ("lean_padding", lean_padding)):
+        if flag not in (False, True):
+            raise TypeError(f"{name}: expected a bool, got {flag!r}")
     if cuda_graph and target_dict(target)["kind"] != "cuda":
         raise ValueError(f"cuda_graph: CUDA graphs need target 'cuda', got {target_dict(target)['kind']!r}")
     records = None
@@ -374,7 +382,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     with record_usage() as usage:
         front = front_end(model, mask=mask, batch=batch, seq_len=seq_len, target=target, dtype=dtype,
                           kernel=kernel, templates=templates, gemm=gemm, database=database,
-                          residual_in_gemm=residual_in_gemm)
+                          residual_in_gemm=residual_in_gemm, lean_padding=lean_padding)
         tspec, choice = front.tspec, front.choice
         report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
                f"(attention kernel {choice.kind if choice else 'none: ' + front.fallback}, "
