@@ -30,7 +30,7 @@ def test_arguments_definition_and_reference():
     shape = {"m": 256, "n": 128, "k": 64}
     assert [a for a, _, _ in t.arguments(shape)] == ["A", "W", "bias", "residual", "out"]
     assert t.arguments(shape)[3][1] == (256, 128)
-    assert t.kernel_options(shape) == {"bias": True, "act": "none", "residual": True}
+    assert t.kernel_options(shape) == {"bias": True, "act": "none", "residual": True, "residual_ahead": "next"}
 
 
 @pytest.mark.parametrize("dtype, shape", [("float16", {"m": 128, "n": 128, "k": 64}),
@@ -104,6 +104,30 @@ def test_direct_and_split_k_epilogues_add_the_residual_where_they_store(shape, k
     assert not RES_LOAD.search(body) and "res_ptr[" in body and "words_ptr[36]" not in body
     if shutil.which("nvcc"):
         sm90a_sass(src, tmp_path)
+
+
+@pytest.mark.parametrize("shape", [{"m": 32768, "n": 768, "k": 768}, {"m": 32768, "n": 768, "k": 3072}])
+def test_doubling_issues_the_residual_further_ahead_without_spills(shape, tmp_path):
+    """``residual_ahead="doubling"`` (the bench's alternative form): the same 96 loads of a 128 x 192 ping-pong tile,
+    a register slot per chunk (4 + 6 x 16 words), the slot index of ``"next"`` nowhere; no spills at RoBERTa's
+    32768-row GEMMs."""
+    from stof_tvm.schedules.templates.build import cuda_target
+    from stof_tvm.schedules.templates.gemm_wgmma import WgmmaGemmResidualTemplate
+
+    t = WgmmaGemmResidualTemplate("doubling")
+    ex = tvm.compile(tvm.IRModule({"main": t.kernel(shape, "float16", TALL_PINGPONG)}), target=cuda_target("sm_90a"))
+    src = cuda_source(ex)
+    body = src[src.index('extern "C" __global__'):]
+    assert len(RES_LOAD.findall(body)) == 96 and "uint words_ptr[100];" in body
+    assert src != cuda_source(build_kernel(NAME, shape, "float16", TALL_PINGPONG))
+    if shutil.which("nvcc"):
+        sm90a_sass(src, tmp_path)
+
+
+def test_residual_ahead_refuses_other_forms():
+    with pytest.raises(ValueError, match="residual_ahead must be one of"):
+        wgmma_gemm_primfunc(256, 384, 128, "float16", bias=True, act="none", residual=True, residual_ahead="far",
+                            config=WgmmaConfig(block_n=128, stages=2, staged=True))
 
 
 def test_other_templates_have_no_residual():

@@ -478,12 +478,15 @@ class WgmmaGemmResidualTemplate(WgmmaGemmTemplate):
     with the residual added here the LayerNorm after it (the ``layernorm`` template) reads one [m, n] tensor instead of
     two (``bias_residual_layernorm``), and the residual's read moves into the GEMM, under the other consumer's main
     loop in the ping-pong sets. Knob space, order and resources: those of ``gemm_bias_wgmma`` (the cost model counts
-    the residual among the arguments' bytes)."""
+    the residual among the arguments' bytes). ``residual_ahead``: how far ahead the staged epilogue loads the
+    residual (:func:`.wgmma_kernel.wgmma_gemm_primfunc`); the registered template's is ``"next"``, the other form is
+    built by benchmarks from this class."""
 
-    def __init__(self):
+    def __init__(self, residual_ahead: str = "next"):
         super().__init__(bias=True, act="none")
         self.name = "gemm_bias_residual_wgmma"
         self.description = "out = A @ W^T + bias + residual (wgmma, sm_90a)"
+        self.residual_ahead = residual_ahead
 
     def arguments(self, shape, dtype="float16"):
         args = super().arguments(shape, dtype)
@@ -505,7 +508,7 @@ class WgmmaGemmResidualTemplate(WgmmaGemmTemplate):
         return [y + np.asarray(inputs["residual"], np.float64)]
 
     def kernel_options(self, shape):
-        return {"bias": True, "act": "none", "residual": True}
+        return {"bias": True, "act": "none", "residual": True, "residual_ahead": self.residual_ahead}
 
 
 register(WgmmaGemmTemplate(bias=False, act="none"))

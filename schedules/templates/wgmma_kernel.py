@@ -145,6 +145,8 @@ LOAD_CHOICES = ("cp.async", "tma")
 # allows a non-portable cluster size, which a GPC of the H200 may not place
 SPLIT_K_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
 PORTABLE_SPLIT_K = 8
+# residual: how far ahead the staged epilogue loads the residual (wgmma_gemm_primfunc's residual_ahead)
+RESIDUAL_AHEAD = ("next", "doubling")
 PARTIAL_PAD = 32         # bytes after each float32 partial row: a warp's 8-byte fragment stores take 2 wavefronts
 SPLIT_BAR = 1            # named barrier of the two consumer warpgroups before the ring is reused for partials
 
@@ -317,14 +319,15 @@ def whole_buffer(buf, words):
 
 def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: str, config: WgmmaConfig,
                         heads: tuple[int, int, int, int] | None = None, sm_count: int = 132,
-                        residual: bool = False) -> tvm.tirx.PrimFunc:
+                        residual: bool = False, residual_ahead: str = "next") -> tvm.tirx.PrimFunc:
     """The thread-level CUDA PrimFunc (parameters ``A, W[, bias], out`` like the ``gemm`` templates).
 
     ``residual`` (with ``bias``; not the QKV projection): a fourth input before ``out``, ``residual`` [m, n] in the
     input dtype, added in float32 to every output element after the bias and activation, before the rounding
     (``out = act(A @ W^T + bias) + residual``): the epilogue of a post-LN model's GEMM, whose LayerNorm then reads
     the one sum instead of the GEMM's output and the residual. The staged epilogue loads it in the lanes' fragment
-    layout one 64-column chunk ahead (:func:`load_residual` in the body); the direct and split-K stores read it
+    layout ahead of its use (:func:`load_residual` in the body; ``residual_ahead``: ``"next"``, one 64-column chunk
+    ahead, or ``"doubling"``, chunks ``2c`` and ``2c + 1`` issued at chunk ``c``); the direct and split-K stores read it
     where they store.
 
     ``heads = (batch, seq, heads, head_dim)`` makes it the QKV projection: ``n`` is ``3 * heads * head_dim``
@@ -342,6 +345,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     check_wgmma_shape(m, n, k, config)
     if residual and (heads is not None or not bias):
         raise ValueError("residual: a GEMM with bias only (not the QKV projection)")
+    if residual_ahead not in RESIDUAL_AHEAD:
+        raise ValueError(f"residual_ahead must be one of {RESIDUAL_AHEAD}, got {residual_ahead!r}")
     RESIDUAL = residual
     BN, ST, DT, TM = config.block_n, config.stages, dtype, config.tile_m
     NACC = BN // 2                       # accumulators of one m64 wgmma
@@ -401,8 +406,10 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     PADDED = REAL_ROWS != row_tiles(m, TM) * TM    # rows past m or batch * seq: computed, never stored
     NCH = BN // STAGED_COLS              # staged: 64-column chunks of a tile's row
     RES_WORDS = STAGED_COLS // 8 * 2     # residual, staged: a lane's packed residual pairs of one warp chunk
-    # the epilogue's local uint32 words: 4 packed outputs (+ residual, staged: two slots of residual pairs)
-    WORD_REGS = 4 + (2 * RES_WORDS if RESIDUAL and config.staged else 0)
+    CHUNKS_OUT = HALVES * NCH            # staged: 16 x 64 chunks a consumer warp stores per tile
+    # residual, staged: slots of residual pairs (two reused, or one per chunk) after the 4 words of packed outputs
+    SLOTS = 2 if residual_ahead == "next" else CHUNKS_OUT
+    WORD_REGS = 4 + (SLOTS * RES_WORDS if RESIDUAL and config.staged else 0)
     # ``acc + (-0.0)`` (exact for every value) as a *volatile* asm per accumulator after the final
     # wgmma.wait_group: nvcc keeps volatile asm in order, so the epilogue's reads, which depend on it, cannot
     # be hoisted above the wait (the wait names no registers). Without it nvcc moved the conversions of the
@@ -559,15 +566,24 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     def store_staged(acc, out, ep, row0, col0, lane, first, buf, words, q):
         """The ``staged`` epilogue of one warp's 16 rows (module docstring): per 64-column chunk, packed pairs into
         the warp's swizzled buffer at shared address ``buf``, then 16-byte rows out. ``words``: 4 local uint32 (with
-        ``residual`` two slots of residual pairs after them: chunk ``c`` = ``q`` * chunks per row + ``cc`` adds the
-        residual in slot ``c % 2``, chunk 0's loaded by :func:`drain_and_store`, after issuing the next chunk's loads
-        into the other slot: the next 64 columns, or the first of the rows 64 further, ``q + 1``)."""
+        ``residual`` the slots of residual pairs after them: chunk ``c`` = ``q`` * chunks per row + ``cc``, of the
+        warp's ``CHUNKS_OUT`` in all, adds the residual in slot ``c % SLOTS``, chunk 0's loaded by
+        :func:`drain_and_store`, the others issued at the start of an earlier chunk, as ``residual_ahead`` says:
+        ``"next"`` chunk ``c + 1`` (into the other of two slots); ``"doubling"`` chunks ``2c`` and ``2c + 1`` (a slot
+        each), so that the loads run further ahead as the chunks already stored free their accumulators' registers
+        (at chunk 0, as for ``"next"``, only chunk 1's 16 words beside the 192 accumulators of a 128 x 192 tile))."""
         for cc in T.unroll(BN // STAGED_COLS):
-            if RESIDUAL:
+            if RESIDUAL and residual_ahead == "next":
                 if cc + 1 < NCH:
                     load_residual(ep, words, row0, col0 + (cc + 1) * STAGED_COLS, lane, (q * NCH + cc + 1) % 2)
                 elif q + 1 < HALVES:
                     load_residual(ep, words, row0 + 64, col0, lane, (q * NCH + cc + 1) % 2)
+            elif RESIDUAL:
+                for d in T.unroll(2):
+                    target: T.let = 2 * (q * NCH + cc) + d
+                    if 0 < target and target < CHUNKS_OUT:
+                        load_residual(ep, words, row0 + (target // NCH - q) * 64, col0 + target % NCH * STAGED_COLS,
+                                      lane, target)
             for j in T.unroll(STAGED_COLS // 8):
                 for h in T.unroll(2):
                     col: T.let = col0 + cc * STAGED_COLS + j * 8 + (lane % 4) * 2
@@ -575,7 +591,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                         pack_pair_fast_gelu(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, ep)
                     elif RESIDUAL:
                         pack_pair(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, ep,
-                                  words[4 + (q * NCH + cc) % 2 * RES_WORDS + j * 2 + h])
+                                  words[4 + (q * NCH + cc) % SLOTS * RES_WORDS + j * 2 + h])
                     else:
                         pack_pair(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, ep)
                     T.ptx["st.shared.b32"](buf + T.Cast("uint32", swizzled(lane // 4 + 8 * h, j) + (lane % 4) * 4),
