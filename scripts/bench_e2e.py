@@ -78,6 +78,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -143,14 +144,37 @@ def rows_to_run(models: list[str], shapes: list[tuple[int, int]],
     return found
 
 
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``NAME=JSON`` (one of ``--ours-variants``) -> (name, extra ``stof_tvm.compile`` options)."""
+    name, sep, options = text.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise argparse.ArgumentTypeError(f"variant: expected NAME=JSON (NAME of letters, digits, _ . -), got {text!r}")
+    try:
+        extra = json.loads(options)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"variant {name}: {err}") from None
+    if not isinstance(extra, dict):
+        raise argparse.ArgumentTypeError(f"variant {name}: options must be a JSON object, got {options!r}")
+    return name, extra
+
+
+def variant_stages(args) -> tuple[str, ...]:
+    """The stage label of every ``--ours-variants`` entry: ``ours:NAME``."""
+    return tuple(f"ours:{name}" for name, _ in args.ours_variants)
+
+
 def compile_options(stage: str, args) -> dict:
     """Build options of a compiled stage: ``stof_tvm.compile`` keyword arguments (besides the model, mask and
-    shape) for ours, ``e2e_tvm.build``'s target and dtype for tvm-default."""
+    shape) for ours (``--ours-options``; a variant ``ours:NAME`` adds its own on top, with ours' CUDA graph),
+    ``e2e_tvm.build``'s target and dtype for tvm-default."""
     cuda = args.target == "cuda"
     if stage == "tvm-default":
         return {"target": args.target, "dtype": args.dtype}
-    options = {"target": args.target, "dtype": args.dtype, "cuda_graph": cuda and stage == "ours"}
+    variant = stage.startswith("ours:")
+    options = {"target": args.target, "dtype": args.dtype, "cuda_graph": cuda and (stage == "ours" or variant)}
     options.update(json.loads(args.ours_options))
+    if variant:
+        options.update(dict(args.ours_variants)[stage.partition(":")[2]])
     if stage == "ours-nograph":
         options["cuda_graph"] = False
     return options
@@ -207,6 +231,9 @@ def summarise(row: dict, tolerance: float) -> dict:
             row[f"{label}_tflops"], row[f"{label}_tbps"] = achieved["tflops"], achieved["tbps"]
             row[f"{label}_compute_fraction"] = achieved["tflops"] / bl.PEAK_TFLOPS
             row[f"{label}_memory_fraction"] = achieved["tbps"] / bl.PEAK_TBPS
+    for label in [k[:-len("_ms")] for k in row if k.startswith("ours:") and k.endswith("_ms")]:
+        if ok_ms(label) is not None and ok_ms("ours") is not None:
+            row[f"{label}_vs_ours"] = row["ours_ms"] / row[f"{label}_ms"]
     if limit_ms is not None:
         for label in STAGES + ("ours-call",):
             if row.get(f"{label}_ms"):
@@ -245,6 +272,13 @@ def print_results(rows: list[dict]) -> None:
                   f"(device synchronised around each call)")
             bl.print_table(row["ours-nograph_classes"], [("class", "class", ""), ("ms", "ms/fwd", ".3f"),
                                                         ("calls", "calls", "d"), ("share", "share", ".1%")])
+    variants = [{"model": r["model"], "shape": r["shape"], "variant": k[:-len("_ms")], "ms": r[k],
+                 "vs_ours": r.get(k[:-len("_ms")] + "_vs_ours"), "ok": r.get(k[:-len("_ms")] + "_ok")}
+                for r in shown for k in r if k.startswith("ours:") and k.endswith("_ms")]
+    if variants:
+        bl.print_table(variants, [("model", "model", ""), ("shape", "B x S", ""), ("variant", "variant", ""),
+                                  ("ms", "ms", ".3f"), ("vs_ours", "ours / variant", ".3f"), ("ok", "ok", "")],
+                       title="--ours-variants (module alone, CUDA graph): ours' ms over the variant's, > 1 = faster")
     bl.print_table(shown, TABLE, title="ms per forward pass (sparse: ours, flex; dense: eager, compile, ort, "
                                        "tvm = TVM's default pipeline)\nlinears / attn: ours on templates / sparse "
                                        "kernels; 'of limit' = hardware floor / ours; of 790T / of 4.2TB: ours' "
@@ -307,6 +341,11 @@ def run_child(args, name: str, batch: int, length: int, row_path: Path, deadline
 
 
 # ------------------------------------------------------------------------------------------ compile jobs
+def artifact_dir(work_dir: Path, stage: str) -> Path:
+    """Where a compiled stage's artifact goes (``ours:NAME`` -> ``ours-NAME``)."""
+    return work_dir / stage.replace(":", "-")
+
+
 def start_compile(stage: str, onnx_path: Path, artifact: Path, mask: str, batch: int, length: int, args):
     """Compile ``onnx_path`` for ``stage`` in a background process (CPU work overlapping the torch stages)."""
     shutil.rmtree(artifact, ignore_errors=True)
@@ -481,9 +520,10 @@ def measure_row(args, row: "Row") -> None:
     row.stage("export", e2e_models.export, model32, sets[0], str(onnx_path), args.opset)
     jobs = {}
     if onnx_path.exists():
-        for stage in COMPILED:
+        for stage in COMPILED + variant_stages(args):
             if stage not in row.skip and (stage != "ours-nograph" or args.profile):
-                jobs[stage] = start_compile(stage, onnx_path, work_dir / stage, args.mask, batch, length, args)
+                jobs[stage] = start_compile(stage, onnx_path, artifact_dir(work_dir, stage), args.mask, batch,
+                                            length, args)
     row.jobs = jobs
 
     input_names = tuple(model32.input_names)
@@ -563,19 +603,19 @@ def measure_row(args, row: "Row") -> None:
         row.stage("ort", onnxruntime_stage)
 
     def load(stage):
-        report = wait_compile(jobs[stage], work_dir / stage, row.deadline)
+        report = wait_compile(jobs[stage], artifact_dir(work_dir, stage), row.deadline)
         data[f"{stage}_compile"] = report
         if stage == "tvm-default":
             import e2e_tvm
 
-            return e2e_tvm.TvmRunner(str(work_dir / stage), dev)
+            return e2e_tvm.TvmRunner(str(artifact_dir(work_dir, stage)), dev)
         from stof_tvm import runtime
 
         if report.get("coverage"):
             from stof_tvm.compiler.coverage import coverage_lines
 
             print("    " + "\n    ".join(coverage_lines(report["coverage"])), flush=True)
-        return runtime.load(str(work_dir / stage))
+        return runtime.load(str(artifact_dir(work_dir, stage)))
 
     def device_feeds(feeds):
         # torch's own allocations (aligned as TVM's DLPack import requires; from_numpy's buffers may not be)
@@ -609,7 +649,7 @@ def measure_row(args, row: "Row") -> None:
         row.check(stage, runner.run(prepared[0]), refs["dense"], args.tolerance)      # dense attention, as ONNX has it
         row.timed(stage, lambda p: runner.run(p), [(p,) for p in prepared], args)
 
-    for stage in COMPILED:
+    for stage in COMPILED + variant_stages(args):
         if stage in jobs:
             row.stage(stage, tvm_default_stage if stage == "tvm-default" else ours_stage, stage)
     for job in jobs.values():              # a compile skipped for the budget must not outlive the row
@@ -638,6 +678,9 @@ def parser() -> argparse.ArgumentParser:
                    help="also build ours without CUDA graphs, time it and break its time down by kernel class")
     p.add_argument("--ours-options", default="{}", metavar="JSON",
                    help='extra stof_tvm.compile options for ours, e.g. \'{"gemm": "mma"}\'')
+    p.add_argument("--ours-variants", nargs="*", type=parse_variant, default=[], metavar="NAME=JSON",
+                   help="more builds of ours, each with these options on top of --ours-options, compiled beside "
+                        "ours and timed as modules (CUDA graph), e.g. lean='{\"lean_padding\": true}'")
     p.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the whole run (default 540)")
     p.add_argument("--tolerance", type=float, default=2e-3, help="largest relative error that passes (default 2e-3)")
     p.add_argument("--samples", type=int, default=20, help="timed samples per variant (default 20)")

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -49,6 +50,23 @@ def test_compile_options_of_each_stage():
     assert bench_e2e.compile_options("tvm-default", args) == {"target": "cuda", "dtype": "float16"}
     args.target = "llvm"
     assert bench_e2e.compile_options("ours", args)["cuda_graph"] is False
+
+
+def test_ours_variants_add_their_options_on_top_of_ours():
+    args = bench_e2e.parser().parse_args(["--ours-options", '{"gemm": "wgmma"}', "--ours-variants",
+                                          'lean={"lean_padding": true}', 'mma={"gemm": "mma"}'])
+    args.target, args.dtype = "cuda", "float16"
+    assert bench_e2e.variant_stages(args) == ("ours:lean", "ours:mma")
+    assert bench_e2e.compile_options("ours:lean", args) == {"target": "cuda", "dtype": "float16", "cuda_graph": True,
+                                                            "gemm": "wgmma", "lean_padding": True}
+    assert bench_e2e.compile_options("ours:mma", args)["gemm"] == "mma"
+    assert bench_e2e.compile_options("ours", args)["gemm"] == "wgmma"
+    assert bench_e2e.artifact_dir(Path("w"), "ours:lean") == Path("w") / "ours-lean"
+    for bad in ("lean", "a b={}", 'x=[1]', "x={oops"):
+        with pytest.raises(SystemExit):
+            bench_e2e.parser().parse_args(["--ours-variants", bad])
+    row = bench_e2e.summarise({"ours_ms": 2.0, "ours_ok": True, "ours:lean_ms": 1.6, "ours:lean_ok": True}, 2e-3)
+    assert row["ours:lean_vs_ours"] == pytest.approx(1.25)
 
 
 def test_summarise_counts_only_checked_baselines():
