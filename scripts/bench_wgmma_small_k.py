@@ -102,6 +102,18 @@ k 768), the compile path's pick (the exp2 tail polynomial) against its ``gelu_fo
 tanh.approx.f16x2: :mod:`stof_tvm.schedules.templates.fast_gelu`) and its GELU-less twin (``gemm_bias_wgmma``,
 the same tiles), at 32768 rows also the 256 x 192 cooperative set with and without ``gelu_form="tanh"`` and the pick
 with ``bias_fence`` (the bias added by the accumulators' ordering fence), with and without tanh, timed as in s11big; ``--plan s12gelu``, ``out/s12gelu`` carried.
+
+``--plan s13small`` (issue 17; default folder ``out/s13small``, 20 modules): HF GPT-2's four GEMMs at 1 x 128 tokens
+(128 rows, fp16, the compile path's forms: ``qkv_projection_wgmma`` 128 x 2304 x 768, ``gemm_bias_wgmma`` attention
+output 128 x 768 x 768 and FFN down 128 x 768 x 3072, ``gemm_bias_gelu_tanh_wgmma`` 128 x 3072 x 768), whose picks
+(split-K 128 x 128 tiles, cp.async) launch 72, 24, 96 and 48 blocks for the 132 SMs, so the weights stream at the
+bandwidth of the few SMs used; and the attention output and FFN down at 1 x 512 (96 blocks, the split-K limit). Per case
+the pick against at most 3 sets that launch >= 132 blocks or split k further (:data:`S13_CANDIDATES`): wgmma split-K
+sets the knob space leaves out (2- or 1-step k slices, non-portable clusters of 12 and 16, more than 96 blocks) and
+the mma.sync twin (weight [k, n], GPT-2's Conv1D layout) at 128 x 16, 64 x 32, 32 x 64, 32 x 16 or 16 x 32 tiles
+(144-288 blocks); checked against torch float32, outputs in a poisoned buffer :data:`GUARD_ROWS` rows longer, split-K
+bitwise deterministic, timed as in s11big (bursts, sustained, one call at a time); the same two-process command with
+``--plan s13small`` and ``out/s13small`` carried.
 """
 from __future__ import annotations
 
@@ -238,14 +250,62 @@ S12_CASES = [case for rows in (32768, 4096) for case in (
     ("gemm_bias_gelu_erf_wgmma", {"m": rows, "n": 3072, "k": 768}),
     ("gemm_bias_gelu_tanh_wgmma", {"m": rows, "n": 3072, "k": 768}),
     ("gemm_bias_wgmma", {"m": rows, "n": 3072, "k": 768}))]
-BIG_PLANS = ("s11big", "s11large", "s12gelu")   # the plans whose sets are timed sustained and one call at a time too
+# --plan s13small: HF GPT-2's four GEMMs at 1 x 128 tokens (128 rows; the compile path's forms, checked with
+# scripts/count_launches.py --rows gpt2:1x128: QKV into [3, B, H, S, D], attention output and FFN down with their bias
+# in the GEMM, FFN up + tanh GELU; Conv1D weights transposed to [n, k] at compile time), whose picks (the knob spaces'
+# first sets: split-K, 128 x 128 tiles, cp.async) launch 72, 24, 96 and 48 blocks for the 132 SMs; and the attention
+# output and FFN down at 1 x 512 (picks at the 96-block split-K limit). Per case the sets timed beside the pick: wgmma
+# split-K sets the knob space leaves out (2-step or 1-step k slices at k = 768, non-portable clusters of 12 / 16 at
+# k = 3072, more than 96 blocks), and the mma.sync twin (weight [k, n], as the Conv1D layout is) at tiles that launch
+# >= 132 blocks: all 128 rows a block with 16 columns (the weight streamed once, A re-read from L2), 64 x 32, or the
+# model's best-ranked mma.sync set of >= 132 blocks (QKV 32 x 32, FFN up 32 x 64, FFN down 16 x 32; at the attention
+# output 32 x 16, the model's 16 x 16 pick being what session 9 measured slower at RoBERTa's 128 rows). Split-K sets
+# are cooperative, one 128-row tile per block, cp.async (1.00-1.06x faster than TMA there, session 9).
+_S13_SPLIT = {"block_n": 128, "persistent": False, "pingpong": False, "loads": "cp.async"}
+
+
+def _s13_mma(warps_m, frag_m, warps_n, frag_n, stages=4):
+    """An mma.sync knob set of the twin template: tile 16 * warps * frag a side, block_k 64, 8-wide epilogue."""
+    return {"mma": {"warps_m": warps_m, "frag_m": frag_m, "warps_n": warps_n, "frag_n": frag_n, "k_frags": 4,
+                    "stages": stages, "vec": 8}}
+
+
+S13_CASES = [
+    ("qkv_projection_wgmma", {"batch": 1, "seq": 128, "heads": 12, "head_dim": 64}),   # 128 x 2304 x 768
+    ("gemm_bias_wgmma", {"m": 128, "n": 768, "k": 768}),                               # attention output
+    ("gemm_bias_gelu_tanh_wgmma", {"m": 128, "n": 3072, "k": 768}),                    # FFN up + tanh GELU
+    ("gemm_bias_wgmma", {"m": 128, "n": 768, "k": 3072}),                              # FFN down
+    ("gemm_bias_wgmma", {"m": 512, "n": 768, "k": 768}),
+    ("gemm_bias_wgmma", {"m": 512, "n": 768, "k": 3072})]
+# ... per (template, m, n, k) the sets beside the pick, as (what it is, knobs); blocks launched in the comments
+S13_CANDIDATES = {
+    # pick: 128 x 128 split 4 (3 k steps a block), 72 blocks; 2 steps in clusters of 6 (108 blocks) measured 1.6x
+    # slower at RoBERTa's same shape (session 9), so only mma.sync here: 144, 144, 288 blocks
+    ("qkv_projection_wgmma", 128, 2304, 768): [_s13_mma(4, 2, 1, 1), _s13_mma(2, 2, 1, 2), _s13_mma(1, 2, 1, 2)],
+    # pick: split 4, 24 blocks; split 6 (2 steps, 36 blocks), split 12 (1 step, 72 blocks, non-portable clusters),
+    # mma.sync 32 x 16 (192 blocks)
+    ("gemm_bias_wgmma", 128, 768, 768): [dict(_S13_SPLIT, stages=2, split_k=6), dict(_S13_SPLIT, stages=2, split_k=12),
+                                         _s13_mma(2, 1, 1, 1)],
+    # pick: split 4, 96 blocks; split 6 (2 steps, 144 blocks), mma.sync 128 x 16 and 32 x 64 (192 blocks each)
+    ("gemm_bias_gelu_tanh_wgmma", 128, 3072, 768): [dict(_S13_SPLIT, stages=2, split_k=6), _s13_mma(4, 2, 1, 1),
+                                                    _s13_mma(1, 2, 2, 2)],
+    # pick: split 8 (6 steps), 48 blocks; split 12 (4 steps, 72 blocks) and 16 (3 steps, 96 blocks) in non-portable
+    # clusters, mma.sync 16 x 32 (192 blocks, the whole k a block)
+    ("gemm_bias_wgmma", 128, 768, 3072): [dict(_S13_SPLIT, stages=4, split_k=12),
+                                          dict(_S13_SPLIT, stages=3, split_k=16), _s13_mma(1, 1, 2, 1, stages=3)],
+    # 512 rows, picks split 4 at 96 blocks: split 6 at 144 (past one wave of clusters of 6)
+    ("gemm_bias_wgmma", 512, 768, 768): [dict(_S13_SPLIT, stages=2, split_k=6)],
+    ("gemm_bias_wgmma", 512, 768, 3072): [dict(_S13_SPLIT, stages=4, split_k=6)],
+}
+S13_MAX_MODULES = 20   # the build stays under ~10 minutes on a 2-core CPU
+BIG_PLANS = ("s11big", "s11large", "s12gelu", "s13small")   # sets timed sustained and one call at a time too
 SUSTAINED_MS = 50.0   # BIG_PLANS: each sustained sample this long (back-to-back calls, as in a whole forward)
 PROFILED_CALLS = 50   # BIG_PLANS: calls timed one by one between device synchronisations (as --profile does)
 PLANS = {"small_k": (CASES, OUT), "s8tma": (TMA_CASES, ROOT / "out" / "s8gemm_tma"),
          "s9splitk": (SPLITK_CASES, ROOT / "out" / "s9splitk"), "s9wide": (WIDE_CASES, ROOT / "out" / "s9wide"),
          "s10gemm": (S10_CASES, ROOT / "out" / "s10gemm"), "s10ragged": (RAGGED_CASES, ROOT / "out" / "s10ragged"),
          "s11big": (BIG_CASES, ROOT / "out" / "s11big"), "s11large": (LARGE_CASES, ROOT / "out" / "s11large"),
-         "s12gelu": (S12_CASES, ROOT / "out" / "s12gelu")}
+         "s12gelu": (S12_CASES, ROOT / "out" / "s12gelu"), "s13small": (S13_CASES, ROOT / "out" / "s13small")}
 # --plan s9splitk: the compile path's wgmma knobs before split-K and the knob order by wave efficiency (commit
 # 098a891; GEMMs with fewer than WGMMA_MIN_TILES 128 x 128 tiles ran the mma.sync template the model ranks first)
 HEAD_WGMMA = {"block_n": 192, "stages": 3, "persistent": True, "pingpong": False, "block_m": 256, "staged": True}
@@ -395,6 +455,14 @@ def gelu_knob_sets(name, shape, space) -> list[dict]:
     return [{key: v for key, v in pick.items() if key != "fast_gelu"}]
 
 
+def small_rows_knob_sets(name, shape, space) -> list[dict]:
+    """``--plan s13small``: the knob space's first set (the compile path's untuned pick), then the case's
+    :data:`S13_CANDIDATES` (wgmma split-K sets, or mma.sync twin sets as ``{"mma": knobs}``); each set once."""
+    m, n, k = gemm_dims(name, shape)
+    sets = [space[0]] + [dict(kn) for kn in S13_CANDIDATES[name, m, n, k]]
+    return [kn for i, kn in enumerate(sets) if kn not in sets[:i]]
+
+
 def mma_twin(name: str) -> str:
     """The mma.sync template (weight [k, n]) the compile path runs where a GEMM stays off wgmma."""
     return "qkv_projection_kn" if name == "qkv_projection_wgmma" else name.removesuffix("_wgmma") + "_kn"
@@ -462,6 +530,7 @@ def build(args) -> None:
                   "s11big": lambda sp: big_knob_sets(name, sp, BIG_CANDIDATES[m, n, k]),
                   "s11large": lambda sp: big_knob_sets(name, sp, LARGE_CANDIDATES[name, m, n, k]),
                   "s12gelu": lambda sp: gelu_knob_sets(name, shape, sp),
+                  "s13small": lambda sp: small_rows_knob_sets(name, shape, sp),
                   }.get(args.plan, choose_knobs)(space)
         for knobs in chosen:
             key = f"{ckey}__{knob_tag(knobs)}"
@@ -953,7 +1022,8 @@ def main(argv=None) -> None:
                             "s10gemm: the tile schedules at the 4096-row GEMMs; s10ragged: GEMMs of any m; "
                             "s11big: the 32768-row GEMMs and ViT-Base's at 1576 / 6304 rows; "
                             "s11large: BERT-large's 4096-row GEMMs, GPT-2's tanh GELU; "
-                            "s12gelu: the GELU GEMM's epilogue forms (gelu_form)")
+                            "s12gelu: the GELU GEMM's epilogue forms (gelu_form); "
+                            "s13small: GPT-2's GEMMs at 128 / 512 rows, sets that fill the SMs")
         p.add_argument("--out", type=Path, default=None,
                        help="artifact folder (default out/wgmma_small_k, --plan s8tma: out/s8gemm_tma)")
     args = parser.parse_args(argv)

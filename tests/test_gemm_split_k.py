@@ -206,3 +206,36 @@ def test_tma_loads_by_default_except_the_qkv_256_row_tiles_and_split_k(name, sha
     for kn in t.knob_space(shape, "float16"):
         tall_qkv = name == "qkv_projection_wgmma" and kn.get("block_m", 128) == 256 and not kn["pingpong"]
         assert kn["loads"] == ("cp.async" if tall_qkv or "split_k" in kn else "tma"), kn
+
+
+def test_small_k_plan_s13small_times_each_pick_against_sets_that_fill_the_sms():
+    """``bench_wgmma_small_k --plan s13small``: GPT-2's GEMMs at 128 rows (and two at 512), per case the knob space's
+    first set (the compile path's pick: 72, 24, 96 and 48 blocks at 128 rows), then at most 3 valid sets the space
+    does not offer, each launching >= 132 blocks or splitting k further than the pick; 20 modules at most."""
+    from test_gemm_tma import _bench_module
+
+    bench = _bench_module()
+    total, picks = 0, []
+    for name, shape in bench.S13_CASES:
+        t = get_template(name)
+        space = t.knob_space(shape, "float16")
+        m, n, k = t.gemm_dims(shape)
+        sets = bench.small_rows_knob_sets(name, shape, space)
+        assert sets[0] == space[0] and 2 <= len(sets) <= 4
+        assert len({bench.knob_tag(kn) for kn in sets}) == len(sets)
+        pick_blocks = _blocks(t, shape, sets[0])
+        if m == 128:
+            picks.append(pick_blocks)
+        for kn in sets[1:]:
+            if "mma" in kn:
+                twin = get_template(bench.mma_twin(name))
+                assert kn["mma"] in twin.knob_space(shape, "float16")
+                assert twin.resources(shape, "float16", kn["mma"])["grid"] >= H200.sm_count
+                continue
+            config = t.config(kn)
+            assert kn not in space and config.split_k > sets[0].get("split_k", 1)
+            assert (k // BLOCK_K) % config.split_k == 0
+            assert _blocks(t, shape, kn) > pick_blocks
+        total += len(sets)
+    assert picks == [72, 24, 96, 48]
+    assert total <= bench.S13_MAX_MODULES
