@@ -514,17 +514,22 @@ def rank_attention(problem: AttentionProblem, hw: HardwareProfile = H200, cal: C
     ranked = [RankedCandidate(c, predict(attention_work(problem, c, cal), hw, cal)) for c in candidates]
     if not keep_infeasible:
         ranked = [r for r in ranked if r.prediction.feasible]
-    ranked.sort(key=_rank_key)
+    ranked.sort(key=lambda r: _rank_key(r, problem.padding))
     return ranked
 
 
-def _rank_key(ranked: RankedCandidate) -> tuple:
+def _rank_key(ranked: RankedCandidate, padded: bool = False) -> tuple:
     """Fastest predicted first. Where a shared bandwidth bound gives candidates the same time (sparse masks at
     32-row tiles: the L2 or DRAM term), the smaller SM term goes first, then more co-resident warps (latency the
     model's issue rate does not see; session 9 on the H200: 10 one-warp blocks an SM ran BigBird 0.240 ms, 10
-    two-warp ones 0.196)."""
+    two-warp ones 0.196). With a model's key padding (``padded``) the co-resident warps go before the SM term, which
+    comes from a register estimate above what ptxas uses for two-warp tiles (116 vs 96: 8 resident blocks priced
+    instead of 10): session 11 (call 7, s11gpt2) on GPT-2's BigBird AND causal mask with key padding, B16 H12 S2048
+    D64, measured 32x32 two-warp tiles 0.064 ms against the one-warp tiles the SM term ranked first, 0.075."""
     terms = ranked.prediction.terms
-    return ranked.time_s, terms.get("sm_s", 0.0), -terms.get("resident", 0) * terms.get("threads", 0) / 32
+    sm = terms.get("sm_s", 0.0)
+    warps = -terms.get("resident", 0) * terms.get("threads", 0) / 32
+    return (ranked.time_s, warps, sm) if padded else (ranked.time_s, sm, warps)
 
 
 def choose_attention(problem: AttentionProblem, hw: HardwareProfile = H200,
