@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 
 import stof_tvm  # noqa: E402
 from stof_tvm import make_mask  # noqa: E402
+from stof_tvm.compiler import front_end  # noqa: E402
 from stof_tvm.models.reference import reference_outputs  # noqa: E402
 from stof_tvm.models.torch_models import example_inputs, export  # noqa: E402
 
@@ -36,11 +37,14 @@ def test_exported_model_matches_reference(name, kernel, causal):
 
 
 def test_lean_padding_option_reaches_the_block_kernel():
-    """``lean_padding=True`` (opt-in) sets ``BlockConfig.lean_padding`` on the block-wise kernel that applies the
-    model's key padding (the CUDA form; the CPU loop nest is the same), and the model still matches."""
+    """``lean_padding`` (default on) sets ``BlockConfig.lean_padding`` on the block-wise kernel that applies the
+    model's key padding (the CUDA form; the CPU loop nest is the same), ``False`` leaves it off, and the model
+    still matches."""
     model = export("tiny-bert", seq_len=S)
-    art = stof_tvm.compile(model, mask="bigbird", batch=2, seq_len=S, target="llvm", dtype="float16", kernel="block",
-                           lean_padding=True)
+    older = front_end(model, mask="bigbird", batch=2, seq_len=S, target="llvm", dtype="float16",
+                      kernel="block", lean_padding=False).choice
+    assert older.kind == "block" and not older.config["lean_padding"] and "lean_padding" not in older.reason
+    art = stof_tvm.compile(model, mask="bigbird", batch=2, seq_len=S, target="llvm", dtype="float16", kernel="block")
     kernel = art.manifest["attention"]["kernel"]
     assert kernel["kind"] == "block" and kernel["config"]["lean_padding"] is True, kernel
     feeds = {k: v.numpy() for k, v in example_inputs("tiny-bert", 2, S, seed=3).items()}
