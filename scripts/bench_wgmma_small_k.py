@@ -437,7 +437,8 @@ def big_knob_sets(name, space, candidates) -> list[dict]:
 
 
 def gelu_knob_sets(name, shape, space) -> list[dict]:
-    """``--plan s12gelu``: a GELU template's first set (the compile path's pick) and its :data:`S12_FORMS` twins (at
+    """``--plan s12gelu``: a GELU template's first set in its tail form (the compile path's pick when session 13
+    measured it; the tanh GELU's pick has ``gelu_form="tanh"`` since) and its :data:`S12_FORMS` twins (at
     :data:`S12_COOP_ROWS` also the cooperative :data:`S12_COOP` set and its ``tanh`` twin, and the pick with
     ``bias_fence``, tail and tanh);
     for ``gemm_bias_wgmma`` the erf-GELU template's first set at the same shape without ``fast_gelu`` (the pick's
@@ -445,11 +446,12 @@ def gelu_knob_sets(name, shape, space) -> list[dict]:
     from stof_tvm.schedules.templates import get_template
 
     if "gelu" in name:
-        sets = [space[0]] + [dict(space[0], gelu_form=form) for form in S12_FORMS]
+        tail = [{key: v for key, v in kn.items() if key != "gelu_form"} for kn in space]
+        sets = [tail[0]] + [dict(tail[0], gelu_form=form) for form in S12_FORMS]
         if shape["m"] == S12_COOP_ROWS:   # the cooperative set, whose epilogue no other consumer's MMAs hide
-            coop = next(kn for kn in space if kn == dict(kn, **S12_COOP))
+            coop = next(kn for kn in tail if kn == dict(kn, **S12_COOP))
             sets += [coop, dict(coop, gelu_form="tanh")]
-            sets += [dict(space[0], bias_fence=True), dict(space[0], gelu_form="tanh", bias_fence=True)]
+            sets += [dict(tail[0], bias_fence=True), dict(tail[0], gelu_form="tanh", bias_fence=True)]
         return sets
     pick = get_template("gemm_bias_gelu_erf_wgmma").knob_space(shape, DTYPE)[0]
     return [{key: v for key, v in pick.items() if key != "fast_gelu"}]
