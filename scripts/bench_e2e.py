@@ -163,6 +163,12 @@ def variant_stages(args) -> tuple[str, ...]:
     return tuple(f"ours:{name}" for name, _ in args.ours_variants)
 
 
+def variant_labels(row: dict) -> list[str]:
+    """The ``ours:NAME`` stages a row timed (``<label>_ms``; not the wall-clock cross-checks ``<label>_wall_ms``)."""
+    return [key[:-len("_ms")] for key in row
+            if key.startswith("ours:") and key.endswith("_ms") and not key.endswith("_wall_ms")]
+
+
 def compile_options(stage: str, args) -> dict:
     """Build options of a compiled stage: ``stof_tvm.compile`` keyword arguments (besides the model, mask and
     shape) for ours (``--ours-options``; a variant ``ours:NAME`` adds its own on top, with ours' CUDA graph),
@@ -231,7 +237,7 @@ def summarise(row: dict, tolerance: float) -> dict:
             row[f"{label}_tflops"], row[f"{label}_tbps"] = achieved["tflops"], achieved["tbps"]
             row[f"{label}_compute_fraction"] = achieved["tflops"] / bl.PEAK_TFLOPS
             row[f"{label}_memory_fraction"] = achieved["tbps"] / bl.PEAK_TBPS
-    for label in [k[:-len("_ms")] for k in row if k.startswith("ours:") and k.endswith("_ms")]:
+    for label in variant_labels(row):
         if ok_ms(label) is not None and ok_ms("ours") is not None:
             row[f"{label}_vs_ours"] = row["ours_ms"] / row[f"{label}_ms"]
     if limit_ms is not None:
@@ -272,9 +278,9 @@ def print_results(rows: list[dict]) -> None:
                   f"(device synchronised around each call)")
             bl.print_table(row["ours-nograph_classes"], [("class", "class", ""), ("ms", "ms/fwd", ".3f"),
                                                         ("calls", "calls", "d"), ("share", "share", ".1%")])
-    variants = [{"model": r["model"], "shape": r["shape"], "variant": k[:-len("_ms")], "ms": r[k],
-                 "vs_ours": r.get(k[:-len("_ms")] + "_vs_ours"), "ok": r.get(k[:-len("_ms")] + "_ok")}
-                for r in shown for k in r if k.startswith("ours:") and k.endswith("_ms")]
+    variants = [{"model": r["model"], "shape": r["shape"], "variant": label, "ms": r[f"{label}_ms"],
+                 "vs_ours": r.get(f"{label}_vs_ours"), "ok": r.get(f"{label}_ok")}
+                for r in shown for label in variant_labels(r)]
     if variants:
         bl.print_table(variants, [("model", "model", ""), ("shape", "B x S", ""), ("variant", "variant", ""),
                                   ("ms", "ms", ".3f"), ("vs_ours", "ours / variant", ".3f"), ("ok", "ok", "")],
@@ -680,7 +686,7 @@ def parser() -> argparse.ArgumentParser:
                    help='extra stof_tvm.compile options for ours, e.g. \'{"gemm": "mma"}\'')
     p.add_argument("--ours-variants", nargs="*", type=parse_variant, default=[], metavar="NAME=JSON",
                    help="more builds of ours, each with these options on top of --ours-options, compiled beside "
-                        "ours and timed as modules (CUDA graph), e.g. lean='{\"lean_padding\": true}'")
+                        "ours and timed as modules (CUDA graph), e.g. older='{\"lean_padding\": false}'")
     p.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the whole run (default 540)")
     p.add_argument("--tolerance", type=float, default=2e-3, help="largest relative error that passes (default 2e-3)")
     p.add_argument("--samples", type=int, default=20, help="timed samples per variant (default 20)")
