@@ -98,10 +98,10 @@ GPT-2's tanh-GELU GEMM at 32768 and 4096 rows (:data:`LARGE_CANDIDATES`), and th
 knob order changed unmeasured, the new first set against the older one; ``--plan s11large``, ``out/s11large`` carried.
 
 ``--plan s12gelu`` (default folder ``out/s12gelu``): the FFN-up GEMM + erf / tanh GELU at 32768 and 4096 rows (n 3072,
-k 768), the compile path's pick (the exp2 tail polynomial) against its ``gelu_form`` twins (tanh.approx.f32,
-tanh.approx.f16x2: :mod:`stof_tvm.schedules.templates.fast_gelu`) and its GELU-less twin (``gemm_bias_wgmma``,
-the same tiles), at 32768 rows also the 256 x 192 cooperative set with and without ``gelu_form="tanh"`` and the pick
-with ``bias_fence`` (the bias added by the accumulators' ordering fence), with and without tanh, timed as in s11big; ``--plan s12gelu``, ``out/s12gelu`` carried.
+k 768), the pick in its exp2 tail form against its ``gelu_form="tanh"`` twin (tanh.approx.f32:
+:mod:`stof_tvm.schedules.templates.fast_gelu`) and its GELU-less twin (``gemm_bias_wgmma``, the same tiles), at 32768
+rows also the 256 x 192 cooperative set with and without ``gelu_form="tanh"``, timed as in s11big; ``--plan s12gelu``,
+``out/s12gelu`` carried.
 
 ``--plan s13small`` (issue 17; default folder ``out/s13small``, 20 modules): HF GPT-2's four GEMMs at 1 x 128 tokens
 (128 rows, fp16, the compile path's forms: ``qkv_projection_wgmma`` 128 x 2304 x 768, ``gemm_bias_wgmma`` attention
@@ -239,10 +239,8 @@ LARGE_CANDIDATES = {
     ("gemm_bias_gelu_erf_wgmma", 512, 3072, 768): [(128, 128, 4, _COOP, "tma", 1)],
 }
 # --plan s12gelu: the FFN-up GEMM + GELU (n 3072, k 768) at 16 x 2048 and 8 x 512 tokens, erf (RoBERTa) and tanh
-# (GPT-2): the knob space's first set (the compile path's pick, epilogue from the exp2 tail polynomial) against its
-# GELU_FORMS twins (tanh.approx.f32, tanh.approx.f16x2), and at each row count the pick's GELU-less twin
-# (gemm_bias_wgmma with the same tiles: what the epilogue's GELU costs)
-S12_FORMS = ("tanh", "tanh_h2")
+# (GPT-2): the knob space's first set in its exp2 tail form against its gelu_form="tanh" twin (tanh.approx.f32), and
+# at each row count the pick's GELU-less twin (gemm_bias_wgmma with the same tiles: what the epilogue's GELU costs)
 S12_COOP_ROWS = 32768   # ... and there the 256 x 192 cooperative set (s11large's runner-up for the tanh GELU) with both
 S12_COOP = {"block_m": 256, "block_n": 192, "stages": 3, "pingpong": False, "persistent": True, "staged": True,
             "fast_gelu": True, "loads": "tma"}
@@ -346,7 +344,7 @@ def knob_tag(knobs) -> str:
             f"{'_st' if knobs.get('staged') else ''}{'_fast' if knobs.get('fast_gelu') else ''}"
             f"{'_k' + str(knobs['split_k']) if knobs.get('split_k', 1) > 1 else ''}"
             f"{'_' + knobs['loads'].replace('.', '') if 'loads' in knobs else ''}"
-            f"{'_' + knobs['gelu_form'] if 'gelu_form' in knobs else ''}{'_bf' if knobs.get('bias_fence') else ''}")
+            f"{'_' + knobs['gelu_form'] if 'gelu_form' in knobs else ''}")
 
 
 def splitk_knob_sets(name, shape, space) -> list[dict]:
@@ -438,20 +436,18 @@ def big_knob_sets(name, space, candidates) -> list[dict]:
 
 def gelu_knob_sets(name, shape, space) -> list[dict]:
     """``--plan s12gelu``: a GELU template's first set in its tail form (the compile path's pick when session 13
-    measured it; the tanh GELU's pick has ``gelu_form="tanh"`` since) and its :data:`S12_FORMS` twins (at
-    :data:`S12_COOP_ROWS` also the cooperative :data:`S12_COOP` set and its ``tanh`` twin, and the pick with
-    ``bias_fence``, tail and tanh);
+    measured it; the tanh GELU's pick has ``gelu_form="tanh"`` since) and its ``tanh`` twin (at
+    :data:`S12_COOP_ROWS` also the cooperative :data:`S12_COOP` set and its ``tanh`` twin);
     for ``gemm_bias_wgmma`` the erf-GELU template's first set at the same shape without ``fast_gelu`` (the pick's
     GELU-less twin)."""
     from stof_tvm.schedules.templates import get_template
 
     if "gelu" in name:
         tail = [{key: v for key, v in kn.items() if key != "gelu_form"} for kn in space]
-        sets = [tail[0]] + [dict(tail[0], gelu_form=form) for form in S12_FORMS]
+        sets = [tail[0], dict(tail[0], gelu_form="tanh")]
         if shape["m"] == S12_COOP_ROWS:   # the cooperative set, whose epilogue no other consumer's MMAs hide
             coop = next(kn for kn in tail if kn == dict(kn, **S12_COOP))
             sets += [coop, dict(coop, gelu_form="tanh")]
-            sets += [dict(tail[0], bias_fence=True), dict(tail[0], gelu_form="tanh", bias_fence=True)]
         return sets
     pick = get_template("gemm_bias_gelu_erf_wgmma").knob_space(shape, DTYPE)[0]
     return [{key: v for key, v in pick.items() if key != "fast_gelu"}]

@@ -60,21 +60,19 @@ def gelu_from_tail(y, t, tail):
     return tirx.max(y, tirx.const(0.0, "float32")) - t * tail
 
 
-# ---- the opt-in ``gelu_form`` of the wgmma epilogue: GELU from one tanh -------------------------------------------
+# ---- the ``gelu_form`` "tanh" of the wgmma epilogue: GELU from one tanh -------------------------------------------
 #
 # ``GELU(y) = 0.5 y (1 + tanh(u(y)))``; for the tanh GELU ``u`` is its own argument sqrt(2/pi) (y + 0.044715 y^3), for
 # the erf GELU ``u = y (c1 + c3 s + c5 s^2)`` with ``s = min(y^2, ERF_TANH_CLAMP)``, fitted (minimax, Nelder-Mead on the
 # output error) so that ``0.5 y (tanh(u) - erf(y / sqrt 2))`` stays within 2.6e-5 in absolute value for every y; the
 # clamp keeps u growing past y = 8 (the fit's c5 < 0 would turn it round near 8.3), where tanh(u) is 1 in float32.
-# Forms (per output 8 instructions instead of 10 for erf, 6 instead of 13 for tanh, MUFU included; shorter chains):
-#   "tanh"    tanh.approx.f32 (MUFU.TANH, relative error up to 2^-11: about fp16's rounding, so the output's error
-#             can reach twice the rounding's), 0.5 y + 0.5 y t in float32;
-#   "tanh_h2" u of two outputs packed to f16x2, one tanh.approx.f16x2 for both, then y16 * (0.5 + 0.5 t) in f16x2
-#             (three float16 roundings); ptxas for sm_90a issues it as two MUFU.TANH.F16 and a PRMT, so it saves no
-#             MUFU op and, with the packs, no instruction over "tanh";
-# (A third, 1 / (1 + 2^(-2 u log2 e)) from ex2.approx and rcp.approx, near float32-exact, spilled 32-72 bytes in the
-# 128 x 192 ping-pong kernel and was dropped.)
-GELU_FORMS = ("tail", "tanh", "tanh_h2")
+# "tanh" (per output 8 instructions instead of 10 for erf, 6 instead of 13 for tanh, MUFU included; shorter chains):
+# tanh.approx.f32 (MUFU.TANH, relative error up to 2^-11: about fp16's rounding, so the output's error can reach twice
+# the rounding's), 0.5 y + 0.5 y t in float32. (Two other forms were dropped: a pair's u through one
+# tanh.approx.f16x2, which ptxas for sm_90a splits into two MUFU.TANH.F16 and a PRMT, measured no faster on the H200;
+# 1 / (1 + 2^(-2 u log2 e)) from ex2.approx and rcp.approx, near float32-exact, spilled 32-72 bytes in the 128 x 192
+# ping-pong kernel.)
+GELU_FORMS = ("tail", "tanh")
 ERF_TANH_ARGUMENT = (7.97507884e-01, 3.70056461e-02, -3.51516793e-04)   # c1, c3, c5
 ERF_TANH_CLAMP = 64.0
 TANH_GELU_ARGUMENT = (0.7978845608028654, 0.7978845608028654 * 0.044715)

@@ -1,7 +1,6 @@
 """Opt-in Hopper templates: the GEMM (+ bias) (+ activation) family on ``wgmma`` (sm_90a).
 
-Names: ``gemm_wgmma``, ``gemm_bias_wgmma``, ``gemm_bias_<act>_wgmma`` (act in relu, gelu_erf, gelu_tanh), and
-``gemm_bias_residual_wgmma`` (a residual [m, n] added in the epilogue: :class:`WgmmaGemmResidualTemplate`); the
+Names: ``gemm_wgmma``, ``gemm_bias_wgmma``, ``gemm_bias_<act>_wgmma`` (act in relu, gelu_erf, gelu_tanh); the
 weight is [n, k] (``torch.nn.Linear``) only. Same parameters, semantics and float64 reference as the
 mma.sync ``gemm*`` templates of :mod:`.gemm`, so they are drop-in alternatives on sm_90a.
 
@@ -60,13 +59,11 @@ outputs (:meth:`WgmmaKernelMixin._wave_lead`).
 """
 from __future__ import annotations
 
-import numpy as np
 import tvm
-from tvm import te
 
 from .epilogue import ACTIVATIONS
 from .fast_gelu import FAST_GELU_ACTIVATIONS
-from .gemm import GemmTemplate, gemm_compute
+from .gemm import GemmTemplate
 from .qkv import QKVTemplate
 from .registry import H200, Hardware, Template, register
 from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_M_CHOICES, BLOCK_N_CHOICES, CONSUMER_REGS, LAUNCH_REGISTERS,
@@ -216,8 +213,7 @@ class WgmmaKernelMixin:
                              persistent=knobs.get("persistent", True), pingpong=knobs.get("pingpong", False),
                              block_m=knobs.get("block_m", BLOCK_M), staged=knobs.get("staged", False),
                              fast_gelu=knobs.get("fast_gelu", False), gelu_form=knobs.get("gelu_form", "tail"),
-                             loads=knobs.get("loads", "cp.async"), split_k=knobs.get("split_k", 1),
-                             bias_fence=knobs.get("bias_fence", False))
+                             loads=knobs.get("loads", "cp.async"), split_k=knobs.get("split_k", 1))
         config.validate()
         return config
 
@@ -475,50 +471,9 @@ class WgmmaQKVTemplate(WgmmaKernelMixin, QKVTemplate):
         return "cp.async" if tall else super().default_loads(knobs)
 
 
-class WgmmaGemmResidualTemplate(WgmmaGemmTemplate):
-    """``gemm_bias_residual_wgmma``: ``out = A @ W^T + bias + residual``, the residual ([m, n], the input dtype) added
-    in float32 in the epilogue before the rounding (:func:`.wgmma_kernel.wgmma_gemm_primfunc`, ``residual``). In a
-    post-LN model (BERT, RoBERTa) the attention-output and FFN-down GEMMs feed ``LayerNorm(y + bias + residual)``:
-    with the residual added here the LayerNorm after it (the ``layernorm`` template) reads one [m, n] tensor instead of
-    two (``bias_residual_layernorm``), and the residual's read moves into the GEMM, under the other consumer's main
-    loop in the ping-pong sets. Knob space, order and resources: those of ``gemm_bias_wgmma`` (the cost model counts
-    the residual among the arguments' bytes). ``residual_ahead``: how far ahead the staged epilogue loads the
-    residual (:func:`.wgmma_kernel.wgmma_gemm_primfunc`); the registered template's is ``"next"``, the other form is
-    built by benchmarks from this class."""
-
-    def __init__(self, residual_ahead: str = "next"):
-        super().__init__(bias=True, act="none")
-        self.name = "gemm_bias_residual_wgmma"
-        self.description = "out = A @ W^T + bias + residual (wgmma, sm_90a)"
-        self.residual_ahead = residual_ahead
-
-    def arguments(self, shape, dtype="float16"):
-        args = super().arguments(shape, dtype)
-        return args[:-1] + [("residual", (shape["m"], shape["n"]), dtype), args[-1]]
-
-    def _primfunc(self, shape, dtype):
-        m, n, k = shape["m"], shape["n"], shape["k"]
-        A = te.placeholder((m, k), dtype, name="A")
-        W = te.placeholder((n, k), dtype, name="W")
-        bias = te.placeholder((n,), dtype, name="bias")
-        residual = te.placeholder((m, n), dtype, name="residual")
-        acc = gemm_compute(A, W, "nk")
-        out = te.compute((m, n), lambda i, j: (acc[i, j] + bias[j].astype("float32")
-                                               + residual[i, j].astype("float32")).astype(dtype), name="out")
-        return te.create_prim_func([A, W, bias, residual, out])
-
-    def reference(self, shape, inputs):
-        (y,) = super().reference(shape, inputs)
-        return [y + np.asarray(inputs["residual"], np.float64)]
-
-    def kernel_options(self, shape):
-        return {"bias": True, "act": "none", "residual": True, "residual_ahead": self.residual_ahead}
-
-
 register(WgmmaGemmTemplate(bias=False, act="none"))
 for _act in ACTIVATIONS:
     register(WgmmaGemmTemplate(bias=True, act=_act))
-register(WgmmaGemmResidualTemplate())
 register(WgmmaQKVTemplate())
 
 

@@ -67,11 +67,8 @@ A third, ``fast_gelu`` (GELU activations with ``staged`` only): the staged epilo
 (:mod:`.fast_gelu`: 7 FMAs for erf, 10 for tanh) instead of CUDA's ``erff`` / ``tanhf``: about half the epilogue's
 instructions, within 1e-5 (erf) / 3e-5 (tanh) relative of the float64 GELU. Its ``gelu_form`` (``"tail"`` by default,
 the above byte for byte) ``"tanh"`` takes ``0.5 y (1 + tanh(u))`` from one ``tanh.approx.f32`` instead (6 instead of 13
-CUDA-core instructions per output for the tanh GELU, 8 instead of 10 for erf with a fitted argument), ``"tanh_h2"`` a
-pair's through one ``tanh.approx.f16x2``: opt-in, to be measured (``scripts/bench_wgmma_small_k.py --plan s12gelu``).
-So is ``bias_fence`` (templates with a bias, not split-K): the volatile ``add.rn.f32`` that fences each accumulator
-after the last ``wgmma.wait_group`` (below: ``FENCE_REG``) adds its column's bias instead of -0.0, one FADD less per
-output.
+CUDA-core instructions per output for the tanh GELU, 8 instead of 10 for erf with a fitted argument): the tanh GELU's
+knob sets take it, the erf GELU's keep the tail (measured: ``scripts/bench_wgmma_small_k.py --plan s12gelu``).
 
 A fourth, ``loads = "tma"`` (absent or ``"cp.async"``: the kernels above, byte for byte; the knob spaces' default since
 the H200 measured it faster, :mod:`.gemm_wgmma`): one thread of the producer warpgroup (the other 127 leave after
@@ -138,15 +135,12 @@ STAGED_COLS = 64         # staged epilogue: columns of a warp's chunk (one 128-b
 STAGED_WARP_BYTES = 16 * STAGED_COLS * 2   # 16 rows (one warp's m16 slice of an m64 wgmma) x 64 fp16 columns
 CONSUMER_WARPS = 2 * WG // 32
 PACK_TYPE = {"float16": "f16x2", "bfloat16": "bf16x2"}
-HALF_PAIR = 0x38003800   # gelu_form "tanh_h2": 0.5 in both float16 halves
 # How the producer fills a slot: 16-byte cp.async from its 128 threads, or two TMA boxes from one thread
 LOAD_CHOICES = ("cp.async", "tma")
 # split_k: thread blocks (one cluster) sharing a tile's k steps; above 8 (the portable cluster size) the runtime
 # allows a non-portable cluster size, which a GPC of the H200 may not place
 SPLIT_K_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
 PORTABLE_SPLIT_K = 8
-# residual: how far ahead the staged epilogue loads the residual (wgmma_gemm_primfunc's residual_ahead)
-RESIDUAL_AHEAD = ("next", "doubling")
 PARTIAL_PAD = 32         # bytes after each float32 partial row: a warp's 8-byte fragment stores take 2 wavefronts
 SPLIT_BAR = 1            # named barrier of the two consumer warpgroups before the ring is reused for partials
 
@@ -158,10 +152,10 @@ class WgmmaConfig:
     alternate tiles instead of half of every tile; persistent only), ``block_m`` (cooperative tile rows: 128, or
     256 with 128 rows per consumer), ``staged`` (epilogue through shared memory with 16-byte stores),
     ``fast_gelu`` (a GELU activation from one exp2 of a fitted polynomial, :mod:`.fast_gelu`; staged only) and its
-    ``gelu_form`` (``"tail"``: that exp2; ``"tanh"`` / ``"tanh_h2"``: one tanh.approx.f32 / f16x2 instead),
+    ``gelu_form`` (``"tail"``: that exp2; ``"tanh"``: one tanh.approx.f32 instead),
     ``loads`` (``"cp.async"``, or ``"tma"``: one producer thread issues TMA boxes from tensor maps the host encodes
-    at each call), ``split_k`` (blocks of one cluster sharing a tile's k steps, reduced through distributed
-    shared memory) and ``bias_fence`` (the bias added by the accumulators' fence after the last wgmma wait)."""
+    at each call) and ``split_k`` (blocks of one cluster sharing a tile's k steps, reduced through distributed
+    shared memory)."""
 
     block_n: int = 128
     stages: int = 4
@@ -171,7 +165,6 @@ class WgmmaConfig:
     staged: bool = False
     fast_gelu: bool = False
     gelu_form: str = "tail"
-    bias_fence: bool = False
     loads: str = "cp.async"
     split_k: int = 1
 
@@ -207,10 +200,6 @@ class WgmmaConfig:
         if self.split_k > 1 and (self.persistent or self.pingpong or self.block_m != BLOCK_M or self.staged):
             raise ValueError("split_k > 1 is one cooperative 128-row tile per block with the reduction's own "
                              "epilogue: persistent, pingpong, staged must be False and block_m 128")
-        if self.bias_fence not in (True, False):
-            raise ValueError(f"bias_fence must be a bool, got {self.bias_fence!r}")
-        if self.bias_fence and self.split_k > 1:
-            raise ValueError("bias_fence adds the bias to each accumulator; split_k > 1 adds it after the partials' sum")
 
     @property
     def tile_m(self) -> int:
@@ -318,17 +307,8 @@ def whole_buffer(buf, words):
 
 
 def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: str, config: WgmmaConfig,
-                        heads: tuple[int, int, int, int] | None = None, sm_count: int = 132,
-                        residual: bool = False, residual_ahead: str = "next") -> tvm.tirx.PrimFunc:
+                        heads: tuple[int, int, int, int] | None = None, sm_count: int = 132) -> tvm.tirx.PrimFunc:
     """The thread-level CUDA PrimFunc (parameters ``A, W[, bias], out`` like the ``gemm`` templates).
-
-    ``residual`` (with ``bias``; not the QKV projection): a fourth input before ``out``, ``residual`` [m, n] in the
-    input dtype, added in float32 to every output element after the bias and activation, before the rounding
-    (``out = act(A @ W^T + bias) + residual``): the epilogue of a post-LN model's GEMM, whose LayerNorm then reads
-    the one sum instead of the GEMM's output and the residual. The staged epilogue loads it in the lanes' fragment
-    layout ahead of its use (:func:`load_residual` in the body; ``residual_ahead``: ``"next"``, one 64-column chunk
-    ahead, or ``"doubling"``, chunks ``2c`` and ``2c + 1`` issued at chunk ``c``); the direct and split-K stores read it
-    where they store.
 
     ``heads = (batch, seq, heads, head_dim)`` makes it the QKV projection: ``n`` is ``3 * heads * head_dim``
     and the epilogue writes row ``b*seq + s``, column ``w*H*D + h*D + d`` to ``out[w, b, h, s, d]``
@@ -340,14 +320,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     config.validate()
     if config.fast_gelu:
         check_fast_gelu(act)
-    if config.gelu_form == "tanh_h2" and dtype != "float16":
-        raise ValueError(f"gelu_form='tanh_h2' computes in f16x2: float16 only, got {dtype!r}")
     check_wgmma_shape(m, n, k, config)
-    if residual and (heads is not None or not bias):
-        raise ValueError("residual: a GEMM with bias only (not the QKV projection)")
-    if residual_ahead not in RESIDUAL_AHEAD:
-        raise ValueError(f"residual_ahead must be one of {RESIDUAL_AHEAD}, got {residual_ahead!r}")
-    RESIDUAL = residual
     BN, ST, DT, TM = config.block_n, config.stages, dtype, config.tile_m
     NACC = BN // 2                       # accumulators of one m64 wgmma
     CR = config.consumer_rows
@@ -404,22 +377,11 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         OUT_SHAPE = (m, n)
     REAL_ROWS = m if heads is None else heads[0] * heads[1]
     PADDED = REAL_ROWS != row_tiles(m, TM) * TM    # rows past m or batch * seq: computed, never stored
-    NCH = BN // STAGED_COLS              # staged: 64-column chunks of a tile's row
-    RES_WORDS = STAGED_COLS // 8 * 2     # residual, staged: a lane's packed residual pairs of one warp chunk
-    CHUNKS_OUT = HALVES * NCH            # staged: 16 x 64 chunks a consumer warp stores per tile
-    # residual, staged: slots of residual pairs (two reused, or one per chunk) after the 4 words of packed outputs
-    SLOTS = 2 if residual_ahead == "next" else CHUNKS_OUT
-    WORD_REGS = 4 + (SLOTS * RES_WORDS if RESIDUAL and config.staged else 0)
     # ``acc + (-0.0)`` (exact for every value) as a *volatile* asm per accumulator after the final
     # wgmma.wait_group: nvcc keeps volatile asm in order, so the epilogue's reads, which depend on it, cannot
     # be hoisted above the wait (the wait names no registers). Without it nvcc moved the conversions of the
     # plain-GEMM epilogue up and ptxas serialized every wgmma (warning C7514).
     FENCE_REG = T.ptx["add.rn.f32"]
-    # bias_fence: that add adds the accumulator's bias instead of -0.0 (the epilogue then adds none): one FADD less
-    # per output (192 of a consumer thread's ~760 epilogue instructions on a 128 x 192 tile without an activation)
-    if config.bias_fence and not bias:
-        raise ValueError("bias_fence needs a template with a bias")
-    BIAS_IN_FENCE = config.bias_fence
 
     def tile_of(bx, r):
         """The output tile of block ``bx``'s round ``r``."""
@@ -445,23 +407,11 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         return MMA(*[acc[first + i] for i in range(NACC)], a_desc, b_desc, True, 1, 1, 0, 0)
 
     def epilogue_f32(x, col, bias_buf):
-        return activation(act, biased(x, col, bias_buf))
+        y = x + T.Cast("float32", bias_buf[col]) if bias else x
+        return activation(act, y)
 
     def epilogue(x, col, bias_buf):
         return T.Cast(DT, epilogue_f32(x, col, bias_buf))
-
-    def real_row(row):
-        """``row``, or the last real row for rows past them (computed, not stored: a residual read stays inside)."""
-        return T.min(row, REAL_ROWS - 1) if PADDED else row
-
-    def with_residual(y, row, col, ep):
-        """A float32 output ``y`` of element (row, col) plus the residual's element there (``residual``), else ``y``."""
-        return y + T.Cast("float32", ep[1][row, col]) if RESIDUAL else y
-
-    def output(x, row, col, ep):
-        """Output element (row, col) from its accumulator ``x``: epilogue (and residual), rounded to 16 bits."""
-        return T.Cast(DT, with_residual(epilogue_f32(x, col, ep[0]), row, col, ep)) if RESIDUAL else \
-            epilogue(x, col, ep[0])
 
     def out_ptr(out, row, col):
         """Address of output element (row, col) of the GEMM (in [3, B, H, S, D] for the QKV projection)."""
@@ -470,12 +420,12 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         return T.address_of(out[col // (HH * HD), row // HS, col % (HH * HD) // HD, row % HS, col % HD])
 
     @T.macro
-    def store_head(x, out, ep, row, col):
+    def store_head(x, out, bias_buf, row, col):
         """The QKV projection's store of one output element (row, col) at its [3, B, H, S, D] place."""
-        out[col // (HH * HD), row // HS, col % (HH * HD) // HD, row % HS, col % HD] = epilogue(x, col, ep[0])
+        out[col // (HH * HD), row // HS, col % (HH * HD) // HD, row % HS, col % HD] = epilogue(x, col, bias_buf)
 
     @T.macro
-    def store(acc, out, ep, row0, col0, lane, first):
+    def store(acc, out, bias_buf, row0, col0, lane, first):
         for j in T.unroll(BN // 8):
             for h in T.unroll(2):
                 for e in T.unroll(2):
@@ -483,63 +433,40 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     row: T.let = row0 + lane // 4 + 8 * h
                     if heads is None and PADDED:
                         if row < REAL_ROWS:
-                            out[row, col] = output(acc[first + j * 4 + h * 2 + e], row, col, ep)
+                            out[row, col] = epilogue(acc[first + j * 4 + h * 2 + e], col, bias_buf)
                     elif heads is None:
-                        out[row, col] = output(acc[first + j * 4 + h * 2 + e], row, col, ep)
+                        out[row, col] = epilogue(acc[first + j * 4 + h * 2 + e], col, bias_buf)
                     elif PADDED:
                         if row < REAL_ROWS:
-                            store_head(acc[first + j * 4 + h * 2 + e], out, ep, row, col)
+                            store_head(acc[first + j * 4 + h * 2 + e], out, bias_buf, row, col)
                     else:
-                        store_head(acc[first + j * 4 + h * 2 + e], out, ep, row, col)
+                        store_head(acc[first + j * 4 + h * 2 + e], out, bias_buf, row, col)
 
     PACK = T.ptx[f"cvt.rn.{PACK_TYPE[DT]}.f32"]
 
-    def residual_half(word, e):
-        """float32 of element ``e`` (0: the low half, the lower column) of a packed pair of 16-bit residuals: a
-        bfloat16 is the upper half of the float32 it rounds; a float16 is converted."""
-        if DT == "bfloat16":
-            return T.reinterpret("float32", T.bitwise_and(T.shift_left(word, T.uint32(16 - 16 * e)),
-                                                          T.uint32(0xFFFF0000)))
-        return T.Cast("float32", T.reinterpret("float16", T.Cast("uint16", T.shift_right(word, T.uint32(16 * e)))))
-
-    def pack_pair(words, acc, i, col, ep, pair=None):
+    def pack_pair(words, acc, i, col, bias_buf):
         """Outputs ``acc[i]`` (column ``col``) and ``acc[i + 1]`` rounded to 16 bits and packed into ``words[0]``, the
-        first in the low half (its address is the lower); ``pair``: the packed residuals added before the rounding
-        (``residual``)."""
-        if pair is None:
-            return PACK(words[0], epilogue_f32(acc[i + 1], col + 1, ep[0]), epilogue_f32(acc[i], col, ep[0]))
-        return PACK(words[0], epilogue_f32(acc[i + 1], col + 1, ep[0]) + residual_half(pair, 1),
-                    epilogue_f32(acc[i], col, ep[0]) + residual_half(pair, 0))
+        first in the low half (its address is the lower)."""
+        return PACK(words[0], epilogue_f32(acc[i + 1], col + 1, bias_buf), epilogue_f32(acc[i], col, bias_buf))
 
     def biased(x, col, bias_buf):
-        """``x`` plus its column's bias, unless there is none or the fence added it (``bias_fence``)."""
-        return x + T.Cast("float32", bias_buf[col]) if bias and not BIAS_IN_FENCE else x
+        return x + T.Cast("float32", bias_buf[col]) if bias else x
 
     @T.macro
-    def pack_pair_fast_gelu(words, acc, i, col, ep):
+    def pack_pair_fast_gelu(words, acc, i, col, bias_buf):
         """:func:`pack_pair` with the ``fast_gelu`` activation: per output, the tail exponent's ``ex2.approx.ftz``
         (one MUFU.EX2) into a register, then ``max(y, 0) - |y| * tail``; or (``gelu_form``) ``0.5 y (1 + t)`` from
-        ``t = tanh.approx.f32(u(y))``, or the pair's u packed through one ``tanh.approx.f16x2`` (:mod:`.fast_gelu`)."""
+        ``t = tanh.approx.f32(u(y))`` (:mod:`.fast_gelu`)."""
         vals = T.alloc_buffer((2,), "float32", scope="local")
-        if config.gelu_form == "tanh_h2":   # u of both packed, one tanh.approx.f16x2, y16 * (0.5 + 0.5 t) in f16x2
-            halves = T.alloc_buffer((2,), "uint32", scope="local")
-            y0: T.let = biased(acc[i], col, ep[0])
-            y1: T.let = biased(acc[i + 1], col + 1, ep[0])
-            PACK(halves[0], tanh_argument(act, y1), tanh_argument(act, y0))
-            T.ptx["tanh.approx.f16x2"](halves[0], halves[0])
-            T.ptx["fma.rn.f16x2"](halves[0], halves[0], T.uint32(HALF_PAIR), T.uint32(HALF_PAIR))
-            PACK(halves[1], y1, y0)
-            T.ptx["mul.rn.f16x2"](words[0], halves[1], halves[0])
-        else:
-            for e in T.unroll(2):
-                y: T.let = biased(acc[i + e], col + e, ep[0])
-                if config.gelu_form == "tanh":
-                    T.ptx["tanh.approx.f32"](vals[e], tanh_argument(act, y))
-                    vals[e] = gelu_from_tanh(y, vals[e])
-                else:
-                    T.ptx["ex2.approx.ftz.f32"](vals[e], tail_exponent(act, T.abs(y)))
-                    vals[e] = gelu_from_tail(y, T.abs(y), vals[e])
-            PACK(words[0], vals[1], vals[0])
+        for e in T.unroll(2):
+            y: T.let = biased(acc[i + e], col + e, bias_buf)
+            if config.gelu_form == "tanh":
+                T.ptx["tanh.approx.f32"](vals[e], tanh_argument(act, y))
+                vals[e] = gelu_from_tanh(y, vals[e])
+            else:
+                T.ptx["ex2.approx.ftz.f32"](vals[e], tail_exponent(act, T.abs(y)))
+                vals[e] = gelu_from_tail(y, T.abs(y), vals[e])
+        PACK(words[0], vals[1], vals[0])
 
     @T.macro
     def store_chunk(out, row, col, words):
@@ -547,53 +474,17 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         T.ptx["st.global.v4.b32"](out_ptr(out, row, col), words[0], words[1], words[2], words[3])
 
     @T.macro
-    def load_residual(ep, words, row0, col0, lane, slot):
-        """``residual``, staged epilogue: the residual of one warp's 16 x 64 chunk at (row0, col0), as the chunk's
-        accumulators lie in the lane's fragment (per n8 tile, two adjacent columns of rows ``lane / 4`` and ``+ 8``),
-        into register slot ``slot`` (0 or 1) of ``words`` (after its first 4): 16 four-byte loads, issued one chunk
-        ahead of their use (rows past the real ones are not read: their outputs are not stored)."""
-        pairs = T.decl_buffer((m * n // 2,), "uint32", data=ep[1].data)
-        for j in T.unroll(STAGED_COLS // 8):
-            for h in T.unroll(2):
-                row: T.let = row0 + lane // 4 + 8 * h
-                if PADDED:
-                    if row < REAL_ROWS:
-                        words[4 + slot * RES_WORDS + j * 2 + h] = pairs[row * (n // 2) + col0 // 2 + j * 4 + lane % 4]
-                else:
-                    words[4 + slot * RES_WORDS + j * 2 + h] = pairs[row * (n // 2) + col0 // 2 + j * 4 + lane % 4]
-
-    @T.macro
-    def store_staged(acc, out, ep, row0, col0, lane, first, buf, words, q):
+    def store_staged(acc, out, bias_buf, row0, col0, lane, first, buf, words):
         """The ``staged`` epilogue of one warp's 16 rows (module docstring): per 64-column chunk, packed pairs into
-        the warp's swizzled buffer at shared address ``buf``, then 16-byte rows out. ``words``: 4 local uint32 (with
-        ``residual`` the slots of residual pairs after them: chunk ``c`` = ``q`` * chunks per row + ``cc``, of the
-        warp's ``CHUNKS_OUT`` in all, adds the residual in slot ``c % SLOTS``, chunk 0's loaded by
-        :func:`drain_and_store`, the others issued at the start of an earlier chunk, as ``residual_ahead`` says:
-        ``"next"`` chunk ``c + 1`` (into the other of two slots); ``"doubling"`` chunks ``2c`` and ``2c + 1`` (a slot
-        each), so that the loads run further ahead as the chunks already stored free their accumulators' registers
-        (at chunk 0, as for ``"next"``, only chunk 1's 16 words beside the 192 accumulators of a 128 x 192 tile))."""
+        the warp's swizzled buffer at shared address ``buf``, then 16-byte rows out. ``words``: 4 local uint32."""
         for cc in T.unroll(BN // STAGED_COLS):
-            if RESIDUAL and residual_ahead == "next":
-                if cc + 1 < NCH:
-                    load_residual(ep, words, row0, col0 + (cc + 1) * STAGED_COLS, lane, (q * NCH + cc + 1) % 2)
-                elif q + 1 < HALVES:
-                    load_residual(ep, words, row0 + 64, col0, lane, (q * NCH + cc + 1) % 2)
-            elif RESIDUAL:
-                for d in T.unroll(2):
-                    target: T.let = 2 * (q * NCH + cc) + d
-                    if 0 < target and target < CHUNKS_OUT:
-                        load_residual(ep, words, row0 + (target // NCH - q) * 64, col0 + target % NCH * STAGED_COLS,
-                                      lane, target)
             for j in T.unroll(STAGED_COLS // 8):
                 for h in T.unroll(2):
                     col: T.let = col0 + cc * STAGED_COLS + j * 8 + (lane % 4) * 2
                     if config.fast_gelu:
-                        pack_pair_fast_gelu(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, ep)
-                    elif RESIDUAL:
-                        pack_pair(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, ep,
-                                  words[4 + (q * NCH + cc) % SLOTS * RES_WORDS + j * 2 + h])
+                        pack_pair_fast_gelu(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, bias_buf)
                     else:
-                        pack_pair(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, ep)
+                        pack_pair(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, bias_buf)
                     T.ptx["st.shared.b32"](buf + T.Cast("uint32", swizzled(lane // 4 + 8 * h, j) + (lane % 4) * 4),
                                            words[0])
             T.ptx["bar.warp.sync"](T.uint32(0xFFFFFFFF))
@@ -609,15 +500,15 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             T.ptx["bar.warp.sync"](T.uint32(0xFFFFFFFF))
 
     @T.macro
-    def store_tile(acc, out, ep, row0, col0, base, wt, warp, words):
+    def store_tile(acc, out, bias_buf, row0, col0, base, wt, warp, words):
         """Store one consumer's ``CR`` rows of a tile from ``acc`` (first row ``row0``; ``warp``: the thread's consumer
         warp 0-7, which picks its staging buffer)."""
         for q in T.unroll(HALVES):
             if config.staged:
-                store_staged(acc, out, ep, row0 + q * 64 + (wt // 32) * 16, col0, wt % 32, q * NACC,
-                             base + T.Cast("uint32", STAGING_OFF + warp * STAGED_WARP_BYTES), words, q)
+                store_staged(acc, out, bias_buf, row0 + q * 64 + (wt // 32) * 16, col0, wt % 32, q * NACC,
+                             base + T.Cast("uint32", STAGING_OFF + warp * STAGED_WARP_BYTES), words)
             else:
-                store(acc, out, ep, row0 + q * 64 + (wt // 32) * 16, col0, wt % 32, q * NACC)
+                store(acc, out, bias_buf, row0 + q * 64 + (wt // 32) * 16, col0, wt % 32, q * NACC)
 
     @T.macro
     def release(bar):
@@ -648,20 +539,14 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                 release(empty_bar(base, (g - 1) % ST))
 
     @T.macro
-    def drain_and_store(acc, out, ep, base, r, row0, col0, wt, warp, words):
+    def drain_and_store(acc, out, bias_buf, base, r, row0, col0, wt, warp, words):
         """After round ``r``'s main loop: retire the last wgmma batch, free the tile's last slot (the producer may
-        refill it for the next tile) and store the tile's rows from ``row0``. ``residual``, staged: the loads of the
-        residual's first chunk are issued before the wait, under the last batch."""
-        if RESIDUAL and config.staged:
-            load_residual(ep, words, row0 + (wt // 32) * 16, col0, wt % 32, 0)
+        refill it for the next tile) and store the tile's rows from ``row0``."""
         T.ptx["wgmma.wait_group.sync.aligned"](0)
         release(empty_bar(base, (r * KS + KS - 1) % ST))
         for i in T.unroll(HALVES * NACC):
-            if BIAS_IN_FENCE:   # accumulator i's column: n8 tile (i % NACC) // 4, lane column pair wt % 4, half i % 2
-                FENCE_REG(acc[i], acc[i], T.Cast("float32", ep[0][col0 + (i % NACC) // 4 * 8 + (wt % 4) * 2 + i % 2]))
-            else:
-                FENCE_REG(acc[i], acc[i], T.float32(-0.0))
-        store_tile(acc, out, ep, row0, col0, base, wt, warp, words)
+            FENCE_REG(acc[i], acc[i], T.float32(-0.0))
+        store_tile(acc, out, bias_buf, row0, col0, base, wt, warp, words)
 
     @T.macro
     def produce_cp_async(A, W, base, flag, bx, wt):
@@ -728,7 +613,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                                           acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1])
 
     @T.macro
-    def reduce_and_store(out, ep, base, bx, cr, ct, sums, parts, remote, words):
+    def reduce_and_store(out, bias_buf, base, bx, cr, ct, sums, parts, remote, words):
         """split-K, after the cluster barrier: consumer thread ``ct`` (0-255) of cluster rank ``cr`` sums 4
         consecutive float32 columns of the tile over the cluster's ``SPLIT`` partial tiles (read from each block's
         shared memory through ``mapa``), always in rank order 0, 1, ... (the same sum whichever block computes it),
@@ -753,10 +638,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     for e in T.unroll(4):
                         sums[e] = sums[e] + parts[s * 4 + e]
                 for e in T.unroll(2):
-                    PACK(words[e], with_residual(epilogue_f32(sums[2 * e + 1], n0 + col + 2 * e + 1, ep[0]),
-                                                 real_row(m0 + row), n0 + col + 2 * e + 1, ep),
-                         with_residual(epilogue_f32(sums[2 * e], n0 + col + 2 * e, ep[0]), real_row(m0 + row),
-                                       n0 + col + 2 * e, ep))
+                    PACK(words[e], epilogue_f32(sums[2 * e + 1], n0 + col + 2 * e + 1, bias_buf),
+                         epilogue_f32(sums[2 * e], n0 + col + 2 * e, bias_buf))
                 if PADDED:
                     if m0 + row < REAL_ROWS:
                         T.ptx["st.global.v2.b32"](out_ptr(out, m0 + row, n0 + col), words[0], words[1])
@@ -764,13 +647,12 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     T.ptx["st.global.v2.b32"](out_ptr(out, m0 + row, n0 + col), words[0], words[1])
 
     @T.macro
-    def block(A, W, ep, out, maps, bx, cr, tx):
-        """One thread block's work (``cr``: its rank in the split-K cluster, 0 without split-K). ``ep``: the
-        epilogue's inputs, (bias buffer or None, residual buffer or None)."""
+    def block(A, W, bias_buf, out, maps, bx, cr, tx):
+        """One thread block's work (``cr``: its rank in the split-K cluster, 0 without split-K)."""
         wgmma_smem = T.alloc_buffer((SMEM_WORDS,), "uint64", scope="shared.dyn")
         acc = T.alloc_buffer((HALVES * NACC,), "float32", scope="local")
         flag = T.alloc_buffer((1,), "uint32", scope="local")
-        words = T.alloc_buffer((WORD_REGS,), "uint32", scope="local")
+        words = T.alloc_buffer((4,), "uint32", scope="local")
         raw: T.let = T.cuda.cvta_generic_to_shared(whole_buffer(wgmma_smem, SMEM_WORDS))
         base: T.let = T.bitwise_and(raw + T.uint32(ALIGN - 1), T.uint32(0xFFFFFFFF - (ALIGN - 1)))
         wg: T.let = tx // WG
@@ -803,7 +685,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                         mma_tile(acc, flag, base, r, 0, wt)
                         if tile + GRID < NUM_TILES:  # round r + 1 exists: the other consumer may start it
                             T.ptx["bar.arrive"](T.Cast("uint32", ORDER_BAR + 2 - wg), T.uint32(2 * WG))
-                        drain_and_store(acc, out, ep, base, r, tile_rows(tile),
+                        drain_and_store(acc, out, bias_buf, base, r, tile_rows(tile),
                                         tile_cols(tile), wt, tx // 32 - WG // 32, words)
             elif SPLIT > 1:
                 for i in T.unroll(HALVES * NACC):
@@ -821,7 +703,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                         for i in T.unroll(HALVES * NACC):
                             acc[i] = T.float32(0)
                         mma_tile(acc, flag, base, r, (wg - 1) * CR * ROW_BYTES, wt)
-                        drain_and_store(acc, out, ep, base, r, tile_rows(tile) + (wg - 1) * CR,
+                        drain_and_store(acc, out, bias_buf, base, r, tile_rows(tile) + (wg - 1) * CR,
                                         tile_cols(tile), wt, tx // 32 - WG // 32, words)
         if SPLIT > 1:
             # every block's partial tile written before any is read; none leaves while others read it
@@ -829,23 +711,23 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             T.ptx["barrier.cluster.wait.acquire"]()
             if wg > 0:
                 parts = T.alloc_buffer((SPLIT * 4,), "float32", scope="local")
-                reduce_and_store(out, ep, base, bx, cr, tx - WG, acc, parts, flag, words)
+                reduce_and_store(out, bias_buf, base, bx, cr, tx - WG, acc, parts, flag, words)
             T.ptx["barrier.cluster.arrive.release"]()
             T.ptx["barrier.cluster.wait.acquire"]()
 
     @T.macro
-    def body(A, W, ep, out, maps):
+    def body(A, W, bias_buf, out, maps):
         for bx in T.thread_binding(GRID, thread="blockIdx.x"):
             if CLUSTER > 1:
                 for cr in T.thread_binding(CLUSTER, thread="clusterCtaIdx.x"):
                     for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                        block(A, W, ep, out, maps, bx, cr, tx)
+                        block(A, W, bias_buf, out, maps, bx, cr, tx)
             else:
                 for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                    block(A, W, ep, out, maps, bx, 0, tx)
+                    block(A, W, bias_buf, out, maps, bx, 0, tx)
 
     @T.macro
-    def launch(A, W, ep, out):
+    def launch(A, W, bias_buf, out):
         """The kernel, after (TMA) the host-side encoding of A's and W's maps from their device pointers, at every
         call: the maps travel as ``__grid_constant__`` kernel parameters."""
         if TMA:
@@ -853,21 +735,11 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             w_map: T.let = T.tvm_stack_alloca("tensormap", 1)
             T.evaluate(encode_tensor_map(a_map, T.address_of(A[0, 0]), A_MAP))
             T.evaluate(encode_tensor_map(w_map, T.address_of(W[0, 0]), W_MAP))
-            body(A, W, ep, out, (a_map, w_map))
+            body(A, W, bias_buf, out, (a_map, w_map))
         else:
-            body(A, W, ep, out, (None, None))
+            body(A, W, bias_buf, out, (None, None))
 
-    if residual:
-        @T.prim_func
-        def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, res_h: T.handle, out_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "global_symbol": "gemm_wgmma"})
-            A = T.match_buffer(a_h, (m, k), DT)
-            W = T.match_buffer(w_h, (n, k), DT)
-            bias_buf = T.match_buffer(bias_h, (n,), DT)
-            res = T.match_buffer(res_h, (m, n), DT)
-            out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            launch(A, W, (bias_buf, res), out)
-    elif bias:
+    if bias:
         @T.prim_func
         def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, out_h: T.handle):
             T.func_attr({"tirx.noalias": True, "global_symbol": "gemm_wgmma"})
@@ -875,7 +747,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             W = T.match_buffer(w_h, (n, k), DT)
             bias_buf = T.match_buffer(bias_h, (n,), DT)
             out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            launch(A, W, (bias_buf, None), out)
+            launch(A, W, bias_buf, out)
     else:
         @T.prim_func
         def kernel(a_h: T.handle, w_h: T.handle, out_h: T.handle):
@@ -883,5 +755,5 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             A = T.match_buffer(a_h, (m, k), DT)
             W = T.match_buffer(w_h, (n, k), DT)
             out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            launch(A, W, (None, None), out)
+            launch(A, W, None, out)
     return kernel

@@ -188,8 +188,7 @@ class FrontEnd:
 
 def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
               kernel: str = "auto", templates: bool | None = None, gemm: str = "auto",
-              database: str | None = None, schedule: bool = True, residual_in_gemm: bool = False,
-              lean_padding: bool = True) -> FrontEnd:
+              database: str | None = None, schedule: bool = True, lean_padding: bool = True) -> FrontEnd:
     """Steps 1-5 of :func:`compile` (same arguments): import, attention kernel choice and rewrite, templates.
 
     ``schedule=False`` leaves the template PrimFuncs unscheduled (the tuner only reads which calls are made)."""
@@ -272,8 +271,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
                                            padding=plan.padding if choice.padding else None, target_kind=tspec["kind"])
     template_entry = {}
     if templates:
-        mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule,
-                                            residual_in_gemm=residual_in_gemm)
+        mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule)
     mod["main"] = relax.analysis.remove_all_unused(fold_permute_pairs(mod["main"]))  # transposes around attention
     report = coverage(canonical, mod["main"], attention_kernel=choice.kind, attention_sites=len(sites),
                       attention_reason=f"dense kernel: {choice.reason}",
@@ -326,7 +324,7 @@ def _check_fallback_mask(mask, batch: int, seq_len: int, reason: str) -> None:
 def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
             kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
             dependent_launch: bool | None = None, database: str | None = None, progress=None,
-            residual_in_gemm: bool = False, lean_padding: bool = True):
+            lean_padding: bool = True):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
 
     ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
@@ -355,9 +353,6 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     none (``missing``) and the database's measured jobs no call asked for (``unused``).
     ``progress``: called with a short line as each long step starts (the CLI prints them; a large model spends
     most of a minute in TVM's build).
-    ``residual_in_gemm`` (opt-in, default off): under ``gemm="wgmma"``, a post-LN ``LayerNorm(linear + residual)``
-    runs as ``gemm_bias_residual_wgmma`` (bias and residual added in the GEMM's epilogue) + ``layernorm`` instead of
-    ``gemm_wgmma`` + ``bias_residual_layernorm`` (:mod:`.downstream`).
     ``lean_padding`` (default on): where the block-wise kernel applies the model's key padding, its
     ``BlockConfig.lean_padding`` form (span tests only in batch rows that drop a key; the predicate's pad_bits words
     loaded once a tile): on the H200, RoBERTa-base 16x2048's BigBird attention 0.1049 -> 0.1004 ms under an all-ones
@@ -371,9 +366,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
 
     if cuda_graph not in (False, True):
         raise TypeError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
-    for name, flag in (("residual_in_gemm", residual_in_gemm), ("lean_padding", lean_padding)):
-        if flag not in (False, True):
-            raise TypeError(f"{name}: expected a bool, got {flag!r}")
+    if lean_padding not in (False, True):
+        raise TypeError(f"lean_padding: expected a bool, got {lean_padding!r}")
     if cuda_graph and target_dict(target)["kind"] != "cuda":
         raise ValueError(f"cuda_graph: CUDA graphs need target 'cuda', got {target_dict(target)['kind']!r}")
     records = None
@@ -384,7 +378,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     with record_usage() as usage:
         front = front_end(model, mask=mask, batch=batch, seq_len=seq_len, target=target, dtype=dtype,
                           kernel=kernel, templates=templates, gemm=gemm, database=database,
-                          residual_in_gemm=residual_in_gemm, lean_padding=lean_padding)
+                          lean_padding=lean_padding)
         tspec, choice = front.tspec, front.choice
         report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
                f"(attention kernel {choice.kind if choice else 'none: ' + front.fallback}, "

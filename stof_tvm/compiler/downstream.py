@@ -13,10 +13,7 @@ the same ``X``, each ``reshape [B, S, H, D]`` +         views of it at Q's, K's 
 ``[.., 3 * H * D]`` split into thirds (GPT-2)
 ``layer_norm(astype(linear) + residual)`` (output       ``gemm_kn`` + ``bias_residual_layernorm`` (unfused,
 projection, FFN down-projection; either add order)      measured faster), or ``gemm_bias_residual_layernorm_kn``
-                                                        when :mod:`.template_choice` ranks it faster; with
-                                                        ``residual_in_gemm`` (opt-in) and a wgmma GEMM,
-                                                        ``gemm_bias_residual_wgmma`` (bias and residual in the
-                                                        GEMM's epilogue) + ``layernorm`` of the 16-bit sum
+                                                        when :mod:`.template_choice` ranks it faster
 the same where the sum also feeds the next residual     the linear on its own GEMM (below), then
 add (pre-LN: GPT-2, ViT)                                ``residual_layernorm``: the sum (16-bit, written for
                                                         the next residual add) and its LayerNorm in one kernel
@@ -99,13 +96,12 @@ class _Templates:
     """Adds one PrimFunc per (template, shape, options) to the module and records every site."""
 
     def __init__(self, mod: tvm.IRModule, target: tvm.target.Target, database: str | None, gemm: str,
-                 schedule: bool = True, residual_in_gemm: bool = False):
+                 schedule: bool = True):
         self.mod = mod
         self.target = target
         self.cuda = target.kind.name == "cuda"
         self.schedule = schedule
         self.gemm = gemm
-        self.residual_in_gemm = residual_in_gemm
         self.chooser = TemplateChooser(target, database)
         self.functions: dict[tuple, tuple[tvm.ir.GlobalVar, KnobChoice]] = {}
         self.sites: dict[tuple, dict] = {}
@@ -267,12 +263,6 @@ def _rewrite_residual_ln(t: _Templates, expr, matches, var2val, users, shared_su
         call, stage = t.call("gemm_bias_residual_layernorm_kn", gemm_shape, dtype,
                              [x2d, matches[LINEAR_W], bias, r2d, g16, b16], (m, n), eps)
         stages, note = [stage], why
-    elif t.residual_in_gemm and t.gemm == "wgmma" and wgmma_misfit(m, n, k) is None:
-        # bias and residual in the wgmma GEMM's epilogue, the LayerNorm of the 16-bit sum alone (one [m, n] read)
-        total2d, gemm_stage = t.call("gemm_bias_residual_wgmma", gemm_shape, dtype,
-                                     [x2d, transposed(matches[LINEAR_W]), bias, r2d], (m, n))
-        call, ln_stage = t.call("layernorm", ln_shape, dtype, [total2d, g16, b16], (m, n), eps)
-        stages, note = [gemm_stage, ln_stage], why + "; residual_in_gemm: bias and residual in the GEMM's epilogue"
     else:
         y, gemm_stage, gemm_note = t.gemm_stage("none", x2d, matches[LINEAR_W], None, m, n, k, dtype)
         call, ln_stage = t.call("bias_residual_layernorm", ln_shape, dtype, [y, bias, r2d, g16, b16],
@@ -416,17 +406,14 @@ def _simplify(func: relax.Function) -> relax.Function:
 
 
 def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | None = None,
-                  gemm: str = "mma", schedule: bool = True,
-                  residual_in_gemm: bool = False) -> tuple[tvm.IRModule, dict]:
+                  gemm: str = "mma", schedule: bool = True) -> tuple[tvm.IRModule, dict]:
     """Rewrite ``main``'s downstream chains into template calls; returns the module and the manifest entry
     ``{"gemm", "calls": {template: count}, "sites": [...], "notes": [...]}``. Each site's stages name the
     template, shape, dtype (and ``eps`` where it is not the default) of one call: what the tuner plans.
-    ``schedule=False``: leave every PrimFunc unscheduled (for planning only; the module is not for building).
-    ``residual_in_gemm`` (opt-in): the unfused post-LN residual LayerNorm chains whose GEMM goes to wgmma take
-    ``gemm_bias_residual_wgmma`` + ``layernorm`` (module docstring)."""
+    ``schedule=False``: leave every PrimFunc unscheduled (for planning only; the module is not for building)."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm: expected one of {GEMMS}, got {gemm!r}")
-    t = _Templates(mod, target, database, gemm, schedule, residual_in_gemm)
+    t = _Templates(mod, target, database, gemm, schedule)
     func = mod["main"]
     var2val = relax.analysis.get_var2val(func)
 
