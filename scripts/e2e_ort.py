@@ -96,6 +96,65 @@ def scale_as_division(model) -> int:
     return rewritten
 
 
+def _constant_value(graph, name: str, producer: dict, initializers: dict):
+    """The value of tensor ``name`` of ``graph`` when it depends on initializers and Constant nodes only (evaluated
+    with onnx's reference evaluator on the nodes it comes from), else None."""
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+
+    needed, stack, seen = [], [name], set()
+    while stack:
+        tensor = stack.pop()
+        if tensor in seen or tensor in initializers or not tensor:
+            continue
+        seen.add(tensor)
+        node = producer.get(tensor)
+        if node is None:                       # a graph input: not a constant
+            return None
+        needed.append(node)
+        stack.extend(node.input)
+    position = {id(node): i for i, node in enumerate(graph.node)}
+    nodes = sorted({id(n): n for n in needed}.values(), key=lambda n: position[id(n)])
+    used = {i for n in nodes for i in n.input}
+    sub = onnx.helper.make_graph(nodes, "constant", [], [onnx.helper.make_tensor_value_info(name, 0, None)],
+                                 initializer=[t for t in graph.initializer if t.name in used])
+    return ReferenceEvaluator(onnx.helper.make_model(sub, opset_imports=[onnx.helper.make_opsetid("", 17)])).run(
+        None, {})[0]
+
+
+def drop_zero_score_masks(model) -> int:
+    """Remove, in the ONNX ``model``, every ``Softmax(Add(scores, m))`` whose ``m`` is built from constants alone and
+    is all zeros: the additive mask that some exporters write for a model without a mask input (HF ViT's eager
+    attention in transformers 5.17: ``Where`` of a constant all-true mask), which keeps ORT's attention fuser from
+    matching. Returns how many Softmax inputs it rewired."""
+    from onnx import numpy_helper
+
+    graph = model.graph
+    producer = {out: node for node in graph.node for out in node.output}
+    initializers = {t.name: t for t in graph.initializer}
+    zeros: dict[str, bool] = {}
+    dropped = []
+    for node in graph.node:
+        add = producer.get(node.input[0]) if node.op_type == "Softmax" else None
+        if add is None or add.op_type != "Add":
+            continue
+        for keep, mask in ((0, 1), (1, 0)):
+            tensor = add.input[mask]
+            if tensor not in zeros:
+                value = (numpy_helper.to_array(initializers[tensor]) if tensor in initializers
+                         else _constant_value(graph, tensor, producer, initializers))
+                zeros[tensor] = value is not None and not np.any(value)
+            if zeros[tensor]:
+                node.input[0] = add.input[keep]
+                dropped.append(add)
+                break
+    consumed = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    for add in dropped:
+        if add.output[0] not in consumed:
+            graph.node.remove(add)
+    return len(dropped)
+
+
 def float32_casts(model) -> int:
     """Casts to float32 inside ``model`` (not those producing a graph output: keep_io_types' own)."""
     outputs = {o.name for o in model.graph.output}
@@ -106,17 +165,19 @@ def float32_casts(model) -> int:
 def optimize(onnx_path: str, out_path: str, family: str, heads: int, hidden: int, layers: int, fp16: bool,
              gpu: bool, mask: str = "index") -> dict:
     """ORT's transformer optimizer (Python fusions, ``opt_level=0``) on ``onnx_path`` after
-    :func:`scale_as_division`, then the float16 conversion, into ``out_path``. ``mask``: the fused attention's
+    :func:`drop_zero_score_masks` and :func:`scale_as_division`, then the float16 conversion, into ``out_path``. ``mask``: the fused attention's
     mask, ``index`` (the optimizer's default for BERT: per-row key lengths, so ORT's TensorRT fused kernels or its
     unfused path run) or ``none`` (no mask input: ORT's flash / memory-efficient kernels become eligible; the same
     result only because the benchmark's inputs are unpadded, ``e2e_torch.check_unpadded``). Returns the
     preparation's record: ``fused`` operator counts, ``missing`` fusions (:func:`missing_fusions`),
-    ``model_type``, ``opt_level``, ``mask``, ``scale_rewrites``, ``fp16`` and ``float32_casts``."""
+    ``model_type``, ``opt_level``, ``mask``, ``zero_masks_dropped``, ``scale_rewrites``, ``fp16`` and
+    ``float32_casts``."""
     import onnx
     from onnxruntime.transformers.fusion_options import AttentionMaskFormat, FusionOptions
     from onnxruntime.transformers.optimizer import optimize_model
 
     model = onnx.load(onnx_path)
+    masks_dropped = drop_zero_score_masks(model)
     rewrites = scale_as_division(model)
     model_type = MODEL_TYPES.get(family, "bert")
     options = FusionOptions(model_type)
@@ -130,7 +191,8 @@ def optimize(onnx_path: str, out_path: str, family: str, heads: int, hidden: int
     if fp16:
         optimized.convert_float_to_float16(keep_io_types=True)
     optimized.save_model_to_file(out_path)
-    return {"model_type": model_type, "opt_level": 0, "mask": mask, "scale_rewrites": rewrites, "fused": fused,
+    return {"model_type": model_type, "opt_level": 0, "mask": mask, "zero_masks_dropped": masks_dropped,
+            "scale_rewrites": rewrites, "fused": fused,
             "missing": missing_fusions(fused, family, layers), "fp16": fp16,
             "float32_casts": float32_casts(optimized.model)}
 
@@ -224,7 +286,8 @@ def describe(prep: dict, session: dict, summary: dict | None) -> str:
     nodes = "not checked" if summary is None else ", ".join(f"{p} {n}" for p, n in summary["nodes"].items())
     memcpy = "" if summary is None else f" (memcpy {summary['memcpy']})"
     return (f"ort config: model_type={prep['model_type']} opt_level={prep['opt_level']} "
-            f"mask={prep['mask']} scale rewrites {prep['scale_rewrites']} fp16={prep['fp16']} (float32 casts inside "
+            f"mask={prep['mask']} zero masks dropped {prep.get('zero_masks_dropped', 0)} scale rewrites "
+            f"{prep['scale_rewrites']} fp16={prep['fp16']} (float32 casts inside "
             f"{prep['float32_casts']}) | fused: {fused} | {missing} | session {session['level']}"
             f"{' + cuda graph' if session['cuda_graph'] else ''} | nodes: {nodes}{memcpy}")
 

@@ -65,6 +65,45 @@ def test_scale_as_division_is_exact_and_only_before_softmax():
     assert e2e_ort.scale_as_division(masked) == 0
 
 
+def _masked_scores_graph(mask_value: float, from_input: bool = False):
+    """softmax(q @ k + mask) @ v with ``mask = Where(all-true constant, mask_value, -inf)`` (HF ViT's additive mask
+    in transformers 5.17's eager attention), or a graph input ``m`` when ``from_input``."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [helper.make_node("MatMul", ["q", "k"], ["s"])]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("q", "k", "v")]
+    if from_input:
+        inputs.append(helper.make_tensor_value_info("m", TensorProto.FLOAT, None))
+    else:
+        nodes.append(helper.make_node("Constant", [], ["keep"], value=numpy_helper.from_array(np.ones((4, 4), bool))))
+        nodes.append(helper.make_node("Where", ["keep", "zero", "low"], ["m"]))
+    nodes += [helper.make_node("Add", ["s", "m"], ["masked"]), helper.make_node("Softmax", ["masked"], ["p"], axis=-1),
+              helper.make_node("MatMul", ["p", "v"], ["out"])]
+    init = [numpy_helper.from_array(np.array(mask_value, np.float32), "zero"),
+            numpy_helper.from_array(np.array(-np.inf, np.float32), "low")]
+    graph = helper.make_graph(nodes, "masked", inputs, [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+                              initializer=init)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_zero_masks_built_from_constants_are_dropped_before_softmax():
+    from onnx.reference import ReferenceEvaluator
+
+    rng = np.random.default_rng(1)
+    feeds = {"q": rng.standard_normal((2, 4, 8), dtype=np.float32), "k": rng.standard_normal((2, 8, 4),
+                                                                                            dtype=np.float32),
+             "v": rng.standard_normal((2, 4, 8), dtype=np.float32)}
+    model = _masked_scores_graph(0.0)
+    before = ReferenceEvaluator(model).run(None, feeds)[0]
+    assert e2e_ort.drop_zero_score_masks(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["MatMul", "Constant", "Where", "Softmax", "MatMul"]
+    assert model.graph.node[3].input[0] == "s"
+    np.testing.assert_array_equal(ReferenceEvaluator(model).run(None, feeds)[0], before)
+    assert e2e_ort.drop_zero_score_masks(model) == 0
+    assert e2e_ort.drop_zero_score_masks(_masked_scores_graph(0.5)) == 0        # a mask that changes the scores
+    assert e2e_ort.drop_zero_score_masks(_masked_scores_graph(0.0, from_input=True)) == 0   # not a constant
+
+
 def test_placement_summary_and_problems():
     events = [{"cat": "Session", "name": "model_run"},
               {"cat": "Node", "name": "Attention_0_kernel_time", "args": {"op_name": "Attention",
