@@ -47,19 +47,24 @@ def _scores_graph(scale: float):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def test_scale_as_division_is_exact_and_only_before_softmax():
+def _rewritten_once_exactly(model, rewrite, seed: int) -> list[str]:
+    """Apply ``rewrite`` to ``model``: it rewrites one site, the outputs on random q, k, v stay bit for bit the same,
+    and a second pass finds nothing left; returns the operator types after it."""
     from onnx.reference import ReferenceEvaluator
 
-    rng = np.random.default_rng(0)
-    feeds = {"q": rng.standard_normal((2, 4, 8), dtype=np.float32), "k": rng.standard_normal((2, 8, 4),
-                                                                                            dtype=np.float32),
-             "v": rng.standard_normal((2, 4, 8), dtype=np.float32)}
-    model = _scores_graph(0.125)
+    rng = np.random.default_rng(seed)
+    feeds = {name: rng.standard_normal(shape, dtype=np.float32)
+             for name, shape in (("q", (2, 4, 8)), ("k", (2, 8, 4)), ("v", (2, 4, 8)))}
     before = ReferenceEvaluator(model).run(None, feeds)[0]
-    assert e2e_ort.scale_as_division(model) == 1
-    assert [n.op_type for n in model.graph.node] == ["MatMul", "Constant", "Div", "Softmax", "MatMul"]
-    np.testing.assert_array_equal(ReferenceEvaluator(model).run(None, feeds)[0], before)   # 1/8 -> / 8: exact
-    assert e2e_ort.scale_as_division(model) == 0                                              # nothing left
+    assert rewrite(model) == 1
+    np.testing.assert_array_equal(ReferenceEvaluator(model).run(None, feeds)[0], before)
+    assert rewrite(model) == 0
+    return [n.op_type for n in model.graph.node]
+
+
+def test_scale_as_division_is_exact_and_only_before_softmax():
+    ops = _rewritten_once_exactly(_scores_graph(0.125), e2e_ort.scale_as_division, seed=0)   # 1/8 -> / 8: exact
+    assert ops == ["MatMul", "Constant", "Div", "Softmax", "MatMul"]
     masked = _scores_graph(0.125)
     masked.graph.node[3].input[0] = "s"               # Softmax straight on the scores: no Mul before it
     assert e2e_ort.scale_as_division(masked) == 0
@@ -87,19 +92,9 @@ def _masked_scores_graph(mask_value: float, from_input: bool = False):
 
 
 def test_zero_masks_built_from_constants_are_dropped_before_softmax():
-    from onnx.reference import ReferenceEvaluator
-
-    rng = np.random.default_rng(1)
-    feeds = {"q": rng.standard_normal((2, 4, 8), dtype=np.float32), "k": rng.standard_normal((2, 8, 4),
-                                                                                            dtype=np.float32),
-             "v": rng.standard_normal((2, 4, 8), dtype=np.float32)}
     model = _masked_scores_graph(0.0)
-    before = ReferenceEvaluator(model).run(None, feeds)[0]
-    assert e2e_ort.drop_zero_score_masks(model) == 1
-    assert [n.op_type for n in model.graph.node] == ["MatMul", "Constant", "Where", "Softmax", "MatMul"]
-    assert model.graph.node[3].input[0] == "s"
-    np.testing.assert_array_equal(ReferenceEvaluator(model).run(None, feeds)[0], before)
-    assert e2e_ort.drop_zero_score_masks(model) == 0
+    ops = _rewritten_once_exactly(model, e2e_ort.drop_zero_score_masks, seed=1)
+    assert ops == ["MatMul", "Constant", "Where", "Softmax", "MatMul"] and model.graph.node[3].input[0] == "s"
     assert e2e_ort.drop_zero_score_masks(_masked_scores_graph(0.5)) == 0        # a mask that changes the scores
     assert e2e_ort.drop_zero_score_masks(_masked_scores_graph(0.0, from_input=True)) == 0   # not a constant
 
