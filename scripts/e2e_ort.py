@@ -96,12 +96,13 @@ def scale_as_division(model) -> int:
     return rewritten
 
 
-def _constant_value(graph, name: str, producer: dict, initializers: dict):
-    """The value of tensor ``name`` of ``graph`` when it depends on initializers and Constant nodes only (evaluated
-    with onnx's reference evaluator on the nodes it comes from), else None."""
+def _constant_value(model, name: str, producer: dict, initializers: dict):
+    """The value of tensor ``name`` of ``model`` when it depends on initializers and Constant nodes only (evaluated
+    with onnx's reference evaluator on the nodes it comes from, at the model's opsets), else None."""
     import onnx
     from onnx.reference import ReferenceEvaluator
 
+    graph = model.graph
     needed, stack, seen = [], [name], set()
     while stack:
         tensor = stack.pop()
@@ -118,8 +119,7 @@ def _constant_value(graph, name: str, producer: dict, initializers: dict):
     used = {i for n in nodes for i in n.input}
     sub = onnx.helper.make_graph(nodes, "constant", [], [onnx.helper.make_tensor_value_info(name, 0, None)],
                                  initializer=[t for t in graph.initializer if t.name in used])
-    return ReferenceEvaluator(onnx.helper.make_model(sub, opset_imports=[onnx.helper.make_opsetid("", 17)])).run(
-        None, {})[0]
+    return ReferenceEvaluator(onnx.helper.make_model(sub, opset_imports=model.opset_import)).run(None, {})[0]
 
 
 def drop_zero_score_masks(model) -> int:
@@ -142,7 +142,7 @@ def drop_zero_score_masks(model) -> int:
             tensor = add.input[mask]
             if tensor not in zeros:
                 value = (numpy_helper.to_array(initializers[tensor]) if tensor in initializers
-                         else _constant_value(graph, tensor, producer, initializers))
+                         else _constant_value(model, tensor, producer, initializers))
                 zeros[tensor] = value is not None and not np.any(value)
             if zeros[tensor]:
                 node.input[0] = add.input[keep]

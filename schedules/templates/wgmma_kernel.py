@@ -406,9 +406,11 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     def mma_step(acc, a_desc, b_desc, first=0):
         return MMA(*[acc[first + i] for i in range(NACC)], a_desc, b_desc, True, 1, 1, 0, 0)
 
+    def biased(x, col, bias_buf):
+        return x + T.Cast("float32", bias_buf[col]) if bias else x
+
     def epilogue_f32(x, col, bias_buf):
-        y = x + T.Cast("float32", bias_buf[col]) if bias else x
-        return activation(act, y)
+        return activation(act, biased(x, col, bias_buf))
 
     def epilogue(x, col, bias_buf):
         return T.Cast(DT, epilogue_f32(x, col, bias_buf))
@@ -448,9 +450,6 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         """Outputs ``acc[i]`` (column ``col``) and ``acc[i + 1]`` rounded to 16 bits and packed into ``words[0]``, the
         first in the low half (its address is the lower)."""
         return PACK(words[0], epilogue_f32(acc[i + 1], col + 1, bias_buf), epilogue_f32(acc[i], col, bias_buf))
-
-    def biased(x, col, bias_buf):
-        return x + T.Cast("float32", bias_buf[col]) if bias else x
 
     @T.macro
     def pack_pair_fast_gelu(words, acc, i, col, bias_buf):
