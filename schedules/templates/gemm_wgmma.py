@@ -213,7 +213,8 @@ class WgmmaKernelMixin:
                              persistent=knobs.get("persistent", True), pingpong=knobs.get("pingpong", False),
                              block_m=knobs.get("block_m", BLOCK_M), staged=knobs.get("staged", False),
                              fast_gelu=knobs.get("fast_gelu", False), gelu_form=knobs.get("gelu_form", "tail"),
-                             loads=knobs.get("loads", "cp.async"), split_k=knobs.get("split_k", 1))
+                             loads=knobs.get("loads", "cp.async"), split_k=knobs.get("split_k", 1),
+                             weight_prefetch=knobs.get("weight_prefetch", False))
         config.validate()
         return config
 

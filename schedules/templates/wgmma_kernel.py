@@ -93,6 +93,15 @@ bytes; the ranks take turns over runs of 256 chunks. A second cluster barrier ke
 until all have read it. Where a GEMM's tiles alone leave most SMs idle (RoBERTa-base at 1 x 128 tokens), the clusters
 fill them.
 
+A sixth, ``weight_prefetch`` (off by default: the kernels above byte for byte): the kernel places its own programmatic
+dependent launch wait (:mod:`stof_tvm.schedules.dependent_launch`). Before it, the producer warpgroup asks L2 for
+the W rows of the block's first tile (its k slice under split-K) with ``cp.async.bulk.prefetch.L2``, one request
+per row; then every thread runs ``griddepcontrol.wait`` and ``launch_dependents`` as the pass would have put them.
+W does not depend on the kernel before (it is a weight), so its HBM reads overlap that kernel's tail instead of
+following it; and a prefetch is only a hint: L2 is the GPU's point of coherence, so the loads after the wait see
+the data as it is then whatever the prefetch fetched. At 1 x 128 tokens a GEMM's W slice is most of what a block
+reads (RoBERTa-base's FFN: 128 x 192 x 2 bytes per block, A is 128 rows from L2) and each GEMM runs ~7 us.
+
 Shapes must tile exactly: m % tile_m, n % block_n and k % 64 all zero, split_k must divide k / 64
 (:func:`check_wgmma_shape`). Build for ``arch="sm_90a"`` (``wgmma`` and ``setmaxnreg`` exist
 only there).
@@ -154,8 +163,8 @@ class WgmmaConfig:
     ``fast_gelu`` (a GELU activation from one exp2 of a fitted polynomial, :mod:`.fast_gelu`; staged only) and its
     ``gelu_form`` (``"tail"``: that exp2; ``"tanh"``: one tanh.approx.f32 instead),
     ``loads`` (``"cp.async"``, or ``"tma"``: one producer thread issues TMA boxes from tensor maps the host encodes
-    at each call) and ``split_k`` (blocks of one cluster sharing a tile's k steps, reduced through distributed
-    shared memory)."""
+    at each call), ``split_k`` (blocks of one cluster sharing a tile's k steps, reduced through distributed
+    shared memory) and ``weight_prefetch`` (W's first tile asked of L2 before the dependent launch wait)."""
 
     block_n: int = 128
     stages: int = 4
@@ -167,6 +176,7 @@ class WgmmaConfig:
     gelu_form: str = "tail"
     loads: str = "cp.async"
     split_k: int = 1
+    weight_prefetch: bool = False
 
     def validate(self) -> None:
         if self.block_n not in BLOCK_N_CHOICES:
@@ -200,6 +210,8 @@ class WgmmaConfig:
         if self.split_k > 1 and (self.persistent or self.pingpong or self.block_m != BLOCK_M or self.staged):
             raise ValueError("split_k > 1 is one cooperative 128-row tile per block with the reduction's own "
                              "epilogue: persistent, pingpong, staged must be False and block_m 128")
+        if self.weight_prefetch not in (True, False):
+            raise ValueError(f"weight_prefetch must be a bool, got {self.weight_prefetch!r}")
 
     @property
     def tile_m(self) -> int:
@@ -646,8 +658,24 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     T.ptx["st.global.v2.b32"](out_ptr(out, m0 + row, n0 + col), words[0], words[1])
 
     @T.macro
+    def prefetch_weights(W, bx, wt):
+        """``weight_prefetch``: producer thread ``wt`` asks L2 for rows ``wt``, ``wt + 128``, ... of the W slab that
+        block ``bx``'s first tile reads (``block_n`` rows of its ``KS`` k steps: one contiguous run each)."""
+        tile: T.let = tile_of(bx, 0)
+        if tile < NUM_TILES:
+            for it in T.unroll(-(-BN // WG)):
+                if it * WG + wt < BN:
+                    T.ptx["cp.async.bulk.prefetch.L2.global"](
+                        T.address_of(W[tile_cols(tile) + it * WG + wt, k_col(bx, 0)]), T.uint32(KS * ROW_BYTES))
+
+    @T.macro
     def block(A, W, bias_buf, out, maps, bx, cr, tx):
         """One thread block's work (``cr``: its rank in the split-K cluster, 0 without split-K)."""
+        if config.weight_prefetch:   # W is a weight: ask for it before waiting for the kernel before (docstring)
+            if tx < WG:
+                prefetch_weights(W, bx, tx)
+            T.ptx["griddepcontrol.wait"]()
+            T.ptx["griddepcontrol.launch_dependents"]()
         wgmma_smem = T.alloc_buffer((SMEM_WORDS,), "uint64", scope="shared.dyn")
         acc = T.alloc_buffer((HALVES * NACC,), "float32", scope="local")
         flag = T.alloc_buffer((1,), "uint32", scope="local")
