@@ -1,12 +1,11 @@
-"""The wgmma kernels' ``weight_prefetch`` knob (schedules/templates/wgmma_kernel.py) and the compile option that sets
-it: before its own programmatic dependent launch wait, the producer warpgroup asks L2 for the W rows of the block's
-first tile; off, the kernels are byte for byte the ones without the knob. Timings need an H200
-(scripts/bench_e2e.py --ours-variants)."""
+"""The wgmma kernels' ``weight_prefetch`` knob (schedules/templates/wgmma_kernel.py), on in the split-K knob sets:
+before its own programmatic dependent launch wait, the producer warpgroup asks L2 for the W rows of the block's
+first tile; off, the kernels are byte for byte the ones without the knob. Timings need an H200 (BENCHMARKS.md,
+session 15)."""
 from __future__ import annotations
 
 import re
 import shutil
-import warnings
 
 import pytest
 import tvm
@@ -67,30 +66,26 @@ def test_bad_value_is_refused():
         get_template("gemm_wgmma").kernel(FFN_DOWN, knobs=dict(SPLIT, weight_prefetch="yes"))
 
 
-def test_the_compile_option_reaches_every_wgmma_gemm_of_a_real_export(hf_export):
-    """A tiny HF RoBERTa (TorchScript, opset 17) for sm_90 with ``weight_prefetch=True``: every wgmma stage's knobs
-    carry it and each of the four GEMM kernels asks for its weights before its one wait; the option is refused
-    without dependent launches and for a non-bool."""
-    import stof_tvm
-    from stof_tvm.compiler import front_end, lower
+@pytest.mark.parametrize("name, shape", [
+    ("qkv_projection_wgmma", {"batch": 1, "seq": 128, "heads": 12, "head_dim": 64}),
+    ("gemm_wgmma", {"m": 128, "n": 768, "k": 768}),
+    ("gemm_bias_gelu_erf_wgmma", {"m": 128, "n": 3072, "k": 768}),
+    ("gemm_bias_gelu_tanh_wgmma", {"m": 128, "n": 3072, "k": 768}),
+    ("gemm_bias_wgmma", FFN_DOWN),
+])
+def test_the_split_k_sets_prefetch_and_lead_at_128_rows(name, shape):
+    """RoBERTa-base / GPT-2 at 1 x 128 tokens: every GEMM's first knob set (the compile path's untuned choice) is a
+    split-K set with ``weight_prefetch``; every split set has it, no unsplit set does."""
+    space = get_template(name).knob_space(shape, "float16")
+    assert space[0].get("split_k", 1) > 1 and space[0]["weight_prefetch"] is True
+    assert all(kn.get("weight_prefetch") is (True if kn.get("split_k", 1) > 1 else None) for kn in space)
 
-    path = hf_export("roberta", "eager", "torchscript", 17, True, 2, 64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        front = front_end(path, mask="bigbird", batch=48, seq_len=256, target="cuda", dtype="float16", gemm="wgmma",
-                          weight_prefetch=True)
-    stages = [stage for site in front.template_entry["sites"] for stage in site["stages"]]
-    wgmma = [stage for stage in stages if stage["template"].endswith("_wgmma")]
-    assert {stage["template"] for stage in wgmma} == {"qkv_projection_wgmma", "gemm_wgmma", "gemm_bias_gelu_erf_wgmma"}
-    assert all(stage["knobs"]["weight_prefetch"] is True for stage in wgmma)
-    _, executable = lower(front, None, cuda_graph=True, dependent_launch=True)
-    (src,) = cuda_sources(executable)
-    gemms = {name: body for name, body in kernel_bodies(src).items() if "wgmma" in name and "attention" not in name}
-    assert len(gemms) == 4
-    for name, body in gemms.items():
-        assert body.count(WAIT) == 1 and PREFETCH.search(body).end() < body.index(WAIT), name
-    with pytest.raises(ValueError, match="dependent launch"):
-        stof_tvm.compile(path, mask="bigbird", batch=2, seq_len=64, target="cuda", weight_prefetch=True,
-                         dependent_launch=False)
-    with pytest.raises(TypeError, match="weight_prefetch"):
-        stof_tvm.compile(path, mask="bigbird", batch=2, seq_len=64, target="cuda", weight_prefetch="yes")
+
+def test_many_rows_keep_the_kernels_without_prefetch():
+    """At 4096 rows (8 x 512 tokens, where prefetching every GEMM's weights measured 0.935x) the first sets are
+    unsplit and build without it."""
+    for name, shape in (("gemm_bias_wgmma", {"m": 4096, "n": 768, "k": 3072}),
+                        ("qkv_projection_wgmma", {"batch": 8, "seq": 512, "heads": 12, "head_dim": 64})):
+        first = get_template(name).knob_space(shape, "float16")[0]
+        assert "weight_prefetch" not in first
+        assert "prefetch_L2_global" not in cuda_source(build_kernel(name, shape, "float16", first))

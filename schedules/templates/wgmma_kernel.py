@@ -93,7 +93,8 @@ bytes; the ranks take turns over runs of 256 chunks. A second cluster barrier ke
 until all have read it. Where a GEMM's tiles alone leave most SMs idle (RoBERTa-base at 1 x 128 tokens), the clusters
 fill them.
 
-A sixth, ``weight_prefetch`` (off by default: the kernels above byte for byte): the kernel places its own programmatic
+A sixth, ``weight_prefetch`` (off by default: the kernels above byte for byte; on in the split-K knob sets,
+:meth:`.gemm_wgmma.WgmmaKernelMixin.split_sets`): the kernel places its own programmatic
 dependent launch wait (:mod:`stof_tvm.schedules.dependent_launch`). Before it, the producer warpgroup asks L2 for
 the W rows of the block's first tile (its k slice under split-K) with ``cp.async.bulk.prefetch.L2``, one request
 per row; then every thread runs ``griddepcontrol.wait`` and ``launch_dependents`` as the pass would have put them.

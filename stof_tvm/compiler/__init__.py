@@ -188,8 +188,7 @@ class FrontEnd:
 
 def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
               kernel: str = "auto", templates: bool | None = None, gemm: str = "auto",
-              database: str | None = None, schedule: bool = True, lean_padding: bool = True,
-              weight_prefetch: bool = False) -> FrontEnd:
+              database: str | None = None, schedule: bool = True, lean_padding: bool = True) -> FrontEnd:
     """Steps 1-5 of :func:`compile` (same arguments): import, attention kernel choice and rewrite, templates.
 
     ``schedule=False`` leaves the template PrimFuncs unscheduled (the tuner only reads which calls are made)."""
@@ -272,8 +271,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
                                            padding=plan.padding if choice.padding else None, target_kind=tspec["kind"])
     template_entry = {}
     if templates:
-        mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule,
-                                            weight_prefetch=weight_prefetch)
+        mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule)
     mod["main"] = relax.analysis.remove_all_unused(fold_permute_pairs(mod["main"]))  # transposes around attention
     report = coverage(canonical, mod["main"], attention_kernel=choice.kind, attention_sites=len(sites),
                       attention_reason=f"dense kernel: {choice.reason}",
@@ -326,7 +324,7 @@ def _check_fallback_mask(mask, batch: int, seq_len: int, reason: str) -> None:
 def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
             kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
             dependent_launch: bool | None = None, database: str | None = None, progress=None,
-            lean_padding: bool = True, weight_prefetch: bool = False):
+            lean_padding: bool = True):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
 
     ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
@@ -360,9 +358,6 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     loaded once a tile): on the H200, RoBERTa-base 16x2048's BigBird attention 0.1049 -> 0.1004 ms under an all-ones
     mask, 0.1442 -> 0.1246 under mixed padding, the same under right padding (BENCHMARKS.md, session 13);
     ``False`` keeps the older form.
-    ``weight_prefetch`` (default off, being measured): the wgmma GEMMs ask L2 for their weight tiles before their
-    dependent launch wait, so the weight reads overlap the kernel before (``WgmmaConfig.weight_prefetch``); it needs
-    ``dependent_launch``.
     """
     from stof_tvm.artifact import Artifact
     from stof_tvm.records import open_database, record_usage
@@ -373,8 +368,6 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         raise TypeError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
     if lean_padding not in (False, True):
         raise TypeError(f"lean_padding: expected a bool, got {lean_padding!r}")
-    if weight_prefetch not in (False, True):
-        raise TypeError(f"weight_prefetch: expected a bool, got {weight_prefetch!r}")
     if cuda_graph and target_dict(target)["kind"] != "cuda":
         raise ValueError(f"cuda_graph: CUDA graphs need target 'cuda', got {target_dict(target)['kind']!r}")
     records = None
@@ -385,15 +378,12 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     with record_usage() as usage:
         front = front_end(model, mask=mask, batch=batch, seq_len=seq_len, target=target, dtype=dtype,
                           kernel=kernel, templates=templates, gemm=gemm, database=database,
-                          lean_padding=lean_padding, weight_prefetch=weight_prefetch)
+                          lean_padding=lean_padding)
         tspec, choice = front.tspec, front.choice
         report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
                f"(attention kernel {choice.kind if choice else 'none: ' + front.fallback}, "
                f"templates {front.gemm if front.template_entry else 'off'})")
         dependent_launch = uses_dependent_launch(front.target, dependent_launch)
-        if weight_prefetch and not dependent_launch:
-            raise ValueError("weight_prefetch: the weight prefetch overlaps the kernel before only under a dependent "
-                             "launch (dependent_launch=True, sm_90+)")
         mod, executable = lower(front, database, cuda_graph, dependent_launch)
     user_mask = front.user_mask
     binaries = {}

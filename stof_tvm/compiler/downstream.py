@@ -51,7 +51,6 @@ definition, measured on llvm, is applied there too). The wgmma kernels are threa
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -97,9 +96,8 @@ class _Templates:
     """Adds one PrimFunc per (template, shape, options) to the module and records every site."""
 
     def __init__(self, mod: tvm.IRModule, target: tvm.target.Target, database: str | None, gemm: str,
-                 schedule: bool = True, weight_prefetch: bool = False):
+                 schedule: bool = True):
         self.mod = mod
-        self.weight_prefetch = weight_prefetch
         self.target = target
         self.cuda = target.kind.name == "cuda"
         self.schedule = schedule
@@ -112,15 +110,12 @@ class _Templates:
     # ---- functions ---------------------------------------------------------------------------------------
     def function(self, name: str, shape: dict, dtype: str, eps: float | None = None):
         from stof_tvm.schedules.templates import get_template
-        from stof_tvm.schedules.templates.gemm_wgmma import WgmmaKernelMixin
 
         options = {} if eps is None else {"eps": eps}
         key = (name, json.dumps(shape, sort_keys=True), dtype, eps)
         if key not in self.functions:
             template = get_template(name)
             choice = self.chooser.knobs(template, shape, dtype, options)
-            if self.weight_prefetch and isinstance(template, WgmmaKernelMixin) and choice.knobs is not None:
-                choice = dataclasses.replace(choice, knobs={**choice.knobs, "weight_prefetch": True})
             func = template.primfunc(shape, dtype, **options)
             if self.schedule and name.endswith("_wgmma") and choice.knobs is not None:
                 func = template.kernel(shape, dtype, choice.knobs)
@@ -411,16 +406,14 @@ def _simplify(func: relax.Function) -> relax.Function:
 
 
 def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | None = None,
-                  gemm: str = "mma", schedule: bool = True, weight_prefetch: bool = False) -> tuple[tvm.IRModule, dict]:
+                  gemm: str = "mma", schedule: bool = True) -> tuple[tvm.IRModule, dict]:
     """Rewrite ``main``'s downstream chains into template calls; returns the module and the manifest entry
     ``{"gemm", "calls": {template: count}, "sites": [...], "notes": [...]}``. Each site's stages name the
     template, shape, dtype (and ``eps`` where it is not the default) of one call: what the tuner plans.
-    ``schedule=False``: leave every PrimFunc unscheduled (for planning only; the module is not for building).
-    ``weight_prefetch``: every wgmma GEMM / QKV kernel's chosen knobs get ``weight_prefetch`` (its W asked of L2 before the
-    dependent launch wait, :mod:`stof_tvm.schedules.templates.wgmma_kernel`)."""
+    ``schedule=False``: leave every PrimFunc unscheduled (for planning only; the module is not for building)."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm: expected one of {GEMMS}, got {gemm!r}")
-    t = _Templates(mod, target, database, gemm, schedule, weight_prefetch)
+    t = _Templates(mod, target, database, gemm, schedule)
     func = mod["main"]
     var2val = relax.analysis.get_var2val(func)
 
