@@ -28,6 +28,11 @@ Per model and shape (each in a child process, so a crash or a sticky CUDA error 
    | ``tvm-default`` | TVM's default pipeline on the same ONNX (see 2.) | dense |
    | ``ours-nograph`` | with ``--profile``: ``ours`` without CUDA graphs, timed and profiled per kernel class | sparse |
 
+With ``--profile`` the row also gets ``ours_timeline``: ``ours``' kernels over 20 back-to-back calls as CUPTI saw them
+in place (torch.profiler; :func:`benchlib.timeline`): kernels a call, the device span and its idle part, and each
+kernel class's and the largest kernels' exposed time (how far each moves the end of the work past the kernels
+before it: under dependent launches kernels overlap, so their own durations add up to more than the call takes).
+
 Reported per row: ms of each; ours' coverage from its manifest (linears on fusion templates, attention sites on
 sparse kernels: accelerated / total); the hardware limit of the useful work (``scripts/e2e_models.work``: matrix
 FLOPs plus attention FLOPs of the kept pairs at 790 TFLOP/s, least bytes at 4.2 TB/s), each time's fraction of it
@@ -104,6 +109,8 @@ STAGE_COST_S = {"export": 30, "reference": 15, "torch-eager": 15, "torch-compile
 COMPILED = ("ours", "ours-nograph", "tvm-default")         # stages whose module compiles in the background
 ROW_MIN_S = 60             # a row starts only with this much of the budget left
 RESERVE_S = 20             # kept back for the final JSON and table (and a child's exit)
+TIMELINE_CALLS = 20        # --profile: back-to-back calls of ours traced in place
+TIMELINE_TOP = 12          # ... and the kernels kept in the row, largest exposed time first
 # Relax symbol substrings -> kernel class, first match wins (the per-kernel-class breakdown of --profile)
 KERNEL_CLASSES = (("attention", ("attention", "blockwise", "rowwise", "softmax")),
                   ("gemm", ("gemm", "matmul", "qkv", "ffn", "dense", "linear", "conv")),
@@ -200,6 +207,19 @@ def class_breakdown(profile_rows: list[dict]) -> list[dict]:
         entry["calls"] += row["calls"]
         entry["share"] += row["share"]
     return [{"class": c, **v} for c, v in sorted(classes.items(), key=lambda kv: -kv[1]["ms"])]
+
+
+def timeline_text(summary: dict) -> str:
+    """:func:`benchlib.timeline`'s summary of ours (the CUDA-graph module) as a short table: per call, the exposed
+    time of each kernel class and of the largest kernels."""
+    head = (f"ours in place (CUDA graph, CUPTI via torch.profiler, {summary['calls']} calls): "
+            f"{summary['kernels_per_call']} kernels a call, span {summary['span_us']:.1f} us (idle "
+            f"{summary['idle_us']:.1f}), the kernels' own durations {summary['kernel_us']:.1f} us (they overlap)")
+    columns = [("class", "class", ""), ("us", "exposed us", ".1f"), ("kernels", "kernels", ".0f"),
+               ("share", "share", ".1%")]
+    top = [("kernel", "kernel", ""), ("us", "exposed us", ".1f"), ("kernels", "kernels", ".0f"),
+           ("share", "share", ".1%")]
+    return "\n".join([head, bl.format_table(summary["classes"], columns), bl.format_table(summary["kernels"], top)])
 
 
 def coverage_counts(coverage: dict, kind: str) -> str | None:
@@ -642,6 +662,8 @@ def measure_row(args, row: "Row") -> None:
         prepared = [compiled.prepare(f) for f in feeds]
         row.check(stage, first_output(compiled.run(prepared[0])), refs["sparse"], args.tolerance)
         row.timed(stage, lambda p: compiled.run(p), [(p,) for p in prepared], args)
+        if stage == "ours" and args.profile:      # its own failure is recorded in the row, the timings kept
+            bl.guarded(data, "ours-timeline", trace_timeline, lambda p: compiled.run(p), [(p,) for p in prepared])
         if stage == "ours-nograph":
             from stof_tvm.profiling import profile_calls
 
@@ -649,6 +671,12 @@ def measure_row(args, row: "Row") -> None:
             data["ours-nograph_profile"] = profile.rows()[:30]
             data["ours-nograph_classes"] = class_breakdown(profile.rows())
             print(profile.table(), flush=True)
+    def trace_timeline(fn, inputs):
+        summary = bl.timeline(bl.trace_kernels(fn, inputs, TIMELINE_CALLS), TIMELINE_CALLS, kernel_class)
+        summary["kernels"] = summary["kernels"][:TIMELINE_TOP]
+        data["ours_timeline"] = summary
+        print(timeline_text(summary), flush=True)
+
     def tvm_default_stage(stage):
         runner = load(stage)
         prepared = [runner.prepare(f) for f in (device_feeds(s) for s in sets)]
@@ -681,7 +709,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--skip", nargs="*", default=[], choices=STAGES, metavar="STAGE",
                    help=f"stages left out: {' '.join(STAGES)}")
     p.add_argument("--profile", action="store_true",
-                   help="also build ours without CUDA graphs, time it and break its time down by kernel class")
+                   help="also trace ours' kernels in place (CUPTI: each kernel's exposed time in the CUDA graph, by "
+                        "class) and build ours without CUDA graphs, time it and profile it call by call")
     p.add_argument("--ours-options", default="{}", metavar="JSON",
                    help='extra stof_tvm.compile options for ours, e.g. \'{"gemm": "mma"}\'')
     p.add_argument("--ours-variants", nargs="*", type=parse_variant, default=[], metavar="NAME=JSON",

@@ -4,7 +4,8 @@ One place for what every measurement needs, so that figures from different scrip
 
 - **timing**: :func:`time_ms` (CUDA events around back-to-back calls after warm-up, the median of many samples,
   each sample on the next input set of a pool of fresh random inputs; wall clock on the CPU), :func:`graphed`
-  (a callable captured in a CUDA graph), :func:`finished` (a hang guard);
+  (a callable captured in a CUDA graph), :func:`finished` (a hang guard), :func:`trace_kernels` and
+  :func:`timeline` (the kernels of back-to-back calls as CUPTI saw them, and the time each exposes, by class);
 - **checking**: :func:`poison` (outputs filled with NaN / an impossible integer before a run, so an element a
   kernel never writes cannot pass), :func:`errors` against a float32 reference (max absolute, max relative to the
   reference's largest magnitude, relative Frobenius) and :func:`within`;
@@ -159,6 +160,77 @@ def finished(seconds: float) -> bool:
             return False
         time.sleep(0.001)
     return True
+
+
+# ---------------------------------------------------------------------------------------------- kernel timeline
+def trace_kernels(fn, inputs, calls: int) -> list[dict]:
+    """The GPU kernels of ``calls`` back-to-back calls of ``fn`` (cycling the input sets ``inputs``, as
+    :func:`time_ms` does), as CUPTI recorded them through torch.profiler: one ``{"name", "start", "end"}`` (us) per
+    kernel, in launch order. CUPTI sees every kernel of the process, TVM's and those CUDA graphs replay included,
+    with the times they ran in place (programmatic dependent launches overlapping): what the synchronised per-call
+    profile cannot show."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    call = _cycle(fn, inputs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            call(i)()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return kernel_events(json.loads(path.read_text()))
+
+
+def kernel_events(trace: dict) -> list[dict]:
+    """The kernel records of a Chrome trace (torch.profiler's export), in launch order (start time)."""
+    kernels = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    return sorted(({"name": e["name"], "start": float(e["ts"]), "end": float(e["ts"]) + float(e["dur"])}
+                   for e in kernels), key=lambda e: e["start"])
+
+
+def exposed_us(events: list[dict]) -> list[tuple[float, float]]:
+    """Per kernel, ``(exposed, idle)`` in us: how far it moves the end of the work past every kernel launched before
+    it, and the part of that when the GPU ran none of them (a gap before its start: launch latency, host work).
+    Kernels overlap under dependent launches (one starts, and waits, before the one before ends), so their own
+    durations add up to more than the calls take; the exposed times add up to the span from the first start to
+    the last end."""
+    shares, horizon = [], events[0]["start"] if events else 0.0
+    for event in events:
+        shares.append((max(0.0, event["end"] - horizon), max(0.0, event["start"] - horizon)))
+        horizon = max(horizon, event["end"])
+    return shares
+
+
+def timeline(events: list[dict], calls: int, classify) -> dict:
+    """``events`` (:func:`trace_kernels` of ``calls`` calls) per call: kernels, the device span (the exposed times'
+    sum, us), the idle part of it, the kernels' own durations summed (more than the span where they overlap), and
+    the exposed time by kernel class (``classify(name) -> str``) and by kernel, largest first.
+    ValueError unless every call launched the same number of kernels."""
+    if calls < 1 or not events or len(events) % calls:
+        raise ValueError(f"timeline: {len(events)} kernels do not split into {calls} calls")
+    shares = exposed_us(events)
+    per_class: dict[str, list] = {}
+    per_kernel: dict[str, list] = {}
+    for event, (us, _) in zip(events, shares):
+        for table, key in ((per_class, classify(event["name"])), (per_kernel, event["name"])):
+            entry = table.setdefault(key, [0.0, 0])
+            entry[0] += us / calls
+            entry[1] += 1
+    span = sum(us for us, _ in shares) / calls
+
+    def rows(table, label):
+        return [{label: key, "us": us, "kernels": count / calls, "share": us / span if span else 0.0}
+                for key, (us, count) in sorted(table.items(), key=lambda kv: -kv[1][0])]
+
+    return {"calls": calls, "kernels_per_call": len(events) // calls, "span_us": span,
+            "idle_us": sum(idle for _, idle in shares) / calls,
+            "kernel_us": sum(e["end"] - e["start"] for e in events) / calls,
+            "classes": rows(per_class, "class"), "kernels": rows(per_kernel, "kernel")}
 
 
 def random_token_ids(rng: np.random.Generator, batch: int, seq_len: int, vocab: int) -> np.ndarray:

@@ -116,6 +116,15 @@ def test_kernel_classes_fold_the_profile():
     assert got[0]["ms"] == 3.0 and got[0]["calls"] == 24 and got[0]["share"] == pytest.approx(0.6)
 
 
+def test_timeline_text_names_each_class_and_kernel():
+    summary = {"calls": 20, "kernels_per_call": 3, "span_us": 20.5, "idle_us": 0.5, "kernel_us": 22.0,
+               "classes": [{"class": "gemm", "us": 10.5, "kernels": 1.0, "share": 0.51}],
+               "kernels": [{"kernel": "stof_gemm_wgmma_m128_kernel", "us": 10.5, "kernels": 1.0, "share": 0.51}]}
+    text = bench_e2e.timeline_text(summary)
+    assert "3 kernels a call, span 20.5 us (idle 0.5)" in text and "22.0 us (they overlap)" in text
+    assert "gemm" in text and "stof_gemm_wgmma_m128_kernel" in text and "51.0%" in text
+
+
 # ------------------------------------------------------------------------------------------ with torch
 def test_masked_attention_matches_the_exported_graph_under_the_same_mask(tmp_path):
     """The harness's float32 reference (the HF model with ``stof_masked_sdpa``) computes what stof-tvm computes:

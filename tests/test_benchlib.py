@@ -104,6 +104,41 @@ def test_write_json_is_atomic_and_takes_numpy(tmp_path):
     assert not (tmp_path / "sub" / "r.json.tmp").exists()
 
 
+def _trace(kernels):
+    """A Chrome trace as torch.profiler exports it: kernel records ``(name, ts, dur)`` among other events."""
+    events = [{"ph": "X", "cat": "kernel", "name": n, "ts": ts, "dur": dur} for n, ts, dur in kernels]
+    events += [{"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 0.0, "dur": 50.0},
+               {"ph": "i", "cat": "kernel", "name": "marker", "ts": 1.0}]
+    return {"traceEvents": events[::-1]}
+
+
+def test_timeline_attributes_overlapping_kernels_by_the_time_they_expose():
+    """Two calls of three kernels each. Under dependent launches a kernel starts (and waits) before the one before
+    ends: a GEMM 0-10 us, a norm launched at 8 ending at 13 (exposes 3), attention 13-20 after a 0 us gap; the second
+    call 1 us after the first ends (idle 1, counted to its first kernel). The exposed times add up to the span."""
+    kernels = []
+    for base in (0.0, 21.0):
+        kernels += [("stof_gemm_wgmma_m128_kernel", base, 10.0), ("stof_bias_residual_layernorm_kernel", base + 8, 5.0),
+                    ("stof_attention_block_kernel", base + 13, 7.0)]
+    events = bl.kernel_events(_trace(kernels))
+    assert [e["name"] for e in events][:3] == [k[0] for k in kernels[:3]]
+    assert [round(us, 6) for us, _ in bl.exposed_us(events)] == [10.0, 3.0, 7.0, 11.0, 3.0, 7.0]
+    assert [idle for _, idle in bl.exposed_us(events)] == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+
+    def classify(name):
+        return next((c for c in ("gemm", "layernorm", "attention") if c in name), "other")
+
+    summary = bl.timeline(events, 2, classify)
+    assert summary["kernels_per_call"] == 3 and summary["span_us"] == pytest.approx(20.5)
+    assert summary["idle_us"] == pytest.approx(0.5) and summary["kernel_us"] == pytest.approx(22.0)
+    assert [(r["class"], r["us"], r["kernels"]) for r in summary["classes"]] == [
+        ("gemm", 10.5, 1.0), ("attention", 7.0, 1.0), ("layernorm", 3.0, 1.0)]
+    assert sum(r["share"] for r in summary["classes"]) == pytest.approx(1.0)
+    assert summary["kernels"][0]["kernel"] == "stof_gemm_wgmma_m128_kernel"
+    with pytest.raises(ValueError, match="do not split into 4 calls"):
+        bl.timeline(events, 4, classify)
+
+
 def test_format_table_aligns_and_marks_missing_cells():
     rows = [{"m": "bert", "ms": 1.23456, "x": None}, {"m": "gpt2-long", "ms": 10.0, "x": float("nan")}]
     text = bl.format_table(rows, [("m", "model", ""), ("ms", "ms", ".2f"), ("x", "ratio", ".1f")])
