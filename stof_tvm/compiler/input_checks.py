@@ -48,11 +48,21 @@ def clip_gathers(mod: tvm.IRModule) -> tvm.IRModule:
     return mod
 
 
-def _out_of_range_count(value: relax.Expr, check: ValueCheck) -> relax.Expr:
+def _outside(value: relax.Expr, check: ValueCheck) -> relax.Expr:
+    """Whether each value lies outside ``[low, high)`` (bool, ``value``'s shape)."""
     dtype = str(value.ty.dtype)
-    outside = relax.op.logical_or(relax.op.less(value, relax.const(check.low, dtype)),
-                                  relax.op.greater_equal(value, relax.const(check.high, dtype)))
-    return relax.op.sum(relax.op.astype(outside, "int64"))
+    return relax.op.logical_or(relax.op.less(value, relax.const(check.low, dtype)),
+                               relax.op.greater_equal(value, relax.const(check.high, dtype)))
+
+
+def _out_of_range_count(value: relax.Expr, check: ValueCheck) -> relax.Expr:
+    return relax.op.sum(relax.op.astype(_outside(value, check), "int64"))
+
+
+def _same_shape(values: list[relax.Expr]) -> bool:
+    shapes = [tuple(int(d) for d in v.ty.shape.values) if isinstance(v.ty.shape, relax.ShapeExpr)
+              and all(isinstance(d, tvm.tirx.IntImm) for d in v.ty.shape.values) else None for v in values]
+    return shapes[0] is not None and len(set(shapes)) == 1 and len(shapes[0]) > 0
 
 
 def add_value_checks(mod: tvm.IRModule, checks: list[ValueCheck]) -> tuple[tvm.IRModule, int | None]:
@@ -68,12 +78,21 @@ def add_value_checks(mod: tvm.IRModule, checks: list[ValueCheck]) -> tuple[tvm.I
         fields = [relax.TupleGetItem(func.body.body, i) for i in range(len(types))]
     else:
         types, fields = [func.ret_ty], [func.body.body]
-    # one fused reduction per input at the start of main's first dataflow block (they read only the inputs:
-    # there they join the static region of the forward pass that CUDA graphs capture, :mod:`.graph_inputs`),
-    # stacked into the output at the end of its last one (writing an output ends a captured region)
-    counts = [relax.Var(f"stof_out_of_range_{i}", relax.TensorType([], "int64")) for i in range(len(checks))]
-    firsts = [relax.VarBinding(var, _out_of_range_count(params[c.name], c)) for var, c in zip(counts, checks)]
-    last = relax.VarBinding(errors, relax.op.stack(counts, axis=0))
+    values = [params[c.name] for c in checks]
+    if _same_shape(values):
+        # inputs of one static shape (token ids, token types, the attention mask: [B, S]): their out-of-range flags
+        # stacked and counted per input by one reduction (one kernel, which TVM fuses from the comparisons on),
+        # written straight into the output at the end of main's last dataflow block
+        rank = len(values[0].ty.shape.values)
+        flags = relax.op.astype(relax.op.stack([_outside(v, c) for v, c in zip(values, checks)], axis=0), "int64")
+        firsts, last = [], relax.VarBinding(errors, relax.op.sum(flags, axis=list(range(1, rank + 1))))
+    else:
+        # one fused reduction per input at the start of main's first dataflow block (they read only the inputs:
+        # there they join the static region of the forward pass that CUDA graphs capture, :mod:`.graph_inputs`),
+        # stacked into the output at the end of its last one (writing an output ends a captured region)
+        counts = [relax.Var(f"stof_out_of_range_{i}", relax.TensorType([], "int64")) for i in range(len(checks))]
+        firsts = [relax.VarBinding(var, _out_of_range_count(v, c)) for var, c, v in zip(counts, checks, values)]
+        last = relax.VarBinding(errors, relax.op.stack(counts, axis=0))
     blocks = list(func.body.blocks)
     dataflow = [i for i, block in enumerate(blocks) if isinstance(block, relax.DataflowBlock)]
     if dataflow:
