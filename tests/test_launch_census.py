@@ -78,9 +78,15 @@ def test_roberta_forward_is_one_graph(roberta):
     assert sum(n for name, n in calls.items() if name.startswith("stof_attention")) == 2, calls
     assert calls["stof_key_padding"] == 1
     # per layer: QKV, attention, output GEMM, LayerNorm, GELU GEMM, down GEMM, LayerNorm (7 x 2 layers); then the
-    # input copy, key padding, two value counts, pad test, scan, the embeddings' ids + gathers + sum as one kernel
-    # (:mod:`.gathers`), their LayerNorm, and the two output kernels: 10 (17 with a kernel per gather)
-    assert census.kernels <= 7 * 2 + 10, census.table()
+    # input copy, key padding, the position-id scan (counting the ids unequal to the pad id itself), the pad test
+    # + embeddings' ids + gathers + sum as one kernel (:mod:`.gathers`), their LayerNorm, and the two output
+    # kernels (the hidden state, the value counts of both inputs in one): 7 (14 with a kernel per gather, 10 before
+    # the counts were one kernel and the scan read the ids)
+    assert census.kernels <= 7 * 2 + 7, census.table()
+    assert [name for name in calls if name.startswith("stof_scan_rows")] == ["stof_scan_rows_1x128_int32_unequal"]
+    alone = [name for name in calls if name.startswith("fused_") and "equal" in name
+             and not any(key in name for key in ("take", "gather", "sum"))]
+    assert not alone, calls       # the pad test has no kernel of its own: it joined the embeddings' kernel
     assert not [name for name in calls if name.startswith(("take", "gather"))], calls
     # the grid of every GEMM template is its tile count, as the knobs say (what the census reports per kernel)
     for site in front.template_entry["sites"]:
@@ -118,6 +124,28 @@ def test_row_scan_kernel_runs_on_cpu_threads(rows, length, tmp_path):
     x = np.random.default_rng(length).integers(-3, 4, size=(rows, length)).astype(np.int32)
     got = run_on_cpu(src, {"x": x}, {"out": (rows, length)}, rows, (32, 1), tmp_path, dtype="int32")["out"]
     np.testing.assert_array_equal(got, np.cumsum(x, axis=1))
+
+
+@pytest.mark.parametrize("rows, length", [(1, 128), (3, 129)])
+def test_row_scan_counting_unequal_ids_runs_on_cpu_threads(rows, length, tmp_path):
+    """The scan that reads token ids and sums ``ids != pad`` (RoBERTa's position ids), CUDA kernel and CPU twin,
+    against numpy."""
+    from cuda_emulation import run_on_cpu
+
+    ids = np.random.default_rng(length).integers(0, 4, size=(rows, length)).astype(np.int64)
+    want = np.cumsum(ids != 1, axis=1).astype(np.int32)
+    func = scan_rows_primfunc(rows, length, "int32", name="main", unequal_to=(1, "int32"))   # the emulation: one dtype
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
+    src = tvm.compile(tvm.IRModule({"main": func}), target=target).mod.imports[0].inspect_source()
+    got = run_on_cpu(src, {"x": ids.astype(np.int32)}, {"out": (rows, length)}, rows, (32, 1), tmp_path,
+                     dtype="int32")["out"]
+    np.testing.assert_array_equal(got, want)
+    cpu = tvm.compile(tvm.IRModule({"main": scan_rows_primfunc(rows, length, "int32", name="main",
+                                                                 target_kind="llvm", unequal_to=(1, "int64"))}),
+                      target="llvm")
+    out = tvm.runtime.empty((rows, length), "int32")
+    cpu["main"](tvm.runtime.tensor(ids), out)
+    np.testing.assert_array_equal(out.numpy(), want)
 
 
 def _compile_keeping_front(path, **options):

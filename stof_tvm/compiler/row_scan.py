@@ -15,6 +15,8 @@ import math
 import tvm
 from tvm import relax, tirx
 
+from .attention_match import resolve, scalar_value
+
 SCAN_SYMBOL = "stof_scan_rows"
 LANES = 32
 OPAQUE = 8          # relax OpPatternKind kOpaque
@@ -22,10 +24,11 @@ MAX_ROW = 1 << 16   # longer rows keep TVM's own scan (one lane would sum more t
 
 
 def scan_rows_primfunc(rows: int, length: int, dtype: str, name: str = SCAN_SYMBOL,
-                       target_kind: str = "cuda") -> tirx.PrimFunc:
+                       target_kind: str = "cuda", unequal_to: tuple[int, str] | None = None) -> tirx.PrimFunc:
     """``(x[rows, length], out[rows, length])``: ``out[r, j] = sum(x[r, :j + 1])``, one warp per row on CUDA, a
     running sum per row on the CPU (where the tests check the rewrite through a whole model); ``name``: its global
-    symbol."""
+    symbol. ``unequal_to = (value, x_dtype)``: x holds ``x_dtype`` values and the scan counts those unequal to
+    ``value`` (``out[r, j] = sum(x[r, :j + 1] != value)``: RoBERTa's position ids read the token ids themselves)."""
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
@@ -37,24 +40,31 @@ def scan_rows_primfunc(rows: int, length: int, dtype: str, name: str = SCAN_SYMB
         with T.prim_func():
             T.func_name(name)
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": OPAQUE})
-            x = T.arg("x", T.Buffer((rows, length), dtype))
+            x = T.arg("x", T.Buffer((rows, length), dtype if unequal_to is None else unequal_to[1]))
             out = T.arg("out", T.Buffer((rows, length), dtype))
+            if unequal_to is None:
+                def term(row, j):
+                    return x[row, j]
+            else:
+                def term(row, j):
+                    return tirx.Cast(dtype, x[row, j] != tirx.const(unequal_to[0], unequal_to[1]))
             with T.sblock("root"):      # an opaque root block, as TVMScript's own kernels have (Relax's
                 # RewriteDataflowReshape inspects one-input PrimFuncs' bodies and expects one)
                 if target_kind == "cuda":
-                    _warp_per_row(T, x, out, rows, length, dtype)
+                    _warp_per_row(T, term, out, rows, length, dtype)
                 else:
                     acc = T.alloc_buffer((1,), dtype)
                     with T.serial(rows) as row:
                         T.buffer_store(acc, tirx.const(0, dtype), [0])
                         with T.serial(length) as j:
-                            T.buffer_store(acc, acc[0] + x[row, j], [0])
+                            T.buffer_store(acc, acc[0] + term(row, j), [0])
                             T.buffer_store(out, acc[0], [row, j])
     return builder.get()
 
 
-def _warp_per_row(T, x, out, rows: int, length: int, dtype: str) -> None:
-    """The CUDA body: lane ``l`` of row ``r``'s warp owns elements ``[l * chunk, (l + 1) * chunk)``."""
+def _warp_per_row(T, term, out, rows: int, length: int, dtype: str) -> None:
+    """The CUDA body: lane ``l`` of row ``r``'s warp owns elements ``[l * chunk, (l + 1) * chunk)``; ``term(row,
+    j)``: the value summed at (row, j)."""
     chunk = -(-length // LANES)
     zero = tirx.const(0, dtype)
     with T.thread_binding(rows, thread="blockIdx.x") as row:
@@ -65,7 +75,7 @@ def _warp_per_row(T, x, out, rows: int, length: int, dtype: str) -> None:
             with T.serial(chunk) as e:                  # the lane's chunk sum
                 with T.If(lane * chunk + e < length):
                     with T.Then():
-                        T.buffer_store(acc, acc[0] + x[row, lane * chunk + e], [0])
+                        T.buffer_store(acc, acc[0] + term(row, lane * chunk + e), [0])
             T.buffer_store(sums, acc[0], [lane])
             T.evaluate(T.tvm_storage_sync("shared"))
             T.buffer_store(acc, zero, [0])
@@ -76,7 +86,7 @@ def _warp_per_row(T, x, out, rows: int, length: int, dtype: str) -> None:
             with T.serial(chunk) as e:                  # the chunk's running sums
                 with T.If(lane * chunk + e < length):
                     with T.Then():
-                        T.buffer_store(acc, acc[0] + x[row, lane * chunk + e], [0])
+                        T.buffer_store(acc, acc[0] + term(row, lane * chunk + e), [0])
                         T.buffer_store(out, acc[0], [row, lane * chunk + e])
 
 
@@ -99,21 +109,57 @@ def _scannable(call: relax.Call) -> tuple[int, int, str] | None:
     return math.prod(shape[:-1]), shape[-1], dtype
 
 
+def _is_call(expr, op: str) -> bool:
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == op
+
+
+def _static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(d) for d in expr.ty.shape.values)
+    except (AttributeError, TypeError):     # no shape, or a symbolic extent
+        return None
+
+
+def unequal_source(x: relax.Expr, var2val: dict) -> tuple[relax.Expr, int] | None:
+    """``(ids, value)`` where ``x`` is ``astype(ids != value)`` (spelled ``not_equal``, or ``logical_not`` of
+    ``equal`` as the TorchScript export of RoBERTa's ``input_ids.ne(padding_idx)`` comes), ``ids`` an integer tensor of
+    ``x``'s shape and ``value`` an integer constant; else None."""
+    cast = resolve(x, var2val)
+    if not _is_call(cast, "relax.astype"):
+        return None
+    test = resolve(cast.args[0], var2val)
+    if _is_call(test, "relax.logical_not") and _is_call(resolve(test.args[0], var2val), "relax.equal"):
+        test = resolve(test.args[0], var2val)
+    elif not _is_call(test, "relax.not_equal"):
+        return None
+    for ids, other in (test.args, test.args[::-1]):
+        value = scalar_value(other, var2val)
+        if (value is not None and float(value).is_integer() and isinstance(ids.ty, relax.TensorType)
+                and "int" in str(ids.ty.dtype) and _static_shape(ids) == _static_shape(x) is not None):
+            return ids, int(value)
+    return None
+
+
 def rewrite_row_scans(mod: tvm.IRModule, target_kind: str = "cuda") -> tvm.IRModule:
     """``main`` with each inclusive last-axis ``cumsum`` of a static shape computed by :func:`scan_rows_primfunc`
-    for ``target_kind``. A mutator of the calls alone: a pattern rewrite would also merge
-    equal subexpressions of ``main`` and so change how its other operators fuse."""
+    for ``target_kind``. Where the summed tensor is ``astype(ids != value)`` (:func:`unequal_source`) the scan reads
+    ``ids`` and counts in place, so the comparison's own kernel goes (its other users, RoBERTa's ``* mask``, fuse it
+    into theirs). A mutator of the calls alone: a pattern rewrite would also merge equal subexpressions of ``main``
+    and so change how its other operators fuse."""
     builder_mod = {"mod": mod}
     functions: dict[tuple, tvm.ir.GlobalVar] = {}
+    var2val = relax.analysis.get_var2val(mod["main"])
 
-    def scan_function(spec) -> tvm.ir.GlobalVar:
-        if spec not in functions:
+    def scan_function(spec, unequal_to) -> tvm.ir.GlobalVar:
+        key = (spec, unequal_to)
+        if key not in functions:
             rows, length, dtype = spec
-            name = f"{SCAN_SYMBOL}_{rows}x{length}_{dtype}"
+            name = f"{SCAN_SYMBOL}_{rows}x{length}_{dtype}" + ("" if unequal_to is None else "_unequal")
             builder = relax.BlockBuilder(builder_mod["mod"])
-            functions[spec] = builder.add_func(scan_rows_primfunc(rows, length, dtype, name, target_kind), name)
+            functions[key] = builder.add_func(scan_rows_primfunc(rows, length, dtype, name, target_kind, unequal_to),
+                                              name)
             builder_mod["mod"] = builder.get()
-        return functions[spec]
+        return functions[key]
 
     @relax.expr_functor.mutator
     class Scans(relax.PyExprMutator):
@@ -126,8 +172,10 @@ def rewrite_row_scans(mod: tvm.IRModule, target_kind: str = "cuda") -> tvm.IRMod
                 return call
             rows, length, dtype = spec
             x = call.args[0]
-            flat = self.builder_.emit(relax.op.reshape(x, [rows, length]))
-            scanned = self.builder_.emit(relax.call_tir(scan_function(spec), [flat],
+            source = unequal_source(x, var2val)
+            summed, unequal_to = (x, None) if source is None else (source[0], (source[1], str(source[0].ty.dtype)))
+            flat = self.builder_.emit(relax.op.reshape(summed, [rows, length]))
+            scanned = self.builder_.emit(relax.call_tir(scan_function(spec, unequal_to), [flat],
                                                         relax.TensorType([rows, length], dtype)))
             return relax.op.reshape(scanned, list(x.ty.shape.values))
 
