@@ -671,6 +671,7 @@ def measure_row(args, row: "Row") -> None:
             data["ours-nograph_profile"] = profile.rows()[:30]
             data["ours-nograph_classes"] = class_breakdown(profile.rows())
             print(profile.table(), flush=True)
+
     def trace_timeline(fn, inputs):
         summary = bl.timeline(bl.trace_kernels(fn, inputs, TIMELINE_CALLS), TIMELINE_CALLS, kernel_class)
         summary["kernels"] = summary["kernels"][:TIMELINE_TOP]

@@ -16,6 +16,8 @@ import dataclasses
 import tvm
 from tvm import relax
 
+from .attention_match import static_shape
+
 VALUE_ERRORS = "stof_value_errors"
 
 
@@ -60,9 +62,8 @@ def _out_of_range_count(value: relax.Expr, check: ValueCheck) -> relax.Expr:
 
 
 def _same_shape(values: list[relax.Expr]) -> bool:
-    shapes = [tuple(int(d) for d in v.ty.shape.values) if isinstance(v.ty.shape, relax.ShapeExpr)
-              and all(isinstance(d, tvm.tirx.IntImm) for d in v.ty.shape.values) else None for v in values]
-    return shapes[0] is not None and len(set(shapes)) == 1 and len(shapes[0]) > 0
+    shapes = {static_shape(v) for v in values}
+    return len(shapes) == 1 and bool(next(iter(shapes)))
 
 
 def add_value_checks(mod: tvm.IRModule, checks: list[ValueCheck]) -> tuple[tvm.IRModule, int | None]:

@@ -15,7 +15,8 @@ import math
 import tvm
 from tvm import relax, tirx
 
-from .attention_match import resolve, scalar_value
+from .attention_match import resolve, scalar_value, static_shape
+from .linear_match import is_call
 
 SCAN_SYMBOL = "stof_scan_rows"
 LANES = 32
@@ -109,33 +110,22 @@ def _scannable(call: relax.Call) -> tuple[int, int, str] | None:
     return math.prod(shape[:-1]), shape[-1], dtype
 
 
-def _is_call(expr, op: str) -> bool:
-    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == op
-
-
-def _static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
-    try:
-        return tuple(int(d) for d in expr.ty.shape.values)
-    except (AttributeError, TypeError):     # no shape, or a symbolic extent
-        return None
-
-
 def unequal_source(x: relax.Expr, var2val: dict) -> tuple[relax.Expr, int] | None:
     """``(ids, value)`` where ``x`` is ``astype(ids != value)`` (spelled ``not_equal``, or ``logical_not`` of
     ``equal`` as the TorchScript export of RoBERTa's ``input_ids.ne(padding_idx)`` comes), ``ids`` an integer tensor of
     ``x``'s shape and ``value`` an integer constant; else None."""
     cast = resolve(x, var2val)
-    if not _is_call(cast, "relax.astype"):
+    if not is_call(cast, "relax.astype"):
         return None
     test = resolve(cast.args[0], var2val)
-    if _is_call(test, "relax.logical_not") and _is_call(resolve(test.args[0], var2val), "relax.equal"):
+    if is_call(test, "relax.logical_not") and is_call(resolve(test.args[0], var2val), "relax.equal"):
         test = resolve(test.args[0], var2val)
-    elif not _is_call(test, "relax.not_equal"):
+    elif not is_call(test, "relax.not_equal"):
         return None
     for ids, other in (test.args, test.args[::-1]):
         value = scalar_value(other, var2val)
         if (value is not None and float(value).is_integer() and isinstance(ids.ty, relax.TensorType)
-                and "int" in str(ids.ty.dtype) and _static_shape(ids) == _static_shape(x) is not None):
+                and "int" in str(ids.ty.dtype) and static_shape(ids) == static_shape(x) is not None):
             return ids, int(value)
     return None
 
