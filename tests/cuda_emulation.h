@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 #include <barrier>
 #include <vector>
@@ -24,7 +25,7 @@ thread_local dim3 threadIdx, blockIdx;
 static dim3 blockDim;
 static std::unique_ptr<std::barrier<>> block_bar;
 static std::vector<std::unique_ptr<std::barrier<>>> warp_bars;
-static float warp_buf[32][32];
+static uint64_t warp_buf[32][32];     // a lane's value, as raw bits (float, int32 or int64)
 #define __global__
 #define __launch_bounds__(n)
 #define __restrict__ __restrict
@@ -33,20 +34,24 @@ inline void __syncthreads() { block_bar->arrive_and_wait(); }
 inline unsigned __activemask() { return 0xffffffffu; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline int lin_id() { return threadIdx.y * blockDim.x + threadIdx.x; }
-inline float exchange(float v, int src_lane) {
+template <class T> inline T exchange(T v, int src_lane) {
+  static_assert(sizeof(T) <= sizeof(uint64_t));
   int w = lin_id() / 32;
-  warp_buf[w][lin_id() % 32] = v;
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  warp_buf[w][lin_id() % 32] = bits;
   warp_bars[w]->arrive_and_wait();
-  float r = warp_buf[w][src_lane];
+  bits = warp_buf[w][src_lane];
   warp_bars[w]->arrive_and_wait();
+  T r;
+  std::memcpy(&r, &bits, sizeof(T));
   return r;
 }
-inline float __shfl_down_sync(unsigned, float v, int offset, int width) {
+template <class T> inline T __shfl_down_sync(unsigned, T v, int offset, int width) {
   int lane = lin_id() % 32, seg = lane % width;
-  float r = exchange(v, seg + offset < width ? lane + offset : lane);
-  return r;
+  return exchange(v, seg + offset < width ? lane + offset : lane);
 }
-inline float __shfl_sync(unsigned, float v, int src, int width) {
+template <class T> inline T __shfl_sync(unsigned, T v, int src, int width) {
   int lane = lin_id() % 32;
   return exchange(v, (lane / width) * width + (src % width));
 }

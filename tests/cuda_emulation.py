@@ -29,7 +29,7 @@ def kernel_body(src: str) -> tuple[str, list[str]]:
 
 
 # element types the emulated kernels' buffers may have: numpy dtype -> (C type, fill of fresh outputs)
-C_TYPES = {"float16": ("half", np.nan), "int32": ("int32_t", -12345)}
+C_TYPES = {"float16": ("half", np.nan), "int32": ("int32_t", -12345), "int64": ("int64_t", -12345)}
 
 
 def run_on_cpu(src: str, arrays: dict[str, np.ndarray], outputs: dict[str, tuple], grid: int, block: tuple[int, int],

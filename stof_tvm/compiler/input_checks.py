@@ -12,13 +12,17 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import tvm
-from tvm import relax
+from tvm import relax, s_tir, te, tirx
 
 from .attention_match import static_shape
 
 VALUE_ERRORS = "stof_value_errors"
+COUNT_SYMBOL = "stof_count_outside"
+OPAQUE = 8              # relax OpPatternKind kOpaque: the scheduled kernel fuses with nothing
+MAX_THREADS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +70,41 @@ def _same_shape(values: list[relax.Expr]) -> bool:
     return len(shapes) == 1 and bool(next(iter(shapes)))
 
 
-def add_value_checks(mod: tvm.IRModule, checks: list[ValueCheck]) -> tuple[tvm.IRModule, int | None]:
+def count_outside_primfunc(checks: list[ValueCheck], dtypes: list[str], size: int, target_kind: str = "cuda",
+                           name: str = COUNT_SYMBOL) -> tirx.PrimFunc:
+    """``(x_0[size], ..., x_n-1[size], counts[n])``: ``counts[i]`` = how many values of ``x_i`` lie outside
+    ``checks[i]``'s range. On CUDA one thread block per input, its threads striding over the values and their
+    counts summed across the block (TVM's cross-thread reduction): a thread counting all of an input's values
+    alone would take 0.35 ms at 8 x 512 tokens. On the CPU the plain loop nest."""
+    if target_kind not in ("cuda", "llvm"):
+        raise ValueError(f"target_kind must be 'cuda' or 'llvm', got {target_kind!r}")
+    xs = [te.placeholder((size,), dtype, name=f"x{i}") for i, dtype in enumerate(dtypes)]
+    k = te.reduce_axis((0, size), name="k")
+
+    def outside(i, k):
+        flag = tirx.const(False)
+        for n in reversed(range(len(checks))):
+            value, check = xs[n][k], checks[n]
+            test = tirx.Or(value < tirx.const(check.low, dtypes[n]), value >= tirx.const(check.high, dtypes[n]))
+            flag = test if n == len(checks) - 1 else tirx.if_then_else(i == n, test, flag)
+        return flag
+
+    counts = te.compute((len(checks),), lambda i: te.sum(outside(i, k).astype("int64"), axis=k), name="counts")
+    func = te.create_prim_func(xs + [counts]).with_attrs({"global_symbol": name, "tirx.noalias": True,
+                                                                "op_pattern": OPAQUE})
+    if target_kind == "llvm":
+        return func
+    sch = s_tir.Schedule(func)
+    block = sch.get_sblock("counts")
+    per_input, values = sch.get_loops(block)
+    _, lanes = sch.split(values, [None, min(MAX_THREADS, max(32, 1 << (size - 1).bit_length()))])
+    sch.bind(per_input, "blockIdx.x")
+    sch.bind(lanes, "threadIdx.x")
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def add_value_checks(mod: tvm.IRModule, checks: list[ValueCheck],
+                     target_kind: str = "cuda") -> tuple[tvm.IRModule, int | None]:
     """``main`` returning its outputs and then ``stof_value_errors`` (``[len(checks)]`` int64); returns the module
     and the position of that output (None when there is nothing to check: ``main`` is unchanged)."""
     if not checks:
@@ -81,12 +119,15 @@ def add_value_checks(mod: tvm.IRModule, checks: list[ValueCheck]) -> tuple[tvm.I
         types, fields = [func.ret_ty], [func.body.body]
     values = [params[c.name] for c in checks]
     if _same_shape(values):
-        # inputs of one static shape (token ids, token types, the attention mask: [B, S]): their out-of-range flags
-        # stacked and counted per input by one reduction (one kernel, which TVM fuses from the comparisons on),
-        # written straight into the output at the end of main's last dataflow block
-        rank = len(values[0].ty.shape.values)
-        flags = relax.op.astype(relax.op.stack([_outside(v, c) for v, c in zip(values, checks)], axis=0), "int64")
-        firsts, last = [], relax.VarBinding(errors, relax.op.sum(flags, axis=list(range(1, rank + 1))))
+        # inputs of one static shape (token ids, token types, the attention mask: [B, S]): counted by one kernel
+        # (count_outside_primfunc) writing the output at the end of main's last dataflow block
+        size = math.prod(static_shape(values[0]))
+        dtypes = [str(v.ty.dtype) for v in values]
+        builder = relax.BlockBuilder(mod)
+        counter = builder.add_func(count_outside_primfunc(checks, dtypes, size, target_kind), COUNT_SYMBOL)
+        mod = builder.get()
+        flat = [relax.op.reshape(v, [size]) for v in values]
+        firsts, last = [], relax.VarBinding(errors, relax.call_tir(counter, flat, errors.ty))
     else:
         # one fused reduction per input at the start of main's first dataflow block (they read only the inputs:
         # there they join the static region of the forward pass that CUDA graphs capture, :mod:`.graph_inputs`),
