@@ -303,3 +303,38 @@ def test_flat_linear_runs_on_the_inputs_shape(bias):
     matmul = next(b.value for block in out.body.blocks for b in block.bindings
                   if isinstance(b.value, relax.Call) and b.value.op.name == "relax.matmul")
     assert [int(v) for v in matmul.args[0].ty.shape.values] == [B, S, H * D]
+
+
+def _patch_conv(weight_param: bool, bias: bool, strides=(4, 4), padding=(0, 0, 0, 0), image=(8, 12)):
+    """ViT's patch embedding: ``conv2d(x, W)`` (+ a [1, O, 1, 1] bias), flattened to [B, O, P] and transposed."""
+    out_channels, channels, p = 16, 3, 4
+    weight = (np.random.default_rng(1).standard_normal((out_channels, channels, p, p)) / 4).astype(F32)
+    params = [_tensor("x", (B, channels) + image)] + ([_tensor("w", weight.shape)] if weight_param else [])
+
+    def body(bb, x, w=None):
+        w = relax.const(weight) if w is None else w
+        y = bb.emit(relax.op.nn.conv2d(x, w, strides=list(strides), padding=list(padding)))
+        if bias:
+            y = bb.emit(relax.op.add(y, relax.const(np.arange(out_channels, dtype=F32).reshape(1, -1, 1, 1) / 8)))
+        rows, cols = [int(d) for d in y.ty.shape.values[2:]]
+        return relax.op.permute_dims(relax.op.reshape(y, [B, out_channels, rows * cols]), [0, 2, 1])
+
+    return _function(params, body)
+
+
+@pytest.mark.parametrize("weight_param, bias", [(False, True), (True, True), (True, False)])
+def test_patch_embedding_becomes_a_linear_on_patches(weight_param, bias):
+    """A stride-4 4x4 conv of an 8x12 image (6 patches) -> matmul of the [B, 6, 48] patch rows by the [48, 16]
+    weight (+ the [16] bias), the form the linear matcher takes; the same values on llvm."""
+    out = _check(layout.PatchEmbedding(), _patch_conv(weight_param, bias), ["relax.matmul"], ["relax.nn.conv2d"])
+    matmul = next(b.value for block in out.body.blocks for b in block.bindings
+                  if isinstance(b.value, relax.Call) and b.value.op.name == "relax.matmul")
+    assert [int(v) for v in matmul.args[0].ty.shape.values] == [B, 6, 48]
+    assert [int(v) for v in matmul.args[1].ty.shape.values] == [48, 16]
+    assert ("relax.add" in _ops(out)) == bias
+
+
+@pytest.mark.parametrize("conv", [{"strides": (2, 2)}, {"padding": (1, 1, 1, 1)}, {"image": (8, 10)}])
+def test_overlapping_or_padded_conv_stays(conv):
+    """A conv whose windows overlap, that pads, or whose image is not whole patches is not a patch embedding."""
+    assert layout.PatchEmbedding().apply(_patch_conv(False, True, **conv)) is None

@@ -44,8 +44,9 @@ def test_every_chain_of_a_real_export_on_the_fast_path(hf_export, form):
     assert cov["attention"]["kernel"] in ("block", "row")
     for kind in ("linear", "layernorm", "rmsnorm", "gelu", "relu"):
         assert cov[kind]["accelerated"] == cov[kind]["total"] and not cov[kind]["fallback"], (kind, cov[kind])
-    # per layer Q, K, V (GPT-2: one c_attn), the output projection and the FFN's two
-    assert cov["linear"]["total"] == (4 if family == "gpt2" else 6) * LAYERS
+    # per layer Q, K, V (GPT-2: one c_attn), the output projection and the FFN's two; ViT's patch embedding (its
+    # conv on the image's patches, canonical.layout.PatchEmbedding)
+    assert cov["linear"]["total"] == (4 if family == "gpt2" else 6) * LAYERS + (family == "vit")
     norm = "rmsnorm" if family == "t5" else "layernorm"
     assert cov[norm]["total"] == 2 * LAYERS + 1          # two per layer, and the embeddings' or the final one
     act = "relu" if family == "t5" else "gelu"

@@ -11,12 +11,19 @@
   ``x'`` = ``x`` on the output's leading shape: HF's ``Conv1D`` (GPT-2) flattens its input to 2-D around
   ``addmm``; on the model's own shape the linear layer reads the LayerNorm (or the GELU reads the linear)
   directly, as in every other model.
+- :class:`PatchEmbedding`: a vision transformer's patch embedding, ``permute_dims(reshape(conv2d(x, W) (+ b),
+  [B, O, P]), [0, 2, 1])`` with a non-overlapping conv (stride = kernel, no padding or dilation, one group) ->
+  ``matmul(patches(x), W') (+ b)``, ``patches`` one reshape / permute / reshape of the image into ``[B, P, C*p*q]``
+  rows and ``W'`` the ``[C*p*q, O]`` weight: a linear layer the GEMM templates take. TVM schedules the conv with
+  its generic GPU rules: on the H200 ViT-Base's took 102 us of the 975 us forward at 8 images (session 16).
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
 from tvm import relax
+from tvm.ir.expr import Constant
 from tvm.relax.dpl import is_const, is_op, wildcard
 
 from ..layout import fold_permute_pairs
@@ -121,3 +128,63 @@ class FlatLinear(Rule):
             return y
 
         return rewrite_matches(self.pattern, rewrite, func)
+
+
+class PatchEmbedding(Rule):
+    """A non-overlapping conv flattened into patch rows -> a linear layer on the image's patches (exact: the same
+    products and sums, in another order of the reduction)."""
+
+    name = "patch_embedding"
+    _x, _w, _b = wildcard(), wildcard(), is_const()
+    _conv = is_op("relax.nn.conv2d")(_x, _w)
+    _biased = is_op("relax.add")(_conv, _b) | _conv
+    pattern = is_op("relax.permute_dims")(is_op("relax.reshape")(_biased, wildcard()))
+
+    def apply(self, func):
+        def rewrite(expr, matches):
+            x, w, conv = matches[self._x], matches[self._w], matches[self._conv]
+            dims = self._patch_dims(conv, tensor_shape(x), tensor_shape(w))
+            if dims is None or [int(a) for a in expr.attrs.axes] != [0, 2, 1]:
+                return None
+            batch, channels, rows, cols, out, p, q = dims
+            if tensor_shape(expr) != (batch, rows * cols, out):
+                return None
+            bias = None
+            if self._b in matches:
+                bias = matches[self._b]
+                if tensor_shape(bias) != (1, out, 1, 1):
+                    return None
+                bias = relax.const(bias.value.numpy().reshape(out), str(bias.ty.dtype))
+            tiles = relax.op.reshape(x, [batch, channels, rows, p, cols, q])
+            patches = relax.op.reshape(relax.op.permute_dims(tiles, [0, 2, 4, 1, 3, 5]),
+                                       [batch, rows * cols, channels * p * q])
+            y = relax.op.matmul(patches, self._weight(w, out), out_dtype=str(conv.ty.dtype))
+            return y if bias is None else relax.op.add(y, bias)
+
+        return rewrite_matches(self.pattern, rewrite, func)
+
+    @staticmethod
+    def _patch_dims(conv, x_shape, w_shape):
+        """(B, C, rows, cols, O, p, q) of a patch conv (stride = kernel, no padding, dilation 1, one group, NCHW
+        / OIHW, an image of whole patches), else None."""
+        attrs = conv.attrs
+        if x_shape is None or w_shape is None or len(x_shape) != 4 or len(w_shape) != 4:
+            return None
+        layouts = (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout))
+        if layouts != ("NCHW", "OIHW", "NCHW") or int(attrs.groups) != 1:
+            return None
+        (batch, channels, height, width), (out, in_channels, p, q) = x_shape, w_shape
+        if ([int(v) for v in attrs.strides] != [p, q] or any(int(v) for v in attrs.padding)
+                or [int(v) for v in attrs.dilation] != [1, 1] or in_channels != channels
+                or height % p or width % q):
+            return None
+        return batch, channels, height // p, width // q, out, p, q
+
+    @staticmethod
+    def _weight(w, out: int) -> relax.Expr:
+        """The ``[C*p*q, O]`` weight: folded here for a constant, else weight-only ops (lifted into the weight
+        transform at build)."""
+        if isinstance(w, Constant):
+            value = w.value.numpy()
+            return relax.const(np.ascontiguousarray(value.reshape(out, -1).T), str(w.ty.dtype))
+        return relax.op.permute_dims(relax.op.reshape(w, [out, -1]), [1, 0])
