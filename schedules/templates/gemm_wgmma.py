@@ -214,7 +214,8 @@ class WgmmaKernelMixin:
                              block_m=knobs.get("block_m", BLOCK_M), staged=knobs.get("staged", False),
                              fast_gelu=knobs.get("fast_gelu", False), gelu_form=knobs.get("gelu_form", "tail"),
                              loads=knobs.get("loads", "cp.async"), split_k=knobs.get("split_k", 1),
-                             weight_prefetch=knobs.get("weight_prefetch", False))
+                             weight_prefetch=knobs.get("weight_prefetch", False),
+                             early_weights=knobs.get("early_weights", False))
         config.validate()
         return config
 

@@ -165,7 +165,8 @@ class WgmmaConfig:
     ``gelu_form`` (``"tail"``: that exp2; ``"tanh"``: one tanh.approx.f32 instead),
     ``loads`` (``"cp.async"``, or ``"tma"``: one producer thread issues TMA boxes from tensor maps the host encodes
     at each call), ``split_k`` (blocks of one cluster sharing a tile's k steps, reduced through distributed
-    shared memory) and ``weight_prefetch`` (W's first tile asked of L2 before the dependent launch wait)."""
+    shared memory), ``weight_prefetch`` (W's first tile asked of L2 before the dependent launch wait) and
+    ``early_weights`` (W's part of the ring's first slots loaded into shared memory before that wait)."""
 
     block_n: int = 128
     stages: int = 4
@@ -178,6 +179,7 @@ class WgmmaConfig:
     loads: str = "cp.async"
     split_k: int = 1
     weight_prefetch: bool = False
+    early_weights: bool = False
 
     def validate(self) -> None:
         if self.block_n not in BLOCK_N_CHOICES:
@@ -213,6 +215,8 @@ class WgmmaConfig:
                              "epilogue: persistent, pingpong, staged must be False and block_m 128")
         if self.weight_prefetch not in (True, False):
             raise ValueError(f"weight_prefetch must be a bool, got {self.weight_prefetch!r}")
+        if self.early_weights not in (True, False):
+            raise ValueError(f"early_weights must be a bool, got {self.early_weights!r}")
 
     @property
     def tile_m(self) -> int:
@@ -395,6 +399,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     # be hoisted above the wait (the wait names no registers). Without it nvcc moved the conversions of the
     # plain-GEMM epilogue up and ptxas serialized every wgmma (warning C7514).
     FENCE_REG = T.ptx["add.rn.f32"]
+    # early_weights: the first EARLY k steps' W tiles go into their slots before the dependent launch wait
+    EARLY = min(ST, KS) if config.early_weights else 0
 
     def tile_of(bx, r):
         """The output tile of block ``bx``'s round ``r``."""
@@ -561,9 +567,25 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         store_tile(acc, out, bias_buf, row0, col0, base, wt, warp, words)
 
     @T.macro
+    def load_w_cp_async(W, dst, n0, bx, t, wt):
+        """Thread ``wt``'s 16-byte cp.async pieces of the W tile of k step ``t`` (rows ``n0 ...``) into ``dst``."""
+        for it in T.unroll(B_ITERS):
+            row: T.let = (it * WG + wt) // CHUNKS
+            ch: T.let = (it * WG + wt) % CHUNKS
+            CP_ASYNC_16(dst + T.Cast("uint32", A_BYTES + swizzled(row, ch)),
+                        T.address_of(W[n0 + row, k_col(bx, t) + ch * 8]), 16, T.uint32(16))
+
+    @T.macro
     def produce_cp_async(A, W, base, flag, bx, wt):
         """The producer warpgroup's copies: per k step of each of the block's tiles, wait for the slot to be free,
-        16-byte cp.async of the A and W tiles by all 128 threads, each arriving on the slot's full barrier."""
+        16-byte cp.async of the A and W tiles by all 128 threads, each arriving on the slot's full barrier.
+        ``early_weights``: the first ``EARLY`` steps' W pieces before the dependent launch wait, A's after it."""
+        if EARLY > 0:
+            if tile_of(bx, 0) < NUM_TILES:
+                for t in T.unroll(EARLY):
+                    load_w_cp_async(W, base + T.Cast("uint32", t * STAGE), tile_cols(tile_of(bx, 0)), bx, t, wt)
+            T.ptx["griddepcontrol.wait"]()
+            T.ptx["griddepcontrol.launch_dependents"]()
         for r in range(ROUNDS):
             tile: T.let = tile_of(bx, r)
             if tile < NUM_TILES:
@@ -584,20 +606,26 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                         else:
                             CP_ASYNC_16(a_dst + T.Cast("uint32", swizzled(row, ch)),
                                         T.address_of(A[m0 + row, k_col(bx, t) + ch * 8]), 16, T.uint32(16))
-                    for it in T.unroll(B_ITERS):
-                        row: T.let = (it * WG + wt) // CHUNKS
-                        ch: T.let = (it * WG + wt) % CHUNKS
-                        CP_ASYNC_16(a_dst + T.Cast("uint32", A_BYTES + swizzled(row, ch)),
-                                    T.address_of(W[n0 + row, k_col(bx, t) + ch * 8]), 16, T.uint32(16))
+                    if EARLY == 0 or g >= EARLY:   # static where there are no early loads
+                        load_w_cp_async(W, a_dst, n0, bx, t, wt)
                     T.ptx["cp.async.mbarrier.arrive.noinc.shared::cta.b64"](full_bar(base, g % ST))
 
     @T.macro
     def produce_tma(maps, base, flag, bx):
         """The TMA producer (one thread): per k step, wait for the slot, announce its bytes on the full barrier
         (``arrive.expect_tx``), then one box of A (``tile_m`` rows) and one of W (``block_n`` rows), 64 columns
-        each, landing swizzled at the slot's A and W tiles."""
+        each, landing swizzled at the slot's A and W tiles. ``early_weights``: the first ``EARLY`` slots announced
+        and their W boxes issued before the dependent launch wait, their A boxes after it."""
         T.ptx["prefetch.tensormap"](T.address_of(maps[0]))
         T.ptx["prefetch.tensormap"](T.address_of(maps[1]))
+        if EARLY > 0:
+            if tile_of(bx, 0) < NUM_TILES:
+                for t in T.unroll(EARLY):
+                    EXPECT_TX(full_bar(base, t), T.uint32(A_MAP.box_bytes + W_MAP.box_bytes))
+                    TMA_2D(base + T.uint32(t * STAGE + A_BYTES), T.address_of(maps[1]), T.int32(k_col(bx, t)),
+                           tile_cols(tile_of(bx, 0)), full_bar(base, t))
+            T.ptx["griddepcontrol.wait"]()
+            T.ptx["griddepcontrol.launch_dependents"]()
         for r in range(ROUNDS):
             tile: T.let = tile_of(bx, r)
             if tile < NUM_TILES:
@@ -608,10 +636,12 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     if g >= ST:
                         wait_parity(flag, empty_bar(base, g % ST), T.Cast("uint32", (g // ST - 1) % 2))
                     a_dst: T.let = base + T.Cast("uint32", (g % ST) * STAGE)
-                    EXPECT_TX(full_bar(base, g % ST), T.uint32(A_MAP.box_bytes + W_MAP.box_bytes))
+                    if EARLY == 0 or g >= EARLY:   # static where there are no early loads
+                        EXPECT_TX(full_bar(base, g % ST), T.uint32(A_MAP.box_bytes + W_MAP.box_bytes))
                     TMA_2D(a_dst, T.address_of(maps[0]), T.int32(k_col(bx, t)), m0, full_bar(base, g % ST))
-                    TMA_2D(a_dst + T.uint32(A_BYTES), T.address_of(maps[1]), T.int32(k_col(bx, t)), n0,
-                           full_bar(base, g % ST))
+                    if EARLY == 0 or g >= EARLY:   # static where there are no early loads
+                        TMA_2D(a_dst + T.uint32(A_BYTES), T.address_of(maps[1]), T.int32(k_col(bx, t)), n0,
+                               full_bar(base, g % ST))
 
     @T.macro
     def write_partial(acc, base, wg, wt):
@@ -675,8 +705,9 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         if config.weight_prefetch:   # W is a weight: ask for it before waiting for the kernel before (docstring)
             if tx < WG:
                 prefetch_weights(W, bx, tx)
-            T.ptx["griddepcontrol.wait"]()
-            T.ptx["griddepcontrol.launch_dependents"]()
+            if EARLY == 0:
+                T.ptx["griddepcontrol.wait"]()
+                T.ptx["griddepcontrol.launch_dependents"]()
         wgmma_smem = T.alloc_buffer((SMEM_WORDS,), "uint64", scope="shared.dyn")
         acc = T.alloc_buffer((HALVES * NACC,), "float32", scope="local")
         flag = T.alloc_buffer((1,), "uint32", scope="local")
@@ -701,6 +732,9 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                 produce_cp_async(A, W, base, flag, bx, wt)
         else:
             T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
+            if EARLY > 0:   # the producer waits once its early W loads are out; the consumers before any store
+                T.ptx["griddepcontrol.wait"]()
+                T.ptx["griddepcontrol.launch_dependents"]()
             if PINGPONG:
                 # consumer c = wg - 1 owns rounds c, c + 2, ...; main loops take turns (module docstring)
                 for r in range(ROUNDS):

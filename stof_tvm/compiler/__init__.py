@@ -188,7 +188,8 @@ class FrontEnd:
 
 def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
               kernel: str = "auto", templates: bool | None = None, gemm: str = "auto",
-              database: str | None = None, schedule: bool = True, lean_padding: bool = True) -> FrontEnd:
+              database: str | None = None, schedule: bool = True, lean_padding: bool = True,
+              gemm_knobs: dict | None = None) -> FrontEnd:
     """Steps 1-5 of :func:`compile` (same arguments): import, attention kernel choice and rewrite, templates.
 
     ``schedule=False`` leaves the template PrimFuncs unscheduled (the tuner only reads which calls are made)."""
@@ -271,7 +272,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
                                            padding=plan.padding if choice.padding else None, target_kind=tspec["kind"])
     template_entry = {}
     if templates:
-        mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule)
+        mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule, gemm_knobs=gemm_knobs)
     mod["main"] = relax.analysis.remove_all_unused(fold_permute_pairs(mod["main"]))  # transposes around attention
     report = coverage(canonical, mod["main"], attention_kernel=choice.kind, attention_sites=len(sites),
                       attention_reason=f"dense kernel: {choice.reason}",
@@ -324,7 +325,7 @@ def _check_fallback_mask(mask, batch: int, seq_len: int, reason: str) -> None:
 def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
             kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
             dependent_launch: bool | None = None, database: str | None = None, progress=None,
-            lean_padding: bool = True):
+            lean_padding: bool = True, gemm_knobs: dict | None = None):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
 
     ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
@@ -358,6 +359,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     loaded once a tile): on the H200, RoBERTa-base 16x2048's BigBird attention 0.1049 -> 0.1004 ms under an all-ones
     mask, 0.1442 -> 0.1246 under mixed padding, the same under right padding (BENCHMARKS.md, session 13);
     ``False`` keeps the older form.
+    ``gemm_knobs``: knobs merged into every wgmma GEMM's chosen knob set, e.g. ``{"early_weights": True}`` (to
+    measure a kernel knob across a whole model; a combination the kernel cannot take is refused when it builds).
     """
     from stof_tvm.artifact import Artifact
     from stof_tvm.records import open_database, record_usage
@@ -368,6 +371,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         raise TypeError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
     if lean_padding not in (False, True):
         raise TypeError(f"lean_padding: expected a bool, got {lean_padding!r}")
+    if gemm_knobs is not None and not (isinstance(gemm_knobs, dict) and all(isinstance(k, str) for k in gemm_knobs)):
+        raise TypeError(f"gemm_knobs: expected a dict of knob names to values, got {gemm_knobs!r}")
     if cuda_graph and target_dict(target)["kind"] != "cuda":
         raise ValueError(f"cuda_graph: CUDA graphs need target 'cuda', got {target_dict(target)['kind']!r}")
     records = None
@@ -378,7 +383,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     with record_usage() as usage:
         front = front_end(model, mask=mask, batch=batch, seq_len=seq_len, target=target, dtype=dtype,
                           kernel=kernel, templates=templates, gemm=gemm, database=database,
-                          lean_padding=lean_padding)
+                          lean_padding=lean_padding, gemm_knobs=gemm_knobs)
         tspec, choice = front.tspec, front.choice
         report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
                f"(attention kernel {choice.kind if choice else 'none: ' + front.fallback}, "

@@ -51,6 +51,7 @@ definition, measured on llvm, is applied there too). The wgmma kernels are threa
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -96,8 +97,9 @@ class _Templates:
     """Adds one PrimFunc per (template, shape, options) to the module and records every site."""
 
     def __init__(self, mod: tvm.IRModule, target: tvm.target.Target, database: str | None, gemm: str,
-                 schedule: bool = True):
+                 schedule: bool = True, gemm_knobs: dict | None = None):
         self.mod = mod
+        self.gemm_knobs = dict(gemm_knobs or {})
         self.target = target
         self.cuda = target.kind.name == "cuda"
         self.schedule = schedule
@@ -116,6 +118,8 @@ class _Templates:
         if key not in self.functions:
             template = get_template(name)
             choice = self.chooser.knobs(template, shape, dtype, options)
+            if self.gemm_knobs and name.endswith("_wgmma") and choice.knobs is not None:
+                choice = dataclasses.replace(choice, knobs={**choice.knobs, **self.gemm_knobs})
             func = template.primfunc(shape, dtype, **options)
             if self.schedule and name.endswith("_wgmma") and choice.knobs is not None:
                 func = template.kernel(shape, dtype, choice.knobs)
@@ -405,15 +409,16 @@ def _simplify(func: relax.Function) -> relax.Function:
     return rewrite_call(DOUBLE_CAST, casts, fold_permute_pairs(func))
 
 
-def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | None = None,
-                  gemm: str = "mma", schedule: bool = True) -> tuple[tvm.IRModule, dict]:
+def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | None = None, gemm: str = "mma",
+                  schedule: bool = True, gemm_knobs: dict | None = None) -> tuple[tvm.IRModule, dict]:
     """Rewrite ``main``'s downstream chains into template calls; returns the module and the manifest entry
     ``{"gemm", "calls": {template: count}, "sites": [...], "notes": [...]}``. Each site's stages name the
     template, shape, dtype (and ``eps`` where it is not the default) of one call: what the tuner plans.
-    ``schedule=False``: leave every PrimFunc unscheduled (for planning only; the module is not for building)."""
+    ``schedule=False``: leave every PrimFunc unscheduled (for planning only; the module is not for building).
+    ``gemm_knobs``: knobs merged into every wgmma GEMM's chosen set (to measure a knob across a model)."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm: expected one of {GEMMS}, got {gemm!r}")
-    t = _Templates(mod, target, database, gemm, schedule)
+    t = _Templates(mod, target, database, gemm, schedule, gemm_knobs)
     func = mod["main"]
     var2val = relax.analysis.get_var2val(func)
 
