@@ -8,7 +8,8 @@ where nvcc is found; no GPU needed), then count from the executable and the sche
 - kernel launches per forward (total, distinct functions, inside CUDA graphs / outside), CUDA graph launches;
 - the VM instructions ``main`` runs per call, by builtin (alloc_tensor, null_value, reshape, views, ...);
 - per compiled function: calls per forward, kernels per call, grid blocks, threads per block, the share of the
-  H200's 132 SMs its grid occupies, and the analytical model's predicted time where the function is a fusion
+  H200's 132 SMs its grid occupies, the most loop iterations one thread runs (``steps``: thousands mean a
+  kernel whose threads each walk a whole tensor), and the analytical model's predicted time where the function is a fusion
   template call (the manifest's stage ``seconds``).
 
 A short table per row is printed; ``--out FILE`` writes the JSON. On this CPU (2 cores) a base-size row takes
@@ -96,6 +97,7 @@ def census_row(onnx_path: Path, batch: int, length: int, args) -> dict:
             "in_graph": name not in census.outside,
             "blocks": first.blocks if first else None, "threads": first.threads if first else None,
             "sm_share": sm_share(first, SM_COUNT) if first else None,
+            "serial_steps": max((k.serial_steps for k in kernels), default=None),
             "grids": [k.to_json() for k in kernels], "predicted_us": _us(predicted(name, seconds))})
     total_predicted = sum(f["predicted_us"] * f["calls"] for f in functions if f["predicted_us"] is not None)
     return {"compile_s": round(compile_s, 1), "census": census.summary(), "functions": functions,
@@ -109,12 +111,14 @@ def _us(seconds: float | None) -> float | None:
 
 def print_row(label: str, row: dict) -> None:
     print(f"== {label} (compiled in {row['compile_s']} s)\n{row['text']}")
-    print(f"  {'function':<58} {'calls':>5} {'k/call':>6} {'blocks':>6} {'thr':>5} {'SMs':>5} {'pred us':>8} graph")
+    print(f"  {'function':<58} {'calls':>5} {'k/call':>6} {'blocks':>6} {'thr':>5} {'SMs':>5} {'steps':>6} "
+          f"{'pred us':>8} graph")
     for f in row["functions"]:
         share = "-" if f["sm_share"] is None else f"{f['sm_share']:.2f}"
         pred = "-" if f["predicted_us"] is None else f"{f['predicted_us']:.1f}"
         print(f"  {f['function'][:58]:<58} {f['calls']:5d} {f['kernels_per_call']:6d} {str(f['blocks']):>6} "
-              f"{str(f['threads']):>5} {share:>5} {pred:>8} {'yes' if f['in_graph'] else 'no'}")
+              f"{str(f['threads']):>5} {share:>5} {str(f['serial_steps']):>6} {pred:>8} "
+              f"{'yes' if f['in_graph'] else 'no'}")
     print(f"  predicted template time per forward (analytical model, H200): {row['predicted_template_us']} us",
           flush=True)
 

@@ -24,6 +24,7 @@ class Kernel:
     """One kernel launch: extents per thread tag (``blockIdx.x`` ...), None where not a constant."""
 
     extents: tuple
+    serial_steps: int = 1     # the most iterations of non-thread loops on one path of a thread (unknown extents: 1)
 
     @property
     def blocks(self) -> int | None:
@@ -34,7 +35,8 @@ class Kernel:
         return _product(self.extents, "threadIdx")
 
     def to_json(self) -> dict:
-        return {"blocks": self.blocks, "threads": self.threads, "extents": dict(self.extents)}
+        return {"blocks": self.blocks, "threads": self.threads, "extents": dict(self.extents),
+                "serial_steps": self.serial_steps}
 
 
 def _product(extents: tuple, prefix: str) -> int | None:
@@ -78,13 +80,22 @@ def _collect_tags(stmt, found: dict) -> None:
         _collect_tags(child, found)
 
 
+def serial_steps(stmt) -> int:
+    """The most iterations of loops not bound to threads that one path through ``stmt`` nests (serial, unrolled
+    and vectorised loops alike; a loop of unknown extent counts once)."""
+    inner = max([serial_steps(child) for child in child_statements(stmt)] or [1])
+    if isinstance(stmt, tirx.For) and _binding(stmt) is None:
+        return (int(stmt.extent) if isinstance(stmt.extent, tirx.IntImm) else 1) * inner
+    return inner
+
+
 def _kernels_in(stmt, out: list) -> None:
     """Append one :class:`Kernel` per outermost thread binding under ``stmt``."""
     binding = _binding(stmt)
     if binding is not None and binding[0] in _TAGS:
         found: dict = {}
         _collect_tags(stmt, found)
-        out.append(Kernel(tuple((tag, found[tag]) for tag in _TAGS if tag in found)))
+        out.append(Kernel(tuple((tag, found[tag]) for tag in _TAGS if tag in found), serial_steps(stmt)))
         return
     for child in child_statements(stmt):
         _kernels_in(child, out)
