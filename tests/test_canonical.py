@@ -338,3 +338,32 @@ def test_patch_embedding_becomes_a_linear_on_patches(weight_param, bias):
 def test_overlapping_or_padded_conv_stays(conv):
     """A conv whose windows overlap, that pads, or whose image is not whole patches is not a patch embedding."""
     assert layout.PatchEmbedding().apply(_patch_conv(False, True, **conv)) is None
+
+
+# ---- constants ---------------------------------------------------------------------------------------------
+
+def test_repeated_constant_becomes_one_slice():
+    """BERT without token_type_ids: folding leaves ``add(words, C)`` with C the one token-type row repeated over
+    [B, S]; the rule keeps one [1, 1, hidden] row, the values stay the same on llvm."""
+    from stof_tvm.compiler.canonical import constants
+
+    row = np.random.default_rng(3).standard_normal(128).astype(F32)
+    full = np.broadcast_to(row, (4, 256, 128)).copy()
+
+    def body(bb, x):
+        return relax.op.add(x, relax.const(full))
+
+    out = _check(constants.RepeatedConstant(), _function([_tensor("x", (4, 256, 128))], body), ["relax.add"])
+    (add,) = [b.value for block in out.body.blocks for b in block.bindings]
+    assert tuple(add.args[1].value.shape) == (1, 1, 128)
+
+
+def test_constant_that_varies_or_sets_the_shape_stays():
+    """A constant whose slices differ, and one whose repeats give the output its shape, are left as they are."""
+    from stof_tvm.compiler.canonical import constants
+
+    varied = np.random.default_rng(4).standard_normal((4, 256, 128)).astype(F32)
+    repeated = np.broadcast_to(varied[:1, :1], varied.shape).copy()
+    for x_shape, value in (((4, 256, 128), varied), ((1, 1, 128), repeated)):
+        func = _function([_tensor("x", x_shape)], lambda bb, x, value=value: relax.op.add(x, relax.const(value)))
+        assert constants.RepeatedConstant().apply(func) is None

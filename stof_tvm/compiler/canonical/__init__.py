@@ -15,7 +15,8 @@ The canonical form (see each module for its rules and their exactness):
 - layout (:mod:`.layout`): head splits as one ``permute_dims`` of a ``reshape``, no one-tensor ``concat``, linear
   layers on their input's own shape, a vision transformer's patch conv as a linear layer on the image's patches;
 - activations (:mod:`.activations`): ``nn.gelu`` (exact) and ``nn.gelu_tanh`` (tanh approximation) as operators,
-  integer powers as products, no cast to the dtype a tensor already has.
+  integer powers as products, no cast to the dtype a tensor already has;
+- constants (:mod:`.constants`): no large constant that merely repeats one slice (folding's broadcast tensors).
 """
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ from tvm import relax
 from .activations import GeluErf, GeluTanh, IntegerPowers, NoOpCasts
 from .attention import FiniteFill, NanGuard, SelectMask, SplitScale
 from .base import Rule
+from .constants import RepeatedConstant
 from .layout import FlatLinear, PatchEmbedding, PermutePairs, SingleConcat, TransposeThrough3D
 
 # Order matters only for speed (each rule runs until no rule changes anything): the casts and layout detours
 # first, so that the attention rules see adjacent operators.
 RULES: list[Rule] = [NoOpCasts(), SingleConcat(), TransposeThrough3D(), PermutePairs(), FlatLinear(), PatchEmbedding(),
-                     SplitScale(), SelectMask(), FiniteFill(), NanGuard(), GeluErf(), GeluTanh(), IntegerPowers()]
+                     SplitScale(), SelectMask(), FiniteFill(), NanGuard(), GeluErf(), GeluTanh(), IntegerPowers(),
+                     RepeatedConstant()]
 MAX_ROUNDS = 8
 
 
@@ -60,5 +63,5 @@ def canonicalize(mod: tvm.IRModule, rules: list[Rule] | None = None) -> tvm.IRMo
 
 
 __all__ = ["RULES", "Rule", "canonicalize", "canonicalize_function", "GeluErf", "GeluTanh", "IntegerPowers",
-           "NoOpCasts", "FiniteFill", "NanGuard", "SelectMask", "SplitScale", "FlatLinear", "PatchEmbedding", "PermutePairs",
+           "NoOpCasts", "RepeatedConstant", "FiniteFill", "NanGuard", "SelectMask", "SplitScale", "FlatLinear", "PatchEmbedding", "PermutePairs",
            "SingleConcat", "TransposeThrough3D"]
