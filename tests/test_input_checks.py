@@ -5,6 +5,7 @@ shapes each by their own reduction, stacked."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 import tvm
 from tvm import relax
@@ -85,3 +86,15 @@ def test_count_kernel_runs_a_block_per_input_on_cpu_threads(size, tmp_path):
     out = tvm.runtime.empty((3,), "int64")
     cpu["main"](*[tvm.runtime.tensor(x) for x in xs.values()], out)
     assert out.numpy().tolist() == want
+
+
+def test_a_boolean_padding_input_is_not_checked():
+    """A 0/1 check of a boolean attention mask could never fail (and 2 is no bool): only integer and float padding
+    inputs are checked."""
+    from stof_tvm.compiler import value_checks
+    from stof_tvm.compiler.onnx_import import TensorSpec
+
+    for dtype, want in (("bool", []), ("int64", [ValueCheck("attention_mask", 0, 2)]),
+                        ("float32", [ValueCheck("attention_mask", 0, 2)])):
+        spec = TensorSpec("attention_mask", (2, 8), dtype)
+        assert value_checks([spec], onnx.ModelProto(), "attention_mask") == want

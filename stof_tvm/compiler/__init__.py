@@ -83,13 +83,14 @@ def _input_entry(spec: TensorSpec, model) -> dict:
 
 def value_checks(inputs, onnx_model, padding: str | None) -> list[ValueCheck]:
     """The value ranges ``main`` checks on the device: token ids within their embedding table, the padding
-    input (applied by the kernels as ``!= 0``) 0 or 1 like the probes that proved it is key padding."""
+    input (applied by the kernels as ``!= 0``) 0 or 1 like the probes that proved it is key padding (a boolean one
+    has no other values)."""
     checks = []
     for spec in inputs:
         rows = embedding_rows(onnx_model, spec.name)
         if rows is not None and np.dtype(spec.dtype).kind in "iu":
             checks.append(ValueCheck(spec.name, 0, int(rows)))
-        elif spec.name == padding:
+        elif spec.name == padding and spec.dtype != "bool":
             checks.append(ValueCheck(spec.name, 0, 2))
     return checks
 
