@@ -9,8 +9,8 @@ where nvcc is found; no GPU needed), then count from the executable and the sche
 - the VM instructions ``main`` runs per call, by builtin (alloc_tensor, null_value, reshape, views, ...);
 - per compiled function: calls per forward, kernels per call, grid blocks, threads per block, the share of the
   H200's 132 SMs its grid occupies, the most loop iterations one thread runs (``steps``: thousands mean a
-  kernel whose threads each walk a whole tensor), and the analytical model's predicted time where the function is a fusion
-  template call (the manifest's stage ``seconds``).
+  kernel whose threads each walk a whole tensor), and the analytical model's predicted time where the function is
+  a fusion template call (the manifest's stage ``seconds``).
 
 A short table per row is printed; ``--out FILE`` writes the JSON. On this CPU (2 cores) a base-size row takes
 about a minute, most of it the build. Example:

@@ -65,12 +65,12 @@ from .layout import fold_permute_pairs
 from .linear_match import (ANY_LINEAR, LINEAR, LINEAR_BIAS, LINEAR_W, LINEAR_X, MATMUL, TEMPLATE_DTYPES, is_call,
                            ROW_MULTIPLE, linear_bias, linear_dims, padded_rows, transposed, users_of, wgmma_misfit,
                            zero_bias)
+from .op_patterns import OPAQUE
 from .qkv_heads import rewrite_qkv
 from .rmsnorm_match import compute_dtype, rewrite_rmsnorms
 from .template_choice import KnobChoice, TemplateChooser
 
 GEMMS = ("mma", "wgmma")
-OPAQUE = 8    # relax OpPatternKind kOpaque
 
 
 # GELU and its tanh approximation as operators: every exporter's spelling of them was brought to nn.gelu /

@@ -15,8 +15,8 @@ import tvm
 from tvm import s_tir, tirx
 
 from .kernel_grids import child_statements
+from .op_patterns import INJECTIVE, OPAQUE
 
-OPAQUE, INJECTIVE = 8, 2          # relax OpPatternKind kOpaque, kInjective
 _DATA_PARALLEL = 0                # IterVar kDataPar
 
 

@@ -26,11 +26,11 @@ import math
 import tvm
 from tvm import relax, tirx
 
+from .op_patterns import OPAQUE
 from .row_scan import rewrite_row_scans
 
 COPY_SYMBOL = "stof_stage_inputs"
 COPY_THREADS = 256
-OPAQUE = 8          # relax OpPatternKind kOpaque: FuseOps must not merge the copy into its consumers
 STAGE_MAX_BYTES = 4 << 20   # inputs up to this size are copied (token ids: 8 bytes each, 64 x 4096 is 2 MiB)
 
 

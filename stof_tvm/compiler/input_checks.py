@@ -18,10 +18,10 @@ import tvm
 from tvm import relax, s_tir, te, tirx
 
 from .attention_match import static_shape
+from .op_patterns import OPAQUE
 
 VALUE_ERRORS = "stof_value_errors"
 COUNT_SYMBOL = "stof_count_outside"
-OPAQUE = 8              # relax OpPatternKind kOpaque: the scheduled kernel fuses with nothing
 MAX_THREADS = 1024
 
 
@@ -81,12 +81,14 @@ def count_outside_primfunc(checks: list[ValueCheck], dtypes: list[str], size: in
     xs = [te.placeholder((size,), dtype, name=f"x{i}") for i, dtype in enumerate(dtypes)]
     k = te.reduce_axis((0, size), name="k")
 
-    def outside(i, k):
-        flag = tirx.const(False)
-        for n in reversed(range(len(checks))):
-            value, check = xs[n][k], checks[n]
-            test = tirx.Or(value < tirx.const(check.low, dtypes[n]), value >= tirx.const(check.high, dtypes[n]))
-            flag = test if n == len(checks) - 1 else tirx.if_then_else(i == n, test, flag)
+    def test(n, k):
+        value, check = xs[n][k], checks[n]
+        return tirx.Or(value < tirx.const(check.low, dtypes[n]), value >= tirx.const(check.high, dtypes[n]))
+
+    def outside(i, k):      # input i's test: if_then_else(i == 0, test 0, if_then_else(i == 1, ..., test n-1))
+        flag = test(len(checks) - 1, k)
+        for n in reversed(range(len(checks) - 1)):
+            flag = tirx.if_then_else(i == n, test(n, k), flag)
         return flag
 
     counts = te.compute((len(checks),), lambda i: te.sum(outside(i, k).astype("int64"), axis=k), name="counts")

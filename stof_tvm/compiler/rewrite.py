@@ -28,9 +28,7 @@ from stof_tvm.schedules.key_padding import KEY_PADDING_SYMBOL, bit_words, key_pa
 from .attention_match import _SCORES, _SOFTMAX, _V, ATTENTION_PATTERN, AttentionSite
 from .kernels import FormatInput, KernelChoice
 from .mask_sources import score_bias
-
-
-OPAQUE = 8      # relax OpPatternKind kOpaque
+from .op_patterns import OPAQUE
 
 
 def _relax_param(spec: FormatInput, sizes: dict) -> relax.Var:

@@ -17,10 +17,10 @@ from tvm import relax, tirx
 
 from .attention_match import resolve, scalar_value, static_shape
 from .linear_match import is_call
+from .op_patterns import OPAQUE
 
 SCAN_SYMBOL = "stof_scan_rows"
 LANES = 32
-OPAQUE = 8          # relax OpPatternKind kOpaque
 MAX_ROW = 1 << 16   # longer rows keep TVM's own scan (one lane would sum more than 2048 elements)
 
 

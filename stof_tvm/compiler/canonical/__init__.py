@@ -63,5 +63,5 @@ def canonicalize(mod: tvm.IRModule, rules: list[Rule] | None = None) -> tvm.IRMo
 
 
 __all__ = ["RULES", "Rule", "canonicalize", "canonicalize_function", "GeluErf", "GeluTanh", "IntegerPowers",
-           "NoOpCasts", "RepeatedConstant", "FiniteFill", "NanGuard", "SelectMask", "SplitScale", "FlatLinear", "PatchEmbedding", "PermutePairs",
-           "SingleConcat", "TransposeThrough3D"]
+           "NoOpCasts", "RepeatedConstant", "FiniteFill", "NanGuard", "SelectMask", "SplitScale", "FlatLinear",
+           "PatchEmbedding", "PermutePairs", "SingleConcat", "TransposeThrough3D"]

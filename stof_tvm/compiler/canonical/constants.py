@@ -24,7 +24,9 @@ def repeated_axes_removed(value: np.ndarray) -> np.ndarray:
     for axis in range(value.ndim):
         if value.shape[axis] > 1:
             first = np.take(value, [0], axis=axis)
-            if np.array_equal(value, np.broadcast_to(first, value.shape)):
+            # two slices first: an axis that varies (most do) costs two slices, not a pass over the whole constant
+            if (np.array_equal(first, np.take(value, [1], axis=axis))
+                    and np.array_equal(value, np.broadcast_to(first, value.shape))):
                 value = first
     return value
 
