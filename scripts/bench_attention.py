@@ -1076,11 +1076,52 @@ def plan_s12bb() -> list[dict]:
     return cases
 
 
+# s17model: the end-to-end models' attention shapes (BigBird, H12 D64, the HF key padding fed all ones)
+S17_SHAPES = ((8, 512), (8, 197), (1, 577), (1, 197), (1, 128))
+S17_TILES = 12            # tile shapes timed per shape, in the model's order
+S17_MIN_BLOCK_N = 32      # narrower key tiles only pay on very sparse masks
+
+
+def plan_s17model() -> list[dict]:
+    """Is the model's block-wise pick the fastest at the shapes the whole models run? Session 16's in-place timeline
+    gave attention 10.7-15.9% of each forward (BERT-base 8x512: 20.6 us a layer, 3.4x Q, K, V and O at 4.2 TB/s)
+    and the model's ranking is flat there (its top ten within 5%). For each shape in S17_SHAPES: the model's best
+    stage count for its first S17_TILES block-wise tile shapes (block_m x block_n x warps, block_n >= 32), each
+    labelled with its rank and prediction, the padded wgmma default, FlexAttention and SDPA beside the first. Padded as the compiled
+    models are, under all-ones padding (what the e2e runs feed)."""
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile
+    from stof_tvm.cost_model.attention import rank_attention
+    from stof_tvm.schedules.attention_wgmma import default_config
+
+    cases = []
+    for batch, seq in S17_SHAPES:
+        mask = build_mask("bigbird", batch, H_BENCH, seq, 0)
+        problem = AttentionProblem(batch=batch, heads=H_BENCH, head_dim=64, dtype="float16", padding=True,
+                                   mask=MaskProfile(mask))
+        ranked = [r for r in rank_attention(problem) if r.candidate.kind == "block"]
+        tiles = {}
+        for rank, r in enumerate(ranked):
+            config = r.candidate.config
+            if config.block_n >= S17_MIN_BLOCK_N:
+                tiles.setdefault((config.block_m, config.block_n, config.num_warps), (rank, r))
+        for (rank, r) in list(tiles.values())[:S17_TILES]:
+            case = _case("time", "block", "bigbird", batch, H_BENCH, seq, 64, "float16",
+                         _config_tuple(r.candidate.config), padding=True)
+            label = f"rank {rank:>2} predicted {r.prediction.time_s * 1e3:.4f} " + \
+                "x".join(map(str, _config_tuple(r.candidate.config)[:5]))
+            cases.append(dict(case, pad_keep="ones", label=label, baselines=rank == 0))
+        case = _case("time", "wgmma", "bigbird", batch, H_BENCH, seq, 64, "float16",
+                     _wgmma_tuple(default_config(64, padding=True)), padding=True)
+        cases.append(dict(case, pad_keep="ones", label="wgmma padded default"))
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
          "s9sparse": plan_s9sparse, "s9check": plan_s9check, "s10sparse": plan_s10sparse,
-         "s10dims": plan_s10dims, "s11gpt2": plan_s11gpt2, "s12bb": plan_s12bb}
+         "s10dims": plan_s10dims, "s11gpt2": plan_s11gpt2, "s12bb": plan_s12bb,
+         "s17model": plan_s17model}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
