@@ -114,6 +114,13 @@ the mma.sync twin (weight [k, n], GPT-2's Conv1D layout) at 128 x 16, 64 x 32, 3
 (144-288 blocks); checked against torch float32, outputs in a poisoned buffer :data:`GUARD_ROWS` rows longer, split-K
 bitwise deterministic, timed as in s11big (bursts, sustained, one call at a time); the same two-process command with
 ``--plan s13small`` and ``out/s13small`` carried.
+
+``--plan s18small`` (issue 17; default folder ``out/s18small``, 41 modules): BERT-large's and BERT-base's four GEMMs at
+1 x 128 tokens (128 rows, the compile path's forms), the pick against its twins with TMA loads, without the weight
+prefetch and with ``early_weights``, and tilings that launch more blocks or wider tiles (:data:`S18_CANDIDATES`);
+checked and timed as s13small, and also as a whole forward runs them (``graphed``: :data:`GRAPH_CALLS` calls in one
+CUDA graph, each with a weight of its own, which is what the summary ranks by); ``--plan s18small`` and
+``out/s18small`` carried.
 """
 from __future__ import annotations
 
@@ -296,14 +303,65 @@ S13_CANDIDATES = {
     ("gemm_bias_wgmma", 512, 768, 3072): [dict(_S13_SPLIT, stages=4, split_k=6)],
 }
 S13_MAX_MODULES = 20   # the build stays under ~10 minutes on a 2-core CPU
-BIG_PLANS = ("s11big", "s11large", "s12gelu", "s13small")   # sets timed sustained and one call at a time too
+# --plan s18small: BERT-large's and BERT-base's GEMMs at 1 x 128 tokens (128 rows; the compile path's forms), where the
+# in-place timeline (session 17) gave BERT-large's 5.8-8.7 us a call against 0.5-2.0 us of weight streaming. Each set
+# is also timed as a whole forward runs it: GRAPH_CALLS calls captured in one CUDA graph, each with a weight of its
+# own (so that every call streams its weight from HBM, as a model's layers do), under dependent launches. Beside the
+# pick: its twins without the weight prefetch and with early_weights (what the kernel does before the dependent-launch
+# wait), and tilings that launch more blocks (split further, non-portable clusters of 16 included) or wider tiles.
+_S18 = {"persistent": False, "pingpong": False, "weight_prefetch": True, "loads": "cp.async"}
+
+
+def _s18(block_n, stages, split, **extra):
+    """A split-K knob set of plan s18small (cooperative 128-row tile, cp.async, the weight prefetch unless told)."""
+    return dict(_S18, block_n=block_n, stages=stages, split_k=split, **extra)
+
+
+S18_CASES = [
+    ("qkv_projection_wgmma", {"batch": 1, "seq": 128, "heads": 16, "head_dim": 64}),   # 128 x 3072 x 1024
+    ("gemm_bias_wgmma", {"m": 128, "n": 1024, "k": 1024}),                             # attention output
+    ("gemm_bias_gelu_erf_wgmma", {"m": 128, "n": 4096, "k": 1024}),                    # FFN up + erf GELU
+    ("gemm_bias_wgmma", {"m": 128, "n": 1024, "k": 4096}),                             # FFN down
+    ("qkv_projection_wgmma", {"batch": 1, "seq": 128, "heads": 12, "head_dim": 64}),   # BERT-base: 128 x 2304 x 768
+    ("gemm_bias_wgmma", {"m": 128, "n": 768, "k": 768}),
+    ("gemm_bias_gelu_erf_wgmma", {"m": 128, "n": 3072, "k": 768}),
+    ("gemm_bias_wgmma", {"m": 128, "n": 768, "k": 3072})]
+# ... per (template, m, n, k) the sets beside the pick (the knob space's first set); blocks launched in the comments
+S18_CANDIDATES = {
+    # pick 128 x 128 split 4 (4 k steps a block), 96 blocks
+    ("qkv_projection_wgmma", 128, 3072, 1024): [_s18(128, 4, 4, weight_prefetch=False),
+                                                _s18(128, 4, 4, early_weights=True), _s18(128, 2, 8),   # 192
+                                                _s18(192, 2, 8), _s18(256, 4, 4)],                      # 128, 48
+    # pick split 4, 32 blocks
+    ("gemm_bias_wgmma", 128, 1024, 1024): [_s18(128, 4, 4, weight_prefetch=False),
+                                           _s18(128, 4, 4, early_weights=True), _s18(128, 2, 8),      # 64
+                                           _s18(128, 2, 16), _s18(256, 2, 16)],                       # 128, 64
+    # pick split 2 (8 steps), 64 blocks
+    ("gemm_bias_gelu_erf_wgmma", 128, 4096, 1024): [_s18(128, 4, 2, early_weights=True), _s18(128, 4, 4),  # 128
+                                                    _s18(256, 2, 8), _s18(256, 4, 4)],                     # 128, 64
+    # pick split 8 (8 steps), 64 blocks
+    ("gemm_bias_wgmma", 128, 1024, 4096): [_s18(128, 4, 8, weight_prefetch=False),
+                                           _s18(128, 4, 8, early_weights=True), _s18(128, 4, 16),     # 128
+                                           _s18(256, 4, 16)],                                         # 64
+    # BERT-base, pick split 4 (3 steps), 72 blocks
+    ("qkv_projection_wgmma", 128, 2304, 768): [_s18(128, 3, 4, early_weights=True), _s18(128, 2, 6)],  # 108
+    # pick split 4, 24 blocks
+    ("gemm_bias_wgmma", 128, 768, 768): [_s18(128, 2, 6), _s18(128, 2, 12)],                          # 36, 72
+    # pick split 4, 96 blocks
+    ("gemm_bias_gelu_erf_wgmma", 128, 3072, 768): [_s18(128, 2, 6)],                                  # 144
+    # pick split 8 (6 steps), 48 blocks
+    ("gemm_bias_wgmma", 128, 768, 3072): [_s18(128, 4, 12), _s18(128, 3, 16)],                        # 72, 96
+}
+GRAPH_CALLS = 24   # s18small: calls per captured graph, as many as a 24-layer model runs of each GEMM
+BIG_PLANS = ("s11big", "s11large", "s12gelu", "s13small", "s18small")   # sets timed sustained, one at a time too
 SUSTAINED_MS = 50.0   # BIG_PLANS: each sustained sample this long (back-to-back calls, as in a whole forward)
 PROFILED_CALLS = 50   # BIG_PLANS: calls timed one by one between device synchronisations (as --profile does)
 PLANS = {"small_k": (CASES, OUT), "s8tma": (TMA_CASES, ROOT / "out" / "s8gemm_tma"),
          "s9splitk": (SPLITK_CASES, ROOT / "out" / "s9splitk"), "s9wide": (WIDE_CASES, ROOT / "out" / "s9wide"),
          "s10gemm": (S10_CASES, ROOT / "out" / "s10gemm"), "s10ragged": (RAGGED_CASES, ROOT / "out" / "s10ragged"),
          "s11big": (BIG_CASES, ROOT / "out" / "s11big"), "s11large": (LARGE_CASES, ROOT / "out" / "s11large"),
-         "s12gelu": (S12_CASES, ROOT / "out" / "s12gelu"), "s13small": (S13_CASES, ROOT / "out" / "s13small")}
+         "s12gelu": (S12_CASES, ROOT / "out" / "s12gelu"), "s13small": (S13_CASES, ROOT / "out" / "s13small"),
+         "s18small": (S18_CASES, ROOT / "out" / "s18small")}
 # --plan s9splitk: the compile path's wgmma knobs before split-K and the knob order by wave efficiency (commit
 # 098a891; GEMMs with fewer than WGMMA_MIN_TILES 128 x 128 tiles ran the mma.sync template the model ranks first)
 HEAD_WGMMA = {"block_n": 192, "stages": 3, "persistent": True, "pingpong": False, "block_m": 256, "staged": True}
@@ -344,7 +402,8 @@ def knob_tag(knobs) -> str:
             f"{'_st' if knobs.get('staged') else ''}{'_fast' if knobs.get('fast_gelu') else ''}"
             f"{'_k' + str(knobs['split_k']) if knobs.get('split_k', 1) > 1 else ''}"
             f"{'_' + knobs['loads'].replace('.', '') if 'loads' in knobs else ''}"
-            f"{'_' + knobs['gelu_form'] if 'gelu_form' in knobs else ''}")
+            f"{'_' + knobs['gelu_form'] if 'gelu_form' in knobs else ''}"
+            f"{'_wp' if knobs.get('weight_prefetch') else ''}{'_ew' if knobs.get('early_weights') else ''}")
 
 
 def splitk_knob_sets(name, shape, space) -> list[dict]:
@@ -453,11 +512,16 @@ def gelu_knob_sets(name, shape, space) -> list[dict]:
     return [{key: v for key, v in pick.items() if key != "fast_gelu"}]
 
 
-def small_rows_knob_sets(name, shape, space) -> list[dict]:
-    """``--plan s13small``: the knob space's first set (the compile path's untuned pick), then the case's
-    :data:`S13_CANDIDATES` (wgmma split-K sets, or mma.sync twin sets as ``{"mma": knobs}``); each set once."""
+def small_rows_knob_sets(name, shape, space, plan="s13small") -> list[dict]:
+    """``--plan s13small`` / ``s18small``: the knob space's first set (the compile path's untuned pick), then the
+    case's candidates (:data:`S13_CANDIDATES`: wgmma split-K sets, or mma.sync twin sets as ``{"mma": knobs}``;
+    :data:`S18_CANDIDATES` after the pick's TMA twin, whose host-side map encoding a CUDA graph does once); each set
+    once."""
     m, n, k = gemm_dims(name, shape)
-    sets = [space[0]] + [dict(kn) for kn in S13_CANDIDATES[name, m, n, k]]
+    if plan == "s18small":
+        sets = [space[0], dict(space[0], loads="tma")] + [dict(kn) for kn in S18_CANDIDATES[name, m, n, k]]
+    else:
+        sets = [space[0]] + [dict(kn) for kn in S13_CANDIDATES[name, m, n, k]]
     return [kn for i, kn in enumerate(sets) if kn not in sets[:i]]
 
 
@@ -529,6 +593,7 @@ def build(args) -> None:
                   "s11large": lambda sp: big_knob_sets(name, sp, LARGE_CANDIDATES[name, m, n, k]),
                   "s12gelu": lambda sp: gelu_knob_sets(name, shape, sp),
                   "s13small": lambda sp: small_rows_knob_sets(name, shape, sp),
+                  "s18small": lambda sp: small_rows_knob_sets(name, shape, sp, "s18small"),
                   }.get(args.plan, choose_knobs)(space)
         for knobs in chosen:
             key = f"{ckey}__{knob_tag(knobs)}"
@@ -736,6 +801,10 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
                        eager_ms=common.median_ms(eager, args.iters, args.reps))
             if args.plan in BIG_PLANS:
                 row.update({f"cublas_{field}": ms for field, ms in in_model_timings(gemm, row["cublas_ms"]).items()})
+    weights = weight_pool(torch, case, w) if args.plan == "s18small" and args.only != "check" else []
+    if weights and "cublas_graphed_ms" not in row:
+        row["cublas_graphed_ms"] = graphed_ms(torch, [torch_forms(torch, name, shape, a, wi, bias)[0]
+                                                      for wi in weights])
     args_in = [a, w] + ([bias] if name != "gemm_wgmma" else [])
     w_kn = None
     for key in keys:
@@ -790,6 +859,9 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
             entry["vs_cublas"] = row["cublas_ms"] / entry["ms"]
             if args.plan in BIG_PLANS:
                 entry.update(in_model_timings(lambda: func(*tv), entry["ms"]))
+            if weights and info["kind"] == "wgmma":
+                entry["graphed_ms"] = graphed_ms(torch, [tvm_call(func, [tv[0], tvm.runtime.from_dlpack(wi), *tv[2:]])
+                                                         for wi in weights])
         elif not entry["correct"]:
             entry["diagnosis"] = common._diagnose(torch, out.float().reshape(-1, ref.shape[-1]),
                                                   ref.reshape(-1, ref.shape[-1]))
@@ -805,6 +877,34 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
         timed = [(e["ms"], key) for key, e in row["kernels"].items() if e["new"] == new and "ms" in e]
         row["best_new" if new else "best_old"] = min(timed) if timed else None
     return row
+
+
+def weight_pool(torch, case, w) -> list:
+    """:data:`GRAPH_CALLS` weights for one case: ``w`` and seeded others of its shape and scale, so that each call of
+    a captured graph reads a weight of its own from HBM (together larger than the H200's 50 MB L2 at these shapes
+    but the smallest), as the layers of a model do."""
+    gen = torch.Generator(device=w.device).manual_seed(int(common.source_key(case["key"] + "pool"), 16) % 2 ** 31)
+    scale = w.shape[1] ** -0.5
+    return [w] + [(torch.randn(w.shape, device=w.device, generator=gen) * scale).half()
+                  for _ in range(GRAPH_CALLS - 1)]
+
+
+def tvm_call(func, tv):
+    """``func(*tv)`` as a no-argument callable launching on torch's current stream (a capturing one included)."""
+    import tvm_ffi
+
+    def call():
+        with tvm_ffi.use_torch_stream():
+            func(*tv)
+    return call
+
+
+def graphed_ms(torch, calls) -> float:
+    """ms per call of ``calls`` (no-argument callables) captured back to back in one CUDA graph, as a whole forward
+    runs its kernels: no launch overhead, each kernel's blocks scheduled under the one before (dependent launches),
+    the median of 20 samples of 5 replays by CUDA events, divided by the calls."""
+    replay, _ = bl.graphed(lambda: [call() for call in calls])
+    return bl.time_ms(replay, warmup=3, samples=20, number=5).median_ms / len(calls)
 
 
 def in_model_timings(fn, ms: float) -> dict:
@@ -971,13 +1071,15 @@ def table_big(results, modules) -> None:
     pick, first) with its time against the default and cuBLAS, sustained and as the profiler measures it; then per
     case the fastest set."""
     print(f"\n{'case / knobs':58s} {'ms':>7s} {'TFLOP/s':>7s} {'x dflt':>6s} {'x cuBLAS':>8s} {'sustain':>7s} "
-          f"{'profiled':>8s}")
+          f"{'profiled':>8s} {'graphed':>8s}")
     best = {}
     for row in results:
         print(f"{row['case'].removesuffix('_' + DTYPE):58s} {row['cublas_ms']:7.4f} "
               f"{row['flops'] / row['cublas_ms'] / 1e9:7.0f} {'':6s} {'(cuBLAS)':>8s} "
-              f"{row.get('cublas_sustained_ms', float('nan')):7.4f} {row.get('cublas_profiled_ms', float('nan')):8.4f}")
+              f"{row.get('cublas_sustained_ms', float('nan')):7.4f} {row.get('cublas_profiled_ms', float('nan')):8.4f} "
+              f"{row.get('cublas_graphed_ms', float('nan')):8.4f}")
         timed = {key: e for key, e in row["kernels"].items() if "ms" in e}
+        field = "graphed_ms" if timed and all("graphed_ms" in e for e in timed.values()) else "ms"   # what ranks
         default = next((e["ms"] for key, e in timed.items() if modules[key]["default"]), None)
         for key, e in row["kernels"].items():
             tag = ("* " if modules[key]["default"] else "  ") + key.split("__")[1]
@@ -986,17 +1088,21 @@ def table_big(results, modules) -> None:
                 continue
             vs_default = f"{default / e['ms']:6.3f}" if default else f"{'-':>6s}"
             print(f"  {tag:56s} {e['ms']:7.4f} {e['tflops']:7.0f} {vs_default} {e['vs_cublas']:8.3f} "
-                  f"{e.get('sustained_ms', float('nan')):7.4f} {e.get('profiled_ms', float('nan')):8.4f}")
+                  f"{e.get('sustained_ms', float('nan')):7.4f} {e.get('profiled_ms', float('nan')):8.4f} "
+                  f"{e.get('graphed_ms', float('nan')):8.4f}")
         if timed:
-            key = min(timed, key=lambda key: timed[key]["ms"])
-            best[row["case"]] = (key.split("__")[1], timed[key]["ms"], default, row["cublas_ms"])
-    print(f"\n{'case':46s} {'default':>7s} {'best':>7s} {'x dflt':>6s} {'x cuBLAS':>8s}  best knobs")
+            key = min(timed, key=lambda key: timed[key][field])
+            default = next((e[field] for key, e in timed.items() if modules[key]["default"]), None)
+            best[row["case"]] = (key.split("__")[1], timed[key][field], default, row[f"cublas_{field}"])
+    print(f"\n{'case':46s} {'default':>7s} {'best':>7s} {'x dflt':>6s} {'x cuBLAS':>8s}  best knobs (graphed where "
+          "timed so)")
     for case, (tag, ms, default, cublas) in best.items():
         print(f"{case.removesuffix('_' + DTYPE):46s} {default or float('nan'):7.4f} {ms:7.4f} "
               f"{(default or float('nan')) / ms:6.3f} {cublas / ms:8.3f}  {tag}")
     print("(ms per call, CUDA events, median of the usual samples; * = the knob space's first set, the compile path's "
           "untuned pick; x dflt = default ms / ms; sustain = back-to-back for 50 ms a sample; profiled = one call "
-          "between device synchronisations, as stof-tvm bench --profile times it)")
+          "between device synchronisations, as stof-tvm bench --profile times it; graphed = "
+          f"{GRAPH_CALLS} calls in one CUDA graph, each with its own weight)")
 
 
 def main(argv=None) -> None:
@@ -1021,7 +1127,8 @@ def main(argv=None) -> None:
                             "s11big: the 32768-row GEMMs and ViT-Base's at 1576 / 6304 rows; "
                             "s11large: BERT-large's 4096-row GEMMs, GPT-2's tanh GELU; "
                             "s12gelu: the GELU GEMM's epilogue forms (gelu_form); "
-                            "s13small: GPT-2's GEMMs at 128 / 512 rows, sets that fill the SMs")
+                            "s13small: GPT-2's GEMMs at 128 / 512 rows, sets that fill the SMs; "
+                            "s18small: BERT-large's and BERT-base's at 128 rows, timed in a CUDA graph too")
         p.add_argument("--out", type=Path, default=None,
                        help="artifact folder (default out/wgmma_small_k, --plan s8tma: out/s8gemm_tma)")
     args = parser.parse_args(argv)
