@@ -115,7 +115,7 @@ the mma.sync twin (weight [k, n], GPT-2's Conv1D layout) at 128 x 16, 64 x 32, 3
 bitwise deterministic, timed as in s11big (bursts, sustained, one call at a time); the same two-process command with
 ``--plan s13small`` and ``out/s13small`` carried.
 
-``--plan s18small`` (issue 17; default folder ``out/s18small``, 41 modules): BERT-large's and BERT-base's four GEMMs at
+``--plan s18small`` (issue 17; default folder ``out/s18small``, 45 modules): BERT-large's and BERT-base's four GEMMs at
 1 x 128 tokens (128 rows, the compile path's forms), the pick against its twins with TMA loads, without the weight
 prefetch and with ``early_weights``, and tilings that launch more blocks or wider tiles (:data:`S18_CANDIDATES`);
 checked and timed as s13small, and also as a whole forward runs them (``graphed``: :data:`GRAPH_CALLS` calls in one
@@ -313,8 +313,10 @@ _S18 = {"persistent": False, "pingpong": False, "weight_prefetch": True, "loads"
 
 
 def _s18(block_n, stages, split, **extra):
-    """A split-K knob set of plan s18small (cooperative 128-row tile, cp.async, the weight prefetch unless told)."""
-    return dict(_S18, block_n=block_n, stages=stages, split_k=split, **extra)
+    """A knob set of plan s18small (cooperative 128-row tile, split ``split`` ways, cp.async, the weight prefetch;
+    ``extra`` overrides)."""
+    knobs = dict(_S18, block_n=block_n, stages=stages, **extra)
+    return dict(knobs, split_k=split) if split > 1 else knobs
 
 
 S18_CASES = [
@@ -332,10 +334,12 @@ S18_CANDIDATES = {
     ("qkv_projection_wgmma", 128, 3072, 1024): [_s18(128, 4, 4, weight_prefetch=False),
                                                 _s18(128, 4, 4, early_weights=True), _s18(128, 2, 8),   # 192
                                                 _s18(192, 2, 8), _s18(256, 4, 4)],                      # 128, 48
-    # pick split 4, 32 blocks
+    # pick split 4, 32 blocks; what the cluster costs: unsplit (8 blocks, 16 steps) and split 2 (16 blocks, 8 steps)
     ("gemm_bias_wgmma", 128, 1024, 1024): [_s18(128, 4, 4, weight_prefetch=False),
                                            _s18(128, 4, 4, early_weights=True), _s18(128, 2, 8),      # 64
-                                           _s18(128, 2, 16), _s18(256, 2, 16)],                       # 128, 64
+                                           _s18(128, 2, 16), _s18(256, 2, 16),                        # 128, 64
+                                           _s18(128, 4, 1), _s18(128, 4, 2),
+                                           _s18(128, 4, 4, weight_prefetch=False, loads="tma")],
     # pick split 2 (8 steps), 64 blocks
     ("gemm_bias_gelu_erf_wgmma", 128, 4096, 1024): [_s18(128, 4, 2, early_weights=True), _s18(128, 4, 4),  # 128
                                                     _s18(256, 2, 8), _s18(256, 4, 4)],                     # 128, 64
@@ -345,8 +349,8 @@ S18_CANDIDATES = {
                                            _s18(256, 4, 16)],                                         # 64
     # BERT-base, pick split 4 (3 steps), 72 blocks
     ("qkv_projection_wgmma", 128, 2304, 768): [_s18(128, 3, 4, early_weights=True), _s18(128, 2, 6)],  # 108
-    # pick split 4, 24 blocks
-    ("gemm_bias_wgmma", 128, 768, 768): [_s18(128, 2, 6), _s18(128, 2, 12)],                          # 36, 72
+    # pick split 4, 24 blocks; unsplit: 6 blocks, 12 steps
+    ("gemm_bias_wgmma", 128, 768, 768): [_s18(128, 2, 6), _s18(128, 2, 12), _s18(128, 4, 1)],        # 36, 72, 6
     # pick split 4, 96 blocks
     ("gemm_bias_gelu_erf_wgmma", 128, 3072, 768): [_s18(128, 2, 6)],                                  # 144
     # pick split 8 (6 steps), 48 blocks
@@ -805,6 +809,8 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
     if weights and "cublas_graphed_ms" not in row:
         row["cublas_graphed_ms"] = graphed_ms(torch, [torch_forms(torch, name, shape, a, wi, bias)[0]
                                                       for wi in weights])
+        row["cublas_kernels"] = sorted({e["name"][:160] for e in bl.trace_kernels(gemm, None, 3)})
+        print(f"cuBLAS runs {row['cublas_kernels']}", flush=True)
     args_in = [a, w] + ([bias] if name != "gemm_wgmma" else [])
     w_kn = None
     for key in keys:
