@@ -48,6 +48,19 @@ microseconds, so each CUDA-event sample spans ``--reps`` back-to-back calls. A l
     run(command="source .devkit/bootstrap.sh && python3 -m pip install -q --no-deps --no-build-isolation "
                 "--no-index -e . && python3 scripts/check_wgmma_gpu.py run --suite ffn",
         carry=[".devkit/runtime.tar.xz", ".devkit/bootstrap.sh", "out/ffn_wgmma"], timeout_s=420)
+
+``--suite norm`` (both steps; artifacts in ``out/norm_wgmma``): GEMM + bias + residual + LayerNorm in one wgmma
+kernel (``gemm_bias_residual_layernorm_wgmma``: the ``n / block_n`` blocks of a row tile one cluster sharing their
+row sums), its first knob sets of each tile width (:data:`NORM_SETS` per width) against the pair the compile path
+runs without it (``gemm_wgmma`` with its default knobs, then the ``bias_residual_layernorm`` template), at the
+attention-output and FFN-down shapes of BERT-Base (4096 and 32768 rows, ViT-Base's 1576, 128) and BERT-Large,
+checked against torch float32 like the GEMMs (output NaN-poisoned; the pair's GEMM output too) and timed as ``--reps``
+back-to-back calls per CUDA-event sample::
+
+    .venv/bin/python scripts/check_wgmma_gpu.py build --suite norm
+    run(command="source .devkit/bootstrap.sh && python3 -m pip install -q --no-deps --no-build-isolation "
+                "--no-index -e . && python3 scripts/check_wgmma_gpu.py run --suite norm",
+        carry=[".devkit/runtime.tar.xz", ".devkit/bootstrap.sh", "out/norm_wgmma"], timeout_s=420)
 """
 from __future__ import annotations
 
@@ -62,7 +75,7 @@ import benchlib as bl  # noqa: E402  (timing, hang guard, CUDA graphs, cubin key
 from benchlib import source_key  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-OUTS = {"gemm": ROOT / "out" / "wgmma", "ffn": ROOT / "out" / "ffn_wgmma"}
+OUTS = {"gemm": ROOT / "out" / "wgmma", "ffn": ROOT / "out" / "ffn_wgmma", "norm": ROOT / "out" / "norm_wgmma"}
 OUT = OUTS["gemm"]   # the suite's artifact folder (main() sets it)
 
 # (template base name, m, n, k, dtype): base + "_wgmma" is the wgmma template, base alone the mma.sync one
@@ -93,6 +106,12 @@ TOL = {"float16": 1e-2, "bfloat16": 2e-2}
 FFN_CASES = [(m, h, f, "float16") for m in (4096, 32768) for h in (128, 256) for f in (512, 1024)] + [
     (4096, 128, 512, "bfloat16")]
 FFN_TEMPLATE = "ffn_gelu_erf_bias_wgmma"
+# GEMM + bias + residual + LayerNorm cases (m, n, k, dtype): BERT-Base's attention output and FFN down at 8 x 512 and
+# 64 x 512 tokens, ViT-Base's at 8 x 197 (a partial last row tile), RoBERTa-base's at 1 x 128, BERT-Large's at 8 x 512
+NORM_CASES = [(m, 768, k, "float16") for m in (4096, 32768, 1576, 128) for k in (768, 3072)] + [
+    (4096, 1024, 1024, "float16"), (4096, 1024, 4096, "float16"), (4096, 768, 768, "bfloat16")]
+NORM_TEMPLATE = "gemm_bias_residual_layernorm_wgmma"
+NORM_SETS = 4   # fused knob sets per tile width: the space's first (staged, TMA, 4 / 3 stages), then direct, cp.async
 
 
 def median_ms(fn, iters, reps=1):
@@ -182,6 +201,43 @@ def build_ffn(args) -> None:
     print(f"{len(manifest['modules'])} modules in {OUT} ({time.time() - t0:.0f} s)")
 
 
+def build_norm(args) -> None:
+    """The fused GEMM + LayerNorm in its first knob sets of each tile width, and the unfused pair (the GEMM's default
+    wgmma knobs, the LayerNorm template's default schedule), per case."""
+    from stof_tvm.schedules.templates import cuda_target, get_template
+    from stof_tvm.schedules.templates.build import build as build_template
+    from stof_tvm.schedules.templates.gemm_wgmma import build_kernel
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    manifest = {"suite": "norm", "cases": [], "modules": {}}
+    t0 = time.time()
+    for m, n, k, dtype in NORM_CASES:
+        shape = {"m": m, "n": n, "k": k}
+        ckey = f"norm_{m}x{n}x{k}_{dtype}"
+        entry = {"key": ckey, "shape": shape, "dtype": dtype, "fused": []}
+        space = get_template(NORM_TEMPLATE).knob_space(shape, dtype)
+        for bn in dict.fromkeys(kn["block_n"] for kn in space):
+            width = [kn for kn in space if kn["block_n"] == bn]
+            chosen = width[:2] + [next(kn for kn in width if not kn["staged"]),
+                                  next(kn for kn in width if kn["loads"] == "cp.async")]
+            for kn in chosen[:NORM_SETS]:
+                key = (f"{ckey}__fused_n{bn}_s{kn['stages']}{'_st' if kn['staged'] else ''}"
+                       f"{'_tma' if kn['loads'] == 'tma' else ''}")
+                _export(manifest, key, "wgmma", kn, build_kernel(NORM_TEMPLATE, shape, dtype, kn), "gemm_wgmma")
+                entry["fused"].append(key)
+        gemm = get_template("gemm_wgmma")
+        kn = gemm.default_knobs(shape, dtype)
+        _export(manifest, f"{ckey}__gemm", "wgmma", kn, build_kernel("gemm_wgmma", shape, dtype, kn), "gemm_wgmma")
+        norm = get_template("bias_residual_layernorm")
+        ln_shape = {"m": m, "n": n}
+        _export(manifest, f"{ckey}__layernorm", "mma_sync", norm.default_knobs(ln_shape, dtype),
+                build_template(norm.schedule(ln_shape, dtype), cuda_target()), "main")
+        entry.update(gemm=f"{ckey}__gemm", layernorm=f"{ckey}__layernorm")
+        manifest["cases"].append(entry)
+    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    print(f"{len(manifest['modules'])} modules in {OUT} ({time.time() - t0:.0f} s)")
+
+
 def _cubin(src, path, kind, nvcc_cubin) -> dict:
     """sm_90a cubin for the wgmma kernels (nvcc_cubin), sm_90 for the mma.sync templates."""
     if kind == "wgmma":
@@ -221,10 +277,12 @@ def run(args) -> None:
     for case in manifest["cases"]:
         if args.suite == "ffn":
             results.append(_run_ffn_case(case, manifest["modules"], torch, tvm, dev, args, results, misses))
+        elif args.suite == "norm":
+            results.append(_run_norm_case(case, manifest["modules"], torch, tvm, dev, args, results, misses))
         else:
             results.append(_run_case(case, manifest["modules"], torch, tvm, dev, args.iters, results, misses))
         (OUT / "results.json").write_text(json.dumps({"results": results, "cubin_misses": misses}, indent=1))
-    _ffn_table(results) if args.suite == "ffn" else _table(results)
+    {"ffn": _ffn_table, "norm": _norm_table}.get(args.suite, _table)(results)
     print(f"cubins compiled on the GPU machine instead of prebuilt: {len(misses)}")
 
 
@@ -433,6 +491,87 @@ def _ffn_table(results) -> None:
           "graph, over the best fused FFN's time; x pair = our unfused wgmma pair's time over it)")
 
 
+def _run_norm_case(case, modules, torch, tvm, dev, args, results, misses) -> dict:
+    F = torch.nn.functional
+    m, n, k = (case["shape"][key] for key in ("m", "n", "k"))
+    dtype = case["dtype"]
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator(device=dev).manual_seed(int(source_key(case["key"]), 16) % 2 ** 31)
+    a = torch.randn(m, k, device=dev, generator=gen).to(tdt)
+    w = (torch.randn(n, k, device=dev, generator=gen) / k ** 0.5).to(tdt)
+    bias = torch.randn(n, device=dev, generator=gen).to(tdt)
+    # a residual stream with a mean of its own per row (LayerNorm's two passes are for that) and large columns
+    residual = (torch.randn(m, n, device=dev, generator=gen) * 2 + torch.randn(m, 1, device=dev, generator=gen) * 4
+                ).to(tdt)
+    gamma = (1 + 0.1 * torch.randn(n, device=dev, generator=gen)).to(tdt)
+    beta = (0.1 * torch.randn(n, device=dev, generator=gen)).to(tdt)
+    y = a.float() @ w.float().T + bias.float() + residual.float()
+    ref = F.layer_norm(y, (n,), gamma.float(), beta.float(), 1e-5)
+    row = {"case": case["key"], "shape": case["shape"], "dtype": dtype, "kernels": {}}
+    row["torch_ms"] = median_ms(lambda: F.layer_norm(F.linear(a, w, bias) + residual, (n,), gamma, beta, 1e-5),
+                                args.iters, args.reps)
+    tv = lambda *ts: [tvm.runtime.from_dlpack(t) for t in ts]  # noqa: E731
+    nan = lambda *shape: torch.full(shape, float("nan"), device=dev, dtype=tdt)  # noqa: E731
+    pair_key = f"{case['key']}__unfused_pair"
+    for key, kind in [(key, "fused") for key in case["fused"]] + [(pair_key, "unfused")]:
+        print(f"{key}: launching", flush=True)
+        entry = {"kind": kind}
+        out = nan(m, n)
+        try:
+            if kind == "fused":
+                fused = tvm.runtime.load_module(str(OUT / modules[key]["library"]))["gemm_wgmma"]
+                entry.update(knobs=modules[key]["knobs"], registers=modules[key]["registers"])
+                targs = tv(a, w, bias, residual, gamma, beta, out)
+                call = lambda fused=fused, targs=targs: fused(*targs)  # noqa: E731
+            else:
+                gemm = tvm.runtime.load_module(str(OUT / modules[case["gemm"]]["library"]))["gemm_wgmma"]
+                norm = tvm.runtime.load_module(str(OUT / modules[case["layernorm"]]["library"]))["main"]
+                entry.update(knobs=modules[case["gemm"]]["knobs"])
+                mid = nan(m, n)
+                gemm_args, norm_args = tv(a, w, mid), tv(mid, bias, residual, gamma, beta, out)
+                call = lambda: (gemm(*gemm_args), norm(*norm_args))  # noqa: E731
+        except Exception as err:  # a failed load is a result to report, not a reason to stop the run
+            entry["error"] = f"load: {err}"[:300]
+            row["kernels"][key] = entry
+            continue
+        call()
+        if not bl.finished(HANG_S):
+            row["kernels"][key] = dict(entry, error=f"hang: not finished after {HANG_S:.0f} s")
+            _give_up(row, results, misses, key, _norm_table)
+        err = float(torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref))
+        entry.update(rel_err=err, max_abs=float((out.float() - ref).abs().max()), finite=bool(torch.isfinite(out).all()))
+        entry["correct"] = entry["finite"] and err < TOL[dtype]
+        if entry["correct"]:
+            entry["ms"] = median_ms(call, args.iters, args.reps)
+        else:
+            entry["diagnosis"] = _diagnose(torch, out.float(), ref)
+        row["kernels"][key] = entry
+        print(f"{key}: err {err:.2e} max {entry['max_abs']:.2e} {'ok' if entry['correct'] else 'WRONG'}"
+              + (f", {entry['ms'] * 1e3:.1f} us" if entry["correct"] else ""), flush=True)
+    timed = [(e["ms"], key) for key, e in row["kernels"].items() if e["kind"] == "fused" and "ms" in e]
+    row["fused_best"] = min(timed) if timed else None
+    row["fused_first"] = row["kernels"][case["fused"][0]].get("ms")
+    row["unfused_ms"] = row["kernels"][pair_key].get("ms")
+    return row
+
+
+def _norm_table(results) -> None:
+    print(f"\n{'case':30s} {'torch us':>9s} {'pair us':>8s} {'first us':>9s} {'best us':>8s} {'pair/best':>9s} "
+          f"{'pair/first':>10s}  best fused / wrong")
+    for row in results:
+        best = row.get("fused_best")
+        nan = float("nan")
+        pair, first = row.get("unfused_ms") or nan, row.get("fused_first") or nan
+        best_ms = best[0] if best else nan
+        wrong = [key.split("__")[1] for key, e in row["kernels"].items() if not e.get("correct")]
+        print(f"{row['case']:30s} {row['torch_ms'] * 1e3:9.1f} {pair * 1e3:8.1f} {first * 1e3:9.1f} "
+              f"{best_ms * 1e3:8.1f} {pair / best_ms:9.2f} {pair / first:10.2f}  "
+              f"{best[1].split('__')[1] if best else '-'} / {' '.join(wrong)}")
+    print("(torch = eager F.linear + add + F.layer_norm; pair = our unfused gemm_wgmma + bias_residual_layernorm; "
+          "first = the fused template's first knob set (the compile path's), best = its fastest measured; "
+          "ratios > 1: fused faster)")
+
+
 def main(argv=None) -> None:
     global OUT
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -448,13 +587,14 @@ def main(argv=None) -> None:
     r.add_argument("--reps", type=int, default=20, help="back-to-back calls per timed sample (ffn suite)")
     for p in (b, r):
         p.add_argument("--suite", choices=sorted(OUTS), default="gemm",
-                       help="gemm: the GEMM and QKV kernels; ffn: the fused FFN against its unfused forms")
+                       help="gemm: the GEMM and QKV kernels; ffn: the fused FFN against its unfused forms; norm: the "
+                            "fused GEMM + bias + residual + LayerNorm against its unfused pair")
         p.add_argument("--out", type=Path, default=None,
-                       help="artifact folder (default out/wgmma for gemm, out/ffn_wgmma for ffn)")
+                       help="artifact folder (default out/wgmma, out/ffn_wgmma, out/norm_wgmma by suite)")
     args = parser.parse_args(argv)
     OUT = OUTS[args.suite] if args.out is None else (args.out if args.out.is_absolute() else ROOT / args.out)
     if args.step == "build":
-        build_ffn(args) if args.suite == "ffn" else build(args)
+        {"ffn": build_ffn, "norm": build_norm}.get(args.suite, build)(args)
     else:
         run(args)
 

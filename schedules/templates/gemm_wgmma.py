@@ -61,13 +61,14 @@ from __future__ import annotations
 
 import tvm
 
-from .epilogue import ACTIVATIONS
+from .epilogue import ACTIVATIONS, LN_EPS
 from .fast_gelu import FAST_GELU_ACTIVATIONS
 from .gemm import GemmTemplate
+from .gemm_layernorm import GemmLayerNormTemplate
 from .qkv import QKVTemplate
 from .registry import H200, Hardware, Template, register
 from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_M_CHOICES, BLOCK_N_CHOICES, CONSUMER_REGS, LAUNCH_REGISTERS,
-                           PINGPONG_TILE_M, PORTABLE_SPLIT_K, SPLIT_K_CHOICES, STAGE_CHOICES, TALL_PINGPONG_N, THREADS,
+                           MAX_NORM_CLUSTER, PINGPONG_TILE_M, PORTABLE_SPLIT_K, SPLIT_K_CHOICES, STAGE_CHOICES, TALL_PINGPONG_N, THREADS,
                            WgmmaConfig, check_wgmma_shape, grid_blocks, row_tiles, wgmma_gemm_primfunc)
 
 ARCH = "sm_90a"
@@ -195,6 +196,7 @@ class WgmmaKernelMixin:
 
     knob_names = ("block_n", "stages", "persistent", "pingpong")
     persistent_first = True
+    norm_rows = False           # the GEMM + bias + residual + LayerNorm epilogue (a cluster of blocks per row tile)
     head_major_stores = False   # the QKV projection's epilogue stores into [3, B, H, S, D]
 
     def _check_tiles(self, shape):
@@ -215,19 +217,20 @@ class WgmmaKernelMixin:
                              fast_gelu=knobs.get("fast_gelu", False), gelu_form=knobs.get("gelu_form", "tail"),
                              loads=knobs.get("loads", "cp.async"), split_k=knobs.get("split_k", 1),
                              weight_prefetch=knobs.get("weight_prefetch", False),
-                             early_weights=knobs.get("early_weights", False))
+                             early_weights=knobs.get("early_weights", False), norm_rows=self.norm_rows)
         config.validate()
         return config
 
-    def kernel(self, shape, dtype="float16", knobs=None) -> tvm.tirx.PrimFunc:
-        """The thread-level CUDA PrimFunc (build for ``arch="sm_90a"``); knobs default to the first choice."""
-        func = self.primfunc(shape, dtype)  # validates shape and dtype
+    def kernel(self, shape, dtype="float16", knobs=None, **options) -> tvm.tirx.PrimFunc:
+        """The thread-level CUDA PrimFunc (build for ``arch="sm_90a"``); knobs default to the first choice;
+        ``options`` those of the definition (:meth:`~.registry.Template.primfunc`: a LayerNorm's ``eps``)."""
+        func = self.primfunc(shape, dtype, **options)  # validates shape and dtype
         knobs = self.default_knobs(shape, dtype) if knobs is None else knobs
         config = self.config(knobs)
         m, n, k = self.gemm_dims(shape)
         check_wgmma_shape(m, n, k, config)
         kernel = wgmma_gemm_primfunc(m, n, k, dtype, config=config, sm_count=H200.sm_count,
-                                     **self.kernel_options(shape))
+                                     **self.kernel_options(shape, **options))
         return kernel.with_attr("stof.spec", func.attrs["stof.spec"])
 
     def _knob_space(self, shape, dtype, hw: Hardware = H200):
@@ -478,10 +481,54 @@ class WgmmaQKVTemplate(WgmmaKernelMixin, QKVTemplate):
         return "cp.async" if tall else super().default_loads(knobs)
 
 
+def norm_widths(n: int) -> list[int]:
+    """The tile widths at which ``n / block_n`` blocks (one cluster, 2 to :data:`.wgmma_kernel.MAX_NORM_CLUSTER`)
+    hold a row of n outputs: the GEMM + LayerNorm template's ``block_n`` choices."""
+    return [bn for bn in BLOCK_N_CHOICES if n % bn == 0 and 2 <= n // bn <= MAX_NORM_CLUSTER]
+
+
+class WgmmaGemmLayerNormTemplate(WgmmaKernelMixin, GemmLayerNormTemplate):
+    """GEMM + bias + residual + LayerNorm on the wgmma kernel (``norm_rows``): the ``n / block_n`` blocks of a 128-row
+    tile form one cluster and share their row sums through distributed shared memory, so the sum ``y = A @ W^T + bias +
+    residual`` never leaves the SMs and the LayerNorm needs no kernel of its own (the unfused pair writes y and reads
+    it back with the residual: at BERT-Base's 4096 rows 12.6 of the LayerNorm's 18.9 MB)."""
+
+    family = "gemm_layernorm_wgmma"
+    norm_rows = True
+
+    def __init__(self):
+        super().__init__(w_layout="nk")
+        self.name = "gemm_bias_residual_layernorm_wgmma"
+        self.description += " (wgmma, sm_90a; a row tile's blocks one cluster)"
+
+    def _check(self, shape):
+        self._check_tiles(shape)
+        if not norm_widths(shape["n"]):
+            raise ValueError(f"{self.name}: no tile width of {BLOCK_N_CHOICES} splits n = {shape['n']} into 2 to "
+                             f"{MAX_NORM_CLUSTER} blocks")
+
+    def gemm_dims(self, shape):
+        return shape["m"], shape["n"], shape["k"]
+
+    def kernel_options(self, shape, eps: float = LN_EPS):
+        return {"bias": True, "act": "none", "norm_eps": eps}
+
+    def _knob_space(self, shape, dtype, hw: Hardware = H200):
+        """One cooperative 128-row tile per block. Widths: 192 first (the H200's fastest at 4096 rows for the unfused
+        N = 768 GEMMs), portable clusters (8 blocks or fewer) before larger ones, wider first; then the staged epilogue
+        before direct stores, TMA before cp.async, 4 stages first."""
+        n = shape["n"]
+        widths = sorted(norm_widths(n), key=lambda bn: (bn != 192, n // bn > PORTABLE_SPLIT_K, -bn))
+        return [{"block_n": bn, "stages": st, "persistent": False, "pingpong": False, "staged": staged, "loads": loads}
+                for bn in widths for staged in (True, False) for loads in ("tma", "cp.async")
+                for st in sorted(STAGE_CHOICES, key=lambda st: (abs(st - 4), st))]
+
+
 register(WgmmaGemmTemplate(bias=False, act="none"))
 for _act in ACTIVATIONS:
     register(WgmmaGemmTemplate(bias=True, act=_act))
 register(WgmmaQKVTemplate())
+register(WgmmaGemmLayerNormTemplate())
 
 
 def build_kernel(name: str, shape, dtype: str = "float16", knobs=None):

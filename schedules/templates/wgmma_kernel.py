@@ -161,6 +161,11 @@ SPLIT_K_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
 PORTABLE_SPLIT_K = 8
 PARTIAL_PAD = 32         # bytes after each float32 partial row: a warp's 8-byte fragment stores take 2 wavefronts
 SPLIT_BAR = 1            # named barrier of the two consumer warpgroups before the ring is reused for partials
+# norm_rows: a cluster of blocks side by side along n owns whole rows; each block keeps two float32 partials per tile
+# row in shared memory (the row's sum, then its squared deviations from the mean), read by the cluster's blocks
+NORM_SLOTS = 2
+NORM_STATS_BYTES = NORM_SLOTS * BLOCK_M * 4
+MAX_NORM_CLUSTER = 16    # blocks of one row tile: 8 is the portable cluster size, 16 needs the non-portable one
 
 
 @dataclass(frozen=True)
@@ -174,7 +179,9 @@ class WgmmaConfig:
     ``loads`` (``"cp.async"``, or ``"tma"``: one producer thread issues TMA boxes from tensor maps the host encodes
     at each call), ``split_k`` (blocks of one cluster sharing a tile's k steps, reduced through distributed
     shared memory), ``weight_prefetch`` (W's first tile asked of L2 before the dependent launch wait) and
-    ``early_weights`` (W's part of the ring's first slots loaded into shared memory before that wait)."""
+    ``early_weights`` (W's part of the ring's first slots loaded into shared memory before that wait).
+    ``norm_rows`` is not a knob but the epilogue of the GEMM + bias + residual + LayerNorm template: the ``n / block_n``
+    blocks of a row tile form one cluster and share their row statistics through distributed shared memory."""
 
     block_n: int = 128
     stages: int = 4
@@ -188,6 +195,7 @@ class WgmmaConfig:
     split_k: int = 1
     weight_prefetch: bool = False
     early_weights: bool = False
+    norm_rows: bool = False
 
     def validate(self) -> None:
         if self.block_n not in BLOCK_N_CHOICES:
@@ -225,6 +233,11 @@ class WgmmaConfig:
             raise ValueError(f"weight_prefetch must be a bool, got {self.weight_prefetch!r}")
         if self.early_weights not in (True, False):
             raise ValueError(f"early_weights must be a bool, got {self.early_weights!r}")
+        if self.norm_rows not in (True, False):
+            raise ValueError(f"norm_rows must be a bool, got {self.norm_rows!r}")
+        if self.norm_rows and (self.persistent or self.pingpong or self.block_m != BLOCK_M or self.split_k > 1):
+            raise ValueError("norm_rows is one cooperative 128-row tile per block, the row tile's blocks one cluster: "
+                             "persistent and pingpong must be False, block_m 128 and split_k 1")
 
     @property
     def tile_m(self) -> int:
@@ -261,9 +274,14 @@ class WgmmaConfig:
 
     @property
     def shared_bytes(self) -> int:
-        """The ring (or the larger partial tile), 2 mbarriers per slot, the staging buffers, and slack to align the
-        ring to 1024 bytes at run time."""
-        return self.ring_bytes + 16 * self.stages + self.staging_bytes + ALIGN
+        """The ring (or the larger partial tile), 2 mbarriers per slot, the staging buffers, the row partials of
+        ``norm_rows``, and slack to align the ring to 1024 bytes at run time."""
+        return self.ring_bytes + 16 * self.stages + self.staging_bytes + self.norm_bytes + ALIGN
+
+    @property
+    def norm_bytes(self) -> int:
+        """``norm_rows``: the float32 row partials the cluster's blocks read (0 without)."""
+        return NORM_STATS_BYTES if self.norm_rows else 0
 
     @property
     def acc_registers(self) -> int:
@@ -332,9 +350,13 @@ def whole_buffer(buf, words):
 
 
 def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: str, config: WgmmaConfig,
-                        heads: tuple[int, int, int, int] | None = None, sm_count: int = 132) -> tvm.tirx.PrimFunc:
+                        heads: tuple[int, int, int, int] | None = None, sm_count: int = 132,
+                        norm_eps: float | None = None) -> tvm.tirx.PrimFunc:
     """The thread-level CUDA PrimFunc (parameters ``A, W[, bias], out`` like the ``gemm`` templates).
 
+    ``norm_eps`` (with ``config.norm_rows``, bias and no activation) makes it GEMM + bias + residual + LayerNorm:
+    parameters ``A, W, bias, residual, gamma, beta, out`` and ``out = LayerNorm(A @ W^T + bias + residual) * gamma +
+    beta`` with that epsilon (:func:`norm_epilogue` below says how the cluster's blocks share the rows).
     ``heads = (batch, seq, heads, head_dim)`` makes it the QKV projection: ``n`` is ``3 * heads * head_dim``
     and the epilogue writes row ``b*seq + s``, column ``w*H*D + h*D + d`` to ``out[w, b, h, s, d]``
     ([3, B, H, S, D], what the attention kernels read) instead of ``out[row, col]``. ``m`` may exceed
@@ -346,6 +368,12 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     if config.fast_gelu:
         check_fast_gelu(act)
     check_wgmma_shape(m, n, k, config)
+    NORM = norm_eps is not None
+    if NORM != config.norm_rows or (NORM and (not bias or act != "none" or heads is not None)):
+        raise ValueError("norm_eps and config.norm_rows go together, with a bias, no activation and no heads")
+    if NORM and not 1 < n // config.block_n <= MAX_NORM_CLUSTER:
+        raise ValueError(f"norm_rows: a row of n = {n} must span 2 to {MAX_NORM_CLUSTER} blocks of "
+                         f"block_n = {config.block_n} (one cluster)")
     BN, ST, DT, TM = config.block_n, config.stages, dtype, config.tile_m
     NACC = BN // 2                       # accumulators of one m64 wgmma
     CR = config.consumer_rows
@@ -353,8 +381,9 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     KT = k // BLOCK_K
     SPLIT = config.split_k
     KS = KT // SPLIT                     # k steps of one block's slice (all of them without split-K)
-    CLUSTER = SPLIT                      # blocks of one cluster (1: no cluster launch)
     GRID_N = n // BN
+    # blocks of one cluster (1: no cluster launch): a tile's k slices, or (norm_rows) a row tile's column panels
+    CLUSTER = GRID_N if NORM else SPLIT
     NUM_TILES = GRID_N * row_tiles(m, TM)
     # m not a multiple of TM: the last row tile is partial. TMA loads its rows past m as zeros (A's map has m rows);
     # cp.async reads 0 bytes for them (zero-filled, from a row clamped to m - 1); the stores skip them (PADDED)
@@ -372,6 +401,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     STAGE = config.stage_bytes
     BAR_OFF = config.ring_bytes          # mbarriers after the ring: full[s] at +8s, empty[s] at +8(ST+s)
     STAGING_OFF = BAR_OFF + 16 * ST      # staged epilogue: consumer warp v's buffer at + v * STAGED_WARP_BYTES
+    NORM_OFF = STAGING_OFF + config.staging_bytes   # norm_rows: slot q's partial of tile row i at + (q * 128 + i) * 4
     PARTIAL_ROW = BN * 4 + PARTIAL_PAD   # split-K: bytes per row of a block's float32 partial tile
     TILE_CHUNKS = TM * BN // 4           # split-K: 16-byte chunks (4 columns) of a tile, reduced one per thread
     REDUCE_ROUNDS = -(-TILE_CHUNKS // (SPLIT * 2 * WG))
@@ -437,7 +467,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         return x + T.Cast("float32", bias_buf[col]) if bias else x
 
     def epilogue_f32(x, col, bias_buf):
-        return activation(act, biased(x, col, bias_buf))
+        """An output in float32 before rounding; ``norm_rows`` finished it in the accumulators already."""
+        return x if NORM else activation(act, biased(x, col, bias_buf))
 
     def epilogue(x, col, bias_buf):
         return T.Cast(DT, epilogue_f32(x, col, bias_buf))
@@ -707,8 +738,118 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     T.ptx["cp.async.bulk.prefetch.L2.global"](
                         T.address_of(W[tile_cols(tile) + it * WG + wt, k_col(bx, 0)]), T.uint32(KS * ROW_BYTES))
 
+    def frag_row(wg, wt, h):
+        """The tile row of half ``h`` of consumer thread ``wt``'s fragment in warpgroup ``wg`` (rows l/4 and + 8)."""
+        return (wg - 1) * CR + (wt // 32) * 16 + (wt % 32) // 4 + 8 * h
+
+    def frag_col(wt, j, e):
+        """The tile column of element ``e`` of n8 tile ``j`` of consumer thread ``wt``'s fragment."""
+        return j * 8 + (wt % 4) * 2 + e
+
+    def read_row(row):
+        """A row to read an input of the epilogue from: rows past m (a partial last tile) read row m - 1."""
+        return T.min(row, m - 1) if RAGGED else row
+
+    def norm_partial_addr(base, slot, row):
+        return base + T.Cast("uint32", NORM_OFF + (slot * BLOCK_M + row) * 4)
+
     @T.macro
-    def block(A, W, bias_buf, out, maps, bx, cr, tx):
+    def add_bias_residual(acc, bias_buf, res, m0, n0, wg, wt):
+        """``norm_rows``: ``y = acc + bias + residual`` in float32 in the accumulators (a partial last tile's rows past m
+        read row m - 1; they are never stored)."""
+        for j in T.unroll(BN // 8):
+            for h in T.unroll(2):
+                for e in T.unroll(2):
+                    row: T.let = read_row(m0 + frag_row(wg, wt, h))
+                    col: T.let = n0 + frag_col(wt, j, e)
+                    acc[j * 4 + h * 2 + e] = (acc[j * 4 + h * 2 + e] + T.Cast("float32", bias_buf[col])
+                                              + T.Cast("float32", res[row, col]))
+
+    @T.macro
+    def write_row_partials(acc, base, slot, stat, part, wg, wt):
+        """``norm_rows``: for each of the thread's two rows, this block's partial over its ``block_n`` columns into
+        shared memory: slot 0 the sum of y, slot 1 the sum of (y - mean)^2 with the mean in ``stat[h]``. The quad of
+        lanes holding a row reduces by shuffles, its first lane stores."""
+        for h in T.unroll(2):
+            part[0] = T.float32(0)
+            for j in T.unroll(BN // 8):
+                for e in T.unroll(2):
+                    if slot == 0:
+                        part[0] = part[0] + acc[j * 4 + h * 2 + e]
+                    else:
+                        part[0] = part[0] + (acc[j * 4 + h * 2 + e] - stat[h]) * (acc[j * 4 + h * 2 + e] - stat[h])
+            for lane_mask in T.unroll(2):
+                part[0] = part[0] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), part[0], lane_mask + 1, 32, 32)
+            if wt % 4 == 0:
+                T.ptx["st.shared.f32"](norm_partial_addr(base, slot, frag_row(wg, wt, h)), part[0])
+
+    @T.macro
+    def gather_rows(base, slot, stat, parts, remote, wg, wt):
+        """``norm_rows``, after a cluster barrier: each of the thread's two rows' slot-``slot`` partials of all the
+        cluster's blocks (``mapa`` + ``ld.shared::cluster``, all issued before the sum), summed in rank order (the
+        same bits in every block) and divided by n, into ``stat[2 * slot + h]``."""
+        for h in T.unroll(2):
+            for s in T.unroll(CLUSTER):
+                T.ptx["mapa.shared::cluster.u32"](remote[0], norm_partial_addr(base, slot, frag_row(wg, wt, h)),
+                                                  T.uint32(s))
+                T.ptx["ld.shared::cluster.f32"](parts[h * CLUSTER + s], remote[0])
+        for h in T.unroll(2):
+            stat[2 * slot + h] = T.float32(0)
+            for s in T.unroll(CLUSTER):
+                stat[2 * slot + h] = stat[2 * slot + h] + parts[h * CLUSTER + s]
+            stat[2 * slot + h] = stat[2 * slot + h] * T.float32(1.0 / n)
+
+    @T.macro
+    def normalize(acc, gamma, beta, n0, stat, wt):
+        """``norm_rows``: the accumulators become ``(y - mean) * rsqrt(var + eps) * gamma + beta`` (``stat``: the two
+        rows' means, then their variances)."""
+        for h in T.unroll(2):
+            stat[2 + h] = T.rsqrt(stat[2 + h] + T.float32(norm_eps))
+        for j in T.unroll(BN // 8):
+            for h in T.unroll(2):
+                for e in T.unroll(2):
+                    col: T.let = n0 + frag_col(wt, j, e)
+                    acc[j * 4 + h * 2 + e] = ((acc[j * 4 + h * 2 + e] - stat[h]) * stat[2 + h]
+                                              * T.Cast("float32", gamma[col]) + T.Cast("float32", beta[col]))
+
+    @T.macro
+    def cluster_sync():
+        T.ptx["barrier.cluster.arrive.release"]()
+        T.ptx["barrier.cluster.wait.acquire"]()
+
+    @T.macro
+    def norm_epilogue(acc, out, bias_buf, norm, base, bx, wg, wt, tx, flag, words):
+        """``norm_rows``: a consumer thread's epilogue. The cluster's ``n / block_n`` blocks hold one 128-row tile's
+        whole rows. Each adds bias and residual and writes its row sums; after a cluster barrier each reads all the
+        blocks' sums (the mean) and writes its sums of squared deviations (two passes: no cancellation as in E[y^2] -
+        mean^2); after another it reads those (the variance), normalises its columns and stores them. A last barrier
+        keeps every block's partials alive until all have read them. The producer warpgroup meets the same three
+        barriers in its own branch (:func:`norm_barriers`): the accumulators are never live where its 40 registers
+        would have to hold them."""
+        stat = T.alloc_buffer((4,), "float32", scope="local")
+        part = T.alloc_buffer((1,), "float32", scope="local")
+        parts = T.alloc_buffer((2 * CLUSTER,), "float32", scope="local")
+        add_bias_residual(acc, bias_buf, norm[0], tile_rows(bx), tile_cols(bx), wg, wt)
+        write_row_partials(acc, base, 0, stat, part, wg, wt)
+        cluster_sync()
+        gather_rows(base, 0, stat, parts, flag, wg, wt)
+        write_row_partials(acc, base, 1, stat, part, wg, wt)
+        cluster_sync()
+        gather_rows(base, 1, stat, parts, flag, wg, wt)
+        normalize(acc, norm[1], norm[2], tile_cols(bx), stat, wt)
+        store_tile(acc, out, bias_buf, tile_rows(bx) + (wg - 1) * CR, tile_cols(bx), base, wt, tx // 32 - WG // 32,
+                   words)
+        cluster_sync()
+
+    @T.macro
+    def norm_barriers():
+        """``norm_rows``: the producer warpgroup's part in :func:`norm_epilogue`'s three cluster barriers (each counts
+        every thread of the cluster that has not exited)."""
+        for _ in T.unroll(3):
+            cluster_sync()
+
+    @T.macro
+    def block(A, W, bias_buf, out, maps, norm, bx, cr, tx):
         """One thread block's work (``cr``: its rank in the split-K cluster, 0 without split-K)."""
         if config.weight_prefetch:   # W is a weight: ask for it before waiting for the kernel before (docstring)
             if tx < WG:
@@ -738,6 +879,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     produce_tma(maps, base, flag, bx)
             else:
                 produce_cp_async(A, W, base, flag, bx, wt)
+            if NORM:
+                norm_barriers()
         else:
             T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
             if EARLY > 0:   # the producer waits once its early W loads are out; the consumers before any store
@@ -757,15 +900,18 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                             T.ptx["bar.arrive"](T.Cast("uint32", ORDER_BAR + 2 - wg), T.uint32(2 * WG))
                         drain_and_store(acc, out, bias_buf, base, r, tile_rows(tile),
                                         tile_cols(tile), wt, tx // 32 - WG // 32, words)
-            elif SPLIT > 1:
+            elif SPLIT > 1 or NORM:
                 for i in T.unroll(HALVES * NACC):
                     acc[i] = T.float32(0)
                 mma_tile(acc, flag, base, 0, (wg - 1) * CR * ROW_BYTES, wt)
                 T.ptx["wgmma.wait_group.sync.aligned"](0)
                 for i in T.unroll(HALVES * NACC):
                     FENCE_REG(acc[i], acc[i], T.float32(-0.0))
-                T.ptx["bar.sync"](T.uint32(SPLIT_BAR), T.uint32(2 * WG))   # both consumers are off the ring
-                write_partial(acc, base, wg, wt)
+                if SPLIT > 1:
+                    T.ptx["bar.sync"](T.uint32(SPLIT_BAR), T.uint32(2 * WG))   # both consumers are off the ring
+                    write_partial(acc, base, wg, wt)
+                else:
+                    norm_epilogue(acc, out, bias_buf, norm, base, bx, wg, wt, tx, flag, words)
             else:
                 for r in range(ROUNDS):
                     tile: T.let = bx + r * GRID
@@ -777,27 +923,25 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                                         tile_cols(tile), wt, tx // 32 - WG // 32, words)
         if SPLIT > 1:
             # every block's partial tile written before any is read; none leaves while others read it
-            T.ptx["barrier.cluster.arrive.release"]()
-            T.ptx["barrier.cluster.wait.acquire"]()
+            cluster_sync()
             if wg > 0:
                 parts = T.alloc_buffer((SPLIT * 4,), "float32", scope="local")
                 reduce_and_store(out, bias_buf, base, bx, cr, tx - WG, acc, parts, flag, words)
-            T.ptx["barrier.cluster.arrive.release"]()
-            T.ptx["barrier.cluster.wait.acquire"]()
+            cluster_sync()
 
     @T.macro
-    def body(A, W, bias_buf, out, maps):
+    def body(A, W, bias_buf, out, maps, norm):
         for bx in T.thread_binding(GRID, thread="blockIdx.x"):
             if CLUSTER > 1:
                 for cr in T.thread_binding(CLUSTER, thread="clusterCtaIdx.x"):
                     for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                        block(A, W, bias_buf, out, maps, bx, cr, tx)
+                        block(A, W, bias_buf, out, maps, norm, bx, cr, tx)
             else:
                 for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                    block(A, W, bias_buf, out, maps, bx, 0, tx)
+                    block(A, W, bias_buf, out, maps, norm, bx, 0, tx)
 
     @T.macro
-    def launch(A, W, bias_buf, out):
+    def launch(A, W, bias_buf, out, norm):
         """The kernel, after (TMA) the host-side encoding of A's and W's maps from their device pointers, at every
         call: the maps travel as ``__grid_constant__`` kernel parameters."""
         if TMA:
@@ -805,11 +949,24 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             w_map: T.let = T.tvm_stack_alloca("tensormap", 1)
             T.evaluate(encode_tensor_map(a_map, T.address_of(A[0, 0]), A_MAP))
             T.evaluate(encode_tensor_map(w_map, T.address_of(W[0, 0]), W_MAP))
-            body(A, W, bias_buf, out, (a_map, w_map))
+            body(A, W, bias_buf, out, (a_map, w_map), norm)
         else:
-            body(A, W, bias_buf, out, (None, None))
+            body(A, W, bias_buf, out, (None, None), norm)
 
-    if bias:
+    if NORM:
+        @T.prim_func
+        def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, res_h: T.handle, gamma_h: T.handle,
+                   beta_h: T.handle, out_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "global_symbol": "gemm_wgmma"})
+            A = T.match_buffer(a_h, (m, k), DT)
+            W = T.match_buffer(w_h, (n, k), DT)
+            bias_buf = T.match_buffer(bias_h, (n,), DT)
+            res = T.match_buffer(res_h, (m, n), DT)
+            gamma = T.match_buffer(gamma_h, (n,), DT)
+            beta = T.match_buffer(beta_h, (n,), DT)
+            out = T.match_buffer(out_h, OUT_SHAPE, DT)
+            launch(A, W, bias_buf, out, (res, gamma, beta))
+    elif bias:
         @T.prim_func
         def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, out_h: T.handle):
             T.func_attr({"tirx.noalias": True, "global_symbol": "gemm_wgmma"})
@@ -817,7 +974,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             W = T.match_buffer(w_h, (n, k), DT)
             bias_buf = T.match_buffer(bias_h, (n,), DT)
             out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            launch(A, W, bias_buf, out)
+            launch(A, W, bias_buf, out, None)
     else:
         @T.prim_func
         def kernel(a_h: T.handle, w_h: T.handle, out_h: T.handle):
@@ -825,5 +982,5 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             A = T.match_buffer(a_h, (m, k), DT)
             W = T.match_buffer(w_h, (n, k), DT)
             out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            launch(A, W, None, out)
+            launch(A, W, None, out, None)
     return kernel

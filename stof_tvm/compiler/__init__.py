@@ -190,7 +190,7 @@ class FrontEnd:
 def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
               kernel: str = "auto", templates: bool | None = None, gemm: str = "auto",
               database: str | None = None, schedule: bool = True, lean_padding: bool = True,
-              gemm_knobs: dict | None = None) -> FrontEnd:
+              gemm_knobs: dict | None = None, norm_fusion: bool = True) -> FrontEnd:
     """Steps 1-5 of :func:`compile` (same arguments): import, attention kernel choice and rewrite, templates.
 
     ``schedule=False`` leaves the template PrimFuncs unscheduled (the tuner only reads which calls are made)."""
@@ -273,7 +273,8 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
                                            padding=plan.padding if choice.padding else None, target_kind=tspec["kind"])
     template_entry = {}
     if templates:
-        mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule, gemm_knobs=gemm_knobs)
+        mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule, gemm_knobs=gemm_knobs,
+                                            norm_fusion=norm_fusion)
     mod["main"] = relax.analysis.remove_all_unused(fold_permute_pairs(mod["main"]))  # transposes around attention
     report = coverage(canonical, mod["main"], attention_kernel=choice.kind, attention_sites=len(sites),
                       attention_reason=f"dense kernel: {choice.reason}",
@@ -326,7 +327,7 @@ def _check_fallback_mask(mask, batch: int, seq_len: int, reason: str) -> None:
 def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
             kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
             dependent_launch: bool | None = None, database: str | None = None, progress=None,
-            lean_padding: bool = True, gemm_knobs: dict | None = None):
+            lean_padding: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = True):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
 
     ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
@@ -362,6 +363,9 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     ``False`` keeps the older form.
     ``gemm_knobs``: knobs merged into every wgmma GEMM's chosen knob set, e.g. ``{"early_weights": True}`` (to
     measure a kernel knob across a whole model; a combination the kernel cannot take is refused when it builds).
+    ``norm_fusion`` (default on): under ``gemm="wgmma"``, a post-LN layer's GEMM + bias + residual + LayerNorm runs
+    as one wgmma kernel where it fills the GPU (:mod:`.downstream`); ``False`` keeps the GEMM and the LayerNorm
+    apart.
     """
     from stof_tvm.artifact import Artifact
     from stof_tvm.records import open_database, record_usage
@@ -370,8 +374,9 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
 
     if cuda_graph not in (False, True):
         raise TypeError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
-    if lean_padding not in (False, True):
-        raise TypeError(f"lean_padding: expected a bool, got {lean_padding!r}")
+    for name, flag in (("lean_padding", lean_padding), ("norm_fusion", norm_fusion)):
+        if flag not in (False, True):
+            raise TypeError(f"{name}: expected a bool, got {flag!r}")
     if gemm_knobs is not None and not (isinstance(gemm_knobs, dict) and all(isinstance(k, str) for k in gemm_knobs)):
         raise TypeError(f"gemm_knobs: expected a dict of knob names to values, got {gemm_knobs!r}")
     if cuda_graph and target_dict(target)["kind"] != "cuda":
@@ -384,7 +389,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     with record_usage() as usage:
         front = front_end(model, mask=mask, batch=batch, seq_len=seq_len, target=target, dtype=dtype,
                           kernel=kernel, templates=templates, gemm=gemm, database=database,
-                          lean_padding=lean_padding, gemm_knobs=gemm_knobs)
+                          lean_padding=lean_padding, gemm_knobs=gemm_knobs, norm_fusion=norm_fusion)
         tspec, choice = front.tspec, front.choice
         report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
                f"(attention kernel {choice.kind if choice else 'none: ' + front.fallback}, "

@@ -35,13 +35,15 @@ multiples of 16; LayerNorm rows multiples of 64, fused rows of 128; QKV head siz
 anything else keeps TVM's default path. The LayerNorm templates take the model's epsilon; their output is
 16-bit, so the residual stream between layers becomes 16-bit (as in a float16 PyTorch model).
 
-``gemm="wgmma"`` maps the GEMM stages and the QKV projection (not the fused GEMM + LayerNorm, which exists on
-mma.sync only) to the Hopper ``*_wgmma`` templates where n % 128 and k % 64 are 0 and the GEMM has at least
+``gemm="wgmma"`` maps the GEMM stages and the QKV projection to the Hopper ``*_wgmma`` templates where n % 128 and k % 64 are 0 and the GEMM has at least
 ``WGMMA_MIN_TILES`` 128x128 output tiles (a partial last row tile counted whole: any m, no padding) or enough
 split-K blocks, with the weight transposed to ``[N, K]``; other shapes stay on mma.sync with a note. Under
 ``gemm="wgmma"`` an FFN (an erf-GELU ``linear`` used only by the down-projection of a residual LayerNorm chain)
 becomes ``ffn_gelu_erf_wgmma`` (intermediate kept on chip) + ``bias_residual_layernorm`` where
 :meth:`.template_choice.TemplateChooser.fused_ffn` picks it (hidden 128-256, rows enough to fill the GPU).
+Under ``gemm="wgmma"`` a ``layer_norm(linear + residual)`` whose sum has no other user (post-LN: BERT, RoBERTa) becomes
+one ``gemm_bias_residual_layernorm_wgmma`` call (the row tile's blocks one cluster sharing the row sums, so the sum
+never leaves the SMs) where :meth:`.template_choice.TemplateChooser.fused_norm_wgmma` picks it (``norm_fusion``).
 Knobs: :mod:`.template_choice`. On CUDA each PrimFunc is scheduled with its knobs; on the CPU the definitions run
 unscheduled (TVM's default lowering), which keeps the rewrite testable without a GPU (a tuning record of the
 definition, measured on llvm, is applied there too). The wgmma kernels are thread-level code built per knob set
@@ -97,8 +99,9 @@ class _Templates:
     """Adds one PrimFunc per (template, shape, options) to the module and records every site."""
 
     def __init__(self, mod: tvm.IRModule, target: tvm.target.Target, database: str | None, gemm: str,
-                 schedule: bool = True, gemm_knobs: dict | None = None):
+                 schedule: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = True):
         self.mod = mod
+        self.norm_fusion = norm_fusion
         self.gemm_knobs = dict(gemm_knobs or {})
         self.target = target
         self.cuda = target.kind.name == "cuda"
@@ -122,7 +125,7 @@ class _Templates:
                 choice = dataclasses.replace(choice, knobs={**choice.knobs, **self.gemm_knobs})
             func = template.primfunc(shape, dtype, **options)
             if self.schedule and name.endswith("_wgmma") and choice.knobs is not None:
-                func = template.kernel(shape, dtype, choice.knobs)
+                func = template.kernel(shape, dtype, choice.knobs, **options)
             elif self.schedule and (choice.knobs is not None or choice.trace is not None):
                 func = self._scheduled(template, func, choice)
             symbol = f"stof_{name}_{_label(shape)}" + (f"_{len(self.functions)}" if options else "")
@@ -250,6 +253,14 @@ def _rewrite_residual_ln(t: _Templates, expr, matches, var2val, users, shared_su
         t.record("residual_sum_ln", [stage])
         out = relax.op.reshape(call, out_shape)
         return out if str(expr.ty.dtype) == dtype else relax.op.astype(out, str(expr.ty.dtype))
+    if t.gemm == "wgmma" and t.norm_fusion and wgmma_misfit(m, n, k) is None:
+        fused, why = t.chooser.fused_norm_wgmma(get_template("gemm_bias_residual_layernorm_wgmma"), gemm_shape, dtype)
+        if fused:
+            call, stage = t.call("gemm_bias_residual_layernorm_wgmma", gemm_shape, dtype,
+                                 [x2d, transposed(matches[LINEAR_W]), bias, r2d, g16, b16], (m, n), eps)
+            t.record(chain, [stage], why)
+            out = relax.op.reshape(call, out_shape)
+            return out if str(expr.ty.dtype) == dtype else relax.op.astype(out, str(expr.ty.dtype))
     whole_tiles = m % ROW_MULTIPLE == 0     # the fused forms take no padded rows
     ffn = _fused_ffn(t, matches[LINEAR_X], matches[LINEAR_W], var2val, users, m, n, k, dtype) if whole_tiles else None
     if ffn is not None:
@@ -410,15 +421,17 @@ def _simplify(func: relax.Function) -> relax.Function:
 
 
 def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | None = None, gemm: str = "mma",
-                  schedule: bool = True, gemm_knobs: dict | None = None) -> tuple[tvm.IRModule, dict]:
+                  schedule: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = True
+                  ) -> tuple[tvm.IRModule, dict]:
     """Rewrite ``main``'s downstream chains into template calls; returns the module and the manifest entry
     ``{"gemm", "calls": {template: count}, "sites": [...], "notes": [...]}``. Each site's stages name the
     template, shape, dtype (and ``eps`` where it is not the default) of one call: what the tuner plans.
     ``schedule=False``: leave every PrimFunc unscheduled (for planning only; the module is not for building).
-    ``gemm_knobs``: knobs merged into every wgmma GEMM's chosen set (to measure a knob across a model)."""
+    ``gemm_knobs``: knobs merged into every wgmma GEMM's chosen set (to measure a knob across a model).
+    ``norm_fusion``: offer the wgmma GEMM + bias + residual + LayerNorm template (``False``: the unfused pair)."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm: expected one of {GEMMS}, got {gemm!r}")
-    t = _Templates(mod, target, database, gemm, schedule, gemm_knobs)
+    t = _Templates(mod, target, database, gemm, schedule, gemm_knobs, norm_fusion)
     func = mod["main"]
     var2val = relax.analysis.get_var2val(func)
 

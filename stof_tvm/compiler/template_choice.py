@@ -17,7 +17,9 @@ to the same measurements, ranks the same sets first). On the CPU the definitions
 Fused or unfused (``LayerNorm(A @ W + b + residual)``): the fused template only when a tuning database measured
 it faster than the unfused pair (``gemm`` + ``bias_residual_layernorm``) at that shape. Without measurements the
 unfused pair runs: it measured faster at every BERT shape on the H200 (BENCHMARKS.md), while the model still
-ranks the fused form first at some of them (see :meth:`TemplateChooser.fused_layernorm`).
+ranks the fused form first at some of them (see :meth:`TemplateChooser.fused_layernorm`). On Hopper the wgmma
+form of the fused template (a cluster of blocks per row tile sharing the row sums) is another matter:
+:meth:`TemplateChooser.fused_norm_wgmma`.
 """
 from __future__ import annotations
 
@@ -35,6 +37,10 @@ RECORD_CANDIDATES = 16
 # unfused pair: one full wave on the H200's 132 SMs. Below it most SMs idle, while the pair's GEMMs also split
 # the ffn columns over blocks; above it the fused kernel saves the [m, ffn] intermediate's round trip.
 FUSED_FFN_MIN_BLOCKS = 132
+# Fewest blocks (128-row tiles x the cluster's column blocks) for which the wgmma GEMM + bias + residual + LayerNorm
+# (gemm_bias_residual_layernorm_wgmma) is predicted faster than the unfused wgmma GEMM + bias_residual_layernorm pair:
+# half the H200's SMs. Below it the pair's GEMM has split-K sets to fill the GPU with, which the fused kernel has not.
+FUSED_NORM_MIN_BLOCKS = 66
 
 
 @dataclasses.dataclass
@@ -157,6 +163,21 @@ class TemplateChooser:
             return False, f"unfused: measured {split * 1e6:.1f} us <= fused {times[0] * 1e6:.1f} us"
         return False, (f"unfused (measured faster on the H200; not all forms measured here, the model predicts "
                        f"fused {times[0] * 1e6:.1f} us vs unfused {split * 1e6:.1f} us)")
+
+    def fused_norm_wgmma(self, fused, gemm_shape: dict, dtype: str) -> tuple[bool, str]:
+        """Whether ``LayerNorm(A @ W + b + residual)`` runs as ``fused`` (the wgmma GEMM + LayerNorm template) instead of
+        the wgmma GEMM + ``bias_residual_layernorm`` pair; returns (fused, why). Only on sm_90a and where it fits; then
+        where its first knob set launches :data:`FUSED_NORM_MIN_BLOCKS` blocks or more."""
+        if not (self.cuda and str(self.target.attrs.get("arch", "")) == "sm_90a"):
+            return False, "unfused: the fused GEMM + LayerNorm is a Hopper kernel (CUDA sm_90a, gemm='wgmma')"
+        try:
+            knobs = self.knobs(fused, gemm_shape, dtype).knobs
+            blocks = fused.resources(gemm_shape, dtype, knobs)["grid"]
+        except ValueError as err:
+            return False, f"unfused: the fused form does not fit ({err})"
+        if blocks >= FUSED_NORM_MIN_BLOCKS:
+            return True, f"fused: {blocks} blocks in clusters of {gemm_shape['n'] // knobs['block_n']}"
+        return False, f"unfused: the fused form's {blocks} blocks < {FUSED_NORM_MIN_BLOCKS} fill too few SMs"
 
     def fused_ffn(self, fused, unfused: list, ffn_shape: dict, unfused_shapes: list, dtype: str) -> tuple[bool, str]:
         """Whether ``act(x @ W1 + b1) @ W2`` should run as the fused FFN template; returns (fused, why).
