@@ -73,9 +73,9 @@ def test_definition_on_llvm_matches_the_float64_reference():
     assert err < 2e-3
 
 
-def _kernel_source(shape, knobs, eps=None):
+def _kernel_source(shape, knobs, eps=None, name=NAME):
     options = {} if eps is None else {"eps": eps}
-    return cuda_source(tvm.compile(tvm.IRModule({"main": get_template(NAME).kernel(shape, "float16", knobs, **options)}),
+    return cuda_source(tvm.compile(tvm.IRModule({"main": get_template(name).kernel(shape, "float16", knobs, **options)}),
                                    target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a",
                                                              "max_threads_per_block": 1024,
                                                              "max_shared_memory_per_block": 232448})))
@@ -136,3 +136,50 @@ def test_hopper_compile_path_fuses_post_ln_chains_that_fill_the_gpu(batch, seq, 
         expect = fused and norm_fusion
         assert calls.get(NAME, 0) == (2 if expect else 0), calls
         assert calls.get("bias_residual_layernorm", 0) == (0 if expect else 2), calls
+
+
+def test_keep_sum_twin_stores_the_sum_first_and_matches_the_reference_on_llvm():
+    """``gemm_bias_residual_sum_layernorm_wgmma`` (pre-LN models): outputs (sum, LayerNorm of it), the sum rounded
+    once; its definition against the float64 reference on llvm."""
+    t = get_template("gemm_bias_residual_sum_layernorm_wgmma")
+    shape = {"m": 64, "n": 256, "k": 128}
+    args = t.arguments(shape)
+    assert [name for name, _, _ in args[-2:]] == ["sum", "out"] and t.outputs() == 2
+    rng = np.random.default_rng(5)
+    inputs = {name: (rng.standard_normal(s) * (0.1 if name == "W" else 1.0)).astype(dt) for name, s, dt in args[:-2]}
+    lib = tvm.compile(tvm.IRModule({"main": t.primfunc(shape, "float16")}), target="llvm")
+    outs = [tvm.runtime.tensor(np.zeros(s, "float16")) for _, s, _ in args[-2:]]
+    lib["main"](*[tvm.runtime.tensor(inputs[name]) for name, _, _ in args[:-2]], *outs)
+    for got, ref in zip(outs, t.reference(shape, inputs)):
+        assert np.linalg.norm(got.numpy().astype(np.float64) - ref) / np.linalg.norm(ref) < 2e-3
+    gemm = {"m": 4096, "n": 768, "k": 768}
+    knobs = t.knob_space(gemm)[0]
+    # calls of the 16-byte store helper (its definition is one more occurrence): the sum's, then the LayerNorm's
+    stores = [_kernel_source(gemm, knobs, name=name).count("tvm_builtin_ptx_st_vec_global_v4_b32(") - 1
+              for name in (NAME, t.name)]
+    assert stores[0] > 0 and stores[1] == 2 * stores[0]
+
+
+def test_hopper_compile_path_fuses_gpt2_pre_ln_sums_with_their_linear(hf_export):
+    """GPT-2 (pre-LN; one layer of GPT-2's widths, exported with dynamic axes) at 8 x 512 on sm_90a: a residual sum
+    that a LayerNorm and the next residual add both read is made with its LayerNorm by the fused sum + LayerNorm
+    template from its linear; with ``norm_fusion=False`` the linear + residual_layernorm pair comes back."""
+    import warnings
+
+    import stof_tvm.compiler
+
+    path = hf_export("gpt2", "eager", "torchscript", 17, True, 2, 64, size="tiny-w768")
+    counts = {}
+    for norm_fusion in (True, False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            front = stof_tvm.compiler.front_end(path, mask="bigbird", batch=8, seq_len=512, target="cuda",
+                                                dtype="float16", gemm="wgmma", schedule=False, norm_fusion=norm_fusion)
+        counts[norm_fusion] = front.template_entry["calls"]
+    fused, unfused = counts[True], counts[False]
+    # one layer: the attention output's sum feeds ln_2 and the FFN's residual (the sum kept); the FFN down's only
+    # ln_f (a post-LN-like chain, nothing kept)
+    assert fused.get("gemm_bias_residual_sum_layernorm_wgmma") == 1 and fused.get(NAME) == 1, fused
+    assert "residual_layernorm" not in fused and "bias_residual_layernorm" not in fused, fused
+    assert unfused.get("residual_layernorm") == 1 and unfused.get("bias_residual_layernorm") == 1, unfused
+    assert NAME not in unfused and "gemm_bias_residual_sum_layernorm_wgmma" not in unfused, unfused

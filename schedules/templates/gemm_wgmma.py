@@ -59,12 +59,15 @@ outputs (:meth:`WgmmaKernelMixin._wave_lead`).
 """
 from __future__ import annotations
 
+import numpy as np
 import tvm
+from tvm import te
 
 from .epilogue import ACTIVATIONS, LN_EPS
 from .fast_gelu import FAST_GELU_ACTIVATIONS
-from .gemm import GemmTemplate
+from .gemm import GemmTemplate, gemm_compute
 from .gemm_layernorm import GemmLayerNormTemplate
+from .layernorm import layernorm_compute
 from .qkv import QKVTemplate
 from .registry import H200, Hardware, Template, register
 from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_M_CHOICES, BLOCK_N_CHOICES, CONSUMER_REGS, LAUNCH_REGISTERS,
@@ -491,15 +494,49 @@ class WgmmaGemmLayerNormTemplate(WgmmaKernelMixin, GemmLayerNormTemplate):
     """GEMM + bias + residual + LayerNorm on the wgmma kernel (``norm_rows``): the ``n / block_n`` blocks of a 128-row
     tile form one cluster and share their row sums through distributed shared memory, so the sum ``y = A @ W^T + bias +
     residual`` never leaves the SMs and the LayerNorm needs no kernel of its own (the unfused pair writes y and reads
-    it back with the residual: at BERT-Base's 4096 rows 12.6 of the LayerNorm's 18.9 MB)."""
+    it back with the residual: at BERT-Base's 4096 rows 12.6 of the LayerNorm's 18.9 MB).
+
+    ``keep_sum`` (``gemm_bias_residual_sum_layernorm_wgmma``, pre-LN models: GPT-2, ViT) also stores y, rounded, as a
+    first output: the next residual add reads it. It replaces the GEMM + ``residual_layernorm`` pair."""
 
     family = "gemm_layernorm_wgmma"
     norm_rows = True
 
-    def __init__(self):
+    def __init__(self, keep_sum: bool = False):
         super().__init__(w_layout="nk")
-        self.name = "gemm_bias_residual_layernorm_wgmma"
-        self.description += " (wgmma, sm_90a; a row tile's blocks one cluster)"
+        self.keep_sum = keep_sum
+        self.name = "gemm_bias_residual_sum_layernorm_wgmma" if keep_sum else "gemm_bias_residual_layernorm_wgmma"
+        self.description = ("(A @ W^T + bias + residual, its LayerNorm)" if keep_sum else self.description) + (
+            " (wgmma, sm_90a; a row tile's blocks one cluster)")
+
+    def outputs(self) -> int:
+        return 2 if self.keep_sum else 1
+
+    def arguments(self, shape, dtype="float16"):
+        args = super().arguments(shape, dtype)
+        return args[:-1] + [("sum", (shape["m"], shape["n"]), dtype)] + args[-1:] if self.keep_sum else args
+
+    def _primfunc(self, shape, dtype, eps: float = LN_EPS):
+        if not self.keep_sum:
+            return super()._primfunc(shape, dtype, eps)
+        m, n, k = shape["m"], shape["n"], shape["k"]
+        A, W = te.placeholder((m, k), dtype, name="A"), te.placeholder((n, k), dtype, name="W")
+        bias, residual = te.placeholder((n,), dtype, name="bias"), te.placeholder((m, n), dtype, name="residual")
+        gamma, beta = te.placeholder((n,), dtype, name="gamma"), te.placeholder((n,), dtype, name="beta")
+        acc = gemm_compute(A, W, "nk")
+        y = te.compute((m, n), lambda i, j: acc[i, j] + bias[j].astype("float32") + residual[i, j].astype("float32"),
+                       name="y")
+        total = te.compute((m, n), lambda i, j: y[i, j].astype(dtype), name="sum")
+        _, _, out = layernorm_compute(y, gamma, beta, dtype, eps)
+        return te.create_prim_func([A, W, bias, residual, gamma, beta, total, out])
+
+    def reference(self, shape, inputs):
+        (normed,) = super().reference(shape, inputs)
+        if not self.keep_sum:
+            return [normed]
+        y = (np.asarray(inputs["A"], np.float64) @ np.asarray(inputs["W"], np.float64).T
+             + np.asarray(inputs["bias"], np.float64) + np.asarray(inputs["residual"], np.float64))
+        return [y, normed]
 
     def _check(self, shape):
         self._check_tiles(shape)
@@ -511,7 +548,7 @@ class WgmmaGemmLayerNormTemplate(WgmmaKernelMixin, GemmLayerNormTemplate):
         return shape["m"], shape["n"], shape["k"]
 
     def kernel_options(self, shape, eps: float = LN_EPS):
-        return {"bias": True, "act": "none", "norm_eps": eps}
+        return {"bias": True, "act": "none", "norm_eps": eps, "norm_sum": self.keep_sum}
 
     def _knob_space(self, shape, dtype, hw: Hardware = H200):
         """One cooperative 128-row tile per block. Widths: 192 first (the H200's fastest at 4096 rows for the unfused
@@ -529,6 +566,7 @@ for _act in ACTIVATIONS:
     register(WgmmaGemmTemplate(bias=True, act=_act))
 register(WgmmaQKVTemplate())
 register(WgmmaGemmLayerNormTemplate())
+register(WgmmaGemmLayerNormTemplate(keep_sum=True))
 
 
 def build_kernel(name: str, shape, dtype: str = "float16", knobs=None):

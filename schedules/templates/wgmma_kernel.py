@@ -351,12 +351,14 @@ def whole_buffer(buf, words):
 
 def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: str, config: WgmmaConfig,
                         heads: tuple[int, int, int, int] | None = None, sm_count: int = 132,
-                        norm_eps: float | None = None) -> tvm.tirx.PrimFunc:
+                        norm_eps: float | None = None, norm_sum: bool = False) -> tvm.tirx.PrimFunc:
     """The thread-level CUDA PrimFunc (parameters ``A, W[, bias], out`` like the ``gemm`` templates).
 
     ``norm_eps`` (with ``config.norm_rows``, bias and no activation) makes it GEMM + bias + residual + LayerNorm:
     parameters ``A, W, bias, residual, gamma, beta, out`` and ``out = LayerNorm(A @ W^T + bias + residual) * gamma +
-    beta`` with that epsilon (:func:`norm_epilogue` below says how the cluster's blocks share the rows).
+    beta`` with that epsilon (:func:`norm_epilogue` below says how the cluster's blocks share the rows). ``norm_sum``
+    also stores the sum ``A @ W^T + bias + residual`` itself, rounded, to a ``sum_out`` parameter before ``out`` (a
+    pre-LN model's next residual).
     ``heads = (batch, seq, heads, head_dim)`` makes it the QKV projection: ``n`` is ``3 * heads * head_dim``
     and the epilogue writes row ``b*seq + s``, column ``w*H*D + h*D + d`` to ``out[w, b, h, s, d]``
     ([3, B, H, S, D], what the attention kernels read) instead of ``out[row, col]``. ``m`` may exceed
@@ -369,8 +371,10 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         check_fast_gelu(act)
     check_wgmma_shape(m, n, k, config)
     NORM = norm_eps is not None
-    if NORM != config.norm_rows or (NORM and (not bias or act != "none" or heads is not None)):
-        raise ValueError("norm_eps and config.norm_rows go together, with a bias, no activation and no heads")
+    if NORM != config.norm_rows or (NORM and (not bias or act != "none" or heads is not None)) or (
+            norm_sum and not NORM):
+        raise ValueError("norm_eps and config.norm_rows go together, with a bias, no activation and no heads; "
+                         "norm_sum needs them")
     if NORM and not 1 < n // config.block_n <= MAX_NORM_CLUSTER:
         raise ValueError(f"norm_rows: a row of n = {n} must span 2 to {MAX_NORM_CLUSTER} blocks of "
                          f"block_n = {config.block_n} (one cluster)")
@@ -820,7 +824,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     @T.macro
     def norm_epilogue(acc, out, bias_buf, norm, base, bx, wg, wt, tx, flag, words):
         """``norm_rows``: a consumer thread's epilogue. The cluster's ``n / block_n`` blocks hold one 128-row tile's
-        whole rows. Each adds bias and residual and writes its row sums; after a cluster barrier each reads all the
+        whole rows. Each adds bias and residual (``norm_sum``: and stores that sum) and writes its row sums; after a cluster barrier each reads all the
         blocks' sums (the mean) and writes its sums of squared deviations (two passes: no cancellation as in E[y^2] -
         mean^2); after another it reads those (the variance), normalises its columns and stores them. A last barrier
         keeps every block's partials alive until all have read them. The producer warpgroup meets the same three
@@ -830,6 +834,9 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         part = T.alloc_buffer((1,), "float32", scope="local")
         parts = T.alloc_buffer((2 * CLUSTER,), "float32", scope="local")
         add_bias_residual(acc, bias_buf, norm[0], tile_rows(bx), tile_cols(bx), wg, wt)
+        if norm_sum:
+            store_tile(acc, norm[3], bias_buf, tile_rows(bx) + (wg - 1) * CR, tile_cols(bx), base, wt,
+                       tx // 32 - WG // 32, words)
         write_row_partials(acc, base, 0, stat, part, wg, wt)
         cluster_sync()
         gather_rows(base, 0, stat, parts, flag, wg, wt)
@@ -953,7 +960,21 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         else:
             body(A, W, bias_buf, out, (None, None), norm)
 
-    if NORM:
+    if norm_sum:
+        @T.prim_func
+        def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, res_h: T.handle, gamma_h: T.handle,
+                   beta_h: T.handle, sum_h: T.handle, out_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "global_symbol": "gemm_wgmma"})
+            A = T.match_buffer(a_h, (m, k), DT)
+            W = T.match_buffer(w_h, (n, k), DT)
+            bias_buf = T.match_buffer(bias_h, (n,), DT)
+            res = T.match_buffer(res_h, (m, n), DT)
+            gamma = T.match_buffer(gamma_h, (n,), DT)
+            beta = T.match_buffer(beta_h, (n,), DT)
+            sum_out = T.match_buffer(sum_h, OUT_SHAPE, DT)
+            out = T.match_buffer(out_h, OUT_SHAPE, DT)
+            launch(A, W, bias_buf, out, (res, gamma, beta, sum_out))
+    elif NORM:
         @T.prim_func
         def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, res_h: T.handle, gamma_h: T.handle,
                    beta_h: T.handle, out_h: T.handle):

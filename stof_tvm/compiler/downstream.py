@@ -244,9 +244,10 @@ def _rewrite_residual_ln(t: _Templates, expr, matches, var2val, users, shared_su
         # pass); residual_layernorm makes the 16-bit sum and its LayerNorm at the sum's place (_narrow_sums), this
         # LayerNorm stays as it is until then (rewrite_call offers it again: it is noted already)
         noted = shared_sums.get(total)
+        gemm = {"x": x2d, "w": matches[LINEAR_W], "bias": bias, "k": k}
         if (noted is not None and noted[3]["ln"].same_as(expr)) or _note_shared_sum(
                 shared_sums, total, matches[_LIN_OUT], var2val, dtype,
-                {"ln": expr, "gamma": g16, "beta": b16, "eps": eps, "m": m, "n": n}):
+                {"ln": expr, "gamma": g16, "beta": b16, "eps": eps, "m": m, "n": n, "gemm": gemm}):
             return expr
         s2d = relax.op.reshape(total if str(total.ty.dtype) == dtype else relax.op.astype(total, dtype), [m, n])
         call, stage = t.call("layernorm", ln_shape, dtype, [s2d, g16, b16], (m, n), eps)
@@ -333,13 +334,28 @@ def _note_shared_sum(shared_sums: dict, total, lin_out, var2val, dtype: str, nor
     return True
 
 
-def _narrow_sums(t: _Templates, func: relax.Function, shared_sums: dict) -> relax.Function:
+def _narrow_sums(t: _Templates, func: relax.Function, shared_sums: dict, users: dict) -> relax.Function:
     """Compute each noted pre-LN residual sum in 16 bits (``linear + astype(residual)``, as a 16-bit PyTorch model
     does) together with its LayerNorm, as one ``residual_layernorm`` call at the sum's place: its float32 users read
     a cast of the 16-bit sum (the residual stream's float32 round trips fold away, :func:`_simplify`) and the
-    LayerNorm's binding (the ``layer_norm`` left reading the sum) reads the normalised rows."""
+    LayerNorm's binding (the ``layer_norm`` left reading the sum) reads the normalised rows. Under ``gemm="wgmma"``
+    the linear itself joins them where it has no other reader and
+    :meth:`.template_choice.TemplateChooser.fused_norm_wgmma` picks it: one ``gemm_bias_residual_sum_layernorm_wgmma``
+    call makes the sum (from float32, rounded once) and its LayerNorm, the linear's own GEMM left unused."""
     if not shared_sums:
         return func
+    from stof_tvm.schedules.templates import get_template
+
+    def fused_gemm(linear, norm, dtype: str) -> tuple[dict | None, str]:
+        """The linear's GEMM operands where the fused sum + LayerNorm template takes it, else None; and why."""
+        gemm, m, n = norm["gemm"], norm["m"], norm["n"]
+        if not (t.gemm == "wgmma" and t.norm_fusion) or wgmma_misfit(m, n, gemm["k"]) is not None:
+            return None, ""
+        if len(users.get(linear, [])) != 1:
+            return None, "unfused: the linear has other readers"
+        fused, why = t.chooser.fused_norm_wgmma(get_template("gemm_bias_residual_sum_layernorm_wgmma"),
+                                                {"m": m, "n": n, "k": gemm["k"]}, dtype)
+        return (gemm if fused else None), why
 
     @relax.expr_functor.mutator
     class Narrow(relax.PyExprMutator):
@@ -364,10 +380,19 @@ def _narrow_sums(t: _Templates, func: relax.Function, shared_sums: dict) -> rela
             residual = self.visit_expr(residual)
             if str(residual.ty.dtype) != dtype:
                 residual = relax.op.astype(residual, dtype)
-            args = [relax.op.reshape(self.visit_expr(linear), [m, n]), relax.op.reshape(residual, [m, n]),
-                    norm["gamma"], norm["beta"]]
-            call, stage = t.call("residual_layernorm", {"m": m, "n": n}, dtype, args, [(m, n), (m, n)], norm["eps"])
-            t.record("residual_sum_ln", [stage])
+            gemm, why = fused_gemm(linear, norm, dtype)
+            if gemm is not None:
+                args = [self.visit_expr(gemm["x"]), transposed(gemm["w"]), gemm["bias"],
+                        relax.op.reshape(residual, [m, n]), norm["gamma"], norm["beta"]]
+                call, stage = t.call("gemm_bias_residual_sum_layernorm_wgmma", {"m": m, "n": n, "k": gemm["k"]},
+                                     dtype, args, [(m, n), (m, n)], norm["eps"])
+                t.record("linear_residual_sum_ln", [stage], why)
+            else:
+                args = [relax.op.reshape(self.visit_expr(linear), [m, n]), relax.op.reshape(residual, [m, n]),
+                        norm["gamma"], norm["beta"]]
+                call, stage = t.call("residual_layernorm", {"m": m, "n": n}, dtype, args, [(m, n), (m, n)],
+                                     norm["eps"])
+                t.record("residual_sum_ln", [stage], why or None)
             pair = self.builder_.emit(call)
             narrow = relax.op.reshape(self.builder_.emit(relax.TupleGetItem(pair, 0)), list(total.ty.shape))
             self.normed[total] = self.builder_.emit(relax.TupleGetItem(pair, 1))
@@ -441,7 +466,7 @@ def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | 
     shared_sums: dict = {}
     func = rewrite_call(LINEAR_RESIDUAL_LN, lambda e, m: _rewrite_residual_ln(t, e, m, var2val, users, shared_sums),
                         func)
-    func = _narrow_sums(t, func, shared_sums)
+    func = _narrow_sums(t, func, shared_sums, users)
     func = relax.analysis.remove_all_unused(func)   # the GELU linears a fused FFN took over
     func = rewrite_call(LINEAR_GELU, lambda e, m: _rewrite_linear(t, "linear_gelu", "gelu_erf", e, m, m[ANY_LINEAR]),
                         func)

@@ -36,22 +36,23 @@ import os
 import numpy as np
 
 FAMILIES = ("bert", "roberta", "distilbert", "gpt2", "vit", "t5", "bigbird", "bigbird-sparse", "longformer")
-SIZES = ("tiny", "tiny-d32", "base", "large")
+SIZES = ("tiny", "tiny-d32", "tiny-w768", "base", "large")
 EXPORTERS = ("torchscript", "dynamo")
 ATTENTIONS = ("eager", "sdpa")
 INIT_RANGE = 0.15                # standard deviation of the random weights (published models: 0.02)
 VOCAB_TINY = 1000
 OUTPUT = "last_hidden_state"
 
-# (hidden, layers, heads, ffn) per size; "large" exists for bert only
-_SHAPES = {"tiny": (128, 2, 2, 256), "tiny-d32": (128, 2, 4, 256), "base": (768, 12, 12, 3072),
-           "large": (1024, 24, 16, 4096)}
+# (hidden, layers, heads, ffn) per size; "large" exists for bert only; "tiny-w768": one layer of the base widths
+# with the tiny vocabulary (what the base models' GEMM shapes do, at a tiny model's export cost)
+_SHAPES = {"tiny": (128, 2, 2, 256), "tiny-d32": (128, 2, 4, 256), "tiny-w768": (768, 1, 12, 3072),
+           "base": (768, 12, 12, 3072), "large": (1024, 24, 16, 4096)}
 _NO_SDPA = ("bigbird", "bigbird-sparse", "longformer")
 # tiny ViT: 64x64 images in 8x8 patches (64 patches + the class token); base: 224x224 in 16x16 (197 tokens)
-_VIT_IMAGE = {"tiny": (64, 8), "tiny-d32": (64, 8), "base": (224, 16)}
+_VIT_IMAGE = {"tiny": (64, 8), "tiny-d32": (64, 8), "tiny-w768": (64, 8), "base": (224, 16)}
 # BigBird's block-sparse attention needs seq_len > (5 + 2 * random blocks) * block: 7 * 8 = 56 tokens when tiny
-BIGBIRD_BLOCK = {"tiny": (8, 1), "tiny-d32": (8, 1), "base": (64, 3)}       # block_size, num_random_blocks
-LONGFORMER_WINDOW = {"tiny": 16, "tiny-d32": 16, "base": 512}
+BIGBIRD_BLOCK = {"tiny": (8, 1), "tiny-d32": (8, 1), "tiny-w768": (8, 1), "base": (64, 3)}   # block, random blocks
+LONGFORMER_WINDOW = {"tiny": 16, "tiny-d32": 16, "tiny-w768": 16, "base": 512}
 
 
 def attention_kinds(family: str) -> tuple[str, ...]:
