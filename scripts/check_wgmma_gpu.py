@@ -51,7 +51,7 @@ microseconds, so each CUDA-event sample spans ``--reps`` back-to-back calls. A l
 
 ``--suite norm`` (both steps; artifacts in ``out/norm_wgmma``): GEMM + bias + residual + LayerNorm in one wgmma
 kernel (``gemm_bias_residual_layernorm_wgmma``: the ``n / block_n`` blocks of a row tile one cluster sharing their
-row sums), its first knob sets of each tile width (:data:`NORM_SETS` per width) against the pair the compile path
+row sums), its first :data:`NORM_SETS` knob sets of its first :data:`NORM_WIDTHS` tile widths against the pair the compile path
 runs without it (``gemm_wgmma`` with its default knobs, then the ``bias_residual_layernorm`` template), at the
 attention-output and FFN-down shapes of BERT-Base (4096 and 32768 rows, ViT-Base's 1576, 128) and BERT-Large,
 checked against torch float32 like the GEMMs (output NaN-poisoned; the pair's GEMM output too) and timed as ``--reps``
@@ -111,7 +111,8 @@ FFN_TEMPLATE = "ffn_gelu_erf_bias_wgmma"
 NORM_CASES = [(m, 768, k, "float16") for m in (4096, 32768, 1576, 128) for k in (768, 3072)] + [
     (4096, 1024, 1024, "float16"), (4096, 1024, 4096, "float16"), (4096, 768, 768, "bfloat16")]
 NORM_TEMPLATE = "gemm_bias_residual_layernorm_wgmma"
-NORM_SETS = 4   # fused knob sets per tile width: the space's first (staged, TMA, 4 / 3 stages), then direct, cp.async
+NORM_WIDTHS = 2  # tile widths per case, in the space's order
+NORM_SETS = 2   # fused knob sets per tile width: the space's first two (staged, TMA, 4 and 3 stages)
 
 
 def median_ms(fn, iters, reps=1):
@@ -216,11 +217,8 @@ def build_norm(args) -> None:
         ckey = f"norm_{m}x{n}x{k}_{dtype}"
         entry = {"key": ckey, "shape": shape, "dtype": dtype, "fused": []}
         space = get_template(NORM_TEMPLATE).knob_space(shape, dtype)
-        for bn in dict.fromkeys(kn["block_n"] for kn in space):
-            width = [kn for kn in space if kn["block_n"] == bn]
-            chosen = width[:2] + [next(kn for kn in width if not kn["staged"]),
-                                  next(kn for kn in width if kn["loads"] == "cp.async")]
-            for kn in chosen[:NORM_SETS]:
+        for bn in list(dict.fromkeys(kn["block_n"] for kn in space))[:NORM_WIDTHS]:
+            for kn in [kn for kn in space if kn["block_n"] == bn][:NORM_SETS]:
                 key = (f"{ckey}__fused_n{bn}_s{kn['stages']}{'_st' if kn['staged'] else ''}"
                        f"{'_tma' if kn['loads'] == 'tma' else ''}")
                 _export(manifest, key, "wgmma", kn, build_kernel(NORM_TEMPLATE, shape, dtype, kn), "gemm_wgmma")
