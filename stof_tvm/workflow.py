@@ -114,7 +114,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
             templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
             dependent_launch: bool | None = None, tune_trials: int = 0, database: str | None = None, top_k: int = 8,
             time_budget_s: float | None = None, rpc_tracker: str | None = None, rpc_key: str | None = None,
-            progress=None, lean_padding: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = True):
+            progress=None, lean_padding: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False):
     """:func:`stof_tvm.compiler.compile` (same arguments, see there), tuning first when ``tune_trials`` > 0.
 
     ``tune_trials``: at most this many measurements per task, for every call the compile makes (stage 1 keeps

@@ -190,7 +190,7 @@ class FrontEnd:
 def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
               kernel: str = "auto", templates: bool | None = None, gemm: str = "auto",
               database: str | None = None, schedule: bool = True, lean_padding: bool = True,
-              gemm_knobs: dict | None = None, norm_fusion: bool = True) -> FrontEnd:
+              gemm_knobs: dict | None = None, norm_fusion: bool = False) -> FrontEnd:
     """Steps 1-5 of :func:`compile` (same arguments): import, attention kernel choice and rewrite, templates.
 
     ``schedule=False`` leaves the template PrimFuncs unscheduled (the tuner only reads which calls are made)."""
@@ -327,7 +327,7 @@ def _check_fallback_mask(mask, batch: int, seq_len: int, reason: str) -> None:
 def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
             kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
             dependent_launch: bool | None = None, database: str | None = None, progress=None,
-            lean_padding: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = True):
+            lean_padding: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
 
     ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
@@ -363,9 +363,10 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     ``False`` keeps the older form.
     ``gemm_knobs``: knobs merged into every wgmma GEMM's chosen knob set, e.g. ``{"early_weights": True}`` (to
     measure a kernel knob across a whole model; a combination the kernel cannot take is refused when it builds).
-    ``norm_fusion`` (default on): under ``gemm="wgmma"``, a post-LN layer's GEMM + bias + residual + LayerNorm runs
-    as one wgmma kernel where it fills the GPU (:mod:`.downstream`); ``False`` keeps the GEMM and the LayerNorm
-    apart.
+    ``norm_fusion`` (default off): under ``gemm="wgmma"``, a layer's GEMM + bias + residual + LayerNorm runs as one
+    wgmma kernel (a cluster of blocks per row tile) where it launches half the GPU's SMs (:mod:`.downstream`). Off by
+    default: every fused kernel measured slower than the unfused pair (0.57-0.88x on an H100, BENCHMARKS.md session
+    19: its clusters of 3-4 blocks leave SMs idle or run in two waves, and its epilogue is not overlapped).
     """
     from stof_tvm.artifact import Artifact
     from stof_tvm.records import open_database, record_usage

@@ -43,7 +43,8 @@ becomes ``ffn_gelu_erf_wgmma`` (intermediate kept on chip) + ``bias_residual_lay
 :meth:`.template_choice.TemplateChooser.fused_ffn` picks it (hidden 128-256, rows enough to fill the GPU).
 Under ``gemm="wgmma"`` a ``layer_norm(linear + residual)`` whose sum has no other user (post-LN: BERT, RoBERTa) becomes
 one ``gemm_bias_residual_layernorm_wgmma`` call (the row tile's blocks one cluster sharing the row sums, so the sum
-never leaves the SMs) where :meth:`.template_choice.TemplateChooser.fused_norm_wgmma` picks it (``norm_fusion``).
+never leaves the SMs) where :meth:`.template_choice.TemplateChooser.fused_norm_wgmma` picks it, when ``norm_fusion``
+is on (off by default: measured slower than the pair, BENCHMARKS.md session 19).
 Knobs: :mod:`.template_choice`. On CUDA each PrimFunc is scheduled with its knobs; on the CPU the definitions run
 unscheduled (TVM's default lowering), which keeps the rewrite testable without a GPU (a tuning record of the
 definition, measured on llvm, is applied there too). The wgmma kernels are thread-level code built per knob set
@@ -99,7 +100,7 @@ class _Templates:
     """Adds one PrimFunc per (template, shape, options) to the module and records every site."""
 
     def __init__(self, mod: tvm.IRModule, target: tvm.target.Target, database: str | None, gemm: str,
-                 schedule: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = True):
+                 schedule: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False):
         self.mod = mod
         self.norm_fusion = norm_fusion
         self.gemm_knobs = dict(gemm_knobs or {})
@@ -446,14 +447,15 @@ def _simplify(func: relax.Function) -> relax.Function:
 
 
 def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | None = None, gemm: str = "mma",
-                  schedule: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = True
+                  schedule: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False
                   ) -> tuple[tvm.IRModule, dict]:
     """Rewrite ``main``'s downstream chains into template calls; returns the module and the manifest entry
     ``{"gemm", "calls": {template: count}, "sites": [...], "notes": [...]}``. Each site's stages name the
     template, shape, dtype (and ``eps`` where it is not the default) of one call: what the tuner plans.
     ``schedule=False``: leave every PrimFunc unscheduled (for planning only; the module is not for building).
     ``gemm_knobs``: knobs merged into every wgmma GEMM's chosen set (to measure a knob across a model).
-    ``norm_fusion``: offer the wgmma GEMM + bias + residual + LayerNorm template (``False``: the unfused pair)."""
+    ``norm_fusion``: offer the wgmma GEMM + bias + residual + LayerNorm templates (default ``False``: the unfused
+    pair, measured faster)."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm: expected one of {GEMMS}, got {gemm!r}")
     t = _Templates(mod, target, database, gemm, schedule, gemm_knobs, norm_fusion)

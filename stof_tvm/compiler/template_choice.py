@@ -38,8 +38,10 @@ RECORD_CANDIDATES = 16
 # the ffn columns over blocks; above it the fused kernel saves the [m, ffn] intermediate's round trip.
 FUSED_FFN_MIN_BLOCKS = 132
 # Fewest blocks (128-row tiles x the cluster's column blocks) for which the wgmma GEMM + bias + residual + LayerNorm
-# (gemm_bias_residual_layernorm_wgmma) is predicted faster than the unfused wgmma GEMM + bias_residual_layernorm pair:
-# half the H200's SMs. Below it the pair's GEMM has split-K sets to fill the GPU with, which the fused kernel has not.
+# (gemm_bias_residual_layernorm_wgmma, only with the compile option norm_fusion) is taken: half the SMs. Below it the
+# pair's GEMM has split-K sets to fill the GPU with, which the fused kernel has not. Measured (H100, session 19,
+# check_wgmma_gpu.py --suite norm) the fused kernel was slower than the pair at every shape, 0.57-0.88x at 1576-32768
+# rows, 0.40-0.68x at 128: hence the option's default off.
 FUSED_NORM_MIN_BLOCKS = 66
 
 
