@@ -165,6 +165,9 @@ SPLIT_BAR = 1            # named barrier of the two consumer warpgroups before t
 # row in shared memory (the row's sum, then its squared deviations from the mean), read by the cluster's blocks
 NORM_SLOTS = 2
 NORM_STATS_BYTES = NORM_SLOTS * BLOCK_M * 4
+NORM_PARAMS = 3          # ... and the block's columns of bias, gamma and beta, as float32 (read in pairs in the epilogue)
+NORM_GROUP = 8           # n8 tiles whose gamma and beta one batch of shared-memory reads fetches (BN / 8 divides by it)
+NORM_BAR = 1             # named barrier of the two consumer warpgroups: the block's bias, gamma and beta are in place
 MAX_NORM_CLUSTER = 16    # blocks of one row tile: 8 is the portable cluster size, 16 needs the non-portable one
 
 
@@ -280,8 +283,9 @@ class WgmmaConfig:
 
     @property
     def norm_bytes(self) -> int:
-        """``norm_rows``: the float32 row partials the cluster's blocks read (0 without)."""
-        return NORM_STATS_BYTES if self.norm_rows else 0
+        """``norm_rows``: the float32 row partials the cluster's blocks read, then the block's columns of bias, gamma
+        and beta in float32 (0 without)."""
+        return NORM_STATS_BYTES + NORM_PARAMS * self.block_n * 4 if self.norm_rows else 0
 
     @property
     def acc_registers(self) -> int:
@@ -406,6 +410,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     BAR_OFF = config.ring_bytes          # mbarriers after the ring: full[s] at +8s, empty[s] at +8(ST+s)
     STAGING_OFF = BAR_OFF + 16 * ST      # staged epilogue: consumer warp v's buffer at + v * STAGED_WARP_BYTES
     NORM_OFF = STAGING_OFF + config.staging_bytes   # norm_rows: slot q's partial of tile row i at + (q * 128 + i) * 4
+    PARAM_OFF = NORM_OFF + NORM_STATS_BYTES         # norm_rows: parameter p's column c (float32) at + (p * BN + c) * 4
     PARTIAL_ROW = BN * 4 + PARTIAL_PAD   # split-K: bytes per row of a block's float32 partial tile
     TILE_CHUNKS = TM * BN // 4           # split-K: 16-byte chunks (4 columns) of a tile, reduced one per thread
     REDUCE_ROUNDS = -(-TILE_CHUNKS // (SPLIT * 2 * WG))
@@ -757,17 +762,42 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     def norm_partial_addr(base, slot, row):
         return base + T.Cast("uint32", NORM_OFF + (slot * BLOCK_M + row) * 4)
 
+    def param_addr(base, p, col):
+        """Shared address of the block's column ``col`` of parameter ``p`` (0 bias, 1 gamma, 2 beta; float32)."""
+        return base + T.Cast("uint32", PARAM_OFF + (p * BN + col) * 4)
+
+    def half_of(word, upper):
+        """The 16-bit element of a packed pair (the lower address's in the low half), as float32."""
+        bits = T.shift_right(word, T.uint32(16)) if upper else T.bitwise_and(word, T.uint32(0xFFFF))
+        return T.Cast("float32", T.reinterpret(DT, T.Cast("uint16", bits)))
+
     @T.macro
-    def add_bias_residual(acc, bias_buf, res, m0, n0, wg, wt):
-        """``norm_rows``: ``y = acc + bias + residual`` in float32 in the accumulators (a partial last tile's rows past m
-        read row m - 1; they are never stored)."""
+    def stage_params(bias_buf, gamma, beta, base, n0, ct):
+        """``norm_rows``: consumer thread ``ct`` (0-255) copies its share of the block's ``block_n`` columns of bias,
+        gamma and beta into shared memory as float32, so the epilogue reads each as one 8-byte pair of columns (a
+        warp's read: four distinct words, broadcast to the rows) instead of a 2-byte global load per element."""
+        for it in T.unroll(-(-BN // (2 * WG))):
+            c: T.let = it * 2 * WG + ct
+            if c < BN:
+                T.ptx["st.shared.f32"](param_addr(base, 0, c), T.Cast("float32", bias_buf[n0 + c]))
+                T.ptx["st.shared.f32"](param_addr(base, 1, c), T.Cast("float32", gamma[n0 + c]))
+                T.ptx["st.shared.f32"](param_addr(base, 2, c), T.Cast("float32", beta[n0 + c]))
+
+    @T.macro
+    def add_bias_residual(acc, res, base, m0, n0, wg, wt, words, pair):
+        """``norm_rows``: ``y = acc + bias + residual`` in float32 in the accumulators: the residual two columns per
+        4-byte load, all ``block_n / 4`` of the thread's issued before any is used (the loads are volatile asm, kept
+        in order: used one by one, each would wait for its own), a partial last tile's rows past m reading row
+        m - 1 (never stored); bias from shared memory."""
         for j in T.unroll(BN // 8):
             for h in T.unroll(2):
-                for e in T.unroll(2):
-                    row: T.let = read_row(m0 + frag_row(wg, wt, h))
-                    col: T.let = n0 + frag_col(wt, j, e)
-                    acc[j * 4 + h * 2 + e] = (acc[j * 4 + h * 2 + e] + T.Cast("float32", bias_buf[col])
-                                              + T.Cast("float32", res[row, col]))
+                T.ptx["ld.global.b32"](words[j * 2 + h], T.address_of(res[read_row(m0 + frag_row(wg, wt, h)),
+                                                                          n0 + frag_col(wt, j, 0)]))
+        for j in T.unroll(BN // 8):
+            T.ptx["ld.shared.v2.f32"](pair[0], pair[1], param_addr(base, 0, frag_col(wt, j, 0)))
+            for h in T.unroll(2):
+                acc[j * 4 + h * 2] = acc[j * 4 + h * 2] + pair[0] + half_of(words[j * 2 + h], False)
+                acc[j * 4 + h * 2 + 1] = acc[j * 4 + h * 2 + 1] + pair[1] + half_of(words[j * 2 + h], True)
 
     @T.macro
     def write_row_partials(acc, base, slot, stat, part, wg, wt):
@@ -804,17 +834,23 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             stat[2 * slot + h] = stat[2 * slot + h] * T.float32(1.0 / n)
 
     @T.macro
-    def normalize(acc, gamma, beta, n0, stat, wt):
+    def normalize(acc, base, stat, wt, pair):
         """``norm_rows``: the accumulators become ``(y - mean) * rsqrt(var + eps) * gamma + beta`` (``stat``: the two
-        rows' means, then their variances)."""
+        rows' means, then their variances; gamma and beta from shared memory, two columns per read, the reads of
+        :data:`NORM_GROUP` n8 tiles issued before their use)."""
         for h in T.unroll(2):
             stat[2 + h] = T.rsqrt(stat[2 + h] + T.float32(norm_eps))
-        for j in T.unroll(BN // 8):
-            for h in T.unroll(2):
-                for e in T.unroll(2):
-                    col: T.let = n0 + frag_col(wt, j, e)
-                    acc[j * 4 + h * 2 + e] = ((acc[j * 4 + h * 2 + e] - stat[h]) * stat[2 + h]
-                                              * T.Cast("float32", gamma[col]) + T.Cast("float32", beta[col]))
+        for jg in T.unroll(BN // 8 // NORM_GROUP):
+            for jj in T.unroll(NORM_GROUP):
+                T.ptx["ld.shared.v2.f32"](pair[jj * 4], pair[jj * 4 + 1],
+                                          param_addr(base, 1, frag_col(wt, jg * NORM_GROUP + jj, 0)))
+                T.ptx["ld.shared.v2.f32"](pair[jj * 4 + 2], pair[jj * 4 + 3],
+                                          param_addr(base, 2, frag_col(wt, jg * NORM_GROUP + jj, 0)))
+            for jj in T.unroll(NORM_GROUP):
+                for h in T.unroll(2):
+                    for e in T.unroll(2):
+                        i: T.let = (jg * NORM_GROUP + jj) * 4 + h * 2 + e
+                        acc[i] = (acc[i] - stat[h]) * stat[2 + h] * pair[jj * 4 + e] + pair[jj * 4 + 2 + e]
 
     @T.macro
     def cluster_sync():
@@ -833,7 +869,10 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         stat = T.alloc_buffer((4,), "float32", scope="local")
         part = T.alloc_buffer((1,), "float32", scope="local")
         parts = T.alloc_buffer((2 * CLUSTER,), "float32", scope="local")
-        add_bias_residual(acc, bias_buf, norm[0], tile_rows(bx), tile_cols(bx), wg, wt)
+        res_words = T.alloc_buffer((BN // 4,), "uint32", scope="local")
+        pair = T.alloc_buffer((4 * NORM_GROUP,), "float32", scope="local")
+        T.ptx["bar.sync"](T.uint32(NORM_BAR), T.uint32(2 * WG))   # both consumers' parameter copies are in place
+        add_bias_residual(acc, norm[0], base, tile_rows(bx), tile_cols(bx), wg, wt, res_words, pair)
         if norm_sum:
             store_tile(acc, norm[3], bias_buf, tile_rows(bx) + (wg - 1) * CR, tile_cols(bx), base, wt,
                        tx // 32 - WG // 32, words)
@@ -843,7 +882,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         write_row_partials(acc, base, 1, stat, part, wg, wt)
         cluster_sync()
         gather_rows(base, 1, stat, parts, flag, wg, wt)
-        normalize(acc, norm[1], norm[2], tile_cols(bx), stat, wt)
+        normalize(acc, base, stat, wt, pair)
         store_tile(acc, out, bias_buf, tile_rows(bx) + (wg - 1) * CR, tile_cols(bx), base, wt, tx // 32 - WG // 32,
                    words)
         cluster_sync()
@@ -910,6 +949,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             elif SPLIT > 1 or NORM:
                 for i in T.unroll(HALVES * NACC):
                     acc[i] = T.float32(0)
+                if NORM:
+                    stage_params(bias_buf, norm[1], norm[2], base, tile_cols(bx), tx - WG)
                 mma_tile(acc, flag, base, 0, (wg - 1) * CR * ROW_BYTES, wt)
                 T.ptx["wgmma.wait_group.sync.aligned"](0)
                 for i in T.unroll(HALVES * NACC):
