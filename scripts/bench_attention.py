@@ -1115,12 +1115,61 @@ def plan_s17model() -> list[dict]:
     return cases
 
 
+# s19knobs: the knobs around the model's block-wise pick at the whole models' shapes (BigBird, H12 D64, padded, all ones)
+S19_SHAPES = ((8, 512), (16, 2048), (8, 197))
+S19_VARIANTS = (("stages", 2), ("stages", 3), ("stages", 4), ("min_blocks", 4), ("min_blocks", 8), ("row_sums", "fadd"),
+                ("row_sums", "mma"), ("heavy_first", False), ("heavy_first", True), ("reverse_full", False), ("reverse_full", True),
+                ("kv_splits", 2))
+
+
+def plan_s19knobs() -> list[dict]:
+    """Is the model's block-wise pick the best of its own knobs at the shapes the whole models run? Session 17
+    (s17model) timed the tile shapes (block_m x block_n x warps) and found the pick fastest or within 8-13%; the other
+    knobs were left at the model's values. For each shape in S19_SHAPES: the compile path's configuration (the model's
+    rank-0 block-wise candidate with ``lean_padding``, as :func:`stof_tvm.compiler.front_end` sets it), then that
+    configuration with one knob changed (S19_VARIANTS: ring depth, ``min_blocks``, the row sums' form, the launch order,
+    the full tiles' order, split-KV of the heavy rows), where it differs and validates; FlexAttention and SDPA beside
+    the first. Padded as the compiled models are, under all-ones padding."""
+    import dataclasses
+
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile
+    from stof_tvm.cost_model.attention import rank_attention
+
+    cases = []
+    for batch, seq in S19_SHAPES:
+        mask = build_mask("bigbird", batch, H_BENCH, seq, 0)
+        problem = AttentionProblem(batch=batch, heads=H_BENCH, head_dim=64, dtype="float16", padding=True,
+                                   mask=MaskProfile(mask))
+        pick = next(r for r in rank_attention(problem) if r.candidate.kind == "block").candidate.config
+        pick = dataclasses.replace(pick, lean_padding=True)
+        configs = [("pick", pick)]
+        for knob, value in S19_VARIANTS:
+            extra = {"heavy_first": True} if knob == "kv_splits" else {}
+            if knob == "reverse_full" and value:
+                extra = {"heavy_first": True}
+            variant = dataclasses.replace(pick, **{knob: value}, **extra)
+            if knob == "heavy_first" and not value:
+                variant = dataclasses.replace(variant, kv_splits=1, split_rows=1, reverse_full=False)
+            try:
+                variant.validate(64)
+            except ValueError:
+                continue
+            if variant != pick and all(variant != c for _, c in configs):
+                configs.append((f"{knob}={value}", variant))
+        for i, (label, config) in enumerate(configs):
+            config_list = _config_tuple(config)
+            case = _case("time", "block", "bigbird", batch, H_BENCH, seq, 64, "float16", config_list, padding=True)
+            cases.append(dict(case, pad_keep="ones", label=f"{label} " + "x".join(map(str, config_list[:5])),
+                              baselines=i == 0))
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
          "s9sparse": plan_s9sparse, "s9check": plan_s9check, "s10sparse": plan_s10sparse,
          "s10dims": plan_s10dims, "s11gpt2": plan_s11gpt2, "s12bb": plan_s12bb,
-         "s17model": plan_s17model}
+         "s17model": plan_s17model, "s19knobs": plan_s19knobs}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
