@@ -220,6 +220,20 @@ def test_split_kv_is_chosen_where_a_long_row_would_run_alone():
                    if c.kind == "block")
 
 
+def test_heavy_first_is_offered_at_the_tile_shapes_that_have_heavy_rows():
+    """BigBird at S = 512: a 32-row tile row of the global queries holds all 8 key tiles, twice its group's mean, so
+    the heavy-first order is offered at 32-row tiles and chosen (H100, session 19, plan s19knobs: 32x64x2x2 0.0264 ms
+    in the default order, 0.0243 heavy-first); 64-row tiles have no heavy row there and get no heavy-first twin; a
+    sliding window has none at any shape."""
+    bigbird = problem("bigbird", batch=8, heads=12, seq=512)
+    offered = {(c.config.block_m, c.config.block_n) for c in attention_candidates(bigbird)
+               if c.kind == "block" and c.config.heavy_first}
+    assert (32, 64) in offered and not any(bm == 64 and bn == 64 for bm, bn in offered)
+    pick = choose_attention(bigbird).candidate
+    assert pick.kind == "block" and pick.config.heavy_first
+    assert not any(c.config.heavy_first for c in attention_candidates(problem("sliding", seq=512)) if c.kind == "block")
+
+
 def test_unsupported_head_dim_has_no_candidate():
     with pytest.raises(ValueError, match="no feasible attention kernel for head_dim=72"):
         choose_attention(problem("causal", seq=256, head_dim=72))

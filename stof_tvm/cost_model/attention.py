@@ -272,9 +272,10 @@ def attention_candidates(problem: AttentionProblem, hw: HardwareProfile = H200,
         raise ValueError(f"kinds must be among 'block', 'row' and 'wgmma', got {sorted(unknown)}")
     out = []
     if "block" in kinds and problem.head_dim in BLOCK_HEAD_DIMS and problem.dtype != "float32":
-        # The heavy-first launch order only differs when some tile row holds > 2x its group's mean tiles.
-        orders = (False, True) if _has_heavy_rows(problem.mask, 64, 64) else (False,)
-        blocks = block_candidates(problem.head_dim, hw, orders)
+        # The heavy-first launch order only differs where some tile row holds > 2x its group's mean tiles, at the
+        # candidate's own tile shape (BigBird at S = 512 has such rows in 32-row tiles, none in 64-row ones)
+        blocks = [c for c in block_candidates(problem.head_dim, hw, (False, True))
+                  if not c.config.heavy_first or _has_heavy_rows(problem.mask, c.config.block_m, c.config.block_n)]
         out += blocks + _split_candidates(problem, blocks)
     if "row" in kinds and problem.head_dim in ROW_HEAD_DIMS:
         out += row_candidates(problem.head_dim, problem.dtype, hw)
