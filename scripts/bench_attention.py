@@ -1164,12 +1164,42 @@ def plan_s19knobs() -> list[dict]:
     return cases
 
 
+# s19gate: the picks 92d77e6 moved (heavy-first offered at each tile shape with heavy rows), before and after; the
+# "before" tuples are what the model picked at 683d7cb (lean_padding added as the compile path adds it)
+S19_GATE = (("bigbird", 8, 512, (32, 64, 2, 2, False, 1, 1, 0, "mma", False, True)),
+            ("longformer", 8, 512, (32, 64, 2, 2, False, 1, 1, 0, "mma", False, True)))
+
+
+def plan_s19gate() -> list[dict]:
+    """The attention picks that the heavy-first gate (92d77e6) moved, each against the pick before it, at the shape
+    it moved at (B8 S512, H12 D64, fp16, padded under all-ones padding as the compiled models run); the first case
+    of each pair carries FlexAttention and SDPA."""
+    import dataclasses
+
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile
+    from stof_tvm.cost_model.attention import rank_attention
+
+    cases = []
+    for recipe, batch, seq, before in S19_GATE:
+        mask = build_mask(recipe, batch, H_BENCH, seq, 0)
+        problem = AttentionProblem(batch=batch, heads=H_BENCH, head_dim=64, dtype="float16", padding=True,
+                                   mask=MaskProfile(mask))
+        pick = next(r for r in rank_attention(problem) if r.candidate.kind == "block").candidate.config
+        after = _config_tuple(dataclasses.replace(pick, lean_padding=True))
+        for i, (label, config) in enumerate((("now", after), ("before", before))):
+            case = _case("time", "block", recipe, batch, H_BENCH, seq, 64, "float16", config, padding=True)
+            cases.append(dict(case, pad_keep="ones", label=f"{recipe} {label} " + "x".join(map(str, config[:5])),
+                              baselines=i == 0))
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
          "s9sparse": plan_s9sparse, "s9check": plan_s9check, "s10sparse": plan_s10sparse,
          "s10dims": plan_s10dims, "s11gpt2": plan_s11gpt2, "s12bb": plan_s12bb,
-         "s17model": plan_s17model, "s19knobs": plan_s19knobs}
+         "s17model": plan_s17model, "s19knobs": plan_s19knobs,
+         "s19gate": plan_s19gate}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
