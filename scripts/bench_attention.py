@@ -1115,11 +1115,11 @@ def plan_s17model() -> list[dict]:
     return cases
 
 
-# s19knobs: the knobs around the model's block-wise pick at the whole models' shapes (BigBird, H12 D64, padded, all ones)
+# s19knobs: the knobs around the model's block-wise pick at the whole models' shapes (BigBird, H12 D64, all-ones pads)
 S19_SHAPES = ((8, 512), (16, 2048), (8, 197))
 S19_VARIANTS = (("stages", 2), ("stages", 3), ("stages", 4), ("min_blocks", 4), ("min_blocks", 8), ("row_sums", "fadd"),
-                ("row_sums", "mma"), ("heavy_first", False), ("heavy_first", True), ("reverse_full", False), ("reverse_full", True),
-                ("kv_splits", 2))
+                ("row_sums", "mma"), ("heavy_first", False), ("heavy_first", True), ("reverse_full", False),
+                ("reverse_full", True), ("kv_splits", 2))
 
 
 def plan_s19knobs() -> list[dict]:

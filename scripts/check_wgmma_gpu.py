@@ -51,11 +51,11 @@ microseconds, so each CUDA-event sample spans ``--reps`` back-to-back calls. A l
 
 ``--suite norm`` (both steps; artifacts in ``out/norm_wgmma``): GEMM + bias + residual + LayerNorm in one wgmma
 kernel (``gemm_bias_residual_layernorm_wgmma``: the ``n / block_n`` blocks of a row tile one cluster sharing their
-row sums), its first :data:`NORM_SETS` knob sets of its first :data:`NORM_WIDTHS` tile widths against the pair the compile path
-runs without it (``gemm_wgmma`` with its default knobs, then the ``bias_residual_layernorm`` template), at the
-attention-output and FFN-down shapes of BERT-Base (4096 and 32768 rows, ViT-Base's 1576, 128) and BERT-Large,
-checked against torch float32 like the GEMMs (output NaN-poisoned; the pair's GEMM output too) and timed as ``--reps``
-back-to-back calls per CUDA-event sample::
+row sums), its first :data:`NORM_SETS` knob sets of its first :data:`NORM_WIDTHS` tile widths against the pair the
+compile path runs without it (``gemm_wgmma`` with its default knobs, then the ``bias_residual_layernorm``
+template), at the attention-output and FFN-down shapes of BERT-Base (4096 and 32768 rows, ViT-Base's 1576, 128) and
+BERT-Large, checked against torch float32 like the GEMMs (output NaN-poisoned; the pair's GEMM output too) and timed
+as ``--reps`` back-to-back calls per CUDA-event sample::
 
     .venv/bin/python scripts/check_wgmma_gpu.py build --suite norm
     run(command="source .devkit/bootstrap.sh && python3 -m pip install -q --no-deps --no-build-isolation "
@@ -537,7 +537,8 @@ def _run_norm_case(case, modules, torch, tvm, dev, args, results, misses) -> dic
             row["kernels"][key] = dict(entry, error=f"hang: not finished after {HANG_S:.0f} s")
             _give_up(row, results, misses, key, _norm_table)
         err = float(torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref))
-        entry.update(rel_err=err, max_abs=float((out.float() - ref).abs().max()), finite=bool(torch.isfinite(out).all()))
+        entry.update(rel_err=err, max_abs=float((out.float() - ref).abs().max()),
+                     finite=bool(torch.isfinite(out).all()))
         entry["correct"] = entry["finite"] and err < TOL[dtype]
         if entry["correct"]:
             entry["ms"] = median_ms(call, args.iters, args.reps)

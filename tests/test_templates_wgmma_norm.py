@@ -77,7 +77,8 @@ def test_definition_on_llvm_matches_the_float64_reference():
 
 def _kernel_source(shape, knobs, eps=None, name=NAME):
     options = {} if eps is None else {"eps": eps}
-    return cuda_source(tvm.compile(tvm.IRModule({"main": get_template(name).kernel(shape, "float16", knobs, **options)}),
+    kernel = get_template(name).kernel(shape, "float16", knobs, **options)
+    return cuda_source(tvm.compile(tvm.IRModule({"main": kernel}),
                                    target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a",
                                                              "max_threads_per_block": 1024,
                                                              "max_shared_memory_per_block": 232448})))

@@ -71,8 +71,9 @@ from .layernorm import layernorm_compute
 from .qkv import QKVTemplate
 from .registry import H200, Hardware, Template, register
 from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_M_CHOICES, BLOCK_N_CHOICES, CONSUMER_REGS, LAUNCH_REGISTERS,
-                           MAX_NORM_CLUSTER, PINGPONG_TILE_M, PORTABLE_SPLIT_K, SPLIT_K_CHOICES, STAGE_CHOICES, TALL_PINGPONG_N, THREADS,
-                           WgmmaConfig, check_wgmma_shape, grid_blocks, row_tiles, wgmma_gemm_primfunc)
+                           MAX_NORM_CLUSTER, PINGPONG_TILE_M, PORTABLE_SPLIT_K, SPLIT_K_CHOICES, STAGE_CHOICES,
+                           TALL_PINGPONG_N, THREADS, WgmmaConfig, check_wgmma_shape, grid_blocks, row_tiles,
+                           wgmma_gemm_primfunc)
 
 ARCH = "sm_90a"
 TALL_BLOCK_M = max(BLOCK_M_CHOICES)   # 256-row cooperative tiles: 128 rows per consumer warpgroup

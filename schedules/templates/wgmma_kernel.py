@@ -165,7 +165,7 @@ SPLIT_BAR = 1            # named barrier of the two consumer warpgroups before t
 # row in shared memory (the row's sum, then its squared deviations from the mean), read by the cluster's blocks
 NORM_SLOTS = 2
 NORM_STATS_BYTES = NORM_SLOTS * BLOCK_M * 4
-NORM_PARAMS = 3          # ... and the block's columns of bias, gamma and beta, as float32 (read in pairs in the epilogue)
+NORM_PARAMS = 3          # ... and the block's columns of bias, gamma and beta, as float32 (read in column pairs)
 NORM_GROUP = 8           # n8 tiles whose gamma and beta one batch of shared-memory reads fetches (BN / 8 divides by it)
 NORM_BAR = 1             # named barrier of the two consumer warpgroups: the block's bias, gamma and beta are in place
 MAX_NORM_CLUSTER = 16    # blocks of one row tile: 8 is the portable cluster size, 16 needs the non-portable one
@@ -860,12 +860,12 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     @T.macro
     def norm_epilogue(acc, out, bias_buf, norm, base, bx, wg, wt, tx, flag, words):
         """``norm_rows``: a consumer thread's epilogue. The cluster's ``n / block_n`` blocks hold one 128-row tile's
-        whole rows. Each adds bias and residual (``norm_sum``: and stores that sum) and writes its row sums; after a cluster barrier each reads all the
-        blocks' sums (the mean) and writes its sums of squared deviations (two passes: no cancellation as in E[y^2] -
-        mean^2); after another it reads those (the variance), normalises its columns and stores them. A last barrier
-        keeps every block's partials alive until all have read them. The producer warpgroup meets the same three
-        barriers in its own branch (:func:`norm_barriers`): the accumulators are never live where its 40 registers
-        would have to hold them."""
+        whole rows. Each adds bias and residual (``norm_sum``: and stores that sum) and writes its row sums; after a
+        cluster barrier each reads all the blocks' sums (the mean) and writes its sums of squared deviations (two
+        passes: no cancellation as in E[y^2] - mean^2); after another it reads those (the variance), normalises its
+        columns and stores them. A last barrier keeps every block's partials alive until all have read them. The
+        producer warpgroup meets the same three barriers in its own branch (:func:`norm_barriers`): the accumulators
+        are never live where its 40 registers would have to hold them."""
         stat = T.alloc_buffer((4,), "float32", scope="local")
         part = T.alloc_buffer((1,), "float32", scope="local")
         parts = T.alloc_buffer((2 * CLUSTER,), "float32", scope="local")

@@ -35,9 +35,10 @@ multiples of 16; LayerNorm rows multiples of 64, fused rows of 128; QKV head siz
 anything else keeps TVM's default path. The LayerNorm templates take the model's epsilon; their output is
 16-bit, so the residual stream between layers becomes 16-bit (as in a float16 PyTorch model).
 
-``gemm="wgmma"`` maps the GEMM stages and the QKV projection to the Hopper ``*_wgmma`` templates where n % 128 and k % 64 are 0 and the GEMM has at least
-``WGMMA_MIN_TILES`` 128x128 output tiles (a partial last row tile counted whole: any m, no padding) or enough
-split-K blocks, with the weight transposed to ``[N, K]``; other shapes stay on mma.sync with a note. Under
+``gemm="wgmma"`` maps the GEMM stages and the QKV projection to the Hopper ``*_wgmma`` templates where n % 128 and
+k % 64 are 0 and the GEMM has at least ``WGMMA_MIN_TILES`` 128x128 output tiles (a partial last row tile counted
+whole: any m, no padding) or enough split-K blocks, with the weight transposed to ``[N, K]``; other shapes stay on
+mma.sync with a note. Under
 ``gemm="wgmma"`` an FFN (an erf-GELU ``linear`` used only by the down-projection of a residual LayerNorm chain)
 becomes ``ffn_gelu_erf_wgmma`` (intermediate kept on chip) + ``bias_residual_layernorm`` where
 :meth:`.template_choice.TemplateChooser.fused_ffn` picks it (hidden 128-256, rows enough to fill the GPU).
