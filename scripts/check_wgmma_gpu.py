@@ -403,9 +403,33 @@ def _give_up(row, results, misses, key, table) -> None:
     os._exit(3)
 
 
-def _run_ffn_case(case, modules, torch, tvm, dev, args, results, misses) -> dict:
-    import os
+def _check_and_time(torch, entry, call, out, ref, dtype, args, on_hang) -> dict:
+    """Run ``call`` once into the poisoned ``out`` (``on_hang(entry)`` ends the run when it does not finish), check it
+    against the float32 ``ref`` and, where correct, time it (``--iters`` samples of ``--reps`` calls); ``entry`` gains
+    ``rel_err``, ``max_abs``, ``finite``, ``correct`` and ``ms`` or ``diagnosis``."""
+    call()
+    if not bl.finished(HANG_S):
+        on_hang(dict(entry, error=f"hang: not finished after {HANG_S:.0f} s"))
+    err = float(torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref))
+    entry.update(rel_err=err, max_abs=float((out.float() - ref).abs().max()),
+                 finite=bool(torch.isfinite(out).all()))
+    entry["correct"] = entry["finite"] and err < TOL[dtype]
+    if entry["correct"]:
+        entry["ms"] = median_ms(call, args.iters, args.reps)
+    else:
+        entry["diagnosis"] = _diagnose(torch, out.float(), ref)
+    return entry
 
+
+def _hang_handler(row, key, results, misses, table):
+    """``on_hang`` of :func:`_check_and_time`: record the hung entry in ``row`` and give up (:func:`_give_up`)."""
+    def on_hang(entry):
+        row["kernels"][key] = entry
+        _give_up(row, results, misses, key, table)
+    return on_hang
+
+
+def _run_ffn_case(case, modules, torch, tvm, dev, args, results, misses) -> dict:
     F = torch.nn.functional
     m, h, f = (case["shape"][key] for key in ("m", "hidden", "ffn"))
     dtype = case["dtype"]
@@ -449,23 +473,12 @@ def _run_ffn_case(case, modules, torch, tvm, dev, args, results, misses) -> dict
             entry["error"] = f"load: {err}"[:300]
             row["kernels"][key] = entry
             continue
-        call()
-        if not bl.finished(HANG_S):
-            row["kernels"][key] = dict(entry, error=f"hang: not finished after {HANG_S:.0f} s")
-            results.append(row)
-            (OUT / "results.json").write_text(json.dumps({"results": results, "cubin_misses": misses}, indent=1))
-            print(f"{key}: HANG (no result after {HANG_S:.0f} s); stopping the run", flush=True)
-            os._exit(3)
-        err = float(torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref))
-        entry.update(rel_err=err, finite=bool(torch.isfinite(out).all()))
-        entry["correct"] = entry["finite"] and err < TOL[dtype]
+        _check_and_time(torch, entry, call, out, ref, dtype, args,
+                        _hang_handler(row, key, results, misses, _ffn_table))
         if entry["correct"]:
-            entry["ms"] = median_ms(call, args.iters, args.reps)
             entry["tflops"] = row["flops"] / entry["ms"] / 1e9
-        else:
-            entry["diagnosis"] = _diagnose(torch, out.float(), ref)
         row["kernels"][key] = entry
-        print(f"{key}: err {err:.2e} {'ok' if entry['correct'] else 'WRONG'}"
+        print(f"{key}: err {entry['rel_err']:.2e} {'ok' if entry['correct'] else 'WRONG'}"
               + (f", {entry['ms'] * 1e3:.1f} us, {entry['tflops']:.0f} TFLOP/s" if entry["correct"] else ""), flush=True)
     timed = [(e["ms"], key) for key, e in row["kernels"].items() if e["kind"] == "fused" and "ms" in e]
     row["fused_best"] = min(timed) if timed else None
@@ -532,20 +545,10 @@ def _run_norm_case(case, modules, torch, tvm, dev, args, results, misses) -> dic
             entry["error"] = f"load: {err}"[:300]
             row["kernels"][key] = entry
             continue
-        call()
-        if not bl.finished(HANG_S):
-            row["kernels"][key] = dict(entry, error=f"hang: not finished after {HANG_S:.0f} s")
-            _give_up(row, results, misses, key, _norm_table)
-        err = float(torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref))
-        entry.update(rel_err=err, max_abs=float((out.float() - ref).abs().max()),
-                     finite=bool(torch.isfinite(out).all()))
-        entry["correct"] = entry["finite"] and err < TOL[dtype]
-        if entry["correct"]:
-            entry["ms"] = median_ms(call, args.iters, args.reps)
-        else:
-            entry["diagnosis"] = _diagnose(torch, out.float(), ref)
+        _check_and_time(torch, entry, call, out, ref, dtype, args,
+                        _hang_handler(row, key, results, misses, _norm_table))
         row["kernels"][key] = entry
-        print(f"{key}: err {err:.2e} max {entry['max_abs']:.2e} {'ok' if entry['correct'] else 'WRONG'}"
+        print(f"{key}: err {entry['rel_err']:.2e} max {entry['max_abs']:.2e} {'ok' if entry['correct'] else 'WRONG'}"
               + (f", {entry['ms'] * 1e3:.1f} us" if entry["correct"] else ""), flush=True)
     timed = [(e["ms"], key) for key, e in row["kernels"].items() if e["kind"] == "fused" and "ms" in e]
     row["fused_best"] = min(timed) if timed else None

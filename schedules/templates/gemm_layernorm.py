@@ -64,6 +64,13 @@ class GemmLayerNormTemplate(Template):
         return 2 * shape["m"] * shape["n"] * shape["k"]
 
     def _primfunc(self, shape, dtype, eps: float = LN_EPS):
+        inputs, y = self.residual_sum(shape, dtype)
+        _, _, out = layernorm_compute(y, inputs[4], inputs[5], dtype, eps)
+        return te.create_prim_func(inputs + [out])
+
+    def residual_sum(self, shape, dtype):
+        """The definition's inputs (A, W, bias, residual, gamma, beta placeholders) and its float32 sum
+        ``y = A @ W + bias + residual``, the LayerNorm's input."""
         m, n, k = shape["m"], shape["n"], shape["k"]
         A = te.placeholder((m, k), dtype, name="A")
         W = te.placeholder((n, k) if self.w_layout == "nk" else (k, n), dtype, name="W")
@@ -74,15 +81,17 @@ class GemmLayerNormTemplate(Template):
         acc = gemm_compute(A, W, self.w_layout)
         y = te.compute((m, n), lambda i, j: acc[i, j] + bias[j].astype("float32") + residual[i, j].astype("float32"),
                        name="y")
-        _, _, out = layernorm_compute(y, gamma, beta, dtype, eps)
-        return te.create_prim_func([A, W, bias, residual, gamma, beta, out])
+        return [A, W, bias, residual, gamma, beta], y
 
-    def reference(self, shape, inputs):
+    def residual_sum_np(self, inputs) -> np.ndarray:
+        """``A @ W + bias + residual`` in float64 from the named inputs."""
         a = np.asarray(inputs["A"], np.float64)
         w = np.asarray(inputs["W"], np.float64)
         y = a @ (w.T if self.w_layout == "nk" else w) + np.asarray(inputs["bias"], np.float64)
-        y = y + np.asarray(inputs["residual"], np.float64)
-        return [layernorm_np(y, inputs["gamma"], inputs["beta"])]
+        return y + np.asarray(inputs["residual"], np.float64)
+
+    def reference(self, shape, inputs):
+        return [layernorm_np(self.residual_sum_np(inputs), inputs["gamma"], inputs["beta"])]
 
     def _knob_space(self, shape, dtype, hw):
         m, n, k = shape["m"], shape["n"], shape["k"]

@@ -59,13 +59,12 @@ outputs (:meth:`WgmmaKernelMixin._wave_lead`).
 """
 from __future__ import annotations
 
-import numpy as np
 import tvm
 from tvm import te
 
 from .epilogue import ACTIVATIONS, LN_EPS
 from .fast_gelu import FAST_GELU_ACTIVATIONS
-from .gemm import GemmTemplate, gemm_compute
+from .gemm import GemmTemplate
 from .gemm_layernorm import GemmLayerNormTemplate
 from .layernorm import layernorm_compute
 from .qkv import QKVTemplate
@@ -520,24 +519,14 @@ class WgmmaGemmLayerNormTemplate(WgmmaKernelMixin, GemmLayerNormTemplate):
     def _primfunc(self, shape, dtype, eps: float = LN_EPS):
         if not self.keep_sum:
             return super()._primfunc(shape, dtype, eps)
-        m, n, k = shape["m"], shape["n"], shape["k"]
-        A, W = te.placeholder((m, k), dtype, name="A"), te.placeholder((n, k), dtype, name="W")
-        bias, residual = te.placeholder((n,), dtype, name="bias"), te.placeholder((m, n), dtype, name="residual")
-        gamma, beta = te.placeholder((n,), dtype, name="gamma"), te.placeholder((n,), dtype, name="beta")
-        acc = gemm_compute(A, W, "nk")
-        y = te.compute((m, n), lambda i, j: acc[i, j] + bias[j].astype("float32") + residual[i, j].astype("float32"),
-                       name="y")
-        total = te.compute((m, n), lambda i, j: y[i, j].astype(dtype), name="sum")
-        _, _, out = layernorm_compute(y, gamma, beta, dtype, eps)
-        return te.create_prim_func([A, W, bias, residual, gamma, beta, total, out])
+        inputs, y = self.residual_sum(shape, dtype)
+        total = te.compute(y.shape, lambda i, j: y[i, j].astype(dtype), name="sum")
+        _, _, out = layernorm_compute(y, inputs[4], inputs[5], dtype, eps)
+        return te.create_prim_func(inputs + [total, out])
 
     def reference(self, shape, inputs):
-        (normed,) = super().reference(shape, inputs)
-        if not self.keep_sum:
-            return [normed]
-        y = (np.asarray(inputs["A"], np.float64) @ np.asarray(inputs["W"], np.float64).T
-             + np.asarray(inputs["bias"], np.float64) + np.asarray(inputs["residual"], np.float64))
-        return [y, normed]
+        normed = super().reference(shape, inputs)
+        return [self.residual_sum_np(inputs)] + normed if self.keep_sum else normed
 
     def _check(self, shape):
         self._check_tiles(shape)

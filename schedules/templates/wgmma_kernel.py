@@ -691,14 +691,22 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                         TMA_2D(a_dst + T.uint32(A_BYTES), T.address_of(maps[1]), T.int32(k_col(bx, t)), n0,
                                full_bar(base, g % ST))
 
+    def frag_row(wg, wt, h):
+        """The tile row of half ``h`` of consumer thread ``wt``'s fragment in warpgroup ``wg`` (rows l/4 and + 8)."""
+        return (wg - 1) * CR + (wt // 32) * 16 + (wt % 32) // 4 + 8 * h
+
+    def frag_col(wt, j, e):
+        """The tile column of element ``e`` of n8 tile ``j`` of consumer thread ``wt``'s fragment."""
+        return j * 8 + (wt % 4) * 2 + e
+
     @T.macro
     def write_partial(acc, base, wg, wt):
         """split-K: the consumer thread's float32 fragment of the block's partial tile into shared memory (rows of
         ``4 * BN + PARTIAL_PAD`` bytes at ``base``, over the ring), two adjacent columns per 8-byte store."""
         for j in T.unroll(BN // 8):
             for h in T.unroll(2):
-                row: T.let = (wg - 1) * CR + (wt // 32) * 16 + (wt % 32) // 4 + 8 * h
-                col: T.let = j * 8 + (wt % 4) * 2
+                row: T.let = frag_row(wg, wt, h)
+                col: T.let = frag_col(wt, j, 0)
                 T.ptx["st.shared.v2.f32"](base + T.Cast("uint32", row * PARTIAL_ROW + col * 4),
                                           acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1])
 
@@ -746,14 +754,6 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                 if it * WG + wt < BN:
                     T.ptx["cp.async.bulk.prefetch.L2.global"](
                         T.address_of(W[tile_cols(tile) + it * WG + wt, k_col(bx, 0)]), T.uint32(KS * ROW_BYTES))
-
-    def frag_row(wg, wt, h):
-        """The tile row of half ``h`` of consumer thread ``wt``'s fragment in warpgroup ``wg`` (rows l/4 and + 8)."""
-        return (wg - 1) * CR + (wt // 32) * 16 + (wt % 32) // 4 + 8 * h
-
-    def frag_col(wt, j, e):
-        """The tile column of element ``e`` of n8 tile ``j`` of consumer thread ``wt``'s fragment."""
-        return j * 8 + (wt % 4) * 2 + e
 
     def read_row(row):
         """A row to read an input of the epilogue from: rows past m (a partial last tile) read row m - 1."""
