@@ -1001,33 +1001,34 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         else:
             body(A, W, bias_buf, out, (None, None), norm)
 
+    @T.macro
+    def launch_norm(a_h, w_h, bias_h, res_h, gamma_h, beta_h, sum_h, out_h):
+        """``norm_rows``: the kernel's buffers (``sum_h`` None without ``norm_sum``), then :func:`launch`."""
+        A = T.match_buffer(a_h, (m, k), DT)
+        W = T.match_buffer(w_h, (n, k), DT)
+        bias_buf = T.match_buffer(bias_h, (n,), DT)
+        res = T.match_buffer(res_h, (m, n), DT)
+        gamma = T.match_buffer(gamma_h, (n,), DT)
+        beta = T.match_buffer(beta_h, (n,), DT)
+        out = T.match_buffer(out_h, OUT_SHAPE, DT)
+        if norm_sum:
+            sum_out = T.match_buffer(sum_h, OUT_SHAPE, DT)
+            launch(A, W, bias_buf, out, (res, gamma, beta, sum_out))
+        else:
+            launch(A, W, bias_buf, out, (res, gamma, beta))
+
     if norm_sum:
         @T.prim_func
         def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, res_h: T.handle, gamma_h: T.handle,
                    beta_h: T.handle, sum_h: T.handle, out_h: T.handle):
             T.func_attr({"tirx.noalias": True, "global_symbol": "gemm_wgmma"})
-            A = T.match_buffer(a_h, (m, k), DT)
-            W = T.match_buffer(w_h, (n, k), DT)
-            bias_buf = T.match_buffer(bias_h, (n,), DT)
-            res = T.match_buffer(res_h, (m, n), DT)
-            gamma = T.match_buffer(gamma_h, (n,), DT)
-            beta = T.match_buffer(beta_h, (n,), DT)
-            sum_out = T.match_buffer(sum_h, OUT_SHAPE, DT)
-            out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            launch(A, W, bias_buf, out, (res, gamma, beta, sum_out))
+            launch_norm(a_h, w_h, bias_h, res_h, gamma_h, beta_h, sum_h, out_h)
     elif NORM:
         @T.prim_func
         def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, res_h: T.handle, gamma_h: T.handle,
                    beta_h: T.handle, out_h: T.handle):
             T.func_attr({"tirx.noalias": True, "global_symbol": "gemm_wgmma"})
-            A = T.match_buffer(a_h, (m, k), DT)
-            W = T.match_buffer(w_h, (n, k), DT)
-            bias_buf = T.match_buffer(bias_h, (n,), DT)
-            res = T.match_buffer(res_h, (m, n), DT)
-            gamma = T.match_buffer(gamma_h, (n,), DT)
-            beta = T.match_buffer(beta_h, (n,), DT)
-            out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            launch(A, W, bias_buf, out, (res, gamma, beta))
+            launch_norm(a_h, w_h, bias_h, res_h, gamma_h, beta_h, None, out_h)
     elif bias:
         @T.prim_func
         def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, out_h: T.handle):
