@@ -1,4 +1,4 @@
-// CPU emulation of the CUDA features that TVM's row-norm kernels use (see cuda_emulation.py): one block at a
+// CPU emulation of the CUDA features that TVM's row-norm and elementwise kernels use (see cuda_emulation.py): one block at a
 // time, its threads as std::threads; warp shuffles through a per-warp buffer and barrier; __shared__ = statics.
 #include <cstdint>
 #include <cmath>
@@ -9,6 +9,7 @@
 #include <barrier>
 #include <vector>
 #include <memory>
+#include <algorithm>
 typedef _Float16 half;
 struct half2 { half x, y; };
 struct alignas(8) half4 { half x, y, z, w; };
@@ -19,6 +20,14 @@ struct alignas(32) ulonglong4 { unsigned long long x, y, z, w; };
 struct alignas(16) ulonglong2 { unsigned long long x, y; };
 struct alignas(8) float2 { float x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline half __float2half_rn(float x) { return (half)x; }
+inline unsigned __pack_half2(half x, half y) {
+  unsigned short lo, hi;
+  std::memcpy(&lo, &x, 2);
+  std::memcpy(&hi, &y, 2);
+  return lo | (unsigned(hi) << 16);
+}
 struct dim3 { int x, y, z; };
 typedef unsigned int uint;
 thread_local dim3 threadIdx, blockIdx;
@@ -33,6 +42,8 @@ static uint64_t warp_buf[32][32];     // a lane's value, as raw bits (float, int
 inline void __syncthreads() { block_bar->arrive_and_wait(); }
 inline unsigned __activemask() { return 0xffffffffu; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+using std::max;
+using std::min;
 inline int lin_id() { return threadIdx.y * blockDim.x + threadIdx.x; }
 template <class T> inline T exchange(T v, int src_lane) {
   static_assert(sizeof(T) <= sizeof(uint64_t));

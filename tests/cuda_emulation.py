@@ -29,26 +29,27 @@ def kernel_body(src: str) -> tuple[str, list[str]]:
 
 
 # element types the emulated kernels' buffers may have: numpy dtype -> (C type, fill of fresh outputs)
-C_TYPES = {"float16": ("half", np.nan), "int32": ("int32_t", -12345), "int64": ("int64_t", -12345)}
+C_TYPES = {"float16": ("half", np.nan), "float32": ("float", np.nan), "int32": ("int32_t", -12345),
+           "int64": ("int64_t", -12345)}
 
 
 def run_on_cpu(src: str, arrays: dict[str, np.ndarray], outputs: dict[str, tuple], grid: int, block: tuple[int, int],
-               workdir: Path, dtype: str = "float16") -> dict[str, np.ndarray]:
+               workdir: Path, dtype: str | dict[str, str] = "float16") -> dict[str, np.ndarray]:
     """Launch ``src``'s kernel on ``grid`` blocks of ``block`` = (x, y) threads with ``arrays`` (by parameter
-    name) and fresh ``outputs`` (name -> shape; NaN-filled for fp16), every buffer of element type ``dtype``
-    (:data:`C_TYPES`); returns the outputs."""
+    name) and fresh ``outputs`` (name -> shape; NaN-filled for floats), every buffer of element type ``dtype``
+    (:data:`C_TYPES`), or of ``dtype[name]`` where a dict names each buffer's; returns the outputs."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not installed")
     body, params = kernel_body(src)
-    ctype, fill = C_TYPES[dtype]
-    width = np.dtype(dtype).itemsize
-    buffers = {**{k: np.ascontiguousarray(v, dtype) for k, v in arrays.items()},
-               **{k: np.full(s, fill, dtype) for k, s in outputs.items()}}
+    types = dtype if isinstance(dtype, dict) else dict.fromkeys([*arrays, *outputs], dtype)
+    buffers = {**{k: np.ascontiguousarray(v, types[k]) for k, v in arrays.items()},
+               **{k: np.full(s, C_TYPES[types[k]][1], types[k]) for k, s in outputs.items()}}
     missing = [p for p in params if p not in buffers]
     if missing:
         raise ValueError(f"kernel parameters without data: {missing}")
     lines = [f'#include "{HEADER}"', body, "int main() {"]
     for p in params:
+        ctype, width = C_TYPES[types[p]][0], buffers[p].itemsize
         buffers[p].tofile(workdir / f"{p}.in")
         lines += [f"  std::vector<{ctype}> {p}({buffers[p].size});",
                   f'  {{ FILE* f = fopen("{workdir / p}.in", "rb"); if (fread({p}.data(), {width}, {p}.size(), f) '
@@ -56,8 +57,8 @@ def run_on_cpu(src: str, arrays: dict[str, np.ndarray], outputs: dict[str, tuple
     call = ", ".join(f"{p}.data()" for p in params)
     lines.append(f"  launch([&] {{ main_kernel({call}); }}, {grid}, {block[0]}, {block[1]});")
     for p in outputs:
-        lines.append(f'  {{ FILE* f = fopen("{workdir / p}.out", "wb"); fwrite({p}.data(), {width}, {p}.size(), f); '
-                     "fclose(f); }")
+        lines.append(f'  {{ FILE* f = fopen("{workdir / p}.out", "wb"); fwrite({p}.data(), {buffers[p].itemsize}, '
+                     f"{p}.size(), f); fclose(f); }}")
     lines.append("}")
     (workdir / "kernel.cpp").write_text("\n".join(lines))
     build = subprocess.run(["g++", "-O1", "-std=c++20", "-pthread", "-w", "-o", str(workdir / "kernel"),
@@ -65,4 +66,4 @@ def run_on_cpu(src: str, arrays: dict[str, np.ndarray], outputs: dict[str, tuple
     if build.returncode:
         raise RuntimeError(f"g++ failed:\n{build.stderr[-3000:]}")
     subprocess.run([str(workdir / "kernel")], check=True, timeout=120)
-    return {p: np.fromfile(workdir / f"{p}.out", dtype).reshape(s) for p, s in outputs.items()}
+    return {p: np.fromfile(workdir / f"{p}.out", types[p]).reshape(s) for p, s in outputs.items()}

@@ -92,6 +92,9 @@ def test_roberta_forward_is_one_graph(roberta):
              and not any(key in name for key in ("take", "gather", "sum"))]
     assert not alone, calls       # the pad test has no kernel of its own: it joined the embeddings' kernel
     assert not [name for name in calls if name.startswith(("take", "gather"))], calls
+    # the embeddings' kernel and the output cast: a vector of elements a thread (schedules.elementwise), not one
+    fused = [name for name in calls if name.startswith("fused_")]
+    assert len(fused) == 2 and all([k.threads for k in grids[name]] == [256] for name in fused), fused
     # the grid of every GEMM template is its tile count, as the knobs say (what the census reports per kernel)
     for site in front.template_entry["sites"]:
         for stage in site["stages"]:
