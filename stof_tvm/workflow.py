@@ -114,7 +114,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
             templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
             dependent_launch: bool | None = None, tune_trials: int = 0, database: str | None = None, top_k: int = 8,
             time_budget_s: float | None = None, rpc_tracker: str | None = None, rpc_key: str | None = None,
-            progress=None, lean_padding: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False):
+            progress=None, lean_padding: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False,
+            attention_knobs: dict | None = None):
     """:func:`stof_tvm.compiler.compile` (same arguments, see there), tuning first when ``tune_trials`` > 0.
 
     ``tune_trials``: at most this many measurements per task, for every call the compile makes (stage 1 keeps
@@ -136,7 +137,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     artifact = compile_with_records(model, mask=mask, batch=batch, seq_len=seq_len, target=target, dtype=dtype,
                                     kernel=kernel, templates=templates, gemm=gemm, cuda_graph=cuda_graph,
                                     dependent_launch=dependent_launch, database=database, progress=progress,
-                                    lean_padding=lean_padding, gemm_knobs=gemm_knobs, norm_fusion=norm_fusion)
+                                    lean_padding=lean_padding, gemm_knobs=gemm_knobs, norm_fusion=norm_fusion,
+                                    attention_knobs=attention_knobs)
     if tuned is not None:
         artifact.manifest["tuning"]["tuned"] = tuned
     return artifact

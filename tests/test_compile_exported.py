@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 import stof_tvm  # noqa: E402
 from stof_tvm import make_mask  # noqa: E402
 from stof_tvm.compiler import front_end  # noqa: E402
+from stof_tvm.compiler.kernels import config_object  # noqa: E402
 from stof_tvm.models.reference import reference_outputs  # noqa: E402
 from stof_tvm.models.torch_models import example_inputs, export  # noqa: E402
 
@@ -54,3 +55,18 @@ def test_lean_padding_option_reaches_the_block_kernel():
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
     with pytest.raises(TypeError, match="lean_padding"):
         stof_tvm.compile(model, mask="bigbird", batch=2, seq_len=S, target="llvm", lean_padding="yes")
+
+
+def test_attention_knobs_reach_the_chosen_kernel():
+    """``attention_knobs`` merge into the chosen kernel's configuration (the reason says so); a knob the kernel does
+    not have, or a knobs argument that is not a dict, is refused before anything is built."""
+    model = export("tiny-bert", seq_len=S)
+    common = dict(mask="bigbird", batch=2, seq_len=S, target="llvm", dtype="float16", kernel="block")
+    plain = front_end(model, **common).choice
+    assert config_object("block", plain.config).early_formats is True       # the default
+    late = front_end(model, **common, attention_knobs={"early_formats": False, "stages": 3}).choice
+    assert late.config["early_formats"] is False and late.config["stages"] == 3 and "attention_knobs" in late.reason
+    with pytest.raises(ValueError, match="not all knobs of the block attention kernel"):
+        front_end(model, **common, attention_knobs={"warp_count": 4})
+    with pytest.raises(TypeError, match="attention_knobs"):
+        stof_tvm.compile(model, mask="bigbird", batch=2, seq_len=S, target="llvm", attention_knobs=["stages"])

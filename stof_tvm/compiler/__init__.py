@@ -39,7 +39,7 @@ from .coverage import coverage
 from .downstream import use_templates
 from .graph_inputs import whole_graph
 from .input_checks import ValueCheck, add_value_checks, clip_gathers
-from .kernels import KERNELS, choose_kernel, kernel_primfunc
+from .kernels import KERNELS, KernelChoice, choose_kernel, config_object, kernel_primfunc
 from .mask_sources import plan_masks, score_bias
 from .onnx_import import TensorSpec, embedding_rows, import_onnx, load_model, output_names
 from stof_tvm.schedules.dependent_launch import supports as dependent_launch_supported
@@ -190,7 +190,8 @@ class FrontEnd:
 def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
               kernel: str = "auto", templates: bool | None = None, gemm: str = "auto",
               database: str | None = None, schedule: bool = True, lean_padding: bool = True,
-              gemm_knobs: dict | None = None, norm_fusion: bool = False) -> FrontEnd:
+              gemm_knobs: dict | None = None, norm_fusion: bool = False,
+              attention_knobs: dict | None = None) -> FrontEnd:
     """Steps 1-5 of :func:`compile` (same arguments): import, attention kernel choice and rewrite, templates.
 
     ``schedule=False`` leaves the template PrimFuncs unscheduled (the tuner only reads which calls are made)."""
@@ -262,6 +263,8 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
         if lean_padding and choice.kind == "block":
             choice = dataclasses.replace(choice, config={**choice.config, "lean_padding": True},
                                          reason=choice.reason + "; lean_padding")
+    if attention_knobs and choice.kind != "dense":
+        choice = _with_attention_knobs(choice, attention_knobs)
     primfunc = None
     if choice.kind != "dense":
         primfunc = kernel_primfunc(choice, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k,
@@ -324,10 +327,22 @@ def _check_fallback_mask(mask, batch: int, seq_len: int, reason: str) -> None:
                          f"mask='dense' to run it through TVM's default pipeline")
 
 
+def _with_attention_knobs(choice: KernelChoice, knobs: dict) -> KernelChoice:
+    """``choice`` with ``knobs`` merged into its kernel's configuration (``compile``'s ``attention_knobs``)."""
+    config = {**choice.config, **knobs}
+    try:
+        config_object(choice.kind, config)
+    except TypeError as err:
+        raise ValueError(f"attention_knobs: {sorted(knobs)} are not all knobs of the {choice.kind} attention kernel "
+                         f"({err})") from None
+    return dataclasses.replace(choice, config=config, reason=f"{choice.reason}; attention_knobs {knobs}")
+
+
 def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str = "float16",
             kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
             dependent_launch: bool | None = None, database: str | None = None, progress=None,
-            lean_padding: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False):
+            lean_padding: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False,
+            attention_knobs: dict | None = None):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
 
     ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
@@ -363,6 +378,9 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     ``False`` keeps the older form.
     ``gemm_knobs``: knobs merged into every wgmma GEMM's chosen knob set, e.g. ``{"early_weights": True}`` (to
     measure a kernel knob across a whole model; a combination the kernel cannot take is refused when it builds).
+    ``attention_knobs``: knobs merged into the chosen sparse attention kernel's configuration, e.g.
+    ``{"early_formats": False}`` for the block-wise kernel (``BlockConfig``); a name the chosen kernel does not have
+    is a ValueError.
     ``norm_fusion`` (default off): under ``gemm="wgmma"``, a layer's GEMM + bias + residual + LayerNorm runs as one
     wgmma kernel (a cluster of blocks per row tile) where it launches half the GPU's SMs (:mod:`.downstream`). Off by
     default: every fused kernel measured slower than the unfused pair (0.57-0.88x on an H100, BENCHMARKS.md session
@@ -378,8 +396,9 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     for name, flag in (("lean_padding", lean_padding), ("norm_fusion", norm_fusion)):
         if flag not in (False, True):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
-    if gemm_knobs is not None and not (isinstance(gemm_knobs, dict) and all(isinstance(k, str) for k in gemm_knobs)):
-        raise TypeError(f"gemm_knobs: expected a dict of knob names to values, got {gemm_knobs!r}")
+    for name, knobs in (("gemm_knobs", gemm_knobs), ("attention_knobs", attention_knobs)):
+        if knobs is not None and not (isinstance(knobs, dict) and all(isinstance(k, str) for k in knobs)):
+            raise TypeError(f"{name}: expected a dict of knob names to values, got {knobs!r}")
     if cuda_graph and target_dict(target)["kind"] != "cuda":
         raise ValueError(f"cuda_graph: CUDA graphs need target 'cuda', got {target_dict(target)['kind']!r}")
     records = None
@@ -390,7 +409,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     with record_usage() as usage:
         front = front_end(model, mask=mask, batch=batch, seq_len=seq_len, target=target, dtype=dtype,
                           kernel=kernel, templates=templates, gemm=gemm, database=database,
-                          lean_padding=lean_padding, gemm_knobs=gemm_knobs, norm_fusion=norm_fusion)
+                          lean_padding=lean_padding, gemm_knobs=gemm_knobs, norm_fusion=norm_fusion,
+                          attention_knobs=attention_knobs)
         tspec, choice = front.tspec, front.choice
         report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
                f"(attention kernel {choice.kind if choice else 'none: ' + front.fallback}, "
