@@ -42,7 +42,6 @@ from tvm.script import tirx as T
 from .mma import (CP_ASYNC_16, EX2, LD_SHARED_V4, LDMATRIX_X4, LDMATRIX_X4_TRANS, ST_GLOBAL_V4, chunk_offset,
                   chunk_stride, mma_m16n8k16, pack_f32x2)
 from .attention_rowwise import check_score_bias
-from .dependent_launch import DEPENDENCY_POINT
 from .key_padding import bit_words
 
 __all__ = ["BlockConfig", "default_block_config", "blockwise_attention_primfunc", "SUPPORTED_DTYPES",
@@ -113,13 +112,6 @@ class BlockConfig:
     batch rows that drop some key (``lo > 0``, ``hi < Sk`` or holes: a block-uniform branch, so an unpadded row,
     e.g. a model's all-ones ``attention_mask``, runs the unpadded tile loop's work), and the predicate loads the
     tile's ``ceil(block_n / 32)`` words once and tests bits in registers.
-
-    ``early_formats`` (default on) reads the tile row's format lists (the heavy-first row selection, the row's list
-    bounds) before the kernel waits for the one launched before it under a programmatic dependent launch
-    (:data:`~stof_tvm.schedules.dependent_launch.DEPENDENCY_POINT`): they are mask data no kernel of the forward
-    pass writes, so that chain of dependent global loads and barriers overlaps the previous kernel's tail (the QKV
-    projection's) instead of following it. Q, K, V, the padding summary and the score bias are read after the wait.
-    Without a dependent launch the mark is ignored.
     """
 
     block_m: int = 128
@@ -133,7 +125,6 @@ class BlockConfig:
     row_sums: str = "mma"
     reverse_full: bool = False
     lean_padding: bool = False
-    early_formats: bool = True
 
     @property
     def threads(self) -> int:
@@ -145,7 +136,7 @@ class BlockConfig:
 
     def validate(self, head_dim: int) -> None:
         """Raise ValueError unless this configuration can be compiled for ``head_dim``."""
-        for name in ("heavy_first", "reverse_full", "lean_padding", "early_formats"):
+        for name in ("heavy_first", "reverse_full", "lean_padding"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BlockConfig.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("block_m", "block_n", "num_warps", "stages", "kv_splits", "split_rows"):
@@ -726,8 +717,6 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     n_part_row: T.let = T.Cast("int32", smem[ROW_W + 2]) if HEAVY else part_indptr[r + 1] - p0
                     n_tiles: T.let = (T.Cast("int32", smem[ROW_W + 3]) if HEAVY
                                       else n_part_row + full_indptr[r + 1] - f0)
-                    if cfg.early_formats:   # the wait for the kernel before: only the mask's lists read above
-                        T.attr(0, DEPENDENCY_POINT, 1)
                     # Padding: batch row b keeps keys [lo, hi), minus its holes.
                     lo: T.let = pad.lo(pad_range, b)
                     hi: T.let = pad.hi(pad_range, b)

@@ -14,12 +14,7 @@ attention kernels, TVM's default schedules): it puts ``wait`` then ``launch_depe
 kernel, after its thread bindings and before any statement that could touch global memory, and adds TVM's
 launch tag (spelled ``use_programtic`` in TVM) that makes the runtime launch the kernel with the attribute. A kernel
 that already places its own ``wait`` (to read constant data, weights, before it) keeps its placement and only
-gets the tag. A kernel built for targets without ``griddepcontrol`` too (the block-wise attention kernel, sm_80+)
-marks the point instead, with an attribute statement :data:`DEPENDENCY_POINT` around the statements that must wait:
-the pass puts the wait and the signal there, and a build without the pass ignores the mark. What runs before it may
-read only data that the kernel launched just before does not write (a mask's format arrays, weights): under a
-dependent launch that kernel may still be running, while every kernel before it has completed (its blocks all
-passed their own wait before this kernel could start).
+gets the tag.
 Signalling right after the wait lets the next kernel's blocks take SM slots freed by this one's finished blocks;
 they hold no global state until their own wait returns. A kernel launched after a plain one (a copy, a torch
 kernel) simply waits for it as stream order would. Builds use it through :data:`PIPELINE` (TVM's ``s_tir`` TIR
@@ -32,7 +27,6 @@ import tvm_ffi
 from tvm.script import tirx as T
 
 LAUNCH_TAG = "tirx.use_programtic_dependent_launch"
-DEPENDENCY_POINT = "stof.grid_dependency_point"   # AttrStmt key: the wait goes here (module docstring)
 DYNAMIC_SHARED_TAG = "tirx.use_dyn_shared_memory"
 PIPELINE = "stof_dependent_launch"
 DEVICE_KERNEL_LAUNCH = 2  # calling_conv of the kernels SplitHostDevice makes
@@ -65,24 +59,6 @@ def places_own_wait(body) -> bool:
 
     tvm_ffi.structural_map(body, (tvm.ir.Call, visit), order="post")
     return bool(found)
-
-
-def marks_dependency_point(body) -> bool:
-    """Whether ``body`` has a :data:`DEPENDENCY_POINT` attribute statement."""
-    found = []
-    tvm_ffi.structural_walk(body, [(tvm.tirx.AttrStmt, lambda stmt: found.append(stmt)
-                                    if stmt.attr_key == DEPENDENCY_POINT else None)])
-    return bool(found)
-
-
-def with_wait_at_mark(body):
-    """``body`` with each :data:`DEPENDENCY_POINT` statement replaced by the wait, the signal and its body."""
-    def place(stmt):
-        if stmt.attr_key != DEPENDENCY_POINT:
-            return stmt
-        return tvm.tirx.SeqStmt([*_grid_dependency_prologue(), stmt.body])
-
-    return tvm_ffi.structural_map(body, (tvm.tirx.AttrStmt, place), order="post")
 
 
 def _is_thread_binding(stmt) -> bool:
@@ -133,12 +109,7 @@ def dependent_launch(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     for gvar, func in mod.functions_items():
         if _is_kernel(func):
             tags = launch_tags(func.attrs.get("tirx.kernel_launch_params", []))
-            if places_own_wait(func.body):
-                body = func.body
-            elif marks_dependency_point(func.body):
-                body = with_wait_at_mark(func.body)
-            else:
-                body = with_prologue(func.body)
+            body = func.body if places_own_wait(func.body) else with_prologue(func.body)
             updates[gvar] = func.with_body(body).with_attr("tirx.kernel_launch_params", tags)
     for gvar, func in updates.items():
         mod[gvar] = func

@@ -63,9 +63,11 @@ def test_attention_knobs_reach_the_chosen_kernel():
     model = export("tiny-bert", seq_len=S)
     common = dict(mask="bigbird", batch=2, seq_len=S, target="llvm", dtype="float16", kernel="block")
     plain = front_end(model, **common).choice
-    assert config_object("block", plain.config).early_formats is True       # the default
-    late = front_end(model, **common, attention_knobs={"early_formats": False, "stages": 3}).choice
-    assert late.config["early_formats"] is False and late.config["stages"] == 3 and "attention_knobs" in late.reason
+    assert config_object("block", plain.config).stages == 2 and not plain.config.get("reverse_full")
+    knobbed = front_end(model, **common, attention_knobs={"reverse_full": True, "stages": 3}).choice
+    assert config_object("block", knobbed.config) == config_object("block", {**plain.config, "reverse_full": True,
+                                                                               "stages": 3})
+    assert "attention_knobs" in knobbed.reason
     with pytest.raises(ValueError, match="not all knobs of the block attention kernel"):
         front_end(model, **common, attention_knobs={"warp_count": 4})
     with pytest.raises(TypeError, match="attention_knobs"):

@@ -379,8 +379,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     ``gemm_knobs``: knobs merged into every wgmma GEMM's chosen knob set, e.g. ``{"early_weights": True}`` (to
     measure a kernel knob across a whole model; a combination the kernel cannot take is refused when it builds).
     ``attention_knobs``: knobs merged into the chosen sparse attention kernel's configuration, e.g.
-    ``{"early_formats": False}`` for the block-wise kernel (``BlockConfig``); a name the chosen kernel does not have
-    is a ValueError.
+    ``{"stages": 3}`` for the block-wise kernel (``BlockConfig``; to measure a knob across a whole model); a name the
+    chosen kernel does not have is a ValueError.
     ``norm_fusion`` (default off): under ``gemm="wgmma"``, a layer's GEMM + bias + residual + LayerNorm runs as one
     wgmma kernel (a cluster of blocks per row tile) where it launches half the GPU's SMs (:mod:`.downstream`). Off by
     default: every fused kernel measured slower than the unfused pair (0.57-0.88x on an H100, BENCHMARKS.md session
