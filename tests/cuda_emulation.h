@@ -21,6 +21,7 @@ struct alignas(16) ulonglong2 { unsigned long long x, y; };
 struct alignas(8) float2 { float x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 inline half __float2half_rn(float x) { return (half)x; }
 inline unsigned __pack_half2(half x, half y) {
   unsigned short lo, hi;

@@ -4,10 +4,17 @@ Its lowered CUDA kernels run on the CPU (tests/cuda_emulation.py) against numpy:
 lanes), an fp16 sum (eight lanes: 16-byte accesses) and an embedding lookup like the one RoBERTa's export fuses
 (row gathers from fp32 tables by clamped int64 ids, a shifted position row, the sum cast to fp16), each with a grid
 whose last block is partial. Where a vector access could be misaligned or is not at unit stride the rule declines,
-and so it does off the GPU."""
+and so it does off the GPU; a property test draws shapes, offsets and element types and checks that the rule
+vectorises exactly the safe ones and that those stay exact."""
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 import tvm
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tvm import te
 from tvm.script import tirx as T
 
 from stof_tvm.compiler.pipeline import CUDA_DEFAULTS, make_target
@@ -133,3 +140,34 @@ def test_declines_where_a_vector_access_would_be_wrong(func):
 
 def test_declines_off_the_gpu():
     assert VectorizedElementwise().apply(output_cast, tvm.target.Target("llvm"), False) is None
+
+
+@settings(max_examples=12, deadline=None)
+@given(rows=st.integers(1, 4), width=st.integers(1, 5).map(lambda k: 8 * k) | st.integers(1, 40),
+       offset=st.sampled_from([0, 8, 16, 4, 1, 2, 3, 6]),
+       types=st.sampled_from([("float16", "float32"), ("float16", "float16"), ("float32", "float16")]))
+def test_vectorises_exactly_the_aligned_unit_stride_cases(rows, width, offset, types):
+    """``out[i, j] = cast(a[i, j + offset]) * 2``: vectorised iff each row of both buffers and the offset are whole
+    vectors of the widest type (16 bytes each), and then exact on the CPU-emulated kernel."""
+    from cuda_emulation import run_on_cpu
+
+    source, target_dtype = types
+    a = te.placeholder((rows, width + offset), source, name="a")
+    out = te.compute((rows, width), lambda i, j: a[i, j + offset].astype(target_dtype) * tvm.tirx.const(2, target_dtype),
+                     name="out")
+    func = te.create_prim_func([a, out])
+    lanes = 16 // max(np.dtype(source).itemsize, np.dtype(target_dtype).itemsize)
+    safe = width % lanes == 0 and offset % lanes == 0
+    sch = VectorizedElementwise().apply(func, CUDA, False)
+    assert (sch is not None) == safe
+    if not safe:
+        return
+    src = tvm.compile(tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")}),
+                      target=CUDA).mod.imports[0].inspect_source()
+    data = np.random.default_rng(width).standard_normal((rows, width + offset)).astype(source)
+    threads = VectorizedElementwise().threads
+    with tempfile.TemporaryDirectory() as workdir:
+        got = run_on_cpu(src, {"a": data}, {"out": (rows, width)}, -(-rows * width // lanes // threads),
+                         (threads, 1), Path(workdir), dtype={"a": source, "out": target_dtype})["out"]
+    want = data[:, offset:].astype(target_dtype) * np.array(2, target_dtype)
+    np.testing.assert_array_equal(got, want)
