@@ -5,7 +5,7 @@ sum and the position-id arithmetic in one function, :mod:`stof_tvm.compiler.gath
 float32. dlight's ``Fallback`` runs them with one thread per element, so each thread redoes the row's index
 arithmetic (64-bit, with the clamps and wrap-arounds of ``take``) for a single value and moves 2-4 bytes. RoBERTa-base
 at 16 x 2048 tokens (H100, in place): the embeddings took 267 us and the output cast 112 us, against ~50 us and ~45 us
-for their bytes at the memory's speed.
+for their bytes at the memory's speed; under this rule 72 and 53 us (BENCHMARKS.md, session 20).
 
 :class:`VectorizedElementwise` (a dlight rule: ``apply`` returns a schedule or None, tried before ``Fallback``) gives
 each thread ``lanes`` consecutive elements of the innermost axis instead, as one vectorised loop: loads and the store
@@ -13,12 +13,14 @@ become 8- or 16-byte accesses, and whatever does not depend on the innermost axi
 arithmetic) is computed once per thread. It applies only where that is safe for the vector accesses' alignment:
 one spatial block after inlining, whose store writes the innermost axis itself, and whose every load either does not
 depend on it or reads it at unit stride, at a provable multiple of ``lanes``, from a buffer whose rows are multiples
-of ``lanes`` long (no strides, no element offset). Anything else is left to the rules after it.
+of ``lanes`` long (no strides, no element offset). Anything else is left to the rules after it. A tensor's data
+starts 16-byte aligned: TVM allocates at 64 bytes, and the compiler's only views (Q, K and V into the QKV projection's
+output, :mod:`stof_tvm.compiler.qkv_heads`) start at multiples of 32 bytes.
 """
 from __future__ import annotations
 
-import tvm_ffi
 import tvm
+import tvm_ffi
 from tvm import ir, s_tir, sym, tirx
 from tvm.s_tir.dlight.analysis.common_analysis import get_sblockrealize, normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline
