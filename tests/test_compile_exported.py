@@ -58,8 +58,9 @@ def test_lean_padding_option_reaches_the_block_kernel():
 
 
 def test_attention_knobs_reach_the_chosen_kernel():
-    """``attention_knobs`` merge into the chosen kernel's configuration (the reason says so); a knob the kernel does
-    not have, or a knobs argument that is not a dict, is refused before anything is built."""
+    """``attention_knobs`` merge into the chosen kernel's configuration (the reason says so), tile shapes included
+    (the model still matches); a knob the kernel does not have, or a knobs argument that is not a dict, is refused
+    before anything is built."""
     model = export("tiny-bert", seq_len=S)
     common = dict(mask="bigbird", batch=2, seq_len=S, target="llvm", dtype="float16", kernel="block")
     plain = front_end(model, **common).choice
@@ -72,3 +73,12 @@ def test_attention_knobs_reach_the_chosen_kernel():
         front_end(model, **common, attention_knobs={"warp_count": 4})
     with pytest.raises(TypeError, match="attention_knobs"):
         stof_tvm.compile(model, mask="bigbird", batch=2, seq_len=S, target="llvm", attention_knobs=["stages"])
+    # a tile-shape knob: the runtime builds the mask's format at the knobs' tile, and the model still matches
+    art = stof_tvm.compile(model, **common, attention_knobs={"block_m": 16, "block_n": 32, "num_warps": 1})
+    config = art.manifest["attention"]["kernel"]["config"]
+    assert (config["block_m"], config["block_n"]) == (16, 32)
+    feeds = {k: v.numpy() for k, v in example_inputs("tiny-bert", 2, S, seed=3).items()}
+    feeds["attention_mask"][1, 100:] = 0
+    out = art.load()(feeds)["last_hidden_state"].astype(np.float64)
+    ref = reference_outputs(model, make_mask("bigbird", S)[None, None], feeds)["last_hidden_state"]
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
