@@ -38,10 +38,9 @@ def _loads(expr) -> list:
 
 def _plain(buffer) -> bool:
     """A dense row-major buffer of whole bytes (no strides, no element offset, not bool)."""
-    offset = buffer.elem_offset
+    offset, dtype = buffer.elem_offset, tvm.DataType(buffer.dtype)
     return (not buffer.strides and isinstance(offset, tirx.IntImm) and int(offset) == 0
-            and buffer.dtype != "bool" and tvm.DataType(buffer.dtype).bits >= 8
-            and tvm.DataType(buffer.dtype).lanes == 1)
+            and buffer.dtype != "bool" and dtype.bits >= 8 and dtype.lanes == 1)
 
 
 def _uses(expr, var) -> bool:
@@ -118,7 +117,8 @@ class VectorizedElementwise(GPUScheduleRule):
         loops = sch.get_loops(block_rv)
         if not _bound_one_to_one(sch, block_rv, loops):
             return None
-        lanes = vector_lanes(sch.get(block_rv), sch.get(block_rv).iter_vars[-1].var, self.vector_bytes)
+        block = sch.get(block_rv)
+        lanes = vector_lanes(block, block.iter_vars[-1].var, self.vector_bytes)
         if lanes is None:
             return None
         rows, lane = sch.split(loops[-1], factors=[None, lanes])

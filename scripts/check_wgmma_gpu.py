@@ -299,11 +299,16 @@ def _torch_epilogue(torch, base, y, bias):
     return y
 
 
+def _case_generator(case, torch, dev):
+    """A torch generator on ``dev`` seeded from the case's key: every run draws the same inputs for a case."""
+    return torch.Generator(device=dev).manual_seed(int(source_key(case["key"]), 16) % 2 ** 31)
+
+
 def _run_case(case, modules, torch, tvm, dev, iters, results, misses) -> dict:
     base, dtype, shape = case["template"], case["dtype"], case["shape"]
     m, n, k = shape["m"], shape["n"], shape["k"]
     tdt = getattr(torch, dtype)
-    gen = torch.Generator(device=dev).manual_seed(int(source_key(case["key"]), 16) % 2 ** 31)
+    gen = _case_generator(case, torch, dev)
     a = torch.randn(m, k, device=dev, generator=gen).to(tdt)
     w = (torch.randn(n, k, device=dev, generator=gen) / k ** 0.5).to(tdt)
     bias = torch.randn(n, device=dev, generator=gen).to(tdt)
@@ -434,7 +439,7 @@ def _run_ffn_case(case, modules, torch, tvm, dev, args, results, misses) -> dict
     m, h, f = (case["shape"][key] for key in ("m", "hidden", "ffn"))
     dtype = case["dtype"]
     tdt = getattr(torch, dtype)
-    gen = torch.Generator(device=dev).manual_seed(int(source_key(case["key"]), 16) % 2 ** 31)
+    gen = _case_generator(case, torch, dev)
     x = torch.randn(m, h, device=dev, generator=gen).to(tdt)
     w1 = (torch.randn(f, h, device=dev, generator=gen) / h ** 0.5).to(tdt)
     b1 = torch.randn(f, device=dev, generator=gen).to(tdt)
@@ -507,7 +512,7 @@ def _run_norm_case(case, modules, torch, tvm, dev, args, results, misses) -> dic
     m, n, k = (case["shape"][key] for key in ("m", "n", "k"))
     dtype = case["dtype"]
     tdt = getattr(torch, dtype)
-    gen = torch.Generator(device=dev).manual_seed(int(source_key(case["key"]), 16) % 2 ** 31)
+    gen = _case_generator(case, torch, dev)
     a = torch.randn(m, k, device=dev, generator=gen).to(tdt)
     w = (torch.randn(n, k, device=dev, generator=gen) / k ** 0.5).to(tdt)
     bias = torch.randn(n, device=dev, generator=gen).to(tdt)
