@@ -255,6 +255,30 @@ S12_CASES = [case for rows in (32768, 4096) for case in (
     ("gemm_bias_gelu_erf_wgmma", {"m": rows, "n": 3072, "k": 768}),
     ("gemm_bias_gelu_tanh_wgmma", {"m": rows, "n": 3072, "k": 768}),
     ("gemm_bias_wgmma", {"m": rows, "n": 3072, "k": 768}))]
+# --plan s21gelu: the erf GELU GEMM (n 3072, k 768) at 8 x 512 and 16 x 2048 tokens, which at 4096 rows runs 1.25x
+# longer than FFN down (4096 x 768 x 3072) at the same flops and the same busiest-SM work (H100 in place, session 20:
+# 34.0 against 27.2 us; ncu: tensor pipe active 68% against 84-86% for the GELU-less twins): the pick, its
+# gelu_form="half" twin (the GELU on float16 pairs, fewer epilogue instructions), its GELU-less twin, and FFN down's
+# pick at 4096 rows; also run under ncu
+S21_CASES = [("gemm_bias_gelu_erf_wgmma", {"m": 4096, "n": 3072, "k": 768}),
+             ("gemm_bias_gelu_erf_wgmma", {"m": 32768, "n": 3072, "k": 768}),
+             ("gemm_bias_wgmma", {"m": 4096, "n": 3072, "k": 768}),
+             ("gemm_bias_wgmma", {"m": 4096, "n": 768, "k": 3072})]
+
+
+def s21_knob_sets(name, shape, space) -> list[dict]:
+    """``--plan s21gelu``: the knob space's first set; for the erf GELU in both forms, ``"tail"`` (the pick before
+    session 21) and ``"half"``; at n 3072 without a GELU the erf GELU pick's tiles (the GELU-less twin)."""
+    from stof_tvm.schedules.templates import get_template
+
+    if "gelu" in name:
+        return [dict(space[0], gelu_form="tail"), dict(space[0], gelu_form="half")]
+    if shape["n"] == 3072:
+        pick = get_template("gemm_bias_gelu_erf_wgmma").knob_space(shape, DTYPE)[0]
+        return [{key: v for key, v in pick.items() if key not in ("fast_gelu", "gelu_form")}]
+    return [space[0]]
+
+
 # --plan s13small: HF GPT-2's four GEMMs at 1 x 128 tokens (128 rows; the compile path's forms, checked with
 # scripts/count_launches.py --rows gpt2:1x128: QKV into [3, B, H, S, D], attention output and FFN down with their bias
 # in the GEMM, FFN up + tanh GELU; Conv1D weights transposed to [n, k] at compile time), whose picks (the knob spaces'
@@ -365,7 +389,7 @@ PLANS = {"small_k": (CASES, OUT), "s8tma": (TMA_CASES, ROOT / "out" / "s8gemm_tm
          "s10gemm": (S10_CASES, ROOT / "out" / "s10gemm"), "s10ragged": (RAGGED_CASES, ROOT / "out" / "s10ragged"),
          "s11big": (BIG_CASES, ROOT / "out" / "s11big"), "s11large": (LARGE_CASES, ROOT / "out" / "s11large"),
          "s12gelu": (S12_CASES, ROOT / "out" / "s12gelu"), "s13small": (S13_CASES, ROOT / "out" / "s13small"),
-         "s18small": (S18_CASES, ROOT / "out" / "s18small")}
+         "s18small": (S18_CASES, ROOT / "out" / "s18small"), "s21gelu": (S21_CASES, ROOT / "out" / "s21gelu")}
 # --plan s9splitk: the compile path's wgmma knobs before split-K and the knob order by wave efficiency (commit
 # 098a891; GEMMs with fewer than WGMMA_MIN_TILES 128 x 128 tiles ran the mma.sync template the model ranks first)
 HEAD_WGMMA = {"block_n": 192, "stages": 3, "persistent": True, "pingpong": False, "block_m": 256, "staged": True}
@@ -513,7 +537,7 @@ def gelu_knob_sets(name, shape, space) -> list[dict]:
             sets += [coop, dict(coop, gelu_form="tanh")]
         return sets
     pick = get_template("gemm_bias_gelu_erf_wgmma").knob_space(shape, DTYPE)[0]
-    return [{key: v for key, v in pick.items() if key != "fast_gelu"}]
+    return [{key: v for key, v in pick.items() if key not in ("fast_gelu", "gelu_form")}]
 
 
 def small_rows_knob_sets(name, shape, space, plan="s13small") -> list[dict]:
@@ -598,6 +622,7 @@ def build(args) -> None:
                   "s12gelu": lambda sp: gelu_knob_sets(name, shape, sp),
                   "s13small": lambda sp: small_rows_knob_sets(name, shape, sp),
                   "s18small": lambda sp: small_rows_knob_sets(name, shape, sp, "s18small"),
+                  "s21gelu": lambda sp: s21_knob_sets(name, shape, sp),
                   }.get(args.plan, choose_knobs)(space)
         for knobs in chosen:
             key = f"{ckey}__{knob_tag(knobs)}"
@@ -1134,7 +1159,8 @@ def main(argv=None) -> None:
                             "s11large: BERT-large's 4096-row GEMMs, GPT-2's tanh GELU; "
                             "s12gelu: the GELU GEMM's epilogue forms (gelu_form); "
                             "s13small: GPT-2's GEMMs at 128 / 512 rows, sets that fill the SMs; "
-                            "s18small: BERT-large's and BERT-base's at 128 rows, timed in a CUDA graph too")
+                            "s18small: BERT-large's and BERT-base's at 128 rows, timed in a CUDA graph too; "
+                            "s21gelu: the erf GELU GEMM at 4096 rows against its GELU-less twins and FFN down")
         p.add_argument("--out", type=Path, default=None,
                        help="artifact folder (default out/wgmma_small_k, --plan s8tma: out/s8gemm_tma)")
     args = parser.parse_args(argv)

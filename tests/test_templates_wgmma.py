@@ -467,7 +467,9 @@ def test_fast_gelu_twins_lead_the_gelu_spaces(name):
     fast = [kn for kn in space if kn.get("fast_gelu")]
     staged = [kn for kn in space if kn.get("staged") and not kn.get("fast_gelu")]
     assert space[:len(fast)] == fast and all(kn["staged"] for kn in fast)
-    assert all(kn.get("gelu_form") == ("tanh" if "tanh" in name else None) for kn in fast)   # measured, see there
+    assert all(kn.get("gelu_form") == ("tanh" if "tanh" in name else "half") for kn in fast)   # measured, see there
+    bf16 = [kn for kn in tile_knobs(t.knob_space(shape, "bfloat16")) if kn.get("fast_gelu")]
+    assert bf16 and all(kn.get("gelu_form") == ("tanh" if "tanh" in name else None) for kn in bf16)
     plain = [{k: v for k, v in kn.items() if k not in ("fast_gelu", "gelu_form")} for kn in fast]
     tall_192 = {"block_m": 256, "block_n": 192}
     erf_only_fast = [kn for kn in plain if "erf" in name and all(kn.get(k) == v for k, v in tall_192.items())]

@@ -124,7 +124,8 @@ from tvm.script import tirx as T
 
 from ..tensor_maps import encode_tensor_map, matrix_map
 from .epilogue import activation, check_activation
-from .fast_gelu import check_fast_gelu, check_gelu_form, gelu_from_tail, gelu_from_tanh, tail_exponent, tanh_argument
+from .fast_gelu import (HALF_SIGN_BITS, check_fast_gelu, check_gelu_form, check_half_form, gelu_from_tail,
+                        gelu_from_tanh, half_tail_words, tail_exponent, tanh_argument)
 
 BLOCK_M = 128            # two consumer warpgroups x 64 rows (the cooperative tile)
 BLOCK_M_CHOICES = (128, 256)   # cooperative tile rows: 64 or 128 per consumer warpgroup
@@ -373,6 +374,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     config.validate()
     if config.fast_gelu:
         check_fast_gelu(act)
+    if config.gelu_form == "half":
+        check_half_form(act, dtype)
     check_wgmma_shape(m, n, k, config)
     NORM = norm_eps is not None
     if NORM != config.norm_rows or (NORM and (not bias or act != "none" or heads is not None)) or (
@@ -518,6 +521,29 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         first in the low half (its address is the lower)."""
         return PACK(words[0], epilogue_f32(acc[i + 1], col + 1, bias_buf), epilogue_f32(acc[i], col, bias_buf))
 
+    if config.gelu_form == "half":
+        NEG_END, HALF_COEFFS = half_tail_words(act)
+        assert len(HALF_COEFFS) == 6, "pack_pair_half_gelu writes out the Horner steps of a degree-5 polynomial"
+    FMA2, MAX2 = T.ptx["fma.rn.f16x2"], T.ptx["max.f16x2"]
+
+    @T.macro
+    def pack_pair_half_gelu(words, acc, i, col, bias_buf):
+        """:func:`pack_pair` with ``gelu_form="half"``: the pair rounded to f16x2 once, then the tail form on both
+        halves at once (:mod:`.fast_gelu`): ``s = -|y|``, ``q(max(s, -T))`` by Horner, one ``ex2.approx.f16x2``,
+        ``s * 2**q + max(y, 0)``."""
+        pair = T.alloc_buffer((3,), "uint32", scope="local")
+        PACK(pair[0], biased(acc[i + 1], col + 1, bias_buf), biased(acc[i], col, bias_buf))
+        s: T.let = T.bitwise_or(pair[0], T.uint32(HALF_SIGN_BITS))
+        MAX2(pair[1], s, T.uint32(NEG_END))
+        FMA2(pair[2], T.uint32(HALF_COEFFS[0]), pair[1], T.uint32(HALF_COEFFS[1]))
+        FMA2(pair[2], pair[2], pair[1], T.uint32(HALF_COEFFS[2]))
+        FMA2(pair[2], pair[2], pair[1], T.uint32(HALF_COEFFS[3]))
+        FMA2(pair[2], pair[2], pair[1], T.uint32(HALF_COEFFS[4]))
+        FMA2(pair[2], pair[2], pair[1], T.uint32(HALF_COEFFS[5]))
+        T.ptx["ex2.approx.f16x2"](pair[2], pair[2])
+        MAX2(pair[1], pair[0], T.uint32(0))
+        FMA2(words[0], s, pair[2], pair[1])
+
     @T.macro
     def pack_pair_fast_gelu(words, acc, i, col, bias_buf):
         """:func:`pack_pair` with the ``fast_gelu`` activation: per output, the tail exponent's ``ex2.approx.ftz``
@@ -547,7 +573,9 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             for j in T.unroll(STAGED_COLS // 8):
                 for h in T.unroll(2):
                     col: T.let = col0 + cc * STAGED_COLS + j * 8 + (lane % 4) * 2
-                    if config.fast_gelu:
+                    if config.gelu_form == "half":
+                        pack_pair_half_gelu(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, bias_buf)
+                    elif config.fast_gelu:
                         pack_pair_fast_gelu(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, bias_buf)
                     else:
                         pack_pair(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, bias_buf)

@@ -97,6 +97,13 @@ def _label(shape: dict) -> str:
     return "_".join(f"{k}{v}" for k, v in shape.items())
 
 
+def _merged_gemm_knobs(chosen: dict, knobs: dict) -> dict:
+    """The ``gemm_knobs`` a chosen wgmma knob set takes: all of them, except that ``gelu_form`` (a form of the
+    ``fast_gelu`` epilogue) goes only to sets with ``fast_gelu``, so that one option can change a model's GELU GEMMs
+    and leave its other GEMMs as chosen."""
+    return {key: value for key, value in knobs.items() if key != "gelu_form" or chosen.get("fast_gelu")}
+
+
 class _Templates:
     """Adds one PrimFunc per (template, shape, options) to the module and records every site."""
 
@@ -124,7 +131,8 @@ class _Templates:
             template = get_template(name)
             choice = self.chooser.knobs(template, shape, dtype, options)
             if self.gemm_knobs and name.endswith("_wgmma") and choice.knobs is not None:
-                choice = dataclasses.replace(choice, knobs={**choice.knobs, **self.gemm_knobs})
+                choice = dataclasses.replace(choice, knobs={**choice.knobs, **_merged_gemm_knobs(choice.knobs,
+                                                                                                  self.gemm_knobs)})
             func = template.primfunc(shape, dtype, **options)
             if self.schedule and name.endswith("_wgmma") and choice.knobs is not None:
                 func = template.kernel(shape, dtype, choice.knobs, **options)
