@@ -69,6 +69,42 @@ def _cycle(fn, inputs):
     return lambda i: (lambda args=inputs[i % len(inputs)]: fn(*args))
 
 
+def _clock(device: str):
+    """(sync, elapsed) for ``device``: ``elapsed(body)`` runs ``body`` and returns its milliseconds, between CUDA
+    events on torch's current stream (``"cuda"``), by the wall clock between device-wide synchronisations
+    (``"cuda-wall"``) or by the wall clock (``"cpu"``)."""
+    if device not in ("cuda", "cuda-wall", "cpu"):
+        raise ValueError(f"device: expected 'cuda', 'cuda-wall' or 'cpu', got {device!r}")
+    if device == "cuda":
+        import torch
+
+        def elapsed(body) -> float:
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            body()
+            stop.record()
+            stop.synchronize()
+            return start.elapsed_time(stop)
+
+        return torch.cuda.synchronize, elapsed
+    if device == "cuda-wall":
+        import torch
+
+        sync = torch.cuda.synchronize
+    else:
+        def sync():
+            return None
+
+    def elapsed(body) -> float:
+        sync()
+        start = time.perf_counter()
+        body()
+        sync()
+        return (time.perf_counter() - start) * 1e3
+
+    return sync, elapsed
+
+
 def time_ms(fn, *, device: str = "cuda", inputs=None, warmup: int = 3, samples: int = 20,
             number: int | None = None, sample_ms: float = 5.0, budget_s: float | None = None) -> Timing:
     """Time ``fn`` (no arguments, or ``fn(*inputs[i])`` cycling through a pool of input sets).
@@ -84,36 +120,7 @@ def time_ms(fn, *, device: str = "cuda", inputs=None, warmup: int = 3, samples: 
     if warmup < 0 or samples < 1:
         raise ValueError(f"time_ms: expected warmup >= 0 and samples >= 1, got {warmup}, {samples}")
     call = _cycle(fn, inputs)
-    if device not in ("cuda", "cuda-wall", "cpu"):
-        raise ValueError(f"device: expected 'cuda', 'cuda-wall' or 'cpu', got {device!r}")
-    if device == "cuda":
-        import torch
-
-        sync = torch.cuda.synchronize
-
-        def elapsed(body) -> float:
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            body()
-            stop.record()
-            stop.synchronize()
-            return start.elapsed_time(stop)
-    else:
-        if device == "cuda-wall":
-            import torch
-
-            sync = torch.cuda.synchronize
-        else:
-            def sync():
-                return None
-
-        def elapsed(body) -> float:
-            sync()
-            start = time.perf_counter()
-            body()
-            sync()
-            return (time.perf_counter() - start) * 1e3
-
+    sync, elapsed = _clock(device)
     for i in range(warmup):
         call(i)()
     sync()
@@ -127,6 +134,38 @@ def time_ms(fn, *, device: str = "cuda", inputs=None, warmup: int = 3, samples: 
         if budget_s is not None and len(times) >= 3 and time.perf_counter() - started > budget_s:
             break
     return Timing(float(statistics.median(times)), float(min(times)), float(max(times)), len(times), number)
+
+
+def time_interleaved(cases: dict, *, device: str = "cuda", warmup: int = 3, rounds: int = 30,
+                     sample_ms: float = 5.0, budget_s: float | None = None) -> dict:
+    """Time several callables against each other: ``cases`` maps a name to ``(fn, inputs)`` (as :func:`time_ms`
+    takes them; ``device`` as there). Every round times one sample of each case, back to back, starting one case
+    further along each round, so that a drift of the GPU's clocks or temperature over the run reaches every case
+    alike (timed one after another, the same module has measured 2-5% apart). Every sample is ``number`` calls, the
+    same ``number`` for all (fitting about ``sample_ms`` for the slowest case); returns name -> :class:`Timing` over
+    the rounds. ``budget_s``: stop after this many seconds (at least 3 rounds)."""
+    if not cases or rounds < 1 or warmup < 0:
+        raise ValueError("time_interleaved: expected at least one case, one round and warmup >= 0")
+    sync, elapsed = _clock(device)
+    names = list(cases)
+    calls = {name: _cycle(*cases[name]) for name in names}
+    for name in names:
+        for i in range(warmup):
+            calls[name](i)()
+    sync()
+    once = max(elapsed(calls[name](0)) for name in names)
+    number = max(1, min(50, int(sample_ms / max(once, 1e-3))))
+    times = {name: [] for name in names}
+    started = time.perf_counter()
+    for r in range(rounds):
+        for j in range(len(names)):
+            name = names[(r + j) % len(names)]
+            body = calls[name](r)
+            times[name].append(elapsed(lambda: [body() for _ in range(number)]) / number)
+        if budget_s is not None and r >= 2 and time.perf_counter() - started > budget_s:
+            break
+    return {name: Timing(float(statistics.median(t)), float(min(t)), float(max(t)), len(t), number)
+            for name, t in times.items()}
 
 
 def graphed(fn, warmup: int = 3):

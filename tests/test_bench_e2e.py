@@ -69,6 +69,10 @@ def test_ours_variants_add_their_options_on_top_of_ours():
                                "ours:lean_ok": True}, 2e-3)
     assert row["ours:lean_vs_ours"] == pytest.approx(1.25)
     assert bench_e2e.variant_labels(row) == ["ours:lean"]
+    row = bench_e2e.summarise({"ours_ms": 2.0, "ours_ok": True, "ours:lean_ms": 1.6, "ours:lean_ok": True,
+                               "ours_interleaved_ms": 1.9, "ours:lean_interleaved_ms": 2.0}, 2e-3)
+    assert row["ours:lean_interleaved_vs_ours"] == pytest.approx(0.95)
+    assert bench_e2e.variant_labels(row) == ["ours:lean"]
 
 
 def test_summarise_counts_only_checked_baselines():

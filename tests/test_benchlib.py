@@ -86,6 +86,34 @@ def test_time_ms_stops_at_its_budget_after_three_samples():
     assert got.samples == 3
 
 
+def test_time_interleaved_rotates_the_cases_each_round_and_times_each_alike():
+    """Round r starts with case r mod n, so each case runs first, second, ... equally often; every case gets the same
+    calls per sample, and a case twice as slow measures about twice the time."""
+    order = []
+
+    def case(name, seconds):
+        def fn(x):
+            order.append(name)
+            time.sleep(seconds)
+        return fn, [(1,), (2,)]
+
+    got = bl.time_interleaved({"a": case("a", 0.002), "b": case("b", 0.004), "c": case("c", 0.002)}, device="cpu",
+                              warmup=1, rounds=6, sample_ms=1.0)
+    assert {t.samples for t in got.values()} == {6} and {t.calls_per_sample for t in got.values()} == {1}
+    timed = order[3 + 3:]                       # after the warm-up calls and the one call each that sizes a sample
+    rounds = [timed[i:i + 3] for i in range(0, len(timed), 3)]
+    assert [r[0] for r in rounds] == ["a", "b", "c", "a", "b", "c"] and all(sorted(r) == ["a", "b", "c"] for r in rounds)
+    assert 1.6 < got["b"].median_ms / got["a"].median_ms < 2.6
+    with pytest.raises(ValueError):
+        bl.time_interleaved({}, device="cpu")
+
+
+def test_time_interleaved_stops_at_its_budget_after_three_rounds():
+    got = bl.time_interleaved({"x": (lambda: time.sleep(0.005), None)}, device="cpu", warmup=0, rounds=100,
+                              budget_s=0.0)
+    assert got["x"].samples == 3
+
+
 def test_budget_and_guarded_record_failures_without_raising():
     budget = bl.Budget(1000.0)
     assert budget.allows(10.0) and not budget.allows(2000.0)
