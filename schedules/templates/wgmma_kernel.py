@@ -68,7 +68,10 @@ A third, ``fast_gelu`` (GELU activations with ``staged`` only): the staged epilo
 instructions, within 1e-5 (erf) / 3e-5 (tanh) relative of the float64 GELU. Its ``gelu_form`` (``"tail"`` by default,
 the above byte for byte) ``"tanh"`` takes ``0.5 y (1 + tanh(u))`` from one ``tanh.approx.f32`` instead (6 instead of 13
 CUDA-core instructions per output for the tanh GELU, 8 instead of 10 for erf with a fitted argument): the tanh GELU's
-knob sets take it, the erf GELU's keep the tail (measured: ``scripts/bench_wgmma_small_k.py --plan s12gelu``).
+knob sets take it (measured: ``scripts/bench_wgmma_small_k.py --plan s12gelu``); ``"half"`` evaluates the tail on
+float16 pairs (``fma.rn.f16x2``, one ``ex2.approx.f16x2`` a pair: about 15 instructions per two outputs instead of ~23),
+the erf GELU's float16 knob sets' form since session 21 (``--plan s21gelu``: the epilogue's instructions share each
+sub-partition with the other consumer's wgmma, so fewer of them keep the tensor pipe busier).
 
 A fourth, ``loads = "tma"`` (absent or ``"cp.async"``: the kernels above, byte for byte; the knob spaces' default since
 the H200 measured it faster, :mod:`.gemm_wgmma`): one thread of the producer warpgroup (the other 127 leave after
@@ -179,7 +182,8 @@ class WgmmaConfig:
     alternate tiles instead of half of every tile; persistent only), ``block_m`` (cooperative tile rows: 128, or
     256 with 128 rows per consumer), ``staged`` (epilogue through shared memory with 16-byte stores),
     ``fast_gelu`` (a GELU activation from one exp2 of a fitted polynomial, :mod:`.fast_gelu`; staged only) and its
-    ``gelu_form`` (``"tail"``: that exp2; ``"tanh"``: one tanh.approx.f32 instead),
+    ``gelu_form`` (``"tail"``: that exp2; ``"tanh"``: one tanh.approx.f32 instead; ``"half"``: the tail on float16
+    pairs, erf GELU and float16 only),
     ``loads`` (``"cp.async"``, or ``"tma"``: one producer thread issues TMA boxes from tensor maps the host encodes
     at each call), ``split_k`` (blocks of one cluster sharing a tile's k steps, reduced through distributed
     shared memory), ``weight_prefetch`` (W's first tile asked of L2 before the dependent launch wait) and
