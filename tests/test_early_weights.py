@@ -1,8 +1,9 @@
 """The wgmma kernels' ``early_weights`` knob (schedules/templates/wgmma_kernel.py): the W part of the ring's first
 slots is loaded into shared memory before the kernel's own programmatic dependent launch wait (W is a weight: the
 kernel before cannot write it), and A after it. Off, the kernels are byte for byte the ones without the knob; on,
-every thread that reads A or writes the output runs the wait first, and the dependent-launch pass adds none. Timings
-need an H200 (BENCHMARKS.md, session 16)."""
+every thread that reads A or writes the output runs the wait first, and the dependent-launch pass adds none. The
+unsplit knob sets of the spaces take it (measured on whole models, BENCHMARKS.md sessions 16 and 21); the split-K sets
+prefetch their weights into L2 instead."""
 from __future__ import annotations
 
 import re
@@ -102,3 +103,22 @@ def test_compile_option_merges_the_knob_into_every_wgmma_gemm(hf_export):
     path = hf_export("bert", "eager", "torchscript", 17, True, 2, 128)
     with pytest.raises(TypeError, match="gemm_knobs"):
         stof_compile(path, mask="bigbird", batch=1, seq_len=128, target="cuda", gemm_knobs=["early_weights"])
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("gemm_bias_gelu_erf_wgmma", {"m": 4096, "n": 3072, "k": 768}),
+    ("gemm_bias_wgmma", FFN_DOWN),
+    ("qkv_projection_wgmma", {"batch": 8, "seq": 512, "heads": 12, "head_dim": 64}),
+    ("gemm_wgmma", {"m": 1576, "n": 768, "k": 768}),
+])
+def test_unsplit_knob_sets_take_it_and_split_sets_prefetch_instead(name, shape):
+    """Every knob set of the spaces without split-K has ``early_weights``; every split-K set has ``weight_prefetch``
+    and not ``early_weights``; the compile path's first set builds its early W loads (before the wait) where it is
+    unsplit."""
+    space = get_template(name).knob_space(shape, "float16")
+    for knobs in space:
+        split = knobs.get("split_k", 1) > 1
+        assert knobs.get("early_weights", False) is not split and knobs.get("weight_prefetch", False) is split
+    if "split_k" not in space[0] and space[0]["loads"] == "tma":
+        (body,) = kernel_bodies(cuda_source(build_kernel(name, shape, "float16"))).values()
+        assert body.index("tensor_2d") < body.index(WAIT)   # the first W box goes out before the wait

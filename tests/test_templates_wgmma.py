@@ -360,9 +360,10 @@ def test_first_knob_set_where_the_measured_best_is_not_offered(name, shape, firs
 
 
 def tile_knobs(space):
-    """The knob sets without ``loads`` (how a set loads its tiles, tests/test_gemm_tma.py) and without the 128-row
-    ping-pong twins (tests/test_gemm_tall_pingpong.py): what these tests order."""
-    return [{key: v for key, v in kn.items() if key != "loads"} for kn in space
+    """The knob sets without ``loads`` (how a set loads its tiles, tests/test_gemm_tma.py) and ``early_weights`` (when
+    it loads its weights, tests/test_early_weights.py) and without the 128-row ping-pong twins
+    (tests/test_gemm_tall_pingpong.py): what these tests order."""
+    return [{key: v for key, v in kn.items() if key not in ("loads", "early_weights")} for kn in space
             if not (kn["pingpong"] and "block_m" in kn)]
 
 def test_default_values_of_the_new_knobs_build_the_older_kernels():

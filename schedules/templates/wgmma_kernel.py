@@ -106,13 +106,15 @@ following it; and a prefetch is only a hint: L2 is the GPU's point of coherence,
 the data as it is then whatever the prefetch fetched. At 1 x 128 tokens a GEMM's W slice is most of what a block
 reads (RoBERTa-base's FFN: 128 x 192 x 2 bytes per block, A is 128 rows from L2) and each GEMM runs ~7 us.
 
-A seventh, ``early_weights`` (off by default: the kernels above byte for byte; in no knob set): the kernel places its
+A seventh, ``early_weights`` (off by default: the kernels above byte for byte; on in the unsplit knob sets of the
+spaces, :meth:`.gemm_wgmma.WgmmaKernelMixin.default_weight_timing`): the kernel places its
 own dependent launch wait after the W part of the ring's first ``min(stages, k steps)`` slots is on its way into
 shared memory (the TMA thread announces each slot's A + W bytes and issues its W box; the cp.async producers issue
 their W pieces), and A's loads follow the wait; the consumers wait before their stores (the kernel before may read
-the buffer they write). Measured on whole models (BENCHMARKS.md, session 16, compile option ``gemm_knobs``): 0.98-0.99x
-at 1 x 128 tokens (split-K sets, already prefetching), 1.00-1.03x at 4096 rows and 1576 (within the spread between
-runs), 1.00x at 32768: so it stays off.
+the buffer they write). Measured on whole models (BENCHMARKS.md, compile option ``gemm_knobs``): session 16, timed
+one module after another, 0.98-0.99x at 1 x 128 tokens (split-K sets, already prefetching), 1.00-1.03x at 4096 rows
+and 1576 (within the spread between runs), 1.00x at 32768; session 21, timed interleaved (the spread then 0.3%),
+1.015x at 4096 rows, 1.038x at 1576 and 1.000x at 32768: so the unsplit sets take it.
 
 Shapes must tile exactly: m % tile_m, n % block_n and k % 64 all zero, split_k must divide k / 64
 (:func:`check_wgmma_shape`). Build for ``arch="sm_90a"`` (``wgmma`` and ``setmaxnreg`` exist

@@ -376,7 +376,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     loaded once a tile): on the H200, RoBERTa-base 16x2048's BigBird attention 0.1049 -> 0.1004 ms under an all-ones
     mask, 0.1442 -> 0.1246 under mixed padding, the same under right padding (BENCHMARKS.md, session 13);
     ``False`` keeps the older form.
-    ``gemm_knobs``: knobs merged into every wgmma GEMM's chosen knob set, e.g. ``{"early_weights": True}`` (to
+    ``gemm_knobs``: knobs merged into every wgmma GEMM's chosen knob set, e.g. ``{"early_weights": False}`` (to
     measure a kernel knob across a whole model; a combination the kernel cannot take is refused when it builds;
     ``gelu_form`` goes only to the GELU GEMMs' ``fast_gelu`` sets).
     ``attention_knobs``: knobs merged into the chosen sparse attention kernel's configuration, e.g.
