@@ -741,10 +741,11 @@ def parser() -> argparse.ArgumentParser:
                    help='extra stof_tvm.compile options for ours, e.g. \'{"gemm": "mma"}\'')
     p.add_argument("--ours-variants", nargs="*", type=parse_variant, default=[], metavar="NAME=JSON",
                    help="more builds of ours, each with these options on top of --ours-options, compiled beside "
-                        "ours and timed as modules (CUDA graph), e.g. older='{\"lean_padding\": false}'; add a "
-                        "control, same='{}' (ours built and timed again), to judge a difference of a few percent: "
-                        "on an H100 one module measured 1-3%% apart between stages of one run (BENCHMARKS.md "
-                        "session 20)")
+                        "ours and timed as modules (CUDA graph), e.g. older='{\"lean_padding\": false}'; then "
+                        "ours and the variants are timed again interleaved (one sample of each per round), which "
+                        "is what to judge by: one after another, one module measured up to 5%% apart on an H100, "
+                        "interleaved a control same='{}' (ours built again) came within 0.3%% (BENCHMARKS.md "
+                        "session 21)")
     p.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the whole run (default 540)")
     p.add_argument("--tolerance", type=float, default=2e-3, help="largest relative error that passes (default 2e-3)")
     p.add_argument("--samples", type=int, default=20, help="timed samples per variant (default 20)")
