@@ -38,7 +38,11 @@ sparse kernels: accelerated / total); the hardware limit of the useful work (``s
 FLOPs plus attention FLOPs of the kept pairs at 790 TFLOP/s, least bytes at 4.2 TB/s), each time's fraction of it
 and, for ``ours``, its compute and memory fractions apart (useful TFLOP/s / 790, least bytes per second / 4.2 TB/s);
 ``vs best`` = the best correct baseline's ms / ours (``torch-*`` and ``ort``) and ``vs tvm`` = tvm-default / ours,
-both for the module (``ours``) and for the call path (``ours-call``). ``results.json`` (rewritten after every
+both for the module (``ours``) and for the call path (``ours-call``). Last in a row, ``ours``, its ``--ours-variants``
+and ``ort`` (the modules still loaded) are timed again **interleaved** (:func:`benchlib.time_interleaved`: one sample of
+each per round), since timed one after another the same module has measured up to 5% apart on an H100; the table's
+``interleaved`` column is the best baseline's interleaved time over ours' where that baseline is ``ort`` (the torch
+models are freed before ``ours`` runs). ``results.json`` (rewritten after every
 row, and by each child after every stage) and a table go to ``$OUT`` (the device tool's) or ``--out``.
 The ``ort`` stage prints one ``ort config:`` line (``scripts/e2e_ort.describe``: model_type, fused operator counts
 and the fusions missing against one attention / biased GELU / two residual LayerNorms per layer, the session's graph
@@ -263,6 +267,9 @@ def summarise(row: dict, tolerance: float) -> dict:
             row[f"{label}_vs_ours"] = row["ours_ms"] / row[f"{label}_ms"]
         if row.get(f"{label}_interleaved_ms") and row.get("ours_interleaved_ms"):
             row[f"{label}_interleaved_vs_ours"] = row["ours_interleaved_ms"] / row[f"{label}_interleaved_ms"]
+    best_interleaved = row.get(f"{row.get('best_baseline')}_interleaved_ms")
+    if best_interleaved and row.get("ours_interleaved_ms") and ok_ms("ours") is not None:
+        row["ours_vs_best_interleaved"] = best_interleaved / row["ours_interleaved_ms"]
     if limit_ms is not None:
         for label in STAGES + ("ours-call",):
             if row.get(f"{label}_ms"):
@@ -285,7 +292,8 @@ def summarise(row: dict, tolerance: float) -> dict:
 TABLE = [("model", "model", ""), ("shape", "B x S", ""), ("ours_ms", "ours", ".3f"), ("ours-call_ms", "call", ".3f"),
          ("torch-eager_ms", "eager", ".3f"), ("torch-compile_ms", "compile", ".3f"), ("torch-flex_ms", "flex", ".3f"),
          ("ort_ms", "ort", ".3f"), ("tvm-default_ms", "tvm", ".3f"), ("best_baseline", "best", ""),
-         ("ours_vs_best", "vs best", ".2f"), ("ours-call_vs_best", "call vs best", ".2f"),
+         ("ours_vs_best", "vs best", ".2f"), ("ours_vs_best_interleaved", "interleaved", ".2f"),
+         ("ours-call_vs_best", "call vs best", ".2f"),
          ("ours_vs_tvm", "vs tvm", ".2f"), ("ours-call_vs_tvm", "call vs tvm", ".2f"),
          ("ours_linears", "linears", ""), ("ours_attention_sites", "attn", ""), ("limit_ms", "limit", ".3f"),
          ("ours_fraction", "of limit", ".2f"), ("ours_compute_fraction", "of 790T", ".2f"),
@@ -605,6 +613,9 @@ def measure_row(args, row: "Row") -> None:
     if dev == "cuda":
         torch.cuda.empty_cache()
 
+    # ours, its variants and onnxruntime (the best baseline at most rows), kept alive for the interleaved timing
+    interleave = {}
+
     def onnxruntime_stage():
         import e2e_ort
 
@@ -633,6 +644,8 @@ def measure_row(args, row: "Row") -> None:
             print(f"    ORT WARNING: {warning}", flush=True)
         row.check("ort", runners[0].run(), refs["dense"], args.tolerance)
         row.timed("ort", lambda r: r.run(), [(r,) for r in runners], args)
+        if dev == "cuda" and data.get("ort_ok"):
+            interleave["ort"] = (lambda r: r.run(), [(r,) for r in runners])
     if onnx_path.exists():
         row.stage("ort", onnxruntime_stage)
 
@@ -658,8 +671,6 @@ def measure_row(args, row: "Row") -> None:
     def first_output(outs):
         return outs[0] if isinstance(outs, (list, tuple)) else outs
 
-    interleave = {}   # ours and its variants, checked and kept for the interleaved timing (with variants only)
-
     def ours_stage(stage):
         compiled = load(stage)
         data[f"{stage}_kernel"] = compiled.kernel
@@ -672,8 +683,7 @@ def measure_row(args, row: "Row") -> None:
         prepared = [compiled.prepare(f) for f in feeds]
         row.check(stage, first_output(compiled.run(prepared[0])), refs["sparse"], args.tolerance)
         row.timed(stage, lambda p: compiled.run(p), [(p,) for p in prepared], args)
-        if args.ours_variants and dev == "cuda" and (stage == "ours" or stage.startswith("ours:")) and data.get(
-                f"{stage}_ok"):
+        if dev == "cuda" and (stage == "ours" or stage.startswith("ours:")) and data.get(f"{stage}_ok"):
             interleave[stage] = (lambda *p, run=compiled.run: run(list(p)), prepared)
         if stage == "ours" and args.profile:      # its own failure is recorded in the row, the timings kept
             bl.guarded(data, "ours-timeline", trace_timeline, lambda p: compiled.run(p), [(p,) for p in prepared])

@@ -75,6 +75,15 @@ def test_ours_variants_add_their_options_on_top_of_ours():
     assert bench_e2e.variant_labels(row) == ["ours:lean"]
 
 
+def test_summarise_gives_the_interleaved_ratio_against_the_best_baseline_where_it_was_interleaved():
+    base = {"ours_ms": 1.5, "ours_ok": True, "ours_interleaved_ms": 1.6, "ort_ms": 2.1, "ort_ok": True,
+            "torch-flex_ms": 2.2, "torch-flex_ok": True}
+    row = bench_e2e.summarise(dict(base, ort_interleaved_ms=2.2), 2e-3)
+    assert row["best_baseline"] == "ort" and row["ours_vs_best_interleaved"] == pytest.approx(2.2 / 1.6)
+    assert "ours_vs_best_interleaved" not in bench_e2e.summarise(dict(base, ort_ms=2.3), 2e-3)   # flex best: none
+    assert bench_e2e.variant_labels(row) == []
+
+
 def test_summarise_counts_only_checked_baselines():
     row = {"device": "cuda", "flops": 790e9, "bytes": 0.0,
            "torch-eager_ms": 2.0, "torch-eager_ok": True, "torch-compile_ms": 1.0, "torch-compile_ok": False,

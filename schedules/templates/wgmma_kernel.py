@@ -537,7 +537,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         """:func:`pack_pair` with ``gelu_form="half"``: the pair rounded to f16x2 once, then the tail form on both
         halves at once (:mod:`.fast_gelu`): ``s = -|y|``, ``q(max(s, -T))`` by Horner, one ``ex2.approx.f16x2``,
         ``s * 2**q + max(y, 0)``."""
-        pair = T.alloc_buffer((3,), "uint32", scope="local")
+        pair = T.alloc_buffer((3,), "uint32", scope="local")   # y; max(s, -T), then max(y, 0); q, then 2**q
         PACK(pair[0], biased(acc[i + 1], col + 1, bias_buf), biased(acc[i], col, bias_buf))
         s: T.let = T.bitwise_or(pair[0], T.uint32(HALF_SIGN_BITS))
         MAX2(pair[1], s, T.uint32(NEG_END))
