@@ -121,6 +121,18 @@ prefetch and with ``early_weights``, and tilings that launch more blocks or wide
 checked and timed as s13small, and also as a whole forward runs them (``graphed``: :data:`GRAPH_CALLS` calls in one
 CUDA graph, each with a weight of its own, which is what the summary ranks by); ``--plan s18small`` and
 ``out/s18small`` carried.
+
+``--plan s21gelu`` (issue 17; default folder ``out/s21gelu``, 6 modules): the erf GELU GEMM (n 3072, k 768) at 4096 and
+32768 rows in its float32 tail form and its ``gelu_form="half"`` form (the GELU on float16 pairs), its GELU-less twin
+and FFN down's pick at 4096 rows (:data:`S21_CASES`); timed as the default plan, and meant to run under ``ncu`` too
+(``--only check`` launches each module once)::
+
+    .venv/bin/python scripts/bench_wgmma_small_k.py build --plan s21gelu
+    run(command="source .devkit/bootstrap.sh && python3 -m pip install -q --no-deps --no-build-isolation --no-index "
+                "-e . && python3 scripts/bench_wgmma_small_k.py run --plan s21gelu --json $OUT/s21.json && ncu "
+                "--clock-control none -k regex:gemm_wgmma --set full -o $OUT/prof python3 "
+                "scripts/bench_wgmma_small_k.py run --plan s21gelu --only check",
+        carry=[".devkit/runtime.tar.xz", ".devkit/bootstrap.sh", "out/s21gelu"], timeout_s=300)
 """
 from __future__ import annotations
 
