@@ -396,8 +396,8 @@ class WgmmaKernelMixin:
         for the erf GELU the tail stays (its tanh form was 0.91x). With float16 outputs the erf GELU's twins take
         ``gelu_form="half"`` (the tail on float16 pairs, :mod:`.fast_gelu`): on an H100 (session 21, s21gelu) its
         4096-row pick ran 0.0356 -> 0.0321 ms, as fast as its GELU-less twin (0.0318; tensor pipe active 68% -> 76%
-        under ncu), and RoBERTa-base's whole forward 1.056x faster at 8 x 512 tokens, 1.018x at 16 x 2048 (against
-        the same module built again), with model errors 1.10e-3 -> 1.15e-3."""
+        under ncu), and RoBERTa-base's whole forward 1.031x faster at 8 x 512 tokens, 1.024x at 16 x 2048 (timed
+        interleaved with the tail form; the same module built twice within 0.2%), model errors 1.10e-3 -> 1.15e-3."""
         key = lambda kn: (kn["pingpong"], _measured_rank(kn, order))  # noqa: E731
         act = getattr(self, "act", "none")
         staged = sorted((dict(kn, staged=True) for kn in direct
