@@ -105,6 +105,20 @@ def _clock(device: str):
     return sync, elapsed
 
 
+def _calls_per_sample(once_ms: float, sample_ms: float) -> int:
+    """Back-to-back calls that fill about ``sample_ms`` given one call's ``once_ms`` (1 to 50)."""
+    return max(1, min(50, int(sample_ms / max(once_ms, 1e-3))))
+
+
+def _sample_ms(elapsed, body, number: int) -> float:
+    """Milliseconds per call of ``number`` back-to-back calls of ``body``, timed together by ``elapsed``."""
+    return elapsed(lambda: [body() for _ in range(number)]) / number
+
+
+def _timing(times: list[float], number: int) -> Timing:
+    return Timing(float(statistics.median(times)), float(min(times)), float(max(times)), len(times), number)
+
+
 def time_ms(fn, *, device: str = "cuda", inputs=None, warmup: int = 3, samples: int = 20,
             number: int | None = None, sample_ms: float = 5.0, budget_s: float | None = None) -> Timing:
     """Time ``fn`` (no arguments, or ``fn(*inputs[i])`` cycling through a pool of input sets).
@@ -125,15 +139,13 @@ def time_ms(fn, *, device: str = "cuda", inputs=None, warmup: int = 3, samples: 
         call(i)()
     sync()
     if number is None:
-        once = elapsed(call(0))
-        number = max(1, min(50, int(sample_ms / max(once, 1e-3))))
+        number = _calls_per_sample(elapsed(call(0)), sample_ms)
     started, times = time.perf_counter(), []
     for i in range(samples):
-        body = call(i)
-        times.append(elapsed(lambda: [body() for _ in range(number)]) / number)
+        times.append(_sample_ms(elapsed, call(i), number))
         if budget_s is not None and len(times) >= 3 and time.perf_counter() - started > budget_s:
             break
-    return Timing(float(statistics.median(times)), float(min(times)), float(max(times)), len(times), number)
+    return _timing(times, number)
 
 
 def time_interleaved(cases: dict, *, device: str = "cuda", warmup: int = 3, rounds: int = 30,
@@ -153,19 +165,16 @@ def time_interleaved(cases: dict, *, device: str = "cuda", warmup: int = 3, roun
         for i in range(warmup):
             calls[name](i)()
     sync()
-    once = max(elapsed(calls[name](0)) for name in names)
-    number = max(1, min(50, int(sample_ms / max(once, 1e-3))))
+    number = _calls_per_sample(max(elapsed(calls[name](0)) for name in names), sample_ms)
     times = {name: [] for name in names}
     started = time.perf_counter()
     for r in range(rounds):
         for j in range(len(names)):
             name = names[(r + j) % len(names)]
-            body = calls[name](r)
-            times[name].append(elapsed(lambda: [body() for _ in range(number)]) / number)
+            times[name].append(_sample_ms(elapsed, calls[name](r), number))
         if budget_s is not None and r >= 2 and time.perf_counter() - started > budget_s:
             break
-    return {name: Timing(float(statistics.median(t)), float(min(t)), float(max(t)), len(t), number)
-            for name, t in times.items()}
+    return {name: _timing(t, number) for name, t in times.items()}
 
 
 def graphed(fn, warmup: int = 3):
