@@ -69,8 +69,7 @@ from .gemm_layernorm import GemmLayerNormTemplate
 from .layernorm import layernorm_compute
 from .qkv import QKVTemplate
 from .registry import H200, Hardware, Template, register
-from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_M_CHOICES, BLOCK_N_CHOICES, CO_RESIDENT_BLOCK_N,
-                           CO_RESIDENT_SHARED, CONSUMER_REGS, LAUNCH_REGISTERS,
+from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_M_CHOICES, BLOCK_N_CHOICES, CONSUMER_REGS, LAUNCH_REGISTERS,
                            MAX_NORM_CLUSTER, PINGPONG_TILE_M, PORTABLE_SPLIT_K, SPLIT_K_CHOICES, STAGE_CHOICES,
                            TALL_PINGPONG_N, THREADS, WgmmaConfig, check_wgmma_shape, grid_blocks, row_tiles,
                            wgmma_gemm_primfunc)
@@ -157,14 +156,13 @@ def measured_order(m: int, n: int, sm_count: int) -> tuple:
     return (lead, *rest, *(tile for tile in MEASURED_FIRST if tile not in fits))
 
 
-def split_k_tilings(m: int, n: int, k: int, sm_count: int, widths=BLOCK_N_CHOICES):
-    """The (block_n, split_k) pairs a split-K knob set of an m x n x k GEMM may take: 128-row tiles of block_n columns
-    (one of ``widths``),
+def split_k_tilings(m: int, n: int, k: int, sm_count: int):
+    """The (block_n, split_k) pairs a split-K knob set of an m x n x k GEMM may take: 128-row tiles of block_n columns,
     ``split_k`` blocks (one cluster) per tile on k slices of :data:`SPLIT_K_MIN_STEPS` steps or more, all blocks in
     one wave (tiles x split_k at most :data:`SPLIT_K_MAX_SHARE` of the SMs), clusters of the portable size (8) at
     most."""
     steps = k // BLOCK_K
-    for bn in widths:
+    for bn in BLOCK_N_CHOICES:
         tiles = (m // BLOCK_M) * (n // bn)
         for split in SPLIT_K_CHOICES[1:]:
             if split <= PORTABLE_SPLIT_K and not (m % BLOCK_M or n % bn or k % BLOCK_K or steps % split
@@ -222,8 +220,7 @@ class WgmmaKernelMixin:
                              fast_gelu=knobs.get("fast_gelu", False), gelu_form=knobs.get("gelu_form", "tail"),
                              loads=knobs.get("loads", "cp.async"), split_k=knobs.get("split_k", 1),
                              weight_prefetch=knobs.get("weight_prefetch", False),
-                             early_weights=knobs.get("early_weights", False),
-                             co_resident=knobs.get("co_resident", False), norm_rows=self.norm_rows)
+                             early_weights=knobs.get("early_weights", False), norm_rows=self.norm_rows)
         config.validate()
         return config
 
@@ -355,48 +352,32 @@ class WgmmaKernelMixin:
         return "cp.async" if knobs.get("split_k", 1) > 1 else "tma"
 
     def default_weight_timing(self, knobs) -> dict:
-        """When a knob set of the space loads its weights, as knobs to add: the unsplit and the co-resident sets take
-        ``early_weights`` (the W part of the ring's first slots issued before the dependent launch wait, A's after
-        it), measured on the unsplit sets in whole models on an H100 with the modules timed interleaved (session 21,
-        ours / with it, the same module built twice within 0.3%): RoBERTa-base 1.015x faster at 8 x 512 tokens,
-        ViT-Base 1.038x at 8 x 197, 1.000x at 16 x 2048 (where a GEMM runs long enough to hide the wait). A
-        co-resident block waits beside a block of the kernel before (:meth:`split_sets`), so its early W loads run
-        under that kernel. The other split-K sets ask L2 for their weights before the wait instead
-        (``weight_prefetch``), which measured faster at 1 x 128 tokens than with ``early_weights`` too (session 16:
-        0.98-0.99x with both), when their blocks could not start before the kernel before had left its SMs."""
-        return {"early_weights": True} if knobs.get("split_k", 1) == 1 or knobs.get("co_resident") else {}
+        """When a knob set of the space loads its weights, as knobs to add: the unsplit sets take ``early_weights``
+        (the W part of the ring's first slots issued before the dependent launch wait, A's after it), measured in
+        whole models on an H100 with the modules timed interleaved (session 21, ours / with it, the same module built
+        twice within 0.3%): RoBERTa-base 1.015x faster at 8 x 512 tokens, ViT-Base 1.038x at 8 x 197, 1.000x at
+        16 x 2048 (where a GEMM runs long enough to hide the wait). The split-K sets ask L2 for their weights before
+        the wait instead (``weight_prefetch``, :meth:`split_sets`), which measured faster at 1 x 128 tokens than
+        with ``early_weights`` too (session 16: 0.98-0.99x with both)."""
+        return {} if knobs.get("split_k", 1) > 1 else {"early_weights": True}
 
     def split_sets(self, shape, hw: Hardware = H200) -> list[dict]:
         """The split-K knob sets (``split_k`` blocks of one cluster per 128-row tile, each on its own k slice of at
-        least :data:`SPLIT_K_MIN_STEPS` steps; one wave: :func:`split_k_tilings`): first the co-resident ones (64
-        columns, 80 registers a thread, at most half an SM's shared memory: :mod:`.wgmma_kernel`), then the others;
-        each group least work on a block first (columns x k steps of its slice), then fewer splits (less
-        reduction), then 4 stages (at most the slice's steps, 2 at least). Each asks L2 for its W slice before its
-        dependent launch wait (``weight_prefetch``): at 1 x 128 tokens, where the split sets lead every GEMM, the H200
-        ran whole forwards 1.02-1.03x faster with it (session 15: RoBERTa-base 0.392 -> 0.380 ms, BERT-large 0.891 ->
-        0.870, GPT-2 0.399 -> 0.386, T5-base 0.388 -> 0.380); on every wgmma GEMM at 8 x 512 it was 0.935x
-        (RoBERTa-base 1.579 -> 1.689 ms), so only these sets take it.
-
-        Why co-resident sets lead: the other sets' blocks take an SM's whole register file (384 threads x 168
-        registers), so at 1 x 128 tokens, where each GEMM follows another kernel within microseconds, a block of the
-        next kernel could start on an SM only once the block before had left it, and its programmatic dependent
-        launch (start early, wait for the kernel before) gained nothing on those SMs. A co-resident block (30720
-        registers or fewer, half the shared memory) starts beside the block before, loads its W slice and waits."""
+        least :data:`SPLIT_K_MIN_STEPS` steps; one wave: :func:`split_k_tilings`), least work on a block first
+        (columns x k steps of its slice), then fewer splits (less reduction), then 4 stages (at most the slice's
+        steps, 2 at least). Each asks L2 for its W slice before its dependent launch wait (``weight_prefetch``): at
+        1 x 128 tokens, where the split sets lead every GEMM, the H200 ran whole forwards 1.02-1.03x faster with it
+        (session 15: RoBERTa-base 0.392 -> 0.380 ms, BERT-large 0.891 -> 0.870, GPT-2 0.399 -> 0.386, T5-base 0.388
+        -> 0.380); on every wgmma GEMM at 8 x 512 it was 0.935x (RoBERTa-base 1.579 -> 1.689 ms), so only these sets
+        take it."""
         m, n, k = self.gemm_dims(shape)
         m, steps = space_rows(m), k // BLOCK_K
-
-        def sets(widths, co_resident):
-            extra = {"co_resident": True} if co_resident else {}
-            found = [{"block_n": bn, "stages": stages, "persistent": False, "pingpong": False, "split_k": split,
-                      "weight_prefetch": True, **extra}
-                     for bn, split in split_k_tilings(m, n, k, hw.sm_count, widths)
-                     for stages in sorted({min(st, steps // split) for st in STAGE_CHOICES if st <= 4})]
-            if co_resident:
-                found = [kn for kn in found if self.config(kn).shared_bytes <= CO_RESIDENT_SHARED]
-            return sorted(found, key=lambda kn: (kn["block_n"] * steps // kn["split_k"], kn["split_k"],
-                                                 abs(kn["stages"] - 4)))
-
-        return sets((CO_RESIDENT_BLOCK_N,), True) + sets(BLOCK_N_CHOICES, False)
+        sets = [{"block_n": bn, "stages": stages, "persistent": False, "pingpong": False, "split_k": split,
+                 "weight_prefetch": True}
+                for bn, split in split_k_tilings(m, n, k, hw.sm_count)
+                for stages in sorted({min(st, steps // split) for st in STAGE_CHOICES if st <= 4})]
+        return sorted(sets, key=lambda kn: (kn["block_n"] * steps // kn["split_k"], kn["split_k"],
+                                              abs(kn["stages"] - 4)))
 
     def _staged_sets(self, direct, order=MEASURED_FIRST, dtype="float16"):
         """The staged twin of every direct-store set that takes it, to come first: cooperative before ping-pong

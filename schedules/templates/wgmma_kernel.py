@@ -144,14 +144,6 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232
 # Registers per thread at launch (ptxas reports 168 for these kernels): setmaxnreg then moves them from the producer
 # warpgroup (40 each) to the two consumer warpgroups (232 each), so one block holds the whole register file.
 LAUNCH_REGISTERS = (PRODUCER_REGS * WG + CONSUMER_REGS * (THREADS - WG)) // THREADS
-# co_resident: two blocks an SM, so that a block of the next kernel fits beside one of this (``__launch_bounds__(384,
-# 2)``: 80 registers a thread). ptxas compiles the whole kernel within that bound whatever ``setmaxnreg`` asks later
-# (an m64n128 wgmma wanted 90: error C7602), so these blocks keep 80 registers a thread in every warpgroup (no
-# ``setmaxnreg``) and are 64 columns wide (32 accumulators a consumer thread); shared memory at most half an SM's
-# 228 KB less the 1 KB the runtime reserves per block
-CO_RESIDENT_BLOCKS = 2
-CO_RESIDENT_BLOCK_N = 64
-CO_RESIDENT_SHARED = 228 * 1024 // CO_RESIDENT_BLOCKS - 1024
 BLOCK_N_CHOICES = (128, 192, 256)   # 64 leaves too few registers in use for setmaxnreg to apply (ptxas C7508)
 STAGE_CHOICES = (2, 3, 4, 5)
 PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
@@ -196,11 +188,8 @@ class WgmmaConfig:
     pairs, erf GELU and float16 only),
     ``loads`` (``"cp.async"``, or ``"tma"``: one producer thread issues TMA boxes from tensor maps the host encodes
     at each call), ``split_k`` (blocks of one cluster sharing a tile's k steps, reduced through distributed
-    shared memory), ``weight_prefetch`` (W's first tile asked of L2 before the dependent launch wait),
-    ``early_weights`` (W's part of the ring's first slots loaded into shared memory before that wait) and
-    ``co_resident`` (split-K at 64 columns, 80 registers a thread: small enough in registers and shared memory that
-    a block fits on an SM beside one of the kernel before, so it starts, loads its weights and waits while that
-    kernel runs).
+    shared memory), ``weight_prefetch`` (W's first tile asked of L2 before the dependent launch wait) and
+    ``early_weights`` (W's part of the ring's first slots loaded into shared memory before that wait).
     ``norm_rows`` is not a knob but the epilogue of the GEMM + bias + residual + LayerNorm template: the ``n / block_n``
     blocks of a row tile form one cluster and share their row statistics through distributed shared memory."""
 
@@ -216,13 +205,11 @@ class WgmmaConfig:
     split_k: int = 1
     weight_prefetch: bool = False
     early_weights: bool = False
-    co_resident: bool = False
     norm_rows: bool = False
 
     def validate(self) -> None:
-        if self.block_n not in BLOCK_N_CHOICES and not (self.co_resident and self.block_n == CO_RESIDENT_BLOCK_N):
-            raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES} ({CO_RESIDENT_BLOCK_N} with co_resident), "
-                             f"got {self.block_n!r}")
+        if self.block_n not in BLOCK_N_CHOICES:
+            raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {self.block_n!r}")
         if self.stages not in STAGE_CHOICES:
             raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {self.stages!r}")
         if self.persistent not in (True, False):
@@ -256,13 +243,6 @@ class WgmmaConfig:
             raise ValueError(f"weight_prefetch must be a bool, got {self.weight_prefetch!r}")
         if self.early_weights not in (True, False):
             raise ValueError(f"early_weights must be a bool, got {self.early_weights!r}")
-        if self.co_resident not in (True, False):
-            raise ValueError(f"co_resident must be a bool, got {self.co_resident!r}")
-        if self.co_resident and (self.split_k == 1 or self.block_n != CO_RESIDENT_BLOCK_N
-                                 or self.shared_bytes > CO_RESIDENT_SHARED):
-            raise ValueError(f"co_resident needs split_k > 1, block_n {CO_RESIDENT_BLOCK_N} and at most "
-                             f"{CO_RESIDENT_SHARED} bytes of shared memory (two blocks an SM), got split_k "
-                             f"{self.split_k}, block_n {self.block_n}, {self.shared_bytes} bytes")
         if self.norm_rows not in (True, False):
             raise ValueError(f"norm_rows must be a bool, got {self.norm_rows!r}")
         if self.norm_rows and (self.persistent or self.pingpong or self.block_m != BLOCK_M or self.split_k > 1):
@@ -317,7 +297,6 @@ class WgmmaConfig:
     @property
     def acc_registers(self) -> int:
         return self.consumer_rows // 64 * self.block_n // 2
-
 
 
 def row_tiles(m: int, tile_m: int) -> int:
@@ -478,8 +457,6 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     FENCE_REG = T.ptx["add.rn.f32"]
     # early_weights: the first EARLY k steps' W tiles go into their slots before the dependent launch wait
     EARLY = min(ST, KS) if config.early_weights else 0
-    # setmaxnreg moves registers from the producer to the consumers (not co_resident: 80 registers for everyone)
-    SETMAXNREG = not config.co_resident
 
     def tile_of(bx, r):
         """The output tile of block ``bx``'s round ``r``."""
@@ -954,8 +931,6 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     @T.macro
     def block(A, W, bias_buf, out, maps, norm, bx, cr, tx):
         """One thread block's work (``cr``: its rank in the split-K cluster, 0 without split-K)."""
-        if config.co_resident:
-            T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", CO_RESIDENT_BLOCKS)
         if config.weight_prefetch:   # W is a weight: ask for it before waiting for the kernel before (docstring)
             if tx < WG:
                 prefetch_weights(W, bx, tx)
@@ -978,8 +953,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         T.tvm_storage_sync("shared")
         # g = r * KT + t counts k steps over all of this block's tiles: slot g % ST, phase g // ST
         if wg == 0:
-            if SETMAXNREG:
-                T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
+            T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
             if TMA:
                 if wt == 0:          # one thread issues every copy
                     produce_tma(maps, base, flag, bx)
@@ -988,8 +962,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             if NORM:
                 norm_barriers()
         else:
-            if SETMAXNREG:
-                T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
+            T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
             if EARLY > 0:   # the producer waits once its early W loads are out; the consumers before any store
                 T.ptx["griddepcontrol.wait"]()
                 T.ptx["griddepcontrol.launch_dependents"]()

@@ -131,7 +131,8 @@ class _Templates:
             template = get_template(name)
             choice = self.chooser.knobs(template, shape, dtype, options)
             if self.gemm_knobs and name.endswith("_wgmma") and choice.knobs is not None:
-                choice = self._with_gemm_knobs(template, shape, dtype, choice)
+                choice = dataclasses.replace(choice, knobs={**choice.knobs, **_merged_gemm_knobs(choice.knobs,
+                                                                                                  self.gemm_knobs)})
             func = template.primfunc(shape, dtype, **options)
             if self.schedule and name.endswith("_wgmma") and choice.knobs is not None:
                 func = template.kernel(shape, dtype, choice.knobs, **options)
@@ -146,15 +147,6 @@ class _Templates:
             self.mod = builder.get()
             self.functions[key] = (gv, choice)
         return self.functions[key]
-
-    def _with_gemm_knobs(self, template, shape: dict, dtype: str, choice: KnobChoice) -> KnobChoice:
-        """``choice`` with the ``gemm_knobs`` merged in (:func:`_merged_gemm_knobs`). ``co_resident: False`` cannot
-        be merged into a co-resident set (its 64 columns are co-resident only): it replaces the set by the space's
-        first set that is not co-resident, the one the GEMM ran before co-resident sets existed."""
-        knobs = choice.knobs
-        if self.gemm_knobs.get("co_resident") is False and knobs.get("co_resident"):
-            knobs = next(kn for kn in template.knob_space(shape, dtype) if not kn.get("co_resident"))
-        return dataclasses.replace(choice, knobs={**knobs, **_merged_gemm_knobs(knobs, self.gemm_knobs)})
 
     @staticmethod
     def _scheduled(template, func, choice: KnobChoice) -> tvm.tirx.PrimFunc:
