@@ -59,6 +59,8 @@ import dataclasses
 import json
 import math
 
+import numpy as np
+
 import tvm
 from tvm import relax
 from tvm.ir.expr import Constant
@@ -161,6 +163,8 @@ class _Templates:
         """A call of template ``name``; ``out_shape`` its output's shape, or a list of shapes for a template with
         several outputs (the call returns a tuple)."""
         gv, choice = self.function(name, shape, dtype, eps)
+        if name.endswith("_wgmma") and (choice.knobs or {}).get("stream_k"):
+            args = [*args, _stream_k_counters(name, shape, choice.knobs)]
         stage = {"template": name, "shape": shape, "dtype": dtype, **({"eps": eps} if eps is not None else {}),
                  **choice.to_json()}
         out_ty = ([relax.TensorType(list(s), dtype) for s in out_shape] if isinstance(out_shape, list)
@@ -195,6 +199,15 @@ class _Templates:
             call = relax.op.strided_slice(call, axes=[0], begin=[0], end=[m])
             note = f"rows padded {m} -> {rows}" + (f"; {note}" if note else "")
         return call, stage, note
+
+
+def _stream_k_counters(name: str, shape: dict, knobs: dict) -> Constant:
+    """The zeros a ``stream_k`` GEMM kernel counts its shared tiles' parts in (an input it leaves zero again at
+    every call: :mod:`stof_tvm.schedules.templates.wgmma_kernel`). Stored with the module's constants, so it is
+    zero when the module loads; calls of the module must not overlap on two streams."""
+    from stof_tvm.schedules.templates import get_template
+
+    return relax.const(np.zeros(get_template(name).counter_words(shape, knobs), "int32"), "int32")
 
 
 def _cast_const(const: Constant, dtype: str) -> Constant:
