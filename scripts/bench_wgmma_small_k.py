@@ -896,11 +896,12 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
             w_kn = w.t().contiguous() if w_kn is None else w_kn
             own_args = [a, w_kn] + args_in[2:]
         entry = {"knobs": info["knobs"], "new": info["new"]}
-        counters = None
-        if info["knobs"].get("stream_k"):   # its zeros, which every call leaves zero again
-            counters = torch.zeros(get_template(name).counter_words(shape, info["knobs"]), dtype=torch.int32,
-                                   device=dev)
+        counters, outputs = None, []
+        if info["knobs"].get("stream_k"):   # its zeros, which every call leaves zero again, and its workspace
+            words, floats = get_template(name).stream_k_buffers(shape, info["knobs"])
+            counters = torch.zeros(words, dtype=torch.int32, device=dev)
             own_args = own_args + [counters]
+            outputs = [torch.empty(floats, dtype=torch.float32, device=dev)]
         if passed is not None and key not in passed:
             row["kernels"][key] = dict(entry, error="skipped: not passed by the check process")
             continue
@@ -916,7 +917,7 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
         padded_out = torch.full((ref.shape[0] + guard, *ref.shape[1:]), float("nan"), device=dev,
                                 dtype=torch.float16)
         out = padded_out[:ref.shape[0]]   # the first rows: the kernel's output; the rest must stay NaN
-        tv = [tvm.runtime.from_dlpack(t) for t in own_args + [out]]
+        tv = [tvm.runtime.from_dlpack(t) for t in own_args + [out] + outputs]
         try:
             func(*tv)
         except Exception as err:  # a launch the runtime refuses (e.g. a cluster it cannot place) is a result

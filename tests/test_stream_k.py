@@ -117,11 +117,14 @@ def test_without_the_knob_the_kernel_is_unchanged():
             == cuda_source(build_kernel("gemm_bias_wgmma", FFN_DOWN, "float16", dict(pick, stream_k=False))))
 
 
-def test_the_kernel_takes_the_counters_before_its_output_and_publishes_each_part():
-    """Parameters A, W, bias, counters, out; the source fences each part before one atomic add per warp, and reads
-    the parts back at gpu scope (not through the SM's incoherent L1)."""
+def test_the_kernel_takes_counters_and_a_workspace_and_publishes_each_part():
+    """Parameters A, W, bias, counters, out, workspace (the caller allocates it: nothing is allocated inside, where a
+    CUDA graph capture would forbid it); the source fences each part before one atomic add per warp, and reads the
+    parts back at gpu scope (not through the SM's incoherent L1)."""
     func = get_template("gemm_bias_wgmma").kernel(FFN_DOWN, "float16", STREAM)
-    assert [p.name for p in func.params] == ["A", "W", "bias_buf", "counters", "out"]
+    assert [p.name for p in func.params] == ["A", "W", "bias_buf", "counters", "out", "ws"]
+    counters, workspace = get_template("gemm_bias_wgmma").stream_k_buffers(FFN_DOWN, STREAM)
+    assert (counters, workspace) == (13 * 4 * 8, 132 * 2 * 256 * 96)   # tiles x warps; blocks x 2 parts x fragments
     src = cuda_source(build_kernel("gemm_bias_wgmma", FFN_DOWN, "float16", STREAM))
     assert "counters_ptr" in SIGNATURE.search(src).group(1)
     body = src[SIGNATURE.search(src).end():]
@@ -147,9 +150,10 @@ def test_ptxas_reports_no_spills_and_no_warning(name, shape, tmp_path):
     assert report["warnings"] == []
 
 
-def test_the_compile_path_passes_zero_counters():
-    """A stream-K GEMM's call gets an int32 zeros constant of its counter count after its inputs; a call without
-    the knob gets none."""
+def test_the_compile_path_passes_zero_counters_and_takes_the_workspace_as_an_output():
+    """A stream-K GEMM's call gets an int32 zeros constant of its counter count after its inputs and a float32
+    workspace as a second output (memory planning places it); the model uses the first output. A call without the
+    knob is a plain call_tir."""
     from stof_tvm.compiler.downstream import _Templates
 
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a", "max_threads_per_block": 1024,
@@ -157,17 +161,19 @@ def test_the_compile_path_passes_zero_counters():
     x = relax.Var("x", relax.TensorType([1576, 3072], "float16"))
     w = relax.Var("w", relax.TensorType([768, 3072], "float16"))
     b = relax.Var("b", relax.TensorType([768], "float16"))
-    for knobs, extra in ((STREAM, True), ({}, False)):
-        templates = _Templates(tvm.IRModule(), target, None, "wgmma", schedule=False,
-                               gemm_knobs=dict(knobs, early_weights=False) if knobs else None)
-        call, stage = templates.call("gemm_bias_wgmma", FFN_DOWN, "float16", [x, w, b], (1576, 768))
-        args = list(call.args[1])
-        assert len(args) == 3 + extra
-        if extra:
-            counters = args[-1].value.numpy()
-            assert counters.dtype == np.int32 and not counters.any()
-            words = get_template("gemm_bias_wgmma").counter_words(FFN_DOWN, stage["knobs"])
-            assert counters.size == words == 13 * 4 * 8   # tiles x consumer warps
+    stream = _Templates(tvm.IRModule(), target, None, "wgmma", schedule=False,
+                        gemm_knobs=dict(STREAM, early_weights=False))
+    got, stage = stream.call("gemm_bias_wgmma", FFN_DOWN, "float16", [x, w, b], (1576, 768))
+    assert isinstance(got, relax.TupleGetItem) and got.index == 0
+    args = list(got.tuple_value.args[1])
+    counters, workspace = get_template("gemm_bias_wgmma").stream_k_buffers(FFN_DOWN, stage["knobs"])
+    zeros = args[3].value.numpy()
+    assert len(args) == 4 and zeros.dtype == np.int32 and zeros.size == counters and not zeros.any()
+    outputs = got.tuple_value.ty_args[0].fields
+    assert [list(o.shape) for o in outputs] == [[1576, 768], [workspace]] and outputs[1].dtype == "float32"
+    plain = _Templates(tvm.IRModule(), target, None, "wgmma", schedule=False)
+    got, _ = plain.call("gemm_bias_wgmma", FFN_DOWN, "float16", [x, w, b], (1576, 768))
+    assert len(got.args[1]) == 3
 
 
 def test_gpu_plan_s22_times_each_pick_beside_its_stream_k_sets():

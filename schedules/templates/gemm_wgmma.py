@@ -46,7 +46,8 @@ sets without (session 10, ``--plan s10gemm`` at 2a96759: e.g. 128 x 192 at the Q
 0.0531 ms at 2 / 4 against 0.0255, FFN down 0.0494 / 0.0832 against 0.0283), and removed again. ``stream_k``
 (persistent cooperative TMA sets: one block per SM on an equal share of all tiles' k steps, for GEMMs whose tiles
 fill the last wave badly) is in no space yet: a knob set names it (``gemm_knobs``, ``--plan s22streamk``), and its
-kernel takes zero counters before its output (:meth:`WgmmaKernelMixin.counter_words`; the compile path passes them).
+kernel takes zero counters before its output and a workspace after it (:meth:`WgmmaKernelMixin.stream_k_buffers`;
+the compile path passes both).
 
 Knob order (the first set is the untuned choice of the compile path): the staged sets come first, led by the ones the
 H200 measured fastest (:data:`MEASURED_FIRST`, led by the first whose tiles leave the busiest SM about as few outputs as
@@ -72,10 +73,10 @@ from .gemm_layernorm import GemmLayerNormTemplate
 from .layernorm import layernorm_compute
 from .qkv import QKVTemplate
 from .registry import H200, Hardware, Template, register
-from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_M_CHOICES, BLOCK_N_CHOICES, CONSUMER_REGS, CONSUMER_WARPS,
-                           LAUNCH_REGISTERS, MAX_NORM_CLUSTER, PINGPONG_TILE_M, PORTABLE_SPLIT_K, SPLIT_K_CHOICES,
-                           STAGE_CHOICES, TALL_PINGPONG_N, THREADS, WgmmaConfig, check_wgmma_shape, grid_blocks,
-                           row_tiles, wgmma_gemm_primfunc)
+from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_M_CHOICES, BLOCK_N_CHOICES, CONSUMER_REGS, LAUNCH_REGISTERS,
+                           MAX_NORM_CLUSTER, PINGPONG_TILE_M, PORTABLE_SPLIT_K, SPLIT_K_CHOICES, STAGE_CHOICES,
+                           TALL_PINGPONG_N, THREADS, WgmmaConfig, check_wgmma_shape, grid_blocks, row_tiles,
+                           stream_k_buffers, wgmma_gemm_primfunc)
 
 ARCH = "sm_90a"
 TALL_BLOCK_M = max(BLOCK_M_CHOICES)   # 256-row cooperative tiles: 128 rows per consumer warpgroup
@@ -316,14 +317,15 @@ class WgmmaKernelMixin:
             return None
         return wave
 
-    def counter_words(self, shape, knobs) -> int:
-        """Length of the int32 counters input a ``stream_k`` kernel takes before its output (zeros, and left zeros
-        by every call: one per tile and consumer warp); 0 for the other knob sets, which take none."""
+    def stream_k_buffers(self, shape, knobs) -> tuple[int, int]:
+        """What a ``stream_k`` kernel takes beyond the GEMM's (:func:`.wgmma_kernel.stream_k_buffers`): the length of
+        its int32 counters, an input before its output (zeros, left zeros by every call), and of its float32
+        workspace, a second output after it. (0, 0) for the other knob sets, which take neither."""
         config = self.config(knobs)
         if not config.stream_k:
-            return 0
+            return 0, 0
         m, n, _ = self.gemm_dims(shape)
-        return row_tiles(m, config.tile_m) * (n // config.block_n) * CONSUMER_WARPS
+        return stream_k_buffers(config, row_tiles(m, config.tile_m) * (n // config.block_n), H200.sm_count)
 
     def stored_rows(self, shape) -> int:
         """Rows of the output the kernel stores (the GEMM's m; the QKV projection's batch * seq)."""

@@ -121,9 +121,10 @@ cooperative 128-row tiles loaded by TMA only): where a GEMM's tiles fill the SMs
 tokens: 100 tiles of its FFN down for 132 SMs), the kernel launches one block per SM and gives each an equal share of
 all tiles' k steps in order (:func:`stream_k_start`), so a tile's steps may be split between consecutive blocks. A
 block clears its accumulators at each tile it starts; a tile whose steps were all its own it stores; otherwise each
-of its consumer warps writes its float32 fragment of the tile to a global workspace (two slots a block: the part of
-its first tile and of its last), fences it and adds one to an int32 counter of that tile's rows of that warp, an
-input of the kernel (``counters``, after the bias) that is zero before every call. The warp that brings the counter
+of its consumer warps writes its float32 fragment of the tile to a workspace (two slots a block: the part of its
+first tile and of its last; a second output of the kernel, ``ws`` after ``out``, which the caller allocates, so that
+no allocation happens while a CUDA graph is captured), fences it and adds one to an int32 counter of that tile's rows
+of that warp (``counters``, an input after the bias, zero before every call). The warp that brings the counter
 to the tile's number of parts adds all of them up in block order (the same sum, to the bit, whichever warp is last),
 sets the counter back to zero and runs the epilogue. No block ever waits for another, so neither the order blocks
 start in nor the GPU's SM count can deadlock it.
@@ -357,6 +358,12 @@ def stream_k_start(block, total_steps: int, grid: int):
     return block * total_steps // grid
 
 
+def stream_k_buffers(config: WgmmaConfig, tiles: int, sm_count: int) -> tuple[int, int]:
+    """``stream_k``'s buffers beyond the GEMM's: (int32 counters, one per tile and consumer warp; float32 workspace,
+    two partial tiles of every consumer thread's accumulators per block)."""
+    return tiles * CONSUMER_WARPS, grid_blocks(config, tiles, sm_count) * 2 * (2 * WG) * config.acc_registers
+
+
 def stream_k_block(step, total_steps: int, grid: int):
     """``stream_k``: the block whose steps include ``step`` (the inverse of :func:`stream_k_start`)."""
     return ((step + 1) * grid - 1) // total_steps
@@ -495,15 +502,16 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     # early_weights: the first EARLY k steps' W tiles go into their slots before the dependent launch wait
     EARLY = min(ST, KS) if config.early_weights else 0
     # stream_k: GRID blocks share the SK_STEPS k steps of all tiles (stream_k_start); a block leaves at most two float32
-    # partial tiles (of its first and its last tile) in a global workspace, SK_SLOT floats each; one counter per tile
-    # and consumer warp (SK_COUNTERS, zero between calls) counts the blocks that have left their part of its rows
+    # partial tiles (of its first and its last tile) in a workspace (a second output, SK_WORKSPACE floats: the caller
+    # allocates it, as a CUDA graph needs), SK_SLOT floats each; one counter per tile and consumer warp (SK_COUNTERS,
+    # an input that is zero between calls) counts the blocks that have left their part of its rows
     STREAM = config.stream_k
     SK_STEPS = NUM_TILES * KS
     if STREAM and SK_STEPS < GRID:
         raise ValueError(f"stream_k: {SK_STEPS} k steps in all are fewer than the {GRID} blocks")
     ACC = HALVES * NACC
     SK_SLOT = 2 * WG * ACC
-    SK_COUNTERS = NUM_TILES * CONSUMER_WARPS
+    SK_COUNTERS, SK_WORKSPACE = stream_k_buffers(config, NUM_TILES, sm_count)
     FULL_WARP = T.uint32(0xFFFFFFFF)
 
     def tile_of(bx, r):
@@ -1155,7 +1163,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             cluster_sync()
 
     @T.macro
-    def blocks(A, W, bias_buf, out, maps, norm, sk):
+    def body(A, W, bias_buf, out, maps, norm, sk):
         for bx in T.thread_binding(GRID, thread="blockIdx.x"):
             if CLUSTER > 1:
                 for cr in T.thread_binding(CLUSTER, thread="clusterCtaIdx.x"):
@@ -1166,15 +1174,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     block(A, W, bias_buf, out, maps, norm, sk, bx, 0, tx)
 
     @T.macro
-    def body(A, W, bias_buf, out, maps, norm, counters):
-        if STREAM:   # the blocks' partial tiles (module docstring)
-            ws = T.alloc_buffer((GRID * 2 * SK_SLOT,), "float32", scope="global")
-            blocks(A, W, bias_buf, out, maps, norm, (counters, ws))
-        else:
-            blocks(A, W, bias_buf, out, maps, norm, None)
-
-    @T.macro
-    def launch(A, W, bias_buf, out, norm, counters):
+    def launch(A, W, bias_buf, out, norm, sk):
         """The kernel, after (TMA) the host-side encoding of A's and W's maps from their device pointers, at every
         call: the maps travel as ``__grid_constant__`` kernel parameters."""
         if TMA:
@@ -1182,9 +1182,9 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             w_map: T.let = T.tvm_stack_alloca("tensormap", 1)
             T.evaluate(encode_tensor_map(a_map, T.address_of(A[0, 0]), A_MAP))
             T.evaluate(encode_tensor_map(w_map, T.address_of(W[0, 0]), W_MAP))
-            body(A, W, bias_buf, out, (a_map, w_map), norm, counters)
+            body(A, W, bias_buf, out, (a_map, w_map), norm, sk)
         else:
-            body(A, W, bias_buf, out, (None, None), norm, counters)
+            body(A, W, bias_buf, out, (None, None), norm, sk)
 
     @T.macro
     def launch_norm(a_h, w_h, bias_h, res_h, gamma_h, beta_h, sum_h, out_h):
@@ -1216,14 +1216,16 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             launch_norm(a_h, w_h, bias_h, res_h, gamma_h, beta_h, None, out_h)
     elif bias and STREAM:
         @T.prim_func
-        def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, counters_h: T.handle, out_h: T.handle):
+        def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, counters_h: T.handle, out_h: T.handle,
+                   ws_h: T.handle):
             T.func_attr({"tirx.noalias": True, "global_symbol": "gemm_wgmma"})
             A = T.match_buffer(a_h, (m, k), DT)
             W = T.match_buffer(w_h, (n, k), DT)
             bias_buf = T.match_buffer(bias_h, (n,), DT)
             counters = T.match_buffer(counters_h, (SK_COUNTERS,), "int32")
             out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            launch(A, W, bias_buf, out, None, counters)
+            ws = T.match_buffer(ws_h, (SK_WORKSPACE,), "float32")
+            launch(A, W, bias_buf, out, None, (counters, ws))
     elif bias:
         @T.prim_func
         def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, out_h: T.handle):
@@ -1235,13 +1237,14 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             launch(A, W, bias_buf, out, None, None)
     elif STREAM:
         @T.prim_func
-        def kernel(a_h: T.handle, w_h: T.handle, counters_h: T.handle, out_h: T.handle):
+        def kernel(a_h: T.handle, w_h: T.handle, counters_h: T.handle, out_h: T.handle, ws_h: T.handle):
             T.func_attr({"tirx.noalias": True, "global_symbol": "gemm_wgmma"})
             A = T.match_buffer(a_h, (m, k), DT)
             W = T.match_buffer(w_h, (n, k), DT)
             counters = T.match_buffer(counters_h, (SK_COUNTERS,), "int32")
             out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            launch(A, W, None, out, None, counters)
+            ws = T.match_buffer(ws_h, (SK_WORKSPACE,), "float32")
+            launch(A, W, None, out, None, (counters, ws))
     else:
         @T.prim_func
         def kernel(a_h: T.handle, w_h: T.handle, out_h: T.handle):

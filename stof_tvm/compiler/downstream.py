@@ -163,10 +163,10 @@ class _Templates:
         """A call of template ``name``; ``out_shape`` its output's shape, or a list of shapes for a template with
         several outputs (the call returns a tuple)."""
         gv, choice = self.function(name, shape, dtype, eps)
-        if name.endswith("_wgmma") and (choice.knobs or {}).get("stream_k"):
-            args = [*args, _stream_k_counters(name, shape, choice.knobs)]
         stage = {"template": name, "shape": shape, "dtype": dtype, **({"eps": eps} if eps is not None else {}),
                  **choice.to_json()}
+        if name.endswith("_wgmma") and (choice.knobs or {}).get("stream_k"):
+            return _stream_k_call(gv, name, shape, dtype, choice.knobs, args, out_shape), stage
         out_ty = ([relax.TensorType(list(s), dtype) for s in out_shape] if isinstance(out_shape, list)
                   else relax.TensorType(list(out_shape), dtype))
         return relax.call_tir(gv, args, out_ty=out_ty), stage
@@ -201,13 +201,17 @@ class _Templates:
         return call, stage, note
 
 
-def _stream_k_counters(name: str, shape: dict, knobs: dict) -> Constant:
-    """The zeros a ``stream_k`` GEMM kernel counts its shared tiles' parts in (an input it leaves zero again at
-    every call: :mod:`stof_tvm.schedules.templates.wgmma_kernel`). Stored with the module's constants, so it is
-    zero when the module loads; calls of the module must not overlap on two streams."""
+def _stream_k_call(gv, name: str, shape: dict, dtype: str, knobs: dict, args: list, out_shape) -> relax.Expr:
+    """A ``stream_k`` GEMM's call (:mod:`stof_tvm.schedules.templates.wgmma_kernel`): its inputs, then the zeros it
+    counts shared tiles' parts in (a constant of the module, so zero when it loads; every call leaves it zero
+    again, so calls of the module must not overlap on two streams); its output, then its float32 workspace, a second
+    output that memory planning places like any other (nothing is allocated while a CUDA graph is captured)."""
     from stof_tvm.schedules.templates import get_template
 
-    return relax.const(np.zeros(get_template(name).counter_words(shape, knobs), "int32"), "int32")
+    counters, workspace = get_template(name).stream_k_buffers(shape, knobs)
+    call = relax.call_tir(gv, [*args, relax.const(np.zeros(counters, "int32"), "int32")],
+                          out_ty=[relax.TensorType(list(out_shape), dtype), relax.TensorType([workspace], "float32")])
+    return relax.TupleGetItem(call, 0)
 
 
 def _cast_const(const: Constant, dtype: str) -> Constant:
