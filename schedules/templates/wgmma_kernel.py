@@ -268,8 +268,7 @@ class WgmmaConfig:
                              "no early_weights or weight_prefetch")
         if self.norm_rows not in (True, False):
             raise ValueError(f"norm_rows must be a bool, got {self.norm_rows!r}")
-        if self.norm_rows and (self.persistent or self.pingpong or self.block_m != BLOCK_M or self.split_k > 1
-                               or self.stream_k):
+        if self.norm_rows and (self.persistent or self.pingpong or self.block_m != BLOCK_M or self.split_k > 1):
             raise ValueError("norm_rows is one cooperative 128-row tile per block, the row tile's blocks one cluster: "
                              "persistent and pingpong must be False, block_m 128 and split_k 1")
 
