@@ -133,20 +133,6 @@ and FFN down's pick at 4096 rows (:data:`S21_CASES`); timed as the default plan,
                 "--clock-control none -k regex:gemm_wgmma --set full -o $OUT/prof python3 "
                 "scripts/bench_wgmma_small_k.py run --plan s21gelu --only check",
         carry=[".devkit/runtime.tar.xz", ".devkit/bootstrap.sh", "out/s21gelu"], timeout_s=300)
-
-``--plan s22streamk`` (issue 17; default folder ``out/s22streamk``, 15 modules): the ``stream_k`` knob (one block
-per SM on an equal share of all tiles' k steps, :mod:`stof_tvm.schedules.templates.wgmma_kernel`) at ViT-Base's four
-GEMMs at 8 x 197 tokens and RoBERTa-base's FFN down at 4096 rows (:data:`S22_CASES`), beside each pick. A stream-K
-module also gets its zero counters, is called twice (the same bits: parts summed in block order) and must leave the
-counters zero; a kernel that faults leaves the context unusable, so check first in one process, then time in
-another::
-
-    .venv/bin/python scripts/bench_wgmma_small_k.py build --plan s22streamk
-    run(command="source .devkit/bootstrap.sh && python3 -m pip install -q --no-deps --no-build-isolation --no-index "
-                "-e . && { python3 scripts/bench_wgmma_small_k.py run --plan s22streamk --only check "
-                "--json $OUT/s22_checks.json; python3 scripts/bench_wgmma_small_k.py run --plan s22streamk "
-                "--only time --skip-failed-in $OUT/s22_checks.json --json $OUT/s22.json; }",
-        carry=[".devkit/runtime.tar.xz", ".devkit/bootstrap.sh", "out/s22streamk"], timeout_s=300)
 """
 from __future__ import annotations
 
@@ -406,24 +392,6 @@ S18_CANDIDATES = {
     # pick split 8 (6 steps), 48 blocks
     ("gemm_bias_wgmma", 128, 768, 3072): [_s18(128, 4, 12), _s18(128, 3, 16)],                        # 72, 96
 }
-# --plan s22streamk: ViT-Base's four GEMMs at 8 x 197 tokens (1576 rows), whose picks leave 14-27% of the SMs' time
-# idle in their last wave (H100, session 22, ncu: FFN down and the attention output 100 tiles for 132 SMs, the GELU
-# GEMM 208, the QKV projection 234), and RoBERTa-base's FFN down at 4096 rows (whole waves: what stream-K costs
-# where there is nothing to balance): per case the pick, then the stream_k sets of 128 x 192 and 128 x 128
-# cooperative tiles (staged, TMA; the erf GELU in its float16-pair form)
-S22_CASES = [case for case in RAGGED_CASES if case[1].get("m", 0) == 1576 or case[1].get("batch") == 8] + [
-    ("gemm_bias_wgmma", {"m": 4096, "n": 768, "k": 3072})]
-S22_STREAM = {"stages": 4, "persistent": True, "pingpong": False, "staged": True, "loads": "tma", "stream_k": True}
-
-
-def s22_knob_sets(name, shape, space) -> list[dict]:
-    """``--plan s22streamk``: the knob space's first set, then its ``stream_k`` sets (:data:`S22_STREAM`) of the
-    tile widths that divide n."""
-    _, n, _ = gemm_dims(name, shape)
-    gelu = {"fast_gelu": True, "gelu_form": "half"} if name == "gemm_bias_gelu_erf_wgmma" else {}
-    return [space[0]] + [dict(S22_STREAM, block_n=bn, **gelu) for bn in (192, 128) if n % bn == 0]
-
-
 GRAPH_CALLS = 24   # s18small: calls per captured graph, as many as a 24-layer model runs of each GEMM
 BIG_PLANS = ("s11big", "s11large", "s12gelu", "s13small", "s18small")   # sets timed sustained, one at a time too
 SUSTAINED_MS = 50.0   # BIG_PLANS: each sustained sample this long (back-to-back calls, as in a whole forward)
@@ -433,8 +401,7 @@ PLANS = {"small_k": (CASES, OUT), "s8tma": (TMA_CASES, ROOT / "out" / "s8gemm_tm
          "s10gemm": (S10_CASES, ROOT / "out" / "s10gemm"), "s10ragged": (RAGGED_CASES, ROOT / "out" / "s10ragged"),
          "s11big": (BIG_CASES, ROOT / "out" / "s11big"), "s11large": (LARGE_CASES, ROOT / "out" / "s11large"),
          "s12gelu": (S12_CASES, ROOT / "out" / "s12gelu"), "s13small": (S13_CASES, ROOT / "out" / "s13small"),
-         "s18small": (S18_CASES, ROOT / "out" / "s18small"), "s21gelu": (S21_CASES, ROOT / "out" / "s21gelu"),
-         "s22streamk": (S22_CASES, ROOT / "out" / "s22streamk")}
+         "s18small": (S18_CASES, ROOT / "out" / "s18small"), "s21gelu": (S21_CASES, ROOT / "out" / "s21gelu")}
 # --plan s9splitk: the compile path's wgmma knobs before split-K and the knob order by wave efficiency (commit
 # 098a891; GEMMs with fewer than WGMMA_MIN_TILES 128 x 128 tiles ran the mma.sync template the model ranks first)
 HEAD_WGMMA = {"block_n": 192, "stages": 3, "persistent": True, "pingpong": False, "block_m": 256, "staged": True}
@@ -460,8 +427,6 @@ def is_new(knobs, plan: str = "", default: bool | None = None) -> bool:
         return knobs.get("split_k", 1) > 1
     if plan in ("s9wide", "s10ragged", *BIG_PLANS):
         return default is False
-    if plan == "s22streamk":
-        return bool(knobs.get("stream_k"))
     if plan == "s10gemm":   # the 128 x 192 ping-pong tiles (block_m 256 with pingpong)
         return knobs.get("pingpong", False) and knobs.get("block_m", 128) == 256
     if "loads" in knobs:
@@ -478,8 +443,7 @@ def knob_tag(knobs) -> str:
             f"{'_k' + str(knobs['split_k']) if knobs.get('split_k', 1) > 1 else ''}"
             f"{'_' + knobs['loads'].replace('.', '') if 'loads' in knobs else ''}"
             f"{'_' + knobs['gelu_form'] if 'gelu_form' in knobs else ''}"
-            f"{'_wp' if knobs.get('weight_prefetch') else ''}{'_ew' if knobs.get('early_weights') else ''}"
-            f"{'_sk' if knobs.get('stream_k') else ''}")
+            f"{'_wp' if knobs.get('weight_prefetch') else ''}{'_ew' if knobs.get('early_weights') else ''}")
 
 
 def splitk_knob_sets(name, shape, space) -> list[dict]:
@@ -671,7 +635,6 @@ def build(args) -> None:
                   "s13small": lambda sp: small_rows_knob_sets(name, shape, sp),
                   "s18small": lambda sp: small_rows_knob_sets(name, shape, sp, "s18small"),
                   "s21gelu": lambda sp: s21_knob_sets(name, shape, sp),
-                  "s22streamk": lambda sp: s22_knob_sets(name, shape, sp),
                   }.get(args.plan, choose_knobs)(space)
         for knobs in chosen:
             key = f"{ckey}__{knob_tag(knobs)}"
@@ -865,8 +828,6 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
     all; ``row``: the case's row so far (the check process's second pass), else a new one."""
     import os
 
-    from stof_tvm.schedules.templates import get_template
-
     dev = torch.device("cuda")
     m, n, k = case["gemm"]
     a, w, bias = case_inputs(torch, case)
@@ -896,12 +857,6 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
             w_kn = w.t().contiguous() if w_kn is None else w_kn
             own_args = [a, w_kn] + args_in[2:]
         entry = {"knobs": info["knobs"], "new": info["new"]}
-        counters, outputs = None, []
-        if info["knobs"].get("stream_k"):   # its zeros, which every call leaves zero again, and its workspace
-            words, floats = get_template(name).stream_k_buffers(shape, info["knobs"])
-            counters = torch.zeros(words, dtype=torch.int32, device=dev)
-            own_args = own_args + [counters]
-            outputs = [torch.empty(floats, dtype=torch.float32, device=dev)]
         if passed is not None and key not in passed:
             row["kernels"][key] = dict(entry, error="skipped: not passed by the check process")
             continue
@@ -917,7 +872,7 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
         padded_out = torch.full((ref.shape[0] + guard, *ref.shape[1:]), float("nan"), device=dev,
                                 dtype=torch.float16)
         out = padded_out[:ref.shape[0]]   # the first rows: the kernel's output; the rest must stay NaN
-        tv = [tvm.runtime.from_dlpack(t) for t in own_args + [out] + outputs]
+        tv = [tvm.runtime.from_dlpack(t) for t in own_args + [out]]
         try:
             func(*tv)
         except Exception as err:  # a launch the runtime refuses (e.g. a cluster it cannot place) is a result
@@ -935,15 +890,12 @@ def run_case(case, keys, modules, torch, tvm, args, passed, row, checkpoint) -> 
             entry["rows_past_m_untouched"] = bool(torch.isnan(padded_out[ref.shape[0]:]).all())
             entry["correct"] = entry["correct"] and entry["rows_past_m_untouched"]
         split = info["knobs"].get("split_k", 1) > 1
-        if (split or counters is not None) and args.only != "time":   # parts summed in a fixed order: the same bits
+        if split and args.only != "time":   # split-K sums in rank order: the same bits
             first = out.clone()
             out.fill_(float("nan"))
             func(*tv)
             entry["deterministic"] = bool(torch.equal(out, first))
             entry["correct"] = entry["correct"] and entry["deterministic"]
-        if counters is not None:
-            entry["counters_zero"] = not bool(counters.any())
-            entry["correct"] = entry["correct"] and entry["counters_zero"]
         if entry["correct"] and args.only != "check":
             entry["ms"] = common.median_ms(lambda: func(*tv), args.iters, args.reps)
             entry["tflops"] = flops / entry["ms"] / 1e9

@@ -43,11 +43,7 @@ than half the SMs (RoBERTa-base at 1 x 128 tokens: 6-24 tiles, 24-96 blocks spli
 mma.sync templates on the H200, ``--plan s9splitk``), else they follow it. Clusters of 2 or 4 blocks sharing each W box
 by TMA multicast (W through L2 once per cluster) were built and measured on the H200 1.2-2.2x slower than the same
 sets without (session 10, ``--plan s10gemm`` at 2a96759: e.g. 128 x 192 at the QKV projection at 4096 rows 0.0344 /
-0.0531 ms at 2 / 4 against 0.0255, FFN down 0.0494 / 0.0832 against 0.0283), and removed again. ``stream_k``
-(persistent cooperative TMA sets: one block per SM on an equal share of all tiles' k steps, for GEMMs whose tiles
-fill the last wave badly) is in no space yet: a knob set names it (``gemm_knobs``, ``--plan s22streamk``), and its
-kernel takes zero counters before its output and a workspace after it (:meth:`WgmmaKernelMixin.stream_k_buffers`;
-the compile path passes both).
+0.0531 ms at 2 / 4 against 0.0255, FFN down 0.0494 / 0.0832 against 0.0283), and removed again.
 
 Knob order (the first set is the untuned choice of the compile path): the staged sets come first, led by the ones the
 H200 measured fastest (:data:`MEASURED_FIRST`, led by the first whose tiles leave the busiest SM about as few outputs as
@@ -76,7 +72,7 @@ from .registry import H200, Hardware, Template, register
 from .wgmma_kernel import (BLOCK_K, BLOCK_M, BLOCK_M_CHOICES, BLOCK_N_CHOICES, CONSUMER_REGS, LAUNCH_REGISTERS,
                            MAX_NORM_CLUSTER, PINGPONG_TILE_M, PORTABLE_SPLIT_K, SPLIT_K_CHOICES, STAGE_CHOICES,
                            TALL_PINGPONG_N, THREADS, WgmmaConfig, check_wgmma_shape, grid_blocks, row_tiles,
-                           stream_k_buffers, wgmma_gemm_primfunc)
+                           wgmma_gemm_primfunc)
 
 ARCH = "sm_90a"
 TALL_BLOCK_M = max(BLOCK_M_CHOICES)   # 256-row cooperative tiles: 128 rows per consumer warpgroup
@@ -224,8 +220,7 @@ class WgmmaKernelMixin:
                              fast_gelu=knobs.get("fast_gelu", False), gelu_form=knobs.get("gelu_form", "tail"),
                              loads=knobs.get("loads", "cp.async"), split_k=knobs.get("split_k", 1),
                              weight_prefetch=knobs.get("weight_prefetch", False),
-                             early_weights=knobs.get("early_weights", False),
-                             stream_k=knobs.get("stream_k", False), norm_rows=self.norm_rows)
+                             early_weights=knobs.get("early_weights", False), norm_rows=self.norm_rows)
         config.validate()
         return config
 
@@ -316,16 +311,6 @@ class WgmmaKernelMixin:
                             >= busiest_sm_outputs(m, n, config.tile_m, config.block_n, sm_count)):
             return None
         return wave
-
-    def stream_k_buffers(self, shape, knobs) -> tuple[int, int]:
-        """What a ``stream_k`` kernel takes beyond the GEMM's (:func:`.wgmma_kernel.stream_k_buffers`): the length of
-        its int32 counters, an input before its output (zeros, left zeros by every call), and of its float32
-        workspace, a second output after it. (0, 0) for the other knob sets, which take neither."""
-        config = self.config(knobs)
-        if not config.stream_k:
-            return 0, 0
-        m, n, _ = self.gemm_dims(shape)
-        return stream_k_buffers(config, row_tiles(m, config.tile_m) * (n // config.block_n), H200.sm_count)
 
     def stored_rows(self, shape) -> int:
         """Rows of the output the kernel stores (the GEMM's m; the QKV projection's batch * seq)."""

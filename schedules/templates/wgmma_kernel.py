@@ -116,19 +116,6 @@ one module after another, 0.98-0.99x at 1 x 128 tokens (split-K sets, already pr
 and 1576 (within the spread between runs), 1.00x at 32768; session 21, timed interleaved (the spread then 0.3%),
 1.015x at 4096 rows, 1.038x at 1576 and 1.000x at 32768: so the unsplit sets take it.
 
-An eighth, ``stream_k`` (off by default and in no knob space yet: the kernels above byte for byte; persistent
-cooperative 128-row tiles loaded by TMA only): where a GEMM's tiles fill the SMs' last wave badly (ViT-Base at 8 x 197
-tokens: 100 tiles of its FFN down for 132 SMs), the kernel launches one block per SM and gives each an equal share of
-all tiles' k steps in order (:func:`stream_k_start`), so a tile's steps may be split between consecutive blocks. A
-block clears its accumulators at each tile it starts; a tile whose steps were all its own it stores; otherwise each
-of its consumer warps writes its float32 fragment of the tile to a workspace (two slots a block: the part of its
-first tile and of its last; a second output of the kernel, ``ws`` after ``out``, which the caller allocates, so that
-no allocation happens while a CUDA graph is captured), fences it and adds one to an int32 counter of that tile's rows
-of that warp (``counters``, an input after the bias, zero before every call). The warp that brings the counter
-to the tile's number of parts adds all of them up in block order (the same sum, to the bit, whichever warp is last),
-sets the counter back to zero and runs the epilogue. No block ever waits for another, so neither the order blocks
-start in nor the GPU's SM count can deadlock it.
-
 Shapes must tile exactly: m % tile_m, n % block_n and k % 64 all zero, split_k must divide k / 64
 (:func:`check_wgmma_shape`). Build for ``arch="sm_90a"`` (``wgmma`` and ``setmaxnreg`` exist
 only there).
@@ -202,9 +189,7 @@ class WgmmaConfig:
     ``loads`` (``"cp.async"``, or ``"tma"``: one producer thread issues TMA boxes from tensor maps the host encodes
     at each call), ``split_k`` (blocks of one cluster sharing a tile's k steps, reduced through distributed
     shared memory), ``weight_prefetch`` (W's first tile asked of L2 before the dependent launch wait) and
-    ``early_weights`` (W's part of the ring's first slots loaded into shared memory before that wait) and
-    ``stream_k`` (one block per SM, each on an equal share of all tiles' k steps: a tile's steps may be split between
-    consecutive blocks, whose float32 partials the last of them to finish adds up before the epilogue).
+    ``early_weights`` (W's part of the ring's first slots loaded into shared memory before that wait).
     ``norm_rows`` is not a knob but the epilogue of the GEMM + bias + residual + LayerNorm template: the ``n / block_n``
     blocks of a row tile form one cluster and share their row statistics through distributed shared memory."""
 
@@ -220,7 +205,6 @@ class WgmmaConfig:
     split_k: int = 1
     weight_prefetch: bool = False
     early_weights: bool = False
-    stream_k: bool = False
     norm_rows: bool = False
 
     def validate(self) -> None:
@@ -259,13 +243,6 @@ class WgmmaConfig:
             raise ValueError(f"weight_prefetch must be a bool, got {self.weight_prefetch!r}")
         if self.early_weights not in (True, False):
             raise ValueError(f"early_weights must be a bool, got {self.early_weights!r}")
-        if self.stream_k not in (True, False):
-            raise ValueError(f"stream_k must be a bool, got {self.stream_k!r}")
-        if self.stream_k and (not self.persistent or self.pingpong or self.block_m != BLOCK_M or self.split_k > 1
-                              or self.loads != "tma" or self.early_weights or self.weight_prefetch):
-            raise ValueError("stream_k shares k steps between the cooperative 128-row tiles of persistent blocks "
-                             "loading by TMA: persistent True, pingpong False, block_m 128, split_k 1, loads 'tma', "
-                             "no early_weights or weight_prefetch")
         if self.norm_rows not in (True, False):
             raise ValueError(f"norm_rows must be a bool, got {self.norm_rows!r}")
         if self.norm_rows and (self.persistent or self.pingpong or self.block_m != BLOCK_M or self.split_k > 1):
@@ -342,30 +319,10 @@ def check_wgmma_shape(m: int, n: int, k: int, config: WgmmaConfig) -> None:
 
 def grid_blocks(config: WgmmaConfig, tiles: int, sm_count: int) -> int:
     """Thread blocks the kernel launches for ``tiles`` output tiles: one per SM walking tiles (persistent), else one
-    per tile and k slice; ``stream_k``: one per SM, however few the tiles."""
-    if config.stream_k:
-        return sm_count
+    per tile and k slice."""
     if config.persistent:
         return min(tiles, sm_count)
     return tiles * config.split_k
-
-
-def stream_k_start(block, total_steps: int, grid: int):
-    """``stream_k``: the first of block ``block``'s k steps, counted over all tiles (tile ``s // k_steps``, step ``s %
-    k_steps``); block b runs steps ``stream_k_start(b)`` to ``stream_k_start(b + 1) - 1``, ``total_steps / grid`` each
-    within one. An int, or a TIR expression in the kernel."""
-    return block * total_steps // grid
-
-
-def stream_k_buffers(config: WgmmaConfig, tiles: int, sm_count: int) -> tuple[int, int]:
-    """``stream_k``'s buffers beyond the GEMM's: (int32 counters, one per tile and consumer warp; float32 workspace,
-    two partial tiles of every consumer thread's accumulators per block)."""
-    return tiles * CONSUMER_WARPS, grid_blocks(config, tiles, sm_count) * 2 * (2 * WG) * config.acc_registers
-
-
-def stream_k_block(step, total_steps: int, grid: int):
-    """``stream_k``: the block whose steps include ``step`` (the inverse of :func:`stream_k_start`)."""
-    return ((step + 1) * grid - 1) // total_steps
 
 
 def tile_origin(tile, grid_n: int, tile_m: int, block_n: int):
@@ -500,18 +457,6 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     FENCE_REG = T.ptx["add.rn.f32"]
     # early_weights: the first EARLY k steps' W tiles go into their slots before the dependent launch wait
     EARLY = min(ST, KS) if config.early_weights else 0
-    # stream_k: GRID blocks share the SK_STEPS k steps of all tiles (stream_k_start); a block leaves at most two float32
-    # partial tiles (of its first and its last tile) in a workspace (a second output, SK_WORKSPACE floats: the caller
-    # allocates it, as a CUDA graph needs), SK_SLOT floats each; one counter per tile and consumer warp (SK_COUNTERS,
-    # an input that is zero between calls) counts the blocks that have left their part of its rows
-    STREAM = config.stream_k
-    SK_STEPS = NUM_TILES * KS
-    if STREAM and SK_STEPS < GRID:
-        raise ValueError(f"stream_k: {SK_STEPS} k steps in all are fewer than the {GRID} blocks")
-    ACC = HALVES * NACC
-    SK_SLOT = 2 * WG * ACC
-    SK_COUNTERS, SK_WORKSPACE = stream_k_buffers(config, NUM_TILES, sm_count)
-    FULL_WARP = T.uint32(0xFFFFFFFF)
 
     def tile_of(bx, r):
         """The output tile of block ``bx``'s round ``r``."""
@@ -672,30 +617,24 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         T.ptx["mbarrier.arrive.shared::cta.b64"](bar)
 
     @T.macro
-    def mma_slot(acc, flag, base, g, a_rows_offset):
-        """One k step of a consumer's main loop: wait for slot ``g % stages`` (the block's k step ``g``), issue its
-        wgmma (operand A ``a_rows_offset`` bytes into the slot's A tile: this consumer's rows) and keep one batch in
-        flight."""
-        wait_parity(flag, full_bar(base, g % ST), T.Cast("uint32", (g // ST) % 2))
-        if not TMA:   # cp.async wrote the slot through the generic proxy; wgmma reads it through the async one
-            T.ptx["fence.proxy.async.shared::cta"]()
-        a_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE + a_rows_offset)
-        b_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE + A_BYTES)
-        T.ptx["wgmma.fence.sync.aligned"]()
-        for kk in T.unroll(BLOCK_K // 16):
-            for q in T.unroll(HALVES):
-                mma_step(acc, descriptor(a_tile + T.uint32(q * 64 * ROW_BYTES + kk * 32)),
-                         descriptor(b_tile + T.uint32(kk * 32)), q * NACC)
-        T.ptx["wgmma.commit_group.sync.aligned"]()
-        T.ptx["wgmma.wait_group.sync.aligned"](1)
-
-    @T.macro
     def mma_tile(acc, flag, base, r, a_rows_offset, wt):
-        """The consumer main loop of round ``r``'s tile: per k step :func:`mma_slot`, then free the previous step's
-        slot."""
+        """The consumer main loop of round ``r``'s tile: per k step, wait for its slot, issue the step's wgmma
+        (operand A ``a_rows_offset`` bytes into the slot's A tile: this consumer's rows), keep one batch in flight and
+        free the previous step's slot."""
         for t in range(KS):
             g: T.let = r * KS + t
-            mma_slot(acc, flag, base, g, a_rows_offset)
+            wait_parity(flag, full_bar(base, g % ST), T.Cast("uint32", (g // ST) % 2))
+            if not TMA:   # cp.async wrote the slot through the generic proxy; wgmma reads it through the async one
+                T.ptx["fence.proxy.async.shared::cta"]()
+            a_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE + a_rows_offset)
+            b_tile: T.let = base + T.Cast("uint32", (g % ST) * STAGE + A_BYTES)
+            T.ptx["wgmma.fence.sync.aligned"]()
+            for kk in T.unroll(BLOCK_K // 16):
+                for q in T.unroll(HALVES):
+                    mma_step(acc, descriptor(a_tile + T.uint32(q * 64 * ROW_BYTES + kk * 32)),
+                             descriptor(b_tile + T.uint32(kk * 32)), q * NACC)
+            T.ptx["wgmma.commit_group.sync.aligned"]()
+            T.ptx["wgmma.wait_group.sync.aligned"](1)
             if t > 0:
                 release(empty_bar(base, (g - 1) % ST))
 
@@ -785,90 +724,6 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     if EARLY == 0 or g >= EARLY:   # static where there are no early loads
                         TMA_2D(a_dst + T.uint32(A_BYTES), T.address_of(maps[1]), T.int32(k_col(bx, t)), n0,
                                full_bar(base, g % ST))
-
-    @T.macro
-    def produce_stream(maps, base, flag, bx):
-        """``stream_k``'s TMA producer (one thread): the block's k steps in order (:func:`stream_k_start`), whatever
-        tiles they belong to, one slot each."""
-        T.ptx["prefetch.tensormap"](T.address_of(maps[0]))
-        T.ptx["prefetch.tensormap"](T.address_of(maps[1]))
-        first: T.let = stream_k_start(bx, SK_STEPS, GRID)
-        for it in range(first, stream_k_start(bx + 1, SK_STEPS, GRID)):
-            g: T.let = it - first
-            tile: T.let = it // KS
-            if g >= ST:
-                wait_parity(flag, empty_bar(base, g % ST), T.Cast("uint32", (g // ST - 1) % 2))
-            a_dst: T.let = base + T.Cast("uint32", (g % ST) * STAGE)
-            EXPECT_TX(full_bar(base, g % ST), T.uint32(A_MAP.box_bytes + W_MAP.box_bytes))
-            TMA_2D(a_dst, T.address_of(maps[0]), T.int32((it % KS) * BLOCK_K), tile_rows(tile),
-                   full_bar(base, g % ST))
-            TMA_2D(a_dst + T.uint32(A_BYTES), T.address_of(maps[1]), T.int32((it % KS) * BLOCK_K), tile_cols(tile),
-                   full_bar(base, g % ST))
-
-    @T.macro
-    def share_partial(acc, base, bx, wg, wt, warp, tile, first, out, bias_buf, sk, words):
-        """``stream_k``: this block's part of a tile shared between blocks. Each consumer warp writes its float32
-        fragment to the workspace (slot 0: the block's first tile, 1: its last) and fences it (``fence.acq_rel.gpu``),
-        then its lane 0 publishes it (one ``atom.add`` on the counter of the tile's rows of this warp). The warp that
-        brings the counter to the tile's number of parts sums every part in block order (the same sum whoever is
-        last: deterministic), resets the counter to zero for the next call and stores the rows. Nobody waits for
-        another block, so no launch order or SM count can deadlock it."""
-        counters, ws = sk
-        part = T.alloc_buffer((1,), "float32", scope="local")
-        arrived = T.alloc_buffer((1,), "int32", scope="local")   # parts of the tile's rows in before this one
-        ct: T.let = (wg - 1) * WG + wt
-        slot: T.let = bx * 2 + T.Select(tile == first // KS, 0, 1)
-        for i in T.unroll(ACC):
-            ws[(slot * ACC + i) * (2 * WG) + ct] = acc[i]
-        T.ptx["fence.acq_rel.gpu"]()
-        T.ptx["bar.warp.sync"](FULL_WARP)
-        if wt % 32 == 0:
-            T.ptx["atom.global.add.s32"](arrived[0], T.address_of(counters[tile * CONSUMER_WARPS + warp]), 1)
-        arrived[0] = T.tvm_warp_shuffle(FULL_WARP, arrived[0], 0, 32, 32)
-        lo: T.let = stream_k_block(tile * KS, SK_STEPS, GRID)
-        hi: T.let = stream_k_block(tile * KS + KS - 1, SK_STEPS, GRID)
-        if arrived[0] == hi - lo:
-            T.ptx["bar.warp.sync"](FULL_WARP)
-            T.ptx["fence.acq_rel.gpu"]()
-            for i in T.unroll(ACC):
-                acc[i] = T.float32(0)
-            for c in range(lo, hi + 1):
-                cslot: T.let = c * 2 + T.Select(tile == stream_k_start(c, SK_STEPS, GRID) // KS, 0, 1)
-                for i in T.unroll(ACC):
-                    T.ptx["ld.relaxed.gpu.global.f32"](part[0], T.address_of(ws[(cslot * ACC + i) * (2 * WG) + ct]))
-                    acc[i] = acc[i] + part[0]
-            if wt % 32 == 0:
-                counters[tile * CONSUMER_WARPS + warp] = 0
-            store_tile(acc, out, bias_buf, tile_rows(tile) + (wg - 1) * CR, tile_cols(tile), base, wt, warp, words)
-
-    @T.macro
-    def consume_stream(acc, flag, base, bx, wg, wt, out, bias_buf, sk, words):
-        """``stream_k``'s consumer loop: per tile the block has steps of, the accumulators cleared, its steps
-        ``k0 ... k1 - 1`` (the block's k step ``g`` counted from its first), then the tile stored (all of its steps
-        were this block's) or shared (:func:`share_partial`). The steps of one tile form an inner loop of wgmma alone,
-        so that ptxas keeps one batch in flight across it (a flat loop over all steps, clearing the accumulators at
-        a tile's first, made it wait for every batch: warning C7517)."""
-        first: T.let = stream_k_start(bx, SK_STEPS, GRID)
-        end: T.let = stream_k_start(bx + 1, SK_STEPS, GRID)
-        for tile in range(first // KS, (end - 1) // KS + 1):
-            k0: T.let = T.max(first - tile * KS, 0)
-            k1: T.let = T.min(end - tile * KS, KS)
-            for i in T.unroll(ACC):
-                acc[i] = T.float32(0)
-            for t in range(k0, k1):
-                mma_slot(acc, flag, base, tile * KS + t - first, (wg - 1) * CR * ROW_BYTES)
-                if t > k0:
-                    release(empty_bar(base, (tile * KS + t - first - 1) % ST))
-            T.ptx["wgmma.wait_group.sync.aligned"](0)
-            release(empty_bar(base, (tile * KS + k1 - 1 - first) % ST))
-            for i in T.unroll(ACC):
-                FENCE_REG(acc[i], acc[i], T.float32(-0.0))
-            warp: T.let = (wg - 1) * (WG // 32) + wt // 32
-            if k0 == 0 and k1 == KS:
-                store_tile(acc, out, bias_buf, tile_rows(tile) + (wg - 1) * CR, tile_cols(tile), base, wt, warp,
-                           words)
-            else:
-                share_partial(acc, base, bx, wg, wt, warp, tile, first, out, bias_buf, sk, words)
 
     def frag_row(wg, wt, h):
         """The tile row of half ``h`` of consumer thread ``wt``'s fragment in warpgroup ``wg`` (rows l/4 and + 8)."""
@@ -1074,7 +929,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             cluster_sync()
 
     @T.macro
-    def block(A, W, bias_buf, out, maps, norm, sk, bx, cr, tx):
+    def block(A, W, bias_buf, out, maps, norm, bx, cr, tx):
         """One thread block's work (``cr``: its rank in the split-K cluster, 0 without split-K)."""
         if config.weight_prefetch:   # W is a weight: ask for it before waiting for the kernel before (docstring)
             if tx < WG:
@@ -1099,10 +954,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         # g = r * KT + t counts k steps over all of this block's tiles: slot g % ST, phase g // ST
         if wg == 0:
             T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
-            if STREAM:
-                if wt == 0:
-                    produce_stream(maps, base, flag, bx)
-            elif TMA:
+            if TMA:
                 if wt == 0:          # one thread issues every copy
                     produce_tma(maps, base, flag, bx)
             else:
@@ -1114,9 +966,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             if EARLY > 0:   # the producer waits once its early W loads are out; the consumers before any store
                 T.ptx["griddepcontrol.wait"]()
                 T.ptx["griddepcontrol.launch_dependents"]()
-            if STREAM:
-                consume_stream(acc, flag, base, bx, wg, wt, out, bias_buf, sk, words)
-            elif PINGPONG:
+            if PINGPONG:
                 # consumer c = wg - 1 owns rounds c, c + 2, ...; main loops take turns (module docstring)
                 for r in range(ROUNDS):
                     tile: T.let = bx + r * GRID
@@ -1162,18 +1012,18 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             cluster_sync()
 
     @T.macro
-    def body(A, W, bias_buf, out, maps, norm, sk):
+    def body(A, W, bias_buf, out, maps, norm):
         for bx in T.thread_binding(GRID, thread="blockIdx.x"):
             if CLUSTER > 1:
                 for cr in T.thread_binding(CLUSTER, thread="clusterCtaIdx.x"):
                     for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                        block(A, W, bias_buf, out, maps, norm, sk, bx, cr, tx)
+                        block(A, W, bias_buf, out, maps, norm, bx, cr, tx)
             else:
                 for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                    block(A, W, bias_buf, out, maps, norm, sk, bx, 0, tx)
+                    block(A, W, bias_buf, out, maps, norm, bx, 0, tx)
 
     @T.macro
-    def launch(A, W, bias_buf, out, norm, sk):
+    def launch(A, W, bias_buf, out, norm):
         """The kernel, after (TMA) the host-side encoding of A's and W's maps from their device pointers, at every
         call: the maps travel as ``__grid_constant__`` kernel parameters."""
         if TMA:
@@ -1181,9 +1031,9 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             w_map: T.let = T.tvm_stack_alloca("tensormap", 1)
             T.evaluate(encode_tensor_map(a_map, T.address_of(A[0, 0]), A_MAP))
             T.evaluate(encode_tensor_map(w_map, T.address_of(W[0, 0]), W_MAP))
-            body(A, W, bias_buf, out, (a_map, w_map), norm, sk)
+            body(A, W, bias_buf, out, (a_map, w_map), norm)
         else:
-            body(A, W, bias_buf, out, (None, None), norm, sk)
+            body(A, W, bias_buf, out, (None, None), norm)
 
     @T.macro
     def launch_norm(a_h, w_h, bias_h, res_h, gamma_h, beta_h, sum_h, out_h):
@@ -1197,9 +1047,9 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         out = T.match_buffer(out_h, OUT_SHAPE, DT)
         if norm_sum:
             sum_out = T.match_buffer(sum_h, OUT_SHAPE, DT)
-            launch(A, W, bias_buf, out, (res, gamma, beta, sum_out), None)
+            launch(A, W, bias_buf, out, (res, gamma, beta, sum_out))
         else:
-            launch(A, W, bias_buf, out, (res, gamma, beta), None)
+            launch(A, W, bias_buf, out, (res, gamma, beta))
 
     if norm_sum:
         @T.prim_func
@@ -1213,18 +1063,6 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                    beta_h: T.handle, out_h: T.handle):
             T.func_attr({"tirx.noalias": True, "global_symbol": "gemm_wgmma"})
             launch_norm(a_h, w_h, bias_h, res_h, gamma_h, beta_h, None, out_h)
-    elif bias and STREAM:
-        @T.prim_func
-        def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, counters_h: T.handle, out_h: T.handle,
-                   ws_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "global_symbol": "gemm_wgmma"})
-            A = T.match_buffer(a_h, (m, k), DT)
-            W = T.match_buffer(w_h, (n, k), DT)
-            bias_buf = T.match_buffer(bias_h, (n,), DT)
-            counters = T.match_buffer(counters_h, (SK_COUNTERS,), "int32")
-            out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            ws = T.match_buffer(ws_h, (SK_WORKSPACE,), "float32")
-            launch(A, W, bias_buf, out, None, (counters, ws))
     elif bias:
         @T.prim_func
         def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, out_h: T.handle):
@@ -1233,17 +1071,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             W = T.match_buffer(w_h, (n, k), DT)
             bias_buf = T.match_buffer(bias_h, (n,), DT)
             out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            launch(A, W, bias_buf, out, None, None)
-    elif STREAM:
-        @T.prim_func
-        def kernel(a_h: T.handle, w_h: T.handle, counters_h: T.handle, out_h: T.handle, ws_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "global_symbol": "gemm_wgmma"})
-            A = T.match_buffer(a_h, (m, k), DT)
-            W = T.match_buffer(w_h, (n, k), DT)
-            counters = T.match_buffer(counters_h, (SK_COUNTERS,), "int32")
-            out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            ws = T.match_buffer(ws_h, (SK_WORKSPACE,), "float32")
-            launch(A, W, None, out, None, (counters, ws))
+            launch(A, W, bias_buf, out, None)
     else:
         @T.prim_func
         def kernel(a_h: T.handle, w_h: T.handle, out_h: T.handle):
@@ -1251,5 +1079,5 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             A = T.match_buffer(a_h, (m, k), DT)
             W = T.match_buffer(w_h, (n, k), DT)
             out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            launch(A, W, None, out, None, None)
+            launch(A, W, None, out, None)
     return kernel

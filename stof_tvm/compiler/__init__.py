@@ -378,8 +378,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     ``False`` keeps the older form.
     ``gemm_knobs``: knobs merged into every wgmma GEMM's chosen knob set, e.g. ``{"early_weights": False}`` (to
     measure a kernel knob across a whole model; a combination the kernel cannot take is refused when it builds;
-    ``gelu_form`` goes only to the GELU GEMMs' ``fast_gelu`` sets; a ``stream_k`` set's call gets its zero counters and
-    its workspace).
+    ``gelu_form`` goes only to the GELU GEMMs' ``fast_gelu`` sets).
     ``attention_knobs``: knobs merged into the chosen sparse attention kernel's configuration, e.g.
     ``{"stages": 3}`` for the block-wise kernel (``BlockConfig``; to measure a knob across a whole model); a name the
     chosen kernel does not have is a ValueError.

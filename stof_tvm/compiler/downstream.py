@@ -59,8 +59,6 @@ import dataclasses
 import json
 import math
 
-import numpy as np
-
 import tvm
 from tvm import relax
 from tvm.ir.expr import Constant
@@ -165,8 +163,6 @@ class _Templates:
         gv, choice = self.function(name, shape, dtype, eps)
         stage = {"template": name, "shape": shape, "dtype": dtype, **({"eps": eps} if eps is not None else {}),
                  **choice.to_json()}
-        if name.endswith("_wgmma") and (choice.knobs or {}).get("stream_k"):
-            return _stream_k_call(gv, name, shape, dtype, choice.knobs, args, out_shape), stage
         out_ty = ([relax.TensorType(list(s), dtype) for s in out_shape] if isinstance(out_shape, list)
                   else relax.TensorType(list(out_shape), dtype))
         return relax.call_tir(gv, args, out_ty=out_ty), stage
@@ -199,19 +195,6 @@ class _Templates:
             call = relax.op.strided_slice(call, axes=[0], begin=[0], end=[m])
             note = f"rows padded {m} -> {rows}" + (f"; {note}" if note else "")
         return call, stage, note
-
-
-def _stream_k_call(gv, name: str, shape: dict, dtype: str, knobs: dict, args: list, out_shape) -> relax.Expr:
-    """A ``stream_k`` GEMM's call (:mod:`stof_tvm.schedules.templates.wgmma_kernel`): its inputs, then the zeros it
-    counts shared tiles' parts in (a constant of the module, so zero when it loads; every call leaves it zero
-    again, so calls of the module must not overlap on two streams); its output, then its float32 workspace, a second
-    output that memory planning places like any other (nothing is allocated while a CUDA graph is captured)."""
-    from stof_tvm.schedules.templates import get_template
-
-    counters, workspace = get_template(name).stream_k_buffers(shape, knobs)
-    call = relax.call_tir(gv, [*args, relax.const(np.zeros(counters, "int32"), "int32")],
-                          out_ty=[relax.TensorType(list(out_shape), dtype), relax.TensorType([workspace], "float32")])
-    return relax.TupleGetItem(call, 0)
 
 
 def _cast_const(const: Constant, dtype: str) -> Constant:
