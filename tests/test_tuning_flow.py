@@ -33,6 +33,7 @@ import pytest
 from stof_tvm.compiler import cubins, linear_match
 from stof_tvm.cost_model import AttentionProblem, attention_candidates
 from stof_tvm.records import TuningDatabase, record_usage
+from stof_tvm.records.database import CHOICE_MARGIN
 from stof_tvm.records.store import _drop_torn_tail
 from stof_tvm.schedules.templates import get_template
 from stof_tvm.tuning import TuningTask, plan, tune_tasks, tuning_target
@@ -152,6 +153,21 @@ def test_group_choice_waits_for_the_untuned_member(tmp_path):
     assert db.update_group(tasks[0].group, tasks) is None and db.group_choice(tasks[0].group) is None
     db.status["tasks"][tasks[0].key]["best_s"] = 2e-6
     assert db.update_group(tasks[0].group, tasks)["task"] == tasks[1].key
+
+
+def test_the_untuned_member_stays_unless_another_is_clearly_faster(tmp_path):
+    """Within CHOICE_MARGIN of the untuned member a faster measurement is not taken (it did not carry over to
+    whole models); beyond it, it is."""
+    problem = AttentionProblem.build("sliding:window=8", batch=1, heads=2, seq_len=32, head_dim=64)
+    tasks = attention_tasks(problem, "llvm", top_k=2)
+    db = TuningDatabase(str(tmp_path / "db"))
+    untuned = 10e-6
+    for faster, chosen in ((0.5 * CHOICE_MARGIN, 0), (2 * CHOICE_MARGIN, 1), (-0.1, 0)):
+        for task, best in zip(tasks, (untuned, untuned * (1 - faster))):
+            db.status["tasks"][task.key] = {"trials": 1, "group": task.group, "best_s": best}
+        choice = db.update_group(tasks[0].group, tasks)
+        assert choice["task"] == tasks[chosen].key and db.group_choice(tasks[0].group) == choice
+        assert choice["best_s"] == db.status["tasks"][tasks[chosen].key]["best_s"]
 
 
 def test_untuned_choices_lead_the_candidates():
