@@ -149,39 +149,6 @@ def test_runner_and_tracker_arguments():
         make_runner("llvm", rpc_tracker="127.0.0.1:9190")
 
 
-def test_gpu_candidates_are_timed_call_by_call_after_an_l2_flush():
-    """On CUDA the runner times each call alone (number 1, no minimum repeat time), after TVM's evaluator copied
-    COLD_FLUSH_BYTES on the device; elsewhere MetaSchedule's own evaluator runs. The cold evaluator itself, run on
-    the CPU device: one cost per timed call and argument set, the flush asked of TVM's evaluator."""
-    from tvm.s_tir import meta_schedule as ms
-
-    from stof_tvm.tuning import runners
-
-    gpu = runners.evaluator_config("cuda")
-    assert (gpu.number, gpu.repeat, gpu.min_repeat_ms) == (1, runners.COLD_CALLS, 0)
-    assert make_runner("cuda").f_run_evaluator is runners.run_cold
-    assert make_runner("llvm").f_run_evaluator is None
-    assert runners.COLD_FLUSH_BYTES >= 2 * 50 * 2 ** 20          # twice an H100 / H200 L2
-
-    lib = tvm.tirx.build(tvm.IRModule({"main": matmul}), target="llvm")
-    asked = {}
-
-    class Recorded:        # the module, with the evaluator's arguments recorded
-        entry_name = lib.entry_name
-
-        def time_evaluator(self, *args, **kwargs):
-            asked.update(kwargs)
-            return lib.time_evaluator(*args, **kwargs)
-
-    dev = tvm.cpu()
-    sets = [[tvm.runtime.tensor(np.random.rand(N, N).astype("float32"), dev) for _ in range(3)] for _ in range(2)]
-    config = ms.runner.EvaluatorConfig(number=1, repeat=4, min_repeat_ms=0, enable_cpu_cache_flush=False)
-    costs = runners.run_cold(Recorded(), dev, config, sets)
-    assert len(costs) == 8 and all(c > 0 for c in costs)
-    assert asked["cache_flush_bytes"] == runners.COLD_FLUSH_BYTES and asked["number"] == 1
-    np.testing.assert_allclose(sets[1][2].numpy(), sets[1][0].numpy() @ sets[1][1].numpy(), rtol=1e-5)
-
-
 def test_progress_line_budget_and_stop():
     now = [0.0]
     progress = Progress(["a", "b"], [4, 2], time_budget_s=10.0, stream=None, clock=lambda: now[0])

@@ -21,7 +21,7 @@ from tvm.s_tir import meta_schedule as ms
 from .rpc import count_servers
 from .task import TuningTask
 
-__all__ = ["ArgumentFactory", "make_builder", "make_runner", "parse_tracker", "evaluator_config", "run_cold"]
+__all__ = ["ArgumentFactory", "make_builder", "make_runner", "parse_tracker", "evaluator_config"]
 
 
 # Arguments the local runner's worker process (a long-lived child) already allocated and filled, by device,
@@ -92,38 +92,11 @@ def _signature(args_info) -> tuple:
     return tuple((str(info[1]), tuple(int(s) for s in info[2])) for info in args_info)
 
 
-# On a GPU every timed call runs alone after this many bytes were copied on the device: twice the L2 of the GPUs
-# tuned on (H100 / H200: 50 MB), so nothing the kernel read in its previous call is still cached. In a forward
-# pass a layer's weights come from DRAM (a base model's weights are several times the L2); timed back to back
-# they stay in L2, and the choices made that way ran 1-2% slower in whole models (BENCHMARKS.md session 23).
-COLD_FLUSH_BYTES = 128 << 20
-COLD_CALLS = 20          # timed calls per candidate on a GPU (each after its own flush)
-
-
 def evaluator_config(target_kind: str) -> ms.runner.EvaluatorConfig:
-    """Timing settings: on a GPU, :data:`COLD_CALLS` calls timed one by one (:func:`run_cold`); on a CPU, repeats
-    of >= 10 ms."""
+    """Timing settings: on a GPU, enough repeats of >= 20 ms for a stable median; on a CPU, quicker."""
     if target_kind == "cuda":
-        return ms.runner.EvaluatorConfig(number=1, repeat=COLD_CALLS, min_repeat_ms=0, enable_cpu_cache_flush=False)
+        return ms.runner.EvaluatorConfig(number=5, repeat=5, min_repeat_ms=20, enable_cpu_cache_flush=False)
     return ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=10, enable_cpu_cache_flush=False)
-
-
-def run_cold(rt_mod, device, config: ms.runner.EvaluatorConfig, repeated_args) -> list[float]:
-    """The local runner's ``f_run_evaluator`` on a GPU: per argument set, ``config.repeat`` timings of
-    ``config.number`` calls, each timing after :data:`COLD_FLUSH_BYTES` copied on the device (TVM's time
-    evaluator does the copy before it starts the clock)."""
-    evaluator = rt_mod.time_evaluator(rt_mod.entry_name, device, number=config.number, repeat=config.repeat,
-                                      min_repeat_ms=config.min_repeat_ms, cache_flush_bytes=COLD_FLUSH_BYTES)
-    costs = []
-    for args in repeated_args:
-        device.sync()
-        costs += [float(cost) for cost in evaluator(*args).results]
-    return costs
-
-
-def run_cold_remote(_session, rt_mod, device, config: ms.runner.EvaluatorConfig, repeated_args) -> list[float]:
-    """:func:`run_cold` with the RPC runner's signature (the session first)."""
-    return run_cold(rt_mod, device, config, repeated_args)
 
 
 def build_candidate(mod, target, _params):
@@ -166,8 +139,7 @@ def make_runner(target_kind: str, *, arguments: ArgumentFactory | None = None, r
             raise ValueError("--rpc-key needs --rpc-tracker")
         if arguments is not None:
             arguments.rpc = False
-        return ms.runner.LocalRunner(timeout_sec=timeout_sec, evaluator_config=config, f_alloc_argument=arguments,
-                                     f_run_evaluator=run_cold if target_kind == "cuda" else None)
+        return ms.runner.LocalRunner(timeout_sec=timeout_sec, evaluator_config=config, f_alloc_argument=arguments)
     if not rpc_key:
         raise ValueError("--rpc-tracker needs --rpc-key (the key the RPC servers registered with)")
     host, port = parse_tracker(rpc_tracker)
@@ -181,5 +153,4 @@ def make_runner(target_kind: str, *, arguments: ArgumentFactory | None = None, r
     rpc_config = ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=rpc_key,
                                      session_timeout_sec=session_timeout_sec)
     return ms.runner.RPCRunner(rpc_config=rpc_config, evaluator_config=config, f_alloc_argument=arguments,
-                               f_run_evaluator=run_cold_remote if target_kind == "cuda" else None,
                                max_workers=max_workers)
