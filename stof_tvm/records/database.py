@@ -168,16 +168,15 @@ class TuningDatabase:
         baseline = [t for t in tasks if t.meta.get("untuned")]
         if baseline and self.task_status(baseline[0]).get("best_s") is None:
             return None
-        best = None
-        for task in tasks:
-            status = self.task_status(task)
-            if status.get("best_s") is not None and (best is None or status["best_s"] < best["best_s"]):
-                best = {"task": task.key, "name": task.name, "best_s": status["best_s"], "meta": task.meta}
-        untuned_s = self.task_status(baseline[0])["best_s"] if baseline else None
-        if best is not None and untuned_s is not None and best["best_s"] > untuned_s * (1 - CHOICE_MARGIN):
-            best = {"task": baseline[0].key, "name": baseline[0].name, "best_s": untuned_s, "meta": baseline[0].meta}
-        if best is not None:
-            self.status["groups"][group] = best
+        measured = [(self.task_status(task).get("best_s"), task) for task in tasks]
+        measured = [(seconds, task) for seconds, task in measured if seconds is not None]
+        if not measured:
+            return None
+        best_s, best_task = min(measured, key=lambda pair: pair[0])
+        if baseline and best_s > self.task_status(baseline[0])["best_s"] * (1 - CHOICE_MARGIN):
+            best_s, best_task = self.task_status(baseline[0])["best_s"], baseline[0]
+        best = {"task": best_task.key, "name": best_task.name, "best_s": best_s, "meta": best_task.meta}
+        self.status["groups"][group] = best
         return best
 
     def group_choice(self, group: str) -> dict | None:
