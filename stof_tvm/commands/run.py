@@ -73,13 +73,10 @@ def _keep(manifest: dict, mask):
 
 def check_against_reference(manifest: dict, inputs: dict, outputs: dict, mask) -> bool:
     """Print the error of each output against onnx.reference; True when all are within tolerance."""
-    from stof_tvm.models.reference import reference_outputs
+    from stof_tvm.models.reference import evaluate, reference_outputs
 
     if manifest["attention"]["kernel"]["kind"] == "none":     # compiled without stof-tvm's attention: as it is
-        from onnx.reference import ReferenceEvaluator
-
-        graph = source_model(manifest)
-        reference = dict(zip([o.name for o in graph.graph.output], ReferenceEvaluator(graph).run(None, inputs)))
+        reference = evaluate(source_model(manifest), inputs)
     else:
         reference = reference_outputs(source_model(manifest), _keep(manifest, mask), inputs)
     tolerance = 2e-2 if manifest["dtype"] == "float16" else 1e-4

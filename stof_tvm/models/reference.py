@@ -72,14 +72,35 @@ def masked_model(model: onnx.ModelProto, keep: np.ndarray, feeds: dict[str, np.n
     return static
 
 
-def reference_outputs(model: onnx.ModelProto, keep: np.ndarray, feeds: dict[str, np.ndarray]) -> dict:
-    """Outputs of ``model`` under ``keep`` for ``feeds``, from onnx's reference evaluator."""
+def _gather_elements():
+    """onnx's reference ``GatherElements``, corrected: onnx 1.x's numpy version fails where ``indices`` is shorter than
+    ``data`` along the gathered axis (transformers' BERT exported by the dynamo exporter gathers 64 token types from
+    a [1, 512] buffer: "cannot reshape array of size 1 into shape (1,64)"). ``out[..., j, ...] = data[..., indices[...,
+    j, ...], ...]`` along ``axis``, over the leading part of ``data`` that ``indices`` covers in the other axes."""
+    from onnx.reference.op_run import OpRun
+
+    class GatherElements(OpRun):
+        def _run(self, data, indices, axis=None):
+            axis = (axis or 0) % data.ndim
+            covered = tuple(slice(None) if d == axis else slice(0, size) for d, size in enumerate(indices.shape))
+            index = np.where(indices < 0, indices + data.shape[axis], indices)
+            return (np.take_along_axis(data[covered], index, axis=axis),)
+
+    return GatherElements
+
+
+def evaluate(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict:
+    """``{output name: value}`` of ``model`` for ``feeds``, from onnx's reference evaluator (with the ops it gets
+    wrong replaced: :func:`_gather_elements`)."""
     from onnx.reference import ReferenceEvaluator
 
-    masked = masked_model(model, keep, feeds)
-    names = [o.name for o in masked.graph.output]
-    values = ReferenceEvaluator(masked).run(None, feeds)
-    return dict(zip(names, values))
+    values = ReferenceEvaluator(model, new_ops=[_gather_elements()]).run(None, feeds)
+    return dict(zip([o.name for o in model.graph.output], values))
+
+
+def reference_outputs(model: onnx.ModelProto, keep: np.ndarray, feeds: dict[str, np.ndarray]) -> dict:
+    """Outputs of ``model`` under ``keep`` for ``feeds``, from onnx's reference evaluator."""
+    return evaluate(masked_model(model, keep, feeds), feeds)
 
 
 def random_inputs(model: onnx.ModelProto, shapes: dict[str, tuple], *, seed: int = 0) -> dict[str, np.ndarray]:

@@ -1,0 +1,80 @@
+"""``stof-tvm run --check``'s reference (:mod:`stof_tvm.models.reference`): onnx's reference evaluator with the ops
+it gets wrong replaced, and the check on a model as users export it: a Hugging Face BERT with its pooler (two
+outputs), through the dynamo exporter, whose token-type lookup is a ``GatherElements`` that onnx's own evaluator
+cannot run."""
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from stof_tvm.models.reference import evaluate
+
+
+def gather_elements_model(data_shape, index_shape, axis) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("GatherElements", ["data", "indices"], ["out"], axis=axis)], "gather",
+        [helper.make_tensor_value_info("data", TensorProto.FLOAT, data_shape),
+         helper.make_tensor_value_info("indices", TensorProto.INT64, index_shape)],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, index_shape)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def gather_elements_by_definition(data, indices, axis):
+    """ONNX's definition, element by element: out[i] = data[i with i[axis] replaced by indices[i]]."""
+    out = np.empty(indices.shape, data.dtype)
+    for position in itertools.product(*map(range, indices.shape)):
+        source = list(position)
+        source[axis] = indices[position] % data.shape[axis]
+        out[position] = data[tuple(source)]
+    return out
+
+
+@pytest.mark.parametrize("data_shape, index_shape, axis", [
+    ((1, 512), (1, 64), 1),        # BERT's token types through the dynamo exporter: what onnx's own version fails
+    ((4, 5), (2, 3), 1),           # indices shorter along the other axis too
+    ((3, 4, 5), (3, 2, 5), 1),
+    ((6, 2), (3, 2), 0),
+    ((2, 3, 4), (2, 3, 4), -1),
+])
+def test_gather_elements_follows_the_onnx_definition(data_shape, index_shape, axis):
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal(data_shape).astype(np.float32)
+    size = data_shape[axis]
+    indices = rng.integers(-size, size, index_shape)        # negative indices count from the end
+    out = evaluate(gather_elements_model(data_shape, index_shape, axis), {"data": data, "indices": indices})["out"]
+    np.testing.assert_array_equal(out, gather_elements_by_definition(data, indices, axis % len(data_shape)))
+
+
+def test_bert_with_its_pooler_through_the_dynamo_exporter_checks(tmp_path, capsys):
+    """The export users make (``torch.onnx.export(model, (input_ids,), kwargs={"attention_mask": ...},
+    dynamo=True)``, ``last_hidden_state`` and ``pooler_output``) compiles, runs and passes ``--check``."""
+    torch = pytest.importorskip("torch", reason="the export needs torch (pip install -e '.[test]')")
+    transformers = pytest.importorskip("transformers", reason="the export needs transformers")
+    pytest.importorskip("onnxscript", reason="the dynamo exporter needs onnxscript")
+    from stof_tvm.cli import main as cli_main
+    from stof_tvm.models.hf_export import make_config
+
+    torch.manual_seed(0)
+    model = transformers.BertModel(make_config("bert", "tiny", "sdpa")).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 32))
+    path = str(tmp_path / "bert_pooler.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (ids,), path, kwargs={"attention_mask": torch.ones_like(ids)},
+                          input_names=["input_ids", "attention_mask"],
+                          output_names=["last_hidden_state", "pooler_output"], opset_version=18, dynamo=True)
+    assert any(node.op_type == "GatherElements" for node in onnx.load(path).graph.node)
+    out = str(tmp_path / "art")
+    assert cli_main(["compile", path, "--mask", "sliding:window=8", "--batch", "1", "--seq-len", "32",
+                     "--target", "llvm", "-o", out]) == 0
+    capsys.readouterr()
+    assert cli_main(["run", out, "--check"]) == 0
+    printed = capsys.readouterr().out
+    for name in ("last_hidden_state", "pooler_output"):
+        assert f"check {name}: relative error" in printed
+    assert printed.count("PASS") == 2 and "FAIL" not in printed
