@@ -1,7 +1,8 @@
 """``stof-tvm run --check``'s reference (:mod:`stof_tvm.models.reference`): onnx's reference evaluator with the ops
-it gets wrong replaced, and the check on a model as users export it: a Hugging Face BERT with its pooler (two
-outputs), through the dynamo exporter, whose token-type lookup is a ``GatherElements`` that onnx's own evaluator
-cannot run."""
+it gets wrong replaced, the sparse mask folded into opset 23's ``Attention`` op, and the check on models as users
+export them: a Hugging Face BERT with its pooler (two outputs) through the dynamo exporter, whose token-type lookup
+is a ``GatherElements`` that onnx's own evaluator cannot run, at opset 18 (attention as Softmax) and 23 (the
+``Attention`` op)."""
 from __future__ import annotations
 
 import itertools
@@ -12,7 +13,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from stof_tvm.models.reference import evaluate
+from stof_tvm.models.reference import evaluate, masked_model
 
 
 def gather_elements_model(data_shape, index_shape, axis) -> onnx.ModelProto:
@@ -50,9 +51,54 @@ def test_gather_elements_follows_the_onnx_definition(data_shape, index_shape, ax
     np.testing.assert_array_equal(out, gather_elements_by_definition(data, indices, axis % len(data_shape)))
 
 
-def test_bert_with_its_pooler_through_the_dynamo_exporter_checks(tmp_path, capsys):
+B, H, S, D = 2, 2, 8, 4
+
+
+def attention_model(mask_type) -> onnx.ModelProto:
+    """One opset-23 ``Attention`` over [B, H, S, D] inputs, with a ``mask`` input of ``mask_type`` (None: none)."""
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, (B, H, S, D)) for name in "qkv"]
+    names = ["q", "k", "v"]
+    if mask_type is not None:
+        inputs.append(helper.make_tensor_value_info("mask", mask_type, (B, 1, S, S)))
+        names.append("mask")
+    graph = helper.make_graph([helper.make_node("Attention", names, ["out"], scale=0.5)], "attention", inputs,
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, (B, H, S, D))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+
+
+def attention_by_definition(q, k, v, allowed, additive):
+    scores = np.einsum("bhqd,bhkd->bhqk", q, k) * 0.5 + additive
+    scores = np.where(allowed, scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    return np.einsum("bhqk,bhkd->bhqd", probs / probs.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("mask_type", [None, TensorProto.BOOL, TensorProto.FLOAT])
+def test_the_sparse_mask_folds_into_the_attention_op(mask_type):
+    """The keep-mask goes into ``Attention``'s own mask: as the mask where there is none, AND a boolean one, the
+    lowest float where an additive one is not kept; the result is attention under both."""
+    rng = np.random.default_rng(1)
+    feeds = {name: rng.standard_normal((B, H, S, D)).astype(np.float32) for name in "qkv"}
+    keep = np.tril(np.ones((S, S), bool)) & ~np.tril(np.ones((S, S), bool), -3)     # a window of 3, diagonal kept
+    own = rng.random((B, 1, S, S)) < 0.7
+    own[..., np.arange(S), np.arange(S)] = True
+    allowed, additive = keep, 0.0
+    if mask_type == TensorProto.BOOL:
+        feeds["mask"], allowed = own, keep & own
+    elif mask_type == TensorProto.FLOAT:
+        feeds["mask"] = additive = rng.standard_normal((B, 1, S, S)).astype(np.float32)
+    out = evaluate(masked_model(attention_model(mask_type), keep, feeds), feeds)["out"]
+    np.testing.assert_allclose(out, attention_by_definition(feeds["q"], feeds["k"], feeds["v"], allowed, additive),
+                               rtol=1e-5, atol=1e-6)
+    unmasked = evaluate(attention_model(mask_type), feeds)["out"]
+    assert not np.allclose(out, unmasked, atol=1e-3)                  # the fold changed the result
+
+
+@pytest.mark.parametrize("opset", [18, 23])
+def test_bert_with_its_pooler_through_the_dynamo_exporter_checks(tmp_path, capsys, opset):
     """The export users make (``torch.onnx.export(model, (input_ids,), kwargs={"attention_mask": ...},
-    dynamo=True)``, ``last_hidden_state`` and ``pooler_output``) compiles, runs and passes ``--check``."""
+    dynamo=True)``, ``last_hidden_state`` and ``pooler_output``) compiles, runs and passes ``--check`` under a
+    sliding window, at opset 18 (attention spelled with Softmax) and 23 (the ``Attention`` op)."""
     torch = pytest.importorskip("torch", reason="the export needs torch (pip install -e '.[test]')")
     transformers = pytest.importorskip("transformers", reason="the export needs transformers")
     pytest.importorskip("onnxscript", reason="the dynamo exporter needs onnxscript")
@@ -67,8 +113,9 @@ def test_bert_with_its_pooler_through_the_dynamo_exporter_checks(tmp_path, capsy
         warnings.simplefilter("ignore")
         torch.onnx.export(model, (ids,), path, kwargs={"attention_mask": torch.ones_like(ids)},
                           input_names=["input_ids", "attention_mask"],
-                          output_names=["last_hidden_state", "pooler_output"], opset_version=18, dynamo=True)
-    assert any(node.op_type == "GatherElements" for node in onnx.load(path).graph.node)
+                          output_names=["last_hidden_state", "pooler_output"], opset_version=opset, dynamo=True)
+    ops = {node.op_type for node in onnx.load(path).graph.node}
+    assert "GatherElements" in ops and ("Attention" in ops) == (opset == 23)
     out = str(tmp_path / "art")
     assert cli_main(["compile", path, "--mask", "sliding:window=8", "--batch", "1", "--seq-len", "32",
                      "--target", "llvm", "-o", out]) == 0

@@ -4,6 +4,9 @@ by ``onnx.reference.ReferenceEvaluator`` (numpy, float32).
 The mask is imposed where stof-tvm imposes it: on the input and output of every attention Softmax (a
 Softmax over the last axis of a rank-4 ``[B, H, Sq, Sk]`` tensor). Before it, masked scores are replaced by
 the lowest float; after it, masked probabilities are zeroed, so rows with no kept key give zero output.
+Exports that spell attention as the ONNX ``Attention`` op (opset 23) have no such Softmax: there the mask is
+folded into the op's ``attn_mask`` (AND with a boolean one; the lowest float where an additive one is not
+kept; the mask itself where it has none), which matches wherever every row keeps a key.
 The model's own masking (padding, causal constants) stays as it is in the graph.
 """
 from __future__ import annotations
@@ -43,17 +46,50 @@ def _rank4_softmax_inputs(model: onnx.ModelProto) -> set[str]:
     return found
 
 
+def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    """ONNX element type of every tensor whose type is known (after shape inference)."""
+    types = {init.name: init.data_type for init in model.graph.initializer}
+    for vi in list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output):
+        types[vi.name] = vi.type.tensor_type.elem_type
+    return types
+
+
+def _masked_attention(node: onnx.NodeProto, mask_type: int | None, keep_name: str, low_name: str) -> list:
+    """An ``Attention`` node with ``keep_name`` folded into its ``attn_mask`` (input 3), after the node that
+    combines them if it has one of its own."""
+    attention = onnx.NodeProto()
+    attention.CopyFrom(node)
+    inputs = list(node.input) + [""] * max(0, 4 - len(node.input))
+    if not inputs[3]:
+        inputs[3] = keep_name
+        combine = []
+    else:
+        combined = inputs[3] + "_stof_kept"
+        combine = [helper.make_node("And", [inputs[3], keep_name], [combined]) if mask_type == onnx.TensorProto.BOOL
+                   else helper.make_node("Where", [keep_name, inputs[3], low_name], [combined])]
+        inputs[3] = combined
+    del attention.input[:]
+    attention.input.extend(inputs)
+    return combine + [attention]
+
+
 def masked_model(model: onnx.ModelProto, keep: np.ndarray, feeds: dict[str, np.ndarray]) -> onnx.ModelProto:
     """``model`` with the boolean ``keep`` mask (broadcastable to [B, H, Sq, Sk]) applied at every attention
-    Softmax; raises ValueError if the model has none."""
+    Softmax, or folded into every ``Attention`` op's mask; raises ValueError if the model has neither."""
     static = _static_copy(model, feeds)
     targets = _rank4_softmax_inputs(static)
-    if not targets:
-        raise ValueError("model: no attention Softmax over a rank-4 tensor found for the reference")
+    attention_ops = [node for node in static.graph.node if node.op_type == "Attention" and not node.domain]
+    if not targets and not attention_ops:
+        raise ValueError("model: no attention Softmax over a rank-4 tensor, nor an Attention op, found for the "
+                         "reference")
     keep_name, low_name, zero_name = "stof_ref_keep", "stof_ref_lowest", "stof_ref_zero"
+    types = _elem_types(static)
     nodes = []
     for node in static.graph.node:
-        if node.op_type == "Softmax" and node.output[0] in targets:
+        if node.op_type == "Attention" and not node.domain:
+            mask = node.input[3] if len(node.input) > 3 else ""
+            nodes.extend(_masked_attention(node, types.get(mask), keep_name, low_name))
+        elif node.op_type == "Softmax" and node.output[0] in targets:
             masked_in, raw_out = node.input[0] + "_stof_masked", node.output[0] + "_stof_raw"
             nodes.append(helper.make_node("Where", [keep_name, node.input[0], low_name], [masked_in]))
             softmax = onnx.NodeProto()
