@@ -46,6 +46,11 @@ def _rank4_softmax_inputs(model: onnx.ModelProto) -> set[str]:
     return found
 
 
+def _is_attention_op(node: onnx.NodeProto) -> bool:
+    """Whether ``node`` is the standard domain's ``Attention`` (opset 23)."""
+    return node.op_type == "Attention" and not node.domain
+
+
 def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
     """ONNX element type of every tensor whose type is known (after shape inference)."""
     types = {init.name: init.data_type for init in model.graph.initializer}
@@ -78,15 +83,14 @@ def masked_model(model: onnx.ModelProto, keep: np.ndarray, feeds: dict[str, np.n
     Softmax, or folded into every ``Attention`` op's mask; raises ValueError if the model has neither."""
     static = _static_copy(model, feeds)
     targets = _rank4_softmax_inputs(static)
-    attention_ops = [node for node in static.graph.node if node.op_type == "Attention" and not node.domain]
-    if not targets and not attention_ops:
+    if not targets and not any(map(_is_attention_op, static.graph.node)):
         raise ValueError("model: no attention Softmax over a rank-4 tensor, nor an Attention op, found for the "
                          "reference")
     keep_name, low_name, zero_name = "stof_ref_keep", "stof_ref_lowest", "stof_ref_zero"
     types = _elem_types(static)
     nodes = []
     for node in static.graph.node:
-        if node.op_type == "Attention" and not node.domain:
+        if _is_attention_op(node):
             mask = node.input[3] if len(node.input) > 3 else ""
             nodes.extend(_masked_attention(node, types.get(mask), keep_name, low_name))
         elif node.op_type == "Softmax" and node.output[0] in targets:

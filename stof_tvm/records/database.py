@@ -165,16 +165,17 @@ class TuningDatabase:
         A group with an untuned member (``meta["untuned"]``: what the compile runs without records) gets a choice
         only once that member is measured, so the choice is never slower than not tuning; another member replaces
         it only when :data:`CHOICE_MARGIN` faster."""
-        baseline = [t for t in tasks if t.meta.get("untuned")]
-        if baseline and self.task_status(baseline[0]).get("best_s") is None:
+        untuned = next((t for t in tasks if t.meta.get("untuned")), None)
+        untuned_s = self.task_status(untuned).get("best_s") if untuned is not None else None
+        if untuned is not None and untuned_s is None:
             return None
         measured = [(self.task_status(task).get("best_s"), task) for task in tasks]
         measured = [(seconds, task) for seconds, task in measured if seconds is not None]
         if not measured:
             return None
         best_s, best_task = min(measured, key=lambda pair: pair[0])
-        if baseline and best_s > self.task_status(baseline[0])["best_s"] * (1 - CHOICE_MARGIN):
-            best_s, best_task = self.task_status(baseline[0])["best_s"], baseline[0]
+        if untuned is not None and best_s > untuned_s * (1 - CHOICE_MARGIN):
+            best_s, best_task = untuned_s, untuned
         best = {"task": best_task.key, "name": best_task.name, "best_s": best_s, "meta": best_task.meta}
         self.status["groups"][group] = best
         return best
