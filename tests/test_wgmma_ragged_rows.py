@@ -125,3 +125,24 @@ def test_64_row_pingpong_tiles_lead_where_the_first_set_fills_less_than_a_wave(n
     if lead:
         assert first["staged"] and first["stages"] == 4 and first["loads"] == "tma" and space.count(first) == 1
         assert (space[1]["block_n"], space[1]["pingpong"]) == (128, False)
+
+
+@pytest.mark.parametrize("name, shape, lead", [
+    # ViT-Base 8 x 197: 117 tiles of 128 x 256 in one wave against 234 of 128 x 128, the same work on the busiest SM
+    ("qkv_projection_wgmma", {"batch": 8, "seq": 197, "heads": 12, "head_dim": 64}, True),
+    ("qkv_projection_wgmma", {"batch": 16, "seq": 197, "heads": 12, "head_dim": 64}, False),   # 225: two waves
+    ("qkv_projection_wgmma", {"batch": 4, "seq": 197, "heads": 12, "head_dim": 64}, False),    # 126 tiles: one wave
+    ("qkv_projection_wgmma", {"batch": 1, "seq": 128, "heads": 12, "head_dim": 64}, False),    # split-K
+    ("gemm_bias_wgmma", {"m": 1576, "n": 2304, "k": 768}, False),   # the same GEMM, head-major stores aside: unmeasured
+])
+def test_qkv_projection_takes_one_wave_of_256_wide_tiles_where_they_do_the_same_work(name, shape, lead):
+    """The QKV projection's staged 128 x 256 set with 3 stages, one block per tile, leads where the first set's tiles
+    need more than one wave of the SMs and the 256-wide ones fit one, the busiest SM computing no more outputs; the
+    set it displaces follows it. Other GEMMs keep their order."""
+    space = get_template(name).knob_space(shape, "float16")
+    first = space[0]
+    assert (first["block_n"], first["stages"], first["persistent"]) == (256, 3, False) if lead else (
+        (first["block_n"], first["stages"], first["persistent"]) != (256, 3, False))
+    if lead:
+        assert first["staged"] and first["loads"] == "tma" and "block_m" not in first and space.count(first) == 1
+        assert (space[1]["block_n"], space[1]["stages"], space[1]["persistent"]) == (128, 4, True)

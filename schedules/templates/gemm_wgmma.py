@@ -59,12 +59,13 @@ outputs (:meth:`WgmmaKernelMixin._wave_lead`).
 """
 from __future__ import annotations
 
+import numpy as np
 import tvm
 from tvm import te
 
 from .epilogue import ACTIVATIONS, LN_EPS
 from .fast_gelu import FAST_GELU_ACTIVATIONS
-from .gemm import GemmTemplate
+from .gemm import GemmTemplate, gemm_compute
 from .gemm_layernorm import GemmLayerNormTemplate
 from .layernorm import layernorm_compute
 from .qkv import QKVTemplate
@@ -132,6 +133,13 @@ PINGPONG_FIRST = ((128, 192), (256, 192))
 # 0.0589 / 0.0585.
 GELU_PINGPONG_MIN_WAVES = 2
 PINGPONG_FIRST_STAGES = 4
+# The QKV projection's staged 128 x 256 one-block-per-tile set with 3 stages leads where its tiles fit one wave of the
+# SMs while the first set's need more, its busiest SM computing no more outputs (:meth:`WgmmaKernelMixin._one_wave_lead`). H100,
+# session 24 (--plan s23tuned, ViT-Base's QKV projection at 8 x 197 tokens, 1576 x 2304 x 768: 117 tiles of 128 x 256
+# against 234 of 128 x 128, the same 32768 outputs on the busiest SM): 0.0139 against 0.0154 ms back to back, 0.0127
+# against 0.0144 in a CUDA graph of 24 calls each reading its own weight; the whole forward 0.826 against 0.846 ms,
+# timed interleaved (bench_e2e --ours-variants, BENCHMARKS.md).
+ONE_WAVE_TILE = (256, 3)   # (block_n, stages)
 # Staged sets with this many accumulators a thread or more spill where a tile's stores are guarded (rows not stored)
 GUARDED_STAGED_MAX_ACC = 192
 
@@ -264,7 +272,8 @@ class WgmmaKernelMixin:
                          if not self._spills_with_guarded_rows(shape, kn)]
         space = loaded + tall_pingpong
         lead = (self._pingpong_lead(loaded[0], tall_pingpong)
-                or self._gelu_pingpong_lead(loaded, m, n, hw.sm_count) or self._wave_lead(loaded, m, n, hw.sm_count))
+                or self._gelu_pingpong_lead(loaded, m, n, hw.sm_count) or self._wave_lead(loaded, m, n, hw.sm_count)
+                or self._one_wave_lead(loaded, m, n, hw.sm_count))
         return ([lead] if lead else []) + [kn for kn in space if kn is not lead]
 
     def _pingpong_lead(self, first, tall_pingpong) -> dict | None:
@@ -311,6 +320,23 @@ class WgmmaKernelMixin:
                             >= busiest_sm_outputs(m, n, config.tile_m, config.block_n, sm_count)):
             return None
         return wave
+
+    def _one_wave_lead(self, space, m: int, n: int, sm_count: int) -> dict | None:
+        """The QKV projection's staged 128 x 256 set with 3 stages, one block per tile (:data:`ONE_WAVE_TILE`), where
+        the first set is unsplit with more tiles than SMs and the 256-wide tiles fit one wave with no more outputs on
+        the busiest SM (:func:`busiest_sm_outputs`, ``m`` in whole 128-row tiles): half the tiles, each reading its A
+        rows once for twice the columns, for the same work on the busiest SM. Else None (and for the other GEMMs,
+        where it was not measured)."""
+        first = space[0]
+        config = self.config(first)
+        block_n, stages = ONE_WAVE_TILE
+        if (not self.head_major_stores or config.split_k > 1 or n % block_n or (m // config.tile_m) * (n // config.block_n) <= sm_count
+                or (m // BLOCK_M) * (n // block_n) > sm_count
+                or busiest_sm_outputs(m, n, BLOCK_M, block_n, sm_count)
+                > busiest_sm_outputs(m, n, config.tile_m, config.block_n, sm_count)):
+            return None
+        return next((kn for kn in space if kn["block_n"] == block_n and kn["stages"] == stages
+                     and not kn["persistent"] and kn.get("staged") and "block_m" not in kn), None)
 
     def stored_rows(self, shape) -> int:
         """Rows of the output the kernel stores (the GEMM's m; the QKV projection's batch * seq)."""
@@ -463,6 +489,40 @@ class WgmmaGemmTemplate(WgmmaKernelMixin, GemmTemplate):
         return {"bias": self.bias, "act": self.act}
 
 
+class WgmmaGemmResidualTemplate(WgmmaGemmTemplate):
+    """``gemm_bias_residual_wgmma``: ``out = A @ W^T + bias + residual``, the residual added in float32 before the one
+    rounding (:mod:`.wgmma_kernel`'s ``residual`` epilogue). It makes a layer's residual sum where the sum is made
+    anyway, so the LayerNorm after it reads one [m, n] tensor instead of two (the GEMM's output and the residual)
+    and runs as the plain ``layernorm`` template: at RoBERTa-base's 32768 rows that is 50 of the 150 MB each of its
+    24 LayerNorms moves. Same knob space as ``gemm_bias_wgmma``."""
+
+    def __init__(self):
+        super().__init__(bias=True, act="none")
+        self.name = "gemm_bias_residual_wgmma"
+        self.description = "out = A @ W^T + bias + residual (wgmma, sm_90a)"
+
+    def arguments(self, shape, dtype="float16"):
+        args = super().arguments(shape, dtype)
+        return args[:-1] + [("residual", (shape["m"], shape["n"]), dtype)] + args[-1:]
+
+    def _primfunc(self, shape, dtype):
+        m, n, k = shape["m"], shape["n"], shape["k"]
+        A = te.placeholder((m, k), dtype, name="A")
+        W = te.placeholder((n, k), dtype, name="W")
+        bias = te.placeholder((n,), dtype, name="bias")
+        residual = te.placeholder((m, n), dtype, name="residual")
+        acc = gemm_compute(A, W, "nk")
+        out = te.compute((m, n), lambda i, j: (acc[i, j] + bias[j].astype("float32")
+                                               + residual[i, j].astype("float32")).astype(dtype), name="out")
+        return te.create_prim_func([A, W, bias, residual, out])
+
+    def reference(self, shape, inputs):
+        return [super().reference(shape, inputs)[0] + np.asarray(inputs["residual"], np.float64)]
+
+    def kernel_options(self, shape):
+        return {"bias": True, "act": "none", "residual": True}
+
+
 class WgmmaQKVTemplate(WgmmaKernelMixin, QKVTemplate):
     """The QKV projection into [3, B, H, S, D] (the ``qkv_projection`` definition, W [3*H*D, H*D]) on wgmma:
     the same kernel as the GEMMs, with the epilogue storing each element at its head-major place."""
@@ -573,6 +633,7 @@ class WgmmaGemmLayerNormTemplate(WgmmaKernelMixin, GemmLayerNormTemplate):
 register(WgmmaGemmTemplate(bias=False, act="none"))
 for _act in ACTIVATIONS:
     register(WgmmaGemmTemplate(bias=True, act=_act))
+register(WgmmaGemmResidualTemplate())
 register(WgmmaQKVTemplate())
 register(WgmmaGemmLayerNormTemplate())
 register(WgmmaGemmLayerNormTemplate(keep_sum=True))
