@@ -61,17 +61,6 @@ as ``--reps`` back-to-back calls per CUDA-event sample::
     run(command="source .devkit/bootstrap.sh && python3 -m pip install -q --no-deps --no-build-isolation "
                 "--no-index -e . && python3 scripts/check_wgmma_gpu.py run --suite norm",
         carry=[".devkit/runtime.tar.xz", ".devkit/bootstrap.sh", "out/norm_wgmma"], timeout_s=420)
-
-``--suite residual`` (both steps; artifacts in ``out/residual_wgmma``): at the same shapes, the two unfused pairs a
-layer's residual LayerNorm may run as, each with its default knobs: ``gemm_wgmma`` + ``bias_residual_layernorm``
-(the LayerNorm adds bias and residual) against ``gemm_bias_residual_wgmma`` + ``layernorm`` (the GEMM's epilogue
-adds them, the LayerNorm reads one tensor: the compile option ``residual_epilogue``). The residual GEMM's sum is
-checked against torch float32 too, the LayerNorm outputs as in the norm suite::
-
-    .venv/bin/python scripts/check_wgmma_gpu.py build --suite residual
-    run(command="source .devkit/bootstrap.sh && python3 -m pip install -q --no-deps --no-build-isolation "
-                "--no-index -e . && python3 scripts/check_wgmma_gpu.py run --suite residual",
-        carry=[".devkit/runtime.tar.xz", ".devkit/bootstrap.sh", "out/residual_wgmma"], timeout_s=300)
 """
 from __future__ import annotations
 
@@ -86,8 +75,7 @@ import benchlib as bl  # noqa: E402  (timing, hang guard, CUDA graphs, cubin key
 from benchlib import source_key  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-OUTS = {"gemm": ROOT / "out" / "wgmma", "ffn": ROOT / "out" / "ffn_wgmma", "norm": ROOT / "out" / "norm_wgmma",
-        "residual": ROOT / "out" / "residual_wgmma"}
+OUTS = {"gemm": ROOT / "out" / "wgmma", "ffn": ROOT / "out" / "ffn_wgmma", "norm": ROOT / "out" / "norm_wgmma"}
 OUT = OUTS["gemm"]   # the suite's artifact folder (main() sets it)
 
 # (template base name, m, n, k, dtype): base + "_wgmma" is the wgmma template, base alone the mma.sync one
@@ -248,34 +236,6 @@ def build_norm(args) -> None:
     print(f"{len(manifest['modules'])} modules in {OUT} ({time.time() - t0:.0f} s)")
 
 
-def build_residual(args) -> None:
-    """Per norm case: the pair the compile path runs by default (``gemm_wgmma`` + ``bias_residual_layernorm``) and the
-    residual-epilogue pair (``gemm_bias_residual_wgmma`` + ``layernorm``), every part with its default knobs."""
-    from stof_tvm.schedules.templates import cuda_target, get_template
-    from stof_tvm.schedules.templates.build import build as build_template
-    from stof_tvm.schedules.templates.gemm_wgmma import build_kernel
-
-    OUT.mkdir(parents=True, exist_ok=True)
-    manifest = {"suite": "residual", "cases": [], "modules": {}}
-    t0 = time.time()
-    for m, n, k, dtype in NORM_CASES:
-        shape, ln_shape = {"m": m, "n": n, "k": k}, {"m": m, "n": n}
-        ckey = f"residual_{m}x{n}x{k}_{dtype}"
-        entry = {"key": ckey, "shape": shape, "dtype": dtype}
-        for part, name in (("gemm", "gemm_wgmma"), ("residual_gemm", "gemm_bias_residual_wgmma")):
-            kn = get_template(name).default_knobs(shape, dtype)
-            _export(manifest, f"{ckey}__{part}", "wgmma", kn, build_kernel(name, shape, dtype, kn), "gemm_wgmma")
-            entry[part] = f"{ckey}__{part}"
-        for part, name in (("bias_residual_layernorm", "bias_residual_layernorm"), ("layernorm", "layernorm")):
-            norm = get_template(name)
-            _export(manifest, f"{ckey}__{part}", "mma_sync", norm.default_knobs(ln_shape, dtype),
-                    build_template(norm.schedule(ln_shape, dtype), cuda_target()), "main")
-            entry[part] = f"{ckey}__{part}"
-        manifest["cases"].append(entry)
-    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    print(f"{len(manifest['modules'])} modules in {OUT} ({time.time() - t0:.0f} s)")
-
-
 def _cubin(src, path, kind, nvcc_cubin) -> dict:
     """sm_90a cubin for the wgmma kernels (nvcc_cubin), sm_90 for the mma.sync templates."""
     if kind == "wgmma":
@@ -317,12 +277,10 @@ def run(args) -> None:
             results.append(_run_ffn_case(case, manifest["modules"], torch, tvm, dev, args, results, misses))
         elif args.suite == "norm":
             results.append(_run_norm_case(case, manifest["modules"], torch, tvm, dev, args, results, misses))
-        elif args.suite == "residual":
-            results.append(_run_residual_case(case, manifest["modules"], torch, tvm, dev, args, results, misses))
         else:
             results.append(_run_case(case, manifest["modules"], torch, tvm, dev, args.iters, results, misses))
         (OUT / "results.json").write_text(json.dumps({"results": results, "cubin_misses": misses}, indent=1))
-    {"ffn": _ffn_table, "norm": _norm_table, "residual": _residual_table}.get(args.suite, _table)(results)
+    {"ffn": _ffn_table, "norm": _norm_table}.get(args.suite, _table)(results)
     print(f"cubins compiled on the GPU machine instead of prebuilt: {len(misses)}")
 
 
@@ -604,67 +562,6 @@ def _run_norm_case(case, modules, torch, tvm, dev, args, results, misses) -> dic
     return row
 
 
-def _run_residual_case(case, modules, torch, tvm, dev, args, results, misses) -> dict:
-    F = torch.nn.functional
-    m, n, k = (case["shape"][key] for key in ("m", "n", "k"))
-    dtype = case["dtype"]
-    tdt = getattr(torch, dtype)
-    gen = _case_generator(case, torch, dev)
-    a = torch.randn(m, k, device=dev, generator=gen).to(tdt)
-    w = (torch.randn(n, k, device=dev, generator=gen) / k ** 0.5).to(tdt)
-    bias = torch.randn(n, device=dev, generator=gen).to(tdt)
-    residual = (torch.randn(m, n, device=dev, generator=gen) * 2 + torch.randn(m, 1, device=dev, generator=gen) * 4
-                ).to(tdt)
-    gamma = (1 + 0.1 * torch.randn(n, device=dev, generator=gen)).to(tdt)
-    beta = (0.1 * torch.randn(n, device=dev, generator=gen)).to(tdt)
-    y = a.float() @ w.float().T + bias.float() + residual.float()
-    ref = F.layer_norm(y, (n,), gamma.float(), beta.float(), 1e-5)
-    row = {"case": case["key"], "shape": case["shape"], "dtype": dtype, "kernels": {}}
-    tv = lambda *ts: [tvm.runtime.from_dlpack(t) for t in ts]  # noqa: E731
-    nan = lambda *shape: torch.full(shape, float("nan"), device=dev, dtype=tdt)  # noqa: E731
-    load = lambda part, fn: tvm.runtime.load_module(str(OUT / modules[case[part]]["library"]))[fn]  # noqa: E731
-    for form, (gemm_part, norm_part) in (("pair", ("gemm", "bias_residual_layernorm")),
-                                         ("residual", ("residual_gemm", "layernorm"))):
-        key = f"{case['key']}__{form}"
-        print(f"{key}: launching", flush=True)
-        entry = {"kind": form, "knobs": modules[case[gemm_part]]["knobs"]}
-        try:
-            gemm, norm = load(gemm_part, "gemm_wgmma"), load(norm_part, "main")
-        except Exception as err:  # a failed load is a result to report, not a reason to stop the run
-            row["kernels"][key] = dict(entry, error=f"load: {err}"[:300])
-            continue
-        mid, out = nan(m, n), nan(m, n)
-        if form == "pair":
-            gemm_args, norm_args = tv(a, w, mid), tv(mid, bias, residual, gamma, beta, out)
-        else:
-            gemm_args, norm_args = tv(a, w, bias, residual, mid), tv(mid, gamma, beta, out)
-        call = lambda gemm=gemm, norm=norm, g=gemm_args, r=norm_args: (gemm(*g), norm(*r))  # noqa: E731
-        _check_and_time(torch, entry, call, out, ref, dtype, args,
-                        _hang_handler(row, key, results, misses, _residual_table))
-        if form == "residual":   # the GEMM's own output: the residual sum, rounded once
-            entry["sum_rel_err"] = float(torch.linalg.norm(mid.float() - y) / torch.linalg.norm(y))
-            entry["correct"] = entry["correct"] and entry["sum_rel_err"] < TOL[dtype]
-        row["kernels"][key] = entry
-        print(f"{key}: err {entry['rel_err']:.2e} max {entry['max_abs']:.2e}"
-              + (f" sum err {entry['sum_rel_err']:.2e}" if "sum_rel_err" in entry else "")
-              + (f" ok, {entry['ms'] * 1e3:.1f} us" if entry["correct"] else " WRONG"), flush=True)
-    return row
-
-
-def _residual_table(results) -> None:
-    print(f"\n{'case':34s} {'pair us':>8s} {'residual us':>11s} {'pair/residual':>13s} {'pair err':>9s} "
-          f"{'res err':>9s} {'sum err':>9s}")
-    for row in results:
-        pair, res = (row["kernels"].get(f"{row['case']}__{form}", {}) for form in ("pair", "residual"))
-        nan = float("nan")
-        pair_ms, res_ms = pair.get("ms", nan), res.get("ms", nan)
-        print(f"{row['case']:34s} {pair_ms * 1e3:8.1f} {res_ms * 1e3:11.1f} {pair_ms / res_ms:13.3f} "
-              f"{pair.get('rel_err', nan):9.2e} {res.get('rel_err', nan):9.2e} {res.get('sum_rel_err', nan):9.2e}")
-    print("(pair = gemm_wgmma + bias_residual_layernorm, residual = gemm_bias_residual_wgmma + layernorm, default "
-          "knobs; us per GEMM + LayerNorm, median of --iters samples of --reps calls; > 1: the residual epilogue "
-          "faster)")
-
-
 def _norm_table(results) -> None:
     print(f"\n{'case':30s} {'torch us':>9s} {'pair us':>8s} {'first us':>9s} {'best us':>8s} {'pair/best':>9s} "
           f"{'pair/first':>10s}  best fused / wrong")
@@ -698,15 +595,13 @@ def main(argv=None) -> None:
     for p in (b, r):
         p.add_argument("--suite", choices=sorted(OUTS), default="gemm",
                        help="gemm: the GEMM and QKV kernels; ffn: the fused FFN against its unfused forms; norm: the "
-                            "fused GEMM + bias + residual + LayerNorm against its unfused pair; residual: the "
-                            "residual sum in the GEMM's epilogue + layernorm against that pair")
+                            "fused GEMM + bias + residual + LayerNorm against its unfused pair")
         p.add_argument("--out", type=Path, default=None,
-                       help="artifact folder (default out/wgmma, out/ffn_wgmma, out/norm_wgmma, out/residual_wgmma "
-                            "by suite)")
+                       help="artifact folder (default out/wgmma, out/ffn_wgmma, out/norm_wgmma by suite)")
     args = parser.parse_args(argv)
     OUT = OUTS[args.suite] if args.out is None else (args.out if args.out.is_absolute() else ROOT / args.out)
     if args.step == "build":
-        {"ffn": build_ffn, "norm": build_norm, "residual": build_residual}.get(args.suite, build)(args)
+        {"ffn": build_ffn, "norm": build_norm}.get(args.suite, build)(args)
     else:
         run(args)
 

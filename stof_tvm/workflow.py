@@ -115,15 +115,15 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
             dependent_launch: bool | None = None, tune_trials: int = 0, database: str | None = None, top_k: int = 8,
             time_budget_s: float | None = None, rpc_tracker: str | None = None, rpc_key: str | None = None,
             progress=None, lean_padding: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False,
-            attention_knobs: dict | None = None, residual_epilogue: bool | None = None):
+            attention_knobs: dict | None = None):
     """:func:`stof_tvm.compiler.compile` (same arguments, see there), tuning first when ``tune_trials`` > 0.
 
     ``tune_trials``: at most this many measurements per task, for every call the compile makes (stage 1 keeps
     ``top_k`` candidates per job; ``time_budget_s`` bounds the whole tuning; ``rpc_tracker``/``rpc_key`` measure
     on remote devices). Records go to ``database`` (created if missing), which the compile then reads; the
     manifest's ``tuning`` entry adds what tuning did to the records applied. ``progress``: called with each
-    stage line (stage 2's progress bar goes to stderr). ``residual_epilogue``: None keeps the compiler's default."""
-    from stof_tvm.compiler import RESIDUAL_EPILOGUE, compile as compile_with_records
+    stage line (stage 2's progress bar goes to stderr)."""
+    from stof_tvm.compiler import compile as compile_with_records
 
     tune_trials = _check_trials(tune_trials)
     if tune_trials and database is None:
@@ -138,9 +138,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
                                     kernel=kernel, templates=templates, gemm=gemm, cuda_graph=cuda_graph,
                                     dependent_launch=dependent_launch, database=database, progress=progress,
                                     lean_padding=lean_padding, gemm_knobs=gemm_knobs, norm_fusion=norm_fusion,
-                                    attention_knobs=attention_knobs,
-                                    residual_epilogue=RESIDUAL_EPILOGUE if residual_epilogue is None
-                                    else residual_epilogue)
+                                    attention_knobs=attention_knobs)
     if tuned is not None:
         artifact.manifest["tuning"]["tuned"] = tuned
     return artifact

@@ -242,3 +242,13 @@ def test_gemm_knobs_give_gelu_form_only_to_the_fast_gelu_sets():
     knobs = {"gelu_form": "tail", "stages": 3}
     assert _merged_gemm_knobs(dict(PICK), knobs) == knobs
     assert _merged_gemm_knobs({"block_n": 192, "staged": True}, knobs) == {"stages": 3}
+
+
+def test_gemm_knobs_entry_named_after_a_template_goes_to_that_template_alone():
+    """``gemm_knobs={"qkv_projection_wgmma": {...}}`` changes the QKV projection's chosen set only (what an in-model
+    A/B of one GEMM needs), after the plain knobs every wgmma GEMM takes."""
+    from stof_tvm.compiler.downstream import _merged_gemm_knobs
+
+    knobs = {"stages": 3, "qkv_projection_wgmma": {"block_n": 256, "stages": 2}}
+    assert _merged_gemm_knobs({"block_n": 128}, knobs, "qkv_projection_wgmma") == {"stages": 2, "block_n": 256}
+    assert _merged_gemm_knobs({"block_n": 128}, knobs, "gemm_bias_wgmma") == {"stages": 3}

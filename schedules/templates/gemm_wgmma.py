@@ -59,13 +59,12 @@ outputs (:meth:`WgmmaKernelMixin._wave_lead`).
 """
 from __future__ import annotations
 
-import numpy as np
 import tvm
 from tvm import te
 
 from .epilogue import ACTIVATIONS, LN_EPS
 from .fast_gelu import FAST_GELU_ACTIVATIONS
-from .gemm import GemmTemplate, gemm_compute
+from .gemm import GemmTemplate
 from .gemm_layernorm import GemmLayerNormTemplate
 from .layernorm import layernorm_compute
 from .qkv import QKVTemplate
@@ -489,40 +488,6 @@ class WgmmaGemmTemplate(WgmmaKernelMixin, GemmTemplate):
         return {"bias": self.bias, "act": self.act}
 
 
-class WgmmaGemmResidualTemplate(WgmmaGemmTemplate):
-    """``gemm_bias_residual_wgmma``: ``out = A @ W^T + bias + residual``, the residual added in float32 before the one
-    rounding (:mod:`.wgmma_kernel`'s ``residual`` epilogue). It makes a layer's residual sum where the sum is made
-    anyway, so the LayerNorm after it reads one [m, n] tensor instead of two (the GEMM's output and the residual)
-    and runs as the plain ``layernorm`` template: at RoBERTa-base's 32768 rows that is 50 of the 150 MB each of its
-    24 LayerNorms moves. Same knob space as ``gemm_bias_wgmma``."""
-
-    def __init__(self):
-        super().__init__(bias=True, act="none")
-        self.name = "gemm_bias_residual_wgmma"
-        self.description = "out = A @ W^T + bias + residual (wgmma, sm_90a)"
-
-    def arguments(self, shape, dtype="float16"):
-        args = super().arguments(shape, dtype)
-        return args[:-1] + [("residual", (shape["m"], shape["n"]), dtype)] + args[-1:]
-
-    def _primfunc(self, shape, dtype):
-        m, n, k = shape["m"], shape["n"], shape["k"]
-        A = te.placeholder((m, k), dtype, name="A")
-        W = te.placeholder((n, k), dtype, name="W")
-        bias = te.placeholder((n,), dtype, name="bias")
-        residual = te.placeholder((m, n), dtype, name="residual")
-        acc = gemm_compute(A, W, "nk")
-        out = te.compute((m, n), lambda i, j: (acc[i, j] + bias[j].astype("float32")
-                                               + residual[i, j].astype("float32")).astype(dtype), name="out")
-        return te.create_prim_func([A, W, bias, residual, out])
-
-    def reference(self, shape, inputs):
-        return [super().reference(shape, inputs)[0] + np.asarray(inputs["residual"], np.float64)]
-
-    def kernel_options(self, shape):
-        return {"bias": True, "act": "none", "residual": True}
-
-
 class WgmmaQKVTemplate(WgmmaKernelMixin, QKVTemplate):
     """The QKV projection into [3, B, H, S, D] (the ``qkv_projection`` definition, W [3*H*D, H*D]) on wgmma:
     the same kernel as the GEMMs, with the epilogue storing each element at its head-major place."""
@@ -633,7 +598,6 @@ class WgmmaGemmLayerNormTemplate(WgmmaKernelMixin, GemmLayerNormTemplate):
 register(WgmmaGemmTemplate(bias=False, act="none"))
 for _act in ACTIVATIONS:
     register(WgmmaGemmTemplate(bias=True, act=_act))
-register(WgmmaGemmResidualTemplate())
 register(WgmmaQKVTemplate())
 register(WgmmaGemmLayerNormTemplate())
 register(WgmmaGemmLayerNormTemplate(keep_sum=True))

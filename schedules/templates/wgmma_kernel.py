@@ -362,8 +362,7 @@ def whole_buffer(buf, words):
 
 def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: str, config: WgmmaConfig,
                         heads: tuple[int, int, int, int] | None = None, sm_count: int = 132,
-                        norm_eps: float | None = None, norm_sum: bool = False,
-                        residual: bool = False) -> tvm.tirx.PrimFunc:
+                        norm_eps: float | None = None, norm_sum: bool = False) -> tvm.tirx.PrimFunc:
     """The thread-level CUDA PrimFunc (parameters ``A, W[, bias], out`` like the ``gemm`` templates).
 
     ``norm_eps`` (with ``config.norm_rows``, bias and no activation) makes it GEMM + bias + residual + LayerNorm:
@@ -371,10 +370,6 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     beta`` with that epsilon (:func:`norm_epilogue` below says how the cluster's blocks share the rows). ``norm_sum``
     also stores the sum ``A @ W^T + bias + residual`` itself, rounded, to a ``sum_out`` parameter before ``out`` (a
     pre-LN model's next residual).
-    ``residual`` (with bias and no activation) adds a ``residual`` [m, n] parameter after the bias to every output
-    before it is rounded: ``out = A @ W^T + bias + residual``, the residual sum a LayerNorm kernel then reads alone
-    (the epilogue reads each output's residual in the layout its accumulator holds: two columns per 4-byte load,
-    four per 8-byte load after a split-K reduction).
     ``heads = (batch, seq, heads, head_dim)`` makes it the QKV projection: ``n`` is ``3 * heads * head_dim``
     and the epilogue writes row ``b*seq + s``, column ``w*H*D + h*D + d`` to ``out[w, b, h, s, d]``
     ([3, B, H, S, D], what the attention kernels read) instead of ``out[row, col]``. ``m`` may exceed
@@ -393,8 +388,6 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             norm_sum and not NORM):
         raise ValueError("norm_eps and config.norm_rows go together, with a bias, no activation and no heads; "
                          "norm_sum needs them")
-    if residual and (not bias or act != "none" or heads is not None or NORM):
-        raise ValueError("residual needs a bias, no activation, no heads and no norm_eps")
     if NORM and not 1 < n // config.block_n <= MAX_NORM_CLUSTER:
         raise ValueError(f"norm_rows: a row of n = {n} must span 2 to {MAX_NORM_CLUSTER} blocks of "
                          f"block_n = {config.block_n} (one cluster)")
@@ -488,32 +481,15 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     def mma_step(acc, a_desc, b_desc, first=0):
         return MMA(*[acc[first + i] for i in range(NACC)], a_desc, b_desc, True, 1, 1, 0, 0)
 
-    def read_row(row):
-        """A row to read an input of the epilogue from: rows past m (a partial last tile) read row m - 1."""
-        return T.min(row, m - 1) if RAGGED else row
+    def biased(x, col, bias_buf):
+        return x + T.Cast("float32", bias_buf[col]) if bias else x
 
-    def half_of(word, upper):
-        """The 16-bit element of a packed pair (the lower address's in the low half), as float32."""
-        bits = T.shift_right(word, T.uint32(16)) if upper else T.bitwise_and(word, T.uint32(0xFFFF))
-        return T.Cast("float32", T.reinterpret(DT, T.Cast("uint16", bits)))
+    def epilogue_f32(x, col, bias_buf):
+        """An output in float32 before rounding; ``norm_rows`` finished it in the accumulators already."""
+        return x if NORM else activation(act, biased(x, col, bias_buf))
 
-    # With ``residual`` the epilogue's operands travel as the pair (bias, residual) wherever the bias alone does
-    def bias_of(operands):
-        return operands[0] if residual else operands
-
-    def biased(x, col, operands):
-        return x + T.Cast("float32", bias_of(operands)[col]) if bias else x
-
-    def epilogue_f32(x, col, operands):
-        """An output in float32 before rounding (its residual aside); ``norm_rows`` finished it in the accumulators
-        already."""
-        return x if NORM else activation(act, biased(x, col, operands))
-
-    def epilogue(x, row, col, operands):
-        """An output rounded, its residual added first (one 2-byte load: the direct stores' form)."""
-        if residual:
-            return T.Cast(DT, epilogue_f32(x, col, operands) + T.Cast("float32", operands[1][read_row(row), col]))
-        return T.Cast(DT, epilogue_f32(x, col, operands))
+    def epilogue(x, col, bias_buf):
+        return T.Cast(DT, epilogue_f32(x, col, bias_buf))
 
     def out_ptr(out, row, col):
         """Address of output element (row, col) of the GEMM (in [3, B, H, S, D] for the QKV projection)."""
@@ -524,7 +500,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     @T.macro
     def store_head(x, out, bias_buf, row, col):
         """The QKV projection's store of one output element (row, col) at its [3, B, H, S, D] place."""
-        out[col // (HH * HD), row // HS, col % (HH * HD) // HD, row % HS, col % HD] = epilogue(x, row, col, bias_buf)
+        out[col // (HH * HD), row // HS, col % (HH * HD) // HD, row % HS, col % HD] = epilogue(x, col, bias_buf)
 
     @T.macro
     def store(acc, out, bias_buf, row0, col0, lane, first):
@@ -535,9 +511,9 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     row: T.let = row0 + lane // 4 + 8 * h
                     if heads is None and PADDED:
                         if row < REAL_ROWS:
-                            out[row, col] = epilogue(acc[first + j * 4 + h * 2 + e], row, col, bias_buf)
+                            out[row, col] = epilogue(acc[first + j * 4 + h * 2 + e], col, bias_buf)
                     elif heads is None:
-                        out[row, col] = epilogue(acc[first + j * 4 + h * 2 + e], row, col, bias_buf)
+                        out[row, col] = epilogue(acc[first + j * 4 + h * 2 + e], col, bias_buf)
                     elif PADDED:
                         if row < REAL_ROWS:
                             store_head(acc[first + j * 4 + h * 2 + e], out, bias_buf, row, col)
@@ -545,16 +521,11 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                         store_head(acc[first + j * 4 + h * 2 + e], out, bias_buf, row, col)
 
     PACK = T.ptx[f"cvt.rn.{PACK_TYPE[DT]}.f32"]
-    RES_WORDS = 4        # residual: a staged chunk's residual pairs follow the 4 words of a packed 16-byte store
-    WORDS = RES_WORDS + 2 * STAGED_COLS // 8 if residual else RES_WORDS
 
-    def pack_pair(word, acc, i, col, bias_buf, res_word=None):
-        """Outputs ``acc[i]`` (column ``col``) and ``acc[i + 1]`` rounded to 16 bits and packed into ``word``, the
-        first in the low half (its address is the lower); ``res_word``: their residuals, packed the same way."""
-        if res_word is None:
-            return PACK(word, epilogue_f32(acc[i + 1], col + 1, bias_buf), epilogue_f32(acc[i], col, bias_buf))
-        return PACK(word, epilogue_f32(acc[i + 1], col + 1, bias_buf) + half_of(res_word, True),
-                    epilogue_f32(acc[i], col, bias_buf) + half_of(res_word, False))
+    def pack_pair(words, acc, i, col, bias_buf):
+        """Outputs ``acc[i]`` (column ``col``) and ``acc[i + 1]`` rounded to 16 bits and packed into ``words[0]``, the
+        first in the low half (its address is the lower)."""
+        return PACK(words[0], epilogue_f32(acc[i + 1], col + 1, bias_buf), epilogue_f32(acc[i], col, bias_buf))
 
     if config.gelu_form == "half":
         NEG_END, HALF_COEFFS = half_tail_words(act)
@@ -603,26 +574,17 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     @T.macro
     def store_staged(acc, out, bias_buf, row0, col0, lane, first, buf, words):
         """The ``staged`` epilogue of one warp's 16 rows (module docstring): per 64-column chunk, packed pairs into
-        the warp's swizzled buffer at shared address ``buf``, then 16-byte rows out. ``words``: 4 local uint32 (and with
-        ``residual`` the chunk's residual pairs after them)."""
+        the warp's swizzled buffer at shared address ``buf``, then 16-byte rows out. ``words``: 4 local uint32."""
         for cc in T.unroll(BN // STAGED_COLS):
-            if residual:   # the chunk's residual pairs, every load issued before any is used
-                for j in T.unroll(STAGED_COLS // 8):
-                    for h in T.unroll(2):
-                        T.ptx["ld.global.b32"](words[RES_WORDS + j * 2 + h], T.address_of(bias_buf[1][
-                            read_row(row0 + lane // 4 + 8 * h), col0 + cc * STAGED_COLS + j * 8 + (lane % 4) * 2]))
             for j in T.unroll(STAGED_COLS // 8):
                 for h in T.unroll(2):
                     col: T.let = col0 + cc * STAGED_COLS + j * 8 + (lane % 4) * 2
-                    if residual:
-                        pack_pair(words[0], acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, bias_buf,
-                                  words[RES_WORDS + j * 2 + h])
-                    elif config.gelu_form == "half":
+                    if config.gelu_form == "half":
                         pack_pair_half_gelu(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, bias_buf)
                     elif config.fast_gelu:
                         pack_pair_fast_gelu(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, bias_buf)
                     else:
-                        pack_pair(words[0], acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, bias_buf)
+                        pack_pair(words, acc, first + (cc * STAGED_COLS // 8 + j) * 4 + h * 2, col, bias_buf)
                     T.ptx["st.shared.b32"](buf + T.Cast("uint32", swizzled(lane // 4 + 8 * h, j) + (lane % 4) * 4),
                                            words[0])
             T.ptx["bar.warp.sync"](T.uint32(0xFFFFFFFF))
@@ -789,8 +751,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         shared memory through ``mapa``), always in rank order 0, 1, ... (the same sum whichever block computes it),
         then bias, activation, rounding and one 8-byte store. The ranks take turns over 256-chunk runs of the
         tile's rows. A chunk's ``SPLIT`` remote reads are all issued (into ``parts``) before the sum, so their
-        latencies overlap; with ``residual`` the chunk's four residuals (one 8-byte load into ``words[2:4]``) before
-        them."""
+        latencies overlap."""
         m0: T.let = tile_rows(tile_of(bx, 0))
         n0: T.let = tile_cols(tile_of(bx, 0))
         for it in range(REDUCE_ROUNDS):
@@ -798,8 +759,6 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             if c < TILE_CHUNKS:
                 row: T.let = c // (BN // 4)
                 col: T.let = (c % (BN // 4)) * 4
-                if residual:
-                    T.ptx["ld.global.v2.b32"](words[2], words[3], T.address_of(bias_buf[1][read_row(m0 + row), n0 + col]))
                 for s in T.unroll(SPLIT):
                     T.ptx["mapa.shared::cluster.u32"](remote[0], base + T.Cast("uint32", row * PARTIAL_ROW + col * 4),
                                                       T.uint32(s))
@@ -811,11 +770,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     for e in T.unroll(4):
                         sums[e] = sums[e] + parts[s * 4 + e]
                 for e in T.unroll(2):
-                    if residual:
-                        pack_pair(words[e], sums, 2 * e, n0 + col + 2 * e, bias_buf, words[2 + e])
-                    else:
-                        PACK(words[e], epilogue_f32(sums[2 * e + 1], n0 + col + 2 * e + 1, bias_buf),
-                             epilogue_f32(sums[2 * e], n0 + col + 2 * e, bias_buf))
+                    PACK(words[e], epilogue_f32(sums[2 * e + 1], n0 + col + 2 * e + 1, bias_buf),
+                         epilogue_f32(sums[2 * e], n0 + col + 2 * e, bias_buf))
                 if PADDED:
                     if m0 + row < REAL_ROWS:
                         T.ptx["st.global.v2.b32"](out_ptr(out, m0 + row, n0 + col), words[0], words[1])
@@ -833,12 +789,21 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                     T.ptx["cp.async.bulk.prefetch.L2.global"](
                         T.address_of(W[tile_cols(tile) + it * WG + wt, k_col(bx, 0)]), T.uint32(KS * ROW_BYTES))
 
+    def read_row(row):
+        """A row to read an input of the epilogue from: rows past m (a partial last tile) read row m - 1."""
+        return T.min(row, m - 1) if RAGGED else row
+
     def norm_partial_addr(base, slot, row):
         return base + T.Cast("uint32", NORM_OFF + (slot * BLOCK_M + row) * 4)
 
     def param_addr(base, p, col):
         """Shared address of the block's column ``col`` of parameter ``p`` (0 bias, 1 gamma, 2 beta; float32)."""
         return base + T.Cast("uint32", PARAM_OFF + (p * BN + col) * 4)
+
+    def half_of(word, upper):
+        """The 16-bit element of a packed pair (the lower address's in the low half), as float32."""
+        bits = T.shift_right(word, T.uint32(16)) if upper else T.bitwise_and(word, T.uint32(0xFFFF))
+        return T.Cast("float32", T.reinterpret(DT, T.Cast("uint16", bits)))
 
     @T.macro
     def stage_params(bias_buf, gamma, beta, base, n0, ct):
@@ -975,7 +940,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
         wgmma_smem = T.alloc_buffer((SMEM_WORDS,), "uint64", scope="shared.dyn")
         acc = T.alloc_buffer((HALVES * NACC,), "float32", scope="local")
         flag = T.alloc_buffer((1,), "uint32", scope="local")
-        words = T.alloc_buffer((WORDS,), "uint32", scope="local")
+        words = T.alloc_buffer((4,), "uint32", scope="local")
         raw: T.let = T.cuda.cvta_generic_to_shared(whole_buffer(wgmma_smem, SMEM_WORDS))
         base: T.let = T.bitwise_and(raw + T.uint32(ALIGN - 1), T.uint32(0xFFFFFFFF - (ALIGN - 1)))
         wg: T.let = tx // WG
@@ -1098,16 +1063,6 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
                    beta_h: T.handle, out_h: T.handle):
             T.func_attr({"tirx.noalias": True, "global_symbol": "gemm_wgmma"})
             launch_norm(a_h, w_h, bias_h, res_h, gamma_h, beta_h, None, out_h)
-    elif residual:
-        @T.prim_func
-        def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, res_h: T.handle, out_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "global_symbol": "gemm_wgmma"})
-            A = T.match_buffer(a_h, (m, k), DT)
-            W = T.match_buffer(w_h, (n, k), DT)
-            bias_buf = T.match_buffer(bias_h, (n,), DT)
-            res = T.match_buffer(res_h, (m, n), DT)
-            out = T.match_buffer(out_h, OUT_SHAPE, DT)
-            launch(A, W, (bias_buf, res), out, None)
     elif bias:
         @T.prim_func
         def kernel(a_h: T.handle, w_h: T.handle, bias_h: T.handle, out_h: T.handle):

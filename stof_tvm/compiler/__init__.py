@@ -52,8 +52,6 @@ from .rewrite import rewrite_attention
 from .weight_storage import store_weights_float16, stored_values
 
 DTYPES = ("float32", "float16")
-# compile option residual_epilogue's default (see compile): not yet measured on a GPU, so off
-RESIDUAL_EPILOGUE = False
 TRANSFORM_PARAMS = "main_transform_params"
 
 
@@ -193,7 +191,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
               kernel: str = "auto", templates: bool | None = None, gemm: str = "auto",
               database: str | None = None, schedule: bool = True, lean_padding: bool = True,
               gemm_knobs: dict | None = None, norm_fusion: bool = False,
-              attention_knobs: dict | None = None, residual_epilogue: bool = RESIDUAL_EPILOGUE) -> FrontEnd:
+              attention_knobs: dict | None = None) -> FrontEnd:
     """Steps 1-5 of :func:`compile` (same arguments): import, attention kernel choice and rewrite, templates.
 
     ``schedule=False`` leaves the template PrimFuncs unscheduled (the tuner only reads which calls are made)."""
@@ -279,7 +277,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     template_entry = {}
     if templates:
         mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule, gemm_knobs=gemm_knobs,
-                                            norm_fusion=norm_fusion, residual_epilogue=residual_epilogue)
+                                            norm_fusion=norm_fusion)
     mod["main"] = relax.analysis.remove_all_unused(fold_permute_pairs(mod["main"]))  # transposes around attention
     report = coverage(canonical, mod["main"], attention_kernel=choice.kind, attention_sites=len(sites),
                       attention_reason=f"dense kernel: {choice.reason}",
@@ -344,7 +342,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
             kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
             dependent_launch: bool | None = None, database: str | None = None, progress=None,
             lean_padding: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False,
-            attention_knobs: dict | None = None, residual_epilogue: bool = RESIDUAL_EPILOGUE):
+            attention_knobs: dict | None = None):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
 
     ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
@@ -389,9 +387,6 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     wgmma kernel (a cluster of blocks per row tile) where it launches half the GPU's SMs (:mod:`.downstream`). Off by
     default: every fused kernel measured slower than the unfused pair (0.57-0.88x on an H100, BENCHMARKS.md session
     19: its clusters of 3-4 blocks leave SMs idle or run in two waves, and its epilogue is not overlapped).
-    ``residual_epilogue`` (default :data:`RESIDUAL_EPILOGUE`): under ``gemm="wgmma"``, the GEMM before a layer's
-    residual LayerNorm adds its bias and the residual in its epilogue (``gemm_bias_residual_wgmma``), and the LayerNorm
-    reads that one sum (the ``layernorm`` template) instead of the GEMM's output and the residual.
     """
     from stof_tvm.artifact import Artifact
     from stof_tvm.records import open_database, record_usage
@@ -400,8 +395,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
 
     if cuda_graph not in (False, True):
         raise TypeError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
-    for name, flag in (("lean_padding", lean_padding), ("norm_fusion", norm_fusion),
-                       ("residual_epilogue", residual_epilogue)):
+    for name, flag in (("lean_padding", lean_padding), ("norm_fusion", norm_fusion)):
         if flag not in (False, True):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
     for name, knobs in (("gemm_knobs", gemm_knobs), ("attention_knobs", attention_knobs)):
@@ -418,7 +412,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         front = front_end(model, mask=mask, batch=batch, seq_len=seq_len, target=target, dtype=dtype,
                           kernel=kernel, templates=templates, gemm=gemm, database=database,
                           lean_padding=lean_padding, gemm_knobs=gemm_knobs, norm_fusion=norm_fusion,
-                          attention_knobs=attention_knobs, residual_epilogue=residual_epilogue)
+                          attention_knobs=attention_knobs)
         tspec, choice = front.tspec, front.choice
         report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
                f"(attention kernel {choice.kind if choice else 'none: ' + front.fallback}, "

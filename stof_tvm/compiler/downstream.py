@@ -111,11 +111,9 @@ class _Templates:
     """Adds one PrimFunc per (template, shape, options) to the module and records every site."""
 
     def __init__(self, mod: tvm.IRModule, target: tvm.target.Target, database: str | None, gemm: str,
-                 schedule: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False,
-                 residual_epilogue: bool = False):
+                 schedule: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False):
         self.mod = mod
         self.norm_fusion = norm_fusion
-        self.residual_epilogue = residual_epilogue
         self.gemm_knobs = dict(gemm_knobs or {})
         self.target = target
         self.cuda = target.kind.name == "cuda"
@@ -200,15 +198,6 @@ class _Templates:
             call = relax.op.strided_slice(call, axes=[0], begin=[0], end=[m])
             note = f"rows padded {m} -> {rows}" + (f"; {note}" if note else "")
         return call, stage, note
-
-
-    def residual_gemm(self, x2d, w, bias, residual, m: int, n: int, k: int, dtype: str):
-        """``x2d @ w + bias + residual`` (16-bit, [m, n]) as one ``gemm_bias_residual_wgmma`` call where the option
-        ``residual_epilogue`` asks for it and the wgmma GEMM takes the shape: (call, stage); else None."""
-        if not (self.residual_epilogue and self.gemm == "wgmma") or wgmma_misfit(m, n, k) is not None:
-            return None
-        return self.call("gemm_bias_residual_wgmma", {"m": m, "n": n, "k": k}, dtype,
-                         [x2d, transposed(w), bias, residual], (m, n))
 
 
 def _cast_const(const: Constant, dtype: str) -> Constant:
@@ -303,10 +292,6 @@ def _rewrite_residual_ln(t: _Templates, expr, matches, var2val, users, shared_su
         call, stage = t.call("gemm_bias_residual_layernorm_kn", gemm_shape, dtype,
                              [x2d, matches[LINEAR_W], bias, r2d, g16, b16], (m, n), eps)
         stages, note = [stage], why
-    elif (summed := t.residual_gemm(x2d, matches[LINEAR_W], bias, r2d, m, n, k, dtype)) is not None:
-        total_2d, gemm_stage = summed
-        call, ln_stage = t.call("layernorm", ln_shape, dtype, [total_2d, g16, b16], (m, n), eps)
-        stages, note = [gemm_stage, ln_stage], why + "; the residual sum in the GEMM's epilogue"
     else:
         y, gemm_stage, gemm_note = t.gemm_stage("none", x2d, matches[LINEAR_W], None, m, n, k, dtype)
         call, ln_stage = t.call("bias_residual_layernorm", ln_shape, dtype, [y, bias, r2d, g16, b16],
@@ -409,19 +394,6 @@ def _narrow_sums(t: _Templates, func: relax.Function, shared_sums: dict, users: 
             if str(residual.ty.dtype) != dtype:
                 residual = relax.op.astype(residual, dtype)
             gemm, why = fused_gemm(linear, norm, dtype)
-            summed = None if gemm is not None or len(users.get(linear, [])) != 1 else t.residual_gemm(
-                self.visit_expr(norm["gemm"]["x"]), norm["gemm"]["w"], norm["gemm"]["bias"],
-                relax.op.reshape(residual, [m, n]), m, n, norm["gemm"]["k"], dtype)
-            if summed is not None:
-                # the sum from the GEMM's epilogue, then the LayerNorm of it (the linear's own GEMM left unused)
-                sum_2d = self.builder_.emit(summed[0])
-                call, stage = t.call("layernorm", {"m": m, "n": n}, dtype, [sum_2d, norm["gamma"], norm["beta"]],
-                                     (m, n), norm["eps"])
-                t.record("linear_residual_sum_ln", [summed[1], stage], "the residual sum in the GEMM's epilogue")
-                self.normed[total] = self.builder_.emit(call)
-                narrow = relax.op.reshape(sum_2d, list(total.ty.shape))
-                self.set_var_remap(total, self.builder_.emit(relax.op.astype(narrow, str(total.ty.dtype))))
-                return
             if gemm is not None:
                 args = [self.visit_expr(gemm["x"]), transposed(gemm["w"]), gemm["bias"],
                         relax.op.reshape(residual, [m, n]), norm["gamma"], norm["beta"]]
@@ -487,21 +459,18 @@ def _simplify(func: relax.Function) -> relax.Function:
 
 
 def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | None = None, gemm: str = "mma",
-                  schedule: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False,
-                  residual_epilogue: bool = False) -> tuple[tvm.IRModule, dict]:
+                  schedule: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False
+                  ) -> tuple[tvm.IRModule, dict]:
     """Rewrite ``main``'s downstream chains into template calls; returns the module and the manifest entry
     ``{"gemm", "calls": {template: count}, "sites": [...], "notes": [...]}``. Each site's stages name the
     template, shape, dtype (and ``eps`` where it is not the default) of one call: what the tuner plans.
     ``schedule=False``: leave every PrimFunc unscheduled (for planning only; the module is not for building).
     ``gemm_knobs``: knobs merged into every wgmma GEMM's chosen set (to measure a knob across a model).
     ``norm_fusion``: offer the wgmma GEMM + bias + residual + LayerNorm templates (default ``False``: the unfused
-    pair, measured faster).
-    ``residual_epilogue``: under ``gemm="wgmma"``, a layer's residual sum (after the output projection or the FFN's
-    down-projection) is made in that GEMM's epilogue (``gemm_bias_residual_wgmma``) and its LayerNorm is the plain
-    ``layernorm`` template, which then reads one tensor instead of two."""
+    pair, measured faster)."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm: expected one of {GEMMS}, got {gemm!r}")
-    t = _Templates(mod, target, database, gemm, schedule, gemm_knobs, norm_fusion, residual_epilogue)
+    t = _Templates(mod, target, database, gemm, schedule, gemm_knobs, norm_fusion)
     func = mod["main"]
     var2val = relax.analysis.get_var2val(func)
 
