@@ -132,12 +132,14 @@ PINGPONG_FIRST = ((128, 192), (256, 192))
 # 0.0589 / 0.0585.
 GELU_PINGPONG_MIN_WAVES = 2
 PINGPONG_FIRST_STAGES = 4
-# The QKV projection's staged 128 x 256 one-block-per-tile set with 3 stages leads where its tiles fit one wave of the
-# SMs while the first set's need more, its busiest SM computing no more outputs (:meth:`WgmmaKernelMixin._one_wave_lead`). H100,
-# session 24 (--plan s23tuned, ViT-Base's QKV projection at 8 x 197 tokens, 1576 x 2304 x 768: 117 tiles of 128 x 256
-# against 234 of 128 x 128, the same 32768 outputs on the busiest SM): 0.0139 against 0.0154 ms back to back, 0.0127
-# against 0.0144 in a CUDA graph of 24 calls each reading its own weight; the whole forward 0.826 against 0.846 ms,
-# timed interleaved (bench_e2e --ours-variants, BENCHMARKS.md).
+# The staged 128 x 256 one-block-per-tile set with 3 stages leads a template without GELU where its tiles fit one wave
+# of the SMs while the first set's need more, its busiest SM computing no more outputs
+# (:meth:`WgmmaKernelMixin._one_wave_lead`). H100, session 24: ViT-Base's QKV projection at 8 x 197 tokens (1576 x 2304
+# x 768: 117 tiles of 128 x 256 against 234 of 128 x 128, the same 32768 outputs on the busiest SM; --plan s23tuned)
+# 0.0139 against 0.0154 ms back to back, 0.0127 against 0.0144 in a CUDA graph of 24 calls each reading its own
+# weight, the whole forward 1.004-1.023x faster in three runs, timed interleaved; BERT-large's attention output and FFN
+# down at 8 x 512 (4096 x 1024 x 1024 / 4096: 128 tiles against 256) the whole forward 1.026x faster (5.362 against
+# 5.502 ms; bench_e2e --ours-variants, BENCHMARKS.md).
 ONE_WAVE_TILE = (256, 3)   # (block_n, stages)
 # Staged sets with this many accumulators a thread or more spill where a tile's stores are guarded (rows not stored)
 GUARDED_STAGED_MAX_ACC = 192
@@ -321,15 +323,15 @@ class WgmmaKernelMixin:
         return wave
 
     def _one_wave_lead(self, space, m: int, n: int, sm_count: int) -> dict | None:
-        """The QKV projection's staged 128 x 256 set with 3 stages, one block per tile (:data:`ONE_WAVE_TILE`), where
-        the first set is unsplit with more tiles than SMs and the 256-wide tiles fit one wave with no more outputs on
-        the busiest SM (:func:`busiest_sm_outputs`, ``m`` in whole 128-row tiles): half the tiles, each reading its A
-        rows once for twice the columns, for the same work on the busiest SM. Else None (and for the other GEMMs,
-        where it was not measured)."""
+        """The staged 128 x 256 set with 3 stages, one block per tile (:data:`ONE_WAVE_TILE`), of a template without
+        GELU, where the first set is unsplit with more tiles than SMs and the 256-wide tiles fit one wave with no more
+        outputs on the busiest SM (:func:`busiest_sm_outputs`, ``m`` in whole 128-row tiles): half the tiles, each
+        reading its A rows once for twice the columns, for the same work on the busiest SM. Else None (the GELU
+        GEMMs' epilogue was not measured in it)."""
         first = space[0]
         config = self.config(first)
         block_n, stages = ONE_WAVE_TILE
-        if (not self.head_major_stores or config.split_k > 1 or n % block_n or (m // config.tile_m) * (n // config.block_n) <= sm_count
+        if (getattr(self, "act", "none") in LIBM_GELU_EXTRA_OPS or config.split_k > 1 or n % block_n or (m // config.tile_m) * (n // config.block_n) <= sm_count
                 or (m // BLOCK_M) * (n // block_n) > sm_count
                 or busiest_sm_outputs(m, n, BLOCK_M, block_n, sm_count)
                 > busiest_sm_outputs(m, n, config.tile_m, config.block_n, sm_count)):
