@@ -31,8 +31,8 @@ MODELS = ("tiny-gpt2", "tiny-t5-encoder")
 BATCH, SEQ = 2, 128
 LAYERS = 2                               # torch_models' tiny configurations
 GPT2_CALLS = {"qkv_projection_kn": 2, "gemm_bias_kn": 3, "gemm_bias_gelu_tanh_kn": 2, "gemm_kn": 1,
-              "layernorm": 1, "residual_layernorm": 3, "bias_residual_layernorm_to_float32": 1}
-# the last block's sum feeds only the final LN (which writes the float32 output itself); layernorm: the embeddings' ln_1 (a plain LayerNorm); residual_layernorm:
+              "layernorm": 1, "residual_layernorm": 3, "bias_residual_layernorm": 1}
+# the last block's sum feeds only the final LN; layernorm: the embeddings' ln_1 (a plain LayerNorm); residual_layernorm:
 # the three pre-LN sums
 T5_CALLS = {"qkv_projection_kn": 2, "gemm_kn": 4, "gemm_bias_relu_kn": 2,
             "rmsnorm": 1, "residual_rmsnorm": 2 * LAYERS}     # the embeddings' RMSNorm; every later one with its sum

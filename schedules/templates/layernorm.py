@@ -35,7 +35,7 @@ MAX_ROW_REGISTERS = 64  # float32 values of the row per thread above which only 
 
 
 def layernorm_compute(y, gamma, beta, dtype: str, eps: float = LN_EPS):
-    """TE stages of a row LayerNorm of ``y`` ([m, n] float32 tensor): (mean_sum, var_sum, out), ``out`` in ``dtype``.
+    """TE stages of a row LayerNorm of ``y`` ([m, n] float32 tensor): (mean_sum, var_sum, out).
 
     Block names: ``mean_sum`` (sum of y per row), ``var_sum`` (sum of squared deviations), ``out``."""
     m, n = y.shape
@@ -102,23 +102,16 @@ class RowNormTemplate(Template):
 
 
 class LayerNormTemplate(RowNormTemplate):
-    """(bias +) (residual +) LayerNorm of an [m, n] activation. ``to_float32`` (name suffix ``_to_float32``): the
-    output in float32 instead of the inputs' 16-bit dtype, for a model's last LayerNorm when the model returns float32
-    (the compile path then needs no cast kernel after it: :mod:`stof_tvm.compiler.downstream`)."""
+    """(bias +) (residual +) LayerNorm of an [m, n] activation."""
 
     family = "layernorm"
     row_producers = ("y", "mean_sum", "var_sum")
 
-    def __init__(self, bias: bool, residual: bool, to_float32: bool = False):
-        self.bias, self.residual, self.to_float32 = bias, residual, to_float32
-        self.name = "_".join((["bias"] if bias else []) + (["residual"] if residual else []) + ["layernorm"]
-                             + (["to_float32"] if to_float32 else []))
+    def __init__(self, bias: bool, residual: bool):
+        self.bias, self.residual = bias, residual
+        self.name = "_".join((["bias"] if bias else []) + (["residual"] if residual else []) + ["layernorm"])
         self.fused = bias or residual
         self.description = "out = LayerNorm(x" + (" + bias" if bias else "") + (" + residual" if residual else "") + ")"
-
-    def out_dtype(self, dtype: str) -> str:
-        """The output's dtype for inputs of ``dtype``."""
-        return "float32" if self.to_float32 else dtype
 
     def arguments(self, shape, dtype="float16"):
         m, n = shape["m"], shape["n"]
@@ -127,7 +120,7 @@ class LayerNormTemplate(RowNormTemplate):
             args.append(("bias", (n,), dtype))
         if self.residual:
             args.append(("residual", (m, n), dtype))
-        return args + [("gamma", (n,), dtype), ("beta", (n,), dtype), ("out", (m, n), self.out_dtype(dtype))]
+        return args + [("gamma", (n,), dtype), ("beta", (n,), dtype), ("out", (m, n), dtype)]
 
     def _primfunc(self, shape, dtype, eps: float = LN_EPS):
         m, n = shape["m"], shape["n"]
@@ -151,7 +144,7 @@ class LayerNormTemplate(RowNormTemplate):
             return v
 
         y = te.compute((m, n), row, name="y")
-        _, _, out = layernorm_compute(y, gamma, beta, self.out_dtype(dtype), eps)
+        _, _, out = layernorm_compute(y, gamma, beta, dtype, eps)
         return te.create_prim_func(params + [gamma, beta, out])
 
     def reference(self, shape, inputs):
@@ -236,5 +229,4 @@ class ResidualLayerNormTemplate(LayerNormTemplate):
 
 register(LayerNormTemplate(bias=False, residual=False))
 register(LayerNormTemplate(bias=True, residual=True))
-register(LayerNormTemplate(bias=True, residual=True, to_float32=True))
 register(ResidualLayerNormTemplate())

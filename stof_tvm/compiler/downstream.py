@@ -27,9 +27,7 @@ any other ``linear``                                    ``gemm_bias_kn``, ``gemm
 =====================================================  ===================================================
 
 A linear may have no bias (``astype(matmul(X, W))``, T5): the templates with an activation or the QKV projection
-then add a zero bias constant. Where the unfused pair's LayerNorm is a float32 model output that nothing else reads
-(the last layer of BERT, RoBERTa, GPT-2, ViT), it is ``bias_residual_layernorm_to_float32``, which writes float32
-itself: no cast kernel after the forward's last LayerNorm.
+then add a zero bias constant.
 
 ``X`` is ``[..., K]`` (flattened to ``[M, K]``), ``W`` a ``[K, N]`` weight (parameter or constant), biases,
 gamma and beta constants. A chain is rewritten only where its templates accept the shapes (16-bit dtype,
@@ -162,15 +160,14 @@ class _Templates:
             choice.trace.apply_to_schedule(sch, remove_postproc=False)
         return sch.mod["main"]
 
-    def call(self, name, shape, dtype, args, out_shape, eps=None, out_dtype=None) -> tuple[relax.Expr, dict]:
+    def call(self, name, shape, dtype, args, out_shape, eps=None) -> tuple[relax.Expr, dict]:
         """A call of template ``name``; ``out_shape`` its output's shape, or a list of shapes for a template with
-        several outputs (the call returns a tuple); ``out_dtype`` the outputs' dtype where it is not ``dtype``."""
+        several outputs (the call returns a tuple)."""
         gv, choice = self.function(name, shape, dtype, eps)
         stage = {"template": name, "shape": shape, "dtype": dtype, **({"eps": eps} if eps is not None else {}),
                  **choice.to_json()}
-        out_dtype = out_dtype or dtype
-        out_ty = ([relax.TensorType(list(s), out_dtype) for s in out_shape] if isinstance(out_shape, list)
-                  else relax.TensorType(list(out_shape), out_dtype))
+        out_ty = ([relax.TensorType(list(s), dtype) for s in out_shape] if isinstance(out_shape, list)
+                  else relax.TensorType(list(out_shape), dtype))
         return relax.call_tir(gv, args, out_ty=out_ty), stage
 
     def record(self, chain: str, stages: list[dict], note: str | None = None) -> None:
@@ -279,7 +276,6 @@ def _rewrite_residual_ln(t: _Templates, expr, matches, var2val, users, shared_su
             out = relax.op.reshape(call, out_shape)
             return out if str(expr.ty.dtype) == dtype else relax.op.astype(out, str(expr.ty.dtype))
     whole_tiles = m % ROW_MULTIPLE == 0     # the fused forms take no padded rows
-    produced = dtype                        # the dtype of the template's output
     ffn = _fused_ffn(t, matches[LINEAR_X], matches[LINEAR_W], var2val, users, m, n, k, dtype) if whole_tiles else None
     if ffn is not None:
         y, ffn_stage, why = ffn
@@ -298,23 +294,12 @@ def _rewrite_residual_ln(t: _Templates, expr, matches, var2val, users, shared_su
         stages, note = [stage], why
     else:
         y, gemm_stage, gemm_note = t.gemm_stage("none", x2d, matches[LINEAR_W], None, m, n, k, dtype)
-        # the model's float32 output: written in float32 by the LayerNorm itself, no cast kernel after it
-        if str(expr.ty.dtype) == "float32" and _model_output(expr, var2val, users):
-            produced = "float32"
-        call, ln_stage = t.call("bias_residual_layernorm" + ("_to_float32" if produced != dtype else ""), ln_shape,
-                                dtype, [y, bias, r2d, g16, b16], (m, n), eps, out_dtype=produced)
+        call, ln_stage = t.call("bias_residual_layernorm", ln_shape, dtype, [y, bias, r2d, g16, b16],
+                                (m, n), eps)
         stages, note = [gemm_stage, ln_stage], why + (f"; {gemm_note}" if gemm_note else "")
     t.record(chain, stages, note)
     out = relax.op.reshape(call, out_shape)
-    return out if produced == str(expr.ty.dtype) else relax.op.astype(out, str(expr.ty.dtype))
-
-
-def _model_output(expr, var2val: dict, users: dict) -> bool:
-    """Whether ``expr`` is bound to a variable that leaves the function's dataflow (a model output) and nothing in the
-    function reads it."""
-    var = next((v for v, value in var2val.items() if value.same_as(expr)), None)
-    return (var is not None and not isinstance(var, relax.DataflowVar)
-            and all(binding is None for binding in users.get(var, [])))
+    return out if str(expr.ty.dtype) == dtype else relax.op.astype(out, str(expr.ty.dtype))
 
 
 def _rewrite_plain_ln(t: _Templates, expr, matches, dtype: str | None):
