@@ -201,6 +201,21 @@ class CompiledModel:
             check_host_values(self._checks, bound)
         return bound
 
+    def random_inputs(self, seed: int = 0) -> dict[str, np.ndarray]:
+        """Inputs valid for the model, drawn with ``seed``: token ids inside their embedding's range, all-ones
+        attention masks, standard normal values for float inputs."""
+        rng = np.random.default_rng(seed)
+        inputs = {}
+        for spec in self.inputs:
+            dtype = np.dtype(spec["dtype"])
+            if dtype.kind in "iu":
+                high = spec.get("index_range")
+                values = rng.integers(0, high, spec["shape"]) if high else np.ones(spec["shape"])
+                inputs[spec["name"]] = values.astype(dtype)
+            else:
+                inputs[spec["name"]] = rng.standard_normal(spec["shape"]).astype(dtype)
+        return inputs
+
     def prepare(self, inputs: dict, mask=None) -> list:
         """TVM device tensors for one call (model inputs then mask inputs), checked; reuse with :meth:`run`."""
         bound = self._bind(inputs)

@@ -7,6 +7,9 @@ arguments, so every call gets its tasks and no task is for a call the compile do
 with the records and reports how many it applied. A database that already holds complete tasks is not measured
 again, so the same command re-run (or after a killed run) only measures what is missing.
 
+After stage 2, stage 3 (:mod:`stof_tvm.tuning_check`) times the whole forward pass compiled with and without the
+records on the local device and vetoes them where they made it slower.
+
 Records can change a decision the front end takes from them (an attention kernel of the other kind measured
 faster), and with it the template calls that follow; when that happens the calls are planned once more with the
 records and what is new is tuned before the compile. Another configuration of the same kind changes no call, so
@@ -49,12 +52,16 @@ def _attention_kind_moved(report) -> bool:
 def tune_for_compile(model, *, mask, batch: int, seq_len: int, database: str, trials: int, target="cuda",
                      dtype: str = "float16", kernel: str = "auto", templates: bool | None = None, gemm: str = "auto",
                      top_k: int = 8, time_budget_s: float | None = None, rpc_tracker: str | None = None,
-                     rpc_key: str | None = None, report=None, progress_stream=sys.stderr) -> dict:
-    """Stages 1 and 2 for the calls :func:`stof_tvm.compiler.compile` makes with these arguments; returns what
-    the manifest records of it: ``{"trials", "top_k", "seconds", "stage1_s", "stage2_s", "measured", "tasks",
-    "rounds", "stopped"}`` (``stage1_s``/``stage2_s``: seconds in each stage, over all rounds).
+                     rpc_key: str | None = None, report=None, progress_stream=sys.stderr,
+                     whole_model_check: bool = True, cuda_graph: bool = False) -> dict:
+    """Stages 1 and 2 for the calls :func:`stof_tvm.compiler.compile` makes with these arguments, then stage 3;
+    returns what the manifest records of it: ``{"trials", "top_k", "seconds", "stage1_s", "stage2_s", "measured",
+    "tasks", "rounds", "stopped"}`` (``stage1_s``/``stage2_s``: seconds in each stage, over all rounds) and, where
+    stage 3 ran, ``"whole_model"`` (:func:`stof_tvm.tuning_check.whole_model_check`'s verdict).
 
     ``report``: called with each stage line; ``progress_stream``: where stage 2's progress bar goes (None: off).
+    ``whole_model_check``: run stage 3 where the target's device is this machine's (not over RPC), compiling as
+    the compile will (``cuda_graph``).
     """
     from stof_tvm.tuning import plan, tune_tasks, tuning_target
     from stof_tvm.tuning.build_pool import BuildPool
@@ -66,6 +73,7 @@ def tune_for_compile(model, *, mask, batch: int, seq_len: int, database: str, tr
                "stage1_s": 0.0, "stage2_s": 0.0}
     builder = BuildPool()
     builder.warm_up()          # the build workers start (import TVM) while stage 1 runs here
+    stage1 = None
     try:
         for _ in range(_ROUNDS):
             say("stage 1: planning the calls this compile makes (front end, then the analytical model's ranking)")
@@ -106,6 +114,17 @@ def tune_for_compile(model, *, mask, batch: int, seq_len: int, database: str, tr
                 "after it")
     finally:
         builder.close()
+    if whole_model_check and stage1 is not None and stage1.tasks and rpc_tracker is None:
+        from stof_tvm.tuning_check import unavailable, whole_model_check as check
+
+        why_not = unavailable(target)
+        if why_not:
+            say(f"stage 3 (the whole forward with and without the records): not run, {why_not}")
+        else:
+            summary["whole_model"] = check(
+                model, database=database, jobs=[task.group or task.key for task in stage1.tasks], report=say,
+                compile_options={"mask": mask, "batch": batch, "seq_len": seq_len, "target": target, "dtype": dtype,
+                                 "kernel": kernel, "templates": templates, "gemm": gemm, "cuda_graph": cuda_graph})
     summary["seconds"] = time.monotonic() - started
     return summary
 
@@ -133,7 +152,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         tuned = tune_for_compile(model, mask=mask, batch=batch, seq_len=seq_len, database=database,
                                  trials=tune_trials, target=target, dtype=dtype, kernel=kernel, templates=templates,
                                  gemm=gemm, top_k=top_k, time_budget_s=time_budget_s, rpc_tracker=rpc_tracker,
-                                 rpc_key=rpc_key, report=progress)
+                                 rpc_key=rpc_key, report=progress, cuda_graph=cuda_graph)
     artifact = compile_with_records(model, mask=mask, batch=batch, seq_len=seq_len, target=target, dtype=dtype,
                                     kernel=kernel, templates=templates, gemm=gemm, cuda_graph=cuda_graph,
                                     dependent_launch=dependent_launch, database=database, progress=progress,

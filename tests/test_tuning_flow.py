@@ -124,6 +124,8 @@ def test_cli_tune_then_compile_with_tuning_uses_every_record(tiny, tmp_path):
     tuned = cli(["tune", "--model", model, *same, "--trials", "1", "--build-workers", "1", "--database", work])
     assert tuned.returncode == 0, tuned.stderr[-3000:]
     assert "stage 1: planning the calls" in tuned.stderr and "stage 2: measuring on llvm" in tuned.stderr
+    assert "stage 3 (the whole forward with and without the records): not run, it times CUDA modules only" \
+        in tuned.stderr
     jobs = TuningDatabase(work).jobs()
     assert len(jobs) >= 5                     # the template calls and the attention problem
     out = str(tmp_path / "art")

@@ -32,17 +32,7 @@ def model_inputs(model, path: str | None, seed: int = 0) -> dict[str, np.ndarray
             raise FileNotFoundError(f"--inputs: no such file {path!r}")
         with np.load(path, allow_pickle=False) as data:
             return {name: data[name] for name in data.files}
-    rng = np.random.default_rng(seed)
-    inputs = {}
-    for spec in model.inputs:
-        dtype = np.dtype(spec["dtype"])
-        if dtype.kind in "iu":
-            high = spec.get("index_range")
-            values = rng.integers(0, high, spec["shape"]) if high else np.ones(spec["shape"])
-            inputs[spec["name"]] = values.astype(dtype)
-        else:
-            inputs[spec["name"]] = rng.standard_normal(spec["shape"]).astype(dtype)
-    return inputs
+    return model.random_inputs(seed)
 
 
 def source_model(manifest: dict):

@@ -56,6 +56,13 @@ def register(subparsers) -> None:
     parser.add_argument("--calibration", metavar="FILE", help="model constants from scripts/calibrate_model.py")
     parser.add_argument("--explain", action="store_true", help="print the model's ranking and terms per job")
     parser.add_argument("--dry-run", action="store_true", help="stage 1 only: plan, print, measure nothing")
+    parser.add_argument("--whole-model-check", action=argparse.BooleanOptionalAction, default=True,
+                        help="--model on cuda: after stage 2, compile the model without and with the records, time "
+                             "both forward passes on this machine's GPU and veto the records if they made it slower "
+                             "(default on; not over RPC)")
+    parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
+                        help="--model on cuda: stage 3 compiles with one CUDA graph per forward, as you will run it "
+                             "(default on)")
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
     parser.set_defaults(func=run)
 
@@ -107,9 +114,34 @@ def run(args) -> int:
     report = tune_tasks(stage1.tasks, target, args.database, trials=args.trials, time_budget_s=args.time_budget,
                         rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key, build_workers=args.build_workers)
     print(report.table())
+    verdict = _whole_model_check(args, stage1) if args.model and not report.stopped.startswith("interrupted") \
+        else None
     if args.json:
         data = report.to_json()
         data["stage1"] = {"model_seconds": stage1.model_seconds, "notes": stage1.notes}
+        if verdict is not None:
+            data["whole_model"] = verdict
         with open(args.json, "w") as handle:
             json.dump(data, handle, indent=1)
     return 130 if report.stopped.startswith("interrupted") else 0
+
+
+def _whole_model_check(args, stage1) -> dict | None:
+    """Stage 3 (:mod:`stof_tvm.tuning_check`) for a tuned model, where asked and the device is this machine's."""
+    from stof_tvm.commands.compile import load_mask_arg
+    from stof_tvm.tuning_check import unavailable, whole_model_check
+
+    if not args.whole_model_check or args.rpc_tracker or not stage1.tasks:
+        return None
+    why_not = unavailable(args.target)
+    if why_not:
+        print(f"stage 3 (the whole forward with and without the records): not run, {why_not}", file=sys.stderr,
+              flush=True)
+        return None
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    dtype = args.dtype or ("float32" if args.target == "llvm" else "float16")
+    return whole_model_check(
+        args.model, database=args.database, jobs=[task.group or task.key for task in stage1.tasks], report=say,
+        compile_options={"mask": load_mask_arg(args.mask), "batch": args.batch, "seq_len": args.seq_len,
+                         "target": args.target, "dtype": dtype, "kernel": args.kernel, "templates": args.templates,
+                         "gemm": args.gemm, "cuda_graph": args.cuda_graph and args.target == "cuda"})

@@ -4,7 +4,9 @@
 schedule, keyed by the workload's structural hash; opened by :func:`~.store.open_json_database`, which makes
 every record readable in any process). ``DIR/stof_tuning.json`` records, per task, how many trials were spent of
 how many planned and whether the task is complete, and, per group of alternatives (the attention configurations
-of one problem, the knob sets of one wgmma call), which one won. MetaSchedule appends each record as it is
+of one problem, the knob sets of one wgmma call), which one won; and the jobs a whole-model check vetoed (their
+records together made the forward pass slower than none: :mod:`stof_tvm.tuning_check`), which a compile then
+ignores. MetaSchedule appends each record as it is
 measured, so the records are the truth: a task's trials are never fewer than its records, and a job killed before
 it wrote the status file loses no measurement.
 
@@ -183,17 +185,39 @@ class TuningDatabase:
     def group_choice(self, group: str) -> dict | None:
         return self.status["groups"].get(group)
 
+    # -- the whole-model check's verdict ----------------------------------------------------------------------
+
+    def veto(self, jobs, evidence: dict) -> None:
+        """Mark ``jobs`` (group names, task keys) as not to be applied, with the ``evidence`` that says why (the
+        whole forward pass timed with and without their records), and save."""
+        vetoed = self.status.setdefault("vetoed", {})
+        for job in jobs:
+            vetoed[job] = evidence
+        self.save()
+
+    def unveto(self, jobs) -> None:
+        """Lift the veto of ``jobs`` (a new whole-model check judges them again)."""
+        vetoed = self.status.get("vetoed", {})
+        for job in jobs:
+            vetoed.pop(job, None)
+        self.save()
+
+    def vetoed(self) -> dict:
+        """``{job: evidence}`` of every vetoed job."""
+        return dict(self.status.get("vetoed", {}))
+
     # -- what a compile reads ----------------------------------------------------------------------------------
 
     def best_record(self, func: tvm.tirx.PrimFunc):
         """The fastest successful record of ``func``'s workload, or None; noted in the usage ledger."""
-        records = self.records(normalize_workload(func))
-        note_lookup(workload_key(func), bool(records))
+        key = workload_key(func)
+        records = [] if key in self.status.get("vetoed", {}) else self.records(normalize_workload(func))
+        note_lookup(key, bool(records))
         return records[0] if records else None
 
     def choice(self, group: str):
-        """The group's recorded choice, or None; noted in the usage ledger."""
-        best = self.group_choice(group)
+        """The group's recorded choice, or None (also where it is vetoed); noted in the usage ledger."""
+        best = None if group in self.status.get("vetoed", {}) else self.group_choice(group)
         note_lookup(group, best is not None)
         return best
 
@@ -207,7 +231,8 @@ class TuningDatabase:
         for key, status in self.status["tasks"].items():
             if not status.get("group") and status.get("best_s") is not None:
                 jobs[key] = status.get("name", key)
-        return jobs
+        vetoed = self.status.get("vetoed", {})
+        return {job: name for job, name in jobs.items() if job not in vetoed}
 
 
 def _replayed(mod: tvm.IRModule, record) -> int:
