@@ -13,13 +13,24 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["whole_model_check", "interleaved_ms", "unavailable", "CHECK_MARGIN"]
+__all__ = ["stage3", "whole_model_check", "interleaved_ms", "unavailable", "CHECK_MARGIN"]
 
 # The tuned forward may be this much slower than the untuned one before its records are vetoed: the spread of an
 # interleaved comparison of two identical modules (bench_e2e's `same` control: 0.997-1.010 in session 24)
 CHECK_MARGIN = 0.01
 ROUNDS = 15          # interleaved rounds, one sample of each module per round
 CALLS = 10           # forward passes per sample
+
+
+def stage3(model, *, database: str, tasks, compile_options: dict, report) -> dict | None:
+    """The tuning flow's stage 3 after stage 2 measured ``tasks`` (their groups and keys are the jobs judged):
+    :func:`whole_model_check`'s verdict, or None where it cannot run here (``report`` says why)."""
+    why_not = unavailable(compile_options["target"])
+    if why_not:
+        report(f"stage 3 (the whole forward with and without the records): not run, {why_not}")
+        return None
+    return whole_model_check(model, database=database, jobs=[task.group or task.key for task in tasks],
+                             compile_options=compile_options, report=report)
 
 
 def unavailable(target) -> str | None:

@@ -115,16 +115,13 @@ def tune_for_compile(model, *, mask, batch: int, seq_len: int, database: str, tr
     finally:
         builder.close()
     if whole_model_check and stage1 is not None and stage1.tasks and rpc_tracker is None:
-        from stof_tvm.tuning_check import unavailable, whole_model_check as check
+        from stof_tvm.tuning_check import stage3
 
-        why_not = unavailable(target)
-        if why_not:
-            say(f"stage 3 (the whole forward with and without the records): not run, {why_not}")
-        else:
-            summary["whole_model"] = check(
-                model, database=database, jobs=[task.group or task.key for task in stage1.tasks], report=say,
-                compile_options={"mask": mask, "batch": batch, "seq_len": seq_len, "target": target, "dtype": dtype,
-                                 "kernel": kernel, "templates": templates, "gemm": gemm, "cuda_graph": cuda_graph})
+        verdict = stage3(model, database=database, tasks=stage1.tasks, report=say, compile_options={
+            "mask": mask, "batch": batch, "seq_len": seq_len, "target": target, "dtype": dtype, "kernel": kernel,
+            "templates": templates, "gemm": gemm, "cuda_graph": cuda_graph})
+        if verdict is not None:
+            summary["whole_model"] = verdict
     summary["seconds"] = time.monotonic() - started
     return summary
 

@@ -66,6 +66,10 @@ def test_interleaved_timing_of_two_modules(tiny):
     assert len(times) == 2 and all(t > 0 for t in times)
 
 
-def test_the_check_runs_on_a_gpu_only():
+def test_the_check_runs_on_a_gpu_only(tiny):
+    """stage3 says why it does not run for a CPU target and compiles nothing."""
     assert "CUDA modules only" in tuning_check.unavailable("llvm")
     assert tuning_check.unavailable("cuda") in (None, "no CUDA device on this machine")
+    lines = []
+    assert tuning_check.stage3(tiny, database="unused", tasks=[], compile_options=ARGS, report=lines.append) is None
+    assert lines == ["stage 3 (the whole forward with and without the records): not run, it times CUDA modules only"]

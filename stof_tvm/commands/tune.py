@@ -129,19 +129,14 @@ def run(args) -> int:
 def _whole_model_check(args, stage1) -> dict | None:
     """Stage 3 (:mod:`stof_tvm.tuning_check`) for a tuned model, where asked and the device is this machine's."""
     from stof_tvm.commands.compile import load_mask_arg
-    from stof_tvm.tuning_check import unavailable, whole_model_check
+    from stof_tvm.tuning_check import stage3
 
     if not args.whole_model_check or args.rpc_tracker or not stage1.tasks:
         return None
-    why_not = unavailable(args.target)
-    if why_not:
-        print(f"stage 3 (the whole forward with and without the records): not run, {why_not}", file=sys.stderr,
-              flush=True)
-        return None
-    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     dtype = args.dtype or ("float32" if args.target == "llvm" else "float16")
-    return whole_model_check(
-        args.model, database=args.database, jobs=[task.group or task.key for task in stage1.tasks], report=say,
-        compile_options={"mask": load_mask_arg(args.mask), "batch": args.batch, "seq_len": args.seq_len,
-                         "target": args.target, "dtype": dtype, "kernel": args.kernel, "templates": args.templates,
-                         "gemm": args.gemm, "cuda_graph": args.cuda_graph and args.target == "cuda"})
+    return stage3(args.model, database=args.database, tasks=stage1.tasks,
+                  report=lambda line: print(line, file=sys.stderr, flush=True),
+                  compile_options={"mask": load_mask_arg(args.mask), "batch": args.batch, "seq_len": args.seq_len,
+                                   "target": args.target, "dtype": dtype, "kernel": args.kernel,
+                                   "templates": args.templates, "gemm": args.gemm,
+                                   "cuda_graph": args.cuda_graph and args.target == "cuda"})
