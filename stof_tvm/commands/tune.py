@@ -61,8 +61,8 @@ def register(subparsers) -> None:
                              "both forward passes on this machine's GPU and veto the records if they made it slower "
                              "(default on; not over RPC)")
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
-                        help="--model on cuda: stage 3 compiles with one CUDA graph per forward, as you will run it "
-                             "(default on)")
+                        help="--model on cuda: stage 3 compiles as 'compile --cuda-graph' does, the fast form "
+                             "(default on; --no-cuda-graph to judge the records as a compile without graphs runs)")
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
     parser.set_defaults(func=run)
 
