@@ -76,7 +76,8 @@ def whole_model_check(model, *, database: str, jobs, compile_options: dict, repo
     if isinstance(model, str) and model in BUILTIN:      # a built-in's name, as the planner takes it
         model = builtin_model(model)
     jobs = sorted(set(jobs))
-    TuningDatabase(database).unveto(jobs)
+    records = TuningDatabase(database)
+    records.unveto(jobs)
     say("stage 3: compiling the model without and with the records, then timing both forward passes")
     untuned = compile_model(model, database=None, **compile_options).load()
     tuned = compile_model(model, database=database, **compile_options).load()
@@ -84,7 +85,7 @@ def whole_model_check(model, *, database: str, jobs, compile_options: dict, repo
     verdict = {"untuned_ms": untuned_ms, "tuned_ms": tuned_ms,
                "vetoed": tuned_ms > untuned_ms * (1 + CHECK_MARGIN)}
     if verdict["vetoed"]:
-        TuningDatabase(database).veto(jobs, {"untuned_ms": untuned_ms, "tuned_ms": tuned_ms})
+        records.veto(jobs, {"untuned_ms": untuned_ms, "tuned_ms": tuned_ms})
     say(f"stage 3: the forward pass {tuned_ms:.3f} ms tuned, {untuned_ms:.3f} ms untuned: "
         + (f"the {len(jobs)} tuned jobs vetoed (the compile runs the untuned choices)" if verdict["vetoed"]
            else "the records kept"))

@@ -331,7 +331,8 @@ class WgmmaKernelMixin:
         first = space[0]
         config = self.config(first)
         block_n, stages = ONE_WAVE_TILE
-        if (getattr(self, "act", "none") in LIBM_GELU_EXTRA_OPS or config.split_k > 1 or n % block_n or (m // config.tile_m) * (n // config.block_n) <= sm_count
+        if (getattr(self, "act", "none") in LIBM_GELU_EXTRA_OPS or config.split_k > 1 or n % block_n
+                or (m // config.tile_m) * (n // config.block_n) <= sm_count
                 or (m // BLOCK_M) * (n // block_n) > sm_count
                 or busiest_sm_outputs(m, n, BLOCK_M, block_n, sm_count)
                 > busiest_sm_outputs(m, n, config.tile_m, config.block_n, sm_count)):

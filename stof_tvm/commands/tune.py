@@ -114,7 +114,7 @@ def run(args) -> int:
     report = tune_tasks(stage1.tasks, target, args.database, trials=args.trials, time_budget_s=args.time_budget,
                         rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key, build_workers=args.build_workers)
     print(report.table())
-    verdict = _whole_model_check(args, stage1) if args.model and not report.stopped.startswith("interrupted") \
+    verdict = _whole_model_check(args, stage1, dtype) if args.model and not report.stopped.startswith("interrupted") \
         else None
     if args.json:
         data = report.to_json()
@@ -126,14 +126,13 @@ def run(args) -> int:
     return 130 if report.stopped.startswith("interrupted") else 0
 
 
-def _whole_model_check(args, stage1) -> dict | None:
+def _whole_model_check(args, stage1, dtype: str) -> dict | None:
     """Stage 3 (:mod:`stof_tvm.tuning_check`) for a tuned model, where asked and the device is this machine's."""
     from stof_tvm.commands.compile import load_mask_arg
     from stof_tvm.tuning_check import stage3
 
     if not args.whole_model_check or args.rpc_tracker or not stage1.tasks:
         return None
-    dtype = args.dtype or ("float32" if args.target == "llvm" else "float16")
     return stage3(args.model, database=args.database, tasks=stage1.tasks,
                   report=lambda line: print(line, file=sys.stderr, flush=True),
                   compile_options={"mask": load_mask_arg(args.mask), "batch": args.batch, "seq_len": args.seq_len,

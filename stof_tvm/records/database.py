@@ -190,34 +190,31 @@ class TuningDatabase:
     def veto(self, jobs, evidence: dict) -> None:
         """Mark ``jobs`` (group names, task keys) as not to be applied, with the ``evidence`` that says why (the
         whole forward pass timed with and without their records), and save."""
-        vetoed = self.status.setdefault("vetoed", {})
-        for job in jobs:
-            vetoed[job] = evidence
+        self.vetoed().update({job: evidence for job in jobs})
         self.save()
 
     def unveto(self, jobs) -> None:
         """Lift the veto of ``jobs`` (a new whole-model check judges them again)."""
-        vetoed = self.status.get("vetoed", {})
         for job in jobs:
-            vetoed.pop(job, None)
+            self.vetoed().pop(job, None)
         self.save()
 
     def vetoed(self) -> dict:
-        """``{job: evidence}`` of every vetoed job."""
-        return dict(self.status.get("vetoed", {}))
+        """``{job: evidence}`` of every vetoed job (the status file's own mapping)."""
+        return self.status.setdefault("vetoed", {})
 
     # -- what a compile reads ----------------------------------------------------------------------------------
 
     def best_record(self, func: tvm.tirx.PrimFunc):
         """The fastest successful record of ``func``'s workload, or None; noted in the usage ledger."""
         key = workload_key(func)
-        records = [] if key in self.status.get("vetoed", {}) else self.records(normalize_workload(func))
+        records = [] if key in self.vetoed() else self.records(normalize_workload(func))
         note_lookup(key, bool(records))
         return records[0] if records else None
 
     def choice(self, group: str):
         """The group's recorded choice, or None (also where it is vetoed); noted in the usage ledger."""
-        best = None if group in self.status.get("vetoed", {}) else self.group_choice(group)
+        best = None if group in self.vetoed() else self.group_choice(group)
         note_lookup(group, best is not None)
         return best
 
@@ -231,8 +228,7 @@ class TuningDatabase:
         for key, status in self.status["tasks"].items():
             if not status.get("group") and status.get("best_s") is not None:
                 jobs[key] = status.get("name", key)
-        vetoed = self.status.get("vetoed", {})
-        return {job: name for job, name in jobs.items() if job not in vetoed}
+        return {job: name for job, name in jobs.items() if job not in self.vetoed()}
 
 
 def _replayed(mod: tvm.IRModule, record) -> int:
