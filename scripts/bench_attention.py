@@ -1193,13 +1193,63 @@ def plan_s19gate() -> list[dict]:
     return cases
 
 
+# s25short: whole-row prefetch at the whole models' short rows (BigBird, H12 D64, all-ones pads)
+S25_SHAPES = ((8, 197), (1, 128), (8, 512), (1, 577))
+
+
+def plan_s25short() -> list[dict]:
+    """Does a ring deep enough to hold a whole tile row help where rows are short? At S <= 577 every tile row holds a
+    few K/V tiles, and the model's picks (16-32 query rows a block, a 2-deep ring) wait on each tile in turn; session
+    19 found them latency-bound (8x197: no faster than SDPA's dense kernel at density 0.55). For each shape in
+    S25_SHAPES: the compile path's pick (as in s19knobs), the pick with a ring as deep as its row, then 64 and 128
+    query rows a block and one block per (batch, head, all rows), each with one or two m16 tiles a warp, 32- or
+    64-key tiles and every tile of the row in flight (capped by shared memory); FlexAttention and SDPA beside the
+    first. Padded as the compiled models are, under all-ones padding."""
+    import dataclasses
+
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile
+    from stof_tvm.cost_model.attention import rank_attention
+    from stof_tvm.schedules.attention_blockwise import BlockConfig
+
+    cases = []
+    for batch, seq in S25_SHAPES:
+        mask = build_mask("bigbird", batch, H_BENCH, seq, 0)
+        problem = AttentionProblem(batch=batch, heads=H_BENCH, head_dim=64, dtype="float16", padding=True,
+                                   mask=MaskProfile(mask))
+        pick = next(r for r in rank_attention(problem) if r.candidate.kind == "block").candidate.config
+        pick = dataclasses.replace(pick, lean_padding=True)
+        configs = [("pick", pick), ("pick, whole row", dataclasses.replace(
+            pick, stages=max(2, -(-seq // pick.block_n))))]
+        whole = 16 * -(-seq // 16)
+        for block_m in dict.fromkeys((64, 128, whole if whole <= 256 else 256)):
+            for rows_per_warp in (16, 32):
+                for block_n in (32, 64):
+                    stages = max(2, -(-seq // block_n))
+                    config = BlockConfig(block_m=block_m, block_n=block_n, num_warps=max(1, block_m // rows_per_warp),
+                                         stages=stages, lean_padding=True)
+                    while config.stages > 2 and config.shared_bytes(64) > 200 * 1024:
+                        config = dataclasses.replace(config, stages=config.stages - 1)
+                    try:
+                        config.validate(64)
+                    except ValueError:
+                        continue
+                    if all(config != c for _, c in configs):
+                        configs.append((f"{block_m} rows, {rows_per_warp} a warp", config))
+        for i, (label, config) in enumerate(configs):
+            config_list = _config_tuple(config)
+            case = _case("time", "block", "bigbird", batch, H_BENCH, seq, 64, "float16", config_list, padding=True)
+            cases.append(dict(case, pad_keep="ones", label=f"{label} " + "x".join(map(str, config_list[:5])),
+                              baselines=i == 0))
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
          "s9sparse": plan_s9sparse, "s9check": plan_s9check, "s10sparse": plan_s10sparse,
          "s10dims": plan_s10dims, "s11gpt2": plan_s11gpt2, "s12bb": plan_s12bb,
          "s17model": plan_s17model, "s19knobs": plan_s19knobs,
-         "s19gate": plan_s19gate}
+         "s19gate": plan_s19gate, "s25short": plan_s25short}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 

@@ -52,11 +52,33 @@ def test_the_check_vetoes_records_that_made_the_forward_slower(tiny, tmp_path, m
     lines = []
     verdict = tuning_check.whole_model_check(tiny, database=work, jobs=[t.group or t.key for t in tasks],
                                              compile_options=ARGS, report=lines.append)
-    assert len(compiled) == 2 and verdict == {"untuned_ms": 1.0, "tuned_ms": tuned_ms, "vetoed": vetoed}
+    jobs = [t.group or t.key for t in tasks]
+    assert len(compiled) == 2
+    assert verdict == {"untuned_ms": 1.0, "tuned_ms": tuned_ms, "vetoed": sorted(set(jobs)) if vetoed else []}
     assert ("vetoed" in lines[-1]) == vetoed and ("kept" in lines[-1]) == (not vetoed)
     art = stof_tvm.compile(tiny, **ARGS, database=work)
     assert art.manifest["tuning"]["applied"] == (0 if vetoed else 1)
     assert art.manifest["attention"]["kernel"]["reason"].startswith("tuned") == (not vetoed)
+
+
+@pytest.mark.parametrize("kept_ms, vetoed_all", [(1.005, False), (1.05, True)])
+def test_a_slower_forward_is_judged_again_without_its_attention_records(tiny, tmp_path, monkeypatch, kept_ms,
+                                                                         vetoed_all):
+    """Scripted timings: the tuned forward 10% slower, then without the attention records ``kept_ms``. Within the
+    margin, only the attention group is vetoed and the other job is kept; else every job is vetoed."""
+    work = str(tmp_path / "db")
+    group = _measured_group(work)[0].group
+    other = "template:gemm_wgmma:{}:float32"
+    timings = iter([[1.0, 1.10], [1.0, kept_ms]])
+    monkeypatch.setattr(tuning_check, "interleaved_ms", lambda models: next(timings))
+    lines = []
+    verdict = tuning_check.whole_model_check(tiny, database=work, jobs=[other, group], compile_options=ARGS,
+                                             report=lines.append)
+    assert verdict["kept_ms"] == kept_ms
+    assert verdict["vetoed"] == (sorted([group, other]) if vetoed_all else [group])
+    assert set(open_database(work).vetoed()) == set(verdict["vetoed"])
+    assert ("attention jobs vetoed" in lines[-1]) == (not vetoed_all)
+    assert stof_tvm.compile(tiny, **ARGS, database=work).manifest["tuning"]["applied"] == 0
 
 
 def test_interleaved_timing_of_two_modules(tiny):

@@ -16,7 +16,9 @@ from typing import Mapping
 import tvm
 import tvm_ffi
 
-__all__ = ["normalize_workload", "workload_key", "attention_group", "wgmma_group"]
+__all__ = ["normalize_workload", "workload_key", "attention_group", "is_attention_group", "wgmma_group"]
+
+_ATTENTION = "attention:"        # how every attention group's name starts
 
 
 def normalize_workload(func: tvm.tirx.PrimFunc) -> tvm.IRModule:
@@ -36,8 +38,13 @@ def workload_key(func: tvm.tirx.PrimFunc) -> str:
 def attention_group(problem) -> str:
     """The group of an attention problem's alternatives (a :class:`stof_tvm.cost_model.AttentionProblem`):
     shapes, dtype and the mask's content hash."""
-    return (f"attention:B{problem.batch}xH{problem.heads}xSq{problem.seq_q}xSk{problem.seq_k}xD{problem.head_dim}"
+    return (f"{_ATTENTION}B{problem.batch}xH{problem.heads}xSq{problem.seq_q}xSk{problem.seq_k}xD{problem.head_dim}"
             f":{problem.dtype}:mask{problem.mask.digest()}")
+
+
+def is_attention_group(job: str) -> bool:
+    """Whether a job (a group name or a task key) is an attention problem's group."""
+    return job.startswith(_ATTENTION)
 
 
 def wgmma_group(template, shape: Mapping[str, int], dtype: str) -> str:
