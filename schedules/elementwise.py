@@ -49,10 +49,22 @@ def _uses(expr, var) -> bool:
     return bool(found)
 
 
+def _moving_float_bits(value, inner) -> list[int]:
+    """Bit widths of the floating-point values in ``value`` that depend on ``inner`` (they become vectors of
+    ``lanes``). They bound the lanes as the accesses do: TVM's CUDA code generator spells a vector of more than four
+    32-bit floats as a ``ulonglong4`` and broadcasts a scalar into it with a ``make_ulonglong4`` of eight floats, which
+    nvcc rejects (HF DeBERTa-v2's embeddings: a float16 row times its float32 attention-mask value)."""
+    found = []
+    tvm_ffi.structural_walk(value, [(ir.Expr, found.append)], order="post")
+    types = [(tvm.DataType(str(e.ty)), e) for e in found if isinstance(getattr(e, "ty", None), ir.PrimType)]
+    return [dtype.bits for dtype, e in types if dtype.is_float and _uses(e, inner)]
+
+
 def vector_lanes(block: tirx.Stmt, inner, vector_bytes: int = 16) -> int | None:
     """Elements per thread for ``block`` vectorised along its block iterator ``inner``, or None where unsafe.
 
-    The widest element type on the accesses that move with ``inner`` sets the lanes (``vector_bytes`` per access);
+    The widest element type on the accesses that move with ``inner`` sets the lanes (``vector_bytes`` per access),
+    or a wider floating-point value computed from them (:func:`_moving_float_bits`);
     the store must write ``inner`` as its last index, and each load must be invariant in ``inner`` or read it at unit
     stride from the start of a ``lanes``-aligned slot of a row of a multiple of ``lanes`` elements."""
     store = block.body
@@ -66,7 +78,8 @@ def vector_lanes(block: tirx.Stmt, inner, vector_bytes: int = 16) -> int | None:
             return None
         if _uses(load.indices[-1], inner):
             moving.append((load.source, load.indices[-1]))
-    widest = max(tvm.DataType(buffer.dtype).bits // 8 for buffer, _ in moving)
+    widest = max([tvm.DataType(buffer.dtype).bits // 8 for buffer, _ in moving]
+                 + [bits // 8 for bits in _moving_float_bits(store.value, inner)])
     lanes = vector_bytes // widest
     if lanes < 2:
         return None

@@ -233,16 +233,26 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     if reason is not None:
         reason += f"; {precision_note}" if precision_note else ""
         _check_fallback_mask(mask, batch, seq_len, reason)
-        warnings.warn(f"model: {reason}; compiling it through TVM's default pipeline (its attention as the model "
-                      f"computes it), without stof-tvm's sparse attention kernels or fusion templates", stacklevel=2)
-        report = coverage(canonical, canonical, attention_kernel=None, attention_sites=0, attention_reason=reason,
-                          templates=f"TVM's default pipeline ({reason})")
+        # the chains around attention (linears, GELU, LayerNorm) do not depend on how attention is computed
+        template_entry = {}
+        if templates:
+            mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule,
+                                                gemm_knobs=gemm_knobs, norm_fusion=norm_fusion)
+            mod["main"] = relax.analysis.remove_all_unused(mod["main"])
+        around = ("the layers around it on stof-tvm's fusion templates" if templates
+                  else "without stof-tvm's sparse attention kernels or fusion templates")
+        warnings.warn(f"model: {reason}; compiling its attention through TVM's default pipeline (as the model "
+                      f"computes it), {around}", stacklevel=2)
+        report = coverage(canonical, mod["main"], attention_kernel=None, attention_sites=0, attention_reason=reason,
+                          templates=None if templates else f"TVM's default pipeline ({reason})",
+                          template_entry=template_entry)
         checks = value_checks(inputs, onnx_model, None)
         mod, checks_output = add_value_checks(clip_gathers(mod), checks, tspec["kind"])
         if dtype == "float16" and precision_note is None:
             mod, weights = store_weights_float16(mod, weights, onnx_model)
-        return FrontEnd(onnx_model, mod, inputs, weights, outputs, [], None, None, None, None, [], {}, tspec, gemm,
-                        tvm_target, fallback=reason, coverage=report, checks=checks, checks_output=checks_output)
+        return FrontEnd(onnx_model, mod, inputs, weights, outputs, [], None, None, None, None, [], template_entry,
+                        tspec, gemm, tvm_target, fallback=reason, coverage=report, checks=checks,
+                        checks_output=checks_output)
     site = sites[0]
 
     user_mask = normalize_mask(mask, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k)

@@ -18,10 +18,11 @@ These are the graphs users bring: ``torch.onnx.export`` of a transformers model,
   module's source and every export parameter (exports take seconds each; the corpus makes dozens).
 
 Families (:data:`FAMILIES`): ``bert``, ``roberta``, ``distilbert``, ``gpt2``, ``vit``, ``t5`` (T5EncoderModel),
-``bigbird`` (original_full attention), ``bigbird-sparse`` (block_sparse), ``longformer``. Sizes
-(:data:`SIZES`): ``tiny`` (2 layers, hidden 128, head_dim 64), ``tiny-d32`` (the same with 4 heads of 32),
-``base`` (the published base model's shape: bert-base, roberta-base, distilbert-base, gpt2, vit-base, t5-base
-encoder, bigbird-roberta-base, longformer-base) and ``large`` (bert-large). Attention ``sdpa`` exists where
+``bigbird`` (original_full attention), ``bigbird-sparse`` (block_sparse), ``longformer``, ``deberta`` (DeBERTa-v3:
+relative attention with both position terms). Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden 128, head_dim 64),
+``tiny-d32`` (the same with 4 heads of 32), ``base`` (the published base model's shape: bert-base, roberta-base,
+distilbert-base, gpt2, vit-base, t5-base encoder, bigbird-roberta-base, longformer-base, deberta-v3-base) and
+``large`` (bert-large). Attention ``sdpa`` exists where
 transformers implements it (:func:`attention_kinds`).
 
 torch and transformers are imported when a function needs them: they are test extras, not stof-tvm
@@ -35,7 +36,8 @@ import os
 
 import numpy as np
 
-FAMILIES = ("bert", "roberta", "distilbert", "gpt2", "vit", "t5", "bigbird", "bigbird-sparse", "longformer")
+FAMILIES = ("bert", "roberta", "distilbert", "gpt2", "vit", "t5", "bigbird", "bigbird-sparse", "longformer",
+            "deberta")
 SIZES = ("tiny", "tiny-d32", "tiny-w768", "base", "large")
 EXPORTERS = ("torchscript", "dynamo")
 ATTENTIONS = ("eager", "sdpa")
@@ -47,12 +49,14 @@ OUTPUT = "last_hidden_state"
 # with the tiny vocabulary (what the base models' GEMM shapes do, at a tiny model's export cost)
 _SHAPES = {"tiny": (128, 2, 2, 256), "tiny-d32": (128, 2, 4, 256), "tiny-w768": (768, 1, 12, 3072),
            "base": (768, 12, 12, 3072), "large": (1024, 24, 16, 4096)}
-_NO_SDPA = ("bigbird", "bigbird-sparse", "longformer")
+_NO_SDPA = ("bigbird", "bigbird-sparse", "longformer", "deberta")
 # tiny ViT: 64x64 images in 8x8 patches (64 patches + the class token); base: 224x224 in 16x16 (197 tokens)
 _VIT_IMAGE = {"tiny": (64, 8), "tiny-d32": (64, 8), "tiny-w768": (64, 8), "base": (224, 16)}
 # BigBird's block-sparse attention needs seq_len > (5 + 2 * random blocks) * block: 7 * 8 = 56 tokens when tiny
 BIGBIRD_BLOCK = {"tiny": (8, 1), "tiny-d32": (8, 1), "tiny-w768": (8, 1), "base": (64, 3)}   # block, random blocks
 LONGFORMER_WINDOW = {"tiny": 16, "tiny-d32": 16, "tiny-w768": 16, "base": 512}
+# DeBERTa-v3's relative positions: log buckets of the distance (256 in the published base model)
+DEBERTA_BUCKETS = {"tiny": 32, "tiny-d32": 32, "tiny-w768": 32, "base": 256}
 
 
 def attention_kinds(family: str) -> tuple[str, ...]:
@@ -110,6 +114,13 @@ def make_config(family: str, size: str = "tiny", attn: str = "eager"):
         kind = "block_sparse" if family == "bigbird-sparse" else "original_full"
         return tf.BigBirdConfig(**bert_like, attention_type=kind, block_size=block, num_random_blocks=randoms,
                                 **({"max_position_embeddings": 512} if tiny else {}))
+    if family == "deberta":
+        # DeBERTa-v3 (DebertaV2Model): disentangled attention, the scores plus content-to-position and
+        # position-to-content terms gathered from shared relative embeddings
+        return tf.DebertaV2Config(**bert_like, relative_attention=True, pos_att_type=["p2c", "c2p"],
+                                  position_buckets=DEBERTA_BUCKETS[size], max_relative_positions=-1,
+                                  norm_rel_ebd="layer_norm", share_att_key=True, position_biased_input=False,
+                                  type_vocab_size=0, layer_norm_eps=1e-7)
     window = LONGFORMER_WINDOW[size]
     return tf.LongformerConfig(**bert_like, attention_window=[window] * layers, max_position_embeddings=514)
 
@@ -119,7 +130,7 @@ def _model_class(family: str):
 
     return {"bert": tf.BertModel, "roberta": tf.RobertaModel, "distilbert": tf.DistilBertModel,
             "gpt2": tf.GPT2Model, "vit": tf.ViTModel, "t5": tf.T5EncoderModel, "bigbird": tf.BigBirdModel,
-            "bigbird-sparse": tf.BigBirdModel, "longformer": tf.LongformerModel}[family]
+            "bigbird-sparse": tf.BigBirdModel, "longformer": tf.LongformerModel, "deberta": tf.DebertaV2Model}[family]
 
 
 def _wrapped(model, family: str):
