@@ -270,6 +270,41 @@ def test_transpose_through_3d_becomes_one_permute():
     assert [int(a) for a in out.body.blocks[0].bindings[-1].value.attrs.axes] == [0, 1, 3, 2]
 
 
+def _flat_heads_attention(bb, q, k, v, bias):
+    """HF DeBERTa's attention: both products over [B*H, S, D] views, a flat [B*H, S, S] term added to the scaled
+    scores, reshaped to [B, H, S, S] for the softmax, the output reshaped back."""
+    flat = lambda x: bb.emit(relax.op.reshape(x, [B * H, S, D]))  # noqa: E731
+    k_t = bb.emit(relax.op.permute_dims(flat(k), [0, 2, 1]))
+    scores = bb.emit(relax.op.multiply(bb.emit(relax.op.matmul(flat(q), k_t)), relax.const(0.125, F32)))
+    scores = bb.emit(relax.op.reshape(bb.emit(relax.op.add(scores, bias)), [B, H, S, S]))
+    probs = bb.emit(relax.op.reshape(bb.emit(relax.op.nn.softmax(scores, axis=-1)), [B * H, S, S]))
+    return relax.op.reshape(bb.emit(relax.op.matmul(probs, flat(v))), [B, H, S, D])
+
+
+def test_flat_heads_products_move_onto_the_heads():
+    """The reshapes back to [B, H, ...] move down to the products, which then take the 4-D heads: the attention
+    matcher finds the site (scale 0.125, the flat term as an additive bias), and the values are the same."""
+    params = [_tensor(n, (B, H, S, D)) for n in "qkv"] + [_tensor("bias", (B * H, S, S))]
+    func = _function(params, _flat_heads_attention)
+    assert find_attention_sites(func) == []
+    out, applied = canonical.canonicalize_function(func, [layout.FlatHeads()])
+    assert set(applied) == {"flat_heads"}
+    (site,) = find_attention_sites(out)
+    assert (site.batch, site.heads, site.seq_q, site.head_dim) == (B, H, S, D) and site.scale == pytest.approx(0.125)
+    assert [term.kind for term in site.terms] == ["add"]
+    args = _inputs(func)
+    np.testing.assert_allclose(_run(out, args), _run(func, args), rtol=1e-5, atol=1e-5)
+
+
+def test_flat_heads_leaves_other_flat_reshapes():
+    """A reshape of a flat product whose operands are not views of heads (a weight) is left alone."""
+    def body(bb, x, w):
+        return relax.op.reshape(bb.emit(relax.op.matmul(x, w)), [B, H, S, D])
+
+    func = _function([_tensor("x", (B * H, S, D)), _tensor("w", (B * H, D, D))], body)
+    assert layout.FlatHeads().apply(func) is None
+
+
 def test_permute_pairs_fold_into_the_head_split():
     def body(bb, x):
         heads = bb.emit(relax.op.permute_dims(bb.emit(relax.op.reshape(x, [B, S, H, D])), [0, 2, 1, 3]))

@@ -191,24 +191,30 @@ def key_padding_constant(source: RuntimeSource, evaluate, batch: int, seq: int) 
     return constant
 
 
-def _same_terms(a: list[MaskTerm], b: list[MaskTerm], var2val) -> bool:
-    """True when two sites mask their scores identically (the same variables, or equal constants)."""
-    return len(a) == len(b) and all(
-        x.kind == y.kind and x.keep_if_true == y.keep_if_true
-        and (x.expr.same_as(y.expr) or tvm_ffi.structural_equal(resolve(x.expr, var2val), resolve(y.expr, var2val)))
-        for x, y in zip(a, b))
+def _same_terms(a: list[MaskTerm], b: list[MaskTerm], var2val, weights) -> bool:
+    """True when two sites mask their scores identically (the same variables, or equal constants). Additive terms
+    computed from weights are each layer's own bias (DeBERTa's relative-position terms: from the layer's Q and K),
+    which the kernels take per site: they need only stand at the same place."""
+    def same(x: MaskTerm, y: MaskTerm) -> bool:
+        if x.kind != y.kind or x.keep_if_true != y.keep_if_true:
+            return False
+        if x.expr.same_as(y.expr) or tvm_ffi.structural_equal(resolve(x.expr, var2val), resolve(y.expr, var2val)):
+            return True
+        return x.kind == "add" and all(_upstream_vars(t.expr, var2val) & weights for t in (x, y))
+
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 
 def plan_masks(func: relax.Function, sites: list[AttentionSite]) -> MaskPlan:
     """Classify the masking terms of ``sites`` (which must all share them) into a :class:`MaskPlan`."""
     var2val = relax.analysis.get_var2val(func)
     first = sites[0]
-    for site in sites[1:]:
-        if site.shape_key != first.shape_key or not _same_terms(site.terms, first.terms, var2val):
-            raise ValueError("model: attention sites differ in shape or in their own masking; stof-tvm supports "
-                             "one mask shared by every attention layer (encoders and decoder-only models)")
     model_inputs = list(func.params[:int(func.attrs["num_input"])])
     weights = set(func.params[len(model_inputs):])
+    for site in sites[1:]:
+        if site.shape_key != first.shape_key or not _same_terms(site.terms, first.terms, var2val, weights):
+            raise ValueError("model: attention sites differ in shape or in their own masking; stof-tvm supports "
+                             "one mask shared by every attention layer (encoders and decoder-only models)")
     const_keep, runtime, bias_terms, dense_only, padding, padding_terms = None, [], [], False, None, []
     for index, term in enumerate(first.terms):
         upstream = _upstream_vars(term.expr, var2val)

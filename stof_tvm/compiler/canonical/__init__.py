@@ -12,7 +12,8 @@ The canonical form (see each module for its rules and their exactness):
 
 - attention (:mod:`.attention`): ``softmax(where(keep, matmul(Q, K^T) * c, finite fill) + bias) @ V``, any of the
   scale, the ``where`` and the additive terms optional, no NaN guard;
-- layout (:mod:`.layout`): head splits as one ``permute_dims`` of a ``reshape``, no one-tensor ``concat``, linear
+- layout (:mod:`.layout`): head splits as one ``permute_dims`` of a ``reshape``, attention's products on the heads
+  rather than on a [B*H, ...] view of them, no one-tensor ``concat``, linear
   layers on their input's own shape, a vision transformer's patch conv as a linear layer on the image's patches;
 - activations (:mod:`.activations`): ``nn.gelu`` (exact) and ``nn.gelu_tanh`` (tanh approximation) as operators,
   integer powers as products, no cast to the dtype a tensor already has;
@@ -27,11 +28,12 @@ from .activations import GeluErf, GeluTanh, IntegerPowers, NoOpCasts
 from .attention import FiniteFill, NanGuard, SelectMask, SplitScale
 from .base import Rule
 from .constants import RepeatedConstant
-from .layout import FlatLinear, PatchEmbedding, PermutePairs, SingleConcat, TransposeThrough3D
+from .layout import FlatHeads, FlatLinear, PatchEmbedding, PermutePairs, SingleConcat, TransposeThrough3D
 
 # Order matters only for speed (each rule runs until no rule changes anything): the casts and layout detours
 # first, so that the attention rules see adjacent operators.
-RULES: list[Rule] = [NoOpCasts(), SingleConcat(), TransposeThrough3D(), PermutePairs(), FlatLinear(), PatchEmbedding(),
+RULES: list[Rule] = [NoOpCasts(), SingleConcat(), TransposeThrough3D(), PermutePairs(), FlatHeads(), FlatLinear(),
+                     PatchEmbedding(),
                      SplitScale(), SelectMask(), FiniteFill(), NanGuard(), GeluErf(), GeluTanh(), IntegerPowers(),
                      RepeatedConstant()]
 MAX_ROUNDS = 8
@@ -64,4 +66,4 @@ def canonicalize(mod: tvm.IRModule, rules: list[Rule] | None = None) -> tvm.IRMo
 
 __all__ = ["RULES", "Rule", "canonicalize", "canonicalize_function", "GeluErf", "GeluTanh", "IntegerPowers",
            "NoOpCasts", "RepeatedConstant", "FiniteFill", "NanGuard", "SelectMask", "SplitScale", "FlatLinear",
-           "PatchEmbedding", "PermutePairs", "SingleConcat", "TransposeThrough3D"]
+           "PatchEmbedding", "PermutePairs", "SingleConcat", "TransposeThrough3D", "FlatHeads"]

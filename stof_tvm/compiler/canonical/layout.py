@@ -78,6 +78,87 @@ class TransposeThrough3D(Rule):
         return rewrite_matches(self.pattern, rewrite, func)
 
 
+def _heads_view(expr, var2val, batch: int, heads: int) -> relax.Expr | None:
+    """The [B, H, m, n] tensor that ``expr`` views as [B*H, m, n] (a ``reshape``, or a last-two-axes transpose of
+    one, then given as the 4-D transpose), else None."""
+    value = resolve(expr, var2val)
+    transposed = op_name(value) == "relax.permute_dims" and _axes(value) == [0, 2, 1]
+    if transposed:
+        value = resolve(value.args[0], var2val)
+    if op_name(value) != "relax.reshape":
+        return None
+    source, flat = value.args[0], tensor_shape(value)
+    shape = tensor_shape(source)
+    if shape is None or flat is None or len(shape) != 4 or shape[:2] != (batch, heads) or flat != (
+            batch * heads, *shape[2:]):
+        return None
+    return relax.op.permute_dims(source, [0, 1, 3, 2]) if transposed else source
+
+
+def _heads_product(expr, var2val, batch: int, heads: int) -> relax.Expr | None:
+    """``matmul(a, b)`` of two [B*H, ...] views of [B, H, ...] tensors, as the 4-D product; else None."""
+    value = resolve(expr, var2val)
+    if op_name(value) != "relax.matmul":
+        return None
+    a, b = (_heads_view(arg, var2val, batch, heads) for arg in value.args)
+    if a is None or b is None:
+        return None
+    return relax.op.matmul(a, b, out_dtype=value.attrs.out_dtype)
+
+
+_BINARY = {"relax.add": relax.op.add, "relax.multiply": relax.op.multiply, "relax.divide": relax.op.divide}
+_SCORE_STEPS = (*_BINARY, "relax.astype")
+
+
+def _reaches_product(expr, var2val, batch: int, heads: int, depth: int = 6) -> bool:
+    """Whether ``expr`` is such a product, through additions, scalings and casts."""
+    value = resolve(expr, var2val)
+    if _heads_product(value, var2val, batch, heads) is not None:
+        return True
+    if depth == 0 or op_name(value) not in _SCORE_STEPS:
+        return False
+    return any(_reaches_product(arg, var2val, batch, heads, depth - 1) for arg in value.args
+               if isinstance(arg, relax.Expr) and tensor_shape(arg) is not None and len(tensor_shape(arg)) == 3)
+
+
+class FlatHeads(Rule):
+    """Attention computed on [B*H, S, ...] views of its [B, H, S, ...] heads, then reshaped back -> on the heads.
+
+    HF DeBERTa-v2/v3 multiplies flattened heads (``bmm``) and adds its relative-position terms to the flat scores
+    before reshaping them to [B, H, S, Sk] for the mask and the softmax: ``reshape(matmul(reshape(Q),
+    transpose(reshape(K))) * c + bias, [B, H, S, Sk])``, and ``reshape(matmul(reshape(P), reshape(V)), [B, H, S,
+    D])``. The reshape back moves down one operator per application (through additions, scalar scalings and casts
+    that lead to the product) until it meets the product, which then takes the 4-D heads; a flat term added to the
+    scores keeps a reshape of its own. Exact: reshapes move no data."""
+
+    name = "flat_heads"
+    _x = wildcard()
+    pattern = is_op("relax.reshape")(_x, wildcard())
+
+    def apply(self, func):
+        var2val = relax.analysis.get_var2val(func)
+
+        def rewrite(expr, matches):
+            out, flat = tensor_shape(expr), tensor_shape(matches[self._x])
+            if out is None or flat is None or len(out) != 4 or flat != (out[0] * out[1], *out[2:]):
+                return None
+            batch, heads = out[:2]
+            value = resolve(matches[self._x], var2val)
+            product = _heads_product(value, var2val, batch, heads)
+            if product is not None:
+                return product
+            if op_name(value) not in _SCORE_STEPS or not _reaches_product(value, var2val, batch, heads):
+                return None
+            if op_name(value) == "relax.astype":
+                return relax.op.astype(relax.op.reshape(value.args[0], out), value.attrs.dtype)
+            args = [relax.op.reshape(arg, out) if tensor_shape(arg) == flat else arg for arg in value.args]
+            if any(arg is old and tensor_shape(arg) not in ((), (1,)) for arg, old in zip(args, value.args)):
+                return None         # a broadcast operand other than a scalar: left as it is
+            return _BINARY[op_name(value)](*args)
+
+        return rewrite_matches(self.pattern, rewrite, func)
+
+
 class PermutePairs(Rule):
     """``permute_dims`` of a ``permute_dims`` -> one permute, or its input when they cancel."""
 
