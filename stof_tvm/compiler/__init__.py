@@ -36,6 +36,7 @@ from stof_tvm.sparse_formats.masks import normalize_mask
 from .attention_match import find_attention_sites
 from .canonical import canonicalize
 from .coverage import coverage
+from .gather_index import narrow_gather_indices
 from .downstream import use_templates
 from .graph_inputs import whole_graph
 from .input_checks import ValueCheck, add_value_checks, clip_gathers
@@ -212,7 +213,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     mod, inputs, weights = import_onnx(onnx_model, batch, seq_len)
     outputs = _output_specs(mod["main"], output_names(onnx_model))
     # one form of every exporter's spelling; the folds TVM would build a kernel for each are done in numpy first
-    mod = canonicalize(relax.transform.FoldConstant()(fold_numpy(mod)))
+    mod = canonicalize(relax.transform.FoldConstant()(fold_numpy(narrow_gather_indices(mod))))
     precision_note = None
     if dtype == "float16":
         mod, precision_note = _to_float16(mod)

@@ -12,6 +12,8 @@ that canonical form reads.
   one; the causal flag a constant lower-triangular ``Where``), ``Softmax`` and ``MatMul(P, V)``: the attention
   form the matcher reads. Forms outside the SDPA subset (KV cache inputs, softcap, the QK output modes, 3-D
   inputs) are refused with a clear error.
+- :class:`TileAsExpand`: ``Tile`` by constant repeats as ``Reshape``/``Expand``/``Reshape`` (TVM imports ``Tile`` as
+  a TIR function, which its mixed-precision pass refuses).
 """
 from __future__ import annotations
 
@@ -136,7 +138,51 @@ class AttentionOp(OnnxRule):
         return out
 
 
-RULES: list[OnnxRule] = [AttentionOp()]
+def _constant_values(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """The values of the graph's ``Constant`` nodes and initializers, by output name."""
+    values = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant" and "value" in _attributes(node):
+            values[node.output[0]] = numpy_helper.to_array(_attributes(node)["value"])
+    return values
+
+
+class TileAsExpand(OnnxRule):
+    """``Tile`` by constant repeats -> ``Reshape``, ``Expand``, ``Reshape`` (x of shape [d0, d1, ...] viewed as
+    [1, d0, 1, d1, ...], broadcast to [r0, d0, r1, d1, ...], viewed as [r0 * d0, r1 * d1, ...]: the same
+    elements). TVM's importer builds ``Tile`` as a TIR function called from the graph, which its mixed-precision
+    pass refuses (HF DeBERTa-v3 repeats its relative-position keys per batch row this way), while ``Expand``
+    imports as ``broadcast_to``."""
+
+    name = "tile-as-expand"
+
+    def apply(self, model):
+        if not any(n.op_type == "Tile" for n in model.graph.node):
+            return None
+        shapes, _ = _value_infos(model)
+        constants = _constant_values(model)
+        nodes, changed = [], False
+        for node in model.graph.node:
+            reps = constants.get(node.input[1]) if node.op_type == "Tile" else None
+            shape = shapes.get(node.input[0]) if node.op_type == "Tile" else None
+            if reps is None or shape is None or len(reps) != len(shape):
+                nodes.append(node)
+                continue
+            reps = [int(r) for r in np.asarray(reps).reshape(-1)]
+            prefix = f"{node.name or node.output[0]}_stof"
+            spread = [n for d in shape for n in (1, d)]
+            wide = [n for r, d in zip(reps, shape) for n in (r, d)]
+            nodes += [_constant_node(f"{prefix}_spread", np.array(spread, np.int64)),
+                      helper.make_node("Reshape", [node.input[0], f"{prefix}_spread"], [f"{prefix}_x"]),
+                      _constant_node(f"{prefix}_wide", np.array(wide, np.int64)),
+                      helper.make_node("Expand", [f"{prefix}_x", f"{prefix}_wide"], [f"{prefix}_expanded"]),
+                      _constant_node(f"{prefix}_shape", np.array([r * d for r, d in zip(reps, shape)], np.int64)),
+                      helper.make_node("Reshape", [f"{prefix}_expanded", f"{prefix}_shape"], [node.output[0]])]
+            changed = True
+        return _with_nodes(model, nodes) if changed else None
+
+
+RULES: list[OnnxRule] = [AttentionOp(), TileAsExpand()]
 
 
 def apply_rules(model: onnx.ModelProto, rules: list[OnnxRule] | None = None) -> tuple[onnx.ModelProto, list[str]]:
@@ -151,4 +197,4 @@ def apply_rules(model: onnx.ModelProto, rules: list[OnnxRule] | None = None) -> 
     return model, applied
 
 
-__all__ = ["OnnxRule", "AttentionOp", "RULES", "apply_rules"]
+__all__ = ["OnnxRule", "AttentionOp", "TileAsExpand", "RULES", "apply_rules"]
