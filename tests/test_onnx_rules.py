@@ -4,6 +4,7 @@ onnx_import.py), and the compile fallback for a valid model with no attention si
 - the opset-23 ``Attention`` operator becomes MatMul / scale / mask / Softmax / MatMul with the operator's
   semantics (boolean and additive masks, ``is_causal``, the default scale 1/sqrt(D)), checked against numpy;
   forms outside the SDPA subset are refused by name;
+- ``Tile`` by constant repeats becomes Reshape / Expand / Reshape with the same values;
 - folding gathers a small slice of a larger constant (BertModel's token-type buffer) correctly;
 - a model without attention compiles through TVM's default pipeline with a warning and is exact; a sparse mask
   for it is refused, naming why.
@@ -17,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import stof_tvm
 from stof_tvm.compiler.onnx_import import TensorSpec, fold_shape_computations
-from stof_tvm.compiler.onnx_rules import AttentionOp, apply_rules
+from stof_tvm.compiler.onnx_rules import AttentionOp, TileAsExpand, apply_rules
 
 B, H, S, D = 2, 2, 8, 16
 
@@ -92,6 +93,23 @@ def test_attention_op_outside_the_sdpa_subset_is_refused_by_name():
 def test_a_model_without_attention_is_untouched():
     model = _bare_model()
     assert AttentionOp().apply(model) is None and apply_rules(model) == (model, [])
+
+
+@pytest.mark.parametrize("reps", [[4, 1, 1], [2, 3, 1], [1, 1, 1]])
+def test_tile_becomes_reshape_expand_reshape(reps):
+    """DeBERTa's ``repeat`` of its relative-position keys: the same tensor without the Tile node."""
+    shape = [3, 5, 4]
+    reps_init = numpy_helper.from_array(np.array(reps, np.int64), "reps")
+    node = helper.make_node("Tile", ["x", "reps"], ["y"], name="tile")
+    graph = helper.make_graph([node], "tile", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT,
+                                                             [r * d for r, d in zip(reps, shape)])],
+                              initializer=[reps_init])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    out = TileAsExpand().apply(model)
+    assert out is not None and "Tile" not in [n.op_type for n in out.graph.node]
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    np.testing.assert_array_equal(_run(out, {"x": x}), np.tile(x, reps))
 
 
 def test_folding_gathers_a_slice_of_a_larger_buffer():
