@@ -1122,6 +1122,33 @@ S19_VARIANTS = (("stages", 2), ("stages", 3), ("stages", 4), ("min_blocks", 4), 
                 ("reverse_full", True), ("kv_splits", 2))
 
 
+def _compile_path_pick(batch: int, seq: int):
+    """The compile path's block-wise configuration for BigBird at ``batch`` x ``seq`` (H12 D64, padded): the model's
+    rank-0 block-wise candidate with ``lean_padding``, as :func:`stof_tvm.compiler.front_end` sets it."""
+    import dataclasses
+
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile
+    from stof_tvm.cost_model.attention import rank_attention
+
+    mask = build_mask("bigbird", batch, H_BENCH, seq, 0)
+    problem = AttentionProblem(batch=batch, heads=H_BENCH, head_dim=64, dtype="float16", padding=True,
+                               mask=MaskProfile(mask))
+    pick = next(r for r in rank_attention(problem) if r.candidate.kind == "block").candidate.config
+    return dataclasses.replace(pick, lean_padding=True)
+
+
+def _labelled_block_cases(batch: int, seq: int, configs) -> list[dict]:
+    """Timed BigBird cases of ``(label, BlockConfig)`` pairs under all-ones padding; the first carries the
+    baselines."""
+    cases = []
+    for i, (label, config) in enumerate(configs):
+        config_list = _config_tuple(config)
+        case = _case("time", "block", "bigbird", batch, H_BENCH, seq, 64, "float16", config_list, padding=True)
+        cases.append(dict(case, pad_keep="ones", label=f"{label} " + "x".join(map(str, config_list[:5])),
+                          baselines=i == 0))
+    return cases
+
+
 def plan_s19knobs() -> list[dict]:
     """Is the model's block-wise pick the best of its own knobs at the shapes the whole models run? Session 17
     (s17model) timed the tile shapes (block_m x block_n x warps) and found the pick fastest or within 8-13%; the other
@@ -1132,16 +1159,9 @@ def plan_s19knobs() -> list[dict]:
     the first. Padded as the compiled models are, under all-ones padding."""
     import dataclasses
 
-    from stof_tvm.cost_model import AttentionProblem, MaskProfile
-    from stof_tvm.cost_model.attention import rank_attention
-
     cases = []
     for batch, seq in S19_SHAPES:
-        mask = build_mask("bigbird", batch, H_BENCH, seq, 0)
-        problem = AttentionProblem(batch=batch, heads=H_BENCH, head_dim=64, dtype="float16", padding=True,
-                                   mask=MaskProfile(mask))
-        pick = next(r for r in rank_attention(problem) if r.candidate.kind == "block").candidate.config
-        pick = dataclasses.replace(pick, lean_padding=True)
+        pick = _compile_path_pick(batch, seq)
         configs = [("pick", pick)]
         for knob, value in S19_VARIANTS:
             extra = {"heavy_first": True} if knob == "kv_splits" else {}
@@ -1156,11 +1176,7 @@ def plan_s19knobs() -> list[dict]:
                 continue
             if variant != pick and all(variant != c for _, c in configs):
                 configs.append((f"{knob}={value}", variant))
-        for i, (label, config) in enumerate(configs):
-            config_list = _config_tuple(config)
-            case = _case("time", "block", "bigbird", batch, H_BENCH, seq, 64, "float16", config_list, padding=True)
-            cases.append(dict(case, pad_keep="ones", label=f"{label} " + "x".join(map(str, config_list[:5])),
-                              baselines=i == 0))
+        cases += _labelled_block_cases(batch, seq, configs)
     return cases
 
 
@@ -1207,17 +1223,11 @@ def plan_s25short() -> list[dict]:
     first. Padded as the compiled models are, under all-ones padding."""
     import dataclasses
 
-    from stof_tvm.cost_model import AttentionProblem, MaskProfile
-    from stof_tvm.cost_model.attention import rank_attention
     from stof_tvm.schedules.attention_blockwise import BlockConfig
 
     cases = []
     for batch, seq in S25_SHAPES:
-        mask = build_mask("bigbird", batch, H_BENCH, seq, 0)
-        problem = AttentionProblem(batch=batch, heads=H_BENCH, head_dim=64, dtype="float16", padding=True,
-                                   mask=MaskProfile(mask))
-        pick = next(r for r in rank_attention(problem) if r.candidate.kind == "block").candidate.config
-        pick = dataclasses.replace(pick, lean_padding=True)
+        pick = _compile_path_pick(batch, seq)
         configs = [("pick", pick), ("pick, whole row", dataclasses.replace(
             pick, stages=max(2, -(-seq // pick.block_n))))]
         whole = 16 * -(-seq // 16)
@@ -1235,11 +1245,7 @@ def plan_s25short() -> list[dict]:
                         continue
                     if all(config != c for _, c in configs):
                         configs.append((f"{block_m} rows, {rows_per_warp} a warp", config))
-        for i, (label, config) in enumerate(configs):
-            config_list = _config_tuple(config)
-            case = _case("time", "block", "bigbird", batch, H_BENCH, seq, 64, "float16", config_list, padding=True)
-            cases.append(dict(case, pad_keep="ones", label=f"{label} " + "x".join(map(str, config_list[:5])),
-                              baselines=i == 0))
+        cases += _labelled_block_cases(batch, seq, configs)
     return cases
 
 
