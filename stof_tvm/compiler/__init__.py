@@ -36,8 +36,8 @@ from stof_tvm.sparse_formats.masks import normalize_mask
 from .attention_match import find_attention_sites
 from .canonical import canonicalize
 from .coverage import coverage
-from .gather_index import narrow_gather_indices
 from .downstream import use_templates
+from .gather_index import narrow_gather_indices
 from .graph_inputs import whole_graph
 from .input_checks import ValueCheck, add_value_checks, clip_gathers
 from .kernels import KERNELS, KernelChoice, choose_kernel, config_object, kernel_primfunc

@@ -138,12 +138,15 @@ class AttentionOp(OnnxRule):
         return out
 
 
-def _constant_values(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """The values of the graph's ``Constant`` nodes and initializers, by output name."""
-    values = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
+def _constant_values(model: onnx.ModelProto, names: set[str]) -> dict[str, np.ndarray]:
+    """The values of ``names`` that initializers or ``Constant`` nodes (a ``value`` tensor, as folding writes them)
+    hold; only those are converted (not the model's weights)."""
+    values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name in names}
     for node in model.graph.node:
-        if node.op_type == "Constant" and "value" in _attributes(node):
-            values[node.output[0]] = numpy_helper.to_array(_attributes(node)["value"])
+        if node.op_type == "Constant" and node.output[0] in names:
+            tensor = _attributes(node).get("value")
+            if tensor is not None:
+                values[node.output[0]] = numpy_helper.to_array(tensor)
     return values
 
 
@@ -157,10 +160,11 @@ class TileAsExpand(OnnxRule):
     name = "tile-as-expand"
 
     def apply(self, model):
-        if not any(n.op_type == "Tile" for n in model.graph.node):
+        repeats = {n.input[1] for n in model.graph.node if n.op_type == "Tile"}
+        if not repeats:
             return None
         shapes, _ = _value_infos(model)
-        constants = _constant_values(model)
+        constants = _constant_values(model, repeats)
         nodes, changed = [], False
         for node in model.graph.node:
             reps = constants.get(node.input[1]) if node.op_type == "Tile" else None

@@ -22,8 +22,7 @@ Families (:data:`FAMILIES`): ``bert``, ``roberta``, ``distilbert``, ``gpt2``, ``
 relative attention with both position terms). Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden 128, head_dim 64),
 ``tiny-d32`` (the same with 4 heads of 32), ``base`` (the published base model's shape: bert-base, roberta-base,
 distilbert-base, gpt2, vit-base, t5-base encoder, bigbird-roberta-base, longformer-base, deberta-v3-base) and
-``large`` (bert-large). Attention ``sdpa`` exists where
-transformers implements it (:func:`attention_kinds`).
+``large`` (bert-large). Attention ``sdpa`` exists where transformers implements it (:func:`attention_kinds`).
 
 torch and transformers are imported when a function needs them: they are test extras, not stof-tvm
 dependencies.

@@ -13,5 +13,5 @@ from .database import FAILED_SECONDS, STATUS_FILE, TuningDatabase, mean_seconds,
 from .names import attention_group, is_attention_group, normalize_workload, wgmma_group, workload_key
 from .usage import RecordUsage, record_usage
 
-__all__ = ["TuningDatabase", "open_database", "mean_seconds", "STATUS_FILE", "FAILED_SECONDS", "attention_group", "is_attention_group",
-           "normalize_workload", "wgmma_group", "workload_key", "RecordUsage", "record_usage"]
+__all__ = ["TuningDatabase", "open_database", "mean_seconds", "STATUS_FILE", "FAILED_SECONDS", "attention_group",
+           "is_attention_group", "normalize_workload", "wgmma_group", "workload_key", "RecordUsage", "record_usage"]

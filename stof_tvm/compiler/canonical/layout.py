@@ -118,7 +118,7 @@ def _reaches_product(expr, var2val, batch: int, heads: int, depth: int = 6) -> b
     if depth == 0 or op_name(value) not in _SCORE_STEPS:
         return False
     return any(_reaches_product(arg, var2val, batch, heads, depth - 1) for arg in value.args
-               if isinstance(arg, relax.Expr) and tensor_shape(arg) is not None and len(tensor_shape(arg)) == 3)
+               if isinstance(arg, relax.Expr) and len(tensor_shape(arg) or ()) == 3)
 
 
 class FlatHeads(Rule):
