@@ -11,7 +11,8 @@ Per model and shape (each in a child process, so a crash or a sticky CUDA error 
    pipeline on the same ONNX file, not through stof-tvm's compiler (``scripts/e2e_tvm.py``: ``from_onnx``,
    ``ToMixedPrecision``, ``tvm.compile`` with dlight's default GPU rules; dense attention);
 3. float32 references on the device (TF32 off): the model with dense SDPA, and with the sparse mask (AND the
-   model's own: GPT-2's causality, T5's position bias) through ``scripts/e2e_torch.py``;
+   model's own: GPT-2's causality, T5's position bias) through ``scripts/e2e_torch.py``; DeBERTa, which has no
+   SDPA form, with its own attention for both (the sparse mask ANDed into the mask it applies);
 4. time (CUDA events after warm-up, median of ``--samples`` samples of back-to-back calls, cycling
    ``--input-sets`` sets of fresh random inputs; ``scripts/benchlib.py``) and check against the matching
    reference (relative Frobenius error <= ``--tolerance``, every output element finite; outputs poisoned first
@@ -21,12 +22,17 @@ Per model and shape (each in a child process, so a crash or a sticky CUDA error 
    |---|---|---|
    | ``ours-call`` | ``model(input_ids=..., attention_mask=...)``, torch CUDA tensors (the call users write) | sparse |
    | ``ours`` | the module alone: ``run`` on inputs ``prepare``d once | sparse |
-   | ``torch-eager`` | the HF model in float16, ``attn_implementation="sdpa"`` (dense) | dense |
+   | ``torch-eager`` | the HF model in float16, ``attn_implementation="sdpa"`` (DeBERTa: ``eager``; dense) | dense |
    | ``torch-compile`` | the same through ``torch.compile`` (``--torch-compile-mode``) | dense |
    | ``torch-flex`` | ``torch.compile`` of the model, FlexAttention on a BlockMask of the same sparse mask | sparse |
    | ``ort`` | onnxruntime, CUDA EP + CUDA graph, this ONNX after ORT's transformer optimizer, fp16, IOBinding | dense |
    | ``tvm-default`` | TVM's default pipeline on the same ONNX (see 2.) | dense |
    | ``ours-nograph`` | with ``--profile``: ``ours`` without CUDA graphs, timed and profiled per kernel class | sparse |
+
+   A stage a model cannot run is not run, and the row says why (``<stage>_skipped``, ``-`` in the table):
+   ``torch-flex`` for DeBERTa, whose disentangled attention FlexAttention would need as a score_mod
+   (``e2e_torch.UNSUPPORTED``). ORT's optimizer fuses no attention of DeBERTa (``ort`` runs it unfused:
+   ``weak:ort``).
 
 With ``--profile`` the row also gets ``ours_timeline``: ``ours``' kernels over 20 back-to-back calls as CUPTI saw them
 in place (torch.profiler; :func:`benchlib.timeline`): kernels a call, the device span and its idle part, and each
@@ -53,7 +59,7 @@ is skipped and reported, never cut off mid-write.
 
 ViT's sequence is its patch grid: ``vit-base`` 197 tokens, ``vit-base-384`` 577; a shape's batch applies, its
 length is replaced. Models: ``scripts/e2e_models.py`` (``bert-base roberta-base bert-large gpt2 vit-base
-vit-base-384 t5-base``, and ``*-tiny`` for the CPU).
+vit-base-384 t5-base deberta-v3-base``, and ``*-tiny`` for the CPU).
 
 On the GPU machine (the lead's calls; the devkit's README: /work/shared/device/README.md). Here, once:
 ``../shared/device/pack`` and ``.venv/bin/python scripts/ort_parts.py prepare`` (parts of 24 + 32 + 7.7 MiB in
@@ -80,6 +86,8 @@ On the CPU (the whole flow on tiny models, llvm, float32; what tests/test_bench_
 
     .venv/bin/python scripts/bench_e2e.py --device cpu --models bert-tiny --shapes 2x256 \\
         --skip torch-compile torch-flex --out out/e2e-cpu
+
+(DeBERTa's row: ``--rows deberta-tiny:2x128``, what tests/test_e2e_deberta.py runs.)
 """
 from __future__ import annotations
 
@@ -447,9 +455,10 @@ def wait_compile(proc, artifact: Path, deadline: float) -> dict:
 
 # --------------------------------------------------------------------------------------------- one row
 class Row:
-    """One (model, shape) measurement: its dict, written after every stage; stages run only if they fit."""
+    """One (model, shape) measurement: its dict, written after every stage; stages run only if they fit and are
+    not in ``skip`` (stage -> why not: ``--skip``, or what the model lacks)."""
 
-    def __init__(self, path: Path, deadline: float, skip: set, base: dict):
+    def __init__(self, path: Path, deadline: float, skip: dict[str, str], base: dict):
         self.path, self.deadline, self.skip, self.data = path, deadline, skip, dict(base)
         self.save()
 
@@ -468,7 +477,7 @@ class Row:
 
     def stage(self, label: str, fn, *args):
         if label in self.skip:
-            self.data[f"{label}_skipped"] = "--skip"
+            self.data[f"{label}_skipped"] = self.skip[label]
             return None
         left = self.deadline - time.time()
         if left < STAGE_COST_S.get(label, 30) * 0.5:
@@ -510,7 +519,7 @@ class Row:
 
 def run_row(args) -> int:
     """The child process of one row; an error outside the guarded stages is recorded as ``row_failed``."""
-    row = Row(Path(args.row_json), args.deadline, set(args.skip), {})
+    row = Row(Path(args.row_json), args.deadline, dict.fromkeys(args.skip, "--skip"), {})
     try:
         measure_row(args, row)
     except Exception as err:      # noqa: BLE001 - the row file says what broke
@@ -538,6 +547,10 @@ def measure_row(args, row: "Row") -> None:
     data.update({"model": name, "batch": batch, "seq_len": length, "mask": args.mask, "device": dev,
                  "dtype": args.dtype, "target": args.target, "seed": args.seed})
     row.save()
+    for label, why in e2e_torch.UNSUPPORTED.get(model.family, {}).items():
+        if label not in row.skip:
+            row.skip[label] = why
+            print(f"  {label}: not run, {why}", flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch._dynamo.config.cache_size_limit = 64
@@ -556,7 +569,8 @@ def measure_row(args, row: "Row") -> None:
     data.update(info)
     data.update(e2e_models.work(info, batch, length, int(combined.sum()), 2 if args.dtype == "float16" else 4))
     data["mask_density"] = float(combined.mean())
-    data["mask_applied"] = args.mask + (" AND causal" if causal else "") + (" + bias" if model.family == "t5" else "")
+    biased = model.family in ("t5", "deberta")         # T5's position bias, DeBERTa's c2p + p2c terms
+    data["mask_applied"] = args.mask + (" AND causal" if causal else "") + (" + bias" if biased else "")
 
     onnx_path = work_dir / "model.onnx"
     row.stage("export", e2e_models.export, model32, sets[0], str(onnx_path), args.opset)
@@ -578,11 +592,12 @@ def measure_row(args, row: "Row") -> None:
         return tuple(tensors)
 
     e2e_torch.set_mask(keep, causal, dev, flex_mask="torch-flex" not in row.skip)
+    dense = data["dense_attention"] = e2e_torch.dense_attention(model.family)
     refs = {}
 
     def reference():
         fp32 = torch_args(sets[0], torch.float32)
-        e2e_torch.use_attention(model32, "sdpa")
+        e2e_torch.use_attention(model32, dense)
         refs["dense"] = e2e_torch.forward(model32, fp32)().float().cpu()
         e2e_torch.use_attention(model32, e2e_torch.MASKED_SDPA)
         refs["sparse"] = e2e_torch.forward(model32, fp32)().float().cpu()
@@ -605,8 +620,8 @@ def measure_row(args, row: "Row") -> None:
             data[f"{label}_mode"] = args.torch_compile_mode
         row.check(label, out, ref, args.tolerance)
         row.timed(label, lambda *a: e2e_torch.forward(target, a)(), half_sets, args)
-    row.stage("torch-eager", torch_variant, "torch-eager", "sdpa", False, refs["dense"])
-    row.stage("torch-compile", torch_variant, "torch-compile", "sdpa", True, refs["dense"])
+    row.stage("torch-eager", torch_variant, "torch-eager", dense, False, refs["dense"])
+    row.stage("torch-compile", torch_variant, "torch-compile", dense, True, refs["dense"])
     row.stage("torch-flex", torch_variant, "torch-flex", e2e_torch.FLEX, True, refs["sparse"])
     del model16
     torch._dynamo.reset()

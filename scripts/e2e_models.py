@@ -2,7 +2,8 @@
 how much work one forward pass is (for the fraction of the hardware limit).
 
 Models come from :mod:`stof_tvm.models.hf_export` (config objects, seeded random weights, no downloads). A
-name is a family at a size (``bert-base``, ``gpt2``, ``t5-base`` = the T5-base encoder, ``bert-tiny`` ...);
+name is a family at a size (``bert-base``, ``gpt2``, ``t5-base`` = the T5-base encoder, ``deberta-v3-base``,
+``bert-tiny`` ...);
 ViT's sequence is fixed by its image: ``vit-base`` is 224x224 in 16x16 patches (197 tokens), ``vit-base-384``
 384x384 (577 tokens); a benchmark shape's batch applies to them and its length is replaced by theirs.
 """
@@ -34,12 +35,14 @@ MODELS = {spec.name: spec for spec in (
     ModelSpec("bert-base", "bert", "base"), ModelSpec("roberta-base", "roberta", "base"),
     ModelSpec("bert-large", "bert", "large"), ModelSpec("gpt2", "gpt2", "base"),
     ModelSpec("vit-base", "vit", "base"), ModelSpec("vit-base-384", "vit", "base", image_size=384),
-    ModelSpec("t5-base", "t5", "base"),
+    ModelSpec("t5-base", "t5", "base"), ModelSpec("deberta-v3-base", "deberta", "base"),
     # tiny ones (2 layers, hidden 128) for the CPU check of the whole flow
     ModelSpec("bert-tiny", "bert", "tiny"), ModelSpec("roberta-tiny", "roberta", "tiny"),
     ModelSpec("gpt2-tiny", "gpt2", "tiny"), ModelSpec("vit-tiny", "vit", "tiny"), ModelSpec("t5-tiny", "t5", "tiny"),
+    ModelSpec("deberta-tiny", "deberta", "tiny"),
 )}
-GPU_MODELS = ("bert-base", "roberta-base", "bert-large", "gpt2", "vit-base", "vit-base-384", "t5-base")
+GPU_MODELS = ("bert-base", "roberta-base", "bert-large", "gpt2", "vit-base", "vit-base-384", "t5-base",
+              "deberta-v3-base")
 
 
 def spec(name: str) -> ModelSpec:
@@ -48,9 +51,11 @@ def spec(name: str) -> ModelSpec:
     return MODELS[name]
 
 
-PUBLISHED_INIT_RANGE = 0.02     # initializer_range of the published BERT / RoBERTa / GPT-2 / ViT checkpoints
+PUBLISHED_INIT_RANGE = 0.02     # initializer_range of the published BERT / RoBERTa / GPT-2 / ViT / DeBERTa checkpoints
 # config attribute holding the learned position table of each family, and the rows a sequence of L tokens reads
-# (RoBERTa's positions start after its padding index: L + 2)
+# (RoBERTa's positions start after its padding index: L + 2). T5 and DeBERTa-v3 (position_biased_input False)
+# have none: their positions are relative, log-bucketed, distances past the buckets' reach share the last
+# bucket, so any length fits and their configs stay as published
 POSITION_TABLES = {"bert": ("max_position_embeddings", 0), "roberta": ("max_position_embeddings", 2),
                    "gpt2": ("n_positions", 0)}
 
@@ -140,7 +145,8 @@ def export(torch_model, feeds: dict[str, np.ndarray], path: str, opset: int = 17
 
 
 def shape_info(torch_model) -> dict:
-    """Heads, head dim, hidden size, layers (read from the config) and the weights a forward pass must read."""
+    """Heads, head dim, hidden size, layers (read from the config), the weights a forward pass must read, and
+    DeBERTa's relative-position terms (:func:`relative_terms`)."""
     import torch
 
     cfg = torch_model.model.config
@@ -155,19 +161,40 @@ def shape_info(torch_model) -> dict:
         elif isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)) or type(module).__name__ == "Conv1D":
             matmul_weights += module.weight.numel()
     total = sum(p.numel() for p in torch_model.parameters())
+    score_terms, relative_rows = relative_terms(torch_model)
     return {"hidden": int(hidden), "heads": int(heads), "head_dim": int(head_dim), "layers": int(layers),
-            "matmul_weights": int(matmul_weights), "dense_weights": int(total - embedding)}
+            "matmul_weights": int(matmul_weights), "dense_weights": int(total - embedding),
+            "score_terms": score_terms, "relative_rows": relative_rows}
+
+
+def relative_terms(torch_model) -> tuple[int, int]:
+    """DeBERTa's disentangled attention: how many relative-position score terms it adds to QK^T (c2p and p2c:
+    2) and the rows of the relative embedding table each term projects per layer (2 x position buckets);
+    ``(0, 0)`` for every other model."""
+    cfg = torch_model.model.config
+    if not getattr(cfg, "relative_attention", False):
+        return 0, 0
+    return len(cfg.pos_att_type), int(torch_model.model.encoder.rel_embeddings.num_embeddings)
 
 
 def work(info: dict, batch: int, length: int, kept_pairs: int, dtype_bytes: int = 2) -> dict:
     """Useful work of one forward pass: ``flops`` = every weight matrix applied to every token (2 per
     multiply-add; a patch embedding counts as one) plus attention over the kept (query, key) pairs only
-    (``kept_pairs`` per head: QK^T and PV, 4 * head_dim each); ``bytes`` = a lower bound on memory traffic:
+    (``kept_pairs`` per head: QK^T and PV, 2 * head_dim each); ``bytes`` = a lower bound on memory traffic:
     every non-embedding weight read once, plus each layer's input and output activations read / written once
-    (the embedding rows gathered count as one activation)."""
+    (the embedding rows gathered count as one activation).
+
+    DeBERTa (``info["score_terms"]`` = 2): its c2p and p2c score terms count as one more head_dim dot product
+    each per kept pair (a query against the key projection of the pair's relative bucket, and the key against
+    its query projection: the least work, whatever an implementation computes densely and gathers), and their
+    projections of the relative table (``relative_rows`` rows through one hidden x hidden matrix per term and
+    layer, once per forward) as matrix FLOPs. The table itself (an embedding, 512 x 768 in the base model)
+    is left out of ``bytes``."""
     tokens = batch * length
-    gemm = 2.0 * tokens * info["matmul_weights"]
-    attention = 4.0 * batch * info["heads"] * kept_pairs * info["head_dim"] * info["layers"]
+    terms = info.get("score_terms", 0)
+    relative = 2.0 * info.get("relative_rows", 0) * info["hidden"] ** 2 * terms * info["layers"]
+    gemm = 2.0 * tokens * info["matmul_weights"] + relative
+    attention = (4.0 + 2.0 * terms) * batch * info["heads"] * kept_pairs * info["head_dim"] * info["layers"]
     activations = 2.0 * tokens * info["hidden"] * (info["layers"] + 1)
     return {"flops": gemm + attention, "gemm_flops": gemm, "attention_flops": attention,
             "bytes": dtype_bytes * (info["dense_weights"] + activations)}

@@ -14,6 +14,15 @@ the stock ``"sdpa"``):
   unpadded, which :func:`check_unpadded` enforces).
 
 Both read the mask of the shape being run from :data:`MASKS` (set by :func:`set_mask`).
+
+DeBERTa's disentangled attention (its scores plus c2p and p2c terms gathered by relative position bucket) is its
+own code, not an ``AttentionInterface`` call, and transformers gives it no SDPA form: its dense baselines run it
+as it is (``eager``, :func:`dense_attention`), and ``stof_masked_sdpa`` means, for it, that same attention with
+the keep-mask ANDed into the mask it applies (:func:`keep_in_own_mask`: a forward pre-hook on each attention
+module, no edit to transformers). FlexAttention would need the disentangled terms as a ``score_mod``; it is not
+run (:data:`UNSUPPORTED`). Like HF's eager attention everywhere, a query row whose keys are all masked would get
+a uniform average where stof-tvm's kernels give 0; the benchmark's inputs are unpadded and its masks keep the
+diagonal, so no such row arises.
 """
 from __future__ import annotations
 
@@ -22,6 +31,13 @@ import numpy as np
 MASKED_SDPA = "stof_masked_sdpa"
 FLEX = "stof_flex"
 MASKS: dict = {}          # "keep": [S, S] bool tensor, "causal": bool, "block": BlockMask or None
+# families whose attention bypasses AttentionInterface -> the module class that applies the model's mask
+OWN_ATTENTION = {"deberta": "DisentangledSelfAttention"}
+KEEP_FLAG = "stof_keep_mask"     # attribute of such a module: AND MASKS["keep"] into its mask (keep_in_own_mask)
+# stages of bench_e2e a family cannot run, and why (recorded as the stage's "_skipped" reason)
+UNSUPPORTED = {"deberta": {"torch-flex": "FlexAttention would need DeBERTa's disentangled attention (c2p / p2c "
+                                         "terms gathered by relative bucket) as a score_mod; it bypasses "
+                                         "transformers' AttentionInterface, so none is registered"}}
 
 
 def _causal(module, q_len: int) -> bool:
@@ -115,9 +131,49 @@ def set_mask(keep: np.ndarray, causal: bool, device: str, flex_mask: bool) -> No
         MASKS["block"] = create_block_mask(mask_mod, B=None, H=None, Q_LEN=size, KV_LEN=size, device=device)
 
 
+def dense_attention(family: str) -> str:
+    """The attention of the dense torch baselines and the dense reference: ``sdpa``, or ``eager`` (the model's
+    own) where transformers has no SDPA form of it (DeBERTa)."""
+    from stof_tvm.models import hf_export as hf
+
+    return "sdpa" if "sdpa" in hf.attention_kinds(family) else "eager"
+
+
+def keep_in_own_mask(torch_model, on: bool) -> None:
+    """AND ``MASKS["keep"]`` into the mask each of the model's own attention modules (:data:`OWN_ATTENTION`)
+    applies (``on``), or stop: a forward pre-hook registered once per module, switched by the module's
+    :data:`KEEP_FLAG` attribute, so that a deep copy of the model keeps both the hook and its state."""
+    cls = OWN_ATTENTION[torch_model.family]
+    modules = [m for m in torch_model.modules() if type(m).__name__ == cls]
+    if not modules:
+        raise RuntimeError(f"attention: {torch_model.family} model has no {cls} module to mask")
+    for module in modules:
+        if not hasattr(module, KEEP_FLAG):
+            module.register_forward_pre_hook(_and_keep, with_kwargs=True)
+        setattr(module, KEEP_FLAG, on)
+
+
+def _and_keep(module, args, kwargs):
+    """Forward pre-hook of DeBERTa's ``DisentangledSelfAttention(hidden_states, attention_mask, ...)``: while
+    the module's :data:`KEEP_FLAG` is set, its mask ([B, 1, S, S], nonzero = attend: the padding mask as the
+    encoder's ``get_attention_mask`` expands it) AND ``MASKS["keep"]``."""
+    if not getattr(module, KEEP_FLAG):
+        return None
+    hidden_states, attention_mask, *rest = args
+    q_len, k_len = attention_mask.shape[-2:]
+    return (hidden_states, attention_mask.bool() & MASKS["keep"][:q_len, :k_len], *rest), kwargs
+
+
 def use_attention(torch_model, name: str) -> None:
-    """Switch a built (wrapped) model's attention implementation to ``name``; a clear error when it did not take."""
+    """Switch a built (wrapped) model's attention implementation to ``name``; a clear error when it did not take.
+    A model of :data:`OWN_ATTENTION` runs its own (eager) attention throughout: ``MASKED_SDPA`` switches the
+    keep-mask on in it (:func:`keep_in_own_mask`), any other name off, and ``FLEX`` is refused."""
     inner = torch_model.model
+    if torch_model.family in OWN_ATTENTION:
+        if name == FLEX:
+            raise ValueError(f"attention: {UNSUPPORTED[torch_model.family]['torch-flex']}")
+        keep_in_own_mask(torch_model, on=name == MASKED_SDPA)
+        name = "eager" if name == MASKED_SDPA else name
     inner.set_attn_implementation(name)
     got = inner.config._attn_implementation
     if got != name:
