@@ -296,6 +296,20 @@ def test_flat_heads_products_move_onto_the_heads():
     np.testing.assert_allclose(_run(out, args), _run(func, args), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(B * H, 1, S), (B * H, S, 1), (1, 1, S), (S, S), ()])
+def test_flat_heads_takes_a_broadcast_term(shape):
+    """A term added to the flat scores that broadcasts over queries or heads (HF BLOOM's ALiBi: ``baddbmm`` of a
+    [B*H, 1, Sk] tensor) is reshaped onto the heads with them; a lower-rank one stays as it is (before, a [B*H, 1,
+    Sk] term was added to the [B, H, S, Sk] scores as it was: broadcast wrongly, or an error at B > 1)."""
+    params = [_tensor(n, (B, H, S, D)) for n in "qkv"] + [_tensor("bias", shape)]
+    func = _function(params, _flat_heads_attention)
+    out, applied = canonical.canonicalize_function(func, [layout.FlatHeads()])
+    (site,) = find_attention_sites(out)
+    assert [term.kind for term in site.terms] == ["add"] and len(site.terms[0].expr.ty.shape) in (len(shape), 4)
+    args = _inputs(func)
+    np.testing.assert_allclose(_run(out, args), _run(func, args), rtol=1e-5, atol=1e-5)
+
+
 def test_flat_heads_leaves_other_flat_reshapes():
     """A reshape of a flat product whose operands are not views of heads (a weight) is left alone."""
     def body(bb, x, w):

@@ -208,11 +208,12 @@ def test_exporter_style_weight_names(tiny, feeds):
     assert relative_error(out, ref) < 1e-5
 
 
-def _with_position_bias(model: onnx.ModelProto, seq: int, heads: int, seed: int = 0) -> onnx.ModelProto:
-    """``model`` with a learned T5-style bias [1, H, S, S] added to every layer's scaled scores."""
+def _with_position_bias(model: onnx.ModelProto, seq: int, heads: int, seed: int = 0,
+                        shape: tuple | None = None) -> onnx.ModelProto:
+    """``model`` with a learned T5-style bias [1, H, S, S] (or of ``shape``) added to every layer's scaled scores."""
     biased = onnx.ModelProto()
     biased.CopyFrom(model)
-    bias = np.random.default_rng(seed).standard_normal((1, heads, seq, seq)).astype(np.float32)
+    bias = np.random.default_rng(seed).standard_normal(shape or (1, heads, seq, seq)).astype(np.float32)
     biased.graph.initializer.append(onnx.numpy_helper.from_array(bias, "position_bias"))
     nodes = []
     for node in biased.graph.node:
@@ -245,3 +246,14 @@ def test_score_bias_is_added_by_either_sparse_kernel(tiny, feeds, dtype, toleran
         art = stof_tvm.compile(model, mask="bigbird", batch=B, seq_len=S, target="llvm", dtype=dtype, kernel=other)
         assert art.manifest["attention"]["kernel"]["kind"] == other
         assert relative_error(art.load()(feeds)["last_hidden_state"], ref) < tolerance
+
+
+def test_lower_rank_score_bias(tiny, feeds):
+    """A bias of rank 3 broadcast over the queries (ALiBi's [H, 1, Sk]) is brought to 4-D for the kernel (its
+    reshape had no type yet when its dtype was read: an AttributeError before)."""
+    model = _with_position_bias(tiny, S, heads=2, shape=(2, 1, S))
+    art = stof_tvm.compile(model, mask="bigbird", batch=B, seq_len=S, target="llvm", dtype="float32")
+    assert art.manifest["attention"]["kernel"]["bias"][:2] == [1, 2]
+    out = art.load()(feeds)["last_hidden_state"]
+    ref = reference_outputs(model, make_mask("bigbird", S)[None, None], feeds)["last_hidden_state"]
+    assert relative_error(out, ref) < 1e-5

@@ -274,8 +274,9 @@ def score_bias(site: AttentionSite, bias_terms: list[int]) -> tuple[relax.Expr, 
     dtype = str(exprs[0].ty.dtype)
     total = None
     for expr, shape in zip(exprs, shapes):
+        cast = str(expr.ty.dtype) != dtype             # read before the reshape: a new call has no type yet
         expr = relax.op.reshape(expr, (1,) * (4 - len(shape)) + tuple(shape)) if len(shape) < 4 else expr
-        expr = expr if str(expr.ty.dtype) == dtype else relax.op.astype(expr, dtype)
+        expr = relax.op.astype(expr, dtype) if cast else expr
         total = expr if total is None else relax.op.add(total, expr)
     full = relax.op.broadcast_to(total, (groups[0], groups[1], site.seq_q, site.seq_k))
     return full, (groups[0], groups[1], dtype)

@@ -106,6 +106,23 @@ def _heads_product(expr, var2val, batch: int, heads: int) -> relax.Expr | None:
     return relax.op.matmul(a, b, out_dtype=value.attrs.out_dtype)
 
 
+def _on_heads(arg, out: tuple[int, ...]) -> relax.Expr | None:
+    """Operand ``arg`` of a step on [B*H, m, n] flat scores, given for the [B, H, m, n] scores ``out``: a [B*H or 1,
+    m or 1, n or 1] tensor (BLOOM's ALiBi term is [B*H, 1, Sk]) reshaped onto the heads, a lower-rank one (a
+    scalar, a [m, n] table) as it is (it broadcasts over the leading axes alike); None for any other shape."""
+    shape = tensor_shape(arg)
+    if shape is None or len(shape) > 3:
+        return None
+    if len(shape) < 3:
+        return arg
+    rows, cols = shape[1:]
+    if rows not in (1, out[2]) or cols not in (1, out[3]):
+        return None
+    if shape[0] == out[0] * out[1]:
+        return relax.op.reshape(arg, [out[0], out[1], rows, cols])
+    return relax.op.reshape(arg, [1, 1, rows, cols]) if shape[0] == 1 else None
+
+
 _BINARY = {"relax.add": relax.op.add, "relax.multiply": relax.op.multiply, "relax.divide": relax.op.divide}
 _SCORE_STEPS = (*_BINARY, "relax.astype")
 
@@ -129,7 +146,8 @@ class FlatHeads(Rule):
     transpose(reshape(K))) * c + bias, [B, H, S, Sk])``, and ``reshape(matmul(reshape(P), reshape(V)), [B, H, S,
     D])``. The reshape back moves down one operator per application (through additions, scalar scalings and casts
     that lead to the product) until it meets the product, which then takes the 4-D heads; a flat term added to the
-    scores keeps a reshape of its own. Exact: reshapes move no data."""
+    scores keeps a reshape of its own, onto [B, H, 1, Sk] where it broadcasts over the queries (HF BLOOM's ALiBi
+    term, ``baddbmm`` of a [B*H, 1, Sk] tensor). Exact: reshapes move no data."""
 
     name = "flat_heads"
     _x = wildcard()
@@ -151,9 +169,9 @@ class FlatHeads(Rule):
                 return None
             if op_name(value) == "relax.astype":
                 return relax.op.astype(relax.op.reshape(value.args[0], out), value.attrs.dtype)
-            args = [relax.op.reshape(arg, out) if tensor_shape(arg) == flat else arg for arg in value.args]
-            if any(arg is old and tensor_shape(arg) not in ((), (1,)) for arg, old in zip(args, value.args)):
-                return None         # a broadcast operand other than a scalar: left as it is
+            args = [_on_heads(arg, out) for arg in value.args]
+            if any(arg is None for arg in args):
+                return None         # an operand that is not a view of the heads: left as it is
             return _BINARY[op_name(value)](*args)
 
         return rewrite_matches(self.pattern, rewrite, func)
