@@ -4,6 +4,8 @@ onnx_import.py), and the compile fallback for a valid model with no attention si
 - the opset-23 ``Attention`` operator becomes MatMul / scale / mask / Softmax / MatMul with the operator's
   semantics (boolean and additive masks, ``is_causal``, the default scale 1/sqrt(D)), checked against numpy;
   forms outside the SDPA subset are refused by name;
+- ``RotaryEmbedding`` (opset 23) becomes elementwise operators with onnx's reference values, in each of its
+  forms (4-D and 3-D input, partial, interleaved, position ids); an input of unknown shape is refused by name;
 - ``Tile`` by constant repeats becomes Reshape / Expand / Reshape with the same values;
 - folding gathers a small slice of a larger constant (BertModel's token-type buffer) correctly;
 - a model without attention compiles through TVM's default pipeline with a warning and is exact; a sparse mask
@@ -154,3 +156,63 @@ def test_no_attention_falls_back_to_the_default_pipeline_exactly():
         warnings.simplefilter("ignore")
         with pytest.raises(ValueError, match=r"cannot apply a sparse mask to this model \(no attention"):
             stof_tvm.compile(model, mask="sliding:window=2", batch=2, seq_len=4, target="llvm", dtype="float32")
+
+
+def _rotary_model(x_shape, cache_shape, positions=False, **attrs) -> onnx.ModelProto:
+    names = ["x", "cos", "sin"] + (["positions"] if positions else [])
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape),
+              helper.make_tensor_value_info("cos", TensorProto.FLOAT, cache_shape),
+              helper.make_tensor_value_info("sin", TensorProto.FLOAT, cache_shape)]
+    if positions:
+        inputs.append(helper.make_tensor_value_info("positions", TensorProto.INT64, [B, S]))
+    node = helper.make_node("RotaryEmbedding", names, ["y"], name="rope", **attrs)
+    graph = helper.make_graph([node], "rope", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, x_shape)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+
+
+# (x shape, cache shape, position ids, attributes): the dynamo exporter's form (4-D, the rotated slice of each head,
+# caches [1, S, D/2] broadcast over the batch), a partial rotation, interleaved pairs, position ids into a longer
+# cache, and the 3-D form with num_heads
+ROTARY_FORMS = {
+    "dynamo": ((B, H, S, D), (1, S, D // 2), False, {"interleaved": 0, "num_heads": H}),
+    "partial": ((B, H, S, D), (B, S, 4), False, {"rotary_embedding_dim": 8}),
+    "interleaved": ((B, H, S, D), (B, S, D // 2), False, {"interleaved": 1}),
+    "positions": ((B, H, S, D), (3 * S, D // 2), True, {}),
+    "3d": ((B, S, H * D), (2 * S, 4), True, {"num_heads": H, "rotary_embedding_dim": 8, "interleaved": 1}),
+}
+
+
+@pytest.mark.parametrize("form", list(ROTARY_FORMS))
+def test_rotary_embedding_op_becomes_elementwise_operators(form):
+    """opset 23's RotaryEmbedding (every rotary model exported by dynamo at opset 23; TVM's importer lacks it)
+    becomes elementwise operators computing what onnx's reference implementation of the operator computes, and
+    imports into Relax (the values checked on llvm)."""
+    import tvm
+    from tvm import relax
+
+    from stof_tvm.compiler.onnx_import import import_onnx
+    from stof_tvm.compiler.onnx_rules import RotaryEmbeddingOp
+
+    x_shape, cache_shape, positions, attrs = ROTARY_FORMS[form]
+    model = _rotary_model(x_shape, cache_shape, positions, **attrs)
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal(x_shape).astype(np.float32),
+             "cos": rng.standard_normal(cache_shape).astype(np.float32),
+             "sin": rng.standard_normal(cache_shape).astype(np.float32)}
+    if positions:
+        feeds["positions"] = rng.integers(0, cache_shape[0], (B, S)).astype(np.int64)
+    rewritten = RotaryEmbeddingOp().apply(model)
+    assert "RotaryEmbedding" not in {n.op_type for n in rewritten.graph.node}
+    want = _run(model, feeds)
+    np.testing.assert_allclose(_run(rewritten, feeds), want, rtol=1e-6, atol=1e-6)
+    mod, specs, _ = import_onnx(model, B, S)
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    got = vm["main"](*[tvm.runtime.tensor(feeds[spec.name]) for spec in specs]).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_embedding_op_of_unknown_shape_is_refused_by_name():
+    model = _rotary_model((B, H, S, D), (1, S, D // 2))
+    del model.graph.input[0].type.tensor_type.shape.dim[:]
+    with pytest.raises(ValueError, match="RotaryEmbedding operator at node 'rope'"):
+        apply_rules(model)

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import onnx
 
-from .onnx_rules import apply_rules
+from .onnx_rules import REWRITTEN_OPS, apply_rules
 from .onnx_shapes import infer_shapes, is_weight, weightless
 
 _BATCH_NAMES = {"batch", "batch_size", "batchsize", "n", "b", "bs"}
@@ -50,7 +50,7 @@ def check_supported_ops(model: onnx.ModelProto) -> None:
     """Raise ValueError naming every operator of ``model`` that TVM's ONNX frontend cannot convert."""
     from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
 
-    known = set(_get_convert_map()) | {"Constant", "If"}
+    known = set(_get_convert_map()) | {"Constant", "If"} | set(REWRITTEN_OPS)
     unsupported: dict[str, str] = {}
     for node in model.graph.node:
         if node.op_type not in known and node.domain in ("", "ai.onnx"):

@@ -12,6 +12,11 @@ that canonical form reads.
   one; the causal flag a constant lower-triangular ``Where``), ``Softmax`` and ``MatMul(P, V)``: the attention
   form the matcher reads. Forms outside the SDPA subset (KV cache inputs, softcap, the QK output modes, 3-D
   inputs) are refused with a clear error.
+- :class:`RotaryEmbeddingOp`: the ``RotaryEmbedding`` operator of opset 23 (the dynamo exporter's rotary position
+  embedding in Llama-style models: Phi, Mistral, GPT-NeoX, Gemma...), which TVM's importer does not know, becomes
+  its definition in elementwise operators: the cos/sin caches (gathered by the position ids when given) times the
+  halves (or the even and odd elements, ``interleaved``) of the rotated part, concatenated with the part left
+  as it is.
 - :class:`TileAsExpand`: ``Tile`` by constant repeats as ``Reshape``/``Expand``/``Reshape`` (TVM imports ``Tile`` as
   a TIR function, which its mixed-precision pass refuses).
 """
@@ -138,6 +143,94 @@ class AttentionOp(OnnxRule):
         return out
 
 
+def _is_rotary(node: onnx.NodeProto) -> bool:
+    return node.op_type == "RotaryEmbedding" and node.domain in ("", "ai.onnx")
+
+
+class RotaryEmbeddingOp(OnnxRule):
+    """The opset-23 ``RotaryEmbedding`` operator -> Gather (position ids), Slice, Mul, Sub/Add and Concat, as the
+    operator is defined (onnx's reference implementation; the test compares with it). A 4-D input [B, H, S, D] is
+    rotated on its own layout (the caches [B or 1, S, r/2] unsqueezed at the head axis); a 3-D one [B, S, H*D]
+    (``num_heads``) through a [B, S, H, D] view."""
+
+    name = "rotary-embedding-op"
+
+    def apply(self, model):
+        if not any(_is_rotary(n) for n in model.graph.node):
+            return None
+        shapes, _ = _value_infos(model)
+        nodes = []
+        for node in model.graph.node:
+            nodes.extend(self._expand(node, shapes) if _is_rotary(node) else [node])
+        return _with_nodes(model, nodes)
+
+    @staticmethod
+    def _refuse(node: onnx.NodeProto, why: str):
+        raise ValueError(f"model: the ONNX RotaryEmbedding operator at node {node.name or node.output[0]!r} {why}")
+
+    def _expand(self, node, shapes) -> list[onnx.NodeProto]:
+        attrs = _attributes(node)
+        x, cos, sin, positions = (list(node.input) + [""] * 4)[:4]
+        shape = shapes.get(x)
+        if shape is None or len(shape) not in (3, 4):
+            self._refuse(node, f"has an input of shape {shape} (expected a static 3-D or 4-D shape)")
+        prefix = f"{node.name or node.output[0]}_stof"
+        out: list[onnx.NodeProto] = []
+        made: set[str] = set()
+
+        def const(name: str, values) -> str:
+            if f"{prefix}_{name}" not in made:
+                made.add(f"{prefix}_{name}")
+                out.append(_constant_node(f"{prefix}_{name}", np.array(values, np.int64)))
+            return f"{prefix}_{name}"
+
+        def emit(op: str, inputs: list[str], name: str, **kwargs) -> str:
+            out.append(helper.make_node(op, inputs, [f"{prefix}_{name}"], **kwargs))
+            return f"{prefix}_{name}"
+
+        def last_axis(tensor: str, name: str, start: int, end: int, step: int = 1) -> str:
+            return emit("Slice", [tensor, const(f"{name}_from", [start]), const(f"{name}_to", [end]),
+                                  const(f"{name}_axes", [-1]), const(f"{name}_step", [step])], name)
+
+        heads = int(attrs.get("num_heads", 0))
+        if len(shape) == 3:
+            if heads <= 0 or shape[2] % heads:
+                self._refuse(node, f"has a 3-D input of width {shape[2]} and num_heads {heads}")
+            head, cache_axis = shape[2] // heads, 2
+            x = emit("Reshape", [x, const("heads", [0, 0, heads, head])], "x4")
+        else:
+            head, cache_axis = shape[3], 1
+        rot = int(attrs.get("rotary_embedding_dim", 0)) or head
+        if rot % 2 or rot > head:
+            self._refuse(node, f"rotates {rot} of {head} elements per head (expected an even count at most {head})")
+        half = rot // 2
+        if positions:
+            cos = emit("Gather", [cos, positions], "cos_at", axis=0)
+            sin = emit("Gather", [sin, positions], "sin_at", axis=0)
+        cos = emit("Unsqueeze", [cos, const("cache_axis", [cache_axis])], "cos")
+        sin = emit("Unsqueeze", [sin, const("cache_axis", [cache_axis])], "sin")
+        rotated = last_axis(x, "rotated", 0, rot) if rot < head else x
+        if attrs.get("interleaved", 0):
+            x1, x2 = last_axis(rotated, "x1", 0, rot, 2), last_axis(rotated, "x2", 1, rot, 2)
+        else:
+            x1, x2 = last_axis(rotated, "x1", 0, half), last_axis(rotated, "x2", half, rot)
+        real = emit("Sub", [emit("Mul", [cos, x1], "cos_x1"), emit("Mul", [sin, x2], "sin_x2")], "real")
+        imag = emit("Add", [emit("Mul", [sin, x1], "sin_x1"), emit("Mul", [cos, x2], "cos_x2")], "imag")
+        if attrs.get("interleaved", 0):          # (real, imag) pairs back at the even and odd positions
+            pairs = emit("Concat", [emit("Unsqueeze", [real, const("pair_axis", [-1])], "real_1"),
+                                    emit("Unsqueeze", [imag, const("pair_axis", [-1])], "imag_1")], "pairs",
+                         axis=-1)
+            result = emit("Reshape", [pairs, const("unpair", [0, 0, 0, rot])], "result")
+        else:
+            result = emit("Concat", [real, imag], "result", axis=-1)
+        if rot < head:
+            result = emit("Concat", [result, last_axis(x, "kept", rot, head)], "whole", axis=-1)
+        if len(shape) == 3:
+            result = emit("Reshape", [result, const("flat", [0, 0, shape[2]])], "flat_out")
+        out.append(helper.make_node("Identity", [result], [node.output[0]]))
+        return out
+
+
 def _constant_values(model: onnx.ModelProto, names: set[str]) -> dict[str, np.ndarray]:
     """The values of ``names`` that initializers or ``Constant`` nodes (a ``value`` tensor, as folding writes them)
     hold; only those are converted (not the model's weights)."""
@@ -186,7 +279,9 @@ class TileAsExpand(OnnxRule):
         return _with_nodes(model, nodes) if changed else None
 
 
-RULES: list[OnnxRule] = [AttentionOp(), TileAsExpand()]
+RULES: list[OnnxRule] = [AttentionOp(), RotaryEmbeddingOp(), TileAsExpand()]
+# standard operators TVM's importer lacks that a rule above rewrites (the import's operator check accepts them)
+REWRITTEN_OPS = ("RotaryEmbedding",)
 
 
 def apply_rules(model: onnx.ModelProto, rules: list[OnnxRule] | None = None) -> tuple[onnx.ModelProto, list[str]]:
@@ -201,4 +296,4 @@ def apply_rules(model: onnx.ModelProto, rules: list[OnnxRule] | None = None) -> 
     return model, applied
 
 
-__all__ = ["OnnxRule", "AttentionOp", "TileAsExpand", "RULES", "apply_rules"]
+__all__ = ["OnnxRule", "AttentionOp", "RotaryEmbeddingOp", "TileAsExpand", "RULES", "REWRITTEN_OPS", "apply_rules"]
