@@ -3,7 +3,8 @@ far from uniform, :mod:`stof_tvm.models.hf_export`) exported by torch's own ONNX
 checked against the torch model in float32 on inputs with a padded row.
 
 Every family (BERT, RoBERTa, DistilBERT, GPT-2, ViT, T5 encoder, BigBird original_full and block_sparse,
-Longformer, DeBERTa-v3) with every attention implementation transformers offers it (eager, sdpa), through both
+Longformer, DeBERTa-v3; at the tiny size BLOOM, Phi, Gemma, Mistral, GPT-NeoX, the BART encoder and the CLIP text
+model) with every attention implementation transformers offers it (eager, sdpa), through both
 exporters at the opsets that spell the model differently: TorchScript at 17 (static axes) and 20 (the ``Gelu`` op;
 dynamic axes), dynamo at 18 (static; sdpa decomposed into split scales, boolean masks and NaN guards) and 23 (the
 ``Attention`` op; dynamic axes). Static exports are compiled at the shape they were traced at, in float32 and
@@ -16,7 +17,9 @@ Not in the corpus because the exporter cannot export them: BigBird block_sparse 
 (torch 2.13: ``ConversionError`` / ``TorchExportError``). Their TorchScript exports are in: their chunked
 attention is not the standard one, so they compile through TVM's default pipeline, exact, with a warning
 (``test_chunked_attention_falls_back_exactly``). DeBERTa-v3's disentangled attention (the scores plus each layer's
-relative-position terms, over flattened heads) runs on the sparse kernels with those terms as a score bias.
+relative-position terms, over flattened heads) runs on the sparse kernels with those terms as a score bias, and so
+does BLOOM's ALiBi (a term computed from the attention mask). The rotary families' dynamo-23 exports carry the
+``RotaryEmbedding`` operator, rewritten at the ONNX level.
 """
 from __future__ import annotations
 
@@ -40,9 +43,10 @@ FP32_TOL = 1e-4
 FP16_TOL = 5e-3
 CHUNKED = ("bigbird-sparse", "longformer")          # attention not standard MHA: TVM's default pipeline
 # Families whose own mask drops a padded query's every key (DeBERTa: the attention mask applied to queries and
-# keys): at a padded position HF eager averages V uniformly, stof-tvm's kernels give a row with no kept key 0 (as
-# SDPA's NaN guard does), so only the positions the attention mask keeps are compared there
-QUERY_MASKED = ("deberta",)
+# keys; Mistral: a padded query more than its sliding window past the last kept token): at a padded position HF
+# eager averages V uniformly, stof-tvm's kernels give a row with no kept key 0 (as SDPA's NaN guard does), so only
+# the positions the attention mask keeps are compared there
+QUERY_MASKED = ("deberta", "mistral")
 
 
 def _cases() -> list[tuple]:
@@ -141,14 +145,15 @@ def test_export_compiles_and_matches_torch(hf_corpus, case, dtype, shape):
 SPARSE_MASK = "bigbird:window=8,globals=8,block=8,density=0.2"
 SPARSE_CASES = [("bert", "eager", "torchscript", 17, False), ("gpt2", "sdpa", "dynamo", 18, False),
                 ("t5", "sdpa", "torchscript", 17, False), ("roberta", "sdpa", "dynamo", 23, True),
-                ("deberta", "eager", "dynamo", 18, False)]
+                ("deberta", "eager", "dynamo", 18, False), ("bloom", "eager", "torchscript", 17, False),
+                ("phi", "sdpa", "dynamo", 23, True)]
 
 
 @pytest.mark.parametrize("case", SPARSE_CASES, ids=case_id)
 def test_sparse_mask_matches_the_dense_kernel(hf_corpus, case):
     """A sparse mask: the sparse kernel equals kernel="dense" (TVM's dense attention with the same mask as an
     input), padding and the model's own masking (GPT-2's causality, T5's position bias, DeBERTa's relative-position
-    terms) included."""
+    terms, BLOOM's ALiBi) included."""
     family, attn, _, _, dynamic = case
     batch, seq_len = (DYN_BATCH, DYN_SEQ) if dynamic else (BATCH, SEQ)
     path = hf_corpus(case)

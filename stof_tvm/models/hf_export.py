@@ -19,7 +19,11 @@ These are the graphs users bring: ``torch.onnx.export`` of a transformers model,
 
 Families (:data:`FAMILIES`): ``bert``, ``roberta``, ``distilbert``, ``gpt2``, ``vit``, ``t5`` (T5EncoderModel),
 ``bigbird`` (original_full attention), ``bigbird-sparse`` (block_sparse), ``longformer``, ``deberta`` (DeBERTa-v3:
-relative attention with both position terms). Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden 128, head_dim 64),
+relative attention with both position terms); at size ``tiny`` only (:data:`TINY_ONLY`): ``bloom`` (ALiBi, the
+position term computed from the attention mask), ``phi`` (head_dim 80 as in Phi-2, partial rotary), ``gemma``
+(head_dim 256, one key/value head), ``mistral`` (sliding-window causal attention, grouped keys/values),
+``gptneox`` (Pythia: partial rotary, parallel residual), ``bart`` (BartModel's encoder) and ``clip``
+(CLIPTextModel: causal attention and padding). Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden 128, head_dim 64),
 ``tiny-d32`` (the same with 4 heads of 32), ``base`` (the published base model's shape: bert-base, roberta-base,
 distilbert-base, gpt2, vit-base, t5-base encoder, bigbird-roberta-base, longformer-base, deberta-v3-base) and
 ``large`` (bert-large). Attention ``sdpa`` exists where transformers implements it (:func:`attention_kinds`).
@@ -36,7 +40,9 @@ import os
 import numpy as np
 
 FAMILIES = ("bert", "roberta", "distilbert", "gpt2", "vit", "t5", "bigbird", "bigbird-sparse", "longformer",
-            "deberta")
+            "deberta", "bloom", "phi", "gemma", "mistral", "gptneox", "bart", "clip")
+# families built at the tiny size only (the decoder-only ones' published sizes are billions of weights)
+TINY_ONLY = ("bloom", "phi", "gemma", "mistral", "gptneox", "bart", "clip")
 SIZES = ("tiny", "tiny-d32", "tiny-w768", "base", "large")
 EXPORTERS = ("torchscript", "dynamo")
 ATTENTIONS = ("eager", "sdpa")
@@ -48,7 +54,7 @@ OUTPUT = "last_hidden_state"
 # with the tiny vocabulary (what the base models' GEMM shapes do, at a tiny model's export cost)
 _SHAPES = {"tiny": (128, 2, 2, 256), "tiny-d32": (128, 2, 4, 256), "tiny-w768": (768, 1, 12, 3072),
            "base": (768, 12, 12, 3072), "large": (1024, 24, 16, 4096)}
-_NO_SDPA = ("bigbird", "bigbird-sparse", "longformer", "deberta")
+_NO_SDPA = ("bigbird", "bigbird-sparse", "longformer", "deberta", "bloom")
 # tiny ViT: 64x64 images in 8x8 patches (64 patches + the class token); base: 224x224 in 16x16 (197 tokens)
 _VIT_IMAGE = {"tiny": (64, 8), "tiny-d32": (64, 8), "tiny-w768": (64, 8), "base": (224, 16)}
 # BigBird's block-sparse attention needs seq_len > (5 + 2 * random blocks) * block: 7 * 8 = 56 tokens when tiny
@@ -56,6 +62,7 @@ BIGBIRD_BLOCK = {"tiny": (8, 1), "tiny-d32": (8, 1), "tiny-w768": (8, 1), "base"
 LONGFORMER_WINDOW = {"tiny": 16, "tiny-d32": 16, "tiny-w768": 16, "base": 512}
 # DeBERTa-v3's relative positions: log buckets of the distance (256 in the published base model)
 DEBERTA_BUCKETS = {"tiny": 32, "tiny-d32": 32, "tiny-w768": 32, "base": 256}
+MISTRAL_WINDOW = 16         # tiny Mistral's sliding window: narrower than the test sequences
 
 
 def attention_kinds(family: str) -> tuple[str, ...]:
@@ -74,6 +81,8 @@ def _check_size(family: str, size: str) -> None:
         raise ValueError(f"size: expected one of {SIZES}, got {size!r}")
     if size == "large" and family != "bert":
         raise ValueError(f"size: 'large' exists for bert only (bert-large), not {family!r}")
+    if family in TINY_ONLY and size != "tiny":
+        raise ValueError(f"size: {family} exists at size 'tiny' only, not {size!r}")
 
 
 def make_config(family: str, size: str = "tiny", attn: str = "eager"):
@@ -120,8 +129,36 @@ def make_config(family: str, size: str = "tiny", attn: str = "eager"):
                                   position_buckets=DEBERTA_BUCKETS[size], max_relative_positions=-1,
                                   norm_rel_ebd="layer_norm", share_att_key=True, position_biased_input=False,
                                   type_vocab_size=0, layer_norm_eps=1e-7)
+    if family in TINY_ONLY:
+        return _decoder_family_config(tf, family, hidden, layers, heads, ffn, common)
     window = LONGFORMER_WINDOW[size]
     return tf.LongformerConfig(**bert_like, attention_window=[window] * layers, max_position_embeddings=514)
+
+
+def _decoder_family_config(tf, family: str, hidden: int, layers: int, heads: int, ffn: int, common: dict):
+    """The tiny config of a :data:`TINY_ONLY` family (padding id 0, ids 1 and 2 the other special tokens)."""
+    special = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    llama_like = dict(vocab_size=VOCAB_TINY, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                      num_attention_heads=heads, max_position_embeddings=512, **special, **common)
+    if family == "bloom":
+        return tf.BloomConfig(vocab_size=VOCAB_TINY, hidden_size=hidden, n_layer=layers, n_head=heads, **special,
+                              **common)
+    if family == "phi":          # Phi-2's head_dim 80 (2 heads of 80), rotary on 32 of them
+        return tf.PhiConfig(**{**llama_like, "hidden_size": 80 * heads}, partial_rotary_factor=0.4)
+    if family == "gemma":        # Gemma's head_dim 256 (wider than the hidden size), one key/value head
+        return tf.GemmaConfig(**llama_like, num_key_value_heads=1, head_dim=256)
+    if family == "mistral":
+        return tf.MistralConfig(**llama_like, num_key_value_heads=1, sliding_window=MISTRAL_WINDOW)
+    if family == "gptneox":
+        return tf.GPTNeoXConfig(**llama_like, rotary_pct=0.25, use_parallel_residual=True)
+    if family == "bart":
+        return tf.BartConfig(vocab_size=VOCAB_TINY, d_model=hidden, encoder_layers=layers, decoder_layers=1,
+                             encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn,
+                             decoder_ffn_dim=ffn, max_position_embeddings=512, **special,
+                             attn_implementation=common["attn_implementation"], init_std=INIT_RANGE)
+    return tf.CLIPTextConfig(vocab_size=VOCAB_TINY, hidden_size=hidden, intermediate_size=ffn,
+                             num_hidden_layers=layers, num_attention_heads=heads, max_position_embeddings=128,
+                             **special, **common)
 
 
 def _model_class(family: str):
@@ -129,7 +166,16 @@ def _model_class(family: str):
 
     return {"bert": tf.BertModel, "roberta": tf.RobertaModel, "distilbert": tf.DistilBertModel,
             "gpt2": tf.GPT2Model, "vit": tf.ViTModel, "t5": tf.T5EncoderModel, "bigbird": tf.BigBirdModel,
-            "bigbird-sparse": tf.BigBirdModel, "longformer": tf.LongformerModel, "deberta": tf.DebertaV2Model}[family]
+            "bigbird-sparse": tf.BigBirdModel, "longformer": tf.LongformerModel, "deberta": tf.DebertaV2Model,
+            "bloom": tf.BloomModel, "phi": tf.PhiModel, "gemma": tf.GemmaModel, "mistral": tf.MistralModel,
+            "gptneox": tf.GPTNeoXModel, "bart": _bart_encoder, "clip": tf.CLIPTextModel}[family]
+
+
+def _bart_encoder(config):
+    """BART's encoder as users take it from the full model (``BartModel(config).get_encoder()``)."""
+    import transformers as tf
+
+    return tf.BartModel(config).get_encoder()
 
 
 def _wrapped(model, family: str):
@@ -293,5 +339,5 @@ def cached_export(cache_dir, family: str, *, size: str = "tiny", attn: str = "ea
     return path
 
 
-__all__ = ["FAMILIES", "SIZES", "EXPORTERS", "ATTENTIONS", "attention_kinds", "make_config", "build_model",
+__all__ = ["FAMILIES", "TINY_ONLY", "SIZES", "EXPORTERS", "ATTENTIONS", "attention_kinds", "make_config", "build_model",
            "example_inputs", "sequence_length", "torch_outputs", "export", "export_key", "cached_export"]
