@@ -416,3 +416,24 @@ def test_constant_that_varies_or_sets_the_shape_stays():
     for x_shape, value in (((4, 256, 128), varied), ((1, 1, 128), repeated)):
         func = _function([_tensor("x", x_shape)], lambda bb, x, value=value: relax.op.add(x, relax.const(value)))
         assert constants.RepeatedConstant().apply(func) is None
+
+
+def test_soft_capped_scores_are_named_as_why_no_site():
+    """Gemma 2's logit soft-capping (``tanh(scores / c) * c`` before the softmax) is no attention site, and the
+    operator that stopped the match is named for the fallback's warning; a mask term's own operators are not."""
+    from stof_tvm.compiler.attention_match import unmatched_score_ops
+
+    def body(bb, q, k, v, keep):
+        scores = bb.emit(relax.op.matmul(q, bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))))
+        capped = bb.emit(relax.op.tanh(bb.emit(relax.op.divide(scores, relax.const(50.0, F32)))))
+        capped = bb.emit(relax.op.multiply(capped, relax.const(50.0, F32)))
+        masked = bb.emit(relax.op.where(bb.emit(relax.op.logical_not(keep)), relax.const(FMIN, F32), capped))
+        return relax.op.matmul(bb.emit(relax.op.nn.softmax(masked, axis=-1)), v)
+
+    params = [_tensor(n, (B, H, S, D)) for n in "qkv"] + [_tensor("keep", (1, 1, S, S), "bool")]
+    func = _function(params, body)
+    assert find_attention_sites(func) == [] and unmatched_score_ops(func) == ["tanh"]
+    plain = _function([_tensor(n, (B, H, S, D)) for n in "qkv"], lambda bb, q, k, v: relax.op.matmul(
+        bb.emit(relax.op.nn.softmax(bb.emit(relax.op.matmul(q, bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2])))),
+                                    axis=-1)), v))
+    assert len(find_attention_sites(plain)) == 1 and unmatched_score_ops(plain) == []

@@ -33,7 +33,7 @@ from tvm import relax
 
 from stof_tvm.sparse_formats.masks import normalize_mask
 
-from .attention_match import find_attention_sites
+from .attention_match import find_attention_sites, unmatched_score_ops
 from .canonical import canonicalize
 from .coverage import coverage
 from .downstream import use_templates
@@ -224,6 +224,10 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     plan, reason = None, None
     if not sites:
         reason = "no attention subgraph (matmul -> softmax -> matmul over [B, H, S, D]) was found"
+        stops = unmatched_score_ops(canonical)
+        if stops:
+            named = ", ".join(f"{op} (logit soft-capping, as Gemma 2's)" if op == "tanh" else op for op in stops)
+            reason += f": the softmax scores pass through {named}, which stof-tvm's attention kernels do not compute"
     elif len({s.scale for s in sites}) != 1:
         reason = "attention sites use different score scales"
     else:

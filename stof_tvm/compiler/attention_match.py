@@ -105,32 +105,35 @@ class _Chain:
     terms: list[MaskTerm]
 
 
-def _walk_scores(expr: relax.Expr, var2val, depth: int = 0) -> _Chain | None:
-    """Walk from the softmax input back to ``matmul(Q, K^T)``; None if the chain has another form."""
+def _walk_scores(expr: relax.Expr, var2val, depth: int = 0, stops: list | None = None) -> _Chain | None:
+    """Walk from the softmax input back to ``matmul(Q, K^T)``; None if the chain has another form. ``stops``
+    (optional) collects the operators the walk stopped at whose result has the scores' full shape (an operator on
+    the scores themselves, not on a broadcast mask term): why a softmax is not an attention site."""
     if depth > 32:
         return None
     call = resolve(expr, var2val)
     name = _op_name(call)
     if name is None:
         return None
+    walk = lambda e: _walk_scores(e, var2val, depth + 1, stops)    # noqa: E731
     if name == "relax.matmul":
         shape = static_shape(call)
         return _Chain(call, 1.0, []) if shape is not None and len(shape) == 4 else None
     if name == "relax.astype":
-        return _walk_scores(call.args[0], var2val, depth + 1)
+        return walk(call.args[0])
     if name in ("relax.divide", "relax.multiply"):
         for score_side, other in ((0, 1), (1, 0)) if name == "relax.multiply" else ((0, 1),):
             factor = scalar_value(call.args[other], var2val)
             if factor is None or factor == 0.0:
                 continue
-            chain = _walk_scores(call.args[score_side], var2val, depth + 1)
+            chain = walk(call.args[score_side])
             if chain is not None:
                 chain.scale *= factor if name == "relax.multiply" else 1.0 / factor
                 return chain
         return None
     if name == "relax.add":
         for score_side, other in ((0, 1), (1, 0)):
-            chain = _walk_scores(call.args[score_side], var2val, depth + 1)
+            chain = walk(call.args[score_side])
             if chain is not None:
                 chain.terms.extend(MaskTerm("add", leaf) for leaf in _summands(call.args[other], var2val))
                 return chain
@@ -141,11 +144,13 @@ def _walk_scores(expr: relax.Expr, var2val, depth: int = 0) -> _Chain | None:
             fill_value = scalar_value(fill, var2val)
             if fill_value is None or fill_value > MASKED_FILL:
                 continue
-            chain = _walk_scores(score_side, var2val, depth + 1)
+            chain = walk(score_side)
             if chain is not None:
                 chain.terms.append(MaskTerm("where", cond, keep_if_true))
                 return chain
         return None
+    if stops is not None and len(static_shape(call) or ()) == 4 and name not in stops:
+        stops.append(name)
     return None
 
 
@@ -162,6 +167,25 @@ def _summands(expr: relax.Expr, var2val, depth: int = 0) -> list[relax.Expr]:
 def _softmax_is_last_axis(call: relax.Call) -> bool:
     axis = int(call.attrs.axis)
     return axis in (-1, 3)
+
+
+def unmatched_score_ops(func: relax.Function) -> list[str]:
+    """The operators (without the ``relax.`` prefix) applied to the scores of softmax-weighted sums that are not
+    attention sites, where the walk back to ``matmul(Q, K^T)`` stopped: ``tanh`` for Gemma 2's logit
+    soft-capping (``tanh(scores / c) * c``), which no attention kernel of stof-tvm computes."""
+    var2val = relax.analysis.get_var2val(func)
+    found: list[str] = []
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            if not isinstance(binding, relax.VarBinding):
+                continue
+            matched = ATTENTION_PATTERN.extract_matched_expr(binding.value, var2val)
+            if matched is None or not _softmax_is_last_axis(resolve(matched[_SOFTMAX], var2val)):
+                continue
+            stops: list[str] = []
+            if _walk_scores(matched[_SCORES], var2val, stops=stops) is None:
+                found += [name.removeprefix("relax.") for name in stops if name.removeprefix("relax.") not in found]
+    return found
 
 
 def find_attention_sites(func: relax.Function) -> list[AttentionSite]:

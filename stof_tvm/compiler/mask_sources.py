@@ -211,10 +211,17 @@ def plan_masks(func: relax.Function, sites: list[AttentionSite]) -> MaskPlan:
     first = sites[0]
     model_inputs = list(func.params[:int(func.attrs["num_input"])])
     weights = set(func.params[len(model_inputs):])
-    for site in sites[1:]:
-        if site.shape_key != first.shape_key or not _same_terms(site.terms, first.terms, var2val, weights):
-            raise ValueError("model: attention sites differ in shape or in their own masking; stof-tvm supports "
-                             "one mask shared by every attention layer (encoders and decoder-only models)")
+    for index, site in enumerate(sites[1:], 1):
+        if site.shape_key != first.shape_key:
+            what = f"has shape [B, H, Sq, Sk] = {list(site.shape_key)}, site 0 {list(first.shape_key)}"
+        elif not _same_terms(site.terms, first.terms, var2val, weights):
+            what = ("masks its scores unlike site 0: per-layer masks, as the alternating local (sliding-window) and "
+                    "global attention of ModernBERT or Gemma 2")
+        else:
+            continue
+        raise ValueError(f"model: attention sites differ in shape or in their own masking (site {index} of "
+                         f"{len(sites)} {what}); stof-tvm supports one mask shared by every attention layer "
+                         "(encoders and decoder-only models)")
     const_keep, runtime, bias_terms, dense_only, padding, padding_terms = None, [], [], False, None, []
     for index, term in enumerate(first.terms):
         upstream = _upstream_vars(term.expr, var2val)
