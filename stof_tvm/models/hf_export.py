@@ -22,8 +22,10 @@ Families (:data:`FAMILIES`): ``bert``, ``roberta``, ``distilbert``, ``gpt2``, ``
 relative attention with both position terms); at size ``tiny`` only (:data:`TINY_ONLY`): ``bloom`` (ALiBi, the
 position term computed from the attention mask), ``phi`` (head_dim 80 as in Phi-2, partial rotary), ``gemma``
 (head_dim 256, one key/value head), ``mistral`` (sliding-window causal attention, grouped keys/values),
-``gptneox`` (Pythia: partial rotary, parallel residual), ``bart`` (BartModel's encoder) and ``clip``
-(CLIPTextModel: causal attention and padding). Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden 128, head_dim 64),
+``gptneox`` (Pythia: partial rotary, parallel residual), ``bart`` (BartModel's encoder), ``clip``
+(CLIPTextModel: causal attention and padding), ``modernbert`` (a global and a sliding-window layer: masks that
+differ between layers) and ``gemma2`` (logit soft-capping, a sliding-window and a global layer); the last two
+compile through TVM's default pipeline, with a warning saying why. Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden 128, head_dim 64),
 ``tiny-d32`` (the same with 4 heads of 32), ``base`` (the published base model's shape: bert-base, roberta-base,
 distilbert-base, gpt2, vit-base, t5-base encoder, bigbird-roberta-base, longformer-base, deberta-v3-base) and
 ``large`` (bert-large). Attention ``sdpa`` exists where transformers implements it (:func:`attention_kinds`).
@@ -40,9 +42,9 @@ import os
 import numpy as np
 
 FAMILIES = ("bert", "roberta", "distilbert", "gpt2", "vit", "t5", "bigbird", "bigbird-sparse", "longformer",
-            "deberta", "bloom", "phi", "gemma", "mistral", "gptneox", "bart", "clip")
+            "deberta", "bloom", "phi", "gemma", "mistral", "gptneox", "bart", "clip", "modernbert", "gemma2")
 # families built at the tiny size only (the decoder-only ones' published sizes are billions of weights)
-TINY_ONLY = ("bloom", "phi", "gemma", "mistral", "gptneox", "bart", "clip")
+TINY_ONLY = ("bloom", "phi", "gemma", "mistral", "gptneox", "bart", "clip", "modernbert", "gemma2")
 SIZES = ("tiny", "tiny-d32", "tiny-w768", "base", "large")
 EXPORTERS = ("torchscript", "dynamo")
 ATTENTIONS = ("eager", "sdpa")
@@ -54,7 +56,7 @@ OUTPUT = "last_hidden_state"
 # with the tiny vocabulary (what the base models' GEMM shapes do, at a tiny model's export cost)
 _SHAPES = {"tiny": (128, 2, 2, 256), "tiny-d32": (128, 2, 4, 256), "tiny-w768": (768, 1, 12, 3072),
            "base": (768, 12, 12, 3072), "large": (1024, 24, 16, 4096)}
-_NO_SDPA = ("bigbird", "bigbird-sparse", "longformer", "deberta", "bloom")
+_NO_SDPA = ("bigbird", "bigbird-sparse", "longformer", "deberta", "bloom", "gemma2")
 # tiny ViT: 64x64 images in 8x8 patches (64 patches + the class token); base: 224x224 in 16x16 (197 tokens)
 _VIT_IMAGE = {"tiny": (64, 8), "tiny-d32": (64, 8), "tiny-w768": (64, 8), "base": (224, 16)}
 # BigBird's block-sparse attention needs seq_len > (5 + 2 * random blocks) * block: 7 * 8 = 56 tokens when tiny
@@ -62,7 +64,8 @@ BIGBIRD_BLOCK = {"tiny": (8, 1), "tiny-d32": (8, 1), "tiny-w768": (8, 1), "base"
 LONGFORMER_WINDOW = {"tiny": 16, "tiny-d32": 16, "tiny-w768": 16, "base": 512}
 # DeBERTa-v3's relative positions: log buckets of the distance (256 in the published base model)
 DEBERTA_BUCKETS = {"tiny": 32, "tiny-d32": 32, "tiny-w768": 32, "base": 256}
-MISTRAL_WINDOW = 16         # tiny Mistral's sliding window: narrower than the test sequences
+MISTRAL_WINDOW = 16         # tiny Mistral's, ModernBERT's and Gemma 2's sliding windows: narrower than the test
+                            # sequences
 
 
 def attention_kinds(family: str) -> tuple[str, ...]:
@@ -151,6 +154,12 @@ def _decoder_family_config(tf, family: str, hidden: int, layers: int, heads: int
         return tf.MistralConfig(**llama_like, num_key_value_heads=1, sliding_window=MISTRAL_WINDOW)
     if family == "gptneox":
         return tf.GPTNeoXConfig(**llama_like, rotary_pct=0.25, use_parallel_residual=True)
+    if family == "gemma2":       # tanh(scores / 50) * 50 before the softmax; layer 0 sliding-window, layer 1 global
+        return tf.Gemma2Config(**llama_like, num_key_value_heads=1, head_dim=hidden // heads,
+                               sliding_window=MISTRAL_WINDOW, attn_logit_softcapping=50.0)
+    if family == "modernbert":   # layer 0 global, layer 1 local (a window of MISTRAL_WINDOW tokens around each)
+        return tf.ModernBertConfig(**llama_like, local_attention=MISTRAL_WINDOW, cls_token_id=1, sep_token_id=2,
+                                   layer_types=["full_attention", "sliding_attention"] * (layers // 2))
     if family == "bart":
         return tf.BartConfig(vocab_size=VOCAB_TINY, d_model=hidden, encoder_layers=layers, decoder_layers=1,
                              encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn,
@@ -168,7 +177,8 @@ def _model_class(family: str):
             "gpt2": tf.GPT2Model, "vit": tf.ViTModel, "t5": tf.T5EncoderModel, "bigbird": tf.BigBirdModel,
             "bigbird-sparse": tf.BigBirdModel, "longformer": tf.LongformerModel, "deberta": tf.DebertaV2Model,
             "bloom": tf.BloomModel, "phi": tf.PhiModel, "gemma": tf.GemmaModel, "mistral": tf.MistralModel,
-            "gptneox": tf.GPTNeoXModel, "bart": _bart_encoder, "clip": tf.CLIPTextModel}[family]
+            "gptneox": tf.GPTNeoXModel, "bart": _bart_encoder, "clip": tf.CLIPTextModel,
+            "modernbert": tf.ModernBertModel, "gemma2": tf.Gemma2Model}[family]
 
 
 def _bart_encoder(config):
