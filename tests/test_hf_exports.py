@@ -3,13 +3,13 @@ far from uniform, :mod:`stof_tvm.models.hf_export`) exported by torch's own ONNX
 checked against the torch model in float32 on inputs with a padded row.
 
 Every family (BERT, RoBERTa, DistilBERT, GPT-2, ViT, T5 encoder, BigBird original_full and block_sparse,
-Longformer, DeBERTa-v3; at the tiny size BLOOM, Phi, Gemma, Mistral, GPT-NeoX, the BART encoder and the CLIP text
-model; ModernBERT and Gemma 2, which fall back) with every attention implementation transformers offers it (eager, sdpa), through both
-exporters at the opsets that spell the model differently: TorchScript at 17 (static axes) and 20 (the ``Gelu`` op;
-dynamic axes), dynamo at 18 (static; sdpa decomposed into split scales, boolean masks and NaN guards) and 23 (the
-``Attention`` op; dynamic axes). Static exports are compiled at the shape they were traced at, in float32 and
-float16 (dynamo 18: float32); dynamic ones at another batch and sequence length (batch 1, 32 tokens instead of
-2 x 64). One export per case per session (exports are cached on disk by
+Longformer, DeBERTa-v3; at the tiny size BLOOM, Phi, Gemma, Mistral, GPT-NeoX, the BART encoder, the CLIP text
+model, ModernBERT, and Gemma 2, which falls back) with every attention implementation transformers offers it (eager,
+sdpa), through both exporters at the opsets that spell the model differently: TorchScript at 17 (static axes)
+and 20 (the ``Gelu`` op; dynamic axes), dynamo at 18 (static; sdpa decomposed into split scales, boolean masks
+and NaN guards) and 23 (the ``Attention`` op; dynamic axes). Static exports are compiled at the shape they were
+traced at, in float32 and float16 (dynamo 18: float32); dynamic ones at another batch and sequence length (batch 1,
+32 tokens instead of 2 x 64). One export per case per session (exports are cached on disk by
 :func:`stof_tvm.models.hf_export.cached_export` under pytest's cache dir, keyed by the torch and transformers
 versions), one compile per (case, dtype, shape).
 
@@ -18,7 +18,8 @@ Not in the corpus because the exporter cannot export them: BigBird block_sparse 
 attention is not the standard one, so they compile through TVM's default pipeline, exact, with a warning
 (``test_chunked_attention_falls_back_exactly``). DeBERTa-v3's disentangled attention (the scores plus each layer's
 relative-position terms, over flattened heads) runs on the sparse kernels with those terms as a score bias, and so
-does BLOOM's ALiBi (a term computed from the attention mask). The rotary families' dynamo-23 exports carry the
+does BLOOM's ALiBi (a term computed from the attention mask), and ModernBERT's sliding-window layer its window
+(the global layer's mask is shared). The rotary families' dynamo-23 exports carry the
 ``RotaryEmbedding`` operator, rewritten at the ONNX level.
 """
 from __future__ import annotations
@@ -42,10 +43,9 @@ FP32_TOL = 1e-4
 # torch in float32: measured 0.4e-3 (T5) to 1.8e-3 (DistilBERT) relative for the TorchScript-17 exports
 FP16_TOL = 5e-3
 CHUNKED = ("bigbird-sparse", "longformer")          # attention not standard MHA: TVM's default pipeline
-# Standard attention the sparse kernels cannot take, and the reason the warning gives: masks that differ between
-# layers (ModernBERT's global and sliding-window layers) and scores soft-capped by tanh (Gemma 2)
-NOT_ACCELERATED = {"modernbert": "site 1 of 2 masks its scores unlike site 0",
-                   "gemma2": "tanh (logit soft-capping, as Gemma 2's)"}
+# Standard attention the sparse kernels cannot take, and the reason the warning gives: scores soft-capped by tanh
+# (Gemma 2)
+NOT_ACCELERATED = {"gemma2": "tanh (logit soft-capping, as Gemma 2's)"}
 # Families whose own mask drops a padded query's every key (DeBERTa: the attention mask applied to queries and
 # keys; Mistral, ModernBERT: a padded query more than its sliding window past the last kept token): at a padded
 # position HF eager averages V uniformly, stof-tvm's kernels give a row with no kept key 0 (as SDPA's NaN guard
@@ -152,14 +152,14 @@ SPARSE_MASK = "bigbird:window=8,globals=8,block=8,density=0.2"
 SPARSE_CASES = [("bert", "eager", "torchscript", 17, False), ("gpt2", "sdpa", "dynamo", 18, False),
                 ("t5", "sdpa", "torchscript", 17, False), ("roberta", "sdpa", "dynamo", 23, True),
                 ("deberta", "eager", "dynamo", 18, False), ("bloom", "eager", "torchscript", 17, False),
-                ("phi", "sdpa", "dynamo", 23, True)]
+                ("phi", "sdpa", "dynamo", 23, True), ("modernbert", "sdpa", "torchscript", 17, False)]
 
 
 @pytest.mark.parametrize("case", SPARSE_CASES, ids=case_id)
 def test_sparse_mask_matches_the_dense_kernel(hf_corpus, case):
     """A sparse mask: the sparse kernel equals kernel="dense" (TVM's dense attention with the same mask as an
     input), padding and the model's own masking (GPT-2's causality, T5's position bias, DeBERTa's relative-position
-    terms, BLOOM's ALiBi) included."""
+    terms, BLOOM's ALiBi, ModernBERT's sliding-window layer) included."""
     family, attn, _, _, dynamic = case
     batch, seq_len = (DYN_BATCH, DYN_SEQ) if dynamic else (BATCH, SEQ)
     path = hf_corpus(case)

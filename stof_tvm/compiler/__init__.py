@@ -263,7 +263,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     user_mask = normalize_mask(mask, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k)
     combined = user_mask if plan.const_keep is None else user_mask & plan.const_keep
     mask_batch, mask_heads = _mask_groups(user_mask, plan.const_keep, plan.runtime)
-    bias = score_bias(site, plan.bias_terms)
+    bias = score_bias(site, plan.bias_terms, plan)
     choice = choose_kernel(kernel, combined, batch=batch, heads=site.heads, head_dim=site.head_dim,
                            dtype=site.dtype, seq_q=site.seq_q, target_kind=tspec["kind"], mask_batch=mask_batch,
                            mask_heads=mask_heads, bias=bias[1] if bias else None, dense_only=plan.dense_only,
@@ -287,7 +287,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
                                    target_kind=tspec["kind"])
     for source in plan.runtime if choice.kind != "dense" else []:
         mod[source.name] = source.function
-    mod, format_inputs = rewrite_attention(mod, sites, choice, primfunc, plan.bias_terms,
+    mod, format_inputs = rewrite_attention(mod, sites, choice, primfunc, plan.bias_terms, plan=plan,
                                            padding=plan.padding if choice.padding else None, target_kind=tspec["kind"])
     template_entry = {}
     if templates:

@@ -15,6 +15,12 @@ fill) or a real *bias* (a T5-style position bias: any other values). Masks are f
 
 A real bias cannot be expressed as a mask: its terms stay expressions of the graph, which the sparse kernels
 add to each kept score (an input after the format arrays; "dense" also keeps them).
+
+Masks differing between layers (ModernBERT's global and sliding-window layers): where every site's own term at a
+place is key padding of the same input with a constant part, and one site's constant keeps every key the others
+keep, that site's masking is the shared mask and each stricter site adds its own term to its scores as a bias
+(0 where it keeps, :data:`SITE_MASK_FILL` elsewhere; :attr:`MaskPlan.site_bias`). Exact for every query row that
+keeps a key (a row all of whose keys only the bias masks would average them instead of giving 0).
 """
 from __future__ import annotations
 
@@ -26,6 +32,10 @@ import tvm_ffi
 from tvm import relax
 
 from .attention_match import MASKED_FILL, AttentionSite, MaskTerm, resolve, static_shape
+
+# What a site's stricter mask adds to the scores it masks: exp() of it is 0 in float32 and float16, and it stays
+# finite in float16 (-65504 is the lowest) when added to a score
+SITE_MASK_FILL = 3 * MASKED_FILL
 
 
 @dataclasses.dataclass
@@ -51,7 +61,8 @@ class MaskPlan:
     are a real bias (added to the scores); ``dense_only``: a term no sparse kernel can apply (a ``where`` computed
     from weights); ``padding``: the model input whose key padding the kernels apply on the device (None: none);
     ``padding_terms``: the sources that padding replaces (what a dense kernel, which keeps the graph's own
-    masking, would still need).
+    masking, would still need); ``site_bias``: where sites mask differently, per site the extra additive term of
+    its scores (None: it masks as the shared mask does), else None.
     """
 
     const_keep: np.ndarray | None
@@ -60,6 +71,7 @@ class MaskPlan:
     dense_only: bool = False
     padding: str | None = None
     padding_terms: list[RuntimeSource] = dataclasses.field(default_factory=list)
+    site_bias: list[relax.Expr | None] | None = None
 
 
 def _upstream_vars(expr: relax.Expr, var2val) -> set:
@@ -205,23 +217,104 @@ def _same_terms(a: list[MaskTerm], b: list[MaskTerm], var2val, weights) -> bool:
     return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 
-def plan_masks(func: relax.Function, sites: list[AttentionSite]) -> MaskPlan:
-    """Classify the masking terms of ``sites`` (which must all share them) into a :class:`MaskPlan`."""
-    var2val = relax.analysis.get_var2val(func)
+def _differing_sites(sites: list[AttentionSite], var2val, weights) -> str | None:
+    """Why ``sites`` do not share one masking (None: they do)."""
     first = sites[0]
-    model_inputs = list(func.params[:int(func.attrs["num_input"])])
-    weights = set(func.params[len(model_inputs):])
     for index, site in enumerate(sites[1:], 1):
         if site.shape_key != first.shape_key:
-            what = f"has shape [B, H, Sq, Sk] = {list(site.shape_key)}, site 0 {list(first.shape_key)}"
-        elif not _same_terms(site.terms, first.terms, var2val, weights):
-            what = ("masks its scores unlike site 0: per-layer masks, as the alternating local (sliding-window) and "
-                    "global attention of ModernBERT or Gemma 2")
-        else:
-            continue
-        raise ValueError(f"model: attention sites differ in shape or in their own masking (site {index} of "
-                         f"{len(sites)} {what}); stof-tvm supports one mask shared by every attention layer "
-                         "(encoders and decoder-only models)")
+            return f"site {index} of {len(sites)} has shape [B, H, Sq, Sk] = {list(site.shape_key)}, site 0 " \
+                   f"{list(first.shape_key)}"
+        if not _same_terms(site.terms, first.terms, var2val, weights):
+            return f"site {index} of {len(sites)} masks its scores unlike site 0"
+    return None
+
+
+def _site_mask_bias(term: MaskTerm) -> relax.Expr:
+    """A mask term of one site as an additive [.., Sq, Sk] float32 term: 0 where it keeps, SITE_MASK_FILL else."""
+    zero, fill = relax.const(0.0, "float32"), relax.const(SITE_MASK_FILL, "float32")
+    if term.kind == "where":
+        expr = relax.op.where(term.expr, zero, fill) if term.keep_if_true else relax.op.where(term.expr, fill, zero)
+    else:
+        expr = relax.op.maximum(relax.op.astype(term.expr, "float32"), fill)
+    return relax.BlockBuilder().normalize(expr)
+
+
+def _per_site_masks(func, sites, var2val, weights, model_inputs, why: str) -> tuple[int, list]:
+    """Sites whose masks differ only in key-padding terms with constant parts (sliding windows) of one input:
+    ``(representative, site_bias)``, the site whose mask keeps what every other keeps and each site's extra
+    term (None where it masks as the representative does). Raises the reason otherwise."""
+    def refuse(detail: str):
+        raise ValueError(f"model: attention sites differ in shape or in their own masking ({why}: {detail}); "
+                         "stof-tvm supports one mask shared by every attention layer, or layers whose masks "
+                         "differ only by a constant part of the key padding (a sliding window)")
+
+    first = sites[0]
+    if any(site.shape_key != first.shape_key for site in sites):
+        refuse("attention shapes differ")
+    if any([(t.kind, t.keep_if_true) for t in site.terms] != [(t.kind, t.keep_if_true) for t in first.terms]
+           for site in sites):
+        refuse("their masking steps differ")
+    places = [i for i in range(len(first.terms))
+              if not all(_same_terms([site.terms[i]], [first.terms[i]], var2val, weights) for site in sites)]
+    keeps: dict[tuple[int, int], np.ndarray] = {}            # (site, place) -> constant part of its key padding
+    padding_inputs = set()
+    for place in places:
+        for index, site in enumerate(sites):
+            term = site.terms[place]
+            upstream = _upstream_vars(term.expr, var2val)
+            inputs = [p.name for p in model_inputs if p in upstream]
+            if upstream & weights or len(inputs) != 1:
+                refuse(f"a differing term of site {index} is not a mask of one model input")
+            function = _extract_function(func, term.expr, upstream, f"stof_site{index}_term{place}")
+            source = RuntimeSource(function.attrs["global_symbol"], inputs, term.kind, term.keep_if_true, function)
+            constant = key_padding_constant(source, _cpu_evaluator(function), site.batch, site.seq_k) \
+                if site.seq_q == site.seq_k else None
+            if constant is None:
+                refuse(f"a differing term of site {index} is not key padding with a constant part")
+            keeps[index, place] = constant
+            padding_inputs.add(inputs[0])
+    if len(padding_inputs) > 1:
+        refuse(f"their key padding comes from several inputs {sorted(padding_inputs)}")
+
+    def holds(i: int, j: int, place: int) -> bool:     # site i's constant keeps every key site j's keeps
+        return not (keeps[j, place] & ~keeps[i, place]).any()
+
+    widest = next((i for i in range(len(sites)) if all(holds(i, j, p) for p in places for j in range(len(sites)))),
+                  None)
+    if widest is None:
+        refuse("no site's mask keeps every key the others keep")
+    site_bias: list = []
+    for index, site in enumerate(sites):
+        extra = [_site_mask_bias(site.terms[p]) for p in places
+                 if not np.array_equal(*np.broadcast_arrays(keeps[index, p], keeps[widest, p]))]
+        total = None
+        for term in extra:
+            total = term if total is None else relax.BlockBuilder().normalize(relax.op.add(total, term))
+        site_bias.append(total)
+    return widest, site_bias
+
+
+def plan_masks(func: relax.Function, sites: list[AttentionSite]) -> MaskPlan:
+    """Classify the masking terms of ``sites`` into a :class:`MaskPlan`: the masking they share, or, where they
+    differ only by constant parts of the key padding (sliding windows), the widest site's with each stricter
+    site's own mask as its bias (:attr:`MaskPlan.site_bias`)."""
+    var2val = relax.analysis.get_var2val(func)
+    model_inputs = list(func.params[:int(func.attrs["num_input"])])
+    weights = set(func.params[len(model_inputs):])
+    why = _differing_sites(sites, var2val, weights)
+    if why is None:
+        return _shared_plan(func, sites[0], var2val, model_inputs, weights)
+    widest, site_bias = _per_site_masks(func, sites, var2val, weights, model_inputs, why)
+    plan = _shared_plan(func, sites[widest], var2val, model_inputs, weights)
+    if plan.runtime or plan.dense_only:
+        raise ValueError(f"model: attention sites differ in shape or in their own masking ({why}), and their "
+                         "shared mask is not one the sparse kernels apply on the device")
+    plan.site_bias = site_bias if any(b is not None for b in site_bias) else None
+    return plan
+
+
+def _shared_plan(func, first: AttentionSite, var2val, model_inputs, weights) -> MaskPlan:
+    """The :class:`MaskPlan` of site ``first``'s masking terms."""
     const_keep, runtime, bias_terms, dense_only, padding, padding_terms = None, [], [], False, None, []
     for index, term in enumerate(first.terms):
         upstream = _upstream_vars(term.expr, var2val)
@@ -266,12 +359,23 @@ def plan_masks(func: relax.Function, sites: list[AttentionSite]) -> MaskPlan:
     return MaskPlan(const_keep, runtime, bias_terms, dense_only, padding, padding_terms)
 
 
-def score_bias(site: AttentionSite, bias_terms: list[int]) -> tuple[relax.Expr, tuple[int, int, str]] | None:
+def score_bias(site: AttentionSite, bias_terms: list[int], plan: MaskPlan | None = None,
+               index: int = 0) -> tuple[relax.Expr, tuple[int, int, str]] | None:
     """The real-bias terms of ``site`` summed into one ``[Bb, Hb, Sq, Sk]`` expression of the graph (Bb 1 or B,
-    Hb 1 or H, broadcast over the query and key axes), with ``(Bb, Hb, dtype)``; None when it has none."""
-    if not bias_terms:
+    Hb 1 or H, broadcast over the query and key axes), with ``(Bb, Hb, dtype)``; None when it has none. With a
+    ``plan`` whose sites mask differently, site ``index``'s own mask term is added (every site then takes a bias,
+    of the groups the sites' extra terms need)."""
+    extra = plan.site_bias if plan is not None and plan.site_bias is not None else None
+    if not bias_terms and extra is None:
         return None
     exprs = [site.terms[i].expr for i in bias_terms]
+    if extra is not None:
+        # a site masking as the shared mask does adds zeros of the broadest extra term's shape (the kernel takes
+        # one bias layout at every site)
+        shapes = [(1,) * (4 - len(shape)) + shape for shape in (static_shape(e) for e in extra if e is not None)]
+        widest = tuple(max(dims) for dims in zip(*shapes))
+        own = extra[index] if extra[index] is not None else relax.op.zeros(widest, "float32")
+        exprs.append(relax.BlockBuilder().normalize(own))
     shapes = [static_shape(e) for e in exprs]
     if any(shape is None or len(shape) > 4 for shape in shapes):
         raise ValueError("model: the attention bias must have a static shape of rank <= 4")

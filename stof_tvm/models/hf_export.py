@@ -24,11 +24,12 @@ position term computed from the attention mask), ``phi`` (head_dim 80 as in Phi-
 (head_dim 256, one key/value head), ``mistral`` (sliding-window causal attention, grouped keys/values),
 ``gptneox`` (Pythia: partial rotary, parallel residual), ``bart`` (BartModel's encoder), ``clip``
 (CLIPTextModel: causal attention and padding), ``modernbert`` (a global and a sliding-window layer: masks that
-differ between layers) and ``gemma2`` (logit soft-capping, a sliding-window and a global layer); the last two
-compile through TVM's default pipeline, with a warning saying why. Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden 128, head_dim 64),
-``tiny-d32`` (the same with 4 heads of 32), ``base`` (the published base model's shape: bert-base, roberta-base,
-distilbert-base, gpt2, vit-base, t5-base encoder, bigbird-roberta-base, longformer-base, deberta-v3-base) and
-``large`` (bert-large). Attention ``sdpa`` exists where transformers implements it (:func:`attention_kinds`).
+differ between layers) and ``gemma2`` (logit soft-capping, a sliding-window and a global layer; it compiles
+through TVM's default pipeline, with a warning saying why). Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden
+128, head_dim 64), ``tiny-d32`` (the same with 4 heads of 32), ``base`` (the published base model's shape:
+bert-base, roberta-base, distilbert-base, gpt2, vit-base, t5-base encoder, bigbird-roberta-base, longformer-base,
+deberta-v3-base) and ``large`` (bert-large). Attention ``sdpa`` exists where transformers implements it
+(:func:`attention_kinds`).
 
 torch and transformers are imported when a function needs them: they are test extras, not stof-tvm
 dependencies.
