@@ -1,6 +1,8 @@
 """narrow_gather_indices (stof_tvm/compiler/gather_index.py): a gather by a table broadcast over the leading axis
 (HF DeBERTa's relative-position gathers, with the importer's negative-index arithmetic on top) becomes a take by one
-flattened table, computing the same values; a gather whose index varies along the leading axis is left alone."""
+flattened table, computing the same values; one whose last two axes are then swapped (DeBERTa's position-to-content
+term) becomes a take from the transposed tensor, a matmul's by swapping its operands; a gather whose index varies
+along the leading axis is left alone."""
 import numpy as np
 import tvm
 from tvm import relax
@@ -10,14 +12,19 @@ from stof_tvm.compiler.gather_index import narrow_gather_indices
 N, S, K = 6, 5, 7
 
 
-def _module(index_body) -> tvm.IRModule:
-    x, table = relax.Var("x", relax.TensorType([N, S, K], "float32")), relax.Var("t", relax.TensorType([1, S, S],
-                                                                                                           "int64"))
+def _module(index_body, transposed: bool = False, from_matmul: bool = False) -> tvm.IRModule:
+    """``gather_elements(x, index, -1)`` (then its last two axes swapped, ``transposed``), ``x`` an input or, with
+    ``from_matmul``, the product of two inputs [N, S, 3] x [N, 3, K]."""
+    operands = ([relax.Var("a", relax.TensorType([N, S, 3], "float32")),
+                 relax.Var("b", relax.TensorType([N, 3, K], "float32"))] if from_matmul
+                else [relax.Var("x", relax.TensorType([N, S, K], "float32"))])
+    table = relax.Var("t", relax.TensorType([1, S, S], "int64"))
     bb = relax.BlockBuilder()
-    with bb.function("main", [x, table]):
+    with bb.function("main", [*operands, table]):
         with bb.dataflow():
-            index = index_body(bb, table)
-            out = bb.emit_output(relax.op.gather_elements(x, index, axis=-1))
+            x = bb.emit(relax.op.matmul(*operands)) if from_matmul else operands[0]
+            gathered = bb.emit(relax.op.gather_elements(x, index_body(bb, table), axis=-1))
+            out = bb.emit_output(relax.op.permute_dims(gathered, [0, 2, 1]) if transposed else gathered)
         bb.emit_func_output(out)
     return bb.get()
 
@@ -48,6 +55,24 @@ def test_broadcast_table_gather_becomes_a_take():
     x = rng.standard_normal((N, S, K)).astype("float32")
     table = rng.integers(-K, K, (1, S, S)).astype("int64")      # negative entries count from the end
     np.testing.assert_array_equal(_run(out, [x, table]), _run(mod, [x, table]))
+
+
+def test_a_transposed_gather_reads_the_transposed_tensor():
+    rng = np.random.default_rng(1)
+    table = rng.integers(-K, K, (1, S, S)).astype("int64")
+    for from_matmul in (False, True):
+        mod = _module(_importer_index, transposed=True, from_matmul=from_matmul)
+        out = narrow_gather_indices(mod)
+        ops = _ops(out)
+        assert "relax.gather_elements" not in ops and ops.count("relax.take") == 1
+        # a matmul's transpose is its operands' product swapped: no permute of the [N, S, K] product itself
+        matmuls = [b.value for block in out["main"].body.blocks for b in block.bindings
+                   if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.matmul"]
+        assert [tuple(m.ty.shape) for m in matmuls] == ([(N, K, S)] if from_matmul else [])
+        args = ([rng.standard_normal((N, S, 3)), rng.standard_normal((N, 3, K))] if from_matmul
+                else [rng.standard_normal((N, S, K))])
+        args = [a.astype("float32") for a in args] + [table]
+        np.testing.assert_allclose(_run(out, args), _run(mod, args), rtol=1e-6, atol=1e-6)
 
 
 def test_an_index_that_varies_by_row_stays():

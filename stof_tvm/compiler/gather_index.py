@@ -8,6 +8,14 @@ in a base model, a peak of 16.7 GB). :func:`narrow_gather_indices`, run before f
 elementwise arithmetic on the table itself and gathers with ``take`` over the flattened last two axes:
 ``out[n, i, j] = x[n, i, t[i, j]] = x.reshape(N, S * K)[n, i * K + t[i, j]]``, whose index is one [S, S'] table.
 Exact: the same elements are read.
+
+DeBERTa transposes one of the two gathers (position-to-content: ``gather(p2c, -1, t).transpose(-1, -2)``). Taken
+as above, the transposed result reads ``x[n, b, t[b, a]]`` for consecutive ``b``: one row of ``x`` per thread, each
+load a sector of its own (the gather-and-add kernel ran 303 us a layer at 8 x 512 on an H100, three quarters of the
+forward; BENCHMARKS.md, session 26). The pair is gathered from ``x`` transposed instead,
+``out[n, a, b] = xT[n, t[b, a], b] = xT.reshape(N, K * S)[n, t[b, a] * S + b]``, whose consecutive ``b`` are
+consecutive addresses; ``xT`` of a matmul is the matmul of the operands swapped and transposed (``(A B)^T = B^T
+A^T``), so nothing is copied.
 """
 from __future__ import annotations
 
@@ -54,31 +62,59 @@ def _on_table(expr, var2val, big: tuple[int, ...]):
     return _ELEMENTWISE[name](*[e for e, _ in parts]), tables[0]
 
 
+def _table_gather(call, var2val):
+    """``(x, table expression)`` of a ``gather_elements`` on the last axis of a 3-D ``x`` by an index that is one
+    [1, S, S'] table broadcast over the leading axis; None for any other call."""
+    if op_name(call) != "relax.gather_elements":
+        return None
+    x, index = call.args
+    shape, big = tensor_shape(x), tensor_shape(index)
+    if shape is None or big is None or len(shape) != 3 or int(call.attrs.axis) not in (-1, 2) or big[:2] != shape[:2]:
+        return None
+    found = _on_table(index, var2val, big)
+    if found is None or found[1] is None:
+        return None
+    return x, relax.op.astype(relax.op.reshape(found[0], big[1:]), "int64")
+
+
+def _swap_last(x, var2val, visit):
+    """``x`` ([N, R, K]) with its last two axes swapped; a matmul's swapped operands where ``x`` is one (``visit``:
+    the mutator's, mapping the original graph's operands into the rewritten one)."""
+    value = resolve(x, var2val)
+    if op_name(value) == "relax.matmul" and all(len(tensor_shape(a) or ()) == 3 for a in value.args):
+        left, right = (relax.op.permute_dims(visit(arg), [0, 2, 1]) for arg in value.args)
+        return relax.op.matmul(right, left, out_dtype=value.attrs.out_dtype)
+    return relax.op.permute_dims(visit(x), [0, 2, 1])
+
+
 def narrow_gather_indices(mod: tvm.IRModule) -> tvm.IRModule:
     """``main`` with each ``gather_elements`` on the last axis of a 3-D tensor by a broadcast table rewritten as a
-    ``take`` by one flattened table (module docstring); other gathers are left as they are."""
+    ``take`` by one flattened table, and such a gather whose last two axes are then swapped as a ``take`` from the
+    transposed tensor (module docstring); other gathers are left as they are."""
     func = mod["main"]
     var2val = relax.analysis.get_var2val(func)
 
     @relax.expr_functor.mutator
     class Narrow(relax.PyExprMutator):
-        def visit_call_(self, call):
-            call = super().visit_call_(call)
-            if op_name(call) != "relax.gather_elements":
+        def visit_call_(self, original):
+            call = super().visit_call_(original)
+            if op_name(call) == "relax.permute_dims" and [int(a) for a in call.attrs.axes or ()] == [0, 2, 1]:
+                found = _table_gather(resolve(original.args[0], var2val), var2val)
+                if found is not None:
+                    x, table = found
+                    n, rows, width = tensor_shape(x)
+                    index = relax.op.add(relax.op.multiply(relax.op.permute_dims(table, [1, 0]),
+                                                           relax.const(rows, "int64")),
+                                         relax.const(np.arange(rows, dtype=np.int64)[None, :], "int64"))
+                    swapped = _swap_last(x, var2val, self.visit_expr)
+                    return relax.op.take(relax.op.reshape(swapped, (n, width * rows)), index, axis=1)
+            found = _table_gather(call, var2val)
+            if found is None:
                 return call
-            x, index = call.args
-            shape, big = tensor_shape(x), tensor_shape(index)
-            if shape is None or big is None or len(shape) != 3 or int(call.attrs.axis) not in (-1, 2) \
-                    or big[:2] != shape[:2]:
-                return call
-            found = _on_table(index, var2val, big)
-            if found is None or found[1] is None:
-                return call
-            n, rows, width = shape
-            table = relax.op.reshape(found[0], big[1:])
+            x, table = found
+            n, rows, width = tensor_shape(x)
             starts = relax.const((np.arange(rows, dtype=np.int64) * width)[:, None], "int64")
-            flat = relax.op.add(relax.op.astype(table, "int64"), starts)
-            return relax.op.take(relax.op.reshape(x, (n, rows * width)), flat, axis=1)
+            return relax.op.take(relax.op.reshape(x, (n, rows * width)), relax.op.add(table, starts), axis=1)
 
     out = mod.clone()
     out["main"] = relax.analysis.remove_all_unused(Narrow().visit_expr(func))

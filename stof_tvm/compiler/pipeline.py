@@ -3,9 +3,9 @@
 Everything that is not attention goes through TVM's own Relax pipeline: legalization, operator fusion
 (``FuseOps``/``FuseTIR``; gathers count as injective there, :mod:`.gathers`), tuning records from a MetaSchedule
 database where given, then dlight's default GPU schedules for the functions no record covered, with
-:class:`stof_tvm.schedules.elementwise.VectorizedElementwise` ahead of its one-thread-per-element fallback (CUDA
-only; on the CPU TVM's default lowering is used), then no
-vectorised access to a bool buffer (:mod:`.bool_access`: TVM's CUDA codegen gets them wrong). Our
+:class:`stof_tvm.schedules.small_k_matmul.SmallKTensorCoreMatmul` ahead of its matmul rule (tensor cores for
+k <= 64) and :class:`stof_tvm.schedules.elementwise.VectorizedElementwise` ahead of its one-thread-per-element
+fallback (CUDA only; on the CPU TVM's default lowering is used), then no vectorised access to a bool buffer (:mod:`.bool_access`: TVM's CUDA codegen gets them wrong). Our
 attention kernels arrive already scheduled (``tirx.is_scheduled``), so dlight leaves them alone.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from tvm import relax
 
 from stof_tvm.schedules import dependent_launch as launch_overlap
 from stof_tvm.schedules.elementwise import VectorizedElementwise
+from stof_tvm.schedules.small_k_matmul import SmallKTensorCoreMatmul
 
 from .bool_access import scalar_bool_access
 from .gathers import gathers_injective
@@ -87,9 +88,9 @@ def optimize(mod: tvm.IRModule, target: tvm.target.Target, database: str | None)
         if target.kind.name == "cuda":
             from tvm.s_tir import dlight as dl
 
-            passes.append(dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
-                                                  dl.gpu.GeneralReduction(), VectorizedElementwise(),
-                                                  dl.gpu.Fallback()))
+            passes.append(dl.ApplyDefaultSchedule(SmallKTensorCoreMatmul(), dl.gpu.Matmul(), dl.gpu.GEMV(),
+                                                  dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
+                                                  VectorizedElementwise(), dl.gpu.Fallback()))
         mod = tvm.transform.Sequential(passes)(mod)
     # TVM's CUDA codegen gets vector accesses to bool buffers wrong (bool_access); they become scalar ones.
     return scalar_bool_access(mod) if target.kind.name == "cuda" else mod

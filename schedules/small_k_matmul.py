@@ -1,0 +1,63 @@
+"""Tensor cores for the batched float16 matmuls whose reduction is short (k <= 64), which dlight runs on CUDA cores.
+
+dlight's ``Matmul`` rule hands a float16 matmul to its tensor-core form (``MatmulTensorization``: wmma 16x16x16,
+128 x 128 tiles, k in steps of 64) only when every fixed extent of i, j and k is above 64; otherwise it schedules
+float32 FMAs on the CUDA cores. Attention-shaped products left to TVM's default pipeline have k = the head dim (64):
+HF DeBERTa-v3's content-to-position and position-to-content scores (``[B*H, S, 64] x [B*H, 64, 2 * buckets]``, two
+a layer) ran there at ~27 TFLOP/s, 120 us each at 8 x 512 on an H100 (BENCHMARKS.md, session 26), a third of the
+forward.
+
+:class:`SmallKTensorCoreMatmul` (a dlight rule, tried before ``Matmul``) gives those matmuls the tensor-core form:
+float16 operands, float16 or float32 accumulation, i and j of at least 64 each, k a multiple of 16 up to 64
+(padded to one 64-step). Anything else returns None and goes on to the rules after it.
+"""
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.analysis import get_root_block
+from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
+from tvm.s_tir.dlight.gpu.matmul import (MatmulTensorization, get_in_out_dtypes, get_index_map,
+                                         get_reduction_blocks)
+
+__all__ = ["SmallKTensorCoreMatmul"]
+
+MAX_K = 64            # dlight's own tensor-core form takes k above this
+MIN_SPATIAL = 64      # each of i and j: smaller products stay on the CUDA cores (a 128 x 128 tile would be mostly pad)
+
+
+def _extents(func: tirx.PrimFunc) -> tuple[tirx.SBlock, list[int]] | None:
+    """The main reduction block of ``func`` normalised to ``C[S, I, J] += A[S, I, K] * B[S, J, K]`` and its static
+    extents ``[s, i, j, k]``; None where ``func`` is not one matmul of static shape."""
+    sch = s_tir.Schedule(func)
+    blocks = get_reduction_blocks(sch, sch.get_child_blocks(get_root_block(sch)))
+    if not blocks:
+        return None
+    block = sch.get(blocks[0])
+    maps = get_index_map(block)
+    if maps is None:
+        return None
+    domain = [iv.dom.extent for iv in block.iter_vars]
+    if not all(isinstance(e, tirx.IntImm) for e in domain):
+        return None
+    extents = [int(e) for e in maps[0].map_shape([int(e) for e in domain])]
+    return block, extents
+
+
+class SmallKTensorCoreMatmul(GPUScheduleRule):
+    """dlight's tensor-core matmul form for float16 matmuls with 16 <= k <= 64 (module docstring)."""
+
+    def apply(self, func, target, _) -> s_tir.Schedule | None:
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        if target.kind.name != "cuda" or "dlight.do_not_tensorize" in func.attrs.keys():
+            return None
+        found = _extents(func)
+        if found is None:
+            return None
+        block, (_, rows, cols, depth) = found
+        if depth > MAX_K or depth % 16 or min(rows, cols) < MIN_SPATIAL:
+            return None
+        in_dtype, out_dtype = get_in_out_dtypes(block)
+        if in_dtype != "float16" or out_dtype not in ("float16", "float32"):
+            return None
+        return MatmulTensorization().apply(func, target, _)
