@@ -65,6 +65,9 @@ def test_a_transposed_gather_reads_the_transposed_tensor():
         out = narrow_gather_indices(mod)
         ops = _ops(out)
         assert "relax.gather_elements" not in ops and ops.count("relax.take") == 1
+        takes = [b.value for block in out["main"].body.blocks for b in block.bindings
+                 if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.take"]
+        assert takes[0].args[1].ty.dtype == "int32"          # 4 bytes of index per gathered element
         # a matmul's transpose is its operands' product swapped: no permute of the [N, S, K] product itself
         matmuls = [b.value for block in out["main"].body.blocks for b in block.bindings
                    if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.matmul"]

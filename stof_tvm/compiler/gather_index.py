@@ -6,8 +6,9 @@ HF DeBERTa-v3 gathers its relative-position scores with ``gather(c2p, -1, index.
 folding then materialises every broadcast index (int64, B*H*S*S elements: 200 MB at 8 x 512 per gather, 24 gathers
 in a base model, a peak of 16.7 GB). :func:`narrow_gather_indices`, run before folding, computes the index's
 elementwise arithmetic on the table itself and gathers with ``take`` over the flattened last two axes:
-``out[n, i, j] = x[n, i, t[i, j]] = x.reshape(N, S * K)[n, i * K + t[i, j]]``, whose index is one [S, S'] table.
-Exact: the same elements are read.
+``out[n, i, j] = x[n, i, t[i, j]] = x.reshape(N, S * K)[n, i * K + t[i, j]]``, whose index is one [S, S'] table
+(int32 where it fits: the gathering kernel reads it once per element of every head). Exact: the same elements are
+read.
 
 DeBERTa transposes one of the two gathers (position-to-content: ``gather(p2c, -1, t).transpose(-1, -2)``). Taken
 as above, the transposed result reads ``x[n, b, t[b, a]]`` for consecutive ``b``: one row of ``x`` per thread, each
@@ -74,7 +75,17 @@ def _table_gather(call, var2val):
     found = _on_table(index, var2val, big)
     if found is None or found[1] is None:
         return None
-    return x, relax.op.astype(relax.op.reshape(found[0], big[1:]), "int64")
+    return x, relax.op.reshape(found[0], big[1:])
+
+
+def _flat_index(table, scale: int, offsets: np.ndarray, size: int):
+    """``table * scale + offsets`` in the narrowest integer type that indexes ``size`` elements: int32 below 2^31,
+    so the gathering kernel reads 4 bytes of index per element instead of 8 (the table is read once per element
+    of every head and batch row)."""
+    dtype = "int32" if size < 2 ** 31 else "int64"
+    scaled = relax.op.multiply(relax.op.astype(table, dtype), relax.const(scale, dtype)) if scale != 1 \
+        else relax.op.astype(table, dtype)
+    return relax.op.add(scaled, relax.const(offsets.astype(dtype), dtype))
 
 
 def _swap_last(x, var2val, visit):
@@ -103,9 +114,8 @@ def narrow_gather_indices(mod: tvm.IRModule) -> tvm.IRModule:
                 if found is not None:
                     x, table = found
                     n, rows, width = tensor_shape(x)
-                    index = relax.op.add(relax.op.multiply(relax.op.permute_dims(table, [1, 0]),
-                                                           relax.const(rows, "int64")),
-                                         relax.const(np.arange(rows, dtype=np.int64)[None, :], "int64"))
+                    index = _flat_index(relax.op.permute_dims(table, [1, 0]), rows, np.arange(rows)[None, :],
+                                        rows * width)
                     swapped = _swap_last(x, var2val, self.visit_expr)
                     return relax.op.take(relax.op.reshape(swapped, (n, width * rows)), index, axis=1)
             found = _table_gather(call, var2val)
@@ -113,8 +123,8 @@ def narrow_gather_indices(mod: tvm.IRModule) -> tvm.IRModule:
                 return call
             x, table = found
             n, rows, width = tensor_shape(x)
-            starts = relax.const((np.arange(rows, dtype=np.int64) * width)[:, None], "int64")
-            return relax.op.take(relax.op.reshape(x, (n, rows * width)), relax.op.add(table, starts), axis=1)
+            index = _flat_index(table, 1, (np.arange(rows) * width)[:, None], rows * width)
+            return relax.op.take(relax.op.reshape(x, (n, rows * width)), index, axis=1)
 
     out = mod.clone()
     out["main"] = relax.analysis.remove_all_unused(Narrow().visit_expr(func))

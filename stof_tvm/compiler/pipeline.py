@@ -1,12 +1,13 @@
 """Targets and the build pipeline that turns the rewritten Relax module into an executable.
 
-Everything that is not attention goes through TVM's own Relax pipeline: legalization, operator fusion
+Everything that is not attention goes through TVM's own Relax pipeline: a matmul by a transposed operand as one
+function reading it transposed (``FuseTransposeMatmul``), legalization, operator fusion
 (``FuseOps``/``FuseTIR``; gathers count as injective there, :mod:`.gathers`), tuning records from a MetaSchedule
 database where given, then dlight's default GPU schedules for the functions no record covered, with
 :class:`stof_tvm.schedules.small_k_matmul.SmallKTensorCoreMatmul` ahead of its matmul rule (tensor cores for
 k <= 64) and :class:`stof_tvm.schedules.elementwise.VectorizedElementwise` ahead of its one-thread-per-element
-fallback (CUDA only; on the CPU TVM's default lowering is used), then no vectorised access to a bool buffer (:mod:`.bool_access`: TVM's CUDA codegen gets them wrong). Our
-attention kernels arrive already scheduled (``tirx.is_scheduled``), so dlight leaves them alone.
+fallback (CUDA only; on the CPU TVM's default lowering is used), then no vectorised access to a bool buffer
+(:mod:`.bool_access`: TVM's CUDA codegen gets them wrong). Our attention kernels arrive already scheduled (``tirx.is_scheduled``), so dlight leaves them alone.
 """
 from __future__ import annotations
 
@@ -80,7 +81,9 @@ def optimize(mod: tvm.IRModule, target: tvm.target.Target, database: str | None)
         records = open_database(database).ms
     mod = fold_numpy(mod)           # the constant calls the rewrites left, without a CPU kernel each
     with target, tvm.transform.PassContext(opt_level=3), records:   # MetaScheduleApplyDatabase reads both here
-        passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), gathers_injective,
+        # a matmul by a transposed operand reads it transposed (one kernel, loads along k) instead of after a copy
+        passes = [relax.transform.FuseTransposeMatmul(), relax.transform.LegalizeOps(),
+                  relax.transform.AnnotateTIROpPattern(), gathers_injective,
                   relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
                   relax.transform.DeadCodeElimination()]
         if database is not None:
