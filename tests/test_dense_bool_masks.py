@@ -92,16 +92,17 @@ def _cuda_source(mod: tvm.IRModule) -> str:
 
 
 def test_fused_where_epilogue_loads_its_mask_one_element_at_a_time(monkeypatch):
-    """Without :func:`scalar_bool_access`, TVM's schedule + codegen give the epilogue ``ushort2`` mask loads (the
+    """Without :func:`scalar_bool_access`, TVM's schedule + codegen give the epilogue vector mask loads (the
     bug, reproduced); with it, scalar loads of the same buffer; the GEMM itself keeps its vector accesses."""
     mod = _masked_scores_module()
     with monkeypatch.context() as patch:
         patch.setattr(pipeline, "scalar_bool_access", lambda m: m)
         broken = _cuda_source(mod)
-    assert len(bool_vector_accesses(broken)) >= 2 and "*(ushort2*)(mask_ptr" in broken
+    # ushort2 under dlight's CUDA-core matmul, ushort4 under the tensor-core form (k = 64: SmallKTensorCoreMatmul)
+    assert any(access.endswith("*)(mask_ptr") for _, access in bool_vector_accesses(broken))
     fixed = _cuda_source(mod)
     assert bool_vector_accesses(fixed) == []
-    assert re.search(r"\bmask_ptr\[", fixed) and "*(half2*)" in fixed
+    assert re.search(r"\bmask_ptr\[", fixed) and re.search(r"\*\(half[24]\*\)", fixed)   # the GEMM's own stay
 
 
 @T.prim_func(s_tir=True)

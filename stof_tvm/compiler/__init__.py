@@ -488,8 +488,13 @@ def lower(front: FrontEnd, database: str | None, cuda_graph: bool,
           dependent_launch: bool | None = None) -> tuple[tvm.IRModule, object]:
     """Step 6 of :func:`compile`: lift the weight-only work into ``main_transform_params`` (run once at load),
     fuse, schedule and build; returns (the optimised module, the executable). The launch census
-    (``scripts/count_launches.py``) reads both. ``dependent_launch``: see :func:`compile`."""
-    mod = relax.transform.LiftTransformParams()(front.mod)
+    (``scripts/count_launches.py``) reads both. ``dependent_launch``: see :func:`compile`.
+
+    A matmul by a transposed operand becomes one function reading that operand transposed (``FuseTransposeMatmul``)
+    before the lifting: lifted, the transpose of a weight-only operand would be a stored weight laid [k, n], which
+    the tensor-core matmul loads one element at a 1 KB stride (HF DeBERTa-v3's content-to-position products, 79
+    against 44.5 us fused at 8 x 512 on an H100; BENCHMARKS.md, session 26)."""
+    mod = relax.transform.LiftTransformParams()(relax.transform.FuseTransposeMatmul()(front.mod))
     if cuda_graph:
         mod = whole_graph(mod, len(front.inputs), static_mask_inputs(front), front.tspec["kind"])
     optimized = optimize(mod, front.target, database)

@@ -1,7 +1,6 @@
 """Targets and the build pipeline that turns the rewritten Relax module into an executable.
 
-Everything that is not attention goes through TVM's own Relax pipeline: a matmul by a transposed operand as one
-function reading it transposed (``FuseTransposeMatmul``), legalization, operator fusion
+Everything that is not attention goes through TVM's own Relax pipeline: legalization, operator fusion
 (``FuseOps``/``FuseTIR``; gathers count as injective there, :mod:`.gathers`), tuning records from a MetaSchedule
 database where given, then dlight's default GPU schedules for the functions no record covered, with
 :class:`stof_tvm.schedules.small_k_matmul.SmallKTensorCoreMatmul` ahead of its matmul rule (tensor cores for
@@ -81,9 +80,7 @@ def optimize(mod: tvm.IRModule, target: tvm.target.Target, database: str | None)
         records = open_database(database).ms
     mod = fold_numpy(mod)           # the constant calls the rewrites left, without a CPU kernel each
     with target, tvm.transform.PassContext(opt_level=3), records:   # MetaScheduleApplyDatabase reads both here
-        # a matmul by a transposed operand reads it transposed (one kernel, loads along k) instead of after a copy
-        passes = [relax.transform.FuseTransposeMatmul(), relax.transform.LegalizeOps(),
-                  relax.transform.AnnotateTIROpPattern(), gathers_injective,
+        passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), gathers_injective,
                   relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
                   relax.transform.DeadCodeElimination()]
         if database is not None:
