@@ -6,7 +6,8 @@ database where given, then dlight's default GPU schedules for the functions no r
 :class:`stof_tvm.schedules.small_k_matmul.SmallKTensorCoreMatmul` ahead of its matmul rule (tensor cores for
 k <= 64) and :class:`stof_tvm.schedules.elementwise.VectorizedElementwise` ahead of its one-thread-per-element
 fallback (CUDA only; on the CPU TVM's default lowering is used), then no vectorised access to a bool buffer
-(:mod:`.bool_access`: TVM's CUDA codegen gets them wrong). Our attention kernels arrive already scheduled (``tirx.is_scheduled``), so dlight leaves them alone.
+(:mod:`.bool_access`: TVM's CUDA codegen gets them wrong). Our attention kernels arrive already scheduled
+(``tirx.is_scheduled``), so dlight leaves them alone.
 """
 from __future__ import annotations
 

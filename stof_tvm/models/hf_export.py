@@ -65,7 +65,7 @@ BIGBIRD_BLOCK = {"tiny": (8, 1), "tiny-d32": (8, 1), "tiny-w768": (8, 1), "base"
 LONGFORMER_WINDOW = {"tiny": 16, "tiny-d32": 16, "tiny-w768": 16, "base": 512}
 # DeBERTa-v3's relative positions: log buckets of the distance (256 in the published base model)
 DEBERTA_BUCKETS = {"tiny": 32, "tiny-d32": 32, "tiny-w768": 32, "base": 256}
-MISTRAL_WINDOW = 16         # tiny Mistral's, ModernBERT's and Gemma 2's sliding windows: narrower than the test
+TINY_WINDOW = 16            # tiny Mistral's, ModernBERT's and Gemma 2's sliding windows: narrower than the test
                             # sequences
 
 
@@ -134,12 +134,12 @@ def make_config(family: str, size: str = "tiny", attn: str = "eager"):
                                   norm_rel_ebd="layer_norm", share_att_key=True, position_biased_input=False,
                                   type_vocab_size=0, layer_norm_eps=1e-7)
     if family in TINY_ONLY:
-        return _decoder_family_config(tf, family, hidden, layers, heads, ffn, common)
+        return _tiny_only_config(tf, family, hidden, layers, heads, ffn, common)
     window = LONGFORMER_WINDOW[size]
     return tf.LongformerConfig(**bert_like, attention_window=[window] * layers, max_position_embeddings=514)
 
 
-def _decoder_family_config(tf, family: str, hidden: int, layers: int, heads: int, ffn: int, common: dict):
+def _tiny_only_config(tf, family: str, hidden: int, layers: int, heads: int, ffn: int, common: dict):
     """The tiny config of a :data:`TINY_ONLY` family (padding id 0, ids 1 and 2 the other special tokens)."""
     special = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     llama_like = dict(vocab_size=VOCAB_TINY, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
@@ -152,14 +152,14 @@ def _decoder_family_config(tf, family: str, hidden: int, layers: int, heads: int
     if family == "gemma":        # Gemma's head_dim 256 (wider than the hidden size), one key/value head
         return tf.GemmaConfig(**llama_like, num_key_value_heads=1, head_dim=256)
     if family == "mistral":
-        return tf.MistralConfig(**llama_like, num_key_value_heads=1, sliding_window=MISTRAL_WINDOW)
+        return tf.MistralConfig(**llama_like, num_key_value_heads=1, sliding_window=TINY_WINDOW)
     if family == "gptneox":
         return tf.GPTNeoXConfig(**llama_like, rotary_pct=0.25, use_parallel_residual=True)
     if family == "gemma2":       # tanh(scores / 50) * 50 before the softmax; layer 0 sliding-window, layer 1 global
         return tf.Gemma2Config(**llama_like, num_key_value_heads=1, head_dim=hidden // heads,
-                               sliding_window=MISTRAL_WINDOW, attn_logit_softcapping=50.0)
-    if family == "modernbert":   # layer 0 global, layer 1 local (a window of MISTRAL_WINDOW tokens around each)
-        return tf.ModernBertConfig(**llama_like, local_attention=MISTRAL_WINDOW, cls_token_id=1, sep_token_id=2,
+                               sliding_window=TINY_WINDOW, attn_logit_softcapping=50.0)
+    if family == "modernbert":   # layer 0 global, layer 1 local (a window of TINY_WINDOW tokens around each)
+        return tf.ModernBertConfig(**llama_like, local_attention=TINY_WINDOW, cls_token_id=1, sep_token_id=2,
                                    layer_types=["full_attention", "sliding_attention"] * (layers // 2))
     if family == "bart":
         return tf.BartConfig(vocab_size=VOCAB_TINY, d_model=hidden, encoder_layers=layers, decoder_layers=1,
