@@ -1,8 +1,8 @@
 """narrow_gather_indices (stof_tvm/compiler/gather_index.py): a gather by a table broadcast over the leading axis
 (HF DeBERTa's relative-position gathers, with the importer's negative-index arithmetic on top) becomes a take by one
-flattened table, computing the same values; one whose last two axes are then swapped (DeBERTa's position-to-content
-term) becomes a take from the transposed tensor, a matmul's by swapping its operands; a gather whose index varies
-along the leading axis is left alone."""
+flattened table, computing the same values, also where the export folded the broadcast index into a constant; one
+whose last two axes are then swapped (DeBERTa's position-to-content term) is taken in its own layout and then
+transposed; a gather whose index varies along the leading axis is left alone."""
 import numpy as np
 import tvm
 from tvm import relax
@@ -57,7 +57,9 @@ def test_broadcast_table_gather_becomes_a_take():
     np.testing.assert_array_equal(_run(out, [x, table]), _run(mod, [x, table]))
 
 
-def test_a_transposed_gather_reads_the_transposed_tensor():
+def test_a_transposed_gather_is_taken_in_its_own_layout_then_transposed():
+    """The take reads ``x`` (or the matmul's product) as it is laid: the kernel that fuses the transpose stages it
+    (stof_tvm/schedules/staged_transpose.py)."""
     rng = np.random.default_rng(1)
     table = rng.integers(-K, K, (1, S, S)).astype("int64")
     for from_matmul in (False, True):
@@ -65,17 +67,31 @@ def test_a_transposed_gather_reads_the_transposed_tensor():
         out = narrow_gather_indices(mod)
         ops = _ops(out)
         assert "relax.gather_elements" not in ops and ops.count("relax.take") == 1
+        assert ops.count("relax.permute_dims") == 1 and ops.index("relax.take") < ops.index("relax.permute_dims")
         takes = [b.value for block in out["main"].body.blocks for b in block.bindings
                  if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.take"]
         assert takes[0].args[1].ty.dtype == "int32"          # 4 bytes of index per gathered element
-        # a matmul's transpose is its operands' product swapped: no permute of the [N, S, K] product itself
-        matmuls = [b.value for block in out["main"].body.blocks for b in block.bindings
-                   if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.matmul"]
-        assert [tuple(m.ty.shape) for m in matmuls] == ([(N, K, S)] if from_matmul else [])
         args = ([rng.standard_normal((N, S, 3)), rng.standard_normal((N, 3, K))] if from_matmul
                 else [rng.standard_normal((N, S, K))])
         args = [a.astype("float32") for a in args] + [table]
         np.testing.assert_allclose(_run(out, args), _run(mod, args), rtol=1e-6, atol=1e-6)
+
+
+def test_an_index_folded_into_a_constant_becomes_a_take():
+    """A fixed-shape export folds the broadcast: the index is one [N, S, S] constant whose slices are the same
+    table, used three times by the importer's arithmetic (one source: each use is the same table)."""
+    table = np.random.default_rng(2).integers(-K, K, (1, S, S)).astype("int64")
+
+    def folded(bb, _table):
+        index = relax.const(np.broadcast_to(table, (N, S, S)).copy(), "int64")
+        wrapped = bb.emit(relax.op.add(index, relax.const(K, "int64")))
+        return bb.emit(relax.op.where(bb.emit(relax.op.less(index, relax.const(0, "int64"))), wrapped, index))
+
+    mod = _module(folded)
+    out = narrow_gather_indices(mod)
+    assert "relax.gather_elements" not in _ops(out) and "relax.take" in _ops(out)
+    x = np.random.default_rng(3).standard_normal((N, S, K)).astype("float32")
+    np.testing.assert_array_equal(_run(out, [x, table]), _run(mod, [x, table]))
 
 
 def test_an_index_that_varies_by_row_stays():

@@ -10,13 +10,15 @@ elementwise arithmetic on the table itself and gathers with ``take`` over the fl
 (int32 where it fits: the gathering kernel reads it once per element of every head). Exact: the same elements are
 read.
 
-DeBERTa transposes one of the two gathers (position-to-content: ``gather(p2c, -1, t).transpose(-1, -2)``). Taken
-as above, the transposed result reads ``x[n, b, t[b, a]]`` for consecutive ``b``: one row of ``x`` per thread, each
-load a sector of its own (the gather-and-add kernel ran 303 us a layer at 8 x 512 on an H100, three quarters of the
-forward; BENCHMARKS.md, session 26). The pair is gathered from ``x`` transposed instead,
-``out[n, a, b] = xT[n, t[b, a], b] = xT.reshape(N, K * S)[n, t[b, a] * S + b]``, whose consecutive ``b`` are
-consecutive addresses; ``xT`` of a matmul is the matmul of the operands swapped and transposed (``(A B)^T = B^T
-A^T``), so nothing is copied.
+DeBERTa transposes one of the two gathers (position-to-content: ``gather(p2c, -1, t).transpose(-1, -2)``). That
+gather stays a ``take`` in the layout it reads, followed by the transpose: ``FuseOps`` puts both in the bias kernel,
+whose schedule (:mod:`stof_tvm.schedules.staged_transpose`) computes the take in its own order, coalesced along the
+rows of ``p2c`` and of the table, into shared memory and reads it back transposed. Taken in the output's order, or
+from the transposed product, consecutive threads would read addresses a row apart wherever the relative position is
+exact.
+
+An index already folded into a constant (TorchScript exports at a fixed shape) is one table where every slice along
+the leading axis is the same.
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ _ELEMENTWISE = {"relax.where": relax.op.where, "relax.add": relax.op.add, "relax
 
 def _on_table(expr, var2val, big: tuple[int, ...]):
     """``expr`` (an index of shape ``big``) recomputed on the table its one ``broadcast_to`` spreads over the
-    leading axis: ``(table expression, table)``, or None where it is not of that form."""
+    leading axis: ``(table expression, source)``, or None where it is not of that form. ``source`` is what every
+    table operand of ``expr`` must be read from, the broadcast's operand or the folded index constant."""
     value = resolve(expr, var2val)
     shape = tensor_shape(value)
     if shape == () or shape == (1,):
@@ -43,8 +46,7 @@ def _on_table(expr, var2val, big: tuple[int, ...]):
         array = value.value.numpy()
         if not (array == array[:1]).all():
             return None
-        table = relax.const(array[:1], str(array.dtype))
-        return table, table
+        return relax.const(array[:1], str(array.dtype)), value
     name = op_name(value)
     if name == "relax.broadcast_to":
         table = value.args[0]
@@ -78,30 +80,17 @@ def _table_gather(call, var2val):
     return x, relax.op.reshape(found[0], big[1:])
 
 
-def _flat_index(table, scale: int, offsets: np.ndarray, size: int):
-    """``table * scale + offsets`` in the narrowest integer type that indexes ``size`` elements: int32 below 2^31,
-    so the gathering kernel reads 4 bytes of index per element instead of 8 (the table is read once per element
-    of every head and batch row)."""
+def _flat_index(table, offsets: np.ndarray, size: int):
+    """``table + offsets`` in the narrowest integer type that indexes ``size`` elements: int32 below 2^31, so the
+    gathering kernel reads 4 bytes of index per element instead of 8 (the table is read once per element of every
+    head and batch row)."""
     dtype = "int32" if size < 2 ** 31 else "int64"
-    scaled = relax.op.multiply(relax.op.astype(table, dtype), relax.const(scale, dtype)) if scale != 1 \
-        else relax.op.astype(table, dtype)
-    return relax.op.add(scaled, relax.const(offsets.astype(dtype), dtype))
-
-
-def _swap_last(x, var2val, visit):
-    """``x`` ([N, R, K]) with its last two axes swapped; a matmul's swapped operands where ``x`` is one (``visit``:
-    the mutator's, mapping the original graph's operands into the rewritten one)."""
-    value = resolve(x, var2val)
-    if op_name(value) == "relax.matmul" and all(len(tensor_shape(a) or ()) == 3 for a in value.args):
-        left, right = (relax.op.permute_dims(visit(arg), [0, 2, 1]) for arg in value.args)
-        return relax.op.matmul(right, left, out_dtype=value.attrs.out_dtype)
-    return relax.op.permute_dims(visit(x), [0, 2, 1])
+    return relax.op.add(relax.op.astype(table, dtype), relax.const(offsets.astype(dtype), dtype))
 
 
 def narrow_gather_indices(mod: tvm.IRModule) -> tvm.IRModule:
     """``main`` with each ``gather_elements`` on the last axis of a 3-D tensor by a broadcast table rewritten as a
-    ``take`` by one flattened table, and such a gather whose last two axes are then swapped as a ``take`` from the
-    transposed tensor (module docstring); other gathers are left as they are."""
+    ``take`` by one flattened table (module docstring); other gathers are left as they are."""
     func = mod["main"]
     var2val = relax.analysis.get_var2val(func)
 
@@ -109,21 +98,12 @@ def narrow_gather_indices(mod: tvm.IRModule) -> tvm.IRModule:
     class Narrow(relax.PyExprMutator):
         def visit_call_(self, original):
             call = super().visit_call_(original)
-            if op_name(call) == "relax.permute_dims" and [int(a) for a in call.attrs.axes or ()] == [0, 2, 1]:
-                found = _table_gather(resolve(original.args[0], var2val), var2val)
-                if found is not None:
-                    x, table = found
-                    n, rows, width = tensor_shape(x)
-                    index = _flat_index(relax.op.permute_dims(table, [1, 0]), rows, np.arange(rows)[None, :],
-                                        rows * width)
-                    swapped = _swap_last(x, var2val, self.visit_expr)
-                    return relax.op.take(relax.op.reshape(swapped, (n, width * rows)), index, axis=1)
             found = _table_gather(call, var2val)
             if found is None:
                 return call
             x, table = found
             n, rows, width = tensor_shape(x)
-            index = _flat_index(table, 1, (np.arange(rows) * width)[:, None], rows * width)
+            index = _flat_index(table, (np.arange(rows) * width)[:, None], rows * width)
             return relax.op.take(relax.op.reshape(x, (n, rows * width)), index, axis=1)
 
     out = mod.clone()

@@ -4,8 +4,10 @@ Everything that is not attention goes through TVM's own Relax pipeline: legaliza
 (``FuseOps``/``FuseTIR``; gathers count as injective there, :mod:`.gathers`), tuning records from a MetaSchedule
 database where given, then dlight's default GPU schedules for the functions no record covered, with
 :class:`stof_tvm.schedules.small_k_matmul.SmallKTensorCoreMatmul` ahead of its matmul rule (tensor cores for
-k <= 64) and :class:`stof_tvm.schedules.elementwise.VectorizedElementwise` ahead of its one-thread-per-element
-fallback (CUDA only; on the CPU TVM's default lowering is used), then no vectorised access to a bool buffer
+k <= 64), :class:`stof_tvm.schedules.staged_transpose.StagedTranspose` (an injective function reading one of its
+intermediates transposed computes it through shared memory by tiles) and
+:class:`stof_tvm.schedules.elementwise.VectorizedElementwise` ahead of its one-thread-per-element fallback (CUDA only;
+on the CPU TVM's default lowering is used), then no vectorised access to a bool buffer
 (:mod:`.bool_access`: TVM's CUDA codegen gets them wrong). Our attention kernels arrive already scheduled
 (``tirx.is_scheduled``), so dlight leaves them alone.
 """
@@ -19,6 +21,7 @@ from tvm import relax
 from stof_tvm.schedules import dependent_launch as launch_overlap
 from stof_tvm.schedules.elementwise import VectorizedElementwise
 from stof_tvm.schedules.small_k_matmul import SmallKTensorCoreMatmul
+from stof_tvm.schedules.staged_transpose import StagedTranspose
 
 from .bool_access import scalar_bool_access
 from .gathers import gathers_injective
@@ -69,8 +72,8 @@ def fold_constant_casts(mod: tvm.IRModule) -> tvm.IRModule:
 
 
 def optimize(mod: tvm.IRModule, target: tvm.target.Target, database: str | None) -> tvm.IRModule:
-    """Legalize and fuse; apply MetaSchedule records from ``database``; dlight for the rest on CUDA (vectorised
-    elementwise kernels before its fallback).
+    """Legalize and fuse; apply MetaSchedule records from ``database``; dlight for the rest on CUDA (transposed
+    intermediates staged in shared memory and vectorised elementwise kernels before its fallback).
 
     The records are the database the rest of the compile read (:func:`stof_tvm.records.open_database`: loaded
     once, with every intrinsic a record names registered), handed to the pass as the current database."""
@@ -91,7 +94,7 @@ def optimize(mod: tvm.IRModule, target: tvm.target.Target, database: str | None)
 
             passes.append(dl.ApplyDefaultSchedule(SmallKTensorCoreMatmul(), dl.gpu.Matmul(), dl.gpu.GEMV(),
                                                   dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
-                                                  VectorizedElementwise(), dl.gpu.Fallback()))
+                                                  StagedTranspose(), VectorizedElementwise(), dl.gpu.Fallback()))
         mod = tvm.transform.Sequential(passes)(mod)
     # TVM's CUDA codegen gets vector accesses to bool buffers wrong (bool_access); they become scalar ones.
     return scalar_bool_access(mod) if target.kind.name == "cuda" else mod
