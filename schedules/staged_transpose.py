@@ -16,29 +16,35 @@ session 26).
 :class:`StagedTranspose` (a dlight rule: ``apply`` returns a schedule or None) takes an all-spatial function in
 which one block's result is read by another with its last two axes swapped. That block (the *staged* one) keeps
 its own iteration order; every other block is inlined, into the staged block or into the output. Each CUDA block
-of ``threads`` then owns a ``tile`` x ``tile`` tile of the output's last two axes: its threads compute the staged
-block's matching tile with ``threadIdx.x`` along the staged block's last axis (the order it reads its own inputs
-and tables in) into shared memory, synchronise, and compute the output with ``threadIdx.x`` along the output's
-last axis, reading the shared tile transposed. Shared rows are padded by one element so that a warp reading a
-column touches 32 different banks. Exact: every element is computed by the same expression, only in another order.
+of ``tile`` x ``rows`` threads then owns a ``tile`` x ``tile`` tile of the output's last two axes: its threads
+compute the staged block's matching tile with ``threadIdx.x`` along the staged block's last axis into shared
+memory, synchronise, and compute the output with ``threadIdx.x`` along the output's last axis, reading the shared
+tile transposed. Shared rows are padded by one 4-byte word so that a warp reading a column touches 32 different
+banks. Exact: every element is computed by the same expression, only in another order.
 
-The decision is structural, not measured on the tables: a block that reads an intermediate transposed makes that
-intermediate's own loads (its tables ``t[a, b]`` at least) strided in the output's order, and coalesced in the
-intermediate's order for any table; whether the gathered values are too depends on the table (DeBERTa's are,
-above). Anything else (a reduction, no transposed intermediate, a block that cannot be inlined, a transposed read
-that is not of the output's own last two iterators, shapes that are not static) returns None and goes on to the
-rules after it: BLOOM's ALiBi and T5's position bias have no such read and keep their schedules.
+It stages only where the staged block's loads are read strided (a sector per thread) by fewer of them with threads
+along its own last axis than along the axis before it, the order the output would compute it in. A load's stride
+along an axis is its address's (constant coefficient); a gather's is its index's, which in these kernels is a load
+of a flat table (:mod:`stof_tvm.compiler.gather_index`) whose rows each hold offsets into one row of the gathered
+tensor: along a table row the gather stays in one source row, across rows it moves a row per step. The tables'
+values are constants of the Relax module, passed as arguments, which a schedule rule does not see; DeBERTa's rows
+are contiguous or repeated offsets (above). A transposed intermediate that is cheaper in the output's order (HF
+BLOOM's keys, transposed twice from its fused QKV projection back to a copy that reads rows) is left to the rules
+after this one, as is anything else: a reduction, no transposed intermediate, a block that cannot be inlined, a
+transposed read that is not at the output's own last two iterators, shapes that are not static.
 """
 from __future__ import annotations
 
-from tvm import s_tir, tirx
+import tvm
+import tvm_ffi
+from tvm import ir, s_tir, sym, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.tirx.analysis import undefined_vars
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
+from tvm.tirx.analysis import undefined_vars
 
 __all__ = ["StagedTranspose"]
 
-SHARED_BANKS = 32       # 4-byte banks: a row of the shared tile padded to tile + 1 elements keeps columns conflict-free
+SHARED_BANKS = 32       # of 4 bytes each: shared rows an odd number of words long keep a column's reads conflict-free
 
 
 def _uses(expr, variables) -> bool:
@@ -71,6 +77,48 @@ def _transposed_producer(sch: s_tir.Schedule, infos) -> int | None:
     return None
 
 
+def _loads(expr) -> list:
+    """Every buffer load in ``expr``, those inside another load's indices (a gather's table) included."""
+    found = []
+    tvm_ffi.structural_walk(expr, [(ir.TensorLoad, found.append)], order="post")
+    return found
+
+
+def _element_stride(load, thread) -> tirx.Expr | None:
+    """How many elements apart (in its dense, row-major buffer) ``load`` reads for consecutive values of ``thread``;
+    None where an index is not linear in it."""
+    stride, size = tirx.const(0, "int64"), tirx.const(1, "int64")
+    for index, extent in reversed(list(zip(load.indices, load.source.shape))):
+        linear = sym.detect_linear_equation(index, [thread])
+        if len(linear) != 2:
+            return None
+        stride = stride + tirx.Cast("int64", linear[0]) * size
+        size = size * tirx.Cast("int64", extent)
+    return sym.Analyzer().simplify(stride)
+
+
+def _strided(load, thread) -> bool:
+    """Whether consecutive values of ``thread`` make ``load`` read elements more than one apart (a 32-byte sector
+    per thread, where a warp of neighbouring elements shares a few). A gather counts as its index's loads: a flat
+    table of :mod:`stof_tvm.compiler.gather_index` holds, in each of its rows, offsets into one row of the gathered
+    tensor, so along a table row the gather stays in one source row and across rows it moves a row per step."""
+    nested = [inner for index in load.indices for inner in _loads(index)]
+    if nested:
+        return any(_strided(inner, thread) for inner in nested)
+    stride = _element_stride(load, thread)
+    return not (isinstance(stride, tirx.IntImm) and abs(int(stride)) <= 1)
+
+
+def _staging_helps(block: s_tir.SBlock) -> bool:
+    """Whether ``block`` (the staged one) reads fewer of its loads strided with threads along its own last axis
+    than along the one before it (the order the output would compute it in)."""
+    if not isinstance(block.body, tirx.BufferStore):
+        return False
+    loads = _loads(block.body.value)
+    own, transposed = block.iter_vars[-1].var, block.iter_vars[-2].var
+    return sum(_strided(load, own) for load in loads) < sum(_strided(load, transposed) for load in loads)
+
+
 def _inline_all_but(sch: s_tir.Schedule, infos, keep: int) -> bool:
     """Inline every block of ``infos`` except ``infos[keep]`` and the last (the output) into the blocks that read
     it; False where one cannot be (the schedule is then discarded)."""
@@ -85,6 +133,7 @@ def _inline_all_but(sch: s_tir.Schedule, infos, keep: int) -> bool:
 
 
 def _static_extents(block: s_tir.SBlock) -> bool:
+    """Whether every iterator of ``block`` has a constant extent (the tiles and the grid are fixed at compile time)."""
     return all(isinstance(iv.dom.extent, tirx.IntImm) for iv in block.iter_vars)
 
 
@@ -112,13 +161,18 @@ class StagedTranspose(GPUScheduleRule):
             return None
         staged_rv, output_rv = infos[staged].block_rv, infos[-1].block_rv
         staged_block, output = sch.get(staged_rv), sch.get(output_rv)
-        if len(sch.get_child_blocks(sch.get_sblock("root"))) != 2:
+        staged_buffer = staged_block.writes[0].source
+        inlined = len(sch.get_child_blocks(sch.get_sblock("root"))) == 2
+        if not inlined or any(param.same_as(staged_buffer) for param in func.params):
             return None
-        if not (_static_extents(output) and _static_extents(staged_block)
-                and _reads_transposed(output, staged_block.writes[0].source)):
+        if not (_static_extents(output) and _static_extents(staged_block) and _reads_transposed(output, staged_buffer)
+                and _staging_helps(staged_block)):
             return None
-        self._tile_output(sch, output_rv)
-        self._stage(sch, staged_rv, sch.get_loops(output_rv)[0])
+        try:
+            self._tile_output(sch, output_rv)
+            self._stage(sch, staged_rv, sch.get_loops(output_rv)[0])
+        except s_tir.ScheduleError:         # a shape the tiles do not fit: the rules after this one schedule it
+            return None
         return sch
 
     def _tile_output(self, sch: s_tir.Schedule, block_rv) -> None:
@@ -135,13 +189,14 @@ class StagedTranspose(GPUScheduleRule):
 
     def _stage(self, sch: s_tir.Schedule, block_rv, tile_loop) -> None:
         """The staged block's tile in shared memory, computed per CUDA block before the output reads it, threads
-        along its own last axis; rows padded to ``tile + 1`` elements (:data:`SHARED_BANKS`)."""
+        along its own last axis; rows padded by one 4-byte word (:data:`SHARED_BANKS`)."""
         sch.set_scope(block_rv, 0, "shared")
         sch.compute_at(block_rv, tile_loop)
-        *leading, rows, cols = sch.get_loops(block_rv)[1:]
+        rows, cols = sch.get_loops(block_rv)[-2:]
         row_steps, thread_y = sch.split(rows, [None, self.rows])
         sch.reorder(thread_y, row_steps, cols)
         sch.bind(thread_y, "threadIdx.y")
         sch.bind(cols, "threadIdx.x")
-        axes = len(sch.get(block_rv).writes[0].region)
-        sch.storage_align(block_rv, 0, axis=axes - 2, factor=SHARED_BANKS, offset=1)
+        written = sch.get(block_rv).writes[0]
+        per_word = max(1, 4 * 8 // tvm.DataType(written.source.dtype).bits)
+        sch.storage_align(block_rv, 0, axis=len(written.region) - 2, factor=SHARED_BANKS * per_word, offset=per_word)

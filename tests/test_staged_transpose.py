@@ -4,9 +4,11 @@ intermediates transposed computes that intermediate through shared memory, tile 
 It takes DeBERTa's relative-position bias as FuseOps builds it (two takes by flat int32 tables, the second one
 transposed, their sum reshaped onto [B, H, S, S] float32): the lowered CUDA kernel has a padded ``__shared__`` tile,
 reads the second table along its rows, runs on the CPU (tests/cuda_emulation.py) equal to numpy, full and partial
-tiles, and nvcc builds it for sm_90 without spills. It declines functions without a transposed intermediate (an
-elementwise sum, a transpose of an input, a reduction) and targets other than CUDA. On a tiny DeBERTa export the
-pipeline's bias kernel is the rule's, and equals the unscheduled function built for llvm on the model's own tables."""
+tiles, and nvcc builds it for sm_90 without spills. It takes a transposed elementwise intermediate, and declines
+functions without a transposed intermediate (an elementwise sum, a transpose of an input, a reduction), one whose
+loads are contiguous in the output's order (BLOOM's keys, transposed twice), and targets other than CUDA. On a tiny
+DeBERTa export the pipeline's bias kernel is the rule's, and equals the unscheduled function built for llvm on the
+model's own tables."""
 import re
 import sys
 from pathlib import Path
@@ -150,9 +152,43 @@ def transposed_row_sums(a: T.Buffer((64, 64), "float32"), b: T.Buffer((64,), "fl
             b[vi] = b[vi] + t[vj, vi]
 
 
-@pytest.mark.parametrize("func", [elementwise_sum, input_transposed, transposed_row_sums])
-def test_declines_without_a_transposed_intermediate(func):
-    """No intermediate read transposed (a sum; a transpose of an input, dlight's), or a reduction."""
+@T.prim_func(private=True, s_tir=True)
+def transposed_twice(a: T.Buffer((2, 64, 4, 64), "float32"), c: T.Buffer((2, 4, 64, 64), "float16")):
+    t = T.sblock_alloc_buffer((2, 4, 64, 64), "float16")
+    for n, h, d, s in T.grid(2, 4, 64, 64):
+        with T.sblock("keys_transposed"):
+            vn, vh, vd, vs = T.axis.remap("SSSS", [n, h, d, s])
+            t[vn, vh, vd, vs] = T.Cast("float16", a[vn, vs, vh, vd])
+    for n, h, s, d in T.grid(2, 4, 64, 64):
+        with T.sblock("keys"):
+            vn, vh, vs, vd = T.axis.remap("SSSS", [n, h, s, d])
+            c[vn, vh, vs, vd] = t[vn, vh, vd, vs]
+
+
+@T.prim_func(private=True, s_tir=True)
+def transposed_product(a: T.Buffer((4, 64, 64), "float32"), b: T.Buffer((4, 64, 64), "float32"),
+                       c: T.Buffer((4, 64, 64), "float32")):
+    t = T.sblock_alloc_buffer((4, 64, 64))
+    for n, i, j in T.grid(4, 64, 64):
+        with T.sblock("double"):
+            vn, vi, vj = T.axis.remap("SSS", [n, i, j])
+            t[vn, vi, vj] = b[vn, vi, vj] * T.float32(2)
+    for n, i, j in T.grid(4, 64, 64):
+        with T.sblock("sum"):
+            vn, vi, vj = T.axis.remap("SSS", [n, i, j])
+            c[vn, vi, vj] = a[vn, vi, vj] + t[vn, vj, vi]
+
+
+def test_takes_a_transposed_intermediate_read_along_its_rows():
+    """``a + transpose(2 b)``: ``2 b`` read along its rows in its own order, a row per thread in the output's."""
+    assert StagedTranspose().apply(transposed_product, CUDA, False) is not None
+
+
+@pytest.mark.parametrize("func", [elementwise_sum, input_transposed, transposed_row_sums, transposed_twice])
+def test_declines_where_staging_would_not_help(func):
+    """No intermediate read transposed (a sum; a transpose of an input, dlight's), a reduction, or one cheaper in the
+    output's order (HF BLOOM's keys: laid [B, H, D, S] from its fused QKV projection [B, S, H, D], then read back
+    transposed, so the output reads the projection along its rows)."""
     assert StagedTranspose().apply(func, CUDA, False) is None
 
 
