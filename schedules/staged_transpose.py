@@ -5,13 +5,14 @@ HF DeBERTa-v3 adds two relative-position terms to every layer's scores, ``c2p[n,
 a second gather, ``p2c[n, j, t2[j, i]]`` (:mod:`stof_tvm.compiler.gather_index` makes both a ``take`` by one flat
 int32 table); ``FuseOps`` puts the two gathers, the transpose, their sum and the reshape onto [B, H, S, S] into one
 kernel. Inlined into its output, the second term makes consecutive threads (consecutive ``j``) read the table
-column ``t2[:, i]`` and rows of ``p2c`` a whole row apart wherever the relative position is exact (|i - j| below the
-bucket count, ``t2[j, i] = i - j + buckets``): one 32-byte sector per element. That term is coalesced along ``i``
-instead: for fixed ``j``, consecutive ``i`` read consecutive entries of the table row ``t2[j, :]`` and consecutive
-(or, in the log buckets, repeated) elements of the row ``p2c[n, j, :]``. Gathering from the transposed product
-(``p2cT[n, t2[j, i], j]``, a matmul with swapped operands) did not help: its exact region moves a row per ``j``
-too (H100, 8 x 512: 168 us a layer for 100 MB of float32 output, ~25 us at the memory's speed; BENCHMARKS.md,
-session 26).
+column ``t2[:, i]`` and rows of ``p2c`` a whole row apart wherever the relative position is exact (position
+``i - j + buckets`` where |i - j| is below half the bucket count): one 32-byte sector per element. That term is
+coalesced along ``i`` instead: for fixed ``j``, consecutive ``i`` read consecutive entries of the table row
+``t2[j, :]`` and consecutive (or, in the log buckets, repeated) elements of the row ``p2c[n, j, :]``. Gathering from
+the transposed product (``p2cT[n, t2[j, i], j]``, a matmul with swapped operands) did not help: its exact region
+moves a row per ``j`` too (H100, 8 x 512: 168 us a layer for 100 MB of float32 output, ~25 us at the memory's speed;
+BENCHMARKS.md, session 26). At that shape a warp's load of the term touched 22 sectors on average (32 in the exact
+region), 2.3 in the row's order.
 
 :class:`StagedTranspose` (a dlight rule: ``apply`` returns a schedule or None) takes an all-spatial function in
 which one block's result is read by another with its last two axes swapped. That block (the *staged* one) keeps
