@@ -1,0 +1,139 @@
+"""The Hugging Face families of the export corpus on the GPU, called as users call them.
+
+The corpus (tests/test_hf_exports.py) checks every family on ``llvm``; this runs the same exports through the CUDA
+build on the GPU machine. Per family (tiny seeded configs, :mod:`stof_tvm.models.hf_export`; head dims 16-256):
+
+1. export once with dynamic batch and sequence axes (``--exporter``: TorchScript at opset 17 or dynamo at 23);
+2. compile it for ``cuda`` in float16 with ``--mask`` (``dense``: the torch model is the reference as it is) at
+   each batch of ``--batches`` (1 and 4 by default), and twice with a sparse BigBird mask (below);
+3. call ``model(input_ids=..., attention_mask=...)`` with torch CUDA tensors whose last row is padded, and check
+   the output against the torch model in float32 on the kept positions (relative Frobenius error and max error
+   over the reference's max, every element finite);
+4. a build with a sparse BigBird mask against a build with the same mask on TVM's dense attention
+   (``kernel="dense"``), on the same inputs: the sparse CUDA kernels at each family's head dim, checked the same way.
+
+Prints one row per (family, batch) and writes JSON. On the GPU machine, with the compiler kit installed:
+
+    python3 scripts/check_families_gpu.py --json $OUT/families.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+FAMILIES = ("bert", "roberta", "distilbert", "gpt2", "vit", "t5", "deberta", "bloom", "phi", "gemma", "mistral",
+            "gptneox", "bart", "clip", "modernbert")
+SPARSE_MASK = "bigbird:window=8,globals=8,block=8,density=0.2"
+SEQ = 64
+TOLERANCE = 5e-3          # float16 against float32: the corpus's FP16_TOL
+
+
+def _errors(out: np.ndarray, ref: np.ndarray, kept: np.ndarray) -> dict:
+    out, ref = np.asarray(out, np.float64)[kept], np.asarray(ref, np.float64)[kept]
+    return {"rel": float(np.linalg.norm(out - ref) / np.linalg.norm(ref)),
+            "max_over_max": float(np.abs(out - ref).max() / np.abs(ref).max()),
+            "finite": bool(np.isfinite(out).all())}
+
+
+def _call(model, inputs: dict, target: str) -> np.ndarray:
+    """``model(**inputs)`` with torch tensors (on the GPU for ``cuda``), as users write it; the output back as
+    float32 numpy."""
+    import torch
+
+    device = "cuda" if target == "cuda" else "cpu"
+    out = model(**{name: torch.from_numpy(value).to(device) for name, value in inputs.items()})["last_hidden_state"]
+    return out.float().cpu().numpy()
+
+
+def check_family(family: str, exporter: str, batches: list[int], mask: str, work: str,
+                 target: str = "cuda") -> list[dict]:
+    """Rows of one family: one per batch, the dense build against torch, the sparse build against the dense."""
+    import stof_tvm
+    from stof_tvm.models import hf_export as hx
+
+    opset = 17 if exporter == "torchscript" else 23
+    attn = "sdpa" if exporter == "dynamo" and "sdpa" in hx.attention_kinds(family) else "eager"
+    path = hx.cached_export(work, family, attn=attn, exporter=exporter, opset=opset, dynamic=True)
+    reference_model = hx.build_model(family, "tiny", "eager")
+    seq = hx.sequence_length(family, "tiny", SEQ)
+    rows = []
+    for batch in batches:
+        row = {"family": family, "exporter": f"{exporter}{opset}", "batch": batch, "seq": seq}
+        try:
+            inputs = hx.example_inputs(family, batch, seq)
+            reference = hx.torch_outputs(reference_model, inputs)
+            kept = (inputs["attention_mask"].astype(bool) if "attention_mask" in inputs
+                    else np.ones(reference.shape[:2], bool))
+            outputs = {}
+            builds = (("dense", mask, "auto"), ("sparse", SPARSE_MASK, "auto"), ("sparse_ref", SPARSE_MASK, "dense"))
+            for label, spec, kernel in builds:
+                start = time.time()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    artifact = stof_tvm.compile(path, mask=spec, batch=batch, seq_len=seq, target=target,
+                                                dtype="float16", kernel=kernel)
+                row[f"{label}_compile_s"] = round(time.time() - start, 1)
+                row[f"{label}_sites"] = artifact.manifest["attention"].get("sites", 0)
+                row[f"{label}_fallbacks"] = [str(w.message)[:160] for w in caught
+                                             if "default pipeline" in str(w.message)]
+                outputs[label] = _call(artifact.load(), inputs, target)
+            row["dense_vs_torch"] = _errors(outputs["dense"], reference, kept)
+            row["sparse_vs_dense"] = _errors(outputs["sparse"], outputs["sparse_ref"], kept)
+            row["ok"] = all(row[key]["finite"] and row[key]["rel"] <= TOLERANCE
+                            for key in ("dense_vs_torch", "sparse_vs_dense"))
+        except Exception as error:                       # one family's failure must not hide the others
+            row["ok"] = False
+            row["error"] = f"{type(error).__name__}: {error}"[:400]
+            traceback.print_exc()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'family':11s} {'export':12s} {'B':>2s} {'sites':>5s} {'vs torch fp32 (rel / max)':>26s} "
+          f"{'sparse vs dense':>20s} {'ok':>3s}")
+    for row in rows:
+        if "error" in row:
+            print(f"{row['family']:11s} {row['exporter']:12s} {row['batch']:2d} error: {row['error'][:90]}")
+            continue
+        torch_err, sparse_err = row["dense_vs_torch"], row["sparse_vs_dense"]
+        print(f"{row['family']:11s} {row['exporter']:12s} {row['batch']:2d} "
+              f"{row['dense_sites']}/{row['sparse_sites']:<3d} "
+              f"{torch_err['rel']:12.2e} / {torch_err['max_over_max']:.2e} "
+              f"{sparse_err['rel']:10.2e} / {sparse_err['max_over_max']:.2e} {'yes' if row['ok'] else 'NO':>3s}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--families", nargs="*", default=list(FAMILIES))
+    parser.add_argument("--exporter", choices=("torchscript", "dynamo"), default="dynamo")
+    parser.add_argument("--batches", nargs="*", type=int, default=[1, 4])
+    parser.add_argument("--mask", default="dense", help="the mask of the build checked against torch")
+    parser.add_argument("--target", default="cuda", help="cuda on the GPU machine; llvm to try it here")
+    parser.add_argument("--work", default=os.path.join("out", "families"), help="export cache")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    rows = []
+    for family in args.families:
+        rows += check_family(family, args.exporter, args.batches, args.mask, args.work, args.target)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print(f"{sum(r['ok'] for r in rows)}/{len(rows)} ok")
+
+
+if __name__ == "__main__":
+    main()
