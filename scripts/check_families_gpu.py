@@ -12,7 +12,7 @@ build on the GPU machine. Per family (tiny seeded configs, :mod:`stof_tvm.models
 4. a build with a sparse BigBird mask against a build with the same mask on TVM's dense attention
    (``kernel="dense"``), on the same inputs: the sparse CUDA kernels at each family's head dim, checked the same way.
 
-Prints one row per (family, batch) and writes JSON. On the GPU machine, with the compiler kit installed:
+Prints one row per (family, batch) as it goes and writes JSON. On the GPU machine, with the compiler kit installed:
 
     python3 scripts/check_families_gpu.py --json $OUT/families.json
 """
@@ -97,22 +97,23 @@ def check_family(family: str, exporter: str, batches: list[int], mask: str, work
             row["error"] = f"{type(error).__name__}: {error}"[:400]
             traceback.print_exc()
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(format_row(row), flush=True)
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
-    print(f"\n{'family':11s} {'export':12s} {'B':>2s} {'sites':>5s} {'vs torch fp32 (rel / max)':>26s} "
-          f"{'sparse vs dense':>20s} {'ok':>3s}")
-    for row in rows:
-        if "error" in row:
-            print(f"{row['family']:11s} {row['exporter']:12s} {row['batch']:2d} error: {row['error'][:90]}")
-            continue
-        torch_err, sparse_err = row["dense_vs_torch"], row["sparse_vs_dense"]
-        print(f"{row['family']:11s} {row['exporter']:12s} {row['batch']:2d} "
-              f"{row['dense_sites']}/{row['sparse_sites']:<3d} "
-              f"{torch_err['rel']:12.2e} / {torch_err['max_over_max']:.2e} "
-              f"{sparse_err['rel']:10.2e} / {sparse_err['max_over_max']:.2e} {'yes' if row['ok'] else 'NO':>3s}")
+HEADER = (f"{'family':11s} {'export':9s} {'B':>2s} {'sites':>5s} {'vs torch fp32 (rel / max)':>25s} "
+          f"{'sparse vs dense (rel / max)':>28s} ok")
+
+
+def format_row(row: dict) -> str:
+    """One line of the table: the sites on stof-tvm's kernels (dense build / sparse build) and both checks."""
+    head = f"{row['family']:11s} {row['exporter']:9s} {row['batch']:2d}"
+    if "error" in row:
+        return f"{head} error: {row['error'][:100]}"
+    torch_err, sparse_err = row["dense_vs_torch"], row["sparse_vs_dense"]
+    return (f"{head} {row['dense_sites']:>2d}/{row['sparse_sites']:<2d} "
+            f"{torch_err['rel']:12.2e} / {torch_err['max_over_max']:.2e} "
+            f"{sparse_err['rel']:15.2e} / {sparse_err['max_over_max']:.2e} {'yes' if row['ok'] else 'NO'}")
 
 
 def main() -> None:
@@ -126,12 +127,12 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     rows = []
+    print(HEADER, flush=True)
     for family in args.families:
         rows += check_family(family, args.exporter, args.batches, args.mask, args.work, args.target)
-    print_table(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        if args.json:                      # after every family: a run stopped early keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
     print(f"{sum(r['ok'] for r in rows)}/{len(rows)} ok")
 
 
