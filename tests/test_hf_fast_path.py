@@ -99,3 +99,24 @@ def test_templates_on_real_exports_match_torch(hf_export, form):
     out = art.load()(inputs)["last_hidden_state"]
     assert not np.isnan(out).any()
     assert np.linalg.norm(out - expected) / np.linalg.norm(expected) < 5e-3
+
+
+def test_deberta_qkv_one_projection_with_keys_permuted_twice(hf_export):
+    """HF DeBERTa-v3 permutes K's heads twice (for the scores and for the position-to-content product), before its
+    V projection: QKV is still one projection into heads, on CUDA and through the templates' definitions on llvm,
+    where the output matches torch."""
+    from stof_tvm.models import hf_export as hx
+
+    path = hf_export("deberta", "eager", "torchscript", 17, False, BATCH, SEQ)
+    front = front_end(path, mask="bigbird", batch=BATCH, seq_len=SEQ, target="cuda", dtype="float16",
+                      schedule=False)
+    assert front.coverage["qkv"] == {"total": LAYERS, "accelerated": LAYERS, "fallback": []}
+    inputs = hx.example_inputs("deberta", BATCH, SEQ)
+    expected = hx.torch_outputs(hx.build_model("deberta", "tiny", "eager"), inputs)
+    art = stof_tvm.compile(path, mask="dense", batch=BATCH, seq_len=SEQ, target="llvm", dtype="float16",
+                           templates=True)
+    assert art.manifest["coverage"]["qkv"]["accelerated"] == LAYERS
+    out = art.load()(inputs)["last_hidden_state"]
+    kept = inputs["attention_mask"].astype(bool)
+    assert np.isfinite(out).all()
+    assert np.linalg.norm(out[kept] - expected[kept]) / np.linalg.norm(expected[kept]) < 5e-3

@@ -18,7 +18,9 @@ from .linear_match import (ANY_LINEAR, LINEAR_BIAS, LINEAR_W, LINEAR_X, is_call,
                            users_of, wgmma_misfit, zero_bias)
 
 class _QKVGroup:
-    """Three linear layers on one X whose outputs are split into heads (reshape + permute_dims)."""
+    """Three linear layers on one X whose outputs are split into heads (reshape + permute_dims). ``permutes`` and
+    ``axes``: per linear, the permutes of its head split (one, or several where the graph permutes the same heads
+    for several readers: HF DeBERTa-v3's K for the scores and for the position-to-content product) and their axes."""
 
     def __init__(self, x, linears: list, permutes: list, axes: list, heads: int, head_dim: int):
         self.x, self.linears, self.permutes, self.axes = x, linears, permutes, axes
@@ -60,13 +62,19 @@ def _find_qkv(func: relax.Function, users: dict) -> list[_QKVGroup]:
             continue
         heads = {(s[2], s[3]) for s in members}
         last = max(order[m[0]] for m in members)
-        # the permutes are replaced by the template's heads, emitted after the last linear (the reshapes die)
-        if len(heads) != 1 or any(order[m[5]] < last for m in members):
+        # the permutes are replaced by the template's heads, emitted after the last linear (the reshapes die), so
+        # nothing may read them before it
+        if len(heads) != 1 or not all(_read_after(permute, last, order, users) for m in members for permute in m[5]):
             continue
         h, d = heads.pop()
         groups.append(_QKVGroup(x, [(m[0], m[1]) for m in members], [m[5] for m in members],
                                 [m[6] for m in members], h, d))
     return groups + fused
+
+
+def _read_after(var, position: int, order: dict, users: dict) -> bool:
+    """Whether every binding that reads ``var`` comes after ``position`` in program order (the result comes last)."""
+    return all(use is None or order[use.var] > position for use in users.get(var, []))
 
 
 def _split_thirds(var, users):
@@ -94,23 +102,26 @@ def _split_thirds(var, users):
 
 
 def _head_split(var, users):
-    """(heads, head_dim, reshape var, permute var, permute axes) when ``var`` is only reshaped to [B, S, H, D]
-    and permuted into heads."""
+    """(heads, head_dim, reshape var, permute vars, their axes) when ``var`` is only reshaped to [B, S, H, D] and
+    that is only permuted into heads (by one permute or several, each of a :data:`_HEAD_PERMS` form)."""
     first = users.get(var, [])
     if len(first) != 1 or first[0] is None or not is_call(first[0].value, "relax.reshape"):
         return None
     reshape = first[0]
     shape = static_shape(reshape.var)
     second = users.get(reshape.var, [])
-    if shape is None or len(shape) != 4 or len(second) != 1 or second[0] is None:
+    if shape is None or len(shape) != 4 or not second:
         return None
-    permute = second[0]
-    if not is_call(permute.value, "relax.permute_dims") or permute.value.attrs.axes is None:
-        return None
-    axes = tuple(int(a) for a in permute.value.attrs.axes)
-    if axes not in _HEAD_PERMS:
-        return None
-    return shape[2], shape[3], reshape.var, permute.var, axes
+    permutes, axes = [], []
+    for permute in second:
+        if permute is None or not is_call(permute.value, "relax.permute_dims") or permute.value.attrs.axes is None:
+            return None
+        form = tuple(int(a) for a in permute.value.attrs.axes)
+        if form not in _HEAD_PERMS:
+            return None
+        permutes.append(permute.var)
+        axes.append(form)
+    return shape[2], shape[3], reshape.var, permutes, axes
 
 
 def _concat_weights(ws: list, axis: int) -> relax.Expr:
@@ -143,6 +154,7 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
     if not groups and not gemms:
         return func
     emit_at = {group.linears[-1][0]: group for group in groups}
+    moved = {permute for group in groups for permutes in group.permutes for permute in permutes}
     gemm_at = {group.linears[0][0]: group for group in gemms}
     replace: dict = {}
 
@@ -153,6 +165,8 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
                 self._emit_gemm(gemm_at[binding.var])
             if binding.var in replace:
                 self.set_var_remap(binding.var, replace[binding.var])
+                return
+            if binding.var in moved:        # a permute before its group's last linear: the heads replace it there
                 return
             super().visit_var_binding_(binding)
             if binding.var in emit_at:
@@ -193,7 +207,7 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
             call, stage = t.call(name, group.shape, dtype, [x2d, weight, bias], (3, b, h, s, d))
             t.record("qkv", [stage], note)
             qkv = self.builder_.emit(call)
-            if all(_reads_views(permute, users) for permute in group.permutes):
+            if all(_reads_views(permute, users) for permutes in group.permutes for permute in permutes):
                 # zero copy: Q, K and V are views at their offsets into the [3, B, H, S, D] output
                 part_bytes = b * h * s * d * tvm.runtime.DataType(dtype).bits // 8
                 heads_of = [relax.op.memory.view(qkv, [b, h, s, d], dtype,
@@ -202,9 +216,12 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
             else:
                 parts = self.builder_.emit(relax.op.split(qkv, 3, axis=0))
                 heads_of = [relax.op.reshape(relax.TupleGetItem(parts, i), [b, h, s, d]) for i in range(3)]
-            for heads, permute, axes in zip(heads_of, group.permutes, group.axes):
-                back = _HEAD_PERMS[axes]
-                replace[permute] = self.builder_.emit(heads if back is None else relax.op.permute_dims(heads, back))
+            for heads, permutes, forms in zip(heads_of, group.permutes, group.axes):
+                for permute, axes in zip(permutes, forms):
+                    back = _HEAD_PERMS[axes]
+                    replace[permute] = self.builder_.emit(heads if back is None
+                                                          else relax.op.permute_dims(heads, back))
+                    self.set_var_remap(permute, replace[permute])
 
     return QKV(t.mod).visit_expr(func)
 
