@@ -166,7 +166,7 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
             if binding.var in replace:
                 self.set_var_remap(binding.var, replace[binding.var])
                 return
-            if binding.var in moved:        # a permute before its group's last linear: the heads replace it there
+            if binding.var in moved:        # remapped to its group's heads, emitted after the group's last linear
                 return
             super().visit_var_binding_(binding)
             if binding.var in emit_at:
@@ -219,9 +219,8 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
             for heads, permutes, forms in zip(heads_of, group.permutes, group.axes):
                 for permute, axes in zip(permutes, forms):
                     back = _HEAD_PERMS[axes]
-                    replace[permute] = self.builder_.emit(heads if back is None
-                                                          else relax.op.permute_dims(heads, back))
-                    self.set_var_remap(permute, replace[permute])
+                    self.set_var_remap(permute, self.builder_.emit(heads if back is None
+                                                                   else relax.op.permute_dims(heads, back)))
 
     return QKV(t.mod).visit_expr(func)
 
