@@ -70,13 +70,13 @@ def vector_lanes(block: tirx.Stmt, inner, vector_bytes: int = 16) -> int | None:
     store = block.body
     if not isinstance(store, tirx.BufferStore) or not _plain(store.buffer):
         return None
-    if not store.indices[-1].same_as(inner) or any(_uses(i, inner) for i in store.indices[:-1]):
+    if not store.indices or not store.indices[-1].same_as(inner) or any(_uses(i, inner) for i in store.indices[:-1]):
         return None
     moving = [(store.buffer, store.indices[-1])]
     for load in _loads(store.value):
         if not _plain(load.source) or any(_uses(i, inner) for i in load.indices[:-1]):
             return None
-        if _uses(load.indices[-1], inner):
+        if load.indices and _uses(load.indices[-1], inner):      # a 0-d load (a scalar tensor) is invariant
             moving.append((load.source, load.indices[-1]))
     widest = max([tvm.DataType(buffer.dtype).bits // 8 for buffer, _ in moving]
                  + [bits // 8 for bits in _moving_float_bits(store.value, inner)])

@@ -56,49 +56,99 @@ def _call(model, inputs: dict, target: str) -> np.ndarray:
     return out.float().cpu().numpy()
 
 
-def check_family(family: str, exporter: str, batches: list[int], mask: str, work: str,
-                 target: str = "cuda") -> list[dict]:
-    """Rows of one family: one per batch, the dense build against torch, the sparse build against the dense."""
+BUILDS = (("dense", None, "auto"), ("sparse", SPARSE_MASK, "auto"), ("sparse_ref", SPARSE_MASK, "dense"))
+
+
+def build_family(family: str, exporter: str, batch: int, mask: str, work: str, target: str = "cuda"):
+    """Export ``family`` (cached), compile its three builds at ``batch`` (:data:`BUILDS`; ``None`` = ``mask``) and
+    compute the torch float32 reference. Returns (row, inputs, reference, kept, artifacts by label)."""
     import stof_tvm
     from stof_tvm.models import hf_export as hx
 
     opset = 17 if exporter == "torchscript" else 23
     attn = "sdpa" if exporter == "dynamo" and "sdpa" in hx.attention_kinds(family) else "eager"
     path = hx.cached_export(work, family, attn=attn, exporter=exporter, opset=opset, dynamic=True)
-    reference_model = hx.build_model(family, "tiny", "eager")
     seq = hx.sequence_length(family, "tiny", SEQ)
+    row = {"family": family, "exporter": f"{exporter}{opset}", "batch": batch, "seq": seq}
+    inputs = hx.example_inputs(family, batch, seq)
+    reference = hx.torch_outputs(hx.build_model(family, "tiny", "eager"), inputs)
+    kept = (inputs["attention_mask"].astype(bool) if "attention_mask" in inputs
+            else np.ones(reference.shape[:2], bool))
+    artifacts = {}
+    for label, spec, kernel in BUILDS:
+        start = time.time()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            artifacts[label] = stof_tvm.compile(path, mask=spec or mask, batch=batch, seq_len=seq, target=target,
+                                                dtype="float16", kernel=kernel)
+        row[f"{label}_compile_s"] = round(time.time() - start, 1)
+        row[f"{label}_sites"] = artifacts[label].manifest["attention"].get("sites", 0)
+        row[f"{label}_fallbacks"] = [str(w.message)[:160] for w in caught if "default pipeline" in str(w.message)]
+    return row, inputs, reference, kept, artifacts
+
+
+def check_outputs(row: dict, outputs: dict, reference: np.ndarray, kept: np.ndarray) -> dict:
+    """Fill ``row`` with the dense build against torch and the sparse build against the dense kernel."""
+    row["dense_vs_torch"] = _errors(outputs["dense"], reference, kept)
+    row["sparse_vs_dense"] = _errors(outputs["sparse"], outputs["sparse_ref"], kept)
+    row["ok"] = all(row[key]["finite"] and row[key]["rel"] <= TOLERANCE for key in ("dense_vs_torch", "sparse_vs_dense"))
+    return row
+
+
+def _guarded(row: dict, step) -> dict:
+    """Run ``step()``; a failure becomes the row's error (one family's failure must not hide the others)."""
+    try:
+        step()
+    except Exception as error:
+        row["ok"] = False
+        row["error"] = f"{type(error).__name__}: {error}"[:400]
+        traceback.print_exc()
+    print(format_row(row), flush=True)
+    return row
+
+
+def check_family(family: str, exporter: str, batches: list[int], mask: str, work: str,
+                 target: str = "cuda", save: str | None = None) -> list[dict]:
+    """Rows of one family, one per batch. In process: build, call and check. With ``save``: build here and write
+    each batch's artifacts, inputs and reference under ``save`` for :func:`check_saved` on the GPU machine."""
     rows = []
     for batch in batches:
-        row = {"family": family, "exporter": f"{exporter}{opset}", "batch": batch, "seq": seq}
-        try:
-            inputs = hx.example_inputs(family, batch, seq)
-            reference = hx.torch_outputs(reference_model, inputs)
-            kept = (inputs["attention_mask"].astype(bool) if "attention_mask" in inputs
-                    else np.ones(reference.shape[:2], bool))
-            outputs = {}
-            builds = (("dense", mask, "auto"), ("sparse", SPARSE_MASK, "auto"), ("sparse_ref", SPARSE_MASK, "dense"))
-            for label, spec, kernel in builds:
-                start = time.time()
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    artifact = stof_tvm.compile(path, mask=spec, batch=batch, seq_len=seq, target=target,
-                                                dtype="float16", kernel=kernel)
-                row[f"{label}_compile_s"] = round(time.time() - start, 1)
-                row[f"{label}_sites"] = artifact.manifest["attention"].get("sites", 0)
-                row[f"{label}_fallbacks"] = [str(w.message)[:160] for w in caught
-                                             if "default pipeline" in str(w.message)]
-                outputs[label] = _call(artifact.load(), inputs, target)
-            row["dense_vs_torch"] = _errors(outputs["dense"], reference, kept)
-            row["sparse_vs_dense"] = _errors(outputs["sparse"], outputs["sparse_ref"], kept)
-            row["ok"] = all(row[key]["finite"] and row[key]["rel"] <= TOLERANCE
-                            for key in ("dense_vs_torch", "sparse_vs_dense"))
-        except Exception as error:                       # one family's failure must not hide the others
-            row["ok"] = False
-            row["error"] = f"{type(error).__name__}: {error}"[:400]
-            traceback.print_exc()
-        rows.append(row)
-        print(format_row(row), flush=True)
+        row = {"family": family, "batch": batch}
+
+        def step():
+            built, inputs, reference, kept, artifacts = build_family(family, exporter, batch, mask, work, target)
+            row.update(built)
+            if save:
+                _save(os.path.join(save, f"{family}-b{batch}"), row, inputs, reference, kept, artifacts)
+            else:
+                outputs = {label: _call(art.load(), inputs, target) for label, art in artifacts.items()}
+                check_outputs(row, outputs, reference, kept)
+        rows.append(_guarded(row, step))
     return rows
+
+
+def _save(folder: str, row: dict, inputs: dict, reference, kept, artifacts: dict) -> None:
+    for label, artifact in artifacts.items():
+        artifact.save(os.path.join(folder, label))
+    np.savez(os.path.join(folder, "data.npz"), reference=reference, kept=kept,
+             **{"input_" + name: value for name, value in inputs.items()})
+    with open(os.path.join(folder, "row.json"), "w") as f:
+        json.dump(row, f, indent=1)
+
+
+def check_saved(folder: str, target: str = "cuda") -> dict:
+    """Load one saved (family, batch) folder with the runtime alone, call each build and check it."""
+    from stof_tvm.runtime import load
+
+    with open(os.path.join(folder, "row.json")) as f:
+        row = json.load(f)
+
+    def step():
+        data = np.load(os.path.join(folder, "data.npz"), allow_pickle=False)
+        inputs = {key[len("input_"):]: data[key] for key in data.files if key.startswith("input_")}
+        outputs = {label: _call(load(os.path.join(folder, label)), inputs, target) for label, _, _ in BUILDS}
+        check_outputs(row, outputs, data["reference"], data["kept"])
+    return _guarded(row, step)
 
 
 HEADER = (f"{'family':11s} {'export':9s} {'B':>2s} {'sites':>5s} {'vs torch fp32 (rel / max)':>25s} "
@@ -107,9 +157,11 @@ HEADER = (f"{'family':11s} {'export':9s} {'B':>2s} {'sites':>5s} {'vs torch fp32
 
 def format_row(row: dict) -> str:
     """One line of the table: the sites on stof-tvm's kernels (dense build / sparse build) and both checks."""
-    head = f"{row['family']:11s} {row['exporter']:9s} {row['batch']:2d}"
+    head = f"{row['family']:11s} {row.get('exporter', '?'):9s} {row['batch']:2d}"
     if "error" in row:
         return f"{head} error: {row['error'][:100]}"
+    if "dense_vs_torch" not in row:
+        return f"{head} {row['dense_sites']:>2d}/{row['sparse_sites']:<2d} built and saved"
     torch_err, sparse_err = row["dense_vs_torch"], row["sparse_vs_dense"]
     return (f"{head} {row['dense_sites']:>2d}/{row['sparse_sites']:<2d} "
             f"{torch_err['rel']:12.2e} / {torch_err['max_over_max']:.2e} "
@@ -125,15 +177,29 @@ def main() -> None:
     parser.add_argument("--target", default="cuda", help="cuda on the GPU machine; llvm to try it here")
     parser.add_argument("--work", default=os.path.join("out", "families"), help="export cache")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--save", metavar="DIR", help="build here and save artifacts, inputs and references to DIR "
+                        "(no GPU needed); check them later with --load DIR")
+    parser.add_argument("--load", metavar="DIR", help="check the builds saved in DIR with the runtime alone")
     args = parser.parse_args()
     rows = []
     print(HEADER, flush=True)
-    for family in args.families:
-        rows += check_family(family, args.exporter, args.batches, args.mask, args.work, args.target)
-        if args.json:                      # after every family: a run stopped early keeps what it measured
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-    print(f"{sum(r['ok'] for r in rows)}/{len(rows)} ok")
+    if args.load:
+        for name in sorted(os.listdir(args.load)):
+            if os.path.isfile(os.path.join(args.load, name, "row.json")):
+                rows.append(check_saved(os.path.join(args.load, name), args.target))
+                _write_json(rows, args.json)
+    else:
+        for family in args.families:
+            rows += check_family(family, args.exporter, args.batches, args.mask, args.work, args.target, args.save)
+            _write_json(rows, args.json)
+    print(f"{len(rows)} saved" if args.save else f"{sum(r.get('ok', False) for r in rows)}/{len(rows)} ok")
+
+
+def _write_json(rows: list[dict], path: str | None) -> None:
+    """After every family: a run stopped early keeps what it measured."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

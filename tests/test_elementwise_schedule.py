@@ -52,6 +52,14 @@ def embeddings(ids: T.Buffer((1, ROWS), "int64"), words: T.Buffer((VOCAB, WIDTH)
 
 
 @T.prim_func(private=True, s_tir=True)
+def scaled(a: T.Buffer((ROWS, WIDTH), "float16"), s: T.Buffer((), "float16"), b: T.Buffer((ROWS, WIDTH), "float16")):
+    for i, j in T.grid(ROWS, WIDTH):
+        with T.sblock("scale"):
+            vi, vj = T.axis.remap("SS", [i, j])
+            b[vi, vj] = a[vi, vj] * s[()]       # a 0-d tensor (HF BLOOM's exports hold one): read once, invariant
+
+
+@T.prim_func(private=True, s_tir=True)
 def transpose(a: T.Buffer((WIDTH, WIDTH), "float16"), b: T.Buffer((WIDTH, WIDTH), "float16")):
     for i, j in T.grid(WIDTH, WIDTH):
         with T.sblock("t"):
@@ -104,7 +112,7 @@ def _lowered(func):
 
 
 @pytest.mark.parametrize("func, lanes, vector_type", [(output_cast, 4, "float4"), (half_sum, 8, "uint4"),
-                                                      (embeddings, 4, "float4")])
+                                                      (embeddings, 4, "float4"), (scaled, 8, "uint4")])
 def test_kernels_are_vectorised_and_exact_on_cpu_threads(func, lanes, vector_type, tmp_path):
     from cuda_emulation import run_on_cpu
 
@@ -122,6 +130,10 @@ def test_kernels_are_vectorised_and_exact_on_cpu_threads(func, lanes, vector_typ
         a, c = (rng.standard_normal((ROWS, WIDTH)).astype(np.float16) for _ in range(2))
         got = run_on_cpu(src, {"a": a, "c": c}, {"d": (ROWS, WIDTH)}, grid, (threads, 1), tmp_path)["d"]
         np.testing.assert_array_equal(got, a + c * np.float16(2))
+    elif func is scaled:
+        a, s = rng.standard_normal((ROWS, WIDTH)).astype(np.float16), np.array(1.75, np.float16)
+        got = run_on_cpu(src, {"a": a, "s": s}, {"b": (ROWS, WIDTH)}, grid, (threads, 1), tmp_path)["b"]
+        np.testing.assert_array_equal(got, a * s)
     else:
         ids = rng.integers(-3, VOCAB + 3, size=(1, ROWS)).astype(np.int64)     # some out of range: clamped
         words = rng.standard_normal((VOCAB, WIDTH)).astype(np.float32)

@@ -214,3 +214,29 @@ def test_chunked_attention_in_float16_runs_in_float32_with_a_warning(hf_corpus):
     assert "computes in float32" in art.manifest["attention"]["fallback"]
     inputs, expected = _torch_reference("bigbird-sparse", "eager", BATCH, SEQ)
     assert _rel(model(inputs)["last_hidden_state"], expected) < FP32_TOL
+
+
+def _cuda_build_cases() -> list:
+    """Each family's dynamic dynamo-23 export, the form users most often bring (chunked attention aside)."""
+    return [pytest.param((family, "sdpa" if "sdpa" in hx.attention_kinds(family) else "eager", "dynamo", 23, True),
+                         id=family) for family in hx.FAMILIES if family not in CHUNKED]
+
+
+@pytest.mark.parametrize("case", _cuda_build_cases())
+def test_every_family_builds_for_cuda(hf_corpus, case):
+    """The whole CUDA build (sm_90a, float16, a sparse mask; no GPU needed): every schedule rule meets every family's
+    kernels and TVM generates their code. The llvm corpus does not schedule for the GPU: BLOOM's export, which holds
+    a 0-d tensor, once crashed the elementwise rule here. A family the sparse kernels cannot take builds dense."""
+    family = case[0]
+    mask = "dense" if family in NOT_ACCELERATED else SPARSE_MASK
+    seq = hx.sequence_length(family, "tiny", DYN_SEQ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        art = stof_tvm.compile(hf_corpus(case), mask=mask, batch=DYN_BATCH, seq_len=seq, target="cuda",
+                               dtype="float16")
+    assert art.manifest["target"]["arch"] == "sm_90a" and art.manifest["dtype"] == "float16"
+    attention = art.manifest["coverage"]["attention"]
+    if family in NOT_ACCELERATED:
+        assert attention["accelerated"] == 0 < attention["total"], attention
+    else:
+        assert attention["accelerated"] == attention["total"] > 0, attention
