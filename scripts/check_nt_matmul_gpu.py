@@ -29,7 +29,7 @@ TOLERANCE = 2e-3          # float16 rounding of the output (unit roundoff 4.9e-4
 POOL = 3                  # input sets cycled through while timing
 
 
-def _relax_product(batch: int, rows: int, cols: int, depth: int):
+def relax_product(batch: int, rows: int, cols: int, depth: int):
     """The product as the compiler meets it: ``matmul(A, B^T)`` in float32, cast to float16, legalised and fused
     into one PrimFunc."""
     import tvm
@@ -67,7 +67,7 @@ def builds(shape) -> dict:
             func = batched_nt_matmul(*shape, block_rows=rows).with_attr("global_symbol", "main")
             out[f"ours {rows}x128"] = tvm.compile(tvm.IRModule({"main": func}), target=target)["main"]
     with target:
-        sch = MatmulTensorization().apply(_relax_product(*shape), target, False)
+        sch = MatmulTensorization().apply(relax_product(*shape), target, False)
     func = sch.mod["main"].with_attr("global_symbol", "main")
     out["tvm wmma (before)"] = tvm.compile(tvm.IRModule({"main": func}), target=target)["main"]
     return out

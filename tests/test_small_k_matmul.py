@@ -12,6 +12,8 @@ products and 16-byte stores, and nvcc builds it for sm_90a without spills at eve
 checked on the GPU (scripts/check_nt_matmul_gpu.py)."""
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import tvm
@@ -90,24 +92,12 @@ def nt_matmul(batch, rows, cols, depth, scale=None):
 
 
 def relax_nt_matmul(batch, rows, cols, depth):
-    """The same product as the compiler meets it: Relax ``matmul(A, permute(B))`` in float32, cast to float16,
-    fused by FuseTransposeMatmul, legalised and fused into one PrimFunc."""
-    from tvm import relax
+    """The same product as the compiler meets it (Relax matmul by a permuted operand, cast, fused into one PrimFunc:
+    the GPU check's builder)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from check_nt_matmul_gpu import relax_product
 
-    a = relax.Var("a", relax.TensorType([batch, rows, depth], "float16"))
-    b = relax.Var("b", relax.TensorType([batch, cols, depth], "float16"))
-    bb = relax.BlockBuilder()
-    with bb.function("main", [a, b]):
-        with bb.dataflow():
-            product = relax.op.matmul(a, relax.op.permute_dims(b, [0, 2, 1]), out_dtype="float32")
-            out = bb.emit_output(relax.op.astype(product, "float16"))
-        bb.emit_func_output(out)
-    passes = [relax.transform.FuseTransposeMatmul(), relax.transform.LegalizeOps(),
-              relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
-    funcs = [f for _, f in tvm.transform.Sequential(passes)(bb.get()).functions_items()
-             if isinstance(f, tvm.tirx.PrimFunc)]
-    assert len(funcs) == 1
-    return funcs[0]
+    return relax_product(batch, rows, cols, depth)
 
 
 @pytest.mark.parametrize("build", [nt_matmul, relax_nt_matmul])
