@@ -2,8 +2,8 @@
 
 Three head-split linears on one ``X`` (each ``reshape [B, S, H, D]`` + ``permute_dims``), or one linear whose
 output is split into thirds that are each split into heads (GPT-2's ``c_attn``), become one template call writing
-``[3, B, H, S, D]``. Q, K and V are then zero-copy views at their offsets into it where only kernels that accept
-such views read them (:data:`VIEW_READERS`), else one split. Any sequence length: the template's ``x`` rows are
+``[3, B, H, S, D]``. Each of Q, K and V is then a zero-copy view at its offset into it where only kernels that accept
+such views read it (:data:`VIEW_READERS`), else a copy of its own. Any sequence length: the template's ``x`` rows are
 ``B*S`` zero-padded to its row multiple (ViT's 197 tokens), the padding never stored.
 """
 from __future__ import annotations
@@ -207,15 +207,19 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
             call, stage = t.call(name, group.shape, dtype, [x2d, weight, bias], (3, b, h, s, d))
             t.record("qkv", [stage], note)
             qkv = self.builder_.emit(call)
-            if all(_reads_views(permute, users) for permutes in group.permutes for permute in permutes):
-                # zero copy: Q, K and V are views at their offsets into the [3, B, H, S, D] output
-                part_bytes = b * h * s * d * tvm.runtime.DataType(dtype).bits // 8
-                heads_of = [relax.op.memory.view(qkv, [b, h, s, d], dtype,
-                                                 relax.prim_value(tvm.tirx.IntImm("int64", i * part_bytes)))
-                            for i in range(3)]
-            else:
-                parts = self.builder_.emit(relax.op.split(qkv, 3, axis=0))
-                heads_of = [relax.op.reshape(relax.TupleGetItem(parts, i), [b, h, s, d]) for i in range(3)]
+            part_bytes = b * h * s * d * tvm.runtime.DataType(dtype).bits // 8
+            heads_of = []
+            for i, permutes in enumerate(group.permutes):
+                if all(_reads_views(permute, users) for permute in permutes):
+                    # zero copy: a view at its offset into the [3, B, H, S, D] output
+                    heads_of.append(relax.op.memory.view(qkv, [b, h, s, d], dtype,
+                                                         relax.prim_value(tvm.tirx.IntImm("int64", i * part_bytes))))
+                else:
+                    # a copy of its own, for readers that need offset 0 (DeBERTa's relative-position products read
+                    # Q and K; V stays a view): one kernel a part, vectorised, where a split's one kernel of three
+                    # outputs ran one thread per element (~1.1 TB/s on an H100)
+                    part = relax.op.strided_slice(qkv, axes=[0], begin=[i], end=[i + 1])
+                    heads_of.append(self.builder_.emit(relax.op.reshape(part, [b, h, s, d])))
             for heads, permutes, forms in zip(heads_of, group.permutes, group.axes):
                 for permute, axes in zip(permutes, forms):
                     back = _HEAD_PERMS[axes]
