@@ -5,6 +5,8 @@ LayerNorm / RMSNorm on its template; and the numerics of the forms this adds (GP
 one-GEMM QKV) on llvm, through the templates' definitions, against torch. Skipped without torch / transformers."""
 import numpy as np
 import pytest
+import tvm
+from tvm import relax
 
 import stof_tvm
 from stof_tvm.compiler import front_end
@@ -109,8 +111,16 @@ def test_deberta_qkv_one_projection_with_keys_permuted_twice(hf_export):
 
     path = hf_export("deberta", "eager", "torchscript", 17, False, BATCH, SEQ)
     front = front_end(path, mask="bigbird", batch=BATCH, seq_len=SEQ, target="cuda", dtype="float16",
-                      schedule=False)
+                      kernel="block", schedule=False)
     assert front.coverage["qkv"] == {"total": LAYERS, "accelerated": LAYERS, "fallback": []}
+    # V, read by the block-wise attention kernel alone, is a view into the projection's output; Q and K, which the
+    # relative-position products read too, are a copy each
+    ops = []
+    relax.analysis.post_order_visit(front.mod["main"], lambda e: ops.append(e.op.name) if isinstance(e, relax.Call)
+                                    and isinstance(e.op, tvm.ir.Op) else None)
+    assert ops.count("relax.memory.view") == LAYERS and ops.count("relax.strided_slice") == 2 * LAYERS, [
+        (op, ops.count(op)) for op in ("relax.memory.view", "relax.strided_slice", "relax.split")]
+    assert "relax.split" not in ops
     inputs = hx.example_inputs("deberta", BATCH, SEQ)
     expected = hx.torch_outputs(hx.build_model("deberta", "tiny", "eager"), inputs)
     art = stof_tvm.compile(path, mask="dense", batch=BATCH, seq_len=SEQ, target="llvm", dtype="float16",
