@@ -34,8 +34,9 @@ from .mma import (CP_ASYNC_16, LD_SHARED_V4, LDMATRIX_X4, ST_GLOBAL_V4, chunk_of
 __all__ = ["BLOCK", "ROW_CHOICES", "fits", "batched_nt_matmul"]
 
 BLOCK = 128                  # output columns of a block's tile
-# ... and its rows, in the order tried: 64 (32 accumulators a thread, 62 registers: 4 blocks an SM) ran DeBERTa-v3-base's
-# 8 x 512 products in 28.4 us, 128 (102 registers, 2 blocks) in 33.2 (H100, scripts/check_nt_matmul_gpu.py)
+# ... and its rows, in the order tried: 64 (32 accumulators a thread, 62 registers: 4 blocks an SM) ran
+# DeBERTa-v3-base's 8 x 512 products in 28.4 us, 128 (102 registers, 2 blocks) in 33.2 (H100,
+# scripts/check_nt_matmul_gpu.py)
 ROW_CHOICES = (64, 128)
 WARPS_M, WARPS_N = 4, 2      # warps along i and along j
 THREADS = 32 * WARPS_M * WARPS_N

@@ -85,8 +85,8 @@ def nt_product(func: tirx.PrimFunc) -> tuple[int, int, int, int] | None:
     if len(cast.iter_vars) != 3 or any(iv.iter_type != tirx.IterVar.DataPar for iv in cast.iter_vars):
         return None
     u, v, w = (iv.var for iv in cast.iter_vars)
-    if not tvm_ffi.structural_equal(cast.body, tirx.BufferStore(c, tirx.Cast("float16", tirx.BufferLoad(acc, [u, v, w])),
-                                                               [u, v, w])):
+    rounded = tirx.BufferStore(c, tirx.Cast("float16", tirx.BufferLoad(acc, [u, v, w])), [u, v, w])
+    if not tvm_ffi.structural_equal(cast.body, rounded):
         return None
     return batch, rows, cols, depth
 

@@ -15,6 +15,11 @@ build on the GPU machine. Per family (tiny seeded configs, :mod:`stof_tvm.models
 Prints one row per (family, batch) as it goes and writes JSON. On the GPU machine, with the compiler kit installed:
 
     python3 scripts/check_families_gpu.py --json $OUT/families.json
+
+Or build here and check there with the TVM runtime alone (no compiler kit; the GPU's time goes to the checks):
+
+    .venv/bin/python scripts/check_families_gpu.py --save out/fam_cuda             # here: artifacts, inputs, references
+    python3 scripts/check_families_gpu.py --load out/fam_cuda --json $OUT/fam.json  # GPU machine
 """
 from __future__ import annotations
 
@@ -91,7 +96,8 @@ def check_outputs(row: dict, outputs: dict, reference: np.ndarray, kept: np.ndar
     """Fill ``row`` with the dense build against torch and the sparse build against the dense kernel."""
     row["dense_vs_torch"] = _errors(outputs["dense"], reference, kept)
     row["sparse_vs_dense"] = _errors(outputs["sparse"], outputs["sparse_ref"], kept)
-    row["ok"] = all(row[key]["finite"] and row[key]["rel"] <= TOLERANCE for key in ("dense_vs_torch", "sparse_vs_dense"))
+    row["ok"] = all(row[key]["finite"] and row[key]["rel"] <= TOLERANCE
+                    for key in ("dense_vs_torch", "sparse_vs_dense"))
     return row
 
 
@@ -128,6 +134,8 @@ def check_family(family: str, exporter: str, batches: list[int], mask: str, work
 
 
 def _save(folder: str, row: dict, inputs: dict, reference, kept, artifacts: dict) -> None:
+    """One (family, batch) under ``folder``: each build's artifact by label, the inputs with the reference and kept
+    positions (``data.npz``), and the row so far (``row.json``)."""
     for label, artifact in artifacts.items():
         artifact.save(os.path.join(folder, label))
     np.savez(os.path.join(folder, "data.npz"), reference=reference, kept=kept,
@@ -151,13 +159,13 @@ def check_saved(folder: str, target: str = "cuda") -> dict:
     return _guarded(row, step)
 
 
-HEADER = (f"{'family':11s} {'export':9s} {'B':>2s} {'sites':>5s} {'vs torch fp32 (rel / max)':>25s} "
+HEADER = (f"{'family':11s} {'export':13s} {'B':>2s} {'sites':>5s} {'vs torch fp32 (rel / max)':>25s} "
           f"{'sparse vs dense (rel / max)':>28s} ok")
 
 
 def format_row(row: dict) -> str:
     """One line of the table: the sites on stof-tvm's kernels (dense build / sparse build) and both checks."""
-    head = f"{row['family']:11s} {row.get('exporter', '?'):9s} {row['batch']:2d}"
+    head = f"{row['family']:11s} {row.get('exporter', '?'):13s} {row['batch']:2d}"
     if "error" in row:
         return f"{head} error: {row['error'][:100]}"
     if "dense_vs_torch" not in row:

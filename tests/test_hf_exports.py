@@ -224,7 +224,7 @@ def _cuda_build_cases() -> list:
 
 @pytest.mark.parametrize("case", _cuda_build_cases())
 def test_every_family_builds_for_cuda(hf_corpus, case):
-    """The whole CUDA build (sm_90a, float16, a sparse mask; no GPU needed): every schedule rule meets every family's
+    """The whole CUDA build (float16, a sparse mask; no GPU needed): every schedule rule meets every family's
     kernels and TVM generates their code. The llvm corpus does not schedule for the GPU: BLOOM's export, which holds
     a 0-d tensor, once crashed the elementwise rule here. A family the sparse kernels cannot take builds dense."""
     family = case[0]
@@ -234,7 +234,7 @@ def test_every_family_builds_for_cuda(hf_corpus, case):
         warnings.simplefilter("ignore")
         art = stof_tvm.compile(hf_corpus(case), mask=mask, batch=DYN_BATCH, seq_len=seq, target="cuda",
                                dtype="float16")
-    assert art.manifest["target"]["arch"] == "sm_90a" and art.manifest["dtype"] == "float16"
+    assert art.manifest["target"]["kind"] == "cuda" and art.manifest["dtype"] == "float16"
     attention = art.manifest["coverage"]["attention"]
     if family in NOT_ACCELERATED:
         assert attention["accelerated"] == 0 < attention["total"], attention
