@@ -208,23 +208,22 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
             t.record("qkv", [stage], note)
             qkv = self.builder_.emit(call)
             part_bytes = b * h * s * d * tvm.runtime.DataType(dtype).bits // 8
-            heads_of = []
-            for i, permutes in enumerate(group.permutes):
+            for i, (permutes, forms) in enumerate(zip(group.permutes, group.axes)):
                 if all(_reads_views(permute, users) for permute in permutes):
                     # zero copy: a view at its offset into the [3, B, H, S, D] output
-                    heads_of.append(relax.op.memory.view(qkv, [b, h, s, d], dtype,
-                                                         relax.prim_value(tvm.tirx.IntImm("int64", i * part_bytes))))
+                    heads = relax.op.memory.view(qkv, [b, h, s, d], dtype,
+                                                 relax.prim_value(tvm.tirx.IntImm("int64", i * part_bytes)))
                 else:
                     # a copy of its own, for readers that need offset 0 (DeBERTa's relative-position products read
                     # Q and K; V stays a view): one kernel a part, vectorised, where a split's one kernel of three
                     # outputs ran one thread per element (~1.1 TB/s on an H100)
-                    part = relax.op.strided_slice(qkv, axes=[0], begin=[i], end=[i + 1])
-                    heads_of.append(self.builder_.emit(relax.op.reshape(part, [b, h, s, d])))
-            for heads, permutes, forms in zip(heads_of, group.permutes, group.axes):
+                    heads = relax.op.reshape(relax.op.strided_slice(qkv, axes=[0], begin=[i], end=[i + 1]),
+                                             [b, h, s, d])
+                heads = self.builder_.emit(heads)
                 for permute, axes in zip(permutes, forms):
                     back = _HEAD_PERMS[axes]
-                    self.set_var_remap(permute, self.builder_.emit(heads if back is None
-                                                                   else relax.op.permute_dims(heads, back)))
+                    self.set_var_remap(permute, heads if back is None
+                                       else self.builder_.emit(relax.op.permute_dims(heads, back)))
 
     return QKV(t.mod).visit_expr(func)
 
