@@ -1249,13 +1249,31 @@ def plan_s25short() -> list[dict]:
     return cases
 
 
+# s29short: the compile path's picks at the whole models' shapes, from this tree and from the tree before it
+S29_SHAPES = ((8, 512), (8, 197), (1, 128), (1, 577), (16, 2048))
+
+
+def plan_s29short() -> list[dict]:
+    """This tree's block-wise kernel against the tree before it (``variant: base``, built with ``--only-variant base
+    --source-tree DIR``) at the compile path's picks for BigBird at the whole models' shapes (S29_SHAPES, H12 D64,
+    padded, all-ones padding as the models run); the first case of each shape carries FlexAttention and SDPA."""
+    cases = []
+    for batch, seq in S29_SHAPES:
+        config = _config_tuple(_compile_path_pick(batch, seq))
+        case = _case("time", "block", "bigbird", batch, H_BENCH, seq, 64, "float16", config, padding=True)
+        label = "x".join(map(str, config[:5]))
+        cases += [dict(case, pad_keep="ones", label=f"base {label}", variant="base", baselines=True),
+                  dict(case, pad_keep="ones", label=f"this {label}", baselines=False)]
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
          "s9sparse": plan_s9sparse, "s9check": plan_s9check, "s10sparse": plan_s10sparse,
          "s10dims": plan_s10dims, "s11gpt2": plan_s11gpt2, "s12bb": plan_s12bb,
          "s17model": plan_s17model, "s19knobs": plan_s19knobs,
-         "s19gate": plan_s19gate, "s25short": plan_s25short}
+         "s19gate": plan_s19gate, "s25short": plan_s25short, "s29short": plan_s29short}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 

@@ -34,6 +34,7 @@ from tvm import relax
 from stof_tvm.sparse_formats.masks import normalize_mask
 
 from .attention_match import find_attention_sites, unmatched_score_ops
+from .bias_precision import NARROW_DTYPES, narrows_exactly_enough
 from .canonical import canonicalize
 from .coverage import coverage
 from .downstream import use_templates
@@ -192,7 +193,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
               kernel: str = "auto", templates: bool | None = None, gemm: str = "auto",
               database: str | None = None, schedule: bool = True, lean_padding: bool = True,
               gemm_knobs: dict | None = None, norm_fusion: bool = False,
-              attention_knobs: dict | None = None) -> FrontEnd:
+              attention_knobs: dict | None = None, narrow_bias: bool = True) -> FrontEnd:
     """Steps 1-5 of :func:`compile` (same arguments): import, attention kernel choice and rewrite, templates.
 
     ``schedule=False`` leaves the template PrimFuncs unscheduled (the tuner only reads which calls are made)."""
@@ -264,6 +265,11 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     combined = user_mask if plan.const_keep is None else user_mask & plan.const_keep
     mask_batch, mask_heads = _mask_groups(user_mask, plan.const_keep, plan.runtime)
     bias = score_bias(site, plan.bias_terms, plan)
+    if narrow_bias and bias is not None and bias[1][2] == "float32" and site.dtype in NARROW_DTYPES:
+        var2val = relax.analysis.get_var2val(mod["main"])
+        if all(narrows_exactly_enough(score_bias(s, plan.bias_terms, plan, i)[0], var2val)
+               for i, s in enumerate(sites)):
+            bias = score_bias(site, plan.bias_terms, plan, dtype=site.dtype)
     choice = choose_kernel(kernel, combined, batch=batch, heads=site.heads, head_dim=site.head_dim,
                            dtype=site.dtype, seq_q=site.seq_q, target_kind=tspec["kind"], mask_batch=mask_batch,
                            mask_heads=mask_heads, bias=bias[1] if bias else None, dense_only=plan.dense_only,
@@ -357,7 +363,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
             kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
             dependent_launch: bool | None = None, database: str | None = None, progress=None,
             lean_padding: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False,
-            attention_knobs: dict | None = None):
+            attention_knobs: dict | None = None, narrow_bias: bool = True):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
 
     ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
@@ -402,6 +408,9 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     wgmma kernel (a cluster of blocks per row tile) where it launches half the GPU's SMs (:mod:`.downstream`). Off by
     default: every fused kernel measured slower than the unfused pair (0.57-0.88x on an H100, BENCHMARKS.md session
     19: its clusters of 3-4 blocks leave SMs idle or run in two waves, and its epilogue is not overlapped).
+    ``narrow_bias`` (default on): a float32 score bias made only of values already rounded to 16 bits (DeBERTa's
+    relative-position terms) reaches the sparse kernel in the model's 16-bit dtype, halving the bytes the graph
+    writes and the kernel reads (:mod:`.bias_precision`); ``False`` keeps it in float32.
     """
     from stof_tvm.artifact import Artifact
     from stof_tvm.records import open_database, record_usage
@@ -410,7 +419,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
 
     if cuda_graph not in (False, True):
         raise TypeError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
-    for name, flag in (("lean_padding", lean_padding), ("norm_fusion", norm_fusion)):
+    for name, flag in (("lean_padding", lean_padding), ("norm_fusion", norm_fusion), ("narrow_bias", narrow_bias)):
         if flag not in (False, True):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
     for name, knobs in (("gemm_knobs", gemm_knobs), ("attention_knobs", attention_knobs)):
@@ -427,7 +436,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         front = front_end(model, mask=mask, batch=batch, seq_len=seq_len, target=target, dtype=dtype,
                           kernel=kernel, templates=templates, gemm=gemm, database=database,
                           lean_padding=lean_padding, gemm_knobs=gemm_knobs, norm_fusion=norm_fusion,
-                          attention_knobs=attention_knobs)
+                          attention_knobs=attention_knobs, narrow_bias=narrow_bias)
         tspec, choice = front.tspec, front.choice
         report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
                f"(attention kernel {choice.kind if choice else 'none: ' + front.fallback}, "

@@ -360,11 +360,11 @@ def _shared_plan(func, first: AttentionSite, var2val, model_inputs, weights) -> 
 
 
 def score_bias(site: AttentionSite, bias_terms: list[int], plan: MaskPlan | None = None,
-               index: int = 0) -> tuple[relax.Expr, tuple[int, int, str]] | None:
+               index: int = 0, dtype: str | None = None) -> tuple[relax.Expr, tuple[int, int, str]] | None:
     """The real-bias terms of ``site`` summed into one ``[Bb, Hb, Sq, Sk]`` expression of the graph (Bb 1 or B,
     Hb 1 or H, broadcast over the query and key axes), with ``(Bb, Hb, dtype)``; None when it has none. With a
     ``plan`` whose sites mask differently, site ``index``'s own mask term is added (every site then takes a bias,
-    of the groups the sites' extra terms need)."""
+    of the groups the sites' extra terms need). ``dtype``: the sum cast to it (default: the terms' own)."""
     extra = plan.site_bias if plan is not None and plan.site_bias is not None else None
     if not bias_terms and extra is None:
         return None
@@ -382,12 +382,14 @@ def score_bias(site: AttentionSite, bias_terms: list[int], plan: MaskPlan | None
     padded = [(1,) * (4 - len(shape)) + tuple(shape) for shape in shapes]
     groups = (site.batch if any(p[0] == site.batch for p in padded) and site.batch > 1 else 1,
               site.heads if any(p[1] == site.heads for p in padded) and site.heads > 1 else 1)
-    dtype = str(exprs[0].ty.dtype)
+    own_dtype = str(exprs[0].ty.dtype)
     total = None
     for expr, shape in zip(exprs, shapes):
-        cast = str(expr.ty.dtype) != dtype             # read before the reshape: a new call has no type yet
+        cast = str(expr.ty.dtype) != own_dtype         # read before the reshape: a new call has no type yet
         expr = relax.op.reshape(expr, (1,) * (4 - len(shape)) + tuple(shape)) if len(shape) < 4 else expr
-        expr = relax.op.astype(expr, dtype) if cast else expr
+        expr = relax.op.astype(expr, own_dtype) if cast else expr
         total = expr if total is None else relax.op.add(total, expr)
+    if dtype is not None and dtype != own_dtype:
+        total = relax.op.astype(total, dtype)
     full = relax.op.broadcast_to(total, (groups[0], groups[1], site.seq_q, site.seq_k))
-    return full, (groups[0], groups[1], dtype)
+    return full, (groups[0], groups[1], dtype or own_dtype)

@@ -115,7 +115,8 @@ def rewrite_attention(mod: tvm.IRModule, sites: list[AttentionSite], choice: Ker
         rows_then_heads = choice.out_layout == "bshd"
         dims = [site.batch, site.seq_q, site.heads] if rows_then_heads else [site.batch, site.heads, site.seq_q]
         out_ty = relax.TensorType(dims + [site.head_dim], site.dtype)
-        bias = [score_bias(site, list(bias_terms), plan, index)[0]] if choice.bias is not None else []
+        bias = ([score_bias(site, list(bias_terms), plan, index, choice.bias[2])[0]] if choice.bias is not None
+                else [])
         out = relax.call_tir(kernel_gv, [site.q, k, site.v, *params, *pad_inputs, *bias], out_ty=out_ty)
         if rows_then_heads:         # the graph's transpose back to [B, S, H, D] folds with this one
             out = relax.op.permute_dims(out, [0, 2, 1, 3])
