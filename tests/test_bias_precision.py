@@ -82,3 +82,14 @@ def test_deberta_bias_reaches_the_kernel_in_float16(hf_export):
     assert np.isfinite(outputs[True]).all()
     difference = np.linalg.norm(outputs[True][kept] - outputs[False][kept]) / np.linalg.norm(outputs[False][kept])
     assert 0 < difference < 2e-3, difference
+
+
+def test_modernbert_site_masks_stay_float32(hf_export):
+    """ModernBERT's sliding-window layers add their stricter mask as a bias of float32 fills, which is not made of
+    16-bit values: it stays float32."""
+    from stof_tvm.compiler import front_end
+
+    path = hf_export("modernbert", "eager", "torchscript", 17, False, 2, 64)
+    front = front_end(path, mask="bigbird", batch=2, seq_len=64, target="cuda", dtype="float16", kernel="block",
+                      schedule=False)
+    assert front.choice.bias[2] == "float32"

@@ -8,13 +8,13 @@ bits once more adds an error of the same size as the roundings already in it, an
 writes and the attention kernel reads.
 
 :func:`narrows_exactly_enough` accepts a bias only when every value it is made of went through a 16-bit tensor and
-nothing after that can grow it past the 16-bit range: the walk from the bias back through the function's bindings
-passes only value-preserving operators (layout changes, gathers, broadcasts, casts), sums and differences,
-products of 16-bit operands (a matmul's float32 accumulation is what every 16-bit GEMM rounds), division by a scalar
-constant of magnitude at least 1, multiplication by one of magnitude at most 1 and finite scalar constants (rounded
-with the sum they join), and stops at 16-bit tensors.
-Anything else (a float32 weight, a float32 input, a constant tensor of float32 values, an exponential) keeps the bias
-in float32: T5's position bias from float32 weights, ModernBERT's per-site masks.
+what follows is arithmetic a 16-bit graph does itself: the walk from the bias back through the function's bindings
+passes only value-preserving operators (layout changes, gathers, broadcasts, casts), sums and differences, products
+of such operands (a matmul's float32 accumulation, which every 16-bit GEMM rounds), division by a scalar constant of
+magnitude at least 1, multiplication by one of magnitude at most 1 and finite scalar constants (rounded with the sum
+they join), and stops at 16-bit tensors. Anything else (a float32 weight or input, a constant tensor of float32
+values, an exponential) keeps the bias in float32, as ModernBERT's per-site masks (float32 fills) stay. T5's
+position bias is float16 in the graph already.
 """
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def narrows_exactly_enough(expr, var2val: dict) -> bool:
         if not isinstance(node, relax.Call) or not isinstance(node.op, tvm.ir.Op):
             return False
         name = node.op.name
-        tensors = [arg for arg in node.args if isinstance(arg, (relax.Var, relax.Call, tvm.ir.expr.Constant, relax.Tuple))]
+        tensors = [arg for arg in node.args
+                   if isinstance(arg, (relax.Var, relax.Call, tvm.ir.expr.Constant, relax.Tuple))]
         if name in ("relax.divide", "relax.multiply") and len(tensors) == 2:
             # x / c with |c| >= 1, x * c or c * x with |c| <= 1: no value grows
             scalar_at = 1 if name == "relax.divide" or _scalar_constant(tensors[0]) is None else 0
