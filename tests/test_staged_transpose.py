@@ -84,7 +84,7 @@ def _emulated(src: str, func, arrays: dict[str, np.ndarray], tmp_path) -> np.nda
     shape = [int(e) for e in out.shape]
     tiles = -(-shape[-2] // rule.tile) * -(-shape[-1] // rule.tile)
     grid = int(np.prod(shape[:-2])) * tiles
-    dtypes = {**{name: str(a.dtype) for name, a in arrays.items()}, out.name: "float32"}
+    dtypes = {**{name: str(a.dtype) for name, a in arrays.items()}, out.name: str(out.dtype)}
     return run_on_cpu(src, arrays, {out.name: shape}, grid, (rule.tile, rule.rows), tmp_path, dtype=dtypes)[out.name]
 
 
