@@ -144,7 +144,7 @@ def test_model_without_attention_is_refused():
 @pytest.mark.parametrize("kwargs, match", [
     ({"batch": 0}, "batch"), ({"seq_len": -1}, "seq_len"), ({"dtype": "int8"}, "dtype"),
     ({"kernel": "fast"}, "kernel"), ({"target": "rocm"}, "target"), ({"mask": "nosuchmask"}, "nosuchmask"),
-    ({"tune_trials": 4}, "database"), ({"seq_len": 8192}, "seq_len"),
+    ({"tune_trials": 4}, "database"), ({"seq_len": 8192}, "seq_len"), ({"narrow_bias": "yes"}, "narrow_bias"),
 ])
 def test_bad_arguments(tiny, kwargs, match):
     args = {"mask": "bigbird", "batch": 1, "seq_len": S, "target": "llvm", "dtype": "float32", **kwargs}
