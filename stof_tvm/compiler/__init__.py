@@ -39,6 +39,7 @@ from .canonical import canonicalize
 from .coverage import coverage
 from .downstream import use_templates
 from .gather_index import narrow_gather_indices
+from .relative_bias_match import fuse_relative_biases
 from .graph_inputs import whole_graph
 from .input_checks import ValueCheck, add_value_checks, clip_gathers
 from .kernels import KERNELS, KernelChoice, choose_kernel, config_object, kernel_primfunc
@@ -193,7 +194,8 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
               kernel: str = "auto", templates: bool | None = None, gemm: str = "auto",
               database: str | None = None, schedule: bool = True, lean_padding: bool = True,
               gemm_knobs: dict | None = None, norm_fusion: bool = False,
-              attention_knobs: dict | None = None, narrow_bias: bool = True) -> FrontEnd:
+              attention_knobs: dict | None = None, narrow_bias: bool = True,
+              fuse_relative_bias: bool = True) -> FrontEnd:
     """Steps 1-5 of :func:`compile` (same arguments): import, attention kernel choice and rewrite, templates.
 
     ``schedule=False`` leaves the template PrimFuncs unscheduled (the tuner only reads which calls are made)."""
@@ -295,6 +297,8 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
         mod[source.name] = source.function
     mod, format_inputs = rewrite_attention(mod, sites, choice, primfunc, plan.bias_terms, plan=plan,
                                            padding=plan.padding if choice.padding else None, target_kind=tspec["kind"])
+    if fuse_relative_bias:
+        mod, _ = fuse_relative_biases(mod, tspec["kind"])
     template_entry = {}
     if templates:
         mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule, gemm_knobs=gemm_knobs,
@@ -363,7 +367,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
             kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
             dependent_launch: bool | None = None, database: str | None = None, progress=None,
             lean_padding: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False,
-            attention_knobs: dict | None = None, narrow_bias: bool = True):
+            attention_knobs: dict | None = None, narrow_bias: bool = True, fuse_relative_bias: bool = True):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
 
     ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
@@ -411,6 +415,10 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     ``narrow_bias`` (default on): a float32 score bias made only of values already rounded to 16 bits (DeBERTa's
     relative-position terms) reaches the sparse kernel in the model's 16-bit dtype, halving the bytes the graph
     writes and the kernel reads (:mod:`.bias_precision`); ``False`` keeps it in float32.
+    ``fuse_relative_bias`` (default on): such a 16-bit bias made of two gathered products (DeBERTa-v3's content-to-
+    position and position-to-content terms) is computed by one kernel that forms each 64 x 64 tile from windows of
+    the products in shared memory, never writing the products (:mod:`.relative_bias_match`); ``False`` keeps the
+    graph's product and gather kernels.
     """
     from stof_tvm.artifact import Artifact
     from stof_tvm.records import open_database, record_usage
@@ -419,7 +427,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
 
     if cuda_graph not in (False, True):
         raise TypeError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
-    for name, flag in (("lean_padding", lean_padding), ("norm_fusion", norm_fusion), ("narrow_bias", narrow_bias)):
+    for name, flag in (("lean_padding", lean_padding), ("norm_fusion", norm_fusion), ("narrow_bias", narrow_bias),
+                       ("fuse_relative_bias", fuse_relative_bias)):
         if flag not in (False, True):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
     for name, knobs in (("gemm_knobs", gemm_knobs), ("attention_knobs", attention_knobs)):
@@ -436,7 +445,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         front = front_end(model, mask=mask, batch=batch, seq_len=seq_len, target=target, dtype=dtype,
                           kernel=kernel, templates=templates, gemm=gemm, database=database,
                           lean_padding=lean_padding, gemm_knobs=gemm_knobs, norm_fusion=norm_fusion,
-                          attention_knobs=attention_knobs, narrow_bias=narrow_bias)
+                          attention_knobs=attention_knobs, narrow_bias=narrow_bias,
+                          fuse_relative_bias=fuse_relative_bias)
         tspec, choice = front.tspec, front.choice
         report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
                f"(attention kernel {choice.kind if choice else 'none: ' + front.fallback}, "

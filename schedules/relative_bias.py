@@ -1,0 +1,232 @@
+"""A relative-position score bias computed tile by tile from its two products, which are never written.
+
+HF DeBERTa-v3 adds two terms to every layer's scores: ``c2p[n, i, t1(i, j)]``, a gather from the product
+``c2p = Q K_pos^T`` ([N, S, K] for ``N = B * H`` and ``K`` relative positions), and ``p2c[n, j, t2(j, i)]``, a
+gather from ``p2c = K Q_pos^T`` read transposed, each product rounded to 16 bits, cast up, divided by a scale and
+summed (:mod:`stof_tvm.compiler.relative_bias_match` finds the form). Computed as the graph says, a layer writes
+both products (50 MB each at 8 x 512 tokens) and then reads them back to write the [N, S, S] bias: on an H100 the
+two product kernels and the bias kernel took 118 us of every layer's 262 (BENCHMARKS.md, session 29).
+
+Every ``BM x BN`` tile of the bias reads the first product only at the tile's rows and at positions ``t1`` within a
+short window (a relative position changes by one per row or column, so a tile's positions span at most
+``BM + BN - 1`` of them), and the second only at the tile's columns, in a window of its own. This kernel computes
+each tile's two windows of the products on tensor cores, keeps them in shared memory and gathers the tile from
+them, so the products never reach global memory:
+
+- a block of 4 warps owns one 64 x 64 tile of one ``n``; it copies the 64 query rows ``A1[n, i0:i0+64, :]``, the
+  ``WIN`` rows of the first position table ``W1[g, base1:base1+WIN, :]`` (``g = n % G``: the graph repeats the
+  position projection over the batch), the 64 key rows ``A2[n, j0:j0+64, :]`` and the window of ``W2`` with 16-byte
+  ``cp.async`` into chunk-swizzled rows (:func:`.mma.chunk_offset`);
+- each warp computes 16 rows of both windowed products with ``ldmatrix`` + ``mma.sync.m16n8k16`` (float32
+  accumulation over the head dim, as the graph's matmul), rounds them to 16-bit pairs as the graph's cast does, and,
+  once every warp is done with the operands, stores them over the operands as two ``64 x WIN`` 16-bit tables whose
+  rows are an odd number of words apart (a warp reading one column of 32 rows touches 32 banks);
+- each thread then forms outputs ``j0 + lane`` and ``j0 + lane + 32`` of a row: their four window offsets come as
+  the four bytes of one word of ``offsets`` (a constant table built with the windows' ``bases``), and
+  ``float32(P1[i, l1]) / scale1 + float32(P2[j, l2]) / scale2`` is rounded to the output's dtype: the graph's own
+  arithmetic on the same 16-bit products, so the tile equals the graph's bias up to the products' float32 summation
+  order.
+
+Per tile the kernel computes ``2 * 64 * WIN * D * 2`` FLOPs (``WIN = 128``: 4 times the products' own at 8 x 512)
+and moves 48 KB from L2, but writes only the bias. :func:`relative_bias_reference` computes the same function from
+the same inputs with plain loops (the CPU twin, also the llvm kernel).
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import te
+from tvm.script import tirx as T
+
+from .mma import CP_ASYNC_16, LDMATRIX_X4, chunk_offset, chunk_stride, mma_m16n8k16, pack_f32x2
+
+__all__ = ["TILE", "MAX_WINDOW", "THREADS", "window_size", "fits", "relative_bias_primfunc",
+           "relative_bias_reference"]
+
+TILE = 64                    # rows and columns of a block's output tile
+MAX_WINDOW = 128             # product columns a tile may read (a byte of `offsets` each; 2 * TILE covers any
+                             # relative position, whose span over a tile is 2 * TILE - 1)
+WARPS = 4                    # each 16 rows of both products and of the output
+THREADS = 32 * WARPS
+ROW_WORDS_PAD = 1            # 32-bit words past a window row in the shared tables: rows an odd number apart
+
+
+def window_size(positions: int) -> int:
+    """Product columns each tile computes: :data:`MAX_WINDOW`, or every position where there are fewer."""
+    return min(MAX_WINDOW, positions)
+
+
+def fits(seq: int, positions: int, head_dim: int) -> bool:
+    """Whether the kernel takes ``seq`` x ``seq`` outputs from products over ``head_dim`` with ``positions``
+    relative positions: whole tiles, a reduction of 16 to 64 in steps of 16, a window of whole n16 steps whose
+    rows the block copies in whole rounds."""
+    window = window_size(positions)
+    return (seq % TILE == 0 and head_dim % 16 == 0 and 16 <= head_dim <= 64 and window % 16 == 0
+            and window * (head_dim // 8) % THREADS == 0)
+
+
+def _decode(word, which: int, half):
+    """Byte ``which * 2 + half`` of ``word``: the window offset of term ``which`` (0: first, 1: second) for output
+    ``lane + 32 * half`` of a thread's row."""
+    return T.Cast("int32", T.bitwise_and(T.shift_right(word, T.Cast("uint32", 16 * which + 8 * half)),
+                                         T.uint32(255)))
+
+
+def relative_bias_primfunc(*, batch: int, seq: int, positions: int, head_dim: int, groups: int,
+                           scales: tuple[float, float], dtype: str = "float16",
+                           out_dtype: str = "float16") -> tvm.tirx.PrimFunc:
+    """The CUDA PrimFunc ``(A1[batch, seq, D], W1[groups, positions, D], A2[batch, seq, D], W2[groups, positions,
+    D], offsets[seq, seq / 2] uint32, bases[seq / 64, seq / 64, 2] int32, out[batch, seq, seq])`` computing
+    ``out[n, i, j] = round(float32(round16(A1[n, i] . W1[g, b1 + l1])) / scales[0]
+    + float32(round16(A2[n, j] . W2[g, b2 + l2])) / scales[1])`` with ``g = n % groups``, ``(b1, b2)`` the tile's
+    ``bases`` and ``(l1, l2)`` its bytes of ``offsets`` (module docstring; :func:`offset_words` in the matcher
+    builds both)."""
+    if not fits(seq, positions, head_dim):
+        raise ValueError(f"relative_bias: seq must be a multiple of {TILE}, head_dim a multiple of 16 from 16 to 64, "
+                         f"the window a multiple of 16 the block copies whole; got seq {seq}, head_dim {head_dim}, "
+                         f"{positions} positions")
+    if batch % groups:
+        raise ValueError(f"relative_bias: the position tables' {groups} groups must divide the batch {batch}")
+    window = window_size(positions)
+    cpr = head_dim // 8                          # 16-byte chunks of an operand row
+    row_bytes = chunk_stride(cpr) * 16
+    a_bytes, w_bytes = TILE * row_bytes, window * row_bytes
+    p_row_words = window // 2 + ROW_WORDS_PAD    # a window row of the 16-bit product tables
+    p_words = TILE * p_row_words
+    smem_words = max(2 * (a_bytes + w_bytes) // 4, 2 * p_words)
+    a_iters, w_iters = TILE * cpr // THREADS, window * cpr // THREADS
+    nt8 = window // 8                            # n8 fragments of a warp's 16 rows
+    k_steps = head_dim // 16
+    tiles = seq // TILE
+    rows_per_warp = TILE // WARPS
+    scale1, scale2 = (float(s) for s in scales)
+    mma, pack = mma_m16n8k16(dtype), pack_f32x2(dtype)
+
+    @T.prim_func(private=True)
+    def main(a1_handle: T.handle, w1_handle: T.handle, a2_handle: T.handle, w2_handle: T.handle,
+             offsets_handle: T.handle, bases_handle: T.handle, out_handle: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        A1 = T.match_buffer(a1_handle, (batch, seq, head_dim), dtype)
+        W1 = T.match_buffer(w1_handle, (groups, positions, head_dim), dtype)
+        A2 = T.match_buffer(a2_handle, (batch, seq, head_dim), dtype)
+        W2 = T.match_buffer(w2_handle, (groups, positions, head_dim), dtype)
+        offsets = T.match_buffer(offsets_handle, (seq, seq // 2), "uint32")
+        bases = T.match_buffer(bases_handle, (tiles, tiles, 2), "int32")
+        out = T.match_buffer(out_handle, (batch, seq, seq), out_dtype)
+        for tj in T.thread_binding(tiles, thread="blockIdx.x"):
+            for ti in T.thread_binding(tiles, thread="blockIdx.y"):
+                for n in T.thread_binding(batch, thread="blockIdx.z"):
+                    for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                        smem = T.alloc_buffer((smem_words,), "uint32", scope="shared.dyn")
+                        a_frag = T.alloc_buffer((4,), "uint32", scope="local")
+                        b_frag = T.alloc_buffer((4,), "uint32", scope="local")
+                        acc = T.alloc_buffer((nt8 * 4,), "float32", scope="local")
+                        packed = T.alloc_buffer((2, nt8 * 2), "uint32", scope="local")
+                        warp: T.let = tx // 32
+                        lane: T.let = tx % 32
+                        g: T.let = n % groups
+                        base1: T.let = bases[ti, tj, 0]
+                        base2: T.let = bases[ti, tj, 1]
+                        s_base: T.let = T.cuda.cvta_generic_to_shared(T.address_of(smem[0]))
+                        # operands: A1 tile, W1 window, A2 tile, W2 window, one after another
+                        for it in T.unroll(a_iters):
+                            r: T.let = (it * THREADS + tx) // cpr
+                            c: T.let = (it * THREADS + tx) % cpr
+                            CP_ASYNC_16(s_base + T.Cast("uint32", chunk_offset(r, c, cpr)),
+                                        T.address_of(A1[n, ti * TILE + r, c * 8]), 16, T.uint32(16))
+                            CP_ASYNC_16(s_base + T.uint32(a_bytes + w_bytes) + T.Cast("uint32", chunk_offset(r, c, cpr)),
+                                        T.address_of(A2[n, tj * TILE + r, c * 8]), 16, T.uint32(16))
+                        for it in T.unroll(w_iters):
+                            r: T.let = (it * THREADS + tx) // cpr
+                            c: T.let = (it * THREADS + tx) % cpr
+                            CP_ASYNC_16(s_base + T.uint32(a_bytes) + T.Cast("uint32", chunk_offset(r, c, cpr)),
+                                        T.address_of(W1[g, base1 + r, c * 8]), 16, T.uint32(16))
+                            CP_ASYNC_16(s_base + T.uint32(2 * a_bytes + w_bytes)
+                                        + T.Cast("uint32", chunk_offset(r, c, cpr)),
+                                        T.address_of(W2[g, base2 + r, c * 8]), 16, T.uint32(16))
+                        T.ptx.cp.async_.commit_group()
+                        T.ptx.cp.async_.wait_group(0)
+                        T.tvm_storage_sync("shared")
+                        for term in T.unroll(2):
+                            a_base: T.let = s_base + T.Cast("uint32", term * (a_bytes + w_bytes))
+                            w_base: T.let = a_base + T.uint32(a_bytes)
+                            for e in T.unroll(nt8 * 4):
+                                acc[e] = T.float32(0)
+                            for kk in T.unroll(k_steps):
+                                LDMATRIX_X4(a_frag[0], a_frag[1], a_frag[2], a_frag[3],
+                                            a_base + T.Cast("uint32", chunk_offset(warp * 16 + lane % 16,
+                                                                                   kk * 2 + lane // 16, cpr)))
+                                for jp in T.unroll(nt8 // 2):
+                                    # n8 fragments 2jp and 2jp+1: window rows [16 jp, 16 jp + 16)
+                                    LDMATRIX_X4(b_frag[0], b_frag[1], b_frag[2], b_frag[3],
+                                                w_base + T.Cast("uint32", chunk_offset(
+                                                    jp * 16 + (lane // 16) * 8 + lane % 8,
+                                                    kk * 2 + (lane // 8) % 2, cpr)))
+                                    for half in T.unroll(2):
+                                        f: T.let = (2 * jp + half) * 4
+                                        mma(acc[f], acc[f + 1], acc[f + 2], acc[f + 3],
+                                            a_frag[0], a_frag[1], a_frag[2], a_frag[3],
+                                            b_frag[half * 2], b_frag[half * 2 + 1],
+                                            acc[f], acc[f + 1], acc[f + 2], acc[f + 3])
+                            for nt in T.unroll(nt8):
+                                for hh in T.unroll(2):      # the fragment's rows lane // 4 and lane // 4 + 8
+                                    pack(packed[term, nt * 2 + hh], acc[nt * 4 + hh * 2 + 1], acc[nt * 4 + hh * 2])
+                        T.tvm_storage_sync("shared")        # every warp is done with the operands
+                        for term in T.unroll(2):
+                            for nt in T.unroll(nt8):
+                                for hh in T.unroll(2):
+                                    smem[term * p_words + (warp * 16 + hh * 8 + lane // 4) * p_row_words
+                                         + nt * 4 + lane % 4] = packed[term, nt * 2 + hh]
+                        T.tvm_storage_sync("shared")
+                        for rr in T.serial(rows_per_warp):
+                            row: T.let = warp * rows_per_warp + rr
+                            word: T.let = offsets[ti * TILE + row, tj * (TILE // 2) + lane]
+                            for half in T.unroll(2):
+                                col: T.let = lane + 32 * half
+                                l1: T.let = _decode(word, 0, half)
+                                l2: T.let = _decode(word, 1, half)
+                                w1v: T.let = smem[row * p_row_words + l1 // 2]
+                                w2v: T.let = smem[p_words + col * p_row_words + l2 // 2]
+                                p1: T.let = T.Cast("float32", T.reinterpret(dtype, T.Cast("uint16", T.shift_right(
+                                    w1v, T.Cast("uint32", 16 * (l1 % 2))))))
+                                p2: T.let = T.Cast("float32", T.reinterpret(dtype, T.Cast("uint16", T.shift_right(
+                                    w2v, T.Cast("uint32", 16 * (l2 % 2))))))
+                                out[n, ti * TILE + row, tj * TILE + col] = T.Cast(
+                                    out_dtype, p1 / T.float32(scale1) + p2 / T.float32(scale2))
+
+    return main
+
+
+def relative_bias_reference(*, batch: int, seq: int, positions: int, head_dim: int, groups: int,
+                            scales: tuple[float, float], dtype: str = "float16",
+                            out_dtype: str = "float16") -> tvm.tirx.PrimFunc:
+    """The same function with the same parameters as a plain loop nest (any target; the llvm kernel and the CPU
+    twin of :func:`relative_bias_primfunc`): each output's two products summed over the head dim in float32."""
+    tiles = seq // TILE
+    a1 = te.placeholder((batch, seq, head_dim), dtype, name="A1")
+    w1 = te.placeholder((groups, positions, head_dim), dtype, name="W1")
+    a2 = te.placeholder((batch, seq, head_dim), dtype, name="A2")
+    w2 = te.placeholder((groups, positions, head_dim), dtype, name="W2")
+    offsets = te.placeholder((seq, seq // 2), "uint32", name="offsets")
+    bases = te.placeholder((tiles, tiles, 2), "int32", name="bases")
+    d1 = te.reduce_axis((0, head_dim), name="d1")
+    d2 = te.reduce_axis((0, head_dim), name="d2")
+
+    def window_offset(i, j, which):
+        word = offsets[i, j // TILE * (TILE // 2) + j % 32]
+        shift = (16 * which + 8 * (j % TILE // 32)).astype("uint32")
+        return tvm.tirx.bitwise_and(tvm.tirx.shift_right(word, shift), tvm.tirx.const(255, "uint32")).astype("int32")
+
+    def position(i, j, which):
+        return bases[i // TILE, j // TILE, which] + window_offset(i, j, which)
+
+    term1 = te.compute((batch, seq, seq), lambda n, i, j: te.sum(
+        a1[n, i, d1].astype("float32") * w1[n % groups, position(i, j, 0), d1].astype("float32"), axis=d1),
+        name="term1")
+    term2 = te.compute((batch, seq, seq), lambda n, i, j: te.sum(
+        a2[n, j, d2].astype("float32") * w2[n % groups, position(i, j, 1), d2].astype("float32"), axis=d2),
+        name="term2")
+    out = te.compute((batch, seq, seq), lambda n, i, j: (
+        term1[n, i, j].astype(dtype).astype("float32") / tvm.tirx.const(float(scales[0]), "float32")
+        + term2[n, i, j].astype(dtype).astype("float32") / tvm.tirx.const(float(scales[1]), "float32")
+    ).astype(out_dtype), name="out")
+    return te.create_prim_func([a1, w1, a2, w2, offsets, bases, out])

@@ -1,0 +1,223 @@
+"""Relative-position score biases made of two gathered products, computed by one kernel that never writes them.
+
+HF DeBERTa-v3's score bias, after :mod:`.gather_index` and the float16 conversion, is per layer::
+
+    c2p = astype(matmul(Q, Wk, out_dtype=float32), float16)         # Q [N, S, D], Wk a constant [N, D, K]
+    t1  = take(astype(reshape(c2p, [N, S * K]), float32), T1, axis=1)     # T1[i, j] = i * K + position
+    p2c = astype(matmul(Kc, Wq, out_dtype=float32), float16)
+    t2  = permute_dims(take(astype(reshape(p2c, [N, S * K]), float32), T2, axis=1), [0, 2, 1])
+    bias = astype(reshape(add(divide(t1, c1), divide(t2, c2)), [B, H, S, S]), float16)
+
+(TorchScript exports add a ``+ 0.0`` to the first term.) :func:`fuse_relative_biases` replaces each such ``bias``
+with one call of :mod:`stof_tvm.schedules.relative_bias` (the plain loop nest off CUDA), whose inputs are Q and
+Kc as they are, the two position tables transposed to [G, K, D] (G the period of their repetition over N: the graph
+repeats each head's table over the batch), and, built here from the constant gather tables, each 64 x 64 tile's
+window start (``bases``) and every output's two offsets into the windows (``offsets``, one byte each). The kernel
+computes the same products, rounds them as the graph does and sums the same terms, so the bias equals the graph's
+up to the order of each product's float32 sum. It is used only where every part matches: a 16-bit product cast
+from float32, a gather that stays in the product's row (the non-transposed term's row ``i``, the transposed term's
+row ``j``), tile windows that fit the kernel, scalar divisors, a 16-bit result; anything else stays as it was.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.ir.expr import Constant
+
+from stof_tvm.schedules.relative_bias import TILE, fits, relative_bias_primfunc, relative_bias_reference, window_size
+
+from .canonical.base import op_name, resolve, scalar_constant, tensor_dtype, tensor_shape
+from .op_patterns import OPAQUE
+
+__all__ = ["fuse_relative_biases"]
+
+SIXTEEN_BIT = ("float16", "bfloat16")
+
+
+class _Term:
+    """One gathered, scaled product: ``take(product rows, table) [permuted] / scale``."""
+
+    def __init__(self, lhs, positions: np.ndarray, table: np.ndarray, transposed: bool, scale: float):
+        self.lhs = lhs                  # [N, S, D], the product's left operand (a graph value)
+        self.positions = positions      # [N or 1, K, D]: the constant right operand, transposed
+        self.table = table              # [S, S] positions, indexed as the take's output (before any permute)
+        self.transposed = transposed
+        self.scale = scale
+
+
+def _strip(expr, var2val, accept):
+    """Follow bindings through the calls ``accept(call)`` admits (one operand each), to the first other value."""
+    expr = resolve(expr, var2val)
+    while op_name(expr) is not None and accept(expr):
+        expr = resolve(expr.args[0], var2val)
+    return expr
+
+
+def _product(expr, var2val):
+    """``(lhs, constant rhs)`` of ``astype(matmul(lhs, rhs, out_dtype=float32), lhs dtype)`` reached through
+    reshapes and casts to float32 (the flat view the gather reads), or None."""
+    flat = _strip(expr, var2val, lambda e: op_name(e) == "relax.reshape"
+                  or (op_name(e) == "relax.astype" and str(e.attrs.dtype) == "float32"))
+    if op_name(flat) != "relax.astype":
+        return None
+    matmul = resolve(flat.args[0], var2val)
+    if op_name(matmul) != "relax.matmul" or str(matmul.attrs.out_dtype) != "float32":
+        return None
+    lhs, rhs = matmul.args
+    if tensor_dtype(lhs) not in SIXTEEN_BIT or str(flat.attrs.dtype) != tensor_dtype(lhs):
+        return None
+    rhs = resolve(rhs, var2val)
+    if not isinstance(rhs, Constant) or str(rhs.value.dtype) != tensor_dtype(lhs):
+        return None
+    return lhs, rhs.value.numpy()
+
+
+def _term(expr, var2val) -> _Term | None:
+    """The :class:`_Term` ``expr`` computes (a ``+ 0.0`` allowed around it), or None."""
+    expr = _strip(expr, var2val, lambda e: op_name(e) == "relax.add" and scalar_constant(e.args[1], var2val) == 0.0)
+    if op_name(expr) != "relax.divide":
+        return None
+    scale = scalar_constant(expr.args[1], var2val)
+    if scale is None or not math.isfinite(scale) or scale == 0.0 or tensor_dtype(expr) != "float32":
+        return None
+    gathered = resolve(expr.args[0], var2val)
+    transposed = op_name(gathered) == "relax.permute_dims"
+    if transposed:
+        axes = [int(a) for a in gathered.attrs.axes] if gathered.attrs.axes is not None else None
+        if axes != [0, 2, 1]:
+            return None
+        gathered = resolve(gathered.args[0], var2val)
+    if op_name(gathered) != "relax.take" or int(gathered.attrs.axis) != 1:
+        return None
+    table = resolve(gathered.args[1], var2val)
+    product = _product(gathered.args[0], var2val)
+    if product is None or not isinstance(table, Constant):
+        return None
+    lhs, rhs = product
+    lhs_shape, out_shape = tensor_shape(lhs), tensor_shape(gathered)
+    if lhs_shape is None or out_shape is None or len(lhs_shape) != 3 or rhs.ndim not in (2, 3):
+        return None
+    batch, seq, depth = lhs_shape
+    rhs = rhs if rhs.ndim == 3 else rhs[None]
+    if rhs.shape[0] not in (1, batch) or rhs.shape[1] != depth or out_shape != (batch, seq, seq):
+        return None
+    positions = rhs.shape[2]
+    flat = table.value.numpy().astype(np.int64)
+    if flat.shape != (seq, seq) or flat.min() < 0 or flat.max() >= seq * positions:
+        return None
+    if not (flat // positions == np.arange(seq)[:, None]).all():      # each gather stays in its product row
+        return None
+    return _Term(lhs, np.ascontiguousarray(rhs.transpose(0, 2, 1)), flat % positions, transposed, scale)
+
+
+def _period(array: np.ndarray) -> int:
+    """The smallest ``g`` dividing ``len(array)`` with ``array[n] == array[n % g]`` for every ``n``."""
+    count = array.shape[0]
+    for g in range(1, count + 1):
+        if count % g == 0 and (array.reshape(count // g, g, *array.shape[1:]) == array[:g]).all():
+            return g
+    return count
+
+
+def _windows(positions: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each TILE x TILE tile's window start in ``[0, total - window]`` and every output's offset from it, or None
+    where a tile's positions span more than the window."""
+    window = window_size(total)
+    tiles = positions.shape[0] // TILE
+    blocks = positions.reshape(tiles, TILE, tiles, TILE)
+    low, high = blocks.min(axis=(1, 3)), blocks.max(axis=(1, 3))
+    if (high - low >= window).any():
+        return None
+    bases = np.minimum(low, total - window)
+    offsets = blocks - bases[:, None, :, None]
+    return bases, offsets.reshape(positions.shape)
+
+
+def offset_words(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """The kernel's ``offsets`` [S, S / 2] uint32: word ``[i, 32 * tj + lane]`` holds the first term's offsets of
+    outputs ``j = 64 tj + lane`` and ``j + 32`` in its low bytes, the second term's in its high bytes."""
+    seq = first.shape[0]
+    halves = [a.astype(np.uint32).reshape(seq, seq // TILE, 2, 32) for a in (first, second)]
+    words = halves[0][:, :, 0] | halves[0][:, :, 1] << 8 | halves[1][:, :, 0] << 16 | halves[1][:, :, 1] << 24
+    return np.ascontiguousarray(words.reshape(seq, seq // 2))
+
+
+def _fused_call(expr, var2val, add_kernel, target_kind: str):
+    """``(kernel, arguments, output type)`` of the fused call replacing ``expr`` (a 16-bit cast of a two-term
+    relative bias), or None where it is not one; ``add_kernel(shape)`` adds the kernel of that shape to the module."""
+    if op_name(expr) != "relax.astype" or str(expr.attrs.dtype) not in SIXTEEN_BIT:
+        return None
+    total = _strip(expr.args[0], var2val, lambda e: op_name(e) == "relax.reshape")
+    if op_name(total) != "relax.add":
+        return None
+    terms = [_term(arg, var2val) for arg in total.args]
+    if any(t is None for t in terms) or sorted(t.transposed for t in terms) != [False, True]:
+        return None
+    first, second = sorted(terms, key=lambda t: t.transposed)
+    batch, seq, depth = tensor_shape(first.lhs)
+    total_positions = first.positions.shape[1]
+    if (tensor_shape(second.lhs) != (batch, seq, depth) or second.positions.shape[1:] != first.positions.shape[1:]
+            or tensor_dtype(first.lhs) != tensor_dtype(second.lhs) or not fits(seq, total_positions, depth)
+            or math.prod(tensor_shape(expr)) != batch * seq * seq):
+        return None
+    windows = [_windows(first.table, total_positions), _windows(second.table.T, total_positions)]
+    if any(w is None for w in windows):
+        return None
+    groups = math.lcm(_period(first.positions), _period(second.positions))
+    groups = groups if batch % groups == 0 else batch
+    tables = [np.ascontiguousarray(np.broadcast_to(t.positions, (batch,) + t.positions.shape[1:])[:groups])
+              for t in (first, second)]
+    bases = np.stack([windows[0][0], windows[1][0]], axis=-1).astype(np.int32)
+    dtype, out_dtype = tensor_dtype(first.lhs), str(expr.attrs.dtype)
+    shape = dict(batch=batch, seq=seq, positions=total_positions, head_dim=depth, groups=groups,
+                 scales=(first.scale, second.scale), dtype=tensor_dtype(first.lhs), out_dtype=str(expr.attrs.dtype))
+    dtype = shape["dtype"]
+    args = [first.lhs, relax.const(tables[0], dtype), second.lhs, relax.const(tables[1], dtype),
+            relax.const(offset_words(windows[0][1], windows[1][1])), relax.const(np.ascontiguousarray(bases))]
+    return add_kernel(shape), args, relax.TensorType([batch, seq, seq], shape["out_dtype"])
+
+
+def fuse_relative_biases(mod: tvm.IRModule, target_kind: str) -> tuple[tvm.IRModule, int]:
+    """``mod`` with every relative-position bias of ``main`` (module docstring) computed by the fused kernel, and
+    how many were."""
+    func = mod["main"]
+    var2val = relax.analysis.get_var2val(func)
+    builder = relax.BlockBuilder(mod)
+    names: dict = {}
+
+    def add_kernel(shape: dict):
+        key = tuple(sorted(shape.items()))
+        if key not in names:
+            make = relative_bias_primfunc if target_kind == "cuda" else relative_bias_reference
+            name = f"stof_relative_bias_{len(names)}"
+            kernel = make(**shape).with_attr("global_symbol", name).with_attr("op_pattern", OPAQUE)
+            if target_kind == "cuda":       # hand-scheduled: dlight and MetaSchedule leave it as it is
+                kernel = kernel.with_attr("tirx.is_scheduled", True)
+            names[key] = builder.add_func(kernel, name)
+        return names[key]
+
+    replacements = {}
+    for binding_var, value in var2val.items():
+        fused = _fused_call(value, var2val, add_kernel, target_kind)
+        if fused is not None:
+            replacements[binding_var] = fused
+    if not replacements:
+        return mod, 0
+
+    @relax.expr_functor.mutator
+    class Replace(relax.PyExprMutator):
+        def visit_var_binding_(self, binding):
+            if binding.var not in replacements:
+                super().visit_var_binding_(binding)
+                return
+            gv, args, out_ty = replacements[binding.var]
+            bias = self.builder_.emit(relax.call_tir(gv, [self.visit_expr(a) for a in args], out_ty=out_ty))
+            shaped = self.builder_.normalize(relax.op.reshape(bias, list(binding.var.ty.shape)))
+            self.builder_.emit_normalized(relax.VarBinding(binding.var, shaped))
+
+    mod = builder.get()
+    mod["main"] = relax.analysis.remove_all_unused(Replace().visit_expr(mod["main"]))
+    return mod, len(replacements)

@@ -1,0 +1,169 @@
+"""The fused relative-position bias (stof_tvm.schedules.relative_bias, stof_tvm.compiler.relative_bias_match).
+
+The window tables round-trip; the loop-nest kernel computes the graph's bias from them (numpy: the full products,
+gathered, scaled and summed) on DeBERTa-like relative positions, including tiles whose window is clamped to the
+last positions; the CUDA kernel has mma.sync products and builds for sm_90a without spills; the compile path
+fuses both terms of every layer of HF DeBERTa-v3 exports (TorchScript and dynamo) and the llvm module's output
+equals the unfused graph's; other forms are left as they were."""
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import tvm
+from hypothesis import given, settings, strategies as st
+
+from stof_tvm.compiler.pipeline import CUDA_DEFAULTS, make_target
+from stof_tvm.compiler.relative_bias_match import _windows, offset_words
+from stof_tvm.schedules.relative_bias import TILE, relative_bias_primfunc, relative_bias_reference, window_size
+
+
+def log_bucket_positions(seq: int, buckets: int, max_distance: int) -> np.ndarray:
+    """DeBERTa-v3's position index ``[i, j]``: the relative position ``i - j`` exact below ``buckets / 2`` in
+    magnitude, log-spaced above it up to ``max_distance``, shifted into ``[0, 2 * buckets)``."""
+    rel = np.arange(seq)[:, None] - np.arange(seq)[None, :]
+    mid = buckets // 2
+    magnitude = np.abs(rel)
+    far = np.ceil(np.log(np.maximum(magnitude, 1) / mid) / np.log((max_distance - 1) / mid) * (mid - 1)) + mid
+    bucket = np.where(magnitude <= mid, rel, np.sign(rel) * far).astype(np.int64)
+    return np.clip(bucket + buckets, 0, 2 * buckets - 1)
+
+
+def decode(words: np.ndarray, which: int) -> np.ndarray:
+    """The offsets of term ``which`` back from :func:`offset_words`'s words, in output order."""
+    seq = words.shape[0]
+    parts = words.reshape(seq, seq // TILE, 32)
+    halves = [(parts >> np.uint32(16 * which + 8 * half)) & np.uint32(255) for half in (0, 1)]
+    return np.stack(halves, axis=2).reshape(seq, seq).astype(np.int64)
+
+
+@settings(max_examples=40, deadline=None)
+@given(tiles=st.integers(1, 4), positions=st.sampled_from([64, 96, 128, 256, 512]), seed=st.integers(0, 2**16))
+def test_windows_round_trip(tiles, positions, seed):
+    """Each tile's base plus its offsets gives back every position; bases keep the window inside the positions."""
+    seq = tiles * TILE
+    rng = np.random.default_rng(seed)
+    first, second = (np.clip(np.arange(seq)[:, None] - np.arange(seq)[None, :] + rng.integers(0, positions),
+                             0, positions - 1) for _ in range(2))
+    second = second.T
+    windows = [_windows(t, positions) for t in (first, second)]
+    words = offset_words(windows[0][1], windows[1][1])
+    for which, (table, (bases, _)) in enumerate(zip((first, second), windows)):
+        assert bases.min() >= 0 and bases.max() <= positions - window_size(positions)
+        rebuilt = np.repeat(np.repeat(bases, TILE, 0), TILE, 1) + decode(words, which)
+        assert (rebuilt == table).all()
+
+
+def test_windows_refuse_spans_wider_than_the_window():
+    table = np.random.default_rng(0).integers(0, 512, size=(128, 128))
+    assert _windows(table, 512) is None
+
+
+@pytest.mark.parametrize("seq,buckets", [(128, 32), (256, 64), (256, 256)])
+def test_reference_kernel_matches_the_gathered_products(seq, buckets):
+    """The llvm loop nest, fed the window tables, equals the graph's arithmetic in numpy (full products rounded to
+    float16, gathered, divided, summed, rounded), including tiles far from the diagonal whose positions sit in the
+    log buckets and windows clamped to the last positions."""
+    batch, groups, depth = 4, 2, 64
+    positions = 2 * buckets
+    rng = np.random.default_rng(seq + buckets)
+    a1, a2 = (rng.standard_normal((batch, seq, depth)).astype("float16") for _ in range(2))
+    w1, w2 = (rng.standard_normal((groups, positions, depth)).astype("float16") for _ in range(2))
+    c2p_index = log_bucket_positions(seq, buckets, 4 * buckets)
+    p2c_index = log_bucket_positions(seq, buckets, 4 * buckets)          # read at [j, i]
+    scales = (13.856406, 9.0)
+    windows = [_windows(c2p_index, positions), _windows(p2c_index.T, positions)]
+    assert all(w is not None for w in windows)
+    words = offset_words(windows[0][1], windows[1][1])
+    bases = np.stack([windows[0][0], windows[1][0]], axis=-1).astype("int32")
+    func = relative_bias_reference(batch=batch, seq=seq, positions=positions, head_dim=depth, groups=groups,
+                                   scales=scales)
+    kernel = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
+    out = tvm.runtime.tensor(np.full((batch, seq, seq), np.nan, "float16"))
+    kernel(*[tvm.runtime.tensor(x) for x in (a1, w1, a2, w2, words, bases)], out)
+
+    g = np.arange(batch) % groups
+    c2p = np.einsum("nid,ntd->nit", a1.astype("float32"), w1[g].astype("float32")).astype("float16")
+    p2c = np.einsum("njd,ntd->njt", a2.astype("float32"), w2[g].astype("float32")).astype("float16")
+    rows = np.arange(seq)[:, None]
+    term1 = c2p[:, rows, c2p_index].astype("float32") / np.float32(scales[0])
+    term2 = p2c[:, rows, p2c_index].transpose(0, 2, 1).astype("float32") / np.float32(scales[1])
+    expected = (term1 + term2).astype("float16")
+    got = out.numpy()
+    assert np.isfinite(got).all()
+    # the products' float32 sums run in another order: a few elements may round to the neighbouring float16
+    close = np.isclose(got.astype("float32"), expected.astype("float32"), rtol=2e-3, atol=2e-3)
+    assert close.all(), np.argwhere(~close)[:5]
+    assert (got == expected).mean() > 0.99
+
+
+def test_cuda_kernel_builds_without_spills(tmp_path):
+    func = relative_bias_primfunc(batch=96, seq=512, positions=512, head_dim=64, groups=12, scales=(13.9, 13.9))
+    func = func.with_attr("global_symbol", "relative_bias").with_attr("tirx.is_scheduled", True)
+    target = make_target({**CUDA_DEFAULTS, "arch": "sm_90a"})
+    source = tvm.compile(tvm.IRModule({"relative_bias": func}), target=target).mod.imports[0].inspect_source()
+    assert "mma.sync.aligned.m16n8k16" in source and "ldmatrix" in source and "cp.async" in source
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
+    (tmp_path / "k.cu").write_text(source)
+    log = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-O3", "--use_fast_math", "-Xptxas", "-v", "-o",
+                          str(tmp_path / "k.cubin"), str(tmp_path / "k.cu")],
+                         capture_output=True, text=True, check=True).stderr
+    assert "0 bytes spill stores" in log, log
+
+
+def test_kernel_refuses_partial_tiles():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        relative_bias_primfunc(batch=2, seq=100, positions=512, head_dim=64, groups=1, scales=(1.0, 1.0))
+
+
+def _calls(mod) -> dict:
+    text = mod["main"].script(show_meta=False)
+    return {name: text.count(name) for name in ("stof_relative_bias", "R.take(", "R.matmul(")}
+
+
+@pytest.mark.parametrize("exporter,opset", [("torchscript", 17), ("dynamo", 23)])
+def test_deberta_layers_take_the_fused_kernel(hf_export, exporter, opset):
+    """Every layer's bias of a DeBERTa-v3 export is one fused call (no product or gather left); with
+    ``fuse_relative_bias=False`` the graph's products and gathers stay."""
+    from stof_tvm.compiler import front_end
+
+    path = hf_export("deberta", "eager", exporter, opset, False, 2, 128)
+    calls = {fuse: _calls(front_end(path, mask="bigbird", batch=2, seq_len=128, target="cuda", dtype="float16",
+                                    kernel="block", schedule=False, fuse_relative_bias=fuse).mod)
+             for fuse in (True, False)}
+    layers = calls[False]["R.matmul("] // 2
+    assert layers >= 2
+    assert calls[True]["stof_relative_bias"] == layers and calls[True]["R.matmul("] == 0
+    assert calls[False]["stof_relative_bias"] == 0 and calls[False]["R.take("] >= 2 * layers
+
+
+def test_fused_llvm_module_equals_the_graph(hf_export):
+    """On llvm the fused kernel's loop nest gives the same output as the graph's products and gathers (both sum
+    each product over the head dim in order), and it is used (not the graph's own)."""
+    import stof_tvm
+    from stof_tvm.models import hf_export as hx
+
+    batch, seq = 2, 128
+    path = hf_export("deberta", "eager", "torchscript", 17, False, batch, seq)
+    inputs = hx.example_inputs("deberta", batch, seq)
+    keep = np.asarray(stof_tvm.make_mask("bigbird", seq), bool)
+    outputs = {}
+    for fuse in (True, False):
+        art = stof_tvm.compile(path, mask=keep, batch=batch, seq_len=seq, target="llvm", dtype="float16",
+                               kernel="block", fuse_relative_bias=fuse)
+        outputs[fuse] = art.load()(inputs)["last_hidden_state"]
+    assert np.isfinite(outputs[True]).all()
+    kept = inputs["attention_mask"].astype(bool)
+    difference = np.linalg.norm(outputs[True][kept] - outputs[False][kept]) / np.linalg.norm(outputs[False][kept])
+    assert difference < 1e-4, difference
+
+
+def test_other_seq_lengths_keep_the_graph(hf_export):
+    """A sequence that is not a whole number of 64-row tiles keeps the graph's own kernels."""
+    from stof_tvm.compiler import front_end
+
+    path = hf_export("deberta", "eager", "torchscript", 17, False, 2, 96)
+    calls = _calls(front_end(path, mask="bigbird", batch=2, seq_len=96, target="cuda", dtype="float16",
+                             kernel="block", schedule=False).mod)
+    assert calls["stof_relative_bias"] == 0 and calls["R.matmul("] > 0
