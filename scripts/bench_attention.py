@@ -1267,13 +1267,30 @@ def plan_s29short() -> list[dict]:
     return cases
 
 
+# s30regs: the register cap of the 16x2048 pick, which spills 4 bytes at min_blocks 10 (96 registers; session 29)
+S30_MIN_BLOCKS = (10, 9, 8, 0)
+
+
+def plan_s30regs() -> list[dict]:
+    """The compile path's BigBird pick at 16 x 2048 (H12 D64, padded, all-ones padding as RoBERTa-base runs it) at
+    each ``min_blocks`` of S30_MIN_BLOCKS (0: no cap): does the cap that keeps 10 blocks an SM pay for the spill it
+    causes? The manifest's ptxas report gives each build's registers and spills; the first case carries
+    FlexAttention and SDPA."""
+    import dataclasses
+
+    pick = _compile_path_pick(16, 2048)
+    configs = [(f"min_blocks {m}", dataclasses.replace(pick, min_blocks=m)) for m in S30_MIN_BLOCKS]
+    return _labelled_block_cases(16, 2048, configs)
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
          "s9sparse": plan_s9sparse, "s9check": plan_s9check, "s10sparse": plan_s10sparse,
          "s10dims": plan_s10dims, "s11gpt2": plan_s11gpt2, "s12bb": plan_s12bb,
          "s17model": plan_s17model, "s19knobs": plan_s19knobs,
-         "s19gate": plan_s19gate, "s25short": plan_s25short, "s29short": plan_s29short}
+         "s19gate": plan_s19gate, "s25short": plan_s25short, "s29short": plan_s29short,
+         "s30regs": plan_s30regs}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
