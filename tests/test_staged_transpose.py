@@ -198,7 +198,9 @@ def test_declines_off_the_gpu():
 
 def _tiny_deberta(tmp_path) -> tuple[tvm.IRModule, dict]:
     """The tiny DeBERTa of scripts/e2e_models.py exported at 1 x 64, through stof-tvm's front end for CUDA (float16,
-    BigBird), its weights lifted as :func:`stof_tvm.compiler.lower` does; returns it and its feeds."""
+    BigBird), its weights lifted as :func:`stof_tvm.compiler.lower` does; returns it and its feeds. The graph's own
+    bias kernel is kept (``fuse_relative_bias=False``: by default one fused kernel computes the bias,
+    tests/test_relative_bias.py)."""
     pytest.importorskip("transformers")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import e2e_models
@@ -208,7 +210,8 @@ def _tiny_deberta(tmp_path) -> tuple[tvm.IRModule, dict]:
     spec = e2e_models.spec("deberta-tiny")
     feeds = e2e_models.inputs(spec, 1, 64, seed=0)
     path = e2e_models.export(e2e_models.build(spec, "eager", seed=0, length=64), feeds, str(tmp_path / "d.onnx"))
-    front = front_end(path, mask="bigbird", batch=1, seq_len=64, target="cuda", dtype="float16")
+    front = front_end(path, mask="bigbird", batch=1, seq_len=64, target="cuda", dtype="float16",
+                      fuse_relative_bias=False)
     return relax.transform.LiftTransformParams()(relax.transform.FuseTransposeMatmul()(front.mod)), front
 
 
