@@ -167,3 +167,68 @@ def test_other_seq_lengths_keep_the_graph(hf_export):
     calls = _calls(front_end(path, mask="bigbird", batch=2, seq_len=96, target="cuda", dtype="float16",
                              kernel="block", schedule=False).mod)
     assert calls["stof_relative_bias"] == 0 and calls["R.matmul("] > 0
+
+
+def _graph_form(batch: int, heads: int, seq: int, depth: int, buckets: int, scale: float) -> tvm.IRModule:
+    """DeBERTa-v3-base's bias as its exports reach the fusion (weights as inputs): each layer's position projection
+    ``pk`` [H, K, D] repeated over the batch (``reshape(broadcast_to(reshape))``), transposed into the product, the
+    products gathered by flat tables, the second transposed, both divided and summed, then cast to float16."""
+    from tvm import relax
+
+    n, positions = batch * heads, 2 * buckets
+    index = log_bucket_positions(seq, buckets, 4 * buckets)
+    table = relax.const((np.arange(seq)[:, None] * positions + index).astype("int32"))
+    bb = relax.BlockBuilder()
+    q, k = (relax.Var(name, relax.TensorType((n, seq, depth), "float16")) for name in ("q", "k"))
+    pk, pq = (relax.Var(name, relax.TensorType((heads, positions, depth), "float16")) for name in ("pk", "pq"))
+    with bb.function("main", [q, k, pk, pq]):
+        with bb.dataflow():
+            def term(a, p, transposed):
+                rows = bb.emit(relax.op.reshape(p, (1, heads, 1, positions, 1, depth)))
+                rows = bb.emit(relax.op.broadcast_to(rows, (batch, heads, 1, positions, 1, depth)))
+                rows = bb.emit(relax.op.reshape(rows, (n, positions, depth)))
+                product = bb.emit(relax.op.matmul(a, bb.emit(relax.op.permute_dims(rows, [0, 2, 1])),
+                                                  out_dtype="float32"))
+                flat = bb.emit(relax.op.reshape(bb.emit(relax.op.astype(product, "float16")), (n, seq * positions)))
+                gathered = bb.emit(relax.op.take(bb.emit(relax.op.astype(flat, "float32")), table, axis=1))
+                if transposed:
+                    gathered = bb.emit(relax.op.permute_dims(gathered, [0, 2, 1]))
+                return bb.emit(relax.op.divide(gathered, relax.const(scale, "float32")))
+
+            total = bb.emit(relax.op.add(term(q, pk, False), term(k, pq, True)))
+            out = bb.emit_output(relax.op.astype(bb.emit(relax.op.reshape(total, (batch, heads, seq, seq))),
+                                                 "float16"))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_runtime_position_tables_repeated_over_the_batch():
+    """With the position projections as graph values (the base model's form), the fused call reads each head's
+    table once (``groups`` = heads, not batch x heads) and the llvm module equals the graph's."""
+    from tvm import relax
+
+    from stof_tvm.compiler.relative_bias_match import fuse_relative_biases
+
+    batch, heads, seq, depth, buckets = 2, 3, 128, 64, 128
+    graph = _graph_form(batch, heads, seq, depth, buckets, 13.856406)
+    fused, count = fuse_relative_biases(graph, "llvm")
+    assert count == 1
+    calls = []
+    relax.analysis.post_order_visit(fused["main"], lambda e: calls.append(e) if isinstance(e, relax.Call)
+                                    and getattr(e.op, "name", "") == "relax.call_tir" else None)
+    assert len(calls) == 1
+    operands = calls[0].args[1].fields
+    assert operands[1].same_as(fused["main"].params[2]) and operands[3].same_as(fused["main"].params[3])
+    assert "R.matmul(" not in fused["main"].script(show_meta=False)
+
+    rng = np.random.default_rng(1)
+    n = batch * heads
+    feeds = [rng.standard_normal(shape).astype("float16")
+             for shape in ((n, seq, depth), (n, seq, depth), (heads, 2 * buckets, depth), (heads, 2 * buckets, depth))]
+    results = []
+    for mod in (graph, fused):
+        vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+        results.append(vm["main"](*[tvm.runtime.tensor(f) for f in feeds]).numpy().astype("float32"))
+    assert np.isfinite(results[1]).all()
+    close = np.isclose(results[1], results[0], rtol=2e-3, atol=2e-3)
+    assert close.all() and (results[1] == results[0]).mean() > 0.99

@@ -40,9 +40,10 @@ SIXTEEN_BIT = ("float16", "bfloat16")
 class _Term:
     """One gathered, scaled product: ``take(product rows, table) [permuted] / scale``."""
 
-    def __init__(self, lhs, positions: np.ndarray, table: np.ndarray, transposed: bool, scale: float):
+    def __init__(self, lhs, positions, groups: int, table: np.ndarray, transposed: bool, scale: float):
         self.lhs = lhs                  # [N, S, D], the product's left operand (a graph value)
-        self.positions = positions      # [N or 1, K, D]: the constant right operand, transposed
+        self.positions = positions      # [groups, K, D]: the right operand transposed (a graph value or constant)
+        self.groups = groups            # the right operand's row n is positions[n % groups]
         self.table = table              # [S, S] positions, indexed as the take's output (before any permute)
         self.transposed = transposed
         self.scale = scale
@@ -57,8 +58,8 @@ def _strip(expr, var2val, accept):
 
 
 def _product(expr, var2val):
-    """``(lhs, constant rhs)`` of ``astype(matmul(lhs, rhs, out_dtype=float32), lhs dtype)`` reached through
-    reshapes and casts to float32 (the flat view the gather reads), or None."""
+    """``(lhs, rhs)`` of ``astype(matmul(lhs, rhs, out_dtype=float32), lhs dtype)`` reached through reshapes and
+    casts to float32 (the flat view the gather reads), or None."""
     flat = _strip(expr, var2val, lambda e: op_name(e) == "relax.reshape"
                   or (op_name(e) == "relax.astype" and str(e.attrs.dtype) == "float32"))
     if op_name(flat) != "relax.astype":
@@ -67,12 +68,54 @@ def _product(expr, var2val):
     if op_name(matmul) != "relax.matmul" or str(matmul.attrs.out_dtype) != "float32":
         return None
     lhs, rhs = matmul.args
-    if tensor_dtype(lhs) not in SIXTEEN_BIT or str(flat.attrs.dtype) != tensor_dtype(lhs):
+    if tensor_dtype(lhs) not in SIXTEEN_BIT or str(flat.attrs.dtype) != tensor_dtype(lhs) \
+            or tensor_dtype(rhs) != tensor_dtype(lhs):
         return None
-    rhs = resolve(rhs, var2val)
-    if not isinstance(rhs, Constant) or str(rhs.value.dtype) != tensor_dtype(lhs):
+    return lhs, rhs
+
+
+def _repeated_rows(x, var2val):
+    """``(y, g)`` with ``x[n] == y[n % g]`` for a [N, K, D] value ``x`` that is ``y`` [g, K, D] repeated over the
+    batch (``reshape(broadcast_to(reshape(y)))`` expanding only axes ahead of ``y``'s, as HF DeBERTa's
+    ``repeat`` exports), else ``(x, N)``."""
+    shape = tensor_shape(x)
+    reshaped = resolve(x, var2val)
+    spread = resolve(reshaped.args[0], var2val) if op_name(reshaped) == "relax.reshape" else None
+    if op_name(spread) != "relax.broadcast_to":
+        return x, shape[0]
+    source = spread.args[0]
+    before, after = tensor_shape(source), tensor_shape(spread)
+    inner = resolve(source, var2val)
+    rows = inner.args[0] if op_name(inner) == "relax.reshape" else source
+    row_shape = tensor_shape(rows)
+    if before is None or after is None or row_shape is None or len(row_shape) != 3 \
+            or tuple(row_shape[1:]) != tuple(shape[1:]) or shape[0] % row_shape[0]:
+        return x, shape[0]
+    first = next(i for i, d in enumerate(before) if d != 1)
+    if [d for d in before if d != 1] != [d for d in row_shape if d != 1] \
+            or any(b != a for b, a in zip(before[first:], after[first:])):
+        return x, shape[0]
+    return rows, row_shape[0]
+
+
+def _positions(rhs, var2val, batch: int, depth: int):
+    """The right operand [N or 1, D, K] as ``(positions [G, K, D], G, K)``: a constant transposed here, its
+    period over the batch removed; a graph value through its own transpose (``permute_dims(x, [0, 2, 1])``, the
+    form the exports take) and its repetition over the batch (:func:`_repeated_rows`), else transposed in the
+    graph. None where the shape is not one of these."""
+    value = resolve(rhs, var2val)
+    shape = tensor_shape(rhs)
+    if shape is None or len(shape) != 3 or shape[0] not in (1, batch) or shape[1] != depth:
         return None
-    return lhs, rhs.value.numpy()
+    if isinstance(value, Constant):
+        table = np.ascontiguousarray(value.value.numpy().transpose(0, 2, 1))
+        groups = _period(table)
+        return relax.const(np.ascontiguousarray(table[:groups]), str(value.value.dtype)), groups, shape[2]
+    if op_name(value) == "relax.permute_dims" and value.attrs.axes is not None \
+            and [int(a) for a in value.attrs.axes] == [0, 2, 1]:
+        rows, groups = _repeated_rows(value.args[0], var2val)
+        return rows, groups, shape[2]
+    return relax.op.permute_dims(rhs, [0, 2, 1]), shape[0], shape[2]
 
 
 def _term(expr, var2val) -> _Term | None:
@@ -98,19 +141,19 @@ def _term(expr, var2val) -> _Term | None:
         return None
     lhs, rhs = product
     lhs_shape, out_shape = tensor_shape(lhs), tensor_shape(gathered)
-    if lhs_shape is None or out_shape is None or len(lhs_shape) != 3 or rhs.ndim not in (2, 3):
+    if lhs_shape is None or out_shape is None or len(lhs_shape) != 3:
         return None
     batch, seq, depth = lhs_shape
-    rhs = rhs if rhs.ndim == 3 else rhs[None]
-    if rhs.shape[0] not in (1, batch) or rhs.shape[1] != depth or out_shape != (batch, seq, seq):
+    operand = _positions(rhs, var2val, batch, depth)
+    if operand is None or out_shape != (batch, seq, seq):
         return None
-    positions = rhs.shape[2]
+    positions_expr, groups, positions = operand
     flat = table.value.numpy().astype(np.int64)
     if flat.shape != (seq, seq) or flat.min() < 0 or flat.max() >= seq * positions:
         return None
     if not (flat // positions == np.arange(seq)[:, None]).all():      # each gather stays in its product row
         return None
-    return _Term(lhs, np.ascontiguousarray(rhs.transpose(0, 2, 1)), flat % positions, transposed, scale)
+    return _Term(lhs, positions_expr, groups, flat % positions, transposed, scale)
 
 
 def _period(array: np.ndarray) -> int:
@@ -145,7 +188,7 @@ def offset_words(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(words.reshape(seq, seq // 2))
 
 
-def _fused_call(expr, var2val, add_kernel, target_kind: str):
+def _fused_call(expr, var2val, add_kernel):
     """``(kernel, arguments, output type)`` of the fused call replacing ``expr`` (a 16-bit cast of a two-term
     relative bias), or None where it is not one; ``add_kernel(shape)`` adds the kernel of that shape to the module."""
     if op_name(expr) != "relax.astype" or str(expr.attrs.dtype) not in SIXTEEN_BIT:
@@ -158,24 +201,19 @@ def _fused_call(expr, var2val, add_kernel, target_kind: str):
         return None
     first, second = sorted(terms, key=lambda t: t.transposed)
     batch, seq, depth = tensor_shape(first.lhs)
-    total_positions = first.positions.shape[1]
-    if (tensor_shape(second.lhs) != (batch, seq, depth) or second.positions.shape[1:] != first.positions.shape[1:]
+    total_positions = tensor_shape(first.positions)[1]
+    if (tensor_shape(second.lhs) != (batch, seq, depth) or first.groups != second.groups
+            or tensor_shape(second.positions) != tensor_shape(first.positions)
             or tensor_dtype(first.lhs) != tensor_dtype(second.lhs) or not fits(seq, total_positions, depth)
             or math.prod(tensor_shape(expr)) != batch * seq * seq):
         return None
     windows = [_windows(first.table, total_positions), _windows(second.table.T, total_positions)]
     if any(w is None for w in windows):
         return None
-    groups = math.lcm(_period(first.positions), _period(second.positions))
-    groups = groups if batch % groups == 0 else batch
-    tables = [np.ascontiguousarray(np.broadcast_to(t.positions, (batch,) + t.positions.shape[1:])[:groups])
-              for t in (first, second)]
     bases = np.stack([windows[0][0], windows[1][0]], axis=-1).astype(np.int32)
-    dtype, out_dtype = tensor_dtype(first.lhs), str(expr.attrs.dtype)
-    shape = dict(batch=batch, seq=seq, positions=total_positions, head_dim=depth, groups=groups,
+    shape = dict(batch=batch, seq=seq, positions=total_positions, head_dim=depth, groups=first.groups,
                  scales=(first.scale, second.scale), dtype=tensor_dtype(first.lhs), out_dtype=str(expr.attrs.dtype))
-    dtype = shape["dtype"]
-    args = [first.lhs, relax.const(tables[0], dtype), second.lhs, relax.const(tables[1], dtype),
+    args = [first.lhs, first.positions, second.lhs, second.positions,
             relax.const(offset_words(windows[0][1], windows[1][1])), relax.const(np.ascontiguousarray(bases))]
     return add_kernel(shape), args, relax.TensorType([batch, seq, seq], shape["out_dtype"])
 
@@ -201,7 +239,7 @@ def fuse_relative_biases(mod: tvm.IRModule, target_kind: str) -> tuple[tvm.IRMod
 
     replacements = {}
     for binding_var, value in var2val.items():
-        fused = _fused_call(value, var2val, add_kernel, target_kind)
+        fused = _fused_call(value, var2val, add_kernel)
         if fused is not None:
             replacements[binding_var] = fused
     if not replacements:
@@ -214,7 +252,9 @@ def fuse_relative_biases(mod: tvm.IRModule, target_kind: str) -> tuple[tvm.IRMod
                 super().visit_var_binding_(binding)
                 return
             gv, args, out_ty = replacements[binding.var]
-            bias = self.builder_.emit(relax.call_tir(gv, [self.visit_expr(a) for a in args], out_ty=out_ty))
+            operands = [self.visit_expr(a) for a in args]
+            operands = [self.builder_.emit(a) if isinstance(a, relax.Call) else a for a in operands]
+            bias = self.builder_.emit(relax.call_tir(gv, operands, out_ty=out_ty))
             shaped = self.builder_.normalize(relax.op.reshape(bias, list(binding.var.ty.shape)))
             self.builder_.emit_normalized(relax.VarBinding(binding.var, shaped))
 
