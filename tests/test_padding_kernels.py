@@ -169,15 +169,15 @@ def test_gpu_script_padding_inputs_match_the_device_summary():
             np.testing.assert_array_equal(bits, device_bits)
 
 
-@pytest.mark.parametrize("config", [BlockConfig(32, 32, 2, 2, heavy_first=True, min_blocks=10, reverse_full=True),
+@pytest.mark.parametrize("config", [BlockConfig(32, 32, 2, 2, heavy_first=True, reverse_full=True),
                                     BlockConfig(32, 16, 2, 2, heavy_first=True, reverse_full=True),
                                     BlockConfig(64, 64, 4, 2)])
 def test_lean_padding_tests_spans_only_in_rows_that_drop_keys(config, tmp_path):
     """``lean_padding``: the CUDA kernel guards its per-tile span tests with one block-uniform flag (the batch row
     drops some key), so the tile's column index is loaded again only there; the padding predicate reads the tile's
     ``ceil(block_n / 32)`` pad_bits words once instead of one per score element; without the padding inputs the
-    knob changes nothing (the same source). Both forms build for sm_90 with no more spill than without the knob
-    (the pick's 96-register bound spills one word either way). The CPU loop nest has one form for both."""
+    knob changes nothing (the same source). Both forms build for sm_90 without spills (the 16x2048 pick, the
+    first, in 96 registers). The CPU loop nest has one form for both."""
     def source(lean, padding=True):
         func = blockwise_attention_primfunc(batch=16, heads=12, seq_q=2048, seq_k=2048, head_dim=64, dtype="float16",
                                             mask_batch=1, mask_heads=1, config=replace(config, lean_padding=lean),
@@ -196,7 +196,7 @@ def test_lean_padding_tests_spans_only_in_rows_that_drop_keys(config, tmp_path):
         report = sm90_ptxas_report(src, tmp_path / str(index))
         spills.append(int(re.search(r"(\d+) bytes spill stores", report).group(1)))
         assert max(int(r) for r in re.findall(r"Used (\d+) registers", report)) <= config.register_limit, report
-    assert spills[1] <= spills[0] <= 4
+    assert spills == [0, 0]
     cpu = [blockwise_attention_primfunc(batch=2, heads=2, seq_q=70, seq_k=70, head_dim=64, dtype="float16",
                                         mask_batch=1, mask_heads=1, config=replace(config, lean_padding=lean),
                                         target_kind="llvm", padding=True) for lean in (False, True)]

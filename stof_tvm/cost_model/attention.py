@@ -76,11 +76,13 @@ _MAX_SPLIT_ROWS = 4         # split-KV: heavy rows per (batch, head) split at mo
 _MERGE_CYCLES_PER_SLICE = 40   # split-KV merge: per output element and slice (two loads, exp2, fma)
 _WGMMA_STAGES = (2, 3, 4, 5)
 _WGMMA_SPACE_HEAD_DIMS = (64, 128)   # head dims where the wgmma knob space was timed (sessions 7-9)
-# Launch-bound registers of the block-wise kernel at head dim 64: warps of one m16 tile on 16- or 32-key tiles (2 or
-# 4 warps) build with 0 spills at 96 registers (nvcc 13: ten 2-warp or five 4-warp blocks an SM; 80 spill), and the
-# H200 ran heavy-first 32x32x2x2 so on BigBird 0.196 ms vs 0.201 with ptxas's 116 (session 9, s9sparse). Offered
-# with the heavy-first order only: the default order was not measured bounded.
-_BOUNDED_REGISTERS = 96
+# Registers ptxas gives the block-wise kernel's heavy-first forms at head dim 64 with one m16 tile a warp on 16- or
+# 32-key tiles (2 or 4 warps), where the estimate (BlockConfig.registers: 104-116) runs above it: 96 without launch
+# bounds and without spills (nvcc 13.0, sm_90; 32x32x2x2, 64x32x4x2 and 32x16x2x2, with and without key padding,
+# session 30). Until session 29 the model offered these forms bounded to 96 (``min_blocks``), which ptxas then needed
+# (session 9: 116 unbounded); the bound now makes the padded forms spill 4 bytes, and the H200 ran RoBERTa-base
+# 16x2048's pick 0.0979 ms unbounded against 0.1016 bounded (s30regs).
+_MEASURED_REGISTERS = 96
 _WARPGROUP = 128
 _BASE_REGISTERS = 40        # addresses, loop counters, softmax row state beyond the fragments
 _VECTOR_BYTES = 16
@@ -200,21 +202,17 @@ def block_candidates(head_dim: int, hw: HardwareProfile = H200,
                             continue
                         if config.shared_bytes(head_dim) <= hw.smem_per_block:
                             out.append(AttentionCandidate("block", config))
-                            bounded = _bounded(config, head_dim)
-                            if bounded is not None:
-                                out.append(AttentionCandidate("block", bounded))
     return out
 
 
-def _bounded(config: BlockConfig, head_dim: int) -> BlockConfig | None:
-    """``config`` under launch bounds that hold it to _BOUNDED_REGISTERS (``min_blocks``) where it is a heavy-first
-    shape known to fit there without spills and its own estimate is above; else None."""
-    if (head_dim != 64 or not config.heavy_first or config.m_tiles_per_warp != 1 or config.block_n > 32
-            or config.num_warps not in (2, 4)):
-        return None
-    if config.registers(head_dim) <= _BOUNDED_REGISTERS:
-        return None
-    return replace(config, min_blocks=65536 // (config.threads * _BOUNDED_REGISTERS))
+def block_registers(config: BlockConfig, head_dim: int) -> int:
+    """Registers a thread of ``config``'s kernel takes: ptxas's measured count where the estimate is known to run
+    above it (:data:`_MEASURED_REGISTERS`), else the kernel's estimate."""
+    estimate = config.registers(head_dim)
+    if (head_dim == 64 and config.heavy_first and config.m_tiles_per_warp == 1 and config.block_n <= 32
+            and config.num_warps in (2, 4) and not config.min_blocks):
+        return min(estimate, _MEASURED_REGISTERS)
+    return estimate
 
 
 def row_candidates(head_dim: int, dtype: str, hw: HardwareProfile = H200) -> list[AttentionCandidate]:
@@ -367,7 +365,7 @@ def _block_work(problem: AttentionProblem, config: BlockConfig, cal: Calibration
         workspace_bytes = merge["bytes"]
     return KernelWork(
         name=str(AttentionCandidate("block", config)), threads=config.threads,
-        smem_bytes=config.shared_bytes(d), regs_per_thread=config.registers(d), count=count,
+        smem_bytes=config.shared_bytes(d), regs_per_thread=block_registers(config, d), count=count,
         tc_flops=tiles * 4.0 * bm * bn * d,
         cuda_ops=(tiles * cal.softmax_ops + part * cal.mask_ops) * bm * bn,
         latency_cycles=latency,
