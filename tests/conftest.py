@@ -44,3 +44,24 @@ def hf_export(pytestconfig):
                                     batch=batch, seq_len=seq_len, dynamic=dynamic)
 
     return export
+
+
+@pytest.fixture(scope="session")
+def deberta_on_llvm(hf_export):
+    """``deberta_on_llvm(batch, seq, **options) -> (last_hidden_state, kept, artifact)``: the tiny HF DeBERTa-v3
+    (TorchScript, opset 17) compiled for llvm in float16 with the block-wise kernel, a BigBird mask and the compile
+    ``options``, run on the family's example inputs; ``kept`` marks the unpadded positions, where outputs compare."""
+    def run(batch: int, seq: int, **options):
+        import numpy as np
+
+        import stof_tvm
+        from stof_tvm.models import hf_export as hx
+
+        path = hf_export("deberta", "eager", "torchscript", 17, False, batch, seq)
+        inputs = hx.example_inputs("deberta", batch, seq)
+        keep = np.asarray(stof_tvm.make_mask("bigbird", seq), bool)
+        art = stof_tvm.compile(path, mask=keep, batch=batch, seq_len=seq, target="llvm", dtype="float16",
+                               kernel="block", **options)
+        return art.load()(inputs)["last_hidden_state"], inputs["attention_mask"].astype(bool), art
+
+    return run

@@ -57,12 +57,10 @@ def test_which_biases_narrow(name):
     assert narrows_exactly_enough(bias, var2val) is narrows
 
 
-def test_deberta_bias_reaches_the_kernel_in_float16(hf_export):
+def test_deberta_bias_reaches_the_kernel_in_float16(hf_export, deberta_on_llvm):
     """HF DeBERTa-v3's c2p + p2c bias (float32 in the graph, made of float16 products) is passed to the block-wise
     kernel in float16 by default and in float32 with ``narrow_bias=False``; on llvm both compiles match torch."""
     from stof_tvm.compiler import front_end
-    from stof_tvm.models import hf_export as hx
-    import stof_tvm
 
     batch, seq = 2, 64
     path = hf_export("deberta", "eager", "torchscript", 17, False, batch, seq)
@@ -70,15 +68,10 @@ def test_deberta_bias_reaches_the_kernel_in_float16(hf_export):
                                 kernel="block", schedule=False, narrow_bias=narrow).choice.bias[2]
               for narrow in (True, False)}
     assert dtypes == {True: "float16", False: "float32"}
-    inputs = hx.example_inputs("deberta", batch, seq)
-    keep = np.asarray(stof_tvm.make_mask("bigbird", seq), bool)
     outputs = {}
     for narrow in (True, False):
-        art = stof_tvm.compile(path, mask=keep, batch=batch, seq_len=seq, target="llvm", dtype="float16",
-                               kernel="block", narrow_bias=narrow)
+        outputs[narrow], kept, art = deberta_on_llvm(batch, seq, narrow_bias=narrow)
         assert art.manifest["attention"]["kernel"]["bias"][2] == dtypes[narrow]
-        outputs[narrow] = art.load()(inputs)["last_hidden_state"]
-    kept = inputs["attention_mask"].astype(bool)
     assert np.isfinite(outputs[True]).all()
     difference = np.linalg.norm(outputs[True][kept] - outputs[False][kept]) / np.linalg.norm(outputs[False][kept])
     assert 0 < difference < 2e-3, difference

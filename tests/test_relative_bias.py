@@ -5,12 +5,10 @@ gathered, scaled and summed) on DeBERTa-like relative positions, including tiles
 last positions; the CUDA kernel has mma.sync products and builds for sm_90a without spills; the compile path
 fuses both terms of every layer of HF DeBERTa-v3 exports (TorchScript and dynamo) and the llvm module's output
 equals the unfused graph's; other forms are left as they were."""
-import shutil
-import subprocess
-
 import numpy as np
 import pytest
 import tvm
+from hopper_checks import sm90_ptxas_report
 from hypothesis import given, settings, strategies as st
 
 from stof_tvm.compiler.pipeline import CUDA_DEFAULTS, make_target
@@ -103,12 +101,7 @@ def test_cuda_kernel_builds_without_spills(tmp_path):
     target = make_target({**CUDA_DEFAULTS, "arch": "sm_90a"})
     source = tvm.compile(tvm.IRModule({"relative_bias": func}), target=target).mod.imports[0].inspect_source()
     assert "mma.sync.aligned.m16n8k16" in source and "ldmatrix" in source and "cp.async" in source
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not on PATH")
-    (tmp_path / "k.cu").write_text(source)
-    log = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-O3", "--use_fast_math", "-Xptxas", "-v", "-o",
-                          str(tmp_path / "k.cubin"), str(tmp_path / "k.cu")],
-                         capture_output=True, text=True, check=True).stderr
+    log = sm90_ptxas_report(source, tmp_path, arch="sm_90a")
     assert "0 bytes spill stores" in log, log
 
 
@@ -138,24 +131,13 @@ def test_deberta_layers_take_the_fused_kernel(hf_export, exporter, opset):
     assert calls[False]["stof_relative_bias"] == 0 and calls[False]["R.take("] >= 2 * layers
 
 
-def test_fused_llvm_module_equals_the_graph(hf_export):
+def test_fused_llvm_module_equals_the_graph(deberta_on_llvm):
     """On llvm the fused kernel's loop nest gives the same output as the graph's products and gathers (both sum
-    each product over the head dim in order), and it is used (not the graph's own)."""
-    import stof_tvm
-    from stof_tvm.models import hf_export as hx
-
-    batch, seq = 2, 128
-    path = hf_export("deberta", "eager", "torchscript", 17, False, batch, seq)
-    inputs = hx.example_inputs("deberta", batch, seq)
-    keep = np.asarray(stof_tvm.make_mask("bigbird", seq), bool)
-    outputs = {}
-    for fuse in (True, False):
-        art = stof_tvm.compile(path, mask=keep, batch=batch, seq_len=seq, target="llvm", dtype="float16",
-                               kernel="block", fuse_relative_bias=fuse)
-        outputs[fuse] = art.load()(inputs)["last_hidden_state"]
-    assert np.isfinite(outputs[True]).all()
-    kept = inputs["attention_mask"].astype(bool)
-    difference = np.linalg.norm(outputs[True][kept] - outputs[False][kept]) / np.linalg.norm(outputs[False][kept])
+    each product over the head dim in order)."""
+    outputs = {fuse: deberta_on_llvm(2, 128, fuse_relative_bias=fuse)[:2] for fuse in (True, False)}
+    (fused, kept), (graph, _) = outputs[True], outputs[False]
+    assert np.isfinite(fused).all()
+    difference = np.linalg.norm(fused[kept] - graph[kept]) / np.linalg.norm(graph[kept])
     assert difference < 1e-4, difference
 
 
