@@ -5,6 +5,9 @@ gathered, scaled and summed) on DeBERTa-like relative positions, including tiles
 last positions; the CUDA kernel has mma.sync products and builds for sm_90a without spills; the compile path
 fuses both terms of every layer of HF DeBERTa-v3 exports (TorchScript and dynamo) and the llvm module's output
 equals the unfused graph's; other forms are left as they were."""
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import tvm
@@ -15,16 +18,8 @@ from stof_tvm.compiler.pipeline import CUDA_DEFAULTS, make_target
 from stof_tvm.compiler.relative_bias_match import _windows, offset_words
 from stof_tvm.schedules.relative_bias import TILE, relative_bias_primfunc, relative_bias_reference, window_size
 
-
-def log_bucket_positions(seq: int, buckets: int, max_distance: int) -> np.ndarray:
-    """DeBERTa-v3's position index ``[i, j]``: the relative position ``i - j`` exact below ``buckets / 2`` in
-    magnitude, log-spaced above it up to ``max_distance``, shifted into ``[0, 2 * buckets)``."""
-    rel = np.arange(seq)[:, None] - np.arange(seq)[None, :]
-    mid = buckets // 2
-    magnitude = np.abs(rel)
-    far = np.ceil(np.log(np.maximum(magnitude, 1) / mid) / np.log((max_distance - 1) / mid) * (mid - 1)) + mid
-    bucket = np.where(magnitude <= mid, rel, np.sign(rel) * far).astype(np.int64)
-    return np.clip(bucket + buckets, 0, 2 * buckets - 1)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from check_relative_bias_gpu import graph_form, log_bucket_positions  # noqa: E402  (the GPU check's graph form)
 
 
 def decode(words: np.ndarray, which: int) -> np.ndarray:
@@ -151,39 +146,6 @@ def test_other_seq_lengths_keep_the_graph(hf_export):
     assert calls["stof_relative_bias"] == 0 and calls["R.matmul("] > 0
 
 
-def _graph_form(batch: int, heads: int, seq: int, depth: int, buckets: int, scale: float) -> tvm.IRModule:
-    """DeBERTa-v3-base's bias as its exports reach the fusion (weights as inputs): each layer's position projection
-    ``pk`` [H, K, D] repeated over the batch (``reshape(broadcast_to(reshape))``), transposed into the product, the
-    products gathered by flat tables, the second transposed, both divided and summed, then cast to float16."""
-    from tvm import relax
-
-    n, positions = batch * heads, 2 * buckets
-    index = log_bucket_positions(seq, buckets, 4 * buckets)
-    table = relax.const((np.arange(seq)[:, None] * positions + index).astype("int32"))
-    bb = relax.BlockBuilder()
-    q, k = (relax.Var(name, relax.TensorType((n, seq, depth), "float16")) for name in ("q", "k"))
-    pk, pq = (relax.Var(name, relax.TensorType((heads, positions, depth), "float16")) for name in ("pk", "pq"))
-    with bb.function("main", [q, k, pk, pq]):
-        with bb.dataflow():
-            def term(a, p, transposed):
-                rows = bb.emit(relax.op.reshape(p, (1, heads, 1, positions, 1, depth)))
-                rows = bb.emit(relax.op.broadcast_to(rows, (batch, heads, 1, positions, 1, depth)))
-                rows = bb.emit(relax.op.reshape(rows, (n, positions, depth)))
-                product = bb.emit(relax.op.matmul(a, bb.emit(relax.op.permute_dims(rows, [0, 2, 1])),
-                                                  out_dtype="float32"))
-                flat = bb.emit(relax.op.reshape(bb.emit(relax.op.astype(product, "float16")), (n, seq * positions)))
-                gathered = bb.emit(relax.op.take(bb.emit(relax.op.astype(flat, "float32")), table, axis=1))
-                if transposed:
-                    gathered = bb.emit(relax.op.permute_dims(gathered, [0, 2, 1]))
-                return bb.emit(relax.op.divide(gathered, relax.const(scale, "float32")))
-
-            total = bb.emit(relax.op.add(term(q, pk, False), term(k, pq, True)))
-            out = bb.emit_output(relax.op.astype(bb.emit(relax.op.reshape(total, (batch, heads, seq, seq))),
-                                                 "float16"))
-        bb.emit_func_output(out)
-    return bb.get()
-
-
 def test_runtime_position_tables_repeated_over_the_batch():
     """With the position projections as graph values (the base model's form), the fused call reads each head's
     table once (``groups`` = heads, not batch x heads) and the llvm module equals the graph's."""
@@ -192,7 +154,7 @@ def test_runtime_position_tables_repeated_over_the_batch():
     from stof_tvm.compiler.relative_bias_match import fuse_relative_biases
 
     batch, heads, seq, depth, buckets = 2, 3, 128, 64, 128
-    graph = _graph_form(batch, heads, seq, depth, buckets, 13.856406)
+    graph, _ = graph_form(batch, heads, seq, depth, buckets)
     fused, count = fuse_relative_biases(graph, "llvm")
     assert count == 1
     calls = []
