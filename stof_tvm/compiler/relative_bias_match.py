@@ -2,21 +2,23 @@
 
 HF DeBERTa-v3's score bias, after :mod:`.gather_index` and the float16 conversion, is per layer::
 
-    c2p = astype(matmul(Q, Wk, out_dtype=float32), float16)         # Q [N, S, D], Wk a constant [N, D, K]
+    c2p = astype(matmul(Q, Wk, out_dtype=float32), float16)         # Q [N, S, D], Wk [N, D, K]
     t1  = take(astype(reshape(c2p, [N, S * K]), float32), T1, axis=1)     # T1[i, j] = i * K + position
     p2c = astype(matmul(Kc, Wq, out_dtype=float32), float16)
     t2  = permute_dims(take(astype(reshape(p2c, [N, S * K]), float32), T2, axis=1), [0, 2, 1])
     bias = astype(reshape(add(divide(t1, c1), divide(t2, c2)), [B, H, S, S]), float16)
 
-(TorchScript exports add a ``+ 0.0`` to the first term.) :func:`fuse_relative_biases` replaces each such ``bias``
-with one call of :mod:`stof_tvm.schedules.relative_bias` (the plain loop nest off CUDA), whose inputs are Q and
-Kc as they are, the two position tables transposed to [G, K, D] (G the period of their repetition over N: the graph
-repeats each head's table over the batch), and, built here from the constant gather tables, each 64 x 64 tile's
-window start (``bases``) and every output's two offsets into the windows (``offsets``, one byte each). The kernel
-computes the same products, rounds them as the graph does and sums the same terms, so the bias equals the graph's
-up to the order of each product's float32 sum. It is used only where every part matches: a 16-bit product cast
-from float32, a gather that stays in the product's row (the non-transposed term's row ``i``, the transposed term's
-row ``j``), tile windows that fit the kernel, scalar divisors, a 16-bit result; anything else stays as it was.
+(TorchScript exports add a ``+ 0.0`` to the first term.) ``Wk`` and ``Wq`` are each layer's position projections:
+constants where the export folded them (small models), else graph values, ``permute_dims`` of each head's projection
+repeated over the batch. :func:`fuse_relative_biases` replaces each such ``bias`` with one call of
+:mod:`stof_tvm.schedules.relative_bias` (the plain loop nest off CUDA), whose inputs are Q and Kc as they are, the
+two projections as [G, K, D] (G the period of their repetition over N: each head's, read once), and, built here from
+the constant gather tables, each 64 x 64 tile's window start (``bases``) and every output's two offsets into the
+windows (``offsets``, one byte each). The kernel computes the same products, rounds them as the graph does and sums
+the same terms, so the bias equals the graph's up to the order of each product's float32 sum. It is used only where
+every part matches: a 16-bit product cast from float32, a gather that stays in the product's row (the
+non-transposed term's row ``i``, the transposed term's row ``j``), tile windows that fit the kernel, scalar
+divisors, a 16-bit result; anything else stays as it was.
 """
 from __future__ import annotations
 
@@ -91,7 +93,7 @@ def _repeated_rows(x, var2val):
     if before is None or after is None or row_shape is None or len(row_shape) != 3 \
             or tuple(row_shape[1:]) != tuple(shape[1:]) or shape[0] % row_shape[0]:
         return x, shape[0]
-    first = next(i for i, d in enumerate(before) if d != 1)
+    first = next((i for i, d in enumerate(before) if d != 1), len(before))
     if [d for d in before if d != 1] != [d for d in row_shape if d != 1] \
             or any(b != a for b, a in zip(before[first:], after[first:])):
         return x, shape[0]
