@@ -39,7 +39,6 @@ from .canonical import canonicalize
 from .coverage import coverage
 from .downstream import use_templates
 from .gather_index import narrow_gather_indices
-from .relative_bias_match import fuse_relative_biases
 from .graph_inputs import whole_graph
 from .input_checks import ValueCheck, add_value_checks, clip_gathers
 from .kernels import KERNELS, KernelChoice, choose_kernel, config_object, kernel_primfunc
@@ -51,6 +50,7 @@ from .pipeline import build, fold_constant_casts, make_target, optimize, target_
 from .layout import fold_permute_pairs
 from .numpy_fold import fold_numpy
 from .record_calls import record_calls
+from .relative_bias_match import fuse_relative_biases
 from .rewrite import rewrite_attention
 from .weight_storage import store_weights_float16, stored_values
 
