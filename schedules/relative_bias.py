@@ -131,18 +131,17 @@ def relative_bias_primfunc(*, batch: int, seq: int, positions: int, head_dim: in
                         for it in T.unroll(a_iters):
                             r: T.let = (it * THREADS + tx) // cpr
                             c: T.let = (it * THREADS + tx) % cpr
-                            CP_ASYNC_16(s_base + T.Cast("uint32", chunk_offset(r, c, cpr)),
-                                        T.address_of(A1[n, ti * TILE + r, c * 8]), 16, T.uint32(16))
-                            CP_ASYNC_16(s_base + T.uint32(a_bytes + w_bytes) + T.Cast("uint32", chunk_offset(r, c, cpr)),
-                                        T.address_of(A2[n, tj * TILE + r, c * 8]), 16, T.uint32(16))
+                            at: T.let = s_base + T.Cast("uint32", chunk_offset(r, c, cpr))
+                            CP_ASYNC_16(at, T.address_of(A1[n, ti * TILE + r, c * 8]), 16, T.uint32(16))
+                            CP_ASYNC_16(at + T.uint32(a_bytes + w_bytes), T.address_of(A2[n, tj * TILE + r, c * 8]),
+                                        16, T.uint32(16))
                         for it in T.unroll(w_iters):
                             r: T.let = (it * THREADS + tx) // cpr
                             c: T.let = (it * THREADS + tx) % cpr
-                            CP_ASYNC_16(s_base + T.uint32(a_bytes) + T.Cast("uint32", chunk_offset(r, c, cpr)),
-                                        T.address_of(W1[g, base1 + r, c * 8]), 16, T.uint32(16))
-                            CP_ASYNC_16(s_base + T.uint32(2 * a_bytes + w_bytes)
-                                        + T.Cast("uint32", chunk_offset(r, c, cpr)),
-                                        T.address_of(W2[g, base2 + r, c * 8]), 16, T.uint32(16))
+                            at: T.let = s_base + T.uint32(a_bytes) + T.Cast("uint32", chunk_offset(r, c, cpr))
+                            CP_ASYNC_16(at, T.address_of(W1[g, base1 + r, c * 8]), 16, T.uint32(16))
+                            CP_ASYNC_16(at + T.uint32(a_bytes + w_bytes), T.address_of(W2[g, base2 + r, c * 8]),
+                                        16, T.uint32(16))
                         T.ptx.cp.async_.commit_group()
                         T.ptx.cp.async_.wait_group(0)
                         T.tvm_storage_sync("shared")

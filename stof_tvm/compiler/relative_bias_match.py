@@ -23,6 +23,7 @@ divisors, a 16-bit result; anything else stays as it was.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import tvm
@@ -39,16 +40,16 @@ __all__ = ["fuse_relative_biases"]
 SIXTEEN_BIT = ("float16", "bfloat16")
 
 
+@dataclass(frozen=True)
 class _Term:
     """One gathered, scaled product: ``take(product rows, table) [permuted] / scale``."""
 
-    def __init__(self, lhs, positions, groups: int, table: np.ndarray, transposed: bool, scale: float):
-        self.lhs = lhs                  # [N, S, D], the product's left operand (a graph value)
-        self.positions = positions      # [groups, K, D]: the right operand transposed (a graph value or constant)
-        self.groups = groups            # the right operand's row n is positions[n % groups]
-        self.table = table              # [S, S] positions, indexed as the take's output (before any permute)
-        self.transposed = transposed
-        self.scale = scale
+    lhs: relax.Expr                 # [N, S, D], the product's left operand (a graph value)
+    positions: relax.Expr           # [groups, K, D]: the right operand transposed (a graph value or constant)
+    groups: int                     # the right operand's row n is positions[n % groups]
+    table: np.ndarray               # [S, S] positions, indexed as the take's output (before any permute)
+    transposed: bool
+    scale: float
 
 
 def _strip(expr, var2val, accept):
