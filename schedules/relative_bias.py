@@ -48,6 +48,8 @@ MAX_WINDOW = 128             # product columns a tile may read (a byte of `offse
 WARPS = 4                    # each 16 rows of both products and of the output
 THREADS = 32 * WARPS
 ROW_WORDS_PAD = 1            # 32-bit words past a window row in the shared tables: rows an odd number apart
+BLOCKS_PER_SM = 4            # launch bounds: 128 registers a thread (ptxas needs 168 unbounded), 4 x 48 KB of
+                             # shared memory
 
 
 def window_size(positions: int) -> int:
@@ -116,36 +118,47 @@ def relative_bias_primfunc(*, batch: int, seq: int, positions: int, head_dim: in
             for ti in T.thread_binding(tiles, thread="blockIdx.y"):
                 for n in T.thread_binding(batch, thread="blockIdx.z"):
                     for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                        T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", BLOCKS_PER_SM)
                         smem = T.alloc_buffer((smem_words,), "uint32", scope="shared.dyn")
                         a_frag = T.alloc_buffer((4,), "uint32", scope="local")
                         b_frag = T.alloc_buffer((4,), "uint32", scope="local")
                         acc = T.alloc_buffer((nt8 * 4,), "float32", scope="local")
                         packed = T.alloc_buffer((2, nt8 * 2), "uint32", scope="local")
+                        words = T.alloc_buffer((rows_per_warp,), "uint32", scope="local")
                         warp: T.let = tx // 32
                         lane: T.let = tx % 32
                         g: T.let = n % groups
                         base1: T.let = bases[ti, tj, 0]
                         base2: T.let = bases[ti, tj, 1]
                         s_base: T.let = T.cuda.cvta_generic_to_shared(T.address_of(smem[0]))
-                        # operands: A1 tile, W1 window, A2 tile, W2 window, one after another
-                        for it in T.unroll(a_iters):
-                            r: T.let = (it * THREADS + tx) // cpr
-                            c: T.let = (it * THREADS + tx) % cpr
-                            at: T.let = s_base + T.Cast("uint32", chunk_offset(r, c, cpr))
-                            CP_ASYNC_16(at, T.address_of(A1[n, ti * TILE + r, c * 8]), 16, T.uint32(16))
-                            CP_ASYNC_16(at + T.uint32(a_bytes + w_bytes), T.address_of(A2[n, tj * TILE + r, c * 8]),
-                                        16, T.uint32(16))
-                        for it in T.unroll(w_iters):
-                            r: T.let = (it * THREADS + tx) // cpr
-                            c: T.let = (it * THREADS + tx) % cpr
-                            at: T.let = s_base + T.uint32(a_bytes) + T.Cast("uint32", chunk_offset(r, c, cpr))
-                            CP_ASYNC_16(at, T.address_of(W1[g, base1 + r, c * 8]), 16, T.uint32(16))
-                            CP_ASYNC_16(at + T.uint32(a_bytes + w_bytes), T.address_of(W2[g, base2 + r, c * 8]),
-                                        16, T.uint32(16))
-                        T.ptx.cp.async_.commit_group()
-                        T.ptx.cp.async_.wait_group(0)
-                        T.tvm_storage_sync("shared")
+                        # operands: A1 tile and W1 window (one copy group), A2 tile and W2 window (a second), so
+                        # that the first product runs while the second's operands land
                         for term in T.unroll(2):
+                            for it in T.unroll(a_iters):
+                                r: T.let = (it * THREADS + tx) // cpr
+                                c: T.let = (it * THREADS + tx) % cpr
+                                at: T.let = s_base + T.Cast("uint32", term * (a_bytes + w_bytes)
+                                                            + chunk_offset(r, c, cpr))
+                                if term == 0:
+                                    CP_ASYNC_16(at, T.address_of(A1[n, ti * TILE + r, c * 8]), 16, T.uint32(16))
+                                else:
+                                    CP_ASYNC_16(at, T.address_of(A2[n, tj * TILE + r, c * 8]), 16, T.uint32(16))
+                            for it in T.unroll(w_iters):
+                                r: T.let = (it * THREADS + tx) // cpr
+                                c: T.let = (it * THREADS + tx) % cpr
+                                at: T.let = s_base + T.Cast("uint32", term * (a_bytes + w_bytes) + a_bytes
+                                                            + chunk_offset(r, c, cpr))
+                                if term == 0:
+                                    CP_ASYNC_16(at, T.address_of(W1[g, base1 + r, c * 8]), 16, T.uint32(16))
+                                else:
+                                    CP_ASYNC_16(at, T.address_of(W2[g, base2 + r, c * 8]), 16, T.uint32(16))
+                            T.ptx.cp.async_.commit_group()
+                        # the gather's offset words, asked for now so that they arrive under the copies
+                        for rr in T.unroll(rows_per_warp):
+                            words[rr] = offsets[ti * TILE + warp * rows_per_warp + rr, tj * (TILE // 2) + lane]
+                        for term in T.unroll(2):
+                            T.ptx.cp.async_.wait_group(1 - term)
+                            T.tvm_storage_sync("shared")
                             a_base: T.let = s_base + T.Cast("uint32", term * (a_bytes + w_bytes))
                             w_base: T.let = a_base + T.uint32(a_bytes)
                             for e in T.unroll(nt8 * 4):
@@ -176,13 +189,12 @@ def relative_bias_primfunc(*, batch: int, seq: int, positions: int, head_dim: in
                                     smem[term * p_words + (warp * 16 + hh * 8 + lane // 4) * p_row_words
                                          + nt * 4 + lane % 4] = packed[term, nt * 2 + hh]
                         T.tvm_storage_sync("shared")
-                        for rr in T.serial(rows_per_warp):
+                        for rr in T.unroll(rows_per_warp):
                             row: T.let = warp * rows_per_warp + rr
-                            word: T.let = offsets[ti * TILE + row, tj * (TILE // 2) + lane]
                             for half in T.unroll(2):
                                 col: T.let = lane + 32 * half
-                                l1: T.let = _decode(word, 0, half)
-                                l2: T.let = _decode(word, 1, half)
+                                l1: T.let = _decode(words[rr], 0, half)
+                                l2: T.let = _decode(words[rr], 1, half)
                                 w1v: T.let = smem[row * p_row_words + l1 // 2]
                                 w2v: T.let = smem[p_words + col * p_row_words + l2 // 2]
                                 p1: T.let = T.Cast("float32", T.reinterpret(dtype, T.Cast("uint16", T.shift_right(

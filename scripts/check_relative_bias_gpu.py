@@ -124,7 +124,7 @@ def reference(q, k, pk, pq, index, batch: int, heads: int):
 def run(out: str, json_path: str | None) -> None:
     import torch
     import tvm
-    from tvm import relax
+    from tvm.runtime.vm import VirtualMachine
 
     with open(os.path.join(out, "manifest.json")) as f:
         manifest = json.load(f)
@@ -139,7 +139,7 @@ def run(out: str, json_path: str | None) -> None:
         expected = [reference(*inputs, index, batch, heads) for inputs in pool[:2]]
         moved = 2.0 * batch * heads * seq * seq          # the bias written once, in float16
         for entry in (e for e in manifest if tuple(e["shape"]) == shape):
-            vm = relax.VirtualMachine(tvm.runtime.load_module(os.path.join(out, entry["library"])), tvm.cuda())
+            vm = VirtualMachine(tvm.runtime.load_module(os.path.join(out, entry["library"])), tvm.cuda())
 
             def call(*inputs, vm=vm):
                 return vm["main"](*[tvm.runtime.from_dlpack(t) for t in inputs])
