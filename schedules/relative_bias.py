@@ -13,23 +13,28 @@ short window (a relative position changes by one per row or column, so a tile's 
 each tile's two windows of the products on tensor cores, keeps them in shared memory and gathers the tile from
 them, so the products never reach global memory:
 
-- a block of 4 warps owns one 64 x 64 tile of one ``n``; it copies the 64 query rows ``A1[n, i0:i0+64, :]``, the
-  ``WIN`` rows of the first position table ``W1[g, base1:base1+WIN, :]`` (``g = n % G``: the graph repeats the
-  position projection over the batch), the 64 key rows ``A2[n, j0:j0+64, :]`` and the window of ``W2`` with 16-byte
-  ``cp.async`` into chunk-swizzled rows (:func:`.mma.chunk_offset`);
-- each warp computes 16 rows of both windowed products with ``ldmatrix`` + ``mma.sync.m16n8k16`` (float32
-  accumulation over the head dim, as the graph's matmul), rounds them to 16-bit pairs as the graph's cast does, and,
-  once every warp is done with the operands, stores them over the operands as two ``64 x WIN`` 16-bit tables whose
-  rows are an odd number of words apart (a warp reading one column of 32 rows touches 32 banks);
-- each thread then forms outputs ``j0 + lane`` and ``j0 + lane + 32`` of a row: their four window offsets come as
-  the four bytes of one word of ``offsets`` (a constant table built with the windows' ``bases``), and
-  ``float32(P1[i, l1]) / scale1 + float32(P2[j, l2]) / scale2`` is rounded to the output's dtype: the graph's own
-  arithmetic on the same 16-bit products, so the tile equals the graph's bias up to the products' float32 summation
-  order.
+- a block of 4 warps owns one 64 x 64 tile of one ``n``; it copies the 64 query rows ``A1[n, i0:i0+64, :]`` and
+  the ``WIN`` rows of the first position table ``W1[g, base1:base1+WIN, :]`` (``g = n % G``: the graph repeats the
+  position projection over the batch) as one group of 16-byte ``cp.async``, the 64 key rows ``A2[n, j0:j0+64, :]``
+  and the window of ``W2`` as a second, into chunk-swizzled rows (:func:`.mma.chunk_offset`), and each thread asks
+  for its 16 words of ``offsets`` (below) while they land;
+- each warp computes its 16 rows (a strip) of both products with ``ldmatrix`` + ``mma.sync.m16n8k16`` (float32
+  accumulation over the head dim, as the graph's matmul) at only the ``strip_window`` positions those rows read
+  (16 + 63 of them where every position is exact: 80 columns, not the tile's 128), the first while the second's
+  operands land, and rounds them to 16-bit pairs as the graph's cast does; once every warp is done with the
+  operands it stores them over the operands as two ``64 x strip_window`` 16-bit tables
+  (:func:`table_row_words`: row strides free of bank conflicts for the stores and the reads below);
+- each thread then forms outputs ``j0 + lane`` and ``j0 + lane + 32`` of 16 rows: their four strip offsets come as
+  the four bytes of one word of ``offsets`` (a constant table built with ``bases``: each tile's window start and
+  its strips' starts in it), and ``float32(P1[i, l1]) / scale1 + float32(P2[j, l2]) / scale2`` is rounded to the
+  output's dtype: the graph's own arithmetic on the same 16-bit products, so the tile equals the graph's bias up to
+  the products' float32 summation order.
 
-Per tile the kernel computes ``2 * 64 * WIN * D * 2`` FLOPs (``WIN = 128``: 4 times the products' own at 8 x 512)
-and moves 48 KB from L2, but writes only the bias. :func:`relative_bias_reference` computes the same function from
-the same inputs with plain loops (the CPU twin, also the llvm kernel).
+Per tile the kernel computes ``2 * 64 * strip_window * D * 2`` FLOPs (2.5 times the products' own at 8 x 512) and
+moves 48 KB from L2, but writes only the bias. Its bound is shared memory traffic (ncu on an H100, session 31: the
+L1/shared pipe 90% busy with tiles of 128 columns): each warp reads its window of W from shared memory, and the
+strips cut those reads, the mma work and the table stores by 37%. :func:`relative_bias_reference` computes the same
+function from the same inputs with plain loops (the CPU twin, also the llvm kernel).
 """
 from __future__ import annotations
 
@@ -39,31 +44,44 @@ from tvm.script import tirx as T
 
 from .mma import CP_ASYNC_16, LDMATRIX_X4, chunk_offset, chunk_stride, mma_m16n8k16, pack_f32x2
 
-__all__ = ["TILE", "MAX_WINDOW", "THREADS", "window_size", "fits", "relative_bias_primfunc",
-           "relative_bias_reference"]
+__all__ = ["TILE", "STRIP", "WARPS", "MAX_WINDOW", "THREADS", "window_size", "fits", "table_row_words",
+           "relative_bias_primfunc", "relative_bias_reference"]
 
 TILE = 64                    # rows and columns of a block's output tile
 MAX_WINDOW = 128             # product columns a tile may read (a byte of `offsets` each; 2 * TILE covers any
                              # relative position, whose span over a tile is 2 * TILE - 1)
 WARPS = 4                    # each 16 rows of both products and of the output
+STRIP = TILE // WARPS        # a warp's rows of a product: its m16 tile
 THREADS = 32 * WARPS
-ROW_WORDS_PAD = 1            # 32-bit words past a window row in the shared tables: rows an odd number apart
-BLOCKS_PER_SM = 4            # launch bounds: 128 registers a thread (ptxas needs 168 unbounded), 4 x 48 KB of
-                             # shared memory
+BLOCKS_PER_SM = 4            # launch bounds: at most 128 registers a thread, 4 x 48 KB of shared memory
 
 
 def window_size(positions: int) -> int:
-    """Product columns each tile computes: :data:`MAX_WINDOW`, or every position where there are fewer."""
+    """Product columns each tile copies: :data:`MAX_WINDOW`, or every position where there are fewer."""
     return min(MAX_WINDOW, positions)
 
 
-def fits(seq: int, positions: int, head_dim: int) -> bool:
+def fits(seq: int, positions: int, head_dim: int, strip_window: int | None = None) -> bool:
     """Whether the kernel takes ``seq`` x ``seq`` outputs from products over ``head_dim`` with ``positions``
-    relative positions: whole tiles, a reduction of 16 to 64 in steps of 16, a window of whole n16 steps whose
-    rows the block copies in whole rounds."""
+    relative positions (and, where given, strips of ``strip_window`` product columns): whole tiles, a reduction of
+    16 to 64 in steps of 16, a window of whole n16 steps whose rows the block copies in whole rounds."""
     window = window_size(positions)
+    strip_ok = strip_window is None or (strip_window % 16 == 0 and 16 <= strip_window <= window)
     return (seq % TILE == 0 and head_dim % 16 == 0 and 16 <= head_dim <= 64 and window % 16 == 0
-            and window * (head_dim // 8) % THREADS == 0)
+            and window * (head_dim // 8) % THREADS == 0 and strip_ok)
+
+
+def table_row_words(strip_window: int, transposed: bool) -> int:
+    """32-bit words between rows of a product table in shared memory (``strip_window`` 16-bit columns, padded).
+
+    A warp stores its m16n8 fragments as pairs: lanes ``4 r + c`` write word ``c`` of row ``r`` (r < 8), so a row
+    stride of 4 (mod 8) words puts the 32 stores in 32 banks. The first term is read a row at a time (one row,
+    neighbouring words: no conflict whatever the stride), so it takes that stride. The second is read a column at a
+    time (lane ``l`` at row ``l``), which needs an odd stride (rows one bank apart); it takes the least odd one."""
+    words = strip_window // 2
+    if transposed:
+        return words + 1 if words % 2 == 0 else words
+    return words + (4 - words % 8) % 8
 
 
 def _decode(word, which: int, half):
@@ -73,33 +91,33 @@ def _decode(word, which: int, half):
                                          T.uint32(255)))
 
 
-def relative_bias_primfunc(*, batch: int, seq: int, positions: int, head_dim: int, groups: int,
+def relative_bias_primfunc(*, batch: int, seq: int, positions: int, head_dim: int, groups: int, strip_window: int,
                            scales: tuple[float, float], dtype: str = "float16",
                            out_dtype: str = "float16") -> tvm.tirx.PrimFunc:
     """The CUDA PrimFunc ``(A1[batch, seq, D], W1[groups, positions, D], A2[batch, seq, D], W2[groups, positions,
-    D], offsets[seq, seq / 2] uint32, bases[seq / 64, seq / 64, 2] int32, out[batch, seq, seq])`` computing
-    ``out[n, i, j] = round(float32(round16(A1[n, i] . W1[g, b1 + l1])) / scales[0]
-    + float32(round16(A2[n, j] . W2[g, b2 + l2])) / scales[1])`` with ``g = n % groups``, ``(b1, b2)`` the tile's
-    ``bases`` and ``(l1, l2)`` its bytes of ``offsets`` (module docstring; :func:`offset_words` in the matcher
-    builds both)."""
-    if not fits(seq, positions, head_dim):
+    D], offsets[seq, seq / 2] uint32, bases[seq / 64, seq / 64, 2, 1 + WARPS] int32, out[batch, seq, seq])``
+    computing ``out[n, i, j] = round(float32(round16(A1[n, i] . W1[g, p1])) / scales[0]
+    + float32(round16(A2[n, j] . W2[g, p2])) / scales[1])`` with ``g = n % groups`` and each term's position
+    ``p = bases[ti, tj, term, 0] + bases[ti, tj, term, 1 + strip] + offset``: the tile's window, the strip's start
+    in it (the strip of ``i`` for the first term, of ``j`` for the second) and the output's byte of ``offsets``
+    (module docstring; :func:`offset_words` in the matcher builds both)."""
+    if not fits(seq, positions, head_dim, strip_window):
         raise ValueError(f"relative_bias: seq must be a multiple of {TILE}, head_dim a multiple of 16 from 16 to 64, "
-                         f"the window a multiple of 16 the block copies whole; got seq {seq}, head_dim {head_dim}, "
-                         f"{positions} positions")
+                         f"the windows multiples of 16 the block copies whole; got seq {seq}, head_dim {head_dim}, "
+                         f"{positions} positions, strips of {strip_window}")
     if batch % groups:
         raise ValueError(f"relative_bias: the position tables' {groups} groups must divide the batch {batch}")
     window = window_size(positions)
     cpr = head_dim // 8                          # 16-byte chunks of an operand row
     row_bytes = chunk_stride(cpr) * 16
     a_bytes, w_bytes = TILE * row_bytes, window * row_bytes
-    p_row_words = window // 2 + ROW_WORDS_PAD    # a window row of the 16-bit product tables
-    p_words = TILE * p_row_words
-    smem_words = max(2 * (a_bytes + w_bytes) // 4, 2 * p_words)
+    row_words = [table_row_words(strip_window, transposed) for transposed in (False, True)]
+    second_table = TILE * row_words[0]           # word where the second term's table starts
+    smem_words = max(2 * (a_bytes + w_bytes) // 4, second_table + TILE * row_words[1])
     a_iters, w_iters = TILE * cpr // THREADS, window * cpr // THREADS
-    nt8 = window // 8                            # n8 fragments of a warp's 16 rows
+    nt8 = strip_window // 8                      # n8 fragments of a warp's strip
     k_steps = head_dim // 16
     tiles = seq // TILE
-    rows_per_warp = TILE // WARPS
     scale1, scale2 = (float(s) for s in scales)
     mma, pack = mma_m16n8k16(dtype), pack_f32x2(dtype)
 
@@ -112,7 +130,7 @@ def relative_bias_primfunc(*, batch: int, seq: int, positions: int, head_dim: in
         A2 = T.match_buffer(a2_handle, (batch, seq, head_dim), dtype)
         W2 = T.match_buffer(w2_handle, (groups, positions, head_dim), dtype)
         offsets = T.match_buffer(offsets_handle, (seq, seq // 2), "uint32")
-        bases = T.match_buffer(bases_handle, (tiles, tiles, 2), "int32")
+        bases = T.match_buffer(bases_handle, (tiles, tiles, 2, 1 + WARPS), "int32")
         out = T.match_buffer(out_handle, (batch, seq, seq), out_dtype)
         for tj in T.thread_binding(tiles, thread="blockIdx.x"):
             for ti in T.thread_binding(tiles, thread="blockIdx.y"):
@@ -124,12 +142,12 @@ def relative_bias_primfunc(*, batch: int, seq: int, positions: int, head_dim: in
                         b_frag = T.alloc_buffer((4,), "uint32", scope="local")
                         acc = T.alloc_buffer((nt8 * 4,), "float32", scope="local")
                         packed = T.alloc_buffer((2, nt8 * 2), "uint32", scope="local")
-                        words = T.alloc_buffer((rows_per_warp,), "uint32", scope="local")
+                        words = T.alloc_buffer((STRIP,), "uint32", scope="local")
                         warp: T.let = tx // 32
                         lane: T.let = tx % 32
                         g: T.let = n % groups
-                        base1: T.let = bases[ti, tj, 0]
-                        base2: T.let = bases[ti, tj, 1]
+                        base1: T.let = bases[ti, tj, 0, 0]
+                        base2: T.let = bases[ti, tj, 1, 0]
                         s_base: T.let = T.cuda.cvta_generic_to_shared(T.address_of(smem[0]))
                         # operands: A1 tile and W1 window (one copy group), A2 tile and W2 window (a second), so
                         # that the first product runs while the second's operands land
@@ -154,24 +172,26 @@ def relative_bias_primfunc(*, batch: int, seq: int, positions: int, head_dim: in
                                     CP_ASYNC_16(at, T.address_of(W2[g, base2 + r, c * 8]), 16, T.uint32(16))
                             T.ptx.cp.async_.commit_group()
                         # the gather's offset words, asked for now so that they arrive under the copies
-                        for rr in T.unroll(rows_per_warp):
-                            words[rr] = offsets[ti * TILE + warp * rows_per_warp + rr, tj * (TILE // 2) + lane]
+                        for rr in T.unroll(STRIP):
+                            words[rr] = offsets[ti * TILE + warp * STRIP + rr, tj * (TILE // 2) + lane]
+                        # each warp: its 16 rows of a product, at the strip_window columns its rows read
                         for term in T.unroll(2):
                             T.ptx.cp.async_.wait_group(1 - term)
                             T.tvm_storage_sync("shared")
                             a_base: T.let = s_base + T.Cast("uint32", term * (a_bytes + w_bytes))
                             w_base: T.let = a_base + T.uint32(a_bytes)
+                            strip: T.let = bases[ti, tj, term, 1 + warp]
                             for e in T.unroll(nt8 * 4):
                                 acc[e] = T.float32(0)
                             for kk in T.unroll(k_steps):
                                 LDMATRIX_X4(a_frag[0], a_frag[1], a_frag[2], a_frag[3],
-                                            a_base + T.Cast("uint32", chunk_offset(warp * 16 + lane % 16,
+                                            a_base + T.Cast("uint32", chunk_offset(warp * STRIP + lane % 16,
                                                                                    kk * 2 + lane // 16, cpr)))
                                 for jp in T.unroll(nt8 // 2):
-                                    # n8 fragments 2jp and 2jp+1: window rows [16 jp, 16 jp + 16)
+                                    # n8 fragments 2jp and 2jp+1: window rows strip + [16 jp, 16 jp + 16)
                                     LDMATRIX_X4(b_frag[0], b_frag[1], b_frag[2], b_frag[3],
                                                 w_base + T.Cast("uint32", chunk_offset(
-                                                    jp * 16 + (lane // 16) * 8 + lane % 8,
+                                                    strip + jp * 16 + (lane // 16) * 8 + lane % 8,
                                                     kk * 2 + (lane // 8) % 2, cpr)))
                                     for half in T.unroll(2):
                                         f: T.let = (2 * jp + half) * 4
@@ -186,17 +206,19 @@ def relative_bias_primfunc(*, batch: int, seq: int, positions: int, head_dim: in
                         for term in T.unroll(2):
                             for nt in T.unroll(nt8):
                                 for hh in T.unroll(2):
-                                    smem[term * p_words + (warp * 16 + hh * 8 + lane // 4) * p_row_words
+                                    smem[term * second_table
+                                         + (warp * STRIP + hh * 8 + lane // 4) * (row_words[0] + term * (
+                                             row_words[1] - row_words[0]))
                                          + nt * 4 + lane % 4] = packed[term, nt * 2 + hh]
                         T.tvm_storage_sync("shared")
-                        for rr in T.unroll(rows_per_warp):
-                            row: T.let = warp * rows_per_warp + rr
+                        for rr in T.unroll(STRIP):
+                            row: T.let = warp * STRIP + rr
                             for half in T.unroll(2):
                                 col: T.let = lane + 32 * half
                                 l1: T.let = _decode(words[rr], 0, half)
                                 l2: T.let = _decode(words[rr], 1, half)
-                                w1v: T.let = smem[row * p_row_words + l1 // 2]
-                                w2v: T.let = smem[p_words + col * p_row_words + l2 // 2]
+                                w1v: T.let = smem[row * row_words[0] + l1 // 2]
+                                w2v: T.let = smem[second_table + col * row_words[1] + l2 // 2]
                                 p1: T.let = T.Cast("float32", T.reinterpret(dtype, T.Cast("uint16", T.shift_right(
                                     w1v, T.Cast("uint32", 16 * (l1 % 2))))))
                                 p2: T.let = T.Cast("float32", T.reinterpret(dtype, T.Cast("uint16", T.shift_right(
@@ -207,18 +229,19 @@ def relative_bias_primfunc(*, batch: int, seq: int, positions: int, head_dim: in
     return main
 
 
-def relative_bias_reference(*, batch: int, seq: int, positions: int, head_dim: int, groups: int,
+def relative_bias_reference(*, batch: int, seq: int, positions: int, head_dim: int, groups: int, strip_window: int,
                             scales: tuple[float, float], dtype: str = "float16",
                             out_dtype: str = "float16") -> tvm.tirx.PrimFunc:
     """The same function with the same parameters as a plain loop nest (any target; the llvm kernel and the CPU
-    twin of :func:`relative_bias_primfunc`): each output's two products summed over the head dim in float32."""
+    twin of :func:`relative_bias_primfunc`): each output's two products summed over the head dim in float32
+    (``strip_window`` only shapes the CUDA kernel's work)."""
     tiles = seq // TILE
     a1 = te.placeholder((batch, seq, head_dim), dtype, name="A1")
     w1 = te.placeholder((groups, positions, head_dim), dtype, name="W1")
     a2 = te.placeholder((batch, seq, head_dim), dtype, name="A2")
     w2 = te.placeholder((groups, positions, head_dim), dtype, name="W2")
     offsets = te.placeholder((seq, seq // 2), "uint32", name="offsets")
-    bases = te.placeholder((tiles, tiles, 2), "int32", name="bases")
+    bases = te.placeholder((tiles, tiles, 2, 1 + WARPS), "int32", name="bases")
     d1 = te.reduce_axis((0, head_dim), name="d1")
     d2 = te.reduce_axis((0, head_dim), name="d2")
 
@@ -228,7 +251,9 @@ def relative_bias_reference(*, batch: int, seq: int, positions: int, head_dim: i
         return tvm.tirx.bitwise_and(tvm.tirx.shift_right(word, shift), tvm.tirx.const(255, "uint32")).astype("int32")
 
     def position(i, j, which):
-        return bases[i // TILE, j // TILE, which] + window_offset(i, j, which)
+        strip = (i if which == 0 else j) % TILE // STRIP
+        return bases[i // TILE, j // TILE, which, 0] + bases[i // TILE, j // TILE, which, 1 + strip] \
+            + window_offset(i, j, which)
 
     term1 = te.compute((batch, seq, seq), lambda n, i, j: te.sum(
         a1[n, i, d1].astype("float32") * w1[n % groups, position(i, j, 0), d1].astype("float32"), axis=d1),

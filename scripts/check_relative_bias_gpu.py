@@ -126,6 +126,10 @@ def run(out: str, json_path: str | None) -> None:
     import tvm
     from tvm.runtime.vm import VirtualMachine
 
+    from stof_tvm.cuda_runtime import ensure_cuda_runtime
+
+    if not ensure_cuda_runtime():
+        raise SystemExit("TVM's CUDA runtime library could not be loaded")
     with open(os.path.join(out, "manifest.json")) as f:
         manifest = json.load(f)
     rows = []

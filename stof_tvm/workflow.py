@@ -131,7 +131,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
             dependent_launch: bool | None = None, tune_trials: int = 0, database: str | None = None, top_k: int = 8,
             time_budget_s: float | None = None, rpc_tracker: str | None = None, rpc_key: str | None = None,
             progress=None, lean_padding: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False,
-            attention_knobs: dict | None = None, narrow_bias: bool = True, fuse_relative_bias: bool = False):
+            attention_knobs: dict | None = None, narrow_bias: bool = True, fuse_relative_bias: bool = True):
     """:func:`stof_tvm.compiler.compile` (same arguments, see there), tuning first when ``tune_trials`` > 0.
 
     ``tune_trials``: at most this many measurements per task, for every call the compile makes (stage 1 keeps

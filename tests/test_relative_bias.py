@@ -4,8 +4,8 @@ The window tables round-trip; the loop-nest kernel computes the graph's bias fro
 gathered, scaled and summed) on DeBERTa-like relative positions, including tiles whose window is clamped to the
 last positions; the CUDA kernel has mma.sync products and builds for sm_90a without spills; the compile path
 fuses both terms of every layer of HF DeBERTa-v3 exports (TorchScript and dynamo) and the llvm module's output
-equals the unfused graph's; other forms are left as they were. The compile option is off by default (it awaits a
-GPU check at the base model's shapes), so every compile here asks for it."""
+equals the unfused graph's; other forms are left as they were. The compile option is on by default; the tests
+name it either way."""
 import sys
 from pathlib import Path
 
@@ -16,8 +16,8 @@ from hopper_checks import sm90_ptxas_report
 from hypothesis import given, settings, strategies as st
 
 from stof_tvm.compiler.pipeline import CUDA_DEFAULTS, make_target
-from stof_tvm.compiler.relative_bias_match import _windows, offset_words
-from stof_tvm.schedules.relative_bias import TILE, relative_bias_primfunc, relative_bias_reference, window_size
+from stof_tvm.compiler.relative_bias_match import _windows, offset_words, strip_window
+from stof_tvm.schedules.relative_bias import STRIP, TILE, relative_bias_primfunc, relative_bias_reference, window_size
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from check_relative_bias_gpu import graph_form, log_bucket_positions  # noqa: E402  (the GPU check's graph form)
@@ -31,26 +31,52 @@ def decode(words: np.ndarray, which: int) -> np.ndarray:
     return np.stack(halves, axis=2).reshape(seq, seq).astype(np.int64)
 
 
-@settings(max_examples=40, deadline=None)
-@given(tiles=st.integers(1, 4), positions=st.sampled_from([64, 96, 128, 256, 512]), seed=st.integers(0, 2**16))
-def test_windows_round_trip(tiles, positions, seed):
-    """Each tile's base plus its offsets gives back every position; bases keep the window inside the positions."""
-    seq = tiles * TILE
+def strip_bases(bases: np.ndarray, strip_axis: int) -> np.ndarray:
+    """Each output's absolute strip start from a term's ``[tiles, tiles, 1 + WARPS]`` table (``strip_axis`` 0: the
+    strip of the row, 1: of the column)."""
+    tiles = bases.shape[0]
+    index = np.arange(tiles * TILE)
+    tile, strip = index // TILE, index % TILE // STRIP
+    starts = bases[:, :, :1] + bases[:, :, 1:]
+    if strip_axis == 0:
+        return starts[tile[:, None], tile[None, :], strip[:, None]]
+    return starts[tile[:, None], tile[None, :], strip[None, :]]
+
+
+def relative_tables(seq: int, positions: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two position tables indexed as outputs [i, j]: a shifted relative position i - j, clipped at both ends (the
+    second the transpose of such a table, as the position-to-content term reads it)."""
     rng = np.random.default_rng(seed)
     first, second = (np.clip(np.arange(seq)[:, None] - np.arange(seq)[None, :] + rng.integers(0, positions),
                              0, positions - 1) for _ in range(2))
-    second = second.T
-    windows = [_windows(t, positions) for t in (first, second)]
+    return first, second.T
+
+
+@settings(max_examples=40, deadline=None)
+@given(tiles=st.integers(1, 4), positions=st.sampled_from([64, 96, 128, 256, 512]), seed=st.integers(0, 2**16))
+def test_windows_round_trip(tiles, positions, seed):
+    """Each tile's base plus its strip's start plus the output's offset gives back every position; windows stay
+    inside the positions, strips inside their tile's window, and offsets inside a strip."""
+    tables = relative_tables(tiles * TILE, positions, seed)
+    columns = max(strip_window(t, axis) for axis, t in enumerate(tables))
+    assert columns <= min(80, window_size(positions))       # a strip of 16 rows reads at most 16 + 63 positions
+    windows = [_windows(t, positions, columns, axis) for axis, t in enumerate(tables)]
     words = offset_words(windows[0][1], windows[1][1])
-    for which, (table, (bases, _)) in enumerate(zip((first, second), windows)):
-        assert bases.min() >= 0 and bases.max() <= positions - window_size(positions)
-        rebuilt = np.repeat(np.repeat(bases, TILE, 0), TILE, 1) + decode(words, which)
-        assert (rebuilt == table).all()
+    for which, (table, (bases, offsets)) in enumerate(zip(tables, windows)):
+        assert bases[..., 0].min() >= 0 and bases[..., 0].max() <= positions - window_size(positions)
+        assert bases[..., 1:].min() >= 0 and bases[..., 1:].max() <= window_size(positions) - columns
+        assert offsets.min() >= 0 and offsets.max() < columns
+        assert (strip_bases(bases, which) + decode(words, which) == table).all()
 
 
 def test_windows_refuse_spans_wider_than_the_window():
     table = np.random.default_rng(0).integers(0, 512, size=(128, 128))
-    assert _windows(table, 512) is None
+    assert _windows(table, 512, 128, 0) is None
+
+
+def test_windows_refuse_strips_wider_than_asked():
+    first, _ = relative_tables(128, 512, 0)
+    assert strip_window(first, 0) == 80 and _windows(first, 512, 64, 0) is None
 
 
 @pytest.mark.parametrize("seq,buckets", [(128, 32), (256, 64), (256, 256)])
@@ -66,12 +92,14 @@ def test_reference_kernel_matches_the_gathered_products(seq, buckets):
     c2p_index = log_bucket_positions(seq, buckets, 4 * buckets)
     p2c_index = log_bucket_positions(seq, buckets, 4 * buckets)          # read at [j, i]
     scales = (13.856406, 9.0)
-    windows = [_windows(c2p_index, positions), _windows(p2c_index.T, positions)]
+    tables = (c2p_index, p2c_index.T)
+    columns = max(strip_window(t, axis) for axis, t in enumerate(tables))
+    windows = [_windows(t, positions, columns, axis) for axis, t in enumerate(tables)]
     assert all(w is not None for w in windows)
     words = offset_words(windows[0][1], windows[1][1])
-    bases = np.stack([windows[0][0], windows[1][0]], axis=-1).astype("int32")
+    bases = np.stack([windows[0][0], windows[1][0]], axis=2).astype("int32")
     func = relative_bias_reference(batch=batch, seq=seq, positions=positions, head_dim=depth, groups=groups,
-                                   scales=scales)
+                                   strip_window=columns, scales=scales)
     kernel = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
     out = tvm.runtime.tensor(np.full((batch, seq, seq), np.nan, "float16"))
     kernel(*[tvm.runtime.tensor(x) for x in (a1, w1, a2, w2, words, bases)], out)
@@ -92,18 +120,23 @@ def test_reference_kernel_matches_the_gathered_products(seq, buckets):
 
 
 def test_cuda_kernel_builds_without_spills(tmp_path):
-    func = relative_bias_primfunc(batch=96, seq=512, positions=512, head_dim=64, groups=12, scales=(13.9, 13.9))
+    """DeBERTa-v3-base's kernel at 8 x 512 tokens: mma.sync products, within its launch bounds (4 blocks an SM:
+    at most 128 registers) without spilling."""
+    func = relative_bias_primfunc(batch=96, seq=512, positions=512, head_dim=64, groups=12, strip_window=80,
+                                  scales=(13.9, 13.9))
     func = func.with_attr("global_symbol", "relative_bias").with_attr("tirx.is_scheduled", True)
     target = make_target({**CUDA_DEFAULTS, "arch": "sm_90a"})
     source = tvm.compile(tvm.IRModule({"relative_bias": func}), target=target).mod.imports[0].inspect_source()
     assert "mma.sync.aligned.m16n8k16" in source and "ldmatrix" in source and "cp.async" in source
     log = sm90_ptxas_report(source, tmp_path, arch="sm_90a")
-    assert "0 bytes spill stores" in log, log
+    assert "0 bytes spill stores" in log and "0 bytes spill loads" in log, log
+    assert "__launch_bounds__(128, 4)" in source
 
 
 def test_kernel_refuses_partial_tiles():
     with pytest.raises(ValueError, match="multiple of 64"):
-        relative_bias_primfunc(batch=2, seq=100, positions=512, head_dim=64, groups=1, scales=(1.0, 1.0))
+        relative_bias_primfunc(batch=2, seq=100, positions=512, head_dim=64, groups=1, strip_window=80,
+                               scales=(1.0, 1.0))
 
 
 def _calls(mod) -> dict:

@@ -199,7 +199,7 @@ def test_declines_off_the_gpu():
 def _tiny_deberta(tmp_path) -> tuple[tvm.IRModule, dict]:
     """The tiny DeBERTa of scripts/e2e_models.py exported at 1 x 64, through stof-tvm's front end for CUDA (float16,
     BigBird), its weights lifted as :func:`stof_tvm.compiler.lower` does; returns it and its feeds. The graph's own
-    bias kernel is kept (``fuse_relative_bias=False``, also the default: with it on one fused kernel computes the bias,
+    bias kernel is kept (``fuse_relative_bias=False``; by default one fused kernel computes the bias,
     tests/test_relative_bias.py)."""
     pytest.importorskip("transformers")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

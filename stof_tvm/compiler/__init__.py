@@ -195,7 +195,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
               database: str | None = None, schedule: bool = True, lean_padding: bool = True,
               gemm_knobs: dict | None = None, norm_fusion: bool = False,
               attention_knobs: dict | None = None, narrow_bias: bool = True,
-              fuse_relative_bias: bool = False) -> FrontEnd:
+              fuse_relative_bias: bool = True) -> FrontEnd:
     """Steps 1-5 of :func:`compile` (same arguments): import, attention kernel choice and rewrite, templates.
 
     ``schedule=False`` leaves the template PrimFuncs unscheduled (the tuner only reads which calls are made)."""
@@ -367,7 +367,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
             kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
             dependent_launch: bool | None = None, database: str | None = None, progress=None,
             lean_padding: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False,
-            attention_knobs: dict | None = None, narrow_bias: bool = True, fuse_relative_bias: bool = False):
+            attention_knobs: dict | None = None, narrow_bias: bool = True, fuse_relative_bias: bool = True):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
 
     ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
@@ -415,12 +415,11 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     ``narrow_bias`` (default on): a float32 score bias made only of values already rounded to 16 bits (DeBERTa's
     relative-position terms) reaches the sparse kernel in the model's 16-bit dtype, halving the bytes the graph
     writes and the kernel reads (:mod:`.bias_precision`); ``False`` keeps it in float32.
-    ``fuse_relative_bias`` (default off): such a 16-bit bias made of two gathered products (DeBERTa-v3's content-to-
+    ``fuse_relative_bias`` (default on): such a 16-bit bias made of two gathered products (DeBERTa-v3's content-to-
     position and position-to-content terms) is computed by one kernel that forms each 64 x 64 tile from windows of
-    the products in shared memory, never writing the products (:mod:`.relative_bias_match`). Off by default until
-    the GPU has checked it at DeBERTa-v3-base's shapes (``scripts/check_relative_bias_gpu.py``; the tiny models'
-    single-tile form passed on an H200, BENCHMARKS.md session 30); the default keeps the graph's product and gather
-    kernels.
+    the products in shared memory, never writing the products (:mod:`.relative_bias_match`; checked against
+    float32 at DeBERTa-v3-base's shapes and timed by ``scripts/check_relative_bias_gpu.py``, BENCHMARKS.md session
+    31); ``False`` keeps the graph's product and gather kernels.
     """
     from stof_tvm.artifact import Artifact
     from stof_tvm.records import open_database, record_usage

@@ -30,7 +30,8 @@ import tvm
 from tvm import relax
 from tvm.ir.expr import Constant
 
-from stof_tvm.schedules.relative_bias import TILE, fits, relative_bias_primfunc, relative_bias_reference, window_size
+from stof_tvm.schedules.relative_bias import (STRIP, TILE, WARPS, fits, relative_bias_primfunc,
+                                              relative_bias_reference, window_size)
 
 from .canonical.base import op_name, resolve, scalar_constant, tensor_dtype, tensor_shape
 from .op_patterns import OPAQUE
@@ -168,18 +169,45 @@ def _period(array: np.ndarray) -> int:
     return count
 
 
-def _windows(positions: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Each TILE x TILE tile's window start in ``[0, total - window]`` and every output's offset from it, or None
-    where a tile's positions span more than the window."""
+def strip_window(positions: np.ndarray, strip_axis: int) -> int:
+    """Product columns a warp computes for a term: the most positions that the outputs of one :data:`STRIP` rows
+    (``strip_axis`` 0) or columns (1) of a TILE x TILE tile read, rounded up to whole n16 steps."""
+    tiles = positions.shape[0] // TILE
+    if strip_axis == 0:
+        strips = positions.reshape(tiles, WARPS, STRIP, tiles, TILE)
+        span = strips.max(axis=(2, 4)) - strips.min(axis=(2, 4)) + 1
+    else:
+        strips = positions.reshape(tiles, TILE, tiles, WARPS, STRIP)
+        span = strips.max(axis=(1, 4)) - strips.min(axis=(1, 4)) + 1
+    return int(-(-span.max() // 16) * 16)
+
+
+def _windows(positions: np.ndarray, total: int, strip_columns: int,
+             strip_axis: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each TILE x TILE tile's window start in ``[0, total - window]`` and its strips' starts within the window
+    (``[tiles, tiles, 1 + WARPS]``), and every output's offset from its strip's start; None where a tile's positions
+    span more than the window or a strip's more than ``strip_columns``. Strips are :data:`STRIP` rows
+    (``strip_axis`` 0: the first term, whose product rows are the output's rows) or columns (1: the second)."""
     window = window_size(total)
     tiles = positions.shape[0] // TILE
     blocks = positions.reshape(tiles, TILE, tiles, TILE)
     low, high = blocks.min(axis=(1, 3)), blocks.max(axis=(1, 3))
-    if (high - low >= window).any():
+    if (high - low >= window).any() or strip_window(positions, strip_axis) > strip_columns:
         return None
     bases = np.minimum(low, total - window)
-    offsets = blocks - bases[:, None, :, None]
-    return bases, offsets.reshape(positions.shape)
+    if strip_axis == 0:
+        strip_low = positions.reshape(tiles, WARPS, STRIP, tiles, TILE).min(axis=(2, 4)).transpose(0, 2, 1)
+    else:
+        strip_low = positions.reshape(tiles, TILE, tiles, WARPS, STRIP).min(axis=(1, 4))
+    starts = np.minimum(strip_low, bases[:, :, None] + window - strip_columns)      # [tiles, tiles, WARPS]
+    index = np.arange(positions.shape[0])
+    tile, strip = index // TILE, index % TILE // STRIP
+    if strip_axis == 0:
+        per_output = starts[tile[:, None], tile[None, :], strip[:, None]]
+    else:
+        per_output = starts[tile[:, None], tile[None, :], strip[None, :]]
+    table = np.concatenate([bases[:, :, None], starts - bases[:, :, None]], axis=2)
+    return table, positions - per_output
 
 
 def offset_words(first: np.ndarray, second: np.ndarray) -> np.ndarray:
@@ -210,12 +238,17 @@ def _fused_call(expr, var2val, add_kernel):
             or tensor_dtype(first.lhs) != tensor_dtype(second.lhs) or not fits(seq, total_positions, depth)
             or math.prod(tensor_shape(expr)) != batch * seq * seq):
         return None
-    windows = [_windows(first.table, total_positions), _windows(second.table.T, total_positions)]
+    tables = (first.table, second.table.T)
+    strip_columns = max(strip_window(table, axis) for axis, table in enumerate(tables))
+    if not fits(seq, total_positions, depth, strip_columns):
+        return None
+    windows = [_windows(table, total_positions, strip_columns, axis) for axis, table in enumerate(tables)]
     if any(w is None for w in windows):
         return None
-    bases = np.stack([windows[0][0], windows[1][0]], axis=-1).astype(np.int32)
+    bases = np.stack([windows[0][0], windows[1][0]], axis=2).astype(np.int32)        # [tiles, tiles, 2, 1 + WARPS]
     shape = dict(batch=batch, seq=seq, positions=total_positions, head_dim=depth, groups=first.groups,
-                 scales=(first.scale, second.scale), dtype=tensor_dtype(first.lhs), out_dtype=str(expr.attrs.dtype))
+                 strip_window=strip_columns, scales=(first.scale, second.scale), dtype=tensor_dtype(first.lhs),
+                 out_dtype=str(expr.attrs.dtype))
     args = [first.lhs, first.positions, second.lhs, second.positions,
             relax.const(offset_words(windows[0][1], windows[1][1])), relax.const(np.ascontiguousarray(bases))]
     return add_kernel(shape), args, relax.TensorType([batch, seq, seq], shape["out_dtype"])
