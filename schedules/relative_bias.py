@@ -53,6 +53,8 @@ MAX_WINDOW = 128             # product columns a tile may read (a byte of `offse
 WARPS = 4                    # each 16 rows of both products and of the output
 STRIP = TILE // WARPS        # a warp's rows of a product: its m16 tile
 THREADS = 32 * WARPS
+VIEW_ALIGN = 8               # A1 and A2 may be views starting at any multiple of 8 elements (the QKV projection's
+                             # Q and K parts): 16 bytes, the copies' width
 BLOCKS_PER_SM = 4            # launch bounds: at most 128 registers a thread, 4 x 48 KB of shared memory
 
 
@@ -125,9 +127,9 @@ def relative_bias_primfunc(*, batch: int, seq: int, positions: int, head_dim: in
     def main(a1_handle: T.handle, w1_handle: T.handle, a2_handle: T.handle, w2_handle: T.handle,
              offsets_handle: T.handle, bases_handle: T.handle, out_handle: T.handle):
         T.func_attr({"tirx.noalias": True})
-        A1 = T.match_buffer(a1_handle, (batch, seq, head_dim), dtype)
+        A1 = T.match_buffer(a1_handle, (batch, seq, head_dim), dtype, offset_factor=VIEW_ALIGN)
         W1 = T.match_buffer(w1_handle, (groups, positions, head_dim), dtype)
-        A2 = T.match_buffer(a2_handle, (batch, seq, head_dim), dtype)
+        A2 = T.match_buffer(a2_handle, (batch, seq, head_dim), dtype, offset_factor=VIEW_ALIGN)
         W2 = T.match_buffer(w2_handle, (groups, positions, head_dim), dtype)
         offsets = T.match_buffer(offsets_handle, (seq, seq // 2), "uint32")
         bases = T.match_buffer(bases_handle, (tiles, tiles, 2, 1 + WARPS), "int32")

@@ -110,17 +110,24 @@ def test_deberta_qkv_one_projection_with_keys_permuted_twice(hf_export):
     from stof_tvm.models import hf_export as hx
 
     path = hf_export("deberta", "eager", "torchscript", 17, False, BATCH, SEQ)
-    front = front_end(path, mask="bigbird", batch=BATCH, seq_len=SEQ, target="cuda", dtype="float16",
-                      kernel="block", schedule=False)
-    assert front.coverage["qkv"] == {"total": LAYERS, "accelerated": LAYERS, "fallback": []}
-    # V, read by the block-wise attention kernel alone, is a view into the projection's output; Q and K, which the
-    # relative-position products read too, are a copy each
-    ops = []
-    relax.analysis.post_order_visit(front.mod["main"], lambda e: ops.append(e.op.name) if isinstance(e, relax.Call)
-                                    and isinstance(e.op, tvm.ir.Op) else None)
-    assert ops.count("relax.memory.view") == LAYERS and ops.count("relax.strided_slice") == 2 * LAYERS, [
-        (op, ops.count(op)) for op in ("relax.memory.view", "relax.strided_slice", "relax.split")]
-    assert "relax.split" not in ops
+
+    def ops_of(fuse_relative_bias: bool) -> list:
+        front = front_end(path, mask="bigbird", batch=BATCH, seq_len=SEQ, target="cuda", dtype="float16",
+                          kernel="block", schedule=False, fuse_relative_bias=fuse_relative_bias)
+        assert front.coverage["qkv"] == {"total": LAYERS, "accelerated": LAYERS, "fallback": []}
+        found = []
+        relax.analysis.post_order_visit(front.mod["main"], lambda e: found.append(e.op.name)
+                                        if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) else None)
+        return found
+
+    # With the fused relative-position bias, which takes views too, Q, K and V are views into the projection's
+    # output (Q and K twice: as the attention kernel's heads and the bias kernel's [B * H, S, D]); with the graph's
+    # own products, which need offset 0, Q and K are a copy each and V alone is a view
+    for fuse, views, copies in ((True, 5 * LAYERS, 0), (False, LAYERS, 2 * LAYERS)):
+        ops = ops_of(fuse)
+        assert ops.count("relax.memory.view") == views and ops.count("relax.strided_slice") == copies, [
+            (op, ops.count(op)) for op in ("relax.memory.view", "relax.strided_slice", "relax.split")]
+        assert "relax.split" not in ops
     inputs = hx.example_inputs("deberta", BATCH, SEQ)
     expected = hx.torch_outputs(hx.build_model("deberta", "tiny", "eager"), inputs)
     art = stof_tvm.compile(path, mask="dense", batch=BATCH, seq_len=SEQ, target="llvm", dtype="float16",

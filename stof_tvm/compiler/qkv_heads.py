@@ -3,7 +3,8 @@
 Three head-split linears on one ``X`` (each ``reshape [B, S, H, D]`` + ``permute_dims``), or one linear whose
 output is split into thirds that are each split into heads (GPT-2's ``c_attn``), become one template call writing
 ``[3, B, H, S, D]``. Each of Q, K and V is then a zero-copy view at its offset into it where only kernels that accept
-such views read it (:data:`VIEW_READERS`), else a copy of its own. Any sequence length: the template's ``x`` rows are
+such views read it (:func:`_takes_view`), else a copy of its own; a reshape of it to ``[B * H, S, D]`` that only such
+kernels read becomes a view of its own. Any sequence length: the template's ``x`` rows are
 ``B*S`` zero-padded to its row multiple (ViT's 197 tokens), the padding never stored.
 """
 from __future__ import annotations
@@ -209,14 +210,18 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
             qkv = self.builder_.emit(call)
             part_bytes = b * h * s * d * tvm.runtime.DataType(dtype).bits // 8
             for i, (permutes, forms) in enumerate(zip(group.permutes, group.axes)):
-                if all(_reads_views(permute, users) for permute in permutes):
+                offset = relax.prim_value(tvm.tirx.IntImm("int64", i * part_bytes))
+                # [B * H, S, D] reshapes read only as views (the fused relative-position bias's Q and K): views of
+                # their own, at the same offset
+                flat = [r for permute in permutes for r in _flat_view_reshapes(permute, users, t.mod, (b * h, s, d))]
+                for reshape in flat:
+                    replace[reshape] = self.builder_.emit(relax.op.memory.view(qkv, [b * h, s, d], dtype, offset))
+                if all(_reads_views(permute, users, t.mod, skip=flat) for permute in permutes):
                     # zero copy: a view at its offset into the [3, B, H, S, D] output
-                    heads = relax.op.memory.view(qkv, [b, h, s, d], dtype,
-                                                 relax.prim_value(tvm.tirx.IntImm("int64", i * part_bytes)))
+                    heads = relax.op.memory.view(qkv, [b, h, s, d], dtype, offset)
                 else:
-                    # a copy of its own, for readers that need offset 0 (DeBERTa's relative-position products read
-                    # Q and K; V stays a view): one kernel a part, vectorised, where a split's one kernel of three
-                    # outputs ran one thread per element (~1.1 TB/s on an H100)
+                    # a copy of its own, for readers that need offset 0: one kernel a part, vectorised, where a
+                    # split's one kernel of three outputs ran one thread per element (~1.1 TB/s on an H100)
                     heads = relax.op.reshape(relax.op.strided_slice(qkv, axes=[0], begin=[i], end=[i + 1]),
                                              [b, h, s, d])
                 heads = self.builder_.emit(heads)
@@ -228,33 +233,46 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
     return QKV(t.mod).visit_expr(func)
 
 
-# Kernels whose Q/K/V buffers accept a view at an offset into a larger allocation (TVM's own kernels assume
-# offset 0): the block-wise and wgmma attention kernels (schedules/attention_blockwise.py and attention_wgmma.py,
-# VIEW_ALIGN; the wgmma kernel's TMA maps are encoded from the view's first element; its views checked on the H200
-# by bench_attention.py plan s9attn, qkv_offset).
-VIEW_READERS = ("stof_attention_block", "stof_attention_wgmma")
-
-
-def _reads_views(var, users) -> bool:
-    """Whether every use of the head-split ``var`` (directly, or through one ``permute_dims``, the K^T form) is
-    an input of a :data:`VIEW_READERS` kernel call."""
-    def kernel_call(binding) -> bool:
-        value = None if binding is None else binding.value
-        return (is_call(value, "relax.call_tir") and isinstance(value.args[0], tvm.ir.GlobalVar)
-                and value.args[0].name_hint in VIEW_READERS)
-
-    uses = users.get(var, [])
-    if not uses:
+def _takes_view(mod: tvm.IRModule, binding, var) -> bool:
+    """Whether ``binding`` calls a kernel (``call_tir`` of a PrimFunc in ``mod``) whose every buffer that ``var``
+    is passed as may start at an element offset (its ``elem_offset`` a variable, as ``match_buffer(...,
+    offset_factor=...)`` makes it: the block-wise and wgmma attention kernels' Q, K and V, the fused
+    relative-position bias's Q and K on CUDA). TVM's own kernels assume offset 0."""
+    value = None if binding is None else binding.value
+    if not (is_call(value, "relax.call_tir") and isinstance(value.args[0], tvm.ir.GlobalVar)):
         return False
-    for use in uses:
-        if kernel_call(use):
+    callee = mod.functions.get(value.args[0])
+    if not isinstance(callee, tvm.tirx.PrimFunc):
+        return False
+    places = [i for i, arg in enumerate(value.args[1].fields) if arg.same_as(var)]
+    return bool(places) and all(not isinstance(callee.params[i].elem_offset, tvm.tirx.IntImm)
+                                for i in places)
+
+
+def _reads_views(var, users, mod: tvm.IRModule, skip=()) -> bool:
+    """Whether every use of the head-split ``var`` but the bindings of ``skip`` (directly, or through one
+    ``permute_dims``, the K^T form) is a kernel call that takes it as a view (:func:`_takes_view`)."""
+    for use in users.get(var, []):
+        if use is not None and use.var in skip or _takes_view(mod, use, var):
             continue
         if use is None or not is_call(use.value, "relax.permute_dims"):
             return False
         further = users.get(use.var, [])
-        if not further or not all(kernel_call(u) for u in further):
+        if not further or not all(_takes_view(mod, u, use.var) for u in further):
             return False
     return True
+
+
+def _flat_view_reshapes(var, users, mod: tvm.IRModule, flat_shape: tuple) -> list:
+    """The variables of ``var``'s reshapes to ``flat_shape`` ([B * H, S, D]) that only kernels taking views read."""
+    found = []
+    for use in users.get(var, []):
+        if use is None or not is_call(use.value, "relax.reshape") or static_shape(use.var) != flat_shape:
+            continue
+        readers = users.get(use.var, [])
+        if readers and all(_takes_view(mod, u, use.var) for u in readers):
+            found.append(use.var)
+    return found
 
 
 def _qkv_template(m: int, hidden: int, gemm: str) -> tuple[str, str | None]:
