@@ -45,7 +45,7 @@ from tvm.script import tirx as T
 from .mma import CP_ASYNC_16, LDMATRIX_X4, chunk_offset, chunk_stride, mma_m16n8k16, pack_f32x2
 
 __all__ = ["TILE", "STRIP", "WARPS", "MAX_WINDOW", "THREADS", "window_size", "fits", "table_row_words",
-           "relative_bias_primfunc", "relative_bias_reference"]
+           "relative_bias_primfunc", "visited_tiles_primfunc", "relative_bias_reference"]
 
 TILE = 64                    # rows and columns of a block's output tile
 MAX_WINDOW = 128             # product columns a tile may read (a byte of `offsets` each; 2 * TILE covers any
@@ -94,15 +94,23 @@ def _decode(word, which: int, half):
 
 
 def relative_bias_primfunc(*, batch: int, seq: int, positions: int, head_dim: int, groups: int, strip_window: int,
-                           scales: tuple[float, float], dtype: str = "float16",
-                           out_dtype: str = "float16") -> tvm.tirx.PrimFunc:
+                           scales: tuple[float, float], dtype: str = "float16", out_dtype: str = "float16",
+                           visits: tuple[int, int, int] | None = None) -> tvm.tirx.PrimFunc:
     """The CUDA PrimFunc ``(A1[batch, seq, D], W1[groups, positions, D], A2[batch, seq, D], W2[groups, positions,
-    D], offsets[seq, seq / 2] uint32, bases[seq / 64, seq / 64, 2, 1 + WARPS] int32, out[batch, seq, seq])``
+    D], offsets[seq, seq / 2] uint32, bases[seq / 64, seq / 64, 2, 1 + WARPS] int32, visited[G, seq / 64, seq / 64]
+    int32, out[batch, seq, seq])``
     computing ``out[n, i, j] = round(float32(round16(A1[n, i] . W1[g, p1])) / scales[0]
     + float32(round16(A2[n, j] . W2[g, p2])) / scales[1])`` with ``g = n % groups`` and each term's position
     ``p = bases[ti, tj, term, 0] + bases[ti, tj, term, 1 + strip] + offset``: the tile's window, the strip's start
     in it (the strip of ``i`` for the first term, of ``j`` for the second) and the output's byte of ``offsets``
-    (module docstring; :func:`offset_words` in the matcher builds both)."""
+    (module docstring; :func:`offset_words` in the matcher builds both).
+
+    The input after ``bases``, ``visited[G, seq / 64, seq / 64] int32``, says which tiles to compute: a tile whose
+    entry is 0 is not computed (the attention that reads the bias never visits it) and its outputs are left as they
+    were. Without ``visits`` it is one all-ones map (``G = 1``); ``visits = (heads, mask_batch, mask_heads)`` reads
+    the attention mask's map (:func:`visited_tiles_primfunc`, ``G = mask_batch * mask_heads``), row ``n`` being batch
+    ``n // heads``, head ``n % heads``, mask group ``(batch if mask_batch > 1) * mask_heads + (head if mask_heads >
+    1)``."""
     if not fits(seq, positions, head_dim, strip_window):
         raise ValueError(f"relative_bias: seq must be a multiple of {TILE}, head_dim a multiple of 16 from 16 to 64, "
                          f"the windows multiples of 16 the block copies whole; got seq {seq}, head_dim {head_dim}, "
@@ -123,9 +131,18 @@ def relative_bias_primfunc(*, batch: int, seq: int, positions: int, head_dim: in
     scale1, scale2 = (float(s) for s in scales)
     mma, pack = mma_m16n8k16(dtype), pack_f32x2(dtype)
 
+    heads, mask_batch, mask_heads = visits if visits is not None else (1, 1, 1)
+    if batch % heads:
+        raise ValueError(f"relative_bias: heads {heads} must divide the batch {batch}")
+    mask_groups = mask_batch * mask_heads
+
+    def mask_group(n):
+        head_part = n % heads if mask_heads > 1 else 0
+        return (n // heads if mask_batch > 1 else 0) * mask_heads + head_part
+
     @T.prim_func(private=True)
     def main(a1_handle: T.handle, w1_handle: T.handle, a2_handle: T.handle, w2_handle: T.handle,
-             offsets_handle: T.handle, bases_handle: T.handle, out_handle: T.handle):
+             offsets_handle: T.handle, bases_handle: T.handle, visited_handle: T.handle, out_handle: T.handle):
         T.func_attr({"tirx.noalias": True})
         A1 = T.match_buffer(a1_handle, (batch, seq, head_dim), dtype, offset_factor=VIEW_ALIGN)
         W1 = T.match_buffer(w1_handle, (groups, positions, head_dim), dtype)
@@ -133,6 +150,7 @@ def relative_bias_primfunc(*, batch: int, seq: int, positions: int, head_dim: in
         W2 = T.match_buffer(w2_handle, (groups, positions, head_dim), dtype)
         offsets = T.match_buffer(offsets_handle, (seq, seq // 2), "uint32")
         bases = T.match_buffer(bases_handle, (tiles, tiles, 2, 1 + WARPS), "int32")
+        visited = T.match_buffer(visited_handle, (mask_groups, tiles, tiles), "int32")
         out = T.match_buffer(out_handle, (batch, seq, seq), out_dtype)
         for tj in T.thread_binding(tiles, thread="blockIdx.x"):
             for ti in T.thread_binding(tiles, thread="blockIdx.y"):
@@ -151,92 +169,142 @@ def relative_bias_primfunc(*, batch: int, seq: int, positions: int, head_dim: in
                         base1: T.let = bases[ti, tj, 0, 0]
                         base2: T.let = bases[ti, tj, 1, 0]
                         s_base: T.let = T.cuda.cvta_generic_to_shared(T.address_of(smem[0]))
-                        # operands: A1 tile and W1 window (one copy group), A2 tile and W2 window (a second), so
-                        # that the first product runs while the second's operands land
-                        for term in T.unroll(2):
-                            for it in T.unroll(a_iters):
-                                r: T.let = (it * THREADS + tx) // cpr
-                                c: T.let = (it * THREADS + tx) % cpr
-                                at: T.let = s_base + T.Cast("uint32", term * (a_bytes + w_bytes)
-                                                            + chunk_offset(r, c, cpr))
-                                if term == 0:
-                                    CP_ASYNC_16(at, T.address_of(A1[n, ti * TILE + r, c * 8]), 16, T.uint32(16))
-                                else:
-                                    CP_ASYNC_16(at, T.address_of(A2[n, tj * TILE + r, c * 8]), 16, T.uint32(16))
-                            for it in T.unroll(w_iters):
-                                r: T.let = (it * THREADS + tx) // cpr
-                                c: T.let = (it * THREADS + tx) % cpr
-                                at: T.let = s_base + T.Cast("uint32", term * (a_bytes + w_bytes) + a_bytes
-                                                            + chunk_offset(r, c, cpr))
-                                if term == 0:
-                                    CP_ASYNC_16(at, T.address_of(W1[g, base1 + r, c * 8]), 16, T.uint32(16))
-                                else:
-                                    CP_ASYNC_16(at, T.address_of(W2[g, base2 + r, c * 8]), 16, T.uint32(16))
-                            T.ptx.cp.async_.commit_group()
-                        # the gather's offset words, asked for now so that they arrive under the copies
-                        for rr in T.unroll(STRIP):
-                            words[rr] = offsets[ti * TILE + warp * STRIP + rr, tj * (TILE // 2) + lane]
-                        # each warp: its 16 rows of a product, at the strip_window columns its rows read
-                        for term in T.unroll(2):
-                            T.ptx.cp.async_.wait_group(1 - term)
+                        if visited[mask_group(n), ti, tj] != 0:      # else the attention never reads the tile
+                            # operands: A1 tile and W1 window (one copy group), A2 tile and W2 window (a second), so
+                            # that the first product runs while the second's operands land
+                            for term in T.unroll(2):
+                                for it in T.unroll(a_iters):
+                                    r: T.let = (it * THREADS + tx) // cpr
+                                    c: T.let = (it * THREADS + tx) % cpr
+                                    at: T.let = s_base + T.Cast("uint32", term * (a_bytes + w_bytes)
+                                                                + chunk_offset(r, c, cpr))
+                                    if term == 0:
+                                        CP_ASYNC_16(at, T.address_of(A1[n, ti * TILE + r, c * 8]), 16, T.uint32(16))
+                                    else:
+                                        CP_ASYNC_16(at, T.address_of(A2[n, tj * TILE + r, c * 8]), 16, T.uint32(16))
+                                for it in T.unroll(w_iters):
+                                    r: T.let = (it * THREADS + tx) // cpr
+                                    c: T.let = (it * THREADS + tx) % cpr
+                                    at: T.let = s_base + T.Cast("uint32", term * (a_bytes + w_bytes) + a_bytes
+                                                                + chunk_offset(r, c, cpr))
+                                    if term == 0:
+                                        CP_ASYNC_16(at, T.address_of(W1[g, base1 + r, c * 8]), 16, T.uint32(16))
+                                    else:
+                                        CP_ASYNC_16(at, T.address_of(W2[g, base2 + r, c * 8]), 16, T.uint32(16))
+                                T.ptx.cp.async_.commit_group()
+                            # the gather's offset words, asked for now so that they arrive under the copies
+                            for rr in T.unroll(STRIP):
+                                words[rr] = offsets[ti * TILE + warp * STRIP + rr, tj * (TILE // 2) + lane]
+                            # each warp: its 16 rows of a product, at the strip_window columns its rows read
+                            for term in T.unroll(2):
+                                T.ptx.cp.async_.wait_group(1 - term)
+                                T.tvm_storage_sync("shared")
+                                a_base: T.let = s_base + T.Cast("uint32", term * (a_bytes + w_bytes))
+                                w_base: T.let = a_base + T.uint32(a_bytes)
+                                strip: T.let = bases[ti, tj, term, 1 + warp]
+                                for e in T.unroll(nt8 * 4):
+                                    acc[e] = T.float32(0)
+                                for kk in T.unroll(k_steps):
+                                    LDMATRIX_X4(a_frag[0], a_frag[1], a_frag[2], a_frag[3],
+                                                a_base + T.Cast("uint32", chunk_offset(warp * STRIP + lane % 16,
+                                                                                       kk * 2 + lane // 16, cpr)))
+                                    for jp in T.unroll(nt8 // 2):
+                                        # n8 fragments 2jp and 2jp+1: window rows strip + [16 jp, 16 jp + 16)
+                                        LDMATRIX_X4(b_frag[0], b_frag[1], b_frag[2], b_frag[3],
+                                                    w_base + T.Cast("uint32", chunk_offset(
+                                                        strip + jp * 16 + (lane // 16) * 8 + lane % 8,
+                                                        kk * 2 + (lane // 8) % 2, cpr)))
+                                        for half in T.unroll(2):
+                                            f: T.let = (2 * jp + half) * 4
+                                            mma(acc[f], acc[f + 1], acc[f + 2], acc[f + 3],
+                                                a_frag[0], a_frag[1], a_frag[2], a_frag[3],
+                                                b_frag[half * 2], b_frag[half * 2 + 1],
+                                                acc[f], acc[f + 1], acc[f + 2], acc[f + 3])
+                                for nt in T.unroll(nt8):
+                                    for hh in T.unroll(2):      # the fragment's rows lane // 4 and lane // 4 + 8
+                                        pack(packed[term, nt * 2 + hh], acc[nt * 4 + hh * 2 + 1], acc[nt * 4 + hh * 2])
+                            T.tvm_storage_sync("shared")        # every warp is done with the operands
+                            for term in T.unroll(2):
+                                for nt in T.unroll(nt8):
+                                    for hh in T.unroll(2):
+                                        smem[term * second_table
+                                             + (warp * STRIP + hh * 8 + lane // 4) * (row_words[0] + term * (
+                                                 row_words[1] - row_words[0]))
+                                             + nt * 4 + lane % 4] = packed[term, nt * 2 + hh]
                             T.tvm_storage_sync("shared")
-                            a_base: T.let = s_base + T.Cast("uint32", term * (a_bytes + w_bytes))
-                            w_base: T.let = a_base + T.uint32(a_bytes)
-                            strip: T.let = bases[ti, tj, term, 1 + warp]
-                            for e in T.unroll(nt8 * 4):
-                                acc[e] = T.float32(0)
-                            for kk in T.unroll(k_steps):
-                                LDMATRIX_X4(a_frag[0], a_frag[1], a_frag[2], a_frag[3],
-                                            a_base + T.Cast("uint32", chunk_offset(warp * STRIP + lane % 16,
-                                                                                   kk * 2 + lane // 16, cpr)))
-                                for jp in T.unroll(nt8 // 2):
-                                    # n8 fragments 2jp and 2jp+1: window rows strip + [16 jp, 16 jp + 16)
-                                    LDMATRIX_X4(b_frag[0], b_frag[1], b_frag[2], b_frag[3],
-                                                w_base + T.Cast("uint32", chunk_offset(
-                                                    strip + jp * 16 + (lane // 16) * 8 + lane % 8,
-                                                    kk * 2 + (lane // 8) % 2, cpr)))
-                                    for half in T.unroll(2):
-                                        f: T.let = (2 * jp + half) * 4
-                                        mma(acc[f], acc[f + 1], acc[f + 2], acc[f + 3],
-                                            a_frag[0], a_frag[1], a_frag[2], a_frag[3],
-                                            b_frag[half * 2], b_frag[half * 2 + 1],
-                                            acc[f], acc[f + 1], acc[f + 2], acc[f + 3])
-                            for nt in T.unroll(nt8):
-                                for hh in T.unroll(2):      # the fragment's rows lane // 4 and lane // 4 + 8
-                                    pack(packed[term, nt * 2 + hh], acc[nt * 4 + hh * 2 + 1], acc[nt * 4 + hh * 2])
-                        T.tvm_storage_sync("shared")        # every warp is done with the operands
-                        for term in T.unroll(2):
-                            for nt in T.unroll(nt8):
-                                for hh in T.unroll(2):
-                                    smem[term * second_table
-                                         + (warp * STRIP + hh * 8 + lane // 4) * (row_words[0] + term * (
-                                             row_words[1] - row_words[0]))
-                                         + nt * 4 + lane % 4] = packed[term, nt * 2 + hh]
-                        T.tvm_storage_sync("shared")
-                        for rr in T.unroll(STRIP):
-                            row: T.let = warp * STRIP + rr
-                            for half in T.unroll(2):
-                                col: T.let = lane + 32 * half
-                                l1: T.let = _decode(words[rr], 0, half)
-                                l2: T.let = _decode(words[rr], 1, half)
-                                w1v: T.let = smem[row * row_words[0] + l1 // 2]
-                                w2v: T.let = smem[second_table + col * row_words[1] + l2 // 2]
-                                p1: T.let = T.Cast("float32", T.reinterpret(dtype, T.Cast("uint16", T.shift_right(
-                                    w1v, T.Cast("uint32", 16 * (l1 % 2))))))
-                                p2: T.let = T.Cast("float32", T.reinterpret(dtype, T.Cast("uint16", T.shift_right(
-                                    w2v, T.Cast("uint32", 16 * (l2 % 2))))))
-                                out[n, ti * TILE + row, tj * TILE + col] = T.Cast(
-                                    out_dtype, p1 / T.float32(scale1) + p2 / T.float32(scale2))
+                            for rr in T.unroll(STRIP):
+                                row: T.let = warp * STRIP + rr
+                                for half in T.unroll(2):
+                                    col: T.let = lane + 32 * half
+                                    l1: T.let = _decode(words[rr], 0, half)
+                                    l2: T.let = _decode(words[rr], 1, half)
+                                    w1v: T.let = smem[row * row_words[0] + l1 // 2]
+                                    w2v: T.let = smem[second_table + col * row_words[1] + l2 // 2]
+                                    p1: T.let = T.Cast("float32", T.reinterpret(dtype, T.Cast("uint16", T.shift_right(
+                                        w1v, T.Cast("uint32", 16 * (l1 % 2))))))
+                                    p2: T.let = T.Cast("float32", T.reinterpret(dtype, T.Cast("uint16", T.shift_right(
+                                        w2v, T.Cast("uint32", 16 * (l2 % 2))))))
+                                    out[n, ti * TILE + row, tj * TILE + col] = T.Cast(
+                                        out_dtype, p1 / T.float32(scale1) + p2 / T.float32(scale2))
+
+    return main
+
+
+def visited_tiles_primfunc(*, mask_groups: int, seq: int, block_m: int, block_n: int) -> tvm.tirx.PrimFunc:
+    """The CUDA PrimFunc ``(full_indptr, full_indices, part_indptr, part_indices, visited[mask_groups, seq / 64,
+    seq / 64] int32)``: 1 where the tiled attention format of a mask (``block_m`` x ``block_n`` tiles, the CSR
+    lists of full and partial tiles by tile row, ``mask_groups`` groups; :mod:`stof_tvm.sparse_formats.tiled`)
+    lists a tile that overlaps the 64 x 64 bias tile, else 0. One thread an entry scans the lists of the tile rows
+    its 64 rows cross: built once a forward from the runtime mask's format, read by every layer's bias kernel."""
+    tiles = seq // TILE
+    tile_rows = -(-seq // block_m)
+    span = (TILE - 1) // block_m + 2         # tile rows a 64-row band may cross (the last one checked in the loop)
+    entries = mask_groups * tiles * tiles
+    per_block = 64
+
+    @T.prim_func(private=True)
+    def main(full_indptr_h: T.handle, full_indices_h: T.handle, part_indptr_h: T.handle, part_indices_h: T.handle,
+             visited_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n_full = T.int32()
+        n_part = T.int32()
+        full_indptr = T.match_buffer(full_indptr_h, (mask_groups * tile_rows + 1,), "int32")
+        full_indices = T.match_buffer(full_indices_h, (n_full,), "int32")
+        part_indptr = T.match_buffer(part_indptr_h, (mask_groups * tile_rows + 1,), "int32")
+        part_indices = T.match_buffer(part_indices_h, (n_part,), "int32")
+        visited = T.match_buffer(visited_h, (mask_groups, tiles, tiles), "int32")
+        for bx in T.thread_binding(-(-entries // per_block), thread="blockIdx.x"):
+            for tx in T.thread_binding(per_block, thread="threadIdx.x"):
+                found = T.alloc_buffer((1,), "int32", scope="local")
+                e: T.let = bx * per_block + tx
+                if e < entries:
+                    g: T.let = e // (tiles * tiles)
+                    ti: T.let = e // tiles % tiles
+                    tj: T.let = e % tiles
+                    found[0] = 0
+                    for rr in T.serial(span):
+                        r: T.let = ti * TILE // block_m + rr
+                        if r * block_m < (ti + 1) * TILE and r < tile_rows:
+                            row: T.let = g * tile_rows + r
+                            for i in T.serial(full_indptr[row + 1] - full_indptr[row]):
+                                c: T.let = full_indices[full_indptr[row] + i]
+                                if c * block_n < (tj + 1) * TILE and (c + 1) * block_n > tj * TILE:
+                                    found[0] = 1
+                            for i in T.serial(part_indptr[row + 1] - part_indptr[row]):
+                                c: T.let = part_indices[part_indptr[row] + i]
+                                if c * block_n < (tj + 1) * TILE and (c + 1) * block_n > tj * TILE:
+                                    found[0] = 1
+                    visited[g, ti, tj] = found[0]
 
     return main
 
 
 def relative_bias_reference(*, batch: int, seq: int, positions: int, head_dim: int, groups: int, strip_window: int,
-                            scales: tuple[float, float], dtype: str = "float16",
-                            out_dtype: str = "float16") -> tvm.tirx.PrimFunc:
+                            scales: tuple[float, float], dtype: str = "float16", out_dtype: str = "float16",
+                            visits: tuple[int, int, int] | None = None) -> tvm.tirx.PrimFunc:
     """The same function with the same parameters as a plain loop nest (any target; the llvm kernel and the CPU
-    twin of :func:`relative_bias_primfunc`): each output's two products summed over the head dim in float32
-    (``strip_window`` only shapes the CUDA kernel's work)."""
+    twin of :func:`relative_bias_primfunc`): each output's two products summed over the head dim in float32, every
+    tile computed (``strip_window`` only shapes the CUDA kernel's work, ``visited`` only spares it some)."""
     tiles = seq // TILE
     a1 = te.placeholder((batch, seq, head_dim), dtype, name="A1")
     w1 = te.placeholder((groups, positions, head_dim), dtype, name="W1")
@@ -244,6 +312,8 @@ def relative_bias_reference(*, batch: int, seq: int, positions: int, head_dim: i
     w2 = te.placeholder((groups, positions, head_dim), dtype, name="W2")
     offsets = te.placeholder((seq, seq // 2), "uint32", name="offsets")
     bases = te.placeholder((tiles, tiles, 2, 1 + WARPS), "int32", name="bases")
+    mask_groups = 1 if visits is None else visits[1] * visits[2]
+    visited = te.placeholder((mask_groups, tiles, tiles), "int32", name="visited")
     d1 = te.reduce_axis((0, head_dim), name="d1")
     d2 = te.reduce_axis((0, head_dim), name="d2")
 
@@ -267,4 +337,4 @@ def relative_bias_reference(*, batch: int, seq: int, positions: int, head_dim: i
         term1[n, i, j].astype(dtype).astype("float32") / tvm.tirx.const(float(scales[0]), "float32")
         + term2[n, i, j].astype(dtype).astype("float32") / tvm.tirx.const(float(scales[1]), "float32")
     ).astype(out_dtype), name="out")
-    return te.create_prim_func([a1, w1, a2, w2, offsets, bases, out])
+    return te.create_prim_func([a1, w1, a2, w2, offsets, bases, visited, out])

@@ -102,7 +102,8 @@ def test_reference_kernel_matches_the_gathered_products(seq, buckets):
                                    strip_window=columns, scales=scales)
     kernel = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
     out = tvm.runtime.tensor(np.full((batch, seq, seq), np.nan, "float16"))
-    kernel(*[tvm.runtime.tensor(x) for x in (a1, w1, a2, w2, words, bases)], out)
+    visited = np.ones((1, seq // TILE, seq // TILE), "int32")
+    kernel(*[tvm.runtime.tensor(x) for x in (a1, w1, a2, w2, words, bases, visited)], out)
 
     g = np.arange(batch) % groups
     c2p = np.einsum("nid,ntd->nit", a1.astype("float32"), w1[g].astype("float32")).astype("float16")
@@ -141,7 +142,7 @@ def test_kernel_refuses_partial_tiles():
 
 def _calls(mod) -> dict:
     text = mod["main"].script(show_meta=False)
-    return {name: text.count(name) for name in ("stof_relative_bias", "R.take(", "R.matmul(")}
+    return {name: text.count(name) for name in ("stof_relative_bias", "R.take(", "R.matmul(", "stof_visited_tiles")}
 
 
 @pytest.mark.parametrize("exporter,opset", [("torchscript", 17), ("dynamo", 23)])
@@ -157,6 +158,8 @@ def test_deberta_layers_take_the_fused_kernel(hf_export, exporter, opset):
     layers = calls[False]["R.matmul("] // 2
     assert layers >= 2
     assert calls[True]["stof_relative_bias"] == layers and calls[True]["R.matmul("] == 0
+    # one map of the tiles the attention visits, from the runtime mask's format, read by every layer's bias
+    assert calls[True]["stof_visited_tiles"] == 1 and calls[False]["stof_visited_tiles"] == 0
     assert calls[False]["stof_relative_bias"] == 0 and calls[False]["R.take("] >= 2 * layers
 
 
@@ -210,3 +213,36 @@ def test_runtime_position_tables_repeated_over_the_batch():
     assert np.isfinite(results[1]).all()
     close = np.isclose(results[1], results[0], rtol=2e-3, atol=2e-3)
     assert close.all() and (results[1] == results[0]).mean() > 0.99
+
+
+@pytest.mark.parametrize("block_m,block_n,mask_batch", [(32, 64, 1), (16, 128, 2), (128, 32, 1), (192, 64, 1)])
+def test_visited_tiles_map_the_attention_format(block_m, block_n, mask_batch, tmp_path):
+    """The visit map kernel, run by the CPU emulation of CUDA on a BigBird format (one mask, or one per batch row),
+    marks exactly the 64 x 64 bias tiles that some listed attention tile overlaps."""
+    from cuda_emulation import run_on_cpu
+
+    import stof_tvm
+    from stof_tvm.schedules.relative_bias import visited_tiles_primfunc
+    from stof_tvm.sparse_formats.tiled import build_tiled
+
+    seq, tiles = 384, 384 // TILE
+    masks = [np.asarray(stof_tvm.make_mask(f"bigbird:seed={seed}", seq), bool) for seed in range(mask_batch)]
+    mask = np.stack(masks)[:, None]                                         # [mask_batch, 1, S, S]
+    fmt = build_tiled(mask, block_m, block_n)
+    func = visited_tiles_primfunc(mask_groups=mask_batch, seq=seq, block_m=block_m, block_n=block_n)
+    func = func.with_attr("global_symbol", "main").with_attr("tirx.is_scheduled", True)
+    src = tvm.compile(tvm.IRModule({"main": func}), target=make_target(dict(CUDA_DEFAULTS))).mod.imports[0] \
+        .inspect_source()
+    arrays = {"full_indptr": fmt.full_indptr, "full_indices": fmt.full_indices, "part_indptr": fmt.part_indptr,
+              "part_indices": fmt.part_indices}
+    entries = mask_batch * tiles * tiles
+    got = run_on_cpu(src, arrays, {"visited": (mask_batch, tiles, tiles)}, -(-entries // 64), (64, 1), tmp_path,
+                     dtype="int32")["visited"]
+    rows, cols = -(-seq // block_m), -(-seq // block_n)
+    padded = np.zeros((mask_batch, rows * block_m, cols * block_n), bool)
+    padded[:, :seq, :seq] = mask[:, 0]
+    listed = padded.reshape(mask_batch, rows, block_m, cols, block_n).any(axis=(2, 4))
+    covered = np.repeat(np.repeat(listed, block_m, 1), block_n, 2)[:, :seq, :seq]
+    expected = covered.reshape(mask_batch, tiles, TILE, tiles, TILE).any(axis=(2, 4))
+    assert (got == expected).all(), np.argwhere(got != expected)[:5]
+    assert 0 < expected.mean() < 1                                         # the mask leaves some tiles out

@@ -41,7 +41,7 @@ from .downstream import use_templates
 from .gather_index import narrow_gather_indices
 from .graph_inputs import whole_graph
 from .input_checks import ValueCheck, add_value_checks, clip_gathers
-from .kernels import KERNELS, KernelChoice, choose_kernel, config_object, kernel_primfunc
+from .kernels import KERNELS, TILED, KernelChoice, choose_kernel, config_object, kernel_primfunc
 from .mask_sources import plan_masks, score_bias
 from .onnx_import import TensorSpec, embedding_rows, import_onnx, load_model, output_names
 from stof_tvm.schedules.dependent_launch import supports as dependent_launch_supported
@@ -50,7 +50,7 @@ from .pipeline import build, fold_constant_casts, make_target, optimize, target_
 from .layout import fold_permute_pairs
 from .numpy_fold import fold_numpy
 from .record_calls import record_calls
-from .relative_bias_match import fuse_relative_biases
+from .relative_bias_match import TiledAttention, fuse_relative_biases
 from .rewrite import rewrite_attention
 from .weight_storage import store_weights_float16, stored_values
 
@@ -298,7 +298,9 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     mod, format_inputs = rewrite_attention(mod, sites, choice, primfunc, plan.bias_terms, plan=plan,
                                            padding=plan.padding if choice.padding else None, target_kind=tspec["kind"])
     if fuse_relative_bias:
-        mod, _ = fuse_relative_biases(mod, tspec["kind"])
+        tiled = (TiledAttention(*choice.tile, choice.mask_batch, choice.mask_heads) if choice.kind in TILED
+                 else None)
+        mod, _ = fuse_relative_biases(mod, tspec["kind"], tiled)
     template_entry = {}
     if templates:
         mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule, gemm_knobs=gemm_knobs,

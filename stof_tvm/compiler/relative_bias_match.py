@@ -31,12 +31,27 @@ from tvm import relax
 from tvm.ir.expr import Constant
 
 from stof_tvm.schedules.relative_bias import (STRIP, TILE, WARPS, fits, relative_bias_primfunc,
-                                              relative_bias_reference, window_size)
+                                              relative_bias_reference, visited_tiles_primfunc, window_size)
 
 from .canonical.base import op_name, resolve, scalar_constant, tensor_dtype, tensor_shape
+from .linear_match import users_of
 from .op_patterns import OPAQUE
 
-__all__ = ["fuse_relative_biases"]
+__all__ = ["TiledAttention", "fuse_relative_biases"]
+
+# main's inputs carrying the tiled attention format (stof_tvm.compiler.kernels.KernelChoice.format_inputs)
+FORMAT_LISTS = ("stof_full_indptr", "stof_full_indices", "stof_part_indptr", "stof_part_indices")
+
+
+@dataclass(frozen=True)
+class TiledAttention:
+    """What the bias kernel needs to skip tiles that the attention never visits: the tiled format's tile and mask
+    groups (its lists are ``main``'s :data:`FORMAT_LISTS` inputs)."""
+
+    block_m: int
+    block_n: int
+    mask_batch: int
+    mask_heads: int
 
 SIXTEEN_BIT = ("float16", "bfloat16")
 
@@ -219,9 +234,10 @@ def offset_words(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(words.reshape(seq, seq // 2))
 
 
-def _fused_call(expr, var2val, add_kernel):
+def _fused_call(expr, var2val, add_kernel, visit_map):
     """``(kernel, arguments, output type)`` of the fused call replacing ``expr`` (a 16-bit cast of a two-term
-    relative bias), or None where it is not one; ``add_kernel(shape)`` adds the kernel of that shape to the module."""
+    relative bias), or None where it is not one; ``add_kernel(shape)`` adds the kernel of that shape to the module,
+    ``visit_map(seq, heads)`` gives the ``visited`` argument and the kernel's ``visits`` (None: every tile)."""
     if op_name(expr) != "relax.astype" or str(expr.attrs.dtype) not in SIXTEEN_BIT:
         return None
     total = _strip(expr.args[0], var2val, lambda e: op_name(e) == "relax.reshape")
@@ -246,21 +262,49 @@ def _fused_call(expr, var2val, add_kernel):
     if any(w is None for w in windows):
         return None
     bases = np.stack([windows[0][0], windows[1][0]], axis=2).astype(np.int32)        # [tiles, tiles, 2, 1 + WARPS]
+    out_shape = tensor_shape(expr)
+    visited, visits = visit_map(seq, out_shape[1] if len(out_shape) == 4 else None)
     shape = dict(batch=batch, seq=seq, positions=total_positions, head_dim=depth, groups=first.groups,
                  strip_window=strip_columns, scales=(first.scale, second.scale), dtype=tensor_dtype(first.lhs),
-                 out_dtype=str(expr.attrs.dtype))
+                 out_dtype=str(expr.attrs.dtype), visits=visits)
     args = [first.lhs, first.positions, second.lhs, second.positions,
-            relax.const(offset_words(windows[0][1], windows[1][1])), relax.const(np.ascontiguousarray(bases))]
+            relax.const(offset_words(windows[0][1], windows[1][1])), relax.const(np.ascontiguousarray(bases)),
+            visited]
     return add_kernel(shape), args, relax.TensorType([batch, seq, seq], shape["out_dtype"])
 
 
-def fuse_relative_biases(mod: tvm.IRModule, target_kind: str) -> tuple[tvm.IRModule, int]:
+def _read_only_by_attention(var, users) -> bool:
+    """Whether every reader of ``var`` (through reshapes and same-shape broadcasts) is a stof-tvm attention kernel:
+    the only kernels that read the bias, and only at the tiles their format lists."""
+    uses = users.get(var, [])
+    for use in uses:
+        if use is None:
+            return False
+        value = use.value
+        same_elements = op_name(value) == "relax.reshape" or (
+            op_name(value) == "relax.broadcast_to" and tensor_shape(value) == tensor_shape(value.args[0]))
+        if same_elements:
+            if not _read_only_by_attention(use.var, users):
+                return False
+        elif not (op_name(value) == "relax.call_tir" and isinstance(value.args[0], tvm.ir.GlobalVar)
+                  and value.args[0].name_hint.startswith("stof_attention_")):
+            return False
+    return bool(uses)
+
+
+def fuse_relative_biases(mod: tvm.IRModule, target_kind: str,
+                         attention: TiledAttention | None = None) -> tuple[tvm.IRModule, int]:
     """``mod`` with every relative-position bias of ``main`` (module docstring) computed by the fused kernel, and
-    how many were."""
+    how many were. With ``attention`` (CUDA, the tiled attention kernels), a bias that only those kernels read is
+    computed only at the 64 x 64 tiles the runtime mask's format visits (one small kernel a forward maps them)."""
     func = mod["main"]
     var2val = relax.analysis.get_var2val(func)
+    users = users_of(func)
     builder = relax.BlockBuilder(mod)
     names: dict = {}
+    lists = {p.name: p for p in func.params if p.name in FORMAT_LISTS}
+    skipping = attention is not None and target_kind == "cuda" and len(lists) == len(FORMAT_LISTS)
+    visit_calls: dict = {}          # seq -> the map's call, emitted before the first bias that reads it
 
     def add_kernel(shape: dict):
         key = tuple(sorted(shape.items()))
@@ -273,13 +317,31 @@ def fuse_relative_biases(mod: tvm.IRModule, target_kind: str) -> tuple[tvm.IRMod
             names[key] = builder.add_func(kernel, name)
         return names[key]
 
+    def visit_map(binding_var):
+        def of(seq: int, heads: int | None):
+            tiles = seq // TILE
+            if not (skipping and heads and _read_only_by_attention(binding_var, users)):
+                return relax.const(np.ones((1, tiles, tiles), "int32")), None
+            groups = attention.mask_batch * attention.mask_heads
+            if seq not in visit_calls:
+                kernel = visited_tiles_primfunc(mask_groups=groups, seq=seq, block_m=attention.block_m,
+                                                block_n=attention.block_n)
+                name = f"stof_visited_tiles_{len(visit_calls)}"
+                gv = builder.add_func(kernel.with_attr("global_symbol", name).with_attr("op_pattern", OPAQUE)
+                                      .with_attr("tirx.is_scheduled", True), name)
+                visit_calls[seq] = relax.call_tir(gv, [lists[n] for n in FORMAT_LISTS],
+                                                  out_ty=relax.TensorType([groups, tiles, tiles], "int32"))
+            return visit_calls[seq], (heads, attention.mask_batch, attention.mask_heads)
+        return of
+
     replacements = {}
     for binding_var, value in var2val.items():
-        fused = _fused_call(value, var2val, add_kernel)
+        fused = _fused_call(value, var2val, add_kernel, visit_map(binding_var))
         if fused is not None:
             replacements[binding_var] = fused
     if not replacements:
         return mod, 0
+    emitted: dict = {}              # a visit map's call -> its variable
 
     @relax.expr_functor.mutator
     class Replace(relax.PyExprMutator):
@@ -288,8 +350,16 @@ def fuse_relative_biases(mod: tvm.IRModule, target_kind: str) -> tuple[tvm.IRMod
                 super().visit_var_binding_(binding)
                 return
             gv, args, out_ty = replacements[binding.var]
-            operands = [self.visit_expr(a) for a in args]
-            operands = [self.builder_.emit(a) if isinstance(a, relax.Call) else a for a in operands]
+            operands = []
+            for arg in args:
+                if any(arg.same_as(call) for call in visit_calls.values()):
+                    key = next(k for k, call in visit_calls.items() if arg.same_as(call))
+                    if key not in emitted:
+                        emitted[key] = self.builder_.emit(arg)
+                    operands.append(emitted[key])
+                    continue
+                arg = self.visit_expr(arg)
+                operands.append(self.builder_.emit(arg) if isinstance(arg, relax.Call) else arg)
             bias = self.builder_.emit(relax.call_tir(gv, operands, out_ty=out_ty))
             shaped = self.builder_.normalize(relax.op.reshape(bias, list(binding.var.ty.shape)))
             self.builder_.emit_normalized(relax.VarBinding(binding.var, shaped))
