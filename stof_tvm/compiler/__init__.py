@@ -419,9 +419,10 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     writes and the kernel reads (:mod:`.bias_precision`); ``False`` keeps it in float32.
     ``fuse_relative_bias`` (default on): such a 16-bit bias made of two gathered products (DeBERTa-v3's content-to-
     position and position-to-content terms) is computed by one kernel that forms each 64 x 64 tile from windows of
-    the products in shared memory, never writing the products (:mod:`.relative_bias_match`; checked against
-    float32 at DeBERTa-v3-base's shapes and timed by ``scripts/check_relative_bias_gpu.py``, BENCHMARKS.md session
-    31); ``False`` keeps the graph's product and gather kernels.
+    the products in shared memory, never writing the products, and only at the tiles the attention's runtime mask
+    visits (:mod:`.relative_bias_match`; checked against float32 at DeBERTa-v3-base's shapes and timed by
+    ``scripts/check_relative_bias_gpu.py`` and ``scripts/bench_e2e.py``, BENCHMARKS.md session 31); ``False`` keeps
+    the graph's product and gather kernels.
     """
     from stof_tvm.artifact import Artifact
     from stof_tvm.records import open_database, record_usage

@@ -18,7 +18,9 @@ windows (``offsets``, one byte each). The kernel computes the same products, rou
 the same terms, so the bias equals the graph's up to the order of each product's float32 sum. It is used only where
 every part matches: a 16-bit product cast from float32, a gather that stays in the product's row (the
 non-transposed term's row ``i``, the transposed term's row ``j``), tile windows that fit the kernel, scalar
-divisors, a 16-bit result; anything else stays as it was.
+divisors, a 16-bit result; anything else stays as it was. On CUDA, where the bias is read only by the tiled
+attention kernels, one map of the 64 x 64 tiles their runtime mask visits (built from the attention's own format
+inputs) lets every layer's kernel skip the tiles no attention tile reads.
 """
 from __future__ import annotations
 
