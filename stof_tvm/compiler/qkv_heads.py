@@ -236,8 +236,10 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
 def _takes_view(mod: tvm.IRModule, binding, var) -> bool:
     """Whether ``binding`` calls a kernel (``call_tir`` of a PrimFunc in ``mod``) whose every buffer that ``var``
     is passed as may start at an element offset (its ``elem_offset`` a variable, as ``match_buffer(...,
-    offset_factor=...)`` makes it: the block-wise and wgmma attention kernels' Q, K and V, the fused
-    relative-position bias's Q and K on CUDA). TVM's own kernels assume offset 0."""
+    offset_factor=...)`` makes it: the block-wise and wgmma attention kernels' Q, K and V, the wgmma kernel's TMA
+    maps encoded from the view's first element (checked on the H200 by bench_attention.py plan s9attn); the fused
+    relative-position bias's Q and K on CUDA). TVM's own kernels assume offset 0. Every part's offset is a multiple
+    of ``B * H * S * D`` elements, so of the 8 that such buffers ask."""
     value = None if binding is None else binding.value
     if not (is_call(value, "relax.call_tir") and isinstance(value.args[0], tvm.ir.GlobalVar)):
         return False

@@ -343,7 +343,7 @@ def fuse_relative_biases(mod: tvm.IRModule, target_kind: str,
             replacements[binding_var] = fused
     if not replacements:
         return mod, 0
-    emitted: dict = {}              # a visit map's call -> its variable
+    emitted: dict = {}              # seq -> the visit map's variable
 
     @relax.expr_functor.mutator
     class Replace(relax.PyExprMutator):
@@ -354,11 +354,11 @@ def fuse_relative_biases(mod: tvm.IRModule, target_kind: str,
             gv, args, out_ty = replacements[binding.var]
             operands = []
             for arg in args:
-                if any(arg.same_as(call) for call in visit_calls.values()):
-                    key = next(k for k, call in visit_calls.items() if arg.same_as(call))
-                    if key not in emitted:
-                        emitted[key] = self.builder_.emit(arg)
-                    operands.append(emitted[key])
+                seq = next((key for key, call in visit_calls.items() if arg.same_as(call)), None)
+                if seq is not None:         # the visit map: emitted once, at the first bias that reads it
+                    if seq not in emitted:
+                        emitted[seq] = self.builder_.emit(arg)
+                    operands.append(emitted[seq])
                     continue
                 arg = self.visit_expr(arg)
                 operands.append(self.builder_.emit(arg) if isinstance(arg, relax.Call) else arg)
