@@ -28,8 +28,8 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
-from .mma import (CP_ASYNC_16, LD_SHARED_V4, LDMATRIX_X4, ST_GLOBAL_V4, chunk_offset, chunk_stride, mma_m16n8k16,
-                  pack_f32x2, swizzle_offset)
+from .mma import (CP_ASYNC_16, LD_SHARED_V4, LDMATRIX_X4, ST_GLOBAL_V4, a_fragment_offset, b_fragments_offset,
+                  chunk_offset, chunk_stride, mma_m16n8k16, pack_f32x2, swizzle_offset)
 
 __all__ = ["BLOCK", "ROW_CHOICES", "fits", "batched_nt_matmul"]
 
@@ -114,14 +114,13 @@ def batched_nt_matmul(batch: int, rows: int, cols: int, depth: int, dtype: str =
                         for kk in T.unroll(k_steps):
                             for mt in T.unroll(MT):
                                 LDMATRIX_X4(a_frag[mt * 4], a_frag[mt * 4 + 1], a_frag[mt * 4 + 2], a_frag[mt * 4 + 3],
-                                            a_base + T.Cast("uint32", chunk_offset(row0 + mt * 16 + lane % 16,
-                                                                                   kk * 2 + lane // 16, cpr)))
+                                            a_base + T.Cast("uint32", a_fragment_offset(row0 + mt * 16, kk, lane,
+                                                                                        cpr)))
                             for jp in T.unroll(NT8 // 2):
                                 # n8 fragments 2jp and 2jp+1: B's rows [16 jp, 16 jp + 16) of the warp's columns
                                 LDMATRIX_X4(b_frag[0], b_frag[1], b_frag[2], b_frag[3],
-                                            b_base + T.Cast("uint32", chunk_offset(
-                                                col0 + jp * 16 + (lane // 16) * 8 + lane % 8,
-                                                kk * 2 + (lane // 8) % 2, cpr)))
+                                            b_base + T.Cast("uint32", b_fragments_offset(col0 + jp * 16, kk, lane,
+                                                                                         cpr)))
                                 for mt in T.unroll(MT):
                                     for half in T.unroll(2):
                                         mma(acc[acc_at(mt, 2 * jp + half, 0)], acc[acc_at(mt, 2 * jp + half, 1)],

@@ -28,7 +28,8 @@ from tvm.script import tirx as T
 
 __all__ = [
     "PTX_TYPE", "mma_m16n8k16", "pack_f32x2", "LDMATRIX_X4", "LDMATRIX_X4_TRANS", "CP_ASYNC_16",
-    "LD_SHARED_V4", "ST_GLOBAL_V4", "EX2", "swizzle_offset", "chunk_stride", "chunk_offset",
+    "LD_SHARED_V4", "ST_GLOBAL_V4", "EX2", "swizzle_offset", "chunk_stride", "chunk_offset", "a_fragment_offset",
+    "b_fragments_offset",
 ]
 
 # TVM dtype -> PTX type token of the 16-bit multiplicands.
@@ -112,3 +113,17 @@ def chunk_offset(row, chunk, chunks_per_row: int):
     if chunks_per_row % 8 == 0:
         return swizzle_offset(row, chunk, chunks_per_row * 16)
     return row * (chunk_stride(chunks_per_row) * 16) + chunk * 16
+
+
+def a_fragment_offset(row0, kk, lane, chunks_per_row: int):
+    """Byte offset (:func:`chunk_offset`) of the row address ``lane`` gives ``ldmatrix.x4`` for the m16k16 A
+    fragment of rows ``[row0, row0 + 16)`` at k-step ``kk``: lanes 0-15 its rows' first 8 columns, 16-31 the
+    second 8."""
+    return chunk_offset(row0 + lane % 16, kk * 2 + lane // 16, chunks_per_row)
+
+
+def b_fragments_offset(row0, kk, lane, chunks_per_row: int):
+    """Byte offset (:func:`chunk_offset`) of the row address ``lane`` gives ``ldmatrix.x4`` for two n8k16 B
+    fragments at k-step ``kk``, B stored a row per output column: rows ``[row0, row0 + 8)`` (lanes 0-15: the two k
+    halves) and ``[row0 + 8, row0 + 16)`` (lanes 16-31)."""
+    return chunk_offset(row0 + (lane // 16) * 8 + lane % 8, kk * 2 + (lane // 8) % 2, chunks_per_row)

@@ -46,7 +46,8 @@ import tvm
 from tvm import te
 from tvm.script import tirx as T
 
-from .mma import CP_ASYNC_16, LDMATRIX_X4, chunk_offset, chunk_stride, mma_m16n8k16, pack_f32x2
+from .mma import (CP_ASYNC_16, LDMATRIX_X4, a_fragment_offset, b_fragments_offset, chunk_offset, chunk_stride,
+                  mma_m16n8k16, pack_f32x2)
 
 __all__ = ["TILE", "STRIP", "WARPS", "MAX_WINDOW", "THREADS", "window_size", "fits", "table_row_words",
            "relative_bias_primfunc", "visited_tiles_primfunc", "relative_bias_reference"]
@@ -210,14 +211,13 @@ def relative_bias_primfunc(*, batch: int, seq: int, positions: int, head_dim: in
                                     acc[e] = T.float32(0)
                                 for kk in T.unroll(k_steps):
                                     LDMATRIX_X4(a_frag[0], a_frag[1], a_frag[2], a_frag[3],
-                                                a_base + T.Cast("uint32", chunk_offset(warp * STRIP + lane % 16,
-                                                                                       kk * 2 + lane // 16, cpr)))
+                                                a_base + T.Cast("uint32", a_fragment_offset(warp * STRIP, kk, lane,
+                                                                                            cpr)))
                                     for jp in T.unroll(nt8 // 2):
                                         # n8 fragments 2jp and 2jp+1: window rows strip + [16 jp, 16 jp + 16)
                                         LDMATRIX_X4(b_frag[0], b_frag[1], b_frag[2], b_frag[3],
-                                                    w_base + T.Cast("uint32", chunk_offset(
-                                                        strip + jp * 16 + (lane // 16) * 8 + lane % 8,
-                                                        kk * 2 + (lane // 8) % 2, cpr)))
+                                                    w_base + T.Cast("uint32", b_fragments_offset(strip + jp * 16, kk,
+                                                                                                 lane, cpr)))
                                         for half in T.unroll(2):
                                             f: T.let = (2 * jp + half) * 4
                                             mma(acc[f], acc[f + 1], acc[f + 2], acc[f + 3],
