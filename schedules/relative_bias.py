@@ -92,8 +92,8 @@ def table_row_words(strip_window: int, transposed: bool) -> int:
 
 
 def _decode(word, which: int, half):
-    """Byte ``which * 2 + half`` of ``word``: the window offset of term ``which`` (0: first, 1: second) for output
-    ``lane + 32 * half`` of a thread's row."""
+    """Byte ``which * 2 + half`` of ``word``: the offset in its strip of term ``which`` (0: first, 1: second) for
+    output ``lane + 32 * half`` of a thread's row."""
     return T.Cast("int32", T.bitwise_and(T.shift_right(word, T.Cast("uint32", 16 * which + 8 * half)),
                                          T.uint32(255)))
 
