@@ -145,6 +145,15 @@ def relative_bias_primfunc(*, batch: int, seq: int, positions: int, head_dim: in
         head_part = n % heads if mask_heads > 1 else 0
         return (n // heads if mask_batch > 1 else 0) * mask_heads + head_part
 
+    @T.macro
+    def copy_rows(src, lead, row0, iters, dst, tx):
+        # cp.async of rows [row0, row0 + iters * THREADS / cpr) of src[lead] into chunk-swizzled rows at dst
+        for it in T.unroll(iters):
+            r: T.let = (it * THREADS + tx) // cpr
+            c: T.let = (it * THREADS + tx) % cpr
+            CP_ASYNC_16(dst + T.Cast("uint32", chunk_offset(r, c, cpr)), T.address_of(src[lead, row0 + r, c * 8]), 16,
+                        T.uint32(16))
+
     @T.prim_func(private=True)
     def main(a1_handle: T.handle, w1_handle: T.handle, a2_handle: T.handle, w2_handle: T.handle,
              offsets_handle: T.handle, bases_handle: T.handle, visited_handle: T.handle, out_handle: T.handle):
@@ -177,26 +186,12 @@ def relative_bias_primfunc(*, batch: int, seq: int, positions: int, head_dim: in
                         if visited[mask_group(n), ti, tj] != 0:      # else the attention never reads the tile
                             # operands: A1 tile and W1 window (one copy group), A2 tile and W2 window (a second), so
                             # that the first product runs while the second's operands land
-                            for term in T.unroll(2):
-                                for it in T.unroll(a_iters):
-                                    r: T.let = (it * THREADS + tx) // cpr
-                                    c: T.let = (it * THREADS + tx) % cpr
-                                    at: T.let = s_base + T.Cast("uint32", term * (a_bytes + w_bytes)
-                                                                + chunk_offset(r, c, cpr))
-                                    if term == 0:
-                                        CP_ASYNC_16(at, T.address_of(A1[n, ti * TILE + r, c * 8]), 16, T.uint32(16))
-                                    else:
-                                        CP_ASYNC_16(at, T.address_of(A2[n, tj * TILE + r, c * 8]), 16, T.uint32(16))
-                                for it in T.unroll(w_iters):
-                                    r: T.let = (it * THREADS + tx) // cpr
-                                    c: T.let = (it * THREADS + tx) % cpr
-                                    at: T.let = s_base + T.Cast("uint32", term * (a_bytes + w_bytes) + a_bytes
-                                                                + chunk_offset(r, c, cpr))
-                                    if term == 0:
-                                        CP_ASYNC_16(at, T.address_of(W1[g, base1 + r, c * 8]), 16, T.uint32(16))
-                                    else:
-                                        CP_ASYNC_16(at, T.address_of(W2[g, base2 + r, c * 8]), 16, T.uint32(16))
-                                T.ptx.cp.async_.commit_group()
+                            copy_rows(A1, n, ti * TILE, a_iters, s_base, tx)
+                            copy_rows(W1, g, base1, w_iters, s_base + T.uint32(a_bytes), tx)
+                            T.ptx.cp.async_.commit_group()
+                            copy_rows(A2, n, tj * TILE, a_iters, s_base + T.uint32(a_bytes + w_bytes), tx)
+                            copy_rows(W2, g, base2, w_iters, s_base + T.uint32(2 * a_bytes + w_bytes), tx)
+                            T.ptx.cp.async_.commit_group()
                             # the gather's offset words, asked for now so that they arrive under the copies
                             for rr in T.unroll(STRIP):
                                 words[rr] = offsets[ti * TILE + warp * STRIP + rr, tj * (TILE // 2) + lane]

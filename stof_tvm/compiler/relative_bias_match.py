@@ -186,17 +186,22 @@ def _period(array: np.ndarray) -> int:
     return count
 
 
+def _strip_extremes(positions: np.ndarray, strip_axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """The least and greatest position ``[tiles, tiles, WARPS]`` of each :data:`STRIP` rows (``strip_axis`` 0) or
+    columns (1) of every TILE x TILE tile."""
+    tiles = positions.shape[0] // TILE
+    if strip_axis == 0:
+        strips = positions.reshape(tiles, WARPS, STRIP, tiles, TILE).transpose(0, 3, 1, 2, 4)
+    else:
+        strips = positions.reshape(tiles, TILE, tiles, WARPS, STRIP).transpose(0, 2, 3, 1, 4)
+    return strips.min(axis=(3, 4)), strips.max(axis=(3, 4))
+
+
 def strip_window(positions: np.ndarray, strip_axis: int) -> int:
     """Product columns a warp computes for a term: the most positions that the outputs of one :data:`STRIP` rows
     (``strip_axis`` 0) or columns (1) of a TILE x TILE tile read, rounded up to whole n16 steps."""
-    tiles = positions.shape[0] // TILE
-    if strip_axis == 0:
-        strips = positions.reshape(tiles, WARPS, STRIP, tiles, TILE)
-        span = strips.max(axis=(2, 4)) - strips.min(axis=(2, 4)) + 1
-    else:
-        strips = positions.reshape(tiles, TILE, tiles, WARPS, STRIP)
-        span = strips.max(axis=(1, 4)) - strips.min(axis=(1, 4)) + 1
-    return int(-(-span.max() // 16) * 16)
+    low, high = _strip_extremes(positions, strip_axis)
+    return int(-(-(high - low + 1).max() // 16) * 16)
 
 
 def _windows(positions: np.ndarray, total: int, strip_columns: int,
@@ -209,13 +214,10 @@ def _windows(positions: np.ndarray, total: int, strip_columns: int,
     tiles = positions.shape[0] // TILE
     blocks = positions.reshape(tiles, TILE, tiles, TILE)
     low, high = blocks.min(axis=(1, 3)), blocks.max(axis=(1, 3))
-    if (high - low >= window).any() or strip_window(positions, strip_axis) > strip_columns:
+    strip_low, strip_high = _strip_extremes(positions, strip_axis)
+    if (high - low >= window).any() or (strip_high - strip_low >= strip_columns).any():
         return None
     bases = np.minimum(low, total - window)
-    if strip_axis == 0:
-        strip_low = positions.reshape(tiles, WARPS, STRIP, tiles, TILE).min(axis=(2, 4)).transpose(0, 2, 1)
-    else:
-        strip_low = positions.reshape(tiles, TILE, tiles, WARPS, STRIP).min(axis=(1, 4))
     starts = np.minimum(strip_low, bases[:, :, None] + window - strip_columns)      # [tiles, tiles, WARPS]
     index = np.arange(positions.shape[0])
     tile, strip = index // TILE, index % TILE // STRIP
