@@ -1283,6 +1283,62 @@ def plan_s30regs() -> list[dict]:
     return _labelled_block_cases(16, 2048, configs)
 
 
+# s32prof: issue 16's causal and document shapes on both kernel families, for a profiler run (ncu) beside the timings
+S32_SHAPES = {"causal": (16, 12, 4096, 64), "document": (8, 12, 4096, 64)}
+
+
+def plan_s32prof() -> list[dict]:
+    """Where do the wgmma kernel's cycles go on causal (dense tile rows, few partial tiles) and on document masks
+    (short tile rows, most tiles partial)? For each of S32_SHAPES (D64): the wgmma default and the block-wise
+    kernel's model pick, each timed and carrying the model's prediction and automatic choice; the first case of a
+    shape carries FlexAttention and SDPA. Then causal D128 B4 H16 S8192 on the wgmma default. Run it once for the
+    times, then under ``ncu`` with ``--masks``/``--families`` selecting one case a profile."""
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile, decide_attention
+    from stof_tvm.schedules.attention_wgmma import WgmmaAttentionConfig, default_config
+
+    cases = []
+    shapes = [(recipe, *shape) for recipe, shape in S32_SHAPES.items()] + [("causal", 4, 16, 8192, 128)]
+    for recipe, batch, heads, seq, head_dim in shapes:
+        problem = AttentionProblem(batch=batch, heads=heads, head_dim=head_dim, dtype="float16",
+                                   mask=MaskProfile(build_mask(recipe, batch, heads, seq, 0)))
+        decision = decide_attention(problem, kinds=("block", "row", "wgmma"))
+        pick = f"{decision.best.candidate} ({decision.reason})"
+        wgmma = default_config(head_dim)
+        cases.append(dict(_case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16",
+                                _wgmma_tuple(wgmma)), model_pick=pick, baselines=True,
+                          predicted_ms=_predicted_ms(problem, "wgmma", wgmma)))
+        if head_dim == 64:
+            block = decide_attention(problem, kinds=("block",)).best.candidate.config
+            cases.append(dict(_case("time", "block", recipe, batch, heads, seq, head_dim, "float16",
+                                    _config_tuple(block)), model_pick=pick, baselines=False,
+                              predicted_ms=_predicted_ms(problem, "block", block)))
+    return cases
+
+
+def plan_s32wait() -> list[dict]:
+    """Suspended mbarrier waits (``WAIT_SUSPEND_NS``) against the tree before them (``variant: base``, built with
+    ``--only-variant base --source-tree DIR``): the wgmma default on causal and dense (D64 B16 H12 S4096, D128 B4 H16
+    S8192) and on the document mask (D64 B8), each pair timed one after the other and then interleaved round by round
+    (``interleave``), the first case of a shape with FlexAttention and SDPA; checks first (S=1000, Q x8, bf16 too) on
+    this tree."""
+    from stof_tvm.schedules.attention_wgmma import default_config
+
+    cases = []
+    for head_dim in (64, 128):
+        config = _wgmma_tuple(default_config(head_dim))
+        for recipe, dtype in (("causal", "float16"), ("random_empty:0.05", "float16"), ("document", "bfloat16")):
+            cases.append(dict(_case("check", "wgmma", recipe, 2, 3, 1000, head_dim, dtype, config), q_scale=8.0))
+    shapes = (("causal", 16, 12, 4096, 64), ("document", 8, 12, 4096, 64), ("causal", 4, 16, 8192, 128),
+              ("dense", 16, 12, 4096, 64))
+    for recipe, batch, heads, seq, head_dim in shapes:
+        case = _case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16",
+                     _wgmma_tuple(default_config(head_dim)))
+        group = f"{recipe} D{head_dim}"
+        cases.append(dict(case, label="base", variant="base", baselines=True, interleave=group))
+        cases.append(dict(case, label="this", baselines=False, interleave=group))
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
@@ -1290,7 +1346,7 @@ PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan
          "s10dims": plan_s10dims, "s11gpt2": plan_s11gpt2, "s12bb": plan_s12bb,
          "s17model": plan_s17model, "s19knobs": plan_s19knobs,
          "s19gate": plan_s19gate, "s25short": plan_s25short, "s29short": plan_s29short,
-         "s30regs": plan_s30regs}
+         "s30regs": plan_s30regs, "s32prof": plan_s32prof, "s32wait": plan_s32wait}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
@@ -1435,6 +1491,7 @@ class Runner:
         self.out, self.json_path, self.deadline = out, json_path, time.time() + budget_s
         self.manifest = json.loads((out / "manifest.json").read_text())
         self.loaded, self.results, self.baselines, self.masks = {}, [], {}, {}
+        self.interleaved: dict[str, dict] = {}    # group -> label -> call (checked time cases with ``interleave``)
         self.load_seconds = 0.0
         from torch.nn.attention.flex_attention import flex_attention
         self.flex = torch.compile(flex_attention, dynamic=False)
@@ -1558,6 +1615,8 @@ class Runner:
                 row["parts_ms"] = {name: self.bench(part) for name, part in parts.items()}
             row["baselines"] = self.baselines_for(case, q, k, v, mask_t, ref, flops) \
                 if case.get("baselines", True) else {}
+            if case.get("interleave") and row["ok"]:     # kept alive (its tensors too) for time_interleaved
+                self.interleaved.setdefault(case["interleave"], {})[case.get("label", case["module"])] = call
         del q, k, v, out, ref
         return row
 
@@ -1954,6 +2013,22 @@ def print_labelled(timed: list[dict]) -> None:
               + (f"ok {r['rel_err']:.1e}" if r["ok"] else f"FAILED {r['rel_err']:.1e}"))
 
 
+def time_groups(groups: dict, time_interleaved) -> dict:
+    """Time each group's calls against each other round by round (``benchlib.time_interleaved``: the GPU's clock and
+    temperature drift reaches every call alike; the same module timed one case after another has measured up to 5%
+    apart) and print each call's median, its range and its ratio to the group's first call (> 1 = slower)."""
+    results = {}
+    print("\ninterleaved groups (ms per call: median over rounds [min - max]; x first = median / the first's)")
+    for group, calls in groups.items():
+        timing = time_interleaved({label: (call, None) for label, call in calls.items()}, rounds=40, sample_ms=20.0)
+        first = next(iter(timing.values())).median_ms
+        results[group] = {label: dict(t.as_dict(), x_first=t.median_ms / first) for label, t in timing.items()}
+        for label, t in timing.items():
+            print(f"  {group:<14} {label:<24} {t.median_ms:8.4f} [{t.min_ms:.4f} - {t.max_ms:.4f}]  "
+                  f"x first {t.median_ms / first:.3f}")
+    return results
+
+
 def _config_key(case: dict) -> tuple:
     """A case's kernel configuration (a split case's: both kernels'), for --skip-failed-in."""
     return (case["family"], case["head_dim"], str(case["config"])) + \
@@ -1985,6 +2060,12 @@ def run(args) -> None:
         cases = [c for c in cases if c["kind"] in args.only.split(",")]
     if args.head_dims:
         cases = [c for c in cases if c["head_dim"] in {int(d) for d in args.head_dims.split(",")}]
+    if args.masks:
+        cases = [c for c in cases if c["mask"] in args.masks.split(",")]
+    if args.families:
+        cases = [c for c in cases if c["family"] in args.families.split(",")]
+    if args.no_baselines:
+        cases = [dict(c, baselines=False) for c in cases]
     if args.skip_failed_in:
         failed = failed_configs(json.loads(Path(args.skip_failed_in).read_text()))
         info["skipped_configs"] = sorted(map(list, failed))
@@ -2012,6 +2093,9 @@ def run(args) -> None:
         runner.save(info)
     timed = [r for r in runner.results if r["kind"] == "time" and "ms" in r]
     print_details(timed)
+    if runner.interleaved:
+        info["interleaved"] = time_groups(runner.interleaved, bl.time_interleaved)
+        runner.save(info)
     if isinstance(info["sass"], dict):
         print("\nSASS (per kernel configuration): registers, spills, instruction counts")
         for key, s in info["sass"].items():
@@ -2055,6 +2139,10 @@ def main(argv=None) -> None:
     r.add_argument("--budget", type=float, default=480.0, help="seconds after which no new case starts")
     r.add_argument("--only", default=None, help="run only these case kinds (check,time)")
     r.add_argument("--head-dims", default=None, help="run only the cases of these head dims (e.g. 80,96)")
+    r.add_argument("--masks", default=None, help="run only the cases of these mask recipes (e.g. causal,document)")
+    r.add_argument("--families", default=None, help="run only the cases of these kernel families (block,wgmma)")
+    r.add_argument("--no-baselines", action="store_true",
+                   help="time our kernels alone (a profiler run: ncu --kernel-name selects one of them)")
     r.add_argument("--skip-failed-in", default=None, help="JSON of an earlier run: skip configs that failed there")
     args = parser.parse_args(argv)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
