@@ -1315,12 +1315,16 @@ def plan_s32prof() -> list[dict]:
     return cases
 
 
+# s32wait: the trees built beside this one (``--only-variant NAME --source-tree DIR``), first the reference: in session
+# 32 ``base`` (9ded202) and ``suspend`` (its producer's waits suspended); this tree had the softmax-under-P V wait
+S32_VARIANTS = ("base", "suspend")
+
+
 def plan_s32wait() -> list[dict]:
-    """Suspended mbarrier waits (``WAIT_SUSPEND_NS``) against the tree before them (``variant: base``, built with
-    ``--only-variant base --source-tree DIR``): the wgmma default on causal and dense (D64 B16 H12 S4096, D128 B4 H16
-    S8192) and on the document mask (D64 B8), each pair timed one after the other and then interleaved round by round
-    (``interleave``), the first case of a shape with FlexAttention and SDPA; checks first (S=1000, Q x8, bf16 too) on
-    this tree."""
+    """This tree's wgmma default against the same configuration built from the trees of S32_VARIANTS: causal and dense
+    (D64 B16 H12 S4096, D128 B4 H16 S8192) and the document mask (D64 B8), each case timed on its own and then every
+    tree's module of a shape interleaved round by round (``interleave``), the first case of a shape with
+    FlexAttention and SDPA; checks first (S=1000, Q x8, bf16 too) on this tree."""
     from stof_tvm.schedules.attention_wgmma import default_config
 
     cases = []
@@ -1329,12 +1333,13 @@ def plan_s32wait() -> list[dict]:
         for recipe, dtype in (("causal", "float16"), ("random_empty:0.05", "float16"), ("document", "bfloat16")):
             cases.append(dict(_case("check", "wgmma", recipe, 2, 3, 1000, head_dim, dtype, config), q_scale=8.0))
     shapes = (("causal", 16, 12, 4096, 64), ("document", 8, 12, 4096, 64), ("causal", 4, 16, 8192, 128),
-              ("dense", 16, 12, 4096, 64))
+              ("dense", 16, 12, 4096, 64), ("dense", 4, 16, 8192, 128))
     for recipe, batch, heads, seq, head_dim in shapes:
         case = _case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16",
                      _wgmma_tuple(default_config(head_dim)))
         group = f"{recipe} D{head_dim}"
-        cases.append(dict(case, label="base", variant="base", baselines=True, interleave=group))
+        for i, variant in enumerate(S32_VARIANTS):
+            cases.append(dict(case, label=variant, variant=variant, baselines=i == 0, interleave=group))
         cases.append(dict(case, label="this", baselines=False, interleave=group))
     return cases
 
