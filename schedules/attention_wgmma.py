@@ -150,8 +150,16 @@ class WgmmaAttentionConfig:
     multiples of 64: shared tiles of 64-column panels in the 128-byte swizzle as at head dims 64 and 128, the head
     dim padded to the next multiple of 64 with zeros, which the copy engine writes for the columns past ``D``;
     ``S`` reads the real columns only, ``O += P V`` runs over the padded width and only ``D`` columns are stored: the
-    layout the H200 has checked since session 6, at the cost of the padded product). The tiled format must be built
-    at ``block_m x block_n`` (``block_m = 64 * consumers``)."""
+    layout the H200 has checked since session 6, at the cost of the padded product). Two opt-in knobs are on trial
+    (session 32: ncu found each softmax turn's dependent chains and the pipes taking turns; not yet timed against the
+    default, which keeps them off and its CUDA byte for byte): ``short_chains`` (each row's maximum as a balanced
+    tree of FMNMX, depth 5 instead of 17 before the first exponential can start, and its sum in four partial sums)
+    and ``softmax_under_pv`` (ptxas moves a turn's wait for ``P(i-1) V(i-1)`` above all the exponentials of tile
+    ``i``, to interleave the packs of ``P(i)`` that overwrite registers the product still reads, so a consumer's
+    softmax runs after its own product instead of under it; with the knob each turn waits once more for its K tile
+    after its softmax: K(i) has landed and the wait passes at once, but ptxas does not schedule across its retry
+    branch, so every exponential stays before the product's wait). The tiled format must be built at
+    ``block_m x block_n`` (``block_m = 64 * consumers``)."""
 
     block_n: int = 128
     stages: int = 2
@@ -160,6 +168,8 @@ class WgmmaAttentionConfig:
     consumers: int = 2
     loads: str = "cp.async"
     pad_panels: bool = False
+    short_chains: bool = False
+    softmax_under_pv: bool = False
 
     @property
     def block_m(self) -> int:
@@ -179,7 +189,7 @@ class WgmmaAttentionConfig:
                              f"{limit} its {REGISTERS[self.consumers][1]} leave beside them")
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"stages must be an int >= 2, got {self.stages!r}")
-        for name in ("pingpong", "persistent", "pad_panels"):
+        for name in ("pingpong", "persistent", "pad_panels", "short_chains", "softmax_under_pv"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.loads, str) or self.loads not in LOAD_CHOICES:
@@ -425,6 +435,31 @@ def block_work_item(bx, j, tile_rows: int, heads: int, grid: int, persistent: bo
             T.Select(j % 2 == 0, tile_rows - 1 - k, second))
 
 
+def balanced(combine, values: list):
+    """``values`` combined pairwise as a balanced tree (depth log2 of their count instead of a chain through all)."""
+    while len(values) > 1:
+        values = [combine(values[i], values[i + 1]) if i + 1 < len(values) else values[i]
+                  for i in range(0, len(values), 2)]
+    return values[0]
+
+
+def fragment_row_max(s_acc, hh, nj: int):
+    """``short_chains``: the maximum of a consumer thread's 2 * nj scores of row half ``hh`` (registers
+    ``j * 4 + hh * 2 + e``) as a balanced tree."""
+    return balanced(tvm.tirx.max, [s_acc[j * 4 + hh * 2 + e] for j in range(nj) for e in range(2)])
+
+
+def fragment_row_sum(s_acc, hh, nj: int):
+    """``short_chains``: the sum of those registers as four partial sums of nj / 2 terms each (registers of every
+    other n8 tile and one of its two columns), added as a tree."""
+    def chain(j0, e):
+        total = s_acc[j0 * 4 + hh * 2 + e]
+        for j in range(j0 + 2, nj, 2):
+            total = total + s_acc[j * 4 + hh * 2 + e]
+        return total
+    return balanced(lambda a, b: a + b, [chain(j0, e) for j0 in range(min(2, nj)) for e in range(2)])
+
+
 def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd: bool,
             sm_count: int, PAD: bool = False) -> tvm.tirx.PrimFunc:
     BM, BN, ST, PP, NC = cfg.block_m, cfg.block_n, cfg.stages, cfg.pingpong, cfg.consumers
@@ -460,6 +495,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     PACK = T.ptx[f"cvt.rn.{ab}x2.f32"]
     CP_ASYNC_16 = T.ptx["cp.async.cg.shared.global"]
     TMA = cfg.loads == "tma"
+    SHORT, UNDER = cfg.short_chains, cfg.softmax_under_pv
     # arrivals completing a full mbarrier's phase: every producer thread's (cp.async), or the issuing thread's
     # arrive.expect_tx, the phase then waiting for the copies' transaction bytes too (TMA)
     FULL_ARRIVALS = 1 if TMA else WG
@@ -660,9 +696,12 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                                     T.bitwise_and(word[0], T.uint32(1 << (jj * 8 + e))) != T.uint32(0),
                                     s_acc[(jw * 4 + jj) * 4 + hh * 2 + e], NEG_INF)
         for hh in T.unroll(2):
-            red[0] = T.max(s_acc[hh * 2], s_acc[hh * 2 + 1])
-            for j in T.unroll(1, NJ):
-                red[0] = T.max(red[0], T.max(s_acc[j * 4 + hh * 2], s_acc[j * 4 + hh * 2 + 1]))
+            if SHORT:
+                red[0] = fragment_row_max(s_acc, hh, NJ)
+            else:
+                red[0] = T.max(s_acc[hh * 2], s_acc[hh * 2 + 1])
+                for j in T.unroll(1, NJ):
+                    red[0] = T.max(red[0], T.max(s_acc[j * 4 + hh * 2], s_acc[j * 4 + hh * 2 + 1]))
             red[0] = T.max(red[0], quad_xor(red[0], 1))
             red[0] = T.max(red[0], quad_xor(red[0], 2))
             red[1] = T.max(m_run[hh], red[0])
@@ -673,7 +712,10 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
             for j in T.unroll(NJ):
                 for e in T.unroll(2):
                     EX2(s_acc[j * 4 + hh * 2 + e], s_acc[j * 4 + hh * 2 + e] * T.float32(SL) - red[2])
-                    red[3] = red[3] + s_acc[j * 4 + hh * 2 + e]
+                    if not SHORT:
+                        red[3] = red[3] + s_acc[j * 4 + hh * 2 + e]
+            if SHORT:
+                red[3] = fragment_row_sum(s_acc, hh, NJ)
             l_run[hh] = l_run[hh] * corr[hh] + red[3]
 
     @T.macro
@@ -743,6 +785,8 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                 T.ptx["wgmma.wait_group.sync.aligned"](1)
                 softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + (M_OFF + (gi % ST) * MW_BYTES) // 4, c, w,
                         g, qd, i, n_part_row, pads, b, tile_col(tiles, i, n_part_row))
+            if UNDER:   # K(i) has landed: passes at once, a branch ptxas does not schedule across (docstring)
+                wait_parity(flag, ring_bar(base, 0, gi), phase(gi))
             T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 1, gi))
             retire_pv(o_acc, base, gi - 1, compute)
             if compute:

@@ -1315,8 +1315,8 @@ def plan_s32prof() -> list[dict]:
     return cases
 
 
-# s32wait: the trees built beside this one (``--only-variant NAME --source-tree DIR``), first the reference: in session
-# 32 ``base`` (9ded202) and ``suspend`` (its producer's waits suspended); this tree had the softmax-under-P V wait
+# s32wait: the trees built beside this one (``--only-variant NAME --source-tree DIR``), the reference first: in session
+# 32 ``base`` (9ded202) and ``suspend`` (its producer's waits suspended: scripts/NOTES_attention_wgmma.md)
 S32_VARIANTS = ("base", "suspend")
 
 
@@ -1344,6 +1344,44 @@ def plan_s32wait() -> list[dict]:
     return cases
 
 
+# s32knobs: the wgmma kernel's trial knobs (short_chains, softmax_under_pv) as (pad_panels, short, under) after the
+# default's field tuple; every form of a shape is one interleaved group
+S32_KNOBS = {"default": (False, False), "short": (True, False), "under": (False, True), "both": (True, True)}
+
+
+def plan_s32knobs() -> list[dict]:
+    """Session 32's trial knobs of the wgmma kernel against its default, in one build: checks first (S=1000, Q x8:
+    causal, per-head random masks with empty rows, a bf16 document mask, right/left key padding, Q/K/V as views)
+    for each knob form at D64 and D128, then causal and dense (D64 B16 H12 S4096, D128 B4 H16 S8192) and the
+    document mask (D64 B8) with each form timed on its own and then all forms of a shape interleaved round by round
+    (``interleave``)."""
+    from stof_tvm.schedules.attention_wgmma import default_config
+
+    def config(head_dim, knobs, padding=False):
+        return _wgmma_tuple(default_config(head_dim, padding)) + (default_config(head_dim, padding).pad_panels,
+                                                                   *knobs)
+
+    cases = []
+    for head_dim in (64, 128):
+        for name, knobs in S32_KNOBS.items():
+            if name == "default":
+                continue
+            for recipe, dtype in (("causal", "float16"), ("random_empty:0.05", "float16"), ("document", "bfloat16")):
+                cases.append(dict(_case("check", "wgmma", recipe, 2, 3, 1000, head_dim, dtype,
+                                        config(head_dim, knobs)), q_scale=8.0))
+            cases.append(dict(_case("check", "wgmma", "causal", 2, 3, 1000, head_dim, "float16",
+                                    config(head_dim, knobs)), q_scale=8.0, qkv_offset=8))
+            cases.append(dict(_case("check", "wgmma", "sliding", 4, 2, 1000, head_dim, "float16",
+                                    config(head_dim, knobs, padding=True), padding=True), q_scale=8.0))
+    shapes = (("causal", 16, 12, 4096, 64), ("causal", 4, 16, 8192, 128), ("dense", 16, 12, 4096, 64),
+              ("dense", 4, 16, 8192, 128), ("document", 8, 12, 4096, 64))
+    for recipe, batch, heads, seq, head_dim in shapes:
+        for name, knobs in S32_KNOBS.items():
+            cases.append(dict(_case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16",
+                                    config(head_dim, knobs)), label=name, interleave=f"{recipe} D{head_dim}"))
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
@@ -1351,7 +1389,8 @@ PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan
          "s10dims": plan_s10dims, "s11gpt2": plan_s11gpt2, "s12bb": plan_s12bb,
          "s17model": plan_s17model, "s19knobs": plan_s19knobs,
          "s19gate": plan_s19gate, "s25short": plan_s25short, "s29short": plan_s29short,
-         "s30regs": plan_s30regs, "s32prof": plan_s32prof, "s32wait": plan_s32wait}
+         "s30regs": plan_s30regs, "s32prof": plan_s32prof, "s32wait": plan_s32wait,
+         "s32knobs": plan_s32knobs}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
