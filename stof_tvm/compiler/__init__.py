@@ -35,7 +35,7 @@ from stof_tvm.sparse_formats.masks import normalize_mask
 
 from .attention_match import find_attention_sites, unmatched_score_ops
 from .bias_precision import NARROW_DTYPES, narrows_exactly_enough
-from .canonical import canonicalize
+from .canonical import IntegerPowers, canonicalize
 from .coverage import coverage
 from .downstream import use_templates
 from .gather_index import narrow_gather_indices
@@ -215,8 +215,12 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     onnx_model = load_model(model)
     mod, inputs, weights = import_onnx(onnx_model, batch, seq_len)
     outputs = _output_specs(mod["main"], output_names(onnx_model))
-    # one form of every exporter's spelling; the folds TVM would build a kernel for each are done in numpy first
-    mod = canonicalize(relax.transform.FoldConstant()(fold_numpy(narrow_gather_indices(mod))))
+    # one form of every exporter's spelling; the folds TVM would build a kernel for each are done in numpy first.
+    # Integer powers become products and input-indexed gathers clamp before FoldConstant, which legalizes every
+    # call it visits: TVM warned of pow(x, n >= 3) (GPT-2's gelu_new) and of "fast" gathers on every compile, for
+    # forms no kernel of the module computes (tests/test_compile_warnings.py).
+    mod = canonicalize(clip_gathers(fold_numpy(narrow_gather_indices(mod))), [IntegerPowers()])
+    mod = canonicalize(relax.transform.FoldConstant()(mod))
     precision_note = None
     if dtype == "float16":
         mod, precision_note = _to_float16(mod)
