@@ -172,7 +172,11 @@ _NUMPY_FOLDS = {"GatherElements": _gather_elements}
 
 
 def _evaluate(node: onnx.NodeProto, known: dict, opset_import) -> np.ndarray:
-    """Run one node on known inputs with onnx's reference implementation (numpy for :data:`_NUMPY_FOLDS`)."""
+    """Run one node on known inputs with onnx's reference implementation (numpy for :data:`_NUMPY_FOLDS`).
+
+    numpy's floating-point warnings are off: the model's own constant arithmetic may pass through an infinity
+    that a later ``Where`` discards (T5's relative-position buckets take the log of a zero distance, then cast
+    it), as torch computes it, silently."""
     from onnx.reference import ReferenceEvaluator
 
     if node.op_type in _NUMPY_FOLDS:
@@ -181,7 +185,8 @@ def _evaluate(node: onnx.NodeProto, known: dict, opset_import) -> np.ndarray:
     out = onnx.helper.make_tensor_value_info(node.output[0], onnx.TensorProto.UNDEFINED, None)
     graph = onnx.helper.make_graph([node], "fold", [], [out], initializer=[
         onnx.numpy_helper.from_array(known[name], name) for name in set(node.input) if name])
-    return ReferenceEvaluator(onnx.helper.make_model(graph, opset_imports=opset_import)).run(None, {})[0]
+    with np.errstate(all="ignore"):
+        return ReferenceEvaluator(onnx.helper.make_model(graph, opset_imports=opset_import)).run(None, {})[0]
 
 
 def fold_shape_computations(model: onnx.ModelProto, specs: list[TensorSpec]) -> onnx.ModelProto:
