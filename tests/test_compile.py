@@ -157,6 +157,27 @@ def test_missing_model_file():
         stof_tvm.compile("/nonexistent/model.onnx", mask="causal", batch=1, seq_len=16, target="llvm")
 
 
+def test_a_file_that_is_not_onnx_is_refused_by_name(tmp_path):
+    path = tmp_path / "model.onnx"
+    path.write_bytes(b"not a protobuf \xff\xfe")
+    with pytest.raises(ValueError, match="is not an ONNX model"):
+        stof_tvm.compile(path, mask="causal", batch=1, seq_len=16, target="llvm")
+
+
+@pytest.mark.parametrize("batch, seq_len", [(2, 32), (1, 16)])
+def test_a_fixed_shape_export_refuses_another_shape(batch, seq_len):
+    """An export without dynamic axes fixes [B, S]: asking for another batch or length is an error naming the
+    file's shape, not a module silently built for the file's shape."""
+    graph = helper.make_graph([helper.make_node("Cast", ["input_ids"], ["y"], to=TensorProto.FLOAT)], "g",
+                              [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(ValueError, match=r"fixed shape \[1, 32\].*batch=%d, seq_len=%d" % (batch, seq_len)):
+        stof_tvm.compile(model, mask="causal", batch=batch, seq_len=seq_len, target="llvm", dtype="float32")
+    with pytest.raises(ValueError, match="no attention subgraph"):     # the file's own shape passes the check
+        stof_tvm.compile(model, mask="causal", batch=1, seq_len=32, target="llvm", dtype="float32")
+
+
 @pytest.mark.slow
 def test_tuning_records_choose_the_kernel(tiny, tmp_path):
     """tune_trials > 0 tunes into the database; the compile then takes the measured-best attention kernel."""

@@ -42,7 +42,11 @@ def load_model(model) -> onnx.ModelProto:
     if isinstance(model, (str, os.PathLike)):
         if not os.path.isfile(model):
             raise FileNotFoundError(f"model: no ONNX file at {os.fspath(model)!r}")
-        return onnx.load(os.fspath(model))
+        try:
+            return onnx.load(os.fspath(model))
+        except Exception as err:        # protobuf's DecodeError and the like: not an ONNX model
+            raise ValueError(f"model: {os.fspath(model)!r} is not an ONNX model ({type(err).__name__}: "
+                             f"{str(err)[:200]})") from err
     raise TypeError(f"model: expected a path to an .onnx file or an onnx.ModelProto, got {type(model).__name__}")
 
 
@@ -87,13 +91,30 @@ def _resolve_dim(dim, tensor: str, axis: int, batch: int, seq_len: int) -> int:
                      f"batch/seq_len; name it like 'batch' or 'sequence'")
 
 
+def _check_fixed_dims(tensor: str, shape: tuple[int, ...], dims, dtype: str, batch: int, seq_len: int) -> None:
+    """Refuse ``batch`` / ``seq_len`` where the file fixes them otherwise (an export without dynamic axes) in a
+    [B, S] integer or boolean input (token ids, attention masks, token types, positions): the module would
+    otherwise be built for the file's shape, not the one asked for. Other inputs (images, a rotary table passed
+    in) say nothing certain about B and S and are not checked."""
+    if len(dims) != 2 or not (dtype == "bool" or np.dtype(dtype).kind in "iu"):
+        return
+    fixed = [d.HasField("dim_value") for d in dims]
+    if (fixed[0] and shape[0] != batch) or (fixed[1] and shape[1] != seq_len):
+        raise ValueError(f"model: input {tensor!r} has the fixed shape {list(shape)} in the ONNX file (exported "
+                         f"without dynamic axes), so it cannot be compiled for batch={batch}, seq_len={seq_len}; "
+                         f"compile it at that shape, or export with dynamic axes (torch.onnx.export's "
+                         f"dynamic_axes or dynamic_shapes) to compile other shapes")
+
+
 def input_specs(model: onnx.ModelProto, batch: int, seq_len: int) -> list[TensorSpec]:
     """The model's real inputs (initializers excluded) with static shapes for ``batch`` and ``seq_len``."""
     specs = []
     for vi in _graph_inputs(model):
         ttype = vi.type.tensor_type
         shape = tuple(_resolve_dim(d, vi.name, i, batch, seq_len) for i, d in enumerate(ttype.shape.dim))
-        specs.append(TensorSpec(vi.name, shape, _dtype_name(ttype.elem_type)))
+        dtype = _dtype_name(ttype.elem_type)
+        _check_fixed_dims(vi.name, shape, ttype.shape.dim, dtype, batch, seq_len)
+        specs.append(TensorSpec(vi.name, shape, dtype))
     return specs
 
 
