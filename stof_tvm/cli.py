@@ -5,6 +5,8 @@ import argparse
 import importlib
 import sys
 
+from stof_tvm.hardware import DeviceUnavailable
+
 # Each entry names a module of stof_tvm.commands that exposes ``register(subparsers)``; the subparser it adds
 # sets ``func`` (a callable taking the parsed args and returning an exit code).
 COMMANDS = [
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError, FileNotFoundError) as err:
+    except (ValueError, TypeError, FileNotFoundError, DeviceUnavailable) as err:
         print(f"stof-tvm {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -14,8 +14,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["HardwareProfile", "H200", "H100", "A100", "RTX4090", "PROFILES", "detect", "profile_for_target",
-           "get_profile"]
+__all__ = ["DeviceUnavailable", "HardwareProfile", "H200", "H100", "A100", "RTX4090", "PROFILES", "detect",
+           "profile_for_target", "get_profile"]
+
+
+class DeviceUnavailable(RuntimeError):
+    """This machine lacks the device an artifact was built for (no CUDA GPU, or one of another architecture): a
+    fact about the machine the user can act on, which the CLI reports as an error line rather than a traceback."""
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from tvm.runtime.vm import VirtualMachine
 from tvm_ffi import Array
 
 from stof_tvm.deferred_checks import DeferredRangeChecks
+from stof_tvm.hardware import DeviceUnavailable
 from stof_tvm.call_inputs import BoundInputs, InputBinder, check_host_values, is_torch, to_numpy, value_error
 from stof_tvm.mask_formats import MaskFormats
 from stof_tvm.weights_file import WEIGHTS, as_weight, read_weights
@@ -54,12 +55,13 @@ def device_for(manifest: dict):
 
     dev = tvm.cuda(0)
     if not ensure_cuda_runtime() or not dev.exist:
-        raise RuntimeError(f"artifact was built for CUDA ({target.get('arch')}) but this machine has no CUDA device")
+        raise DeviceUnavailable(f"artifact was built for CUDA ({target.get('arch')}) but this machine has no CUDA "
+                                f"device")
     want = str(target.get("arch", "")).removeprefix("sm_").rstrip("a")
     have = str(dev.compute_version).replace(".", "")
     if want and want != have:
-        raise RuntimeError(f"artifact was built for CUDA arch sm_{want} but the GPU here is sm_{have} "
-                           f"({dev.device_name}); recompile with target={{'kind': 'cuda', 'arch': 'sm_{have}'}}")
+        raise DeviceUnavailable(f"artifact was built for CUDA arch sm_{want} but the GPU here is sm_{have} "
+                                f"({dev.device_name}); recompile with target={{'kind': 'cuda', 'arch': 'sm_{have}'}}")
     return dev
 
 

@@ -13,6 +13,7 @@ import stof_tvm
 from stof_tvm import runtime
 from stof_tvm.cli import main as cli_main
 from stof_tvm.commands.run import model_inputs
+from stof_tvm.hardware import DeviceUnavailable
 from stof_tvm.models import BERT_CONFIGS
 from stof_tvm.profiling import profile_artifact
 from stof_tvm.models import builtin_model
@@ -92,14 +93,17 @@ def test_mask_of_wrong_length_or_kind(saved):
         model(feeds, mask=np.ones((B, 1, S, S), bool))
 
 
-def test_artifact_for_another_device(saved, tmp_path):
+def test_artifact_for_another_device(saved, tmp_path, capsys):
     path, _, _ = saved
     copy = shutil.copytree(path, tmp_path / "cuda_copy")
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["target"] = {"kind": "cuda", "arch": "sm_90"}
     (copy / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(RuntimeError, match="built for CUDA"):
+    with pytest.raises(DeviceUnavailable, match="built for CUDA"):
         runtime.load(copy)
+    # the command line says so in one line, without a traceback
+    assert cli_main(["run", str(copy)]) == 2
+    assert "stof-tvm run: error: artifact was built for CUDA" in capsys.readouterr().err
 
 
 def test_not_an_artifact(tmp_path):
