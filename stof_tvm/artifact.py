@@ -34,6 +34,21 @@ MANIFEST = "manifest.json"
 CUBINS = "cubins"
 
 
+def check_output_dir(path: str | os.PathLike) -> str:
+    """``path`` as a string when an artifact can be written there: an existing directory, or a new one whose
+    nearest existing parent is a writable directory; ValueError otherwise. ``stof-tvm compile`` asks before it
+    compiles, so that a long compile is not lost to an output path that could never take it."""
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"output: {path!r} exists and is not a directory")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"output: cannot write into {parent!r} (for {path!r})")
+    return path
+
+
 class Artifact:
     """The result of :func:`stof_tvm.compile`."""
 
@@ -51,7 +66,7 @@ class Artifact:
         ``weights=False`` leaves out weights.npz (for shipping code to a machine that has the weights; pass
         them to :func:`stof_tvm.runtime.load` there). An artifact already in ``path`` is replaced only once
         every file is written; its files the new one does not have are then removed."""
-        path = os.fspath(path)
+        path = check_output_dir(path)
         os.makedirs(path, exist_ok=True)
         stored = WEIGHTS if weights and self.weights else None
         manifest = {**self.manifest, "weights_file": stored}

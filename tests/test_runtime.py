@@ -106,6 +106,22 @@ def test_artifact_for_another_device(saved, tmp_path, capsys):
     assert "stof-tvm run: error: artifact was built for CUDA" in capsys.readouterr().err
 
 
+def test_an_output_path_that_cannot_hold_an_artifact_is_refused_before_compiling(tmp_path, capsys):
+    from stof_tvm.artifact import check_output_dir
+
+    a_file = tmp_path / "taken"
+    a_file.write_text("")
+    assert check_output_dir(tmp_path / "new" / "dir") == str(tmp_path / "new" / "dir")
+    for bad in (a_file, a_file / "below"):
+        with pytest.raises(ValueError, match="output: "):
+            check_output_dir(bad)
+    # the CLI asks first: an error line, no compile, no traceback
+    assert cli_main(["compile", "--builtin", "tiny-bert", "--mask", "bigbird", "--batch", "1", "--seq-len", "64",
+                     "--target", "llvm", "-o", str(a_file)]) == 2
+    captured = capsys.readouterr()
+    assert "exists and is not a directory" in captured.err and "importing" not in captured.err
+
+
 def test_not_an_artifact(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a stof-tvm artifact"):
         runtime.load(tmp_path)

@@ -65,8 +65,10 @@ def load_mask_arg(text: str):
 
 
 def run(args) -> int:
+    from stof_tvm.artifact import check_output_dir
     from stof_tvm.workflow import compile as compile_model
 
+    check_output_dir(args.output)
     if args.builtin:
         from stof_tvm.models import builtin_model
 
