@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import stof_tvm
+from stof_tvm import make_mask
 from stof_tvm import runtime
 from stof_tvm.cli import main as cli_main
 from stof_tvm.commands.run import model_inputs
@@ -104,6 +105,32 @@ def test_artifact_for_another_device(saved, tmp_path, capsys):
     # the command line says so in one line, without a traceback
     assert cli_main(["run", str(copy)]) == 2
     assert "stof-tvm run: error: artifact was built for CUDA" in capsys.readouterr().err
+
+
+def test_a_mask_array_file_works_in_every_subcommand(tmp_path, capsys):
+    """compile --mask x.npy keeps the array; run --check checks against it without being told again; run, bench
+    and masks take a .npy mask as compile does (they took specs only, and run --check could not check an
+    artifact compiled from an array)."""
+    S = 64
+    keep = make_mask("bigbird", S)
+    keep[:, :3] = False                                  # not any spec's mask: the array itself must be used
+    keep[np.arange(S), np.arange(S)] = True
+    array = tmp_path / "keep.npy"
+    np.save(array, keep)
+    out = str(tmp_path / "arr")
+    assert cli_main(["compile", "--builtin", "tiny-bert", "--mask", str(array), "--batch", "1", "--seq-len", str(S),
+                     "--target", "llvm", "-o", out]) == 0
+    capsys.readouterr()
+    assert cli_main(["run", out, "--check"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert cli_main(["run", out, "--check", "--mask", str(array)]) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert cli_main(["bench", out, "--mask", str(array), "--repeat", "1", "--number", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["median_ms"] > 0
+    assert cli_main(["masks", str(array), "--seq-len", str(S), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["kept_pairs"] == int(keep.sum())
+    assert cli_main(["run", out, "--mask", str(tmp_path / "missing.npy")]) == 2
+    assert "no such file" in capsys.readouterr().err
 
 
 def test_an_output_path_that_cannot_hold_an_artifact_is_refused_before_compiling(tmp_path, capsys):

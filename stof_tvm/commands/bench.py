@@ -5,6 +5,9 @@ import json
 
 import numpy as np
 
+from .mask_arg import HELP as MASK_HELP
+from .mask_arg import load_mask_arg
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -13,7 +16,7 @@ def register(subparsers) -> None:
                     "module alone with TVM's time_evaluator (warm-up first; median over --repeat runs).")
     parser.add_argument("artifact", metavar="OUT", help="artifact directory written by 'stof-tvm compile'")
     parser.add_argument("--inputs", metavar="X.npz", help="model inputs by name (default: random)")
-    parser.add_argument("--mask", metavar="SPEC", help="mask to use instead of the compiled default")
+    parser.add_argument("--mask", metavar="SPEC", help=f"{MASK_HELP}, instead of the compiled default")
     parser.add_argument("--repeat", type=int, default=20, help="timed repetitions (default 20)")
     parser.add_argument("--number", type=int, default=5, help="calls per repetition (default 5)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -32,7 +35,7 @@ def run(args) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name}: expected a positive integer, got {getattr(args, name)}")
     model = runtime.load(args.artifact)
-    prepared = model.prepare(model_inputs(model, args.inputs), args.mask)
+    prepared = model.prepare(model_inputs(model, args.inputs), load_mask_arg(args.mask))
     model.run(prepared)                                     # warm-up (and CUDA JIT at first call)
     timer = model.vm.time_evaluator("main", model.device, number=args.number, repeat=args.repeat,
                                     min_repeat_ms=0)

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-import numpy as np
-
 from stof_tvm.models import BUILTIN
+
+from .mask_arg import HELP as MASK_HELP
+from .mask_arg import load_mask_arg
 
 
 def register(subparsers) -> None:
@@ -20,8 +20,7 @@ def register(subparsers) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("model", nargs="?", metavar="MODEL.onnx", help="path to the ONNX model")
     source.add_argument("--builtin", choices=sorted(BUILTIN), help="compile a built-in model instead")
-    parser.add_argument("--mask", required=True, metavar="SPEC",
-                        help="mask spec (e.g. bigbird, sliding:window=64) or a .npy boolean array")
+    parser.add_argument("--mask", required=True, metavar="SPEC", help=MASK_HELP)
     parser.add_argument("--batch", type=int, required=True, help="batch size B")
     parser.add_argument("--seq-len", type=int, required=True, help="sequence length S")
     parser.add_argument("--target", default="cuda", choices=["cuda", "llvm"], help="target (default cuda)")
@@ -53,15 +52,6 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="weight seed of a built-in model (default 0)")
     parser.add_argument("-o", "--output", required=True, metavar="OUT", help="artifact directory to write")
     parser.set_defaults(func=run)
-
-
-def load_mask_arg(text: str):
-    """A --mask argument: a spec string, or a path to a .npy boolean array."""
-    if text.endswith(".npy"):
-        if not os.path.isfile(text):
-            raise FileNotFoundError(f"--mask: no such file {text!r}")
-        return np.load(text, allow_pickle=False)
-    return text
 
 
 def run(args) -> int:

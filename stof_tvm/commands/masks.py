@@ -6,6 +6,8 @@ import json
 from stof_tvm.sparse_formats import MASK_NAMES, mask_stats, normalize_mask, stof_rule
 from stof_tvm.sparse_formats.stats import DEFAULT_TILE_SHAPES
 
+from .mask_arg import load_mask_arg
+
 STOF_MASKS = ("causal", "sliding", "longformer", "bigbird")
 
 
@@ -16,7 +18,8 @@ def register(subparsers) -> None:
                     "tiles at several tile shapes, and the kernel STOF's selection rule picks. With no SPEC, "
                     f"reports STOF's evaluation masks ({', '.join(STOF_MASKS)}).")
     parser.add_argument("specs", nargs="*", metavar="SPEC",
-                        help=f"mask spec 'name' or 'name:key=value,...'; names: {', '.join(MASK_NAMES)}")
+                        help=f"mask spec 'name' or 'name:key=value,...' (names: {', '.join(MASK_NAMES)}), or a "
+                             f".npy boolean array")
     parser.add_argument("--seq-len", type=int, default=4096, help="sequence length S (default 4096)")
     parser.add_argument("--tile", action="append", metavar="BMxBN",
                         help="tile shape to report, e.g. 64x64 (repeatable; default "
@@ -38,7 +41,7 @@ def run(args) -> int:
         shapes.append((16, 16))                       # the selection rule reads the 16x16 block share
     reports = []
     for spec in args.specs or STOF_MASKS:
-        stats = mask_stats(normalize_mask(spec, seq_q=args.seq_len), shapes)
+        stats = mask_stats(normalize_mask(load_mask_arg(spec), seq_q=args.seq_len), shapes)
         reports.append({
             "mask": spec, "seq_len": args.seq_len, "density": stats.density, "kept_pairs": stats.kept,
             "keys_per_row": {"min": stats.keys_min, "mean": stats.keys_mean, "max": stats.keys_max},

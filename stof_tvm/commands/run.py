@@ -7,6 +7,9 @@ import time
 
 import numpy as np
 
+from .mask_arg import HELP as MASK_HELP
+from .mask_arg import load_mask_arg
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -16,7 +19,7 @@ def register(subparsers) -> None:
                     "and the time per call.")
     parser.add_argument("artifact", metavar="OUT", help="artifact directory written by 'stof-tvm compile'")
     parser.add_argument("--inputs", metavar="X.npz", help="model inputs by name (default: random)")
-    parser.add_argument("--mask", metavar="SPEC", help="mask to use instead of the compiled default")
+    parser.add_argument("--mask", metavar="SPEC", help=f"{MASK_HELP}, instead of the compiled default")
     parser.add_argument("--repeat", type=int, default=3, help="calls to time (default 3)")
     parser.add_argument("--check", action="store_true",
                         help="compare the outputs with onnx.reference on the original model under the same mask")
@@ -49,26 +52,29 @@ def source_model(manifest: dict):
     raise ValueError("--check: the artifact does not record where its ONNX model is (compiled from a ModelProto?)")
 
 
-def _keep(manifest: dict, mask):
-    """The keep-mask ``--check`` applies to the reference: ``mask``, else the artifact's default spec."""
+def _keep(manifest: dict, mask, artifact: str):
+    """The keep-mask ``--check`` applies to the reference: ``mask``, else the artifact's default (its spec, or the
+    array it keeps as a file)."""
     from stof_tvm.sparse_formats.masks import normalize_mask
 
     info, att = manifest["mask"], manifest["attention"]
     if mask is None:
-        mask = info["spec"] if info.get("spec") else None
+        mask = info.get("spec")
+        if mask is None and info.get("array") and os.path.isfile(os.path.join(artifact, info["array"])):
+            mask = np.load(os.path.join(artifact, info["array"]), allow_pickle=False)
         if mask is None:
-            raise ValueError("--check: pass --mask; the compiled default mask was an array")
+            raise ValueError("--check: pass --mask; the artifact keeps no default mask")
     return normalize_mask(mask, batch=att["batch"], heads=att["heads"], seq_q=att["seq_q"], seq_k=att["seq_k"])
 
 
-def check_against_reference(manifest: dict, inputs: dict, outputs: dict, mask) -> bool:
+def check_against_reference(manifest: dict, inputs: dict, outputs: dict, mask, artifact: str) -> bool:
     """Print the error of each output against onnx.reference; True when all are within tolerance."""
     from stof_tvm.models.reference import evaluate, reference_outputs
 
     if manifest["attention"]["kernel"]["kind"] == "none":     # compiled without stof-tvm's attention: as it is
         reference = evaluate(source_model(manifest), inputs)
     else:
-        reference = reference_outputs(source_model(manifest), _keep(manifest, mask), inputs)
+        reference = reference_outputs(source_model(manifest), _keep(manifest, mask, artifact), inputs)
     tolerance = 2e-2 if manifest["dtype"] == "float16" else 1e-4
     ok = True
     for name, value in outputs.items():
@@ -88,11 +94,12 @@ def run(args) -> int:
         raise ValueError(f"--repeat: expected a positive integer, got {args.repeat}")
     model = runtime.load(args.artifact)
     inputs = model_inputs(model, args.inputs)
-    outputs = model(inputs, mask=args.mask)
+    mask = load_mask_arg(args.mask)
+    outputs = model(inputs, mask=mask)
     times = []
     for _ in range(args.repeat):
         start = time.perf_counter()
-        outputs = model(inputs, mask=args.mask)
+        outputs = model(inputs, mask=mask)
         times.append(time.perf_counter() - start)
     kernel = model.manifest["attention"]["kernel"]["kind"]
     for name, value in outputs.items():
@@ -102,5 +109,5 @@ def run(args) -> int:
     if args.save:
         np.savez(args.save, **outputs)
     if args.check:
-        return 0 if check_against_reference(model.manifest, inputs, outputs, args.mask) else 1
+        return 0 if check_against_reference(model.manifest, inputs, outputs, mask, args.artifact) else 1
     return 0

@@ -80,7 +80,7 @@ def _parse_shape(text: str | None) -> dict | None:
 
 
 def run(args) -> int:
-    from stof_tvm.commands.compile import load_mask_arg
+    from stof_tvm.commands.mask_arg import load_mask_arg
     from stof_tvm.tuning import plan as make_plan
     from stof_tvm.tuning import tune_tasks, tuning_target
 
@@ -128,7 +128,7 @@ def run(args) -> int:
 
 def _whole_model_check(args, stage1, dtype: str) -> dict | None:
     """Stage 3 (:mod:`stof_tvm.tuning_check`) for a tuned model, where asked and the device is this machine's."""
-    from stof_tvm.commands.compile import load_mask_arg
+    from stof_tvm.commands.mask_arg import load_mask_arg
     from stof_tvm.tuning_check import stage3
 
     if not args.whole_model_check or args.rpc_tracker or not stage1.tasks:
