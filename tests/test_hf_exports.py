@@ -240,3 +240,24 @@ def test_every_family_builds_for_cuda(hf_corpus, case):
         assert attention["accelerated"] == 0 < attention["total"], attention
     else:
         assert attention["accelerated"] == attention["total"] > 0, attention
+
+
+@pytest.mark.parametrize("names", [("input_ids_dynamic_axes_1", "input_ids_dynamic_axes_2"), ("s72", "s53")],
+                         ids=["torchscript-list-axes", "dynamo-dim-auto"])
+def test_dynamic_axes_named_by_the_exporter_resolve_by_position(hf_export, tmp_path, names):
+    """Dynamic axes the user did not name: TorchScript names a list of axes ``<input>_dynamic_axes_<n>``, dynamo
+    names ``Dim.AUTO`` dims ``s<n>``. Dim 0 is the batch and dim 1 the sequence, as for unnamed dims; before,
+    these exports were refused ("cannot resolve dim 0")."""
+    import onnx
+
+    model = onnx.load(hf_export("bert", "eager", "torchscript", 20, True))
+    renamed = dict(zip(("batch", "sequence"), names))
+    for value in list(model.graph.input) + list(model.graph.output):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in renamed:
+                dim.dim_param = renamed[dim.dim_param]
+    assert {d.dim_param for d in model.graph.input[0].type.tensor_type.shape.dim} == set(names)
+    compiled = stof_tvm.compile(model, mask="dense", batch=DYN_BATCH, seq_len=DYN_SEQ, target="llvm",
+                                dtype="float32").load()
+    inputs, expected = _torch_reference("bert", "eager", DYN_BATCH, DYN_SEQ)
+    assert _rel(compiled(inputs)["last_hidden_state"], expected) < FP32_TOL

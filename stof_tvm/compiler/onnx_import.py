@@ -83,9 +83,11 @@ def _resolve_dim(dim, tensor: str, axis: int, batch: int, seq_len: int) -> int:
         return batch
     if name in _SEQ_NAMES:
         return seq_len
-    if not name and axis == 0:
+    # unnamed, or named by the exporter rather than the user (TorchScript's "input_ids_dynamic_axes_1" for a list
+    # of dynamic axes, dynamo's "s72" for Dim.AUTO): by position, as every transformer lays out its inputs
+    if axis == 0:
         return batch
-    if not name and axis == 1:
+    if axis == 1:
         return seq_len
     raise ValueError(f"model: cannot resolve dim {axis} ({dim.dim_param!r}) of input {tensor!r} from "
                      f"batch/seq_len; name it like 'batch' or 'sequence'")
