@@ -893,8 +893,9 @@ def plan_s10sparse() -> list[dict]:
 # in the order of what is at stake (D32 below FlexAttention on mma.sync, D256 level with it, D80/96 behind SDPA).
 S10D_SHAPES = {32: (16, 12, 4096), 256: (4, 16, 4096), 80: (16, 12, 4096), 96: (16, 12, 4096)}
 # wgmma configurations timed (block_n, stages, pingpong, persistent, consumers, loads[, pad_panels]): session 10's
-# default first (the checks take today's default), its one-block-per-item twin, and at 32 / 80 / 96 the padded-panel form (the 128-byte swizzle of head dims
-# 64 and 128, checked on the H200 since session 6: the fallback should the 64- and 32-byte swizzles fail their checks)
+# default first (the checks take today's default), its one-block-per-item twin, and at 32 / 80 / 96 the padded-panel
+# form (the 128-byte swizzle of head dims 64 and 128, checked on the H200 since session 6: the fallback should the 64-
+# and 32-byte swizzles fail their checks)
 S10D_PADDED = {32: (128, 4, True, True, 3, "tma", True), 80: (128, 2, True, True, 2, "tma", True),
                96: (128, 2, True, True, 2, "tma", True)}
 S10D_TIMED = {32: ((128, 4, True, True, 3, "tma"), (128, 4, True, False, 3, "tma"), S10D_PADDED[32]),

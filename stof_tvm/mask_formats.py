@@ -77,6 +77,11 @@ class MaskFormats:
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._default_tensors = None
 
+    @property
+    def default_mask(self):
+        """The mask the artifact was compiled with: its spec string, or the array the artifact keeps."""
+        return self._default
+
     def clear(self) -> None:
         """Forget every cached format (the next call of each mask builds it again)."""
         self._cache.clear()

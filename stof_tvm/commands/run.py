@@ -52,29 +52,24 @@ def source_model(manifest: dict):
     raise ValueError("--check: the artifact does not record where its ONNX model is (compiled from a ModelProto?)")
 
 
-def _keep(manifest: dict, mask, artifact: str):
-    """The keep-mask ``--check`` applies to the reference: ``mask``, else the artifact's default (its spec, or the
-    array it keeps as a file)."""
+def _keep(manifest: dict, mask):
+    """The keep-mask ``--check`` applies to the reference (``mask``: the one the call ran under)."""
     from stof_tvm.sparse_formats.masks import normalize_mask
 
-    info, att = manifest["mask"], manifest["attention"]
     if mask is None:
-        mask = info.get("spec")
-        if mask is None and info.get("array") and os.path.isfile(os.path.join(artifact, info["array"])):
-            mask = np.load(os.path.join(artifact, info["array"]), allow_pickle=False)
-        if mask is None:
-            raise ValueError("--check: pass --mask; the artifact keeps no default mask")
+        raise ValueError("--check: pass --mask; the artifact keeps no default mask")
+    att = manifest["attention"]
     return normalize_mask(mask, batch=att["batch"], heads=att["heads"], seq_q=att["seq_q"], seq_k=att["seq_k"])
 
 
-def check_against_reference(manifest: dict, inputs: dict, outputs: dict, mask, artifact: str) -> bool:
+def check_against_reference(manifest: dict, inputs: dict, outputs: dict, mask) -> bool:
     """Print the error of each output against onnx.reference; True when all are within tolerance."""
     from stof_tvm.models.reference import evaluate, reference_outputs
 
     if manifest["attention"]["kernel"]["kind"] == "none":     # compiled without stof-tvm's attention: as it is
         reference = evaluate(source_model(manifest), inputs)
     else:
-        reference = reference_outputs(source_model(manifest), _keep(manifest, mask, artifact), inputs)
+        reference = reference_outputs(source_model(manifest), _keep(manifest, mask), inputs)
     tolerance = 2e-2 if manifest["dtype"] == "float16" else 1e-4
     ok = True
     for name, value in outputs.items():
@@ -109,5 +104,7 @@ def run(args) -> int:
     if args.save:
         np.savez(args.save, **outputs)
     if args.check:
-        return 0 if check_against_reference(model.manifest, inputs, outputs, mask, args.artifact) else 1
+        if mask is None:            # the compiled default: a spec, or the array the artifact keeps
+            mask = model.formats.default_mask if model.formats is not None else model.manifest["mask"].get("spec")
+        return 0 if check_against_reference(model.manifest, inputs, outputs, mask) else 1
     return 0

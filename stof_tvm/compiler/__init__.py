@@ -259,7 +259,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
                           templates=None if templates else f"TVM's default pipeline ({reason})",
                           template_entry=template_entry)
         checks = value_checks(inputs, onnx_model, None)
-        mod, checks_output = add_value_checks(clip_gathers(mod), checks, tspec["kind"])
+        mod, checks_output = add_value_checks(mod, checks, tspec["kind"])
         if dtype == "float16" and precision_note is None:
             mod, weights = store_weights_float16(mod, weights, onnx_model)
         return FrontEnd(onnx_model, mod, inputs, weights, outputs, [], None, None, None, None, [], template_entry,
@@ -314,7 +314,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
                       attention_reason=f"dense kernel: {choice.reason}",
                       templates=None if templates else _templates_off(tspec, dtype), template_entry=template_entry)
     checks = value_checks(inputs, onnx_model, plan.padding if choice.padding else None)
-    mod, checks_output = add_value_checks(clip_gathers(mod), checks, tspec["kind"])
+    mod, checks_output = add_value_checks(mod, checks, tspec["kind"])
     if dtype == "float16" and precision_note is None:
         mod, weights = store_weights_float16(mod, weights, onnx_model)
     return FrontEnd(onnx_model, mod, inputs, weights, outputs, sites, plan, user_mask, combined, choice,
