@@ -84,6 +84,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import tvm
 from tvm.script import tirx as T
 
@@ -158,7 +159,11 @@ class WgmmaAttentionConfig:
     ``i``, to interleave the packs of ``P(i)`` that overwrite registers the product still reads, so a consumer's
     softmax runs after its own product instead of under it; with the knob each turn waits once more for its K tile
     after its softmax: K(i) has landed and the wait passes at once, but ptxas does not schedule across its retry
-    branch, so every exponential stays before the product's wait). The tiled format must be built at
+    branch, so every exponential stays before the product's wait). ``poly_exp`` (session 34, opt-in, 0 = off): the
+    exponentials of that many of a row's ``block_n / 8`` n8 column tiles (a divisor of it; the last of each
+    equal group) run as a cubic on the FMA pipe (:func:`poly_exp2`) instead of on MUFU; the row's sum is then
+    ``short_chains``' partial sums, which ncu found as busy as the tensor cores at head dim 64 (the idea of
+    FlashAttention-4's emulated exponential). The tiled format must be built at
     ``block_m x block_n`` (``block_m = 64 * consumers``)."""
 
     block_n: int = 128
@@ -170,6 +175,7 @@ class WgmmaAttentionConfig:
     pad_panels: bool = False
     short_chains: bool = False
     softmax_under_pv: bool = False
+    poly_exp: int = 0
 
     @property
     def block_m(self) -> int:
@@ -192,6 +198,10 @@ class WgmmaAttentionConfig:
         for name in ("pingpong", "persistent", "pad_panels", "short_chains", "softmax_under_pv"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.poly_exp, bool) or not isinstance(self.poly_exp, int) or self.poly_exp < 0 or \
+                (self.poly_exp and (self.block_n // 8) % self.poly_exp):
+            raise ValueError(f"poly_exp must be 0 or a divisor of block_n / 8 = {self.block_n // 8}, "
+                             f"got {self.poly_exp!r}")
         if not isinstance(self.loads, str) or self.loads not in LOAD_CHOICES:
             raise ValueError(f"loads must be one of {LOAD_CHOICES}, got {self.loads!r}")
         if self.pad_panels and (self.loads != "tma" or head_dim % PANEL_COLS_CHOICES[0] == 0):
@@ -435,6 +445,29 @@ def block_work_item(bx, j, tile_rows: int, heads: int, grid: int, persistent: bo
             T.Select(j % 2 == 0, tile_rows - 1 - k, second))
 
 
+# poly_exp: 2^x on the FMA pipe. x (<= 0 in the softmax) is clamped to POLY_EXP_FLOOR, so that -inf (masked keys) and
+# scores far below the row's maximum give at most 2^-126 (0 once P is rounded to 16 bits) and the cubic's exponent
+# (126 or 127) less 126 never wraps below 0; adding ROUNDING_SHIFT (1.5 * 2^23) rounds x to the nearest integer n in the sum's low mantissa bits, so
+# f = x - n lies in [-0.5, 0.5]; 2^f is POLY_EXP2_COEFFS' cubic (a minimax fit of relative error, at most 7.5e-5
+# in float32, under float16's half ulp of 2.4e-4 .. 4.9e-4 that P is rounded to), and n << 23 added to its bits
+# scales it by 2^n (the sum's bits are 0x4B400000 + n, whose shift by 23 leaves n << 23 modulo 2^32).
+POLY_EXP_FLOOR = -126.0
+ROUNDING_SHIFT = 12582912.0
+POLY_EXP2_COEFFS = (0.99992811, 0.69326099, 0.24261054, 0.05517132)
+
+
+def poly_exp2(x, shifted):
+    """2^x from ``x`` (clamped to POLY_EXP_FLOOR) and ``shifted`` = x + ROUNDING_SHIFT rounded to float32 (an add
+    the compilers keep; see POLY_EXP_FLOOR). Works on TIR expressions and on numpy float32 arrays alike."""
+    frac = x - (shifted - ROUNDING_SHIFT)
+    c0, c1, c2, c3 = POLY_EXP2_COEFFS
+    cubic = ((c3 * frac + c2) * frac + c1) * frac + c0
+    if isinstance(x, np.ndarray):
+        return (cubic.view(np.uint32) + (shifted.view(np.uint32) << np.uint32(23))).view(np.float32)
+    bits = T.reinterpret("uint32", cubic) + T.shift_left(T.reinterpret("uint32", shifted), T.uint32(23))
+    return T.reinterpret("float32", bits)
+
+
 def balanced(combine, values: list):
     """``values`` combined pairwise as a balanced tree (depth log2 of their count instead of a chain through all)."""
     while len(values) > 1:
@@ -505,6 +538,9 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     BULK = T.ptx["cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"]
     EXPECT_TX = T.ptx["mbarrier.arrive.expect_tx.shared::cta.b64"]
     EX2 = T.ptx["ex2.approx.ftz.f32"]
+    ADD_RN = T.ptx["add.rn.f32"]       # an add the compilers may neither fold nor contract (poly_exp2's rounding)
+    POLY = cfg.poly_exp > 0
+    POLY_STRIDE = NJ // max(cfg.poly_exp, 1)   # with poly_exp, the last n8 tile of every POLY_STRIDE is emulated
     OUT_SHAPE = (B, SQ, H, D) if bshd else (B, H, SQ, D)
     KW = bit_words(SK)
 
@@ -709,12 +745,29 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
             EX2(corr[hh], m_run[hh] * T.float32(SL) - red[2])
             m_run[hh] = red[1]
             red[3] = T.float32(0)
-            for j in T.unroll(NJ):
-                for e in T.unroll(2):
-                    EX2(s_acc[j * 4 + hh * 2 + e], s_acc[j * 4 + hh * 2 + e] * T.float32(SL) - red[2])
-                    if not SHORT:
-                        red[3] = red[3] + s_acc[j * 4 + hh * 2 + e]
-            if SHORT:
+            if POLY:
+                # of every POLY_STRIDE n8 tiles, the first POLY_STRIDE - 1 on MUFU, the last on the FMA pipe
+                for q in T.unroll(NJ // POLY_STRIDE):
+                    for r in T.unroll(POLY_STRIDE - 1):
+                        for e in T.unroll(2):
+                            EX2(s_acc[(q * POLY_STRIDE + r) * 4 + hh * 2 + e],
+                                s_acc[(q * POLY_STRIDE + r) * 4 + hh * 2 + e] * T.float32(SL) - red[2])
+                    for e in T.unroll(2):
+                        s_acc[(q * POLY_STRIDE + POLY_STRIDE - 1) * 4 + hh * 2 + e] = T.max(
+                            s_acc[(q * POLY_STRIDE + POLY_STRIDE - 1) * 4 + hh * 2 + e] * T.float32(SL) - red[2],
+                            T.float32(POLY_EXP_FLOOR))
+                        ADD_RN(red[4], s_acc[(q * POLY_STRIDE + POLY_STRIDE - 1) * 4 + hh * 2 + e],
+                               T.float32(ROUNDING_SHIFT))
+                        s_acc[(q * POLY_STRIDE + POLY_STRIDE - 1) * 4 + hh * 2 + e] = poly_exp2(
+                            s_acc[(q * POLY_STRIDE + POLY_STRIDE - 1) * 4 + hh * 2 + e], red[4])
+                red[3] = fragment_row_sum(s_acc, hh, NJ)
+            else:
+                for j in T.unroll(NJ):
+                    for e in T.unroll(2):
+                        EX2(s_acc[j * 4 + hh * 2 + e], s_acc[j * 4 + hh * 2 + e] * T.float32(SL) - red[2])
+                        if not SHORT:
+                            red[3] = red[3] + s_acc[j * 4 + hh * 2 + e]
+            if SHORT and not POLY:
                 red[3] = fragment_row_sum(s_acc, hh, NJ)
             l_run[hh] = l_run[hh] * corr[hh] + red[3]
 
@@ -829,7 +882,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                 m_run = T.alloc_buffer((2,), "float32", scope="local")
                 l_run = T.alloc_buffer((2,), "float32", scope="local")
                 corr = T.alloc_buffer((2,), "float32", scope="local")
-                red = T.alloc_buffer((4,), "float32", scope="local")
+                red = T.alloc_buffer((5 if POLY else 4,), "float32", scope="local")
                 word = T.alloc_buffer((1,), "uint32", scope="local")
                 flag = T.alloc_buffer((1,), "uint32", scope="local")
                 # block tiles and items with tiles so far (ring and Q phases); has consumer 0 issued yet

@@ -1381,6 +1381,44 @@ def plan_s32knobs() -> list[dict]:
     return cases
 
 
+# s34poly: the wgmma kernel's emulated exponentials (poly_exp: n8 column tiles of a row's 16 on the FMA pipe) against
+# its default, as (pad_panels, short, under, poly_exp) after the default's field tuple
+S34_POLY = {"default": 0, "poly1": 1, "poly2": 2, "poly4": 4}
+
+
+def plan_s34poly() -> list[dict]:
+    """Session 34's ``poly_exp`` knob of the wgmma kernel against its default, in one build: checks first (S=1000,
+    Q x8: causal, per-head random masks with empty rows, a bf16 document mask, Q/K/V as views, right/left key
+    padding) for each emulated form at D64 and D128, then causal and dense D64 (B16 H12 S4096), causal D128 (B4 H16
+    S8192) and the document mask (D64 B8), each form timed on its own and then all forms of a shape interleaved
+    (``interleave``)."""
+    from stof_tvm.schedules.attention_wgmma import default_config
+
+    def config(head_dim, poly, padding=False):
+        base = default_config(head_dim, padding)
+        return _wgmma_tuple(base) + (base.pad_panels, False, False, poly)
+
+    cases = []
+    for head_dim in (64, 128):
+        for name, poly in S34_POLY.items():
+            if name == "default":
+                continue
+            for recipe, dtype in (("causal", "float16"), ("random_empty:0.05", "float16"), ("document", "bfloat16")):
+                cases.append(dict(_case("check", "wgmma", recipe, 2, 3, 1000, head_dim, dtype,
+                                        config(head_dim, poly)), q_scale=8.0))
+            cases.append(dict(_case("check", "wgmma", "causal", 2, 3, 1000, head_dim, "float16",
+                                    config(head_dim, poly)), q_scale=8.0, qkv_offset=8))
+            cases.append(dict(_case("check", "wgmma", "sliding", 4, 2, 1000, head_dim, "float16",
+                                    config(head_dim, poly, padding=True), padding=True), q_scale=8.0))
+    shapes = (("causal", 16, 12, 4096, 64), ("dense", 16, 12, 4096, 64), ("document", 8, 12, 4096, 64),
+              ("causal", 4, 16, 8192, 128))
+    for recipe, batch, heads, seq, head_dim in shapes:
+        for name, poly in S34_POLY.items():
+            cases.append(dict(_case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16",
+                                    config(head_dim, poly)), label=name, interleave=f"{recipe} D{head_dim}"))
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
@@ -1389,7 +1427,7 @@ PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan
          "s17model": plan_s17model, "s19knobs": plan_s19knobs,
          "s19gate": plan_s19gate, "s25short": plan_s25short, "s29short": plan_s29short,
          "s30regs": plan_s30regs, "s32prof": plan_s32prof, "s32wait": plan_s32wait,
-         "s32knobs": plan_s32knobs}
+         "s32knobs": plan_s32knobs, "s34poly": plan_s34poly}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 

@@ -45,7 +45,7 @@ def _short(config: dict) -> dict:
         config = {k: v for k, v in config.items() if k != "min_blocks"}
     if config.get("row_sums", "mma") == "mma":
         config = {k: v for k, v in config.items() if k != "row_sums"}
-    for flag in ("reverse_full", "lean_padding", "short_chains", "softmax_under_pv"):
+    for flag in ("reverse_full", "lean_padding", "short_chains", "softmax_under_pv", "poly_exp"):
         if not config.get(flag, False):
             config = {k: v for k, v in config.items() if k != flag}
     return {"".join(part[0] for part in key.split("_")): value for key, value in config.items()}
