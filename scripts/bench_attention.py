@@ -1419,6 +1419,38 @@ def plan_s34poly() -> list[dict]:
     return cases
 
 
+# s34combo: poly_exp with session 32's trial knobs, as (short, under, poly_exp)
+S34_COMBO = {"default": (False, False, 0), "poly2": (False, False, 2), "poly2_short": (True, False, 2),
+             "poly4_short": (True, False, 4), "poly2_under": (False, True, 2), "poly2_both": (True, True, 2)}
+
+
+def plan_s34combo() -> list[dict]:
+    """``poly_exp`` with ``short_chains`` and ``softmax_under_pv``: checks of each combined form at D64 (causal,
+    random per-head masks with empty rows, key padding), then causal D64 (B16 H12 S4096), causal D128 (B4 H16
+    S8192) and the document mask (D64 B8), all forms of a shape interleaved."""
+    from stof_tvm.schedules.attention_wgmma import default_config
+
+    def config(head_dim, knobs, padding=False):
+        base = default_config(head_dim, padding)
+        return _wgmma_tuple(base) + (base.pad_panels, *knobs)
+
+    cases = []
+    for name, knobs in S34_COMBO.items():
+        if name in ("default", "poly2"):
+            continue
+        for recipe in ("causal", "random_empty:0.05"):
+            cases.append(dict(_case("check", "wgmma", recipe, 2, 3, 1000, 64, "float16", config(64, knobs)),
+                              q_scale=8.0))
+        cases.append(dict(_case("check", "wgmma", "sliding", 4, 2, 1000, 64, "float16",
+                                config(64, knobs, padding=True), padding=True), q_scale=8.0))
+    for recipe, batch, heads, seq, head_dim in (("causal", 16, 12, 4096, 64), ("causal", 4, 16, 8192, 128),
+                                                ("document", 8, 12, 4096, 64)):
+        for name, knobs in S34_COMBO.items():
+            cases.append(dict(_case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16",
+                                    config(head_dim, knobs)), label=name, interleave=f"{recipe} D{head_dim}"))
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
@@ -1427,7 +1459,8 @@ PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan
          "s17model": plan_s17model, "s19knobs": plan_s19knobs,
          "s19gate": plan_s19gate, "s25short": plan_s25short, "s29short": plan_s29short,
          "s30regs": plan_s30regs, "s32prof": plan_s32prof, "s32wait": plan_s32wait,
-         "s32knobs": plan_s32knobs, "s34poly": plan_s34poly}
+         "s32knobs": plan_s32knobs, "s34poly": plan_s34poly,
+         "s34combo": plan_s34combo}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
