@@ -456,16 +456,21 @@ ROUNDING_SHIFT = 12582912.0
 POLY_EXP2_COEFFS = (0.99992811, 0.69326099, 0.24261054, 0.05517132)
 
 
-def poly_exp2(x, shifted):
-    """2^x from ``x`` (clamped to POLY_EXP_FLOOR) and ``shifted`` = x + ROUNDING_SHIFT rounded to float32 (an add
-    the compilers keep; see POLY_EXP_FLOOR). Works on TIR expressions and on numpy float32 arrays alike."""
+def poly_exp2_fraction(x, shifted):
+    """2^f for the fraction f of ``x`` (clamped to POLY_EXP_FLOOR), given ``shifted`` = x + ROUNDING_SHIFT rounded
+    to float32 (an add the compilers keep; see POLY_EXP_FLOOR). Works on TIR expressions and numpy float32 alike."""
     frac = x - (shifted - ROUNDING_SHIFT)
     c0, c1, c2, c3 = POLY_EXP2_COEFFS
-    cubic = ((c3 * frac + c2) * frac + c1) * frac + c0
-    if isinstance(x, np.ndarray):
-        return (cubic.view(np.uint32) + (shifted.view(np.uint32) << np.uint32(23))).view(np.float32)
-    bits = T.reinterpret("uint32", cubic) + T.shift_left(T.reinterpret("uint32", shifted), T.uint32(23))
-    return T.reinterpret("float32", bits)
+    return ((c3 * frac + c2) * frac + c1) * frac + c0
+
+
+def poly_exp2(x: np.ndarray) -> np.ndarray:
+    """The kernel's emulated 2^x in numpy, step for step in float32 (its CPU reference): clamp, rounding add, the
+    fraction's cubic, the integer part added to the exponent bits."""
+    clamped = np.maximum(x.astype(np.float32), np.float32(POLY_EXP_FLOOR))
+    shifted = clamped + np.float32(ROUNDING_SHIFT)
+    fraction = poly_exp2_fraction(clamped, shifted)
+    return (fraction.view(np.uint32) + (shifted.view(np.uint32) << np.uint32(23))).view(np.float32)
 
 
 def balanced(combine, values: list):
@@ -538,7 +543,8 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     BULK = T.ptx["cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"]
     EXPECT_TX = T.ptx["mbarrier.arrive.expect_tx.shared::cta.b64"]
     EX2 = T.ptx["ex2.approx.ftz.f32"]
-    ADD_RN = T.ptx["add.rn.f32"]       # an add the compilers may neither fold nor contract (poly_exp2's rounding)
+    ADD_RN = T.ptx["add.rn.f32"]       # an add the compilers may neither fold nor contract (poly_exp's rounding)
+    AS_BITS = AS_FLOAT = T.ptx["mov.b32"]   # float32 <-> uint32 bit casts (the operands' dtypes pick the direction)
     POLY = cfg.poly_exp > 0
     POLY_STRIDE = NJ // max(cfg.poly_exp, 1)   # with poly_exp, the last n8 tile of every POLY_STRIDE is emulated
     OUT_SHAPE = (B, SQ, H, D) if bshd else (B, H, SQ, D)
@@ -758,8 +764,13 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                             T.float32(POLY_EXP_FLOOR))
                         ADD_RN(red[4], s_acc[(q * POLY_STRIDE + POLY_STRIDE - 1) * 4 + hh * 2 + e],
                                T.float32(ROUNDING_SHIFT))
-                        s_acc[(q * POLY_STRIDE + POLY_STRIDE - 1) * 4 + hh * 2 + e] = poly_exp2(
-                            s_acc[(q * POLY_STRIDE + POLY_STRIDE - 1) * 4 + hh * 2 + e], red[4])
+                        # bit casts by mov.b32: TIR's reinterpret takes a local's address, and ptxas then
+                        # serialises the kernel's wgmma (C7511)
+                        AS_BITS(word[1], poly_exp2_fraction(s_acc[(q * POLY_STRIDE + POLY_STRIDE - 1) * 4 + hh * 2
+                                                                  + e], red[4]))
+                        AS_BITS(word[2], red[4])
+                        AS_FLOAT(s_acc[(q * POLY_STRIDE + POLY_STRIDE - 1) * 4 + hh * 2 + e],
+                                 word[1] + T.shift_left(word[2], T.uint32(23)))
                 red[3] = fragment_row_sum(s_acc, hh, NJ)
             else:
                 for j in T.unroll(NJ):
@@ -883,7 +894,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                 l_run = T.alloc_buffer((2,), "float32", scope="local")
                 corr = T.alloc_buffer((2,), "float32", scope="local")
                 red = T.alloc_buffer((5 if POLY else 4,), "float32", scope="local")
-                word = T.alloc_buffer((1,), "uint32", scope="local")
+                word = T.alloc_buffer((3 if POLY else 1,), "uint32", scope="local")
                 flag = T.alloc_buffer((1,), "uint32", scope="local")
                 # block tiles and items with tiles so far (ring and Q phases); has consumer 0 issued yet
                 done = T.alloc_buffer((2,), "int32", scope="local")

@@ -45,9 +45,9 @@ def kernel_alone(src: str, name: str) -> str:
     return src[:src.index('extern "C" __global__')] + src[match.start():src.index("\n}\n", match.end()) + 3]
 
 
-# ptxas notes that would each cost a wgmma kernel its overlap: C7514 / C7520 (wgmma serialised), C7508 (setmaxnreg
-# ignored), C7515
-OVERLAP_WARNINGS = re.compile(r"C75(14|08|15|20)")
+# ptxas notes that would each cost a wgmma kernel its overlap: C7514 / C7520 / C7511 (wgmma serialised; C7511 for
+# lack of registers, e.g. a local whose address is taken), C7508 (setmaxnreg ignored), C7515
+OVERLAP_WARNINGS = re.compile(r"C75(14|08|15|20|11)")
 
 
 def sm90a_sass(src: str, tmp_path, any_warning: bool = False) -> str | None:
