@@ -447,10 +447,11 @@ def block_work_item(bx, j, tile_rows: int, heads: int, grid: int, persistent: bo
 
 # poly_exp: 2^x on the FMA pipe. x (<= 0 in the softmax) is clamped to POLY_EXP_FLOOR, so that -inf (masked keys) and
 # scores far below the row's maximum give at most 2^-126 (0 once P is rounded to 16 bits) and the cubic's exponent
-# (126 or 127) less 126 never wraps below 0; adding ROUNDING_SHIFT (1.5 * 2^23) rounds x to the nearest integer n in the sum's low mantissa bits, so
-# f = x - n lies in [-0.5, 0.5]; 2^f is POLY_EXP2_COEFFS' cubic (a minimax fit of relative error, at most 7.5e-5
-# in float32, under float16's half ulp of 2.4e-4 .. 4.9e-4 that P is rounded to), and n << 23 added to its bits
-# scales it by 2^n (the sum's bits are 0x4B400000 + n, whose shift by 23 leaves n << 23 modulo 2^32).
+# (126 or 127) less 126 never wraps below 0. Adding ROUNDING_SHIFT (1.5 * 2^23) rounds x to the nearest integer n in
+# the sum's low mantissa bits, so f = x - n lies in [-0.5, 0.5]; 2^f is POLY_EXP2_COEFFS' cubic (a minimax fit of
+# relative error, at most 7.5e-5 in float32, under the half ulp of 2.4e-4 .. 4.9e-4 of the float16 P), and n << 23
+# added to its bits scales it by 2^n (the sum's bits are 0x4B400000 + n, whose shift by 23 leaves n << 23 modulo
+# 2^32).
 POLY_EXP_FLOOR = -126.0
 ROUNDING_SHIFT = 12582912.0
 POLY_EXP2_COEFFS = (0.99992811, 0.69326099, 0.24261054, 0.05517132)
