@@ -125,3 +125,32 @@ def test_bert_with_its_pooler_through_the_dynamo_exporter_checks(tmp_path, capsy
     for name in ("last_hidden_state", "pooler_output"):
         assert f"check {name}: relative error" in printed
     assert printed.count("PASS") == 2 and "FAIL" not in printed
+
+
+def test_a_model_exported_in_float16_checks(tmp_path, capsys):
+    """A model users exported after ``model.half()`` (TorchScript, opset 17): its attention scores are float16, so
+    the reference writes the mask's lowest value and zero in float16 (onnx's ``Where`` refuses mixed types: "x and y
+    should share the same dtype float16 != float32"), and its outputs are float16 whatever the compile dtype, so
+    ``--check`` holds them to the 16-bit tolerance."""
+    torch = pytest.importorskip("torch", reason="the export needs torch (pip install -e '.[test]')")
+    pytest.importorskip("transformers", reason="the export needs transformers")
+    from stof_tvm.cli import main as cli_main
+    from stof_tvm.models.hf_export import build_model, export
+
+    path = str(tmp_path / "bert_half.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export(build_model("bert").half(), path, batch=1, seq_len=32)
+    model = onnx.load(path)
+    assert {init.data_type for init in model.graph.initializer} >= {TensorProto.FLOAT16}
+    masked = masked_model(model, np.tril(np.ones((32, 32), bool)),
+                          {"input_ids": np.ones((1, 32), np.int64), "attention_mask": np.ones((1, 32), np.int64)})
+    lowest = [init for init in masked.graph.initializer if init.name.startswith("stof_ref_lowest")]
+    assert [init.data_type for init in lowest] == [TensorProto.FLOAT16]
+    out = str(tmp_path / "art")
+    assert cli_main(["compile", path, "--mask", "sliding:window=8", "--batch", "1", "--seq-len", "32",
+                     "--target", "llvm", "-o", out]) == 0
+    capsys.readouterr()
+    assert cli_main(["run", out, "--check"]) == 0
+    printed = capsys.readouterr().out
+    assert "float16" in printed and "tolerance 0.02" in printed and "PASS" in printed

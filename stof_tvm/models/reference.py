@@ -1,5 +1,5 @@
 """Reference outputs for a compiled model: the ONNX model itself, with the sparse mask applied, evaluated
-by ``onnx.reference.ReferenceEvaluator`` (numpy, float32).
+by ``onnx.reference.ReferenceEvaluator`` (numpy, in the model's own float types).
 
 The mask is imposed where stof-tvm imposes it: on the input and output of every attention Softmax (a
 Softmax over the last axis of a rank-4 ``[B, H, Sq, Sk]`` tensor). Before it, masked scores are replaced by
@@ -78,22 +78,55 @@ def _masked_attention(node: onnx.NodeProto, mask_type: int | None, keep_name: st
     return combine + [attention]
 
 
+# the float element types whose lowest value and zero the masked reference writes in that type (Where needs both
+# branches of one type: a model exported in float16 has float16 scores)
+_FLOAT_TYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
+                onnx.TensorProto.DOUBLE: np.float64}
+
+
+class _FillConstants:
+    """The lowest value and zero of each float element type the masked graph needs, as initializers made once."""
+
+    def __init__(self):
+        self.made: dict[int, tuple[str, str]] = {}
+
+    def names(self, elem_type: int | None) -> tuple[str, str]:
+        """(lowest, zero) initializer names in ``elem_type`` (float32 where the type is not a known float)."""
+        elem_type = elem_type if elem_type in _FLOAT_TYPES else onnx.TensorProto.FLOAT
+        if elem_type not in self.made:
+            suffix = onnx.TensorProto.DataType.Name(elem_type).lower()
+            self.made[elem_type] = (f"stof_ref_lowest_{suffix}", f"stof_ref_zero_{suffix}")
+        return self.made[elem_type]
+
+    def initializers(self) -> list:
+        out = []
+        for elem_type, (low, zero) in self.made.items():
+            dtype = _FLOAT_TYPES[elem_type]
+            out += [numpy_helper.from_array(np.array(np.finfo(dtype).min, dtype), low),
+                    numpy_helper.from_array(np.array(0, dtype), zero)]
+        return out
+
+
 def masked_model(model: onnx.ModelProto, keep: np.ndarray, feeds: dict[str, np.ndarray]) -> onnx.ModelProto:
     """``model`` with the boolean ``keep`` mask (broadcastable to [B, H, Sq, Sk]) applied at every attention
-    Softmax, or folded into every ``Attention`` op's mask; raises ValueError if the model has neither."""
+    Softmax, or folded into every ``Attention`` op's mask, in the scores' own float type; raises ValueError if the
+    model has neither."""
     static = _static_copy(model, feeds)
     targets = _rank4_softmax_inputs(static)
     if not targets and not any(map(_is_attention_op, static.graph.node)):
         raise ValueError("model: no attention Softmax over a rank-4 tensor, nor an Attention op, found for the "
                          "reference")
-    keep_name, low_name, zero_name = "stof_ref_keep", "stof_ref_lowest", "stof_ref_zero"
+    keep_name = "stof_ref_keep"
+    constants = _FillConstants()
     types = _elem_types(static)
     nodes = []
     for node in static.graph.node:
         if _is_attention_op(node):
             mask = node.input[3] if len(node.input) > 3 else ""
+            low_name = constants.names(types.get(mask))[0]
             nodes.extend(_masked_attention(node, types.get(mask), keep_name, low_name))
         elif node.op_type == "Softmax" and node.output[0] in targets:
+            low_name, zero_name = constants.names(types.get(node.input[0]))
             masked_in, raw_out = node.input[0] + "_stof_masked", node.output[0] + "_stof_raw"
             nodes.append(helper.make_node("Where", [keep_name, node.input[0], low_name], [masked_in]))
             softmax = onnx.NodeProto()
@@ -105,10 +138,8 @@ def masked_model(model: onnx.ModelProto, keep: np.ndarray, feeds: dict[str, np.n
             nodes.append(node)
     del static.graph.node[:]
     static.graph.node.extend(nodes)
-    static.graph.initializer.extend([
-        numpy_helper.from_array(np.ascontiguousarray(keep, dtype=bool), keep_name),
-        numpy_helper.from_array(np.array(np.finfo(np.float32).min, np.float32), low_name),
-        numpy_helper.from_array(np.array(0.0, np.float32), zero_name)])
+    static.graph.initializer.extend([numpy_helper.from_array(np.ascontiguousarray(keep, dtype=bool), keep_name)]
+                                    + constants.initializers())
     return static
 
 
