@@ -63,6 +63,7 @@ out/s9sparse`` with ``--only check`` then ``--only time --skip-failed-in`` as fo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -1343,112 +1344,66 @@ def plan_s32wait() -> list[dict]:
     return cases
 
 
-# s32knobs: the wgmma kernel's trial knobs (short_chains, softmax_under_pv) as (pad_panels, short, under) after the
-# default's field tuple; every form of a shape is one interleaved group
-S32_KNOBS = {"default": (False, False), "short": (True, False), "under": (False, True), "both": (True, True)}
-
-
-def plan_s32knobs() -> list[dict]:
-    """Session 32's trial knobs of the wgmma kernel against its default, in one build: checks first (S=1000, Q x8:
-    causal, per-head random masks with empty rows, a bf16 document mask, right/left key padding, Q/K/V as views)
-    for each knob form at D64 and D128, then causal and dense (D64 B16 H12 S4096, D128 B4 H16 S8192) and the
-    document mask (D64 B8) with each form timed on its own and then all forms of a shape interleaved round by round
-    (``interleave``)."""
+def _wgmma_knob_trial(forms: dict[str, dict], check_dims: tuple[int, ...], shapes: tuple,
+                      check_recipes: tuple = (("causal", "float16"), ("random_empty:0.05", "float16"),
+                                              ("document", "bfloat16"))) -> list[dict]:
+    """Knob forms of the wgmma kernel (``forms``: name -> fields replaced in the head dim's default configuration;
+    "default" replaces none) against its default, in one build: checks of every other form at each of
+    ``check_dims`` (S=1000, Q x8: ``check_recipes``, causal with Q/K/V as views 16 bytes into one projection,
+    sliding with right/left key padding), then each of ``shapes`` ``(recipe, batch, heads, seq, head_dim)`` timed
+    in every form on its own and then all forms of the shape interleaved round by round (``interleave``)."""
     from stof_tvm.schedules.attention_wgmma import default_config
 
     def config(head_dim, knobs, padding=False):
-        return _wgmma_tuple(default_config(head_dim, padding)) + (default_config(head_dim, padding).pad_panels,
-                                                                   *knobs)
+        return list(dataclasses.astuple(dataclasses.replace(default_config(head_dim, padding), **knobs)))
 
     cases = []
-    for head_dim in (64, 128):
-        for name, knobs in S32_KNOBS.items():
+    for head_dim in check_dims:
+        for name, knobs in forms.items():
             if name == "default":
                 continue
-            for recipe, dtype in (("causal", "float16"), ("random_empty:0.05", "float16"), ("document", "bfloat16")):
+            for recipe, dtype in check_recipes:
                 cases.append(dict(_case("check", "wgmma", recipe, 2, 3, 1000, head_dim, dtype,
                                         config(head_dim, knobs)), q_scale=8.0))
             cases.append(dict(_case("check", "wgmma", "causal", 2, 3, 1000, head_dim, "float16",
                                     config(head_dim, knobs)), q_scale=8.0, qkv_offset=8))
             cases.append(dict(_case("check", "wgmma", "sliding", 4, 2, 1000, head_dim, "float16",
                                     config(head_dim, knobs, padding=True), padding=True), q_scale=8.0))
-    shapes = (("causal", 16, 12, 4096, 64), ("causal", 4, 16, 8192, 128), ("dense", 16, 12, 4096, 64),
-              ("dense", 4, 16, 8192, 128), ("document", 8, 12, 4096, 64))
     for recipe, batch, heads, seq, head_dim in shapes:
-        for name, knobs in S32_KNOBS.items():
+        for name, knobs in forms.items():
             cases.append(dict(_case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16",
                                     config(head_dim, knobs)), label=name, interleave=f"{recipe} D{head_dim}"))
     return cases
 
 
-# s34poly: the wgmma kernel's emulated exponentials (poly_exp: n8 column tiles of a row's 16 on the FMA pipe) against
-# its default, as (pad_panels, short, under, poly_exp) after the default's field tuple
-S34_POLY = {"default": 0, "poly1": 1, "poly2": 2, "poly4": 4}
+def plan_s32knobs() -> list[dict]:
+    """Session 32's trial knobs (``short_chains``, ``softmax_under_pv``) against the default at D64 and D128:
+    causal and dense (D64 B16 H12 S4096, D128 B4 H16 S8192) and the document mask (D64 B8)."""
+    forms = {"default": {}, "short": {"short_chains": True}, "under": {"softmax_under_pv": True},
+             "both": {"short_chains": True, "softmax_under_pv": True}}
+    return _wgmma_knob_trial(forms, (64, 128), (("causal", 16, 12, 4096, 64), ("causal", 4, 16, 8192, 128),
+                                                ("dense", 16, 12, 4096, 64), ("dense", 4, 16, 8192, 128),
+                                                ("document", 8, 12, 4096, 64)))
 
 
 def plan_s34poly() -> list[dict]:
-    """Session 34's ``poly_exp`` knob of the wgmma kernel against its default, in one build: checks first (S=1000,
-    Q x8: causal, per-head random masks with empty rows, a bf16 document mask, Q/K/V as views, right/left key
-    padding) for each emulated form at D64 and D128, then causal and dense D64 (B16 H12 S4096), causal D128 (B4 H16
-    S8192) and the document mask (D64 B8), each form timed on its own and then all forms of a shape interleaved
-    (``interleave``)."""
-    from stof_tvm.schedules.attention_wgmma import default_config
-
-    def config(head_dim, poly, padding=False):
-        base = default_config(head_dim, padding)
-        return _wgmma_tuple(base) + (base.pad_panels, False, False, poly)
-
-    cases = []
-    for head_dim in (64, 128):
-        for name, poly in S34_POLY.items():
-            if name == "default":
-                continue
-            for recipe, dtype in (("causal", "float16"), ("random_empty:0.05", "float16"), ("document", "bfloat16")):
-                cases.append(dict(_case("check", "wgmma", recipe, 2, 3, 1000, head_dim, dtype,
-                                        config(head_dim, poly)), q_scale=8.0))
-            cases.append(dict(_case("check", "wgmma", "causal", 2, 3, 1000, head_dim, "float16",
-                                    config(head_dim, poly)), q_scale=8.0, qkv_offset=8))
-            cases.append(dict(_case("check", "wgmma", "sliding", 4, 2, 1000, head_dim, "float16",
-                                    config(head_dim, poly, padding=True), padding=True), q_scale=8.0))
-    shapes = (("causal", 16, 12, 4096, 64), ("dense", 16, 12, 4096, 64), ("document", 8, 12, 4096, 64),
-              ("causal", 4, 16, 8192, 128))
-    for recipe, batch, heads, seq, head_dim in shapes:
-        for name, poly in S34_POLY.items():
-            cases.append(dict(_case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16",
-                                    config(head_dim, poly)), label=name, interleave=f"{recipe} D{head_dim}"))
-    return cases
-
-
-# s34combo: poly_exp with session 32's trial knobs, as (short, under, poly_exp)
-S34_COMBO = {"default": (False, False, 0), "poly2": (False, False, 2), "poly2_short": (True, False, 2),
-             "poly4_short": (True, False, 4), "poly2_under": (False, True, 2), "poly2_both": (True, True, 2)}
+    """Session 34's ``poly_exp`` (n8 column tiles of a row's 16 whose exponentials run on the FMA pipe) against the
+    default: causal and dense D64 (B16 H12 S4096), the document mask (D64 B8) and causal D128 (B4 H16 S8192)."""
+    forms = {"default": {}, "poly1": {"poly_exp": 1}, "poly2": {"poly_exp": 2}, "poly4": {"poly_exp": 4}}
+    return _wgmma_knob_trial(forms, (64, 128), (("causal", 16, 12, 4096, 64), ("dense", 16, 12, 4096, 64),
+                                                ("document", 8, 12, 4096, 64), ("causal", 4, 16, 8192, 128)))
 
 
 def plan_s34combo() -> list[dict]:
-    """``poly_exp`` with ``short_chains`` and ``softmax_under_pv``: checks of each combined form at D64 (causal,
-    random per-head masks with empty rows, key padding), then causal D64 (B16 H12 S4096), causal D128 (B4 H16
-    S8192) and the document mask (D64 B8), all forms of a shape interleaved."""
-    from stof_tvm.schedules.attention_wgmma import default_config
-
-    def config(head_dim, knobs, padding=False):
-        base = default_config(head_dim, padding)
-        return _wgmma_tuple(base) + (base.pad_panels, *knobs)
-
-    cases = []
-    for name, knobs in S34_COMBO.items():
-        if name in ("default", "poly2"):
-            continue
-        for recipe in ("causal", "random_empty:0.05"):
-            cases.append(dict(_case("check", "wgmma", recipe, 2, 3, 1000, 64, "float16", config(64, knobs)),
-                              q_scale=8.0))
-        cases.append(dict(_case("check", "wgmma", "sliding", 4, 2, 1000, 64, "float16",
-                                config(64, knobs, padding=True), padding=True), q_scale=8.0))
-    for recipe, batch, heads, seq, head_dim in (("causal", 16, 12, 4096, 64), ("causal", 4, 16, 8192, 128),
-                                                ("document", 8, 12, 4096, 64)):
-        for name, knobs in S34_COMBO.items():
-            cases.append(dict(_case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16",
-                                    config(head_dim, knobs)), label=name, interleave=f"{recipe} D{head_dim}"))
-    return cases
+    """``poly_exp`` with ``short_chains`` and ``softmax_under_pv`` (checks at D64 only): causal D64 and D128 and
+    the document mask."""
+    forms = {"default": {}, "poly2": {"poly_exp": 2}, "poly2_short": {"poly_exp": 2, "short_chains": True},
+             "poly4_short": {"poly_exp": 4, "short_chains": True},
+             "poly2_under": {"poly_exp": 2, "softmax_under_pv": True},
+             "poly2_both": {"poly_exp": 2, "short_chains": True, "softmax_under_pv": True}}
+    return _wgmma_knob_trial(forms, (64,), (("causal", 16, 12, 4096, 64), ("causal", 4, 16, 8192, 128),
+                                            ("document", 8, 12, 4096, 64)),
+                             check_recipes=(("causal", "float16"), ("random_empty:0.05", "float16")))
 
 
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,

@@ -94,6 +94,19 @@ def test_the_sparse_mask_folds_into_the_attention_op(mask_type):
     assert not np.allclose(out, unmasked, atol=1e-3)                  # the fold changed the result
 
 
+def compile_and_check(path: str, tmp_path, capsys) -> str:
+    """``stof-tvm compile`` of the export at 1 x 32 under a sliding window for llvm, then ``run --check`` (both
+    must succeed); what the run printed."""
+    from stof_tvm.cli import main as cli_main
+
+    out = str(tmp_path / "art")
+    assert cli_main(["compile", path, "--mask", "sliding:window=8", "--batch", "1", "--seq-len", "32",
+                     "--target", "llvm", "-o", out]) == 0
+    capsys.readouterr()
+    assert cli_main(["run", out, "--check"]) == 0
+    return capsys.readouterr().out
+
+
 @pytest.mark.parametrize("opset", [18, 23])
 def test_bert_with_its_pooler_through_the_dynamo_exporter_checks(tmp_path, capsys, opset):
     """The export users make (``torch.onnx.export(model, (input_ids,), kwargs={"attention_mask": ...},
@@ -102,7 +115,6 @@ def test_bert_with_its_pooler_through_the_dynamo_exporter_checks(tmp_path, capsy
     torch = pytest.importorskip("torch", reason="the export needs torch (pip install -e '.[test]')")
     transformers = pytest.importorskip("transformers", reason="the export needs transformers")
     pytest.importorskip("onnxscript", reason="the dynamo exporter needs onnxscript")
-    from stof_tvm.cli import main as cli_main
     from stof_tvm.models.hf_export import make_config
 
     torch.manual_seed(0)
@@ -116,12 +128,7 @@ def test_bert_with_its_pooler_through_the_dynamo_exporter_checks(tmp_path, capsy
                           output_names=["last_hidden_state", "pooler_output"], opset_version=opset, dynamo=True)
     ops = {node.op_type for node in onnx.load(path).graph.node}
     assert "GatherElements" in ops and ("Attention" in ops) == (opset == 23)
-    out = str(tmp_path / "art")
-    assert cli_main(["compile", path, "--mask", "sliding:window=8", "--batch", "1", "--seq-len", "32",
-                     "--target", "llvm", "-o", out]) == 0
-    capsys.readouterr()
-    assert cli_main(["run", out, "--check"]) == 0
-    printed = capsys.readouterr().out
+    printed = compile_and_check(path, tmp_path, capsys)
     for name in ("last_hidden_state", "pooler_output"):
         assert f"check {name}: relative error" in printed
     assert printed.count("PASS") == 2 and "FAIL" not in printed
@@ -134,7 +141,6 @@ def test_a_model_exported_in_float16_checks(tmp_path, capsys):
     ``--check`` holds them to the 16-bit tolerance."""
     torch = pytest.importorskip("torch", reason="the export needs torch (pip install -e '.[test]')")
     pytest.importorskip("transformers", reason="the export needs transformers")
-    from stof_tvm.cli import main as cli_main
     from stof_tvm.models.hf_export import build_model, export
 
     path = str(tmp_path / "bert_half.onnx")
@@ -147,10 +153,5 @@ def test_a_model_exported_in_float16_checks(tmp_path, capsys):
                           {"input_ids": np.ones((1, 32), np.int64), "attention_mask": np.ones((1, 32), np.int64)})
     lowest = [init for init in masked.graph.initializer if init.name.startswith("stof_ref_lowest")]
     assert [init.data_type for init in lowest] == [TensorProto.FLOAT16]
-    out = str(tmp_path / "art")
-    assert cli_main(["compile", path, "--mask", "sliding:window=8", "--batch", "1", "--seq-len", "32",
-                     "--target", "llvm", "-o", out]) == 0
-    capsys.readouterr()
-    assert cli_main(["run", out, "--check"]) == 0
-    printed = capsys.readouterr().out
+    printed = compile_and_check(path, tmp_path, capsys)
     assert "float16" in printed and "tolerance 0.02" in printed and "PASS" in printed
