@@ -84,7 +84,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import tvm
 from tvm.script import tirx as T
 
@@ -151,20 +150,8 @@ class WgmmaAttentionConfig:
     multiples of 64: shared tiles of 64-column panels in the 128-byte swizzle as at head dims 64 and 128, the head
     dim padded to the next multiple of 64 with zeros, which the copy engine writes for the columns past ``D``;
     ``S`` reads the real columns only, ``O += P V`` runs over the padded width and only ``D`` columns are stored: the
-    layout the H200 has checked since session 6, at the cost of the padded product). Two opt-in knobs are on trial
-    (session 32: ncu found each softmax turn's dependent chains and the pipes taking turns; not yet timed against the
-    default, which keeps them off and its CUDA byte for byte): ``short_chains`` (each row's maximum as a balanced
-    tree of FMNMX, depth 5 instead of 17 before the first exponential can start, and its sum in four partial sums)
-    and ``softmax_under_pv`` (ptxas moves a turn's wait for ``P(i-1) V(i-1)`` above all the exponentials of tile
-    ``i``, to interleave the packs of ``P(i)`` that overwrite registers the product still reads, so a consumer's
-    softmax runs after its own product instead of under it; with the knob each turn waits once more for its K tile
-    after its softmax: K(i) has landed and the wait passes at once, but ptxas does not schedule across its retry
-    branch, so every exponential stays before the product's wait). ``poly_exp`` (session 34, opt-in, 0 = off): the
-    exponentials of that many of a row's ``block_n / 8`` n8 column tiles (a divisor of it; the last of each
-    equal group) run as a cubic on the FMA pipe (:func:`poly_exp2`) instead of on MUFU; the row's sum is then
-    ``short_chains``' partial sums, which ncu found as busy as the tensor cores at head dim 64 (the idea of
-    FlashAttention-4's emulated exponential). The tiled format must be built at
-    ``block_m x block_n`` (``block_m = 64 * consumers``)."""
+    layout the H200 has checked since session 6, at the cost of the padded product). The tiled format must be built
+    at ``block_m x block_n`` (``block_m = 64 * consumers``)."""
 
     block_n: int = 128
     stages: int = 2
@@ -173,9 +160,6 @@ class WgmmaAttentionConfig:
     consumers: int = 2
     loads: str = "cp.async"
     pad_panels: bool = False
-    short_chains: bool = False
-    softmax_under_pv: bool = False
-    poly_exp: int = 0
 
     @property
     def block_m(self) -> int:
@@ -195,13 +179,9 @@ class WgmmaAttentionConfig:
                              f"{limit} its {REGISTERS[self.consumers][1]} leave beside them")
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"stages must be an int >= 2, got {self.stages!r}")
-        for name in ("pingpong", "persistent", "pad_panels", "short_chains", "softmax_under_pv"):
+        for name in ("pingpong", "persistent", "pad_panels"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if isinstance(self.poly_exp, bool) or not isinstance(self.poly_exp, int) or self.poly_exp < 0 or \
-                (self.poly_exp and (self.block_n // 8) % self.poly_exp):
-            raise ValueError(f"poly_exp must be 0 or a divisor of block_n / 8 = {self.block_n // 8}, "
-                             f"got {self.poly_exp!r}")
         if not isinstance(self.loads, str) or self.loads not in LOAD_CHOICES:
             raise ValueError(f"loads must be one of {LOAD_CHOICES}, got {self.loads!r}")
         if self.pad_panels and (self.loads != "tma" or head_dim % PANEL_COLS_CHOICES[0] == 0):
@@ -445,60 +425,6 @@ def block_work_item(bx, j, tile_rows: int, heads: int, grid: int, persistent: bo
             T.Select(j % 2 == 0, tile_rows - 1 - k, second))
 
 
-# poly_exp: 2^x on the FMA pipe. x (<= 0 in the softmax) is clamped to POLY_EXP_FLOOR, so that -inf (masked keys) and
-# scores far below the row's maximum give at most 2^-126 (0 once P is rounded to 16 bits) and the cubic's exponent
-# (126 or 127) less 126 never wraps below 0. Adding ROUNDING_SHIFT (1.5 * 2^23) rounds x to the nearest integer n in
-# the sum's low mantissa bits, so f = x - n lies in [-0.5, 0.5]; 2^f is POLY_EXP2_COEFFS' cubic (a minimax fit of
-# relative error, at most 7.5e-5 in float32, under the half ulp of 2.4e-4 .. 4.9e-4 of the float16 P), and n << 23
-# added to its bits scales it by 2^n (the sum's bits are 0x4B400000 + n, whose shift by 23 leaves n << 23 modulo
-# 2^32).
-POLY_EXP_FLOOR = -126.0
-ROUNDING_SHIFT = 12582912.0
-POLY_EXP2_COEFFS = (0.99992811, 0.69326099, 0.24261054, 0.05517132)
-
-
-def poly_exp2_fraction(x, shifted):
-    """2^f for the fraction f of ``x`` (clamped to POLY_EXP_FLOOR), given ``shifted`` = x + ROUNDING_SHIFT rounded
-    to float32 (an add the compilers keep; see POLY_EXP_FLOOR). Works on TIR expressions and numpy float32 alike."""
-    frac = x - (shifted - ROUNDING_SHIFT)
-    c0, c1, c2, c3 = POLY_EXP2_COEFFS
-    return ((c3 * frac + c2) * frac + c1) * frac + c0
-
-
-def poly_exp2(x: np.ndarray) -> np.ndarray:
-    """The kernel's emulated 2^x in numpy, step for step in float32 (its CPU reference): clamp, rounding add, the
-    fraction's cubic, the integer part added to the exponent bits."""
-    clamped = np.maximum(x.astype(np.float32), np.float32(POLY_EXP_FLOOR))
-    shifted = clamped + np.float32(ROUNDING_SHIFT)
-    fraction = poly_exp2_fraction(clamped, shifted)
-    return (fraction.view(np.uint32) + (shifted.view(np.uint32) << np.uint32(23))).view(np.float32)
-
-
-def balanced(combine, values: list):
-    """``values`` combined pairwise as a balanced tree (depth log2 of their count instead of a chain through all)."""
-    while len(values) > 1:
-        values = [combine(values[i], values[i + 1]) if i + 1 < len(values) else values[i]
-                  for i in range(0, len(values), 2)]
-    return values[0]
-
-
-def fragment_row_max(s_acc, hh, nj: int):
-    """``short_chains``: the maximum of a consumer thread's 2 * nj scores of row half ``hh`` (registers
-    ``j * 4 + hh * 2 + e``) as a balanced tree."""
-    return balanced(tvm.tirx.max, [s_acc[j * 4 + hh * 2 + e] for j in range(nj) for e in range(2)])
-
-
-def fragment_row_sum(s_acc, hh, nj: int):
-    """``short_chains``: the sum of those registers as four partial sums of nj / 2 terms each (registers of every
-    other n8 tile and one of its two columns), added as a tree."""
-    def chain(j0, e):
-        total = s_acc[j0 * 4 + hh * 2 + e]
-        for j in range(j0 + 2, nj, 2):
-            total = total + s_acc[j * 4 + hh * 2 + e]
-        return total
-    return balanced(lambda a, b: a + b, [chain(j0, e) for j0 in range(min(2, nj)) for e in range(2)])
-
-
 def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd: bool,
             sm_count: int, PAD: bool = False) -> tvm.tirx.PrimFunc:
     BM, BN, ST, PP, NC = cfg.block_m, cfg.block_n, cfg.stages, cfg.pingpong, cfg.consumers
@@ -534,7 +460,6 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     PACK = T.ptx[f"cvt.rn.{ab}x2.f32"]
     CP_ASYNC_16 = T.ptx["cp.async.cg.shared.global"]
     TMA = cfg.loads == "tma"
-    SHORT, UNDER = cfg.short_chains, cfg.softmax_under_pv
     # arrivals completing a full mbarrier's phase: every producer thread's (cp.async), or the issuing thread's
     # arrive.expect_tx, the phase then waiting for the copies' transaction bytes too (TMA)
     FULL_ARRIVALS = 1 if TMA else WG
@@ -544,10 +469,6 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     BULK = T.ptx["cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"]
     EXPECT_TX = T.ptx["mbarrier.arrive.expect_tx.shared::cta.b64"]
     EX2 = T.ptx["ex2.approx.ftz.f32"]
-    ADD_RN = T.ptx["add.rn.f32"]       # an add the compilers may neither fold nor contract (poly_exp's rounding)
-    AS_BITS = AS_FLOAT = T.ptx["mov.b32"]   # float32 <-> uint32 bit casts (the operands' dtypes pick the direction)
-    POLY = cfg.poly_exp > 0
-    POLY_STRIDE = NJ // max(cfg.poly_exp, 1)   # with poly_exp, the last n8 tile of every POLY_STRIDE is emulated
     OUT_SHAPE = (B, SQ, H, D) if bshd else (B, H, SQ, D)
     KW = bit_words(SK)
 
@@ -739,12 +660,9 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                                     T.bitwise_and(word[0], T.uint32(1 << (jj * 8 + e))) != T.uint32(0),
                                     s_acc[(jw * 4 + jj) * 4 + hh * 2 + e], NEG_INF)
         for hh in T.unroll(2):
-            if SHORT:
-                red[0] = fragment_row_max(s_acc, hh, NJ)
-            else:
-                red[0] = T.max(s_acc[hh * 2], s_acc[hh * 2 + 1])
-                for j in T.unroll(1, NJ):
-                    red[0] = T.max(red[0], T.max(s_acc[j * 4 + hh * 2], s_acc[j * 4 + hh * 2 + 1]))
+            red[0] = T.max(s_acc[hh * 2], s_acc[hh * 2 + 1])
+            for j in T.unroll(1, NJ):
+                red[0] = T.max(red[0], T.max(s_acc[j * 4 + hh * 2], s_acc[j * 4 + hh * 2 + 1]))
             red[0] = T.max(red[0], quad_xor(red[0], 1))
             red[0] = T.max(red[0], quad_xor(red[0], 2))
             red[1] = T.max(m_run[hh], red[0])
@@ -752,35 +670,10 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
             EX2(corr[hh], m_run[hh] * T.float32(SL) - red[2])
             m_run[hh] = red[1]
             red[3] = T.float32(0)
-            if POLY:
-                # of every POLY_STRIDE n8 tiles, the first POLY_STRIDE - 1 on MUFU, the last on the FMA pipe
-                for q in T.unroll(NJ // POLY_STRIDE):
-                    for r in T.unroll(POLY_STRIDE - 1):
-                        for e in T.unroll(2):
-                            EX2(s_acc[(q * POLY_STRIDE + r) * 4 + hh * 2 + e],
-                                s_acc[(q * POLY_STRIDE + r) * 4 + hh * 2 + e] * T.float32(SL) - red[2])
-                    for e in T.unroll(2):
-                        s_acc[(q * POLY_STRIDE + POLY_STRIDE - 1) * 4 + hh * 2 + e] = T.max(
-                            s_acc[(q * POLY_STRIDE + POLY_STRIDE - 1) * 4 + hh * 2 + e] * T.float32(SL) - red[2],
-                            T.float32(POLY_EXP_FLOOR))
-                        ADD_RN(red[4], s_acc[(q * POLY_STRIDE + POLY_STRIDE - 1) * 4 + hh * 2 + e],
-                               T.float32(ROUNDING_SHIFT))
-                        # bit casts by mov.b32: TIR's reinterpret takes a local's address, and ptxas then
-                        # serialises the kernel's wgmma (C7511)
-                        AS_BITS(word[1], poly_exp2_fraction(s_acc[(q * POLY_STRIDE + POLY_STRIDE - 1) * 4 + hh * 2
-                                                                  + e], red[4]))
-                        AS_BITS(word[2], red[4])
-                        AS_FLOAT(s_acc[(q * POLY_STRIDE + POLY_STRIDE - 1) * 4 + hh * 2 + e],
-                                 word[1] + T.shift_left(word[2], T.uint32(23)))
-                red[3] = fragment_row_sum(s_acc, hh, NJ)
-            else:
-                for j in T.unroll(NJ):
-                    for e in T.unroll(2):
-                        EX2(s_acc[j * 4 + hh * 2 + e], s_acc[j * 4 + hh * 2 + e] * T.float32(SL) - red[2])
-                        if not SHORT:
-                            red[3] = red[3] + s_acc[j * 4 + hh * 2 + e]
-            if SHORT and not POLY:
-                red[3] = fragment_row_sum(s_acc, hh, NJ)
+            for j in T.unroll(NJ):
+                for e in T.unroll(2):
+                    EX2(s_acc[j * 4 + hh * 2 + e], s_acc[j * 4 + hh * 2 + e] * T.float32(SL) - red[2])
+                    red[3] = red[3] + s_acc[j * 4 + hh * 2 + e]
             l_run[hh] = l_run[hh] * corr[hh] + red[3]
 
     @T.macro
@@ -850,8 +743,6 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                 T.ptx["wgmma.wait_group.sync.aligned"](1)
                 softmax(s_acc, corr, m_run, l_run, red, word, smem, mw0 + (M_OFF + (gi % ST) * MW_BYTES) // 4, c, w,
                         g, qd, i, n_part_row, pads, b, tile_col(tiles, i, n_part_row))
-            if UNDER:   # K(i) has landed: passes at once, a branch ptxas does not schedule across (docstring)
-                wait_parity(flag, ring_bar(base, 0, gi), phase(gi))
             T.ptx["mbarrier.arrive.shared::cta.b64"](ring_bar(base, 1, gi))
             retire_pv(o_acc, base, gi - 1, compute)
             if compute:
@@ -894,8 +785,8 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                 m_run = T.alloc_buffer((2,), "float32", scope="local")
                 l_run = T.alloc_buffer((2,), "float32", scope="local")
                 corr = T.alloc_buffer((2,), "float32", scope="local")
-                red = T.alloc_buffer((5 if POLY else 4,), "float32", scope="local")
-                word = T.alloc_buffer((3 if POLY else 1,), "uint32", scope="local")
+                red = T.alloc_buffer((4,), "float32", scope="local")
+                word = T.alloc_buffer((1,), "uint32", scope="local")
                 flag = T.alloc_buffer((1,), "uint32", scope="local")
                 # block tiles and items with tiles so far (ring and Q phases); has consumer 0 issued yet
                 done = T.alloc_buffer((2,), "int32", scope="local")

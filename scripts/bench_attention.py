@@ -63,7 +63,6 @@ out/s9sparse`` with ``--only check`` then ``--only time --skip-failed-in`` as fo
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -1344,68 +1343,6 @@ def plan_s32wait() -> list[dict]:
     return cases
 
 
-def _wgmma_knob_trial(forms: dict[str, dict], check_dims: tuple[int, ...], shapes: tuple,
-                      check_recipes: tuple = (("causal", "float16"), ("random_empty:0.05", "float16"),
-                                              ("document", "bfloat16"))) -> list[dict]:
-    """Knob forms of the wgmma kernel (``forms``: name -> fields replaced in the head dim's default configuration;
-    "default" replaces none) against its default, in one build: checks of every other form at each of
-    ``check_dims`` (S=1000, Q x8: ``check_recipes``, causal with Q/K/V as views 16 bytes into one projection,
-    sliding with right/left key padding), then each of ``shapes`` ``(recipe, batch, heads, seq, head_dim)`` timed
-    in every form on its own and then all forms of the shape interleaved round by round (``interleave``)."""
-    from stof_tvm.schedules.attention_wgmma import default_config
-
-    def config(head_dim, knobs, padding=False):
-        return list(dataclasses.astuple(dataclasses.replace(default_config(head_dim, padding), **knobs)))
-
-    cases = []
-    for head_dim in check_dims:
-        for name, knobs in forms.items():
-            if name == "default":
-                continue
-            for recipe, dtype in check_recipes:
-                cases.append(dict(_case("check", "wgmma", recipe, 2, 3, 1000, head_dim, dtype,
-                                        config(head_dim, knobs)), q_scale=8.0))
-            cases.append(dict(_case("check", "wgmma", "causal", 2, 3, 1000, head_dim, "float16",
-                                    config(head_dim, knobs)), q_scale=8.0, qkv_offset=8))
-            cases.append(dict(_case("check", "wgmma", "sliding", 4, 2, 1000, head_dim, "float16",
-                                    config(head_dim, knobs, padding=True), padding=True), q_scale=8.0))
-    for recipe, batch, heads, seq, head_dim in shapes:
-        for name, knobs in forms.items():
-            cases.append(dict(_case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16",
-                                    config(head_dim, knobs)), label=name, interleave=f"{recipe} D{head_dim}"))
-    return cases
-
-
-def plan_s32knobs() -> list[dict]:
-    """Session 32's trial knobs (``short_chains``, ``softmax_under_pv``) against the default at D64 and D128:
-    causal and dense (D64 B16 H12 S4096, D128 B4 H16 S8192) and the document mask (D64 B8)."""
-    forms = {"default": {}, "short": {"short_chains": True}, "under": {"softmax_under_pv": True},
-             "both": {"short_chains": True, "softmax_under_pv": True}}
-    return _wgmma_knob_trial(forms, (64, 128), (("causal", 16, 12, 4096, 64), ("causal", 4, 16, 8192, 128),
-                                                ("dense", 16, 12, 4096, 64), ("dense", 4, 16, 8192, 128),
-                                                ("document", 8, 12, 4096, 64)))
-
-
-def plan_s34poly() -> list[dict]:
-    """Session 34's ``poly_exp`` (n8 column tiles of a row's 16 whose exponentials run on the FMA pipe) against the
-    default: causal and dense D64 (B16 H12 S4096), the document mask (D64 B8) and causal D128 (B4 H16 S8192)."""
-    forms = {"default": {}, "poly1": {"poly_exp": 1}, "poly2": {"poly_exp": 2}, "poly4": {"poly_exp": 4}}
-    return _wgmma_knob_trial(forms, (64, 128), (("causal", 16, 12, 4096, 64), ("dense", 16, 12, 4096, 64),
-                                                ("document", 8, 12, 4096, 64), ("causal", 4, 16, 8192, 128)))
-
-
-def plan_s34combo() -> list[dict]:
-    """``poly_exp`` with ``short_chains`` and ``softmax_under_pv`` (checks at D64 only): causal D64 and D128 and
-    the document mask."""
-    forms = {"default": {}, "poly2": {"poly_exp": 2}, "poly2_short": {"poly_exp": 2, "short_chains": True},
-             "poly4_short": {"poly_exp": 4, "short_chains": True},
-             "poly2_under": {"poly_exp": 2, "softmax_under_pv": True},
-             "poly2_both": {"poly_exp": 2, "short_chains": True, "softmax_under_pv": True}}
-    return _wgmma_knob_trial(forms, (64,), (("causal", 16, 12, 4096, 64), ("causal", 4, 16, 8192, 128),
-                                            ("document", 8, 12, 4096, 64)),
-                             check_recipes=(("causal", "float16"), ("random_empty:0.05", "float16")))
-
-
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
@@ -1413,9 +1350,7 @@ PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan
          "s10dims": plan_s10dims, "s11gpt2": plan_s11gpt2, "s12bb": plan_s12bb,
          "s17model": plan_s17model, "s19knobs": plan_s19knobs,
          "s19gate": plan_s19gate, "s25short": plan_s25short, "s29short": plan_s29short,
-         "s30regs": plan_s30regs, "s32prof": plan_s32prof, "s32wait": plan_s32wait,
-         "s32knobs": plan_s32knobs, "s34poly": plan_s34poly,
-         "s34combo": plan_s34combo}
+         "s30regs": plan_s30regs, "s32prof": plan_s32prof, "s32wait": plan_s32wait}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 

@@ -6,7 +6,6 @@ registers, no spills, no serialised wgmma, setmaxnreg honoured; HGMMA in the SAS
 The kernel's numerics and speed need an H200: scripts/check_attention_wgmma_gpu.py."""
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 import shutil
@@ -21,8 +20,7 @@ from stof_tvm.schedules.attention_blockwise import BlockConfig, blockwise_attent
 from stof_tvm.schedules.attention_wgmma import (BLOCK_M, DEFAULT_LOADS, DEFAULT_PERSISTENT, LOAD_CHOICES, REGISTERS,
                                                 WgmmaAttentionConfig,
                                                 block_work_item, cpu_twin_primfunc, default_config,
-                                                fragment_position, fragment_row_max, fragment_row_sum, grid_shape,
-                                                mask_bit, mask_word, poly_exp2,
+                                                fragment_position, grid_shape, mask_bit, mask_word,
                                                 wgmma_attention_primfunc)
 from stof_tvm.schedules.templates.build import cuda_source, cuda_target
 from stof_tvm.sparse_formats import build_tiled, normalize_mask
@@ -306,82 +304,3 @@ def test_tma_kernel_compiles_for_sm90a_with_tma_and_no_proxy_fence(head_dim, dty
     assert re.search(rf"HGMMA\.64x{config.block_n}x16\.F32", sass)
     assert "UTMALDG.3D" in sass and "UBLKCP" in sass
     assert not re.search(r"\b(LDGSTS|MEMBAR|LDL|STL)\b", sass)
-
-
-@pytest.mark.parametrize("nj", [4, 8, 16])
-def test_short_chains_reduce_each_register_of_the_row_half_once(nj):
-    """``short_chains``' tree maximum and partial sums read exactly the 2 * nj registers of row half ``hh``
-    (``j * 4 + hh * 2 + e``), each once: the sum of distinct powers of two is the mask of the registers read, and
-    the maximum sees a register's value exactly when it is one of them."""
-    regs = [1 << r for r in range(4 * nj)]
-    for hh in (0, 1):
-        row = {j * 4 + hh * 2 + e for j in range(nj) for e in range(2)}
-        assert fragment_row_sum(regs, hh, nj) == sum(regs[r] for r in row)
-        for r in range(4 * nj):
-            one_hot = [int(r == i) for i in range(4 * nj)]
-            assert int(fragment_row_max(one_hot, hh, nj)) == int(r in row)
-
-
-def test_poly_exp2_is_within_its_error_bound_everywhere_the_softmax_reaches():
-    """The emulated exponential on a dense grid of [-125, 0] and at the float32 neighbours of every integer and
-    half (where the rounding switches n): relative error at most 7.5e-5 against 2^x (below -125 the result leaves
-    float32's normal range, and float16 P is 0 there anyway); -inf (masked keys) and anything below the floor give
-    at most 2^-126, never a NaN, and 0 once rounded to float16."""
-    grid = np.linspace(-125.0, 0.0, 1_000_001, dtype=np.float32)
-    edges = np.arange(-125.0, 0.5, 0.5, dtype=np.float32)
-    near = np.concatenate([np.nextafter(edges, np.float32(-np.inf)), edges, np.nextafter(edges, np.float32(1))])
-    x = np.concatenate([grid, near[(near >= -125.0) & (near <= 0.0)]])
-    got = poly_exp2(x)
-    assert np.max(np.abs(got / np.exp2(x.astype(np.float64)) - 1)) <= 7.5e-5
-    low = poly_exp2(np.float32([-np.inf, -1e30, -127.0, -126.5]))
-    assert np.all(np.isfinite(low)) and np.all((low >= 0) & (low <= 2.0 ** -126))
-    assert np.float16(low).max() == 0
-
-
-def test_poly_exp_must_divide_the_row_tiles():
-    """``poly_exp`` counts n8 column tiles, the last of each equal group: it must divide ``block_n / 8``."""
-    for good in (0, 1, 2, 4, 8, 16):
-        WgmmaAttentionConfig(block_n=128, poly_exp=good).validate(64)
-    for bad in (3, 32, -1, True, 2.0):
-        with pytest.raises(ValueError, match="poly_exp"):
-            WgmmaAttentionConfig(block_n=128, poly_exp=bad).validate(64)
-
-
-def test_poly_exp_moves_exponentials_off_mufu_without_spills(tmp_path):
-    """With ``poly_exp`` = 2 and 4 of 16 column tiles emulated, the D64 default kernel holds 16 and 32 fewer
-    MUFU.EX2 (two softmax copies, each 2 row halves x 2 columns x the emulated tiles' share), the rounding add
-    survives as ``add.rn.f32``, and nothing spills."""
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not installed")
-    base = dict(BASE, seq_q=1000, seq_k=1000)
-    counts = {}
-    for poly in (0, 2, 4):
-        config = dataclasses.replace(default_config(64), poly_exp=poly)
-        src = cuda_source(tvm.compile(tvm.IRModule({"main": wgmma_attention_primfunc(**base, config=config)}),
-                                      target=cuda_target("sm_90a")))
-        assert ("add.rn.f32" in src) == (poly > 0)
-        sass = sm90a_sass(src, tmp_path)
-        if sass is None:
-            return
-        assert not re.search(r"\b(LDL|STL)\b", sass)
-        counts[poly] = len(re.findall(r"\bMUFU\.EX2\b", sass))
-    assert counts[0] - counts[2] == 16 and counts[0] - counts[4] == 32
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_trial_knobs_build_clean_and_move_the_softmax_under_the_product(head_dim, tmp_path):
-    """``short_chains`` and ``softmax_under_pv`` (opt-in, session 32) build for sm_90a without spills or serialised
-    wgmma; with ``softmax_under_pv`` every MUFU.EX2 of a loop turn comes before that turn's wait for its P V product
-    (``WARPGROUP.DEPBAR.LE gsb0, 0x0``), which the default's ptxas schedule hoists above them all."""
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not installed")
-    base = dict(BASE, head_dim=head_dim, seq_q=1000, seq_k=1000)
-    for knobs in ({"short_chains": True}, {"softmax_under_pv": True}):
-        config = dataclasses.replace(default_config(head_dim), **knobs)
-        src = cuda_source(tvm.compile(tvm.IRModule({"main": wgmma_attention_primfunc(**base, config=config)}),
-                                      target=cuda_target("sm_90a")))
-        sass = sm90a_sass(src, tmp_path)
-        if sass is None or not knobs.get("softmax_under_pv"):
-            continue
-        turn = sass[sass.index("WARPGROUP.DEPBAR.LE gsb0, 0x1"):]
-        assert turn[:turn.index("WARPGROUP.DEPBAR.LE gsb0, 0x0")].count("MUFU.EX2") == 2 * 128 // 4 + 2

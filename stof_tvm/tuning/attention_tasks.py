@@ -37,15 +37,15 @@ _ROW_FORMAT = ("indptr", "indices")
 def _short(config: dict) -> dict:
     """Config fields under short names for task names (block_m -> bm, key_groups -> kg, ...); the split-KV
     fields only where the config splits, ``min_blocks`` only where set, ``row_sums`` only where not the tensor
-    cores' default, ``reverse_full``, ``lean_padding`` and the wgmma kernel's trial knobs only where set, so other
-    tasks keep the names they had before those fields existed."""
+    cores' default, ``reverse_full`` and ``lean_padding`` only where set, so other tasks keep the names they had
+    before those fields existed."""
     if config.get("kv_splits", 1) == 1:
         config = {k: v for k, v in config.items() if k not in ("kv_splits", "split_rows")}
     if config.get("min_blocks", 0) == 0:
         config = {k: v for k, v in config.items() if k != "min_blocks"}
     if config.get("row_sums", "mma") == "mma":
         config = {k: v for k, v in config.items() if k != "row_sums"}
-    for flag in ("reverse_full", "lean_padding", "short_chains", "softmax_under_pv", "poly_exp"):
+    for flag in ("reverse_full", "lean_padding"):
         if not config.get(flag, False):
             config = {k: v for k, v in config.items() if k != flag}
     return {"".join(part[0] for part in key.split("_")): value for key, value in config.items()}
