@@ -3,7 +3,8 @@
 The corpus (tests/test_hf_exports.py) checks every family on ``llvm``; this runs the same exports through the CUDA
 build on the GPU machine. Per family (tiny seeded configs, :mod:`stof_tvm.models.hf_export`; head dims 16-256):
 
-1. export once with dynamic batch and sequence axes (``--exporter``: TorchScript at opset 17 or dynamo at 23);
+1. export once with dynamic batch and sequence axes (``--exporter``: TorchScript at opset 17 or dynamo at 23;
+   ``--export-dtype float16``: after ``model.half()``, the reference then the float16 weights computed in float32);
 2. compile it for ``cuda`` in float16 with ``--mask`` (``dense``: the torch model is the reference as it is) at
    each batch of ``--batches`` (1 and 4 by default), and twice with a sparse BigBird mask (below);
 3. call ``model(input_ids=..., attention_mask=...)`` with torch CUDA tensors whose last row is padded, and check
@@ -64,19 +65,24 @@ def _call(model, inputs: dict, target: str) -> np.ndarray:
 BUILDS = (("dense", None, "auto"), ("sparse", SPARSE_MASK, "auto"), ("sparse_ref", SPARSE_MASK, "dense"))
 
 
-def build_family(family: str, exporter: str, batch: int, mask: str, work: str, target: str = "cuda"):
-    """Export ``family`` (cached), compile its three builds at ``batch`` (:data:`BUILDS`; ``None`` = ``mask``) and
-    compute the torch float32 reference. Returns (row, inputs, reference, kept, artifacts by label)."""
+def build_family(family: str, exporter: str, batch: int, mask: str, work: str, target: str = "cuda",
+                 export_dtype: str = "float32"):
+    """Export ``family`` (cached; in ``export_dtype``: ``float16`` after ``model.half()``), compile its three
+    builds at ``batch`` (:data:`BUILDS`; ``None`` = ``mask``) and compute the torch float32 reference (of the
+    float16 weights, for a float16 export). Returns (row, inputs, reference, kept, artifacts by label)."""
     import stof_tvm
     from stof_tvm.models import hf_export as hx
 
     opset = 17 if exporter == "torchscript" else 23
     attn = "sdpa" if exporter == "dynamo" and "sdpa" in hx.attention_kinds(family) else "eager"
-    path = hx.cached_export(work, family, attn=attn, exporter=exporter, opset=opset, dynamic=True)
+    path = hx.cached_export(work, family, attn=attn, exporter=exporter, opset=opset, dynamic=True,
+                            dtype=export_dtype)
     seq = hx.sequence_length(family, "tiny", SEQ)
-    row = {"family": family, "exporter": f"{exporter}{opset}", "batch": batch, "seq": seq}
+    row = {"family": family, "exporter": f"{exporter}{opset}" + ("-fp16" if export_dtype == "float16" else ""),
+           "batch": batch, "seq": seq}
     inputs = hx.example_inputs(family, batch, seq)
-    reference = hx.torch_outputs(hx.build_model(family, "tiny", "eager"), inputs)
+    model = hx.build_model(family, "tiny", "eager")
+    reference = hx.torch_outputs(model.half().float() if export_dtype == "float16" else model, inputs)
     kept = (inputs["attention_mask"].astype(bool) if "attention_mask" in inputs
             else np.ones(reference.shape[:2], bool))
     artifacts = {}
@@ -114,7 +120,7 @@ def _guarded(row: dict, step) -> dict:
 
 
 def check_family(family: str, exporter: str, batches: list[int], mask: str, work: str,
-                 target: str = "cuda", save: str | None = None) -> list[dict]:
+                 target: str = "cuda", save: str | None = None, export_dtype: str = "float32") -> list[dict]:
     """Rows of one family, one per batch. In process: build, call and check. With ``save``: build here and write
     each batch's artifacts, inputs and reference under ``save`` for :func:`check_saved` on the GPU machine."""
     rows = []
@@ -122,7 +128,8 @@ def check_family(family: str, exporter: str, batches: list[int], mask: str, work
         row = {"family": family, "batch": batch}
 
         def step():
-            built, inputs, reference, kept, artifacts = build_family(family, exporter, batch, mask, work, target)
+            built, inputs, reference, kept, artifacts = build_family(family, exporter, batch, mask, work, target,
+                                                                     export_dtype)
             row.update(built)
             if save:
                 _save(os.path.join(save, f"{family}-b{batch}"), row, inputs, reference, kept, artifacts)
@@ -159,13 +166,13 @@ def check_saved(folder: str, target: str = "cuda") -> dict:
     return _guarded(row, step)
 
 
-HEADER = (f"{'family':11s} {'export':13s} {'B':>2s} {'sites':>5s} {'vs torch fp32 (rel / max)':>25s} "
+HEADER = (f"{'family':11s} {'export':18s} {'B':>2s} {'sites':>5s} {'vs torch fp32 (rel / max)':>25s} "
           f"{'sparse vs dense (rel / max)':>28s} ok")
 
 
 def format_row(row: dict) -> str:
     """One line of the table: the sites on stof-tvm's kernels (dense build / sparse build) and both checks."""
-    head = f"{row['family']:11s} {row.get('exporter', '?'):13s} {row['batch']:2d}"
+    head = f"{row['family']:11s} {row.get('exporter', '?'):18s} {row['batch']:2d}"
     if "error" in row:
         return f"{head} error: {row['error'][:100]}"
     if "dense_vs_torch" not in row:
@@ -183,6 +190,8 @@ def main() -> None:
     parser.add_argument("--batches", nargs="*", type=int, default=[1, 4])
     parser.add_argument("--mask", default="dense", help="the mask of the build checked against torch")
     parser.add_argument("--target", default="cuda", help="cuda on the GPU machine; llvm to try it here")
+    parser.add_argument("--export-dtype", choices=("float32", "float16"), default="float32",
+                        help="float16: export each model after model.half(), as users do for GPU inference")
     parser.add_argument("--work", default=os.path.join("out", "families"), help="export cache")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--save", metavar="DIR", help="build here and save artifacts, inputs and references to DIR "
@@ -198,7 +207,8 @@ def main() -> None:
                 _write_json(rows, args.json)
     else:
         for family in args.families:
-            rows += check_family(family, args.exporter, args.batches, args.mask, args.work, args.target, args.save)
+            rows += check_family(family, args.exporter, args.batches, args.mask, args.work, args.target, args.save,
+                                 args.export_dtype)
             _write_json(rows, args.json)
     print(f"{len(rows)} saved" if args.save else f"{sum(r.get('ok', False) for r in rows)}/{len(rows)} ok")
 

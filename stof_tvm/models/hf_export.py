@@ -282,17 +282,22 @@ def torch_outputs(model, inputs: dict) -> np.ndarray:
 
 def export(model_or_family, path, *, exporter: str = "torchscript", opset: int = 17, batch: int = 2,
            seq_len: int = 64, dynamic: bool = False, size: str = "tiny", attn: str = "eager",
-           seed: int = 0):
-    """Export a model (a :func:`build_model` result, or a family name built with ``size``/``attn``/``seed``)
-    to ``path`` with torch's ``exporter`` at ``opset``, traced on :func:`example_inputs` of ``batch`` x
-    ``seq_len``. ``dynamic``: the batch and sequence axes (ViT: the batch) become symbolic, named ``batch``
-    and ``sequence``. Returns ``path``. Raises whatever torch raises when the exporter cannot export the
-    model (the corpus records those as not exportable)."""
+           seed: int = 0, dtype: str = "float32"):
+    """Export a model (a :func:`build_model` result, or a family name built with ``size``/``attn``/``seed``, in
+    ``dtype``: ``float16`` exports it after ``model.half()``, as users do for GPU inference) to ``path`` with
+    torch's ``exporter`` at ``opset``, traced on :func:`example_inputs` of ``batch`` x ``seq_len``. ``dynamic``:
+    the batch and sequence axes (ViT: the batch) become symbolic, named ``batch`` and ``sequence``. Returns
+    ``path``. Raises whatever torch raises when the exporter cannot export the model (the corpus records those as
+    not exportable)."""
     import torch
 
     if exporter not in EXPORTERS:
         raise ValueError(f"exporter: expected one of {EXPORTERS}, got {exporter!r}")
+    if dtype not in ("float32", "float16"):
+        raise ValueError(f"dtype: expected float32 or float16, got {dtype!r}")
     model = build_model(model_or_family, size, attn, seed) if isinstance(model_or_family, str) else model_or_family
+    if dtype == "float16":
+        model = model.half()
     family = _family_of(model)
     args = _torch_args(model, example_inputs(family, batch, seq_len, seed=seed, size=size))
     names = list(model.input_names)
@@ -332,17 +337,21 @@ def export_key(**params) -> str:
 
 
 def cached_export(cache_dir, family: str, *, size: str = "tiny", attn: str = "eager", exporter: str = "torchscript",
-                  opset: int = 17, batch: int = 2, seq_len: int = 64, dynamic: bool = False, seed: int = 0) -> str:
+                  opset: int = 17, batch: int = 2, seq_len: int = 64, dynamic: bool = False, seed: int = 0,
+                  dtype: str = "float32") -> str:
     """:func:`export` of ``family`` into ``cache_dir`` unless an export with the same parameters (and torch and
     transformers versions) is already there; returns the ONNX path. A failed export is not cached."""
     params = dict(family=family, size=size, attn=attn, exporter=exporter, opset=opset, batch=batch,
                   seq_len=seq_len, dynamic=dynamic, seed=seed)
-    stem = f"{family}-{size}-{attn}-{exporter}{opset}-{'dyn' if dynamic else 'static'}-{export_key(**params)}"
+    if dtype != "float32":          # float32 exports keep the keys they had before the parameter existed
+        params["dtype"] = dtype
+    stem = (f"{family}-{size}-{attn}-{exporter}{opset}-{'dyn' if dynamic else 'static'}"
+            f"{'-' + dtype if dtype != 'float32' else ''}-{export_key(**params)}")
     path = os.path.join(os.fspath(cache_dir), stem, "model.onnx")
     if not os.path.isfile(path):
         tmp = os.path.join(os.fspath(cache_dir), stem + f".tmp{os.getpid()}", "model.onnx")
         export(family, tmp, exporter=exporter, opset=opset, batch=batch, seq_len=seq_len, dynamic=dynamic,
-               size=size, attn=attn, seed=seed)
+               size=size, attn=attn, seed=seed, dtype=dtype)
         try:
             os.replace(os.path.dirname(tmp), os.path.dirname(path))
         except OSError:             # another process cached it first
