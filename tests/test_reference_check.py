@@ -141,12 +141,12 @@ def test_a_model_exported_in_float16_checks(tmp_path, capsys):
     ``--check`` holds them to the 16-bit tolerance."""
     torch = pytest.importorskip("torch", reason="the export needs torch (pip install -e '.[test]')")
     pytest.importorskip("transformers", reason="the export needs transformers")
-    from stof_tvm.models.hf_export import build_model, export
+    from stof_tvm.models.hf_export import export
 
     path = str(tmp_path / "bert_half.onnx")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        export(build_model("bert").half(), path, batch=1, seq_len=32)
+        export("bert", path, batch=1, seq_len=32, dtype="float16")
     model = onnx.load(path)
     assert {init.data_type for init in model.graph.initializer} >= {TensorProto.FLOAT16}
     masked = masked_model(model, np.tril(np.ones((32, 32), bool)),
