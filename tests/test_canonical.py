@@ -157,6 +157,27 @@ def test_no_op_casts_removed():
     assert _ops(out).count("relax.astype") == 2
 
 
+def test_round_trip_casts_through_a_wider_type_removed():
+    """A float16 model's softmax asked for in float32: ``Softmax`` (float16) -> float32 -> float16 is the softmax
+    itself; a narrowing round trip (float32 -> float16 -> float32 rounds) and a trip into another type (float16 ->
+    float32 -> bfloat16) stay."""
+    def exact(bb, x):
+        p = bb.emit(relax.op.nn.softmax(x, axis=-1))
+        return relax.op.astype(bb.emit(relax.op.astype(p, F32)), "float16")
+
+    out = _check(activations.RoundTripCasts(), _function([_tensor("x", (4, 8), "float16")], exact),
+                 ["relax.nn.softmax"], ["relax.astype"])
+    assert _ops(out) == ["relax.nn.softmax"]
+
+    def kept(bb, x, h):
+        rounded = relax.op.astype(bb.emit(relax.op.astype(x, "float16")), F32)
+        other = relax.op.astype(bb.emit(relax.op.astype(h, F32)), "bfloat16")
+        return relax.Tuple([bb.emit(rounded), bb.emit(other)])
+
+    func = _function([_tensor("x", (4, 8)), _tensor("h", (4, 8), "float16")], kept)
+    assert activations.RoundTripCasts().apply(func) is None
+
+
 # ---- attention --------------------------------------------------------------------------------------------
 
 def _attention(scale_form="scores", mask_form=None, fill=FMIN, guard=False):

@@ -148,6 +148,22 @@ def test_export_compiles_and_matches_torch(hf_corpus, case, dtype, shape):
         assert art.manifest["attention"]["sites"] == 2 and not fallbacks       # both layers on a stof-tvm kernel
 
 
+@pytest.mark.parametrize("family", ["vit", "mistral", "gpt2"])
+def test_an_export_made_after_model_half_keeps_its_attention_on_the_kernels(hf_export, family):
+    """Exported after ``model.half()`` (TorchScript 17, as users export for GPU inference): ViT's and Mistral's
+    eager attention asks for its softmax in float32, which comes out as Softmax -> Cast(float) -> Cast(float16);
+    both layers still reach stof-tvm's attention kernel, and the module matches the torch model of the same float16
+    weights computed in float32."""
+    art, model, fallbacks = _compiled(hf_export(family, "eager", "torchscript", 17, False, dtype="float16"), family,
+                                      "float16", BATCH, SEQ)
+    assert art.manifest["attention"]["sites"] == 2 and not fallbacks
+    inputs = hx.example_inputs(family, BATCH, SEQ)
+    expected = hx.torch_outputs(hx.build_model(family).half().float(), inputs)
+    out = model(inputs)["last_hidden_state"]
+    kept = inputs["attention_mask"].astype(bool) if family in QUERY_MASKED else np.ones(out.shape[:2], bool)
+    assert np.isfinite(out).all() and _rel(out[kept], expected[kept]) < FP16_TOL
+
+
 SPARSE_MASK = "bigbird:window=8,globals=8,block=8,density=0.2"
 SPARSE_CASES = [("bert", "eager", "torchscript", 17, False), ("gpt2", "sdpa", "dynamo", 18, False),
                 ("t5", "sdpa", "torchscript", 17, False), ("roberta", "sdpa", "dynamo", 23, True),

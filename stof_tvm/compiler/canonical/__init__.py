@@ -16,7 +16,8 @@ The canonical form (see each module for its rules and their exactness):
   rather than on a [B*H, ...] view of them, no one-tensor ``concat``, linear
   layers on their input's own shape, a vision transformer's patch conv as a linear layer on the image's patches;
 - activations (:mod:`.activations`): ``nn.gelu`` (exact) and ``nn.gelu_tanh`` (tanh approximation) as operators,
-  integer powers as products, no cast to the dtype a tensor already has;
+  integer powers as products, no cast to the dtype a tensor already has nor a cast there and back through a wider
+  type;
 - constants (:mod:`.constants`): no large constant that merely repeats one slice (folding's broadcast tensors).
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from .activations import GeluErf, GeluTanh, IntegerPowers, NoOpCasts
+from .activations import GeluErf, GeluTanh, IntegerPowers, NoOpCasts, RoundTripCasts
 from .attention import FiniteFill, NanGuard, SelectMask, SplitScale
 from .base import Rule
 from .constants import RepeatedConstant
@@ -32,8 +33,8 @@ from .layout import FlatHeads, FlatLinear, PatchEmbedding, PermutePairs, SingleC
 
 # Order matters only for speed (each rule runs until no rule changes anything): the casts and layout detours
 # first, so that the attention rules see adjacent operators.
-RULES: list[Rule] = [NoOpCasts(), SingleConcat(), TransposeThrough3D(), PermutePairs(), FlatHeads(), FlatLinear(),
-                     PatchEmbedding(),
+RULES: list[Rule] = [NoOpCasts(), RoundTripCasts(), SingleConcat(), TransposeThrough3D(), PermutePairs(), FlatHeads(),
+                     FlatLinear(), PatchEmbedding(),
                      SplitScale(), SelectMask(), FiniteFill(), NanGuard(), GeluErf(), GeluTanh(), IntegerPowers(),
                      RepeatedConstant()]
 MAX_ROUNDS = 8
@@ -65,5 +66,5 @@ def canonicalize(mod: tvm.IRModule, rules: list[Rule] | None = None) -> tvm.IRMo
 
 
 __all__ = ["RULES", "Rule", "canonicalize", "canonicalize_function", "GeluErf", "GeluTanh", "IntegerPowers",
-           "NoOpCasts", "RepeatedConstant", "FiniteFill", "NanGuard", "SelectMask", "SplitScale", "FlatLinear",
-           "PatchEmbedding", "PermutePairs", "SingleConcat", "TransposeThrough3D", "FlatHeads"]
+           "NoOpCasts", "RoundTripCasts", "RepeatedConstant", "FiniteFill", "NanGuard", "SelectMask", "SplitScale",
+           "FlatLinear", "PatchEmbedding", "PermutePairs", "SingleConcat", "TransposeThrough3D", "FlatHeads"]

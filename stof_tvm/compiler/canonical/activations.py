@@ -189,4 +189,33 @@ class NoOpCasts(Rule):
         return rewrite_matches(self.pattern, rewrite, func)
 
 
-__all__ = ["IntegerPowers", "GeluErf", "GeluTanh", "NoOpCasts", "gelu_erf_reference", "gelu_tanh_reference"]
+# dtype -> the dtypes that hold each of its values exactly (a cast there and back is the identity)
+EXACT_WIDENINGS = {"float16": ("float32", "float64"), "bfloat16": ("float32", "float64"), "float32": ("float64",),
+                   "int8": ("int16", "int32", "int64"), "int16": ("int32", "int64"), "int32": ("int64",)}
+
+
+class RoundTripCasts(Rule):
+    """``astype(astype(x, wide), d)`` where ``x`` is ``d`` and ``wide`` holds every value of ``d`` exactly -> ``x``:
+    a model exported after ``model.half()`` whose attention asks for its softmax in float32 (HF ViT's, Mistral's
+    and Llama-style eager attention) comes out of TorchScript as ``Softmax`` (float16) -> ``Cast`` to float ->
+    ``Cast`` back to float16 before the P V product."""
+
+    name = "round_trip_casts"
+    _x = wildcard()
+    _widened = is_op("relax.astype")(_x)
+    pattern = is_op("relax.astype")(_widened)
+
+    def apply(self, func):
+        def rewrite(expr, matches):
+            x = matches[self._x]
+            ty = getattr(x, "ty", None)
+            wide = str(matches[self._widened].attrs.dtype)
+            if not isinstance(ty, relax.TensorType) or str(ty.dtype) != str(expr.attrs.dtype):
+                return None
+            return x if wide in EXACT_WIDENINGS.get(str(ty.dtype), ()) else None
+
+        return rewrite_matches(self.pattern, rewrite, func)
+
+
+__all__ = ["IntegerPowers", "GeluErf", "GeluTanh", "NoOpCasts", "RoundTripCasts", "EXACT_WIDENINGS",
+           "gelu_erf_reference", "gelu_tanh_reference"]
