@@ -4,7 +4,8 @@ The corpus (tests/test_hf_exports.py) checks every family on ``llvm``; this runs
 build on the GPU machine. Per family (tiny seeded configs, :mod:`stof_tvm.models.hf_export`; head dims 16-256):
 
 1. export once with dynamic batch and sequence axes (``--exporter``: TorchScript at opset 17 or dynamo at 23;
-   ``--export-dtype float16``: after ``model.half()``, the reference then the float16 weights computed in float32);
+   ``--export-dtype float16`` / ``bfloat16``: after ``model.to(dtype)``, the reference then those weights computed
+   in float32);
 2. compile it for ``cuda`` in float16 with ``--mask`` (``dense``: the torch model is the reference as it is) at
    each batch of ``--batches`` (1 and 4 by default), and twice with a sparse BigBird mask (below);
 3. call ``model(input_ids=..., attention_mask=...)`` with torch CUDA tensors whose last row is padded, and check
@@ -67,9 +68,11 @@ BUILDS = (("dense", None, "auto"), ("sparse", SPARSE_MASK, "auto"), ("sparse_ref
 
 def build_family(family: str, exporter: str, batch: int, mask: str, work: str, target: str = "cuda",
                  export_dtype: str = "float32"):
-    """Export ``family`` (cached; in ``export_dtype``: ``float16`` after ``model.half()``), compile its three
-    builds at ``batch`` (:data:`BUILDS`; ``None`` = ``mask``) and compute the torch float32 reference (of the
-    float16 weights, for a float16 export). Returns (row, inputs, reference, kept, artifacts by label)."""
+    """Export ``family`` (cached; in ``export_dtype``, after ``model.to(export_dtype)``), compile its three builds
+    at ``batch`` (:data:`BUILDS`; ``None`` = ``mask``) and compute the torch float32 reference (of the 16-bit
+    weights, for a 16-bit export). Returns (row, inputs, reference, kept, artifacts by label)."""
+    import torch
+
     import stof_tvm
     from stof_tvm.models import hf_export as hx
 
@@ -78,11 +81,12 @@ def build_family(family: str, exporter: str, batch: int, mask: str, work: str, t
     path = hx.cached_export(work, family, attn=attn, exporter=exporter, opset=opset, dynamic=True,
                             dtype=export_dtype)
     seq = hx.sequence_length(family, "tiny", SEQ)
-    row = {"family": family, "exporter": f"{exporter}{opset}" + ("-fp16" if export_dtype == "float16" else ""),
+    suffix = {"float16": "-fp16", "bfloat16": "-bf16"}.get(export_dtype, "")
+    row = {"family": family, "exporter": f"{exporter}{opset}{suffix}",
            "batch": batch, "seq": seq}
     inputs = hx.example_inputs(family, batch, seq)
     model = hx.build_model(family, "tiny", "eager")
-    reference = hx.torch_outputs(model.half().float() if export_dtype == "float16" else model, inputs)
+    reference = hx.torch_outputs(model.to(getattr(torch, export_dtype)).float(), inputs)
     kept = (inputs["attention_mask"].astype(bool) if "attention_mask" in inputs
             else np.ones(reference.shape[:2], bool))
     artifacts = {}
@@ -190,8 +194,9 @@ def main() -> None:
     parser.add_argument("--batches", nargs="*", type=int, default=[1, 4])
     parser.add_argument("--mask", default="dense", help="the mask of the build checked against torch")
     parser.add_argument("--target", default="cuda", help="cuda on the GPU machine; llvm to try it here")
-    parser.add_argument("--export-dtype", choices=("float32", "float16"), default="float32",
-                        help="float16: export each model after model.half(), as users do for GPU inference")
+    parser.add_argument("--export-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                        help="float16 / bfloat16: export each model after model.to(dtype), as users do for GPU "
+                        "inference")
     parser.add_argument("--work", default=os.path.join("out", "families"), help="export cache")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--save", metavar="DIR", help="build here and save artifacts, inputs and references to DIR "

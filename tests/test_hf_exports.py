@@ -30,7 +30,7 @@ import warnings
 import numpy as np
 import pytest
 
-pytest.importorskip("torch", reason="the corpus needs torch (pip install -e '.[test]')")
+torch = pytest.importorskip("torch", reason="the corpus needs torch (pip install -e '.[test]')")
 pytest.importorskip("transformers", reason="the corpus needs transformers (pip install -e '.[test]')")
 
 import stof_tvm                                      # noqa: E402
@@ -148,18 +148,24 @@ def test_export_compiles_and_matches_torch(hf_corpus, case, dtype, shape):
         assert art.manifest["attention"]["sites"] == 2 and not fallbacks       # both layers on a stof-tvm kernel
 
 
-@pytest.mark.parametrize("family", ["vit", "mistral", "gpt2"])
-def test_an_export_made_after_model_half_keeps_its_attention_on_the_kernels(hf_export, family):
-    """Exported after ``model.half()`` (TorchScript 17, as users export for GPU inference): ViT's and Mistral's
-    eager attention asks for its softmax in float32, which comes out as Softmax -> Cast(float) -> Cast(float16);
-    both layers still reach stof-tvm's attention kernel, and the module matches the torch model of the same float16
-    weights computed in float32."""
-    art, model, fallbacks = _compiled(hf_export(family, "eager", "torchscript", 17, False, dtype="float16"), family,
-                                      "float16", BATCH, SEQ)
-    assert art.manifest["attention"]["sites"] == 2 and not fallbacks
+@pytest.mark.parametrize("family, export_dtype", [("vit", "float16"), ("mistral", "float16"), ("gpt2", "float16"),
+                                                  ("bert", "bfloat16"), ("mistral", "bfloat16")])
+def test_an_export_made_after_model_to_16_bits_keeps_its_attention_on_the_kernels(hf_export, family, export_dtype):
+    """Exported after ``model.to(float16 or bfloat16)`` (TorchScript 17, as users export for GPU inference). ViT's
+    and Mistral's eager attention asks for its softmax in float32, which comes out as Softmax -> Cast(float) ->
+    Cast(back); a bfloat16 model (TVM builds no bfloat16 LayerNorm) is widened to float32 with a warning. Both
+    layers still reach stof-tvm's attention kernel, and the float16 module matches the torch model of the same
+    16-bit weights computed in float32."""
+    path = hf_export(family, "eager", "torchscript", 17, False, dtype=export_dtype)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        art = stof_tvm.compile(path, mask="dense", batch=BATCH, seq_len=SEQ, target="llvm", dtype="float16")
+    messages = [str(w.message) for w in caught]
+    assert sum("bfloat16 tensors are widened to float32" in m for m in messages) == (export_dtype == "bfloat16")
+    assert art.manifest["attention"]["sites"] == 2 and not any("default pipeline" in m for m in messages)
     inputs = hx.example_inputs(family, BATCH, SEQ)
-    expected = hx.torch_outputs(hx.build_model(family).half().float(), inputs)
-    out = model(inputs)["last_hidden_state"]
+    expected = hx.torch_outputs(hx.build_model(family).to(getattr(torch, export_dtype)).float(), inputs)
+    out = art.load()(inputs)["last_hidden_state"]
     kept = inputs["attention_mask"].astype(bool) if family in QUERY_MASKED else np.ones(out.shape[:2], bool)
     assert np.isfinite(out).all() and _rel(out[kept], expected[kept]) < FP16_TOL
 

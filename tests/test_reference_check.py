@@ -139,7 +139,7 @@ def test_a_model_exported_in_float16_checks(tmp_path, capsys):
     the reference writes the mask's lowest value and zero in float16 (onnx's ``Where`` refuses mixed types: "x and y
     should share the same dtype float16 != float32"), and its outputs are float16 whatever the compile dtype, so
     ``--check`` holds them to the 16-bit tolerance."""
-    torch = pytest.importorskip("torch", reason="the export needs torch (pip install -e '.[test]')")
+    pytest.importorskip("torch", reason="the export needs torch (pip install -e '.[test]')")
     pytest.importorskip("transformers", reason="the export needs transformers")
     from stof_tvm.models.hf_export import export
 
@@ -155,3 +155,19 @@ def test_a_model_exported_in_float16_checks(tmp_path, capsys):
     assert [init.data_type for init in lowest] == [TensorProto.FLOAT16]
     printed = compile_and_check(path, tmp_path, capsys)
     assert "float16" in printed and "tolerance 0.02" in printed and "PASS" in printed
+
+
+def test_a_model_exported_in_bfloat16_checks_against_its_weights_in_float32(tmp_path, capsys):
+    """A model exported after ``model.to(torch.bfloat16)``: the compiler widens it to float32 (with a warning), and
+    ``--check``'s reference is the same widened model, so a float32 build on llvm is held to float32's tolerance."""
+    pytest.importorskip("torch", reason="the export needs torch (pip install -e '.[test]')")
+    pytest.importorskip("transformers", reason="the export needs transformers")
+    from stof_tvm.models.hf_export import export
+
+    path = str(tmp_path / "bert_bf16.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export("bert", path, batch=1, seq_len=32, dtype="bfloat16")
+    with pytest.warns(UserWarning, match="bfloat16 tensors are widened to float32"):
+        printed = compile_and_check(path, tmp_path, capsys)
+    assert "float32" in printed and "tolerance 0.0001" in printed and "PASS" in printed

@@ -53,6 +53,7 @@ from .record_calls import record_calls
 from .relative_bias_match import TiledAttention, fuse_relative_biases
 from .rewrite import rewrite_attention
 from .weight_storage import store_weights_float16, stored_values
+from .widen_bfloat16 import widen_bfloat16
 
 DTYPES = ("float32", "float16")
 TRANSFORM_PARAMS = "main_transform_params"
@@ -212,7 +213,10 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
         raise ValueError("templates: the fusion templates need dtype='float16'")
     tvm_target = make_target(tspec)
 
-    onnx_model = load_model(model)
+    onnx_model, widened = widen_bfloat16(load_model(model))
+    if widened:
+        warnings.warn(f"model: its bfloat16 tensors are widened to float32 (TVM builds no bfloat16 LayerNorm) and "
+                      f"computed in {dtype}; its float outputs are not bfloat16", stacklevel=2)
     mod, inputs, weights = import_onnx(onnx_model, batch, seq_len)
     outputs = _output_specs(mod["main"], output_names(onnx_model))
     # one form of every exporter's spelling; the folds TVM would build a kernel for each are done in numpy first.

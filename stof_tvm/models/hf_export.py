@@ -280,24 +280,26 @@ def torch_outputs(model, inputs: dict) -> np.ndarray:
         return model.float()(*_torch_args(model, inputs)).numpy().astype(np.float32)
 
 
+EXPORT_DTYPES = ("float32", "float16", "bfloat16")
+
+
 def export(model_or_family, path, *, exporter: str = "torchscript", opset: int = 17, batch: int = 2,
            seq_len: int = 64, dynamic: bool = False, size: str = "tiny", attn: str = "eager",
            seed: int = 0, dtype: str = "float32"):
     """Export a model (a :func:`build_model` result, or a family name built with ``size``/``attn``/``seed``, in
-    ``dtype``: ``float16`` exports it after ``model.half()``, as users do for GPU inference) to ``path`` with
-    torch's ``exporter`` at ``opset``, traced on :func:`example_inputs` of ``batch`` x ``seq_len``. ``dynamic``:
-    the batch and sequence axes (ViT: the batch) become symbolic, named ``batch`` and ``sequence``. Returns
-    ``path``. Raises whatever torch raises when the exporter cannot export the model (the corpus records those as
-    not exportable)."""
+    ``dtype``: ``float16`` or ``bfloat16`` export it after ``model.to(dtype)``, as users do for GPU inference) to
+    ``path`` with torch's ``exporter`` at ``opset``, traced on :func:`example_inputs` of ``batch`` x ``seq_len``.
+    ``dynamic``: the batch and sequence axes (ViT: the batch) become symbolic, named ``batch`` and ``sequence``.
+    Returns ``path``. Raises whatever torch raises when the exporter cannot export the model (the corpus records
+    those as not exportable)."""
     import torch
 
     if exporter not in EXPORTERS:
         raise ValueError(f"exporter: expected one of {EXPORTERS}, got {exporter!r}")
-    if dtype not in ("float32", "float16"):
-        raise ValueError(f"dtype: expected float32 or float16, got {dtype!r}")
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype: expected one of {EXPORT_DTYPES}, got {dtype!r}")
     model = build_model(model_or_family, size, attn, seed) if isinstance(model_or_family, str) else model_or_family
-    if dtype == "float16":
-        model = model.half()
+    model = model.to(getattr(torch, dtype))
     family = _family_of(model)
     args = _torch_args(model, example_inputs(family, batch, seq_len, seed=seed, size=size))
     names = list(model.input_names)
@@ -359,5 +361,5 @@ def cached_export(cache_dir, family: str, *, size: str = "tiny", attn: str = "ea
     return path
 
 
-__all__ = ["FAMILIES", "TINY_ONLY", "SIZES", "EXPORTERS", "ATTENTIONS", "attention_kinds", "make_config", "build_model",
-           "example_inputs", "sequence_length", "torch_outputs", "export", "export_key", "cached_export"]
+__all__ = ["FAMILIES", "TINY_ONLY", "SIZES", "EXPORTERS", "EXPORT_DTYPES", "ATTENTIONS", "attention_kinds",
+           "make_config", "build_model", "example_inputs", "sequence_length", "torch_outputs", "export", "export_key", "cached_export"]
