@@ -134,19 +134,24 @@ def test_bert_with_its_pooler_through_the_dynamo_exporter_checks(tmp_path, capsy
     assert printed.count("PASS") == 2 and "FAIL" not in printed
 
 
+def tiny_bert_export(tmp_path, dtype: str) -> str:
+    """The corpus's tiny BERT exported by TorchScript at 1 x 32 after ``model.to(dtype)``; its path."""
+    pytest.importorskip("torch", reason="the export needs torch (pip install -e '.[test]')")
+    pytest.importorskip("transformers", reason="the export needs transformers")
+    from stof_tvm.models.hf_export import export
+
+    path = str(tmp_path / f"bert_{dtype}.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return export("bert", path, batch=1, seq_len=32, dtype=dtype)
+
+
 def test_a_model_exported_in_float16_checks(tmp_path, capsys):
     """A model users exported after ``model.half()`` (TorchScript, opset 17): its attention scores are float16, so
     the reference writes the mask's lowest value and zero in float16 (onnx's ``Where`` refuses mixed types: "x and y
     should share the same dtype float16 != float32"), and its outputs are float16 whatever the compile dtype, so
     ``--check`` holds them to the 16-bit tolerance."""
-    pytest.importorskip("torch", reason="the export needs torch (pip install -e '.[test]')")
-    pytest.importorskip("transformers", reason="the export needs transformers")
-    from stof_tvm.models.hf_export import export
-
-    path = str(tmp_path / "bert_half.onnx")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        export("bert", path, batch=1, seq_len=32, dtype="float16")
+    path = tiny_bert_export(tmp_path, "float16")
     model = onnx.load(path)
     assert {init.data_type for init in model.graph.initializer} >= {TensorProto.FLOAT16}
     masked = masked_model(model, np.tril(np.ones((32, 32), bool)),
@@ -160,14 +165,7 @@ def test_a_model_exported_in_float16_checks(tmp_path, capsys):
 def test_a_model_exported_in_bfloat16_checks_against_its_weights_in_float32(tmp_path, capsys):
     """A model exported after ``model.to(torch.bfloat16)``: the compiler widens it to float32 (with a warning), and
     ``--check``'s reference is the same widened model, so a float32 build on llvm is held to float32's tolerance."""
-    pytest.importorskip("torch", reason="the export needs torch (pip install -e '.[test]')")
-    pytest.importorskip("transformers", reason="the export needs transformers")
-    from stof_tvm.models.hf_export import export
-
-    path = str(tmp_path / "bert_bf16.onnx")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        export("bert", path, batch=1, seq_len=32, dtype="bfloat16")
+    path = tiny_bert_export(tmp_path, "bfloat16")
     with pytest.warns(UserWarning, match="bfloat16 tensors are widened to float32"):
         printed = compile_and_check(path, tmp_path, capsys)
     assert "float32" in printed and "tolerance 0.0001" in printed and "PASS" in printed
