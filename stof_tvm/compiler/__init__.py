@@ -216,7 +216,8 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     onnx_model, widened = widen_bfloat16(load_model(model))
     if widened:
         warnings.warn(f"model: its bfloat16 tensors are widened to float32 (TVM builds no bfloat16 LayerNorm) and "
-                      f"computed in {dtype}; its float outputs are not bfloat16", stacklevel=2)
+                      f"computed in {dtype}; a bfloat16 input is taken as float32, and its float outputs are not "
+                      f"bfloat16", stacklevel=2)
     mod, inputs, weights = import_onnx(onnx_model, batch, seq_len)
     outputs = _output_specs(mod["main"], output_names(onnx_model))
     # one form of every exporter's spelling; the folds TVM would build a kernel for each are done in numpy first.
