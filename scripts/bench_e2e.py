@@ -573,7 +573,11 @@ def measure_row(args, row: "Row") -> None:
     data["mask_applied"] = args.mask + (" AND causal" if causal else "") + (" + bias" if biased else "")
 
     onnx_path = work_dir / "model.onnx"
-    row.stage("export", e2e_models.export, model32, sets[0], str(onnx_path), args.opset)
+    # --export-dtype float16: the ONNX file users make after model.half() (the same float16 weights ours stores)
+    exported = (model32 if args.export_dtype == "float32"
+                else copy.deepcopy(model32).to(getattr(torch, args.export_dtype)))
+    row.stage("export", e2e_models.export, exported, sets[0], str(onnx_path), args.opset)
+    del exported
     jobs = {}
     if onnx_path.exists():
         for stage in COMPILED + variant_stages(args):
@@ -780,6 +784,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--export-attn", choices=("eager", "sdpa"), default="eager",
                    help="attn_implementation of the model exported to ONNX (default eager)")
     p.add_argument("--opset", type=int, default=17)
+    p.add_argument("--export-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                   help="export the model after model.to(this dtype), as users exporting for GPU inference do")
     p.add_argument("--ort-cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                    help="onnxruntime's CUDA EP replays the forward as a CUDA graph (default on; shapes are static)")
     p.add_argument("--ort-mask", choices=("index", "none"), default="index",
