@@ -264,6 +264,26 @@ def test_every_family_builds_for_cuda(hf_corpus, case):
         assert attention["accelerated"] == attention["total"] > 0, attention
 
 
+@pytest.mark.parametrize("family", ["roberta", "vit"])
+@pytest.mark.parametrize("export_dtype", ["float16", "bfloat16"])
+def test_a_16_bit_export_gets_the_templates_of_the_float32_export(hf_export, family, export_dtype):
+    """The CUDA build of an export made after ``model.to(float16 / bfloat16)`` calls the same fusion templates
+    as the float32 export's: GELU fused into its GEMM although its constants are 16-bit (sqrt(2) as 1.4141), and
+    each residual sum's LayerNorm on the GEMM + bias + residual + LayerNorm chain (the QKV projection once
+    computed its input LayerNorm a second time, from the sum, which then had two readers). On the H100 the
+    float16 RoBERTa-base at 8 x 512 ran 1.745 ms against the float32 export's 1.499 before both fixes."""
+    calls = {}
+    for dtype in ("float32", export_dtype):
+        path = hf_export(family, "eager", "torchscript", 17, False, dtype=dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            art = stof_tvm.compile(path, mask=SPARSE_MASK, batch=BATCH, seq_len=hx.sequence_length(family, "tiny", SEQ),
+                                   target="cuda", dtype="float16")
+        calls[dtype] = art.manifest["templates"]["calls"]
+    assert calls[export_dtype] == calls["float32"]
+    assert any(name.startswith("gemm_bias_gelu") for name in calls["float32"])
+
+
 @pytest.mark.parametrize("names", [("input_ids_dynamic_axes_1", "input_ids_dynamic_axes_2"), ("s72", "s53")],
                          ids=["torchscript-list-axes", "dynamo-dim-auto"])
 def test_dynamic_axes_named_by_the_exporter_resolve_by_position(hf_export, tmp_path, names):

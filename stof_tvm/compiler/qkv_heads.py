@@ -37,13 +37,17 @@ def _find_qkv(func: relax.Function, users: dict) -> list[_QKVGroup]:
     after the third), and single linears whose [..., 3 * H * D] output is split into thirds that are each split
     into heads (GPT-2's ``c_attn``: its weight already is the concatenated one)."""
     var2val = relax.analysis.get_var2val(func)
-    order, by_x, fused = {}, [], []
+    order, by_x, fused, bound = {}, [], [], {}
     for block in func.body.blocks:
         for binding in block.bindings:
             order[binding.var] = len(order)
+            bound[binding.value] = binding.var
             matches = ANY_LINEAR.extract_matched_expr(binding.value, var2val)
             if matches is None or linear_dims(matches, str(binding.value.ty.dtype)) is None:
                 continue
+            # X as the variable that holds it: the matcher hands back the bound value (a float16 export's LayerNorm
+            # call), which the template's input would otherwise compute a second time
+            matches = {**matches, LINEAR_X: bound.get(matches[LINEAR_X], matches[LINEAR_X])}
             split = _head_split(binding.var, users)
             if split is None:
                 thirds = _split_thirds(binding.var, users)

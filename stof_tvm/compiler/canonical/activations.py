@@ -61,7 +61,11 @@ _BINARY = {"relax.add": np.add, "relax.subtract": np.subtract, "relax.multiply":
            "relax.divide": np.divide, "relax.power": np.power}
 MAX_NODES = 24
 SAMPLES = np.concatenate([np.linspace(-8.0, 8.0, 65), [-0.3, -0.01, 0.01, 0.3, 1.7]])
-TOLERANCE = 1e-6    # float32-rounded constants (sqrt(2) as 1.4142135) are within 1e-7; exact vs tanh GELU: 2e-4
+# how far a spelling may compute from the reference: its constants rounded to float32 put it within 1e-7, to 16 bits
+# (a model exported in float16 or bfloat16; widened from bfloat16, they are float32 values still rounded so) up to
+# 3.3e-4 (the tanh form's sqrt(2/pi) and 0.044715 in bfloat16). The exact and the tanh GELU, 4.7e-4 apart on
+# SAMPLES, are told apart by their special operator (erf / tanh), not by this bound.
+TOLERANCE = 1e-3
 
 
 def gelu_erf_reference(x: np.ndarray) -> np.ndarray:
