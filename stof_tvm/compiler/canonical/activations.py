@@ -7,7 +7,7 @@
   (TorchScript's ``x * (erf(x / sqrt2) + 1) * 0.5``, the dynamo exporter's ``x * (0.5 * (erf(..) + 1))``,
   ``gelu_new``'s ``0.5 * x * (1 + tanh(c * (x + 0.044715 * pow(x, 3))))``, ...) -> ``nn.gelu`` / ``nn.gelu_tanh``,
   the operators the importer makes of ONNX's ``Gelu`` (opset 20+). The two stay distinct: they differ by up to
-  2e-4, which a wrong substitution would hide at 1e-3.
+  4.7e-4, which a wrong substitution would hide at 1e-3, so each rule needs its own special operator (erf / tanh).
 
 A GELU is recognised by what it computes, not by its operand order: the elementwise expression tree under a
 ``multiply`` (through single-tensor ``add``/``subtract``/``multiply``/``divide``/``power``/``sqrt``/``erf``/
