@@ -39,8 +39,8 @@ def model_inputs(model, path: str | None, seed: int = 0) -> dict[str, np.ndarray
 
 
 def source_model(manifest: dict):
-    """The ONNX model an artifact was compiled from (regenerated for built-ins; a bfloat16 model widened to float32
-    as the compiler widened it, so that the reference is its exact weights in float32)."""
+    """The ONNX model an artifact was compiled from (regenerated for built-ins; a 16-bit model widened to float32,
+    so that the reference is its exact weights computed in float32)."""
     source = manifest.get("source", {})
     if "builtin" in source:
         from stof_tvm.models import builtin_model
@@ -49,9 +49,10 @@ def source_model(manifest: dict):
     if "path" in source and os.path.isfile(source["path"]):
         import onnx
 
-        from stof_tvm.compiler.widen_bfloat16 import widen_bfloat16
+        from stof_tvm.compiler.widen_floats import reference_types, widen
 
-        return widen_bfloat16(onnx.load(source["path"]))[0]
+        model = onnx.load(source["path"])
+        return widen(model, reference_types(model))[0]
     raise ValueError("--check: the artifact does not record where its ONNX model is (compiled from a ModelProto?)")
 
 

@@ -53,7 +53,7 @@ from .record_calls import record_calls
 from .relative_bias_match import TiledAttention, fuse_relative_biases
 from .rewrite import rewrite_attention
 from .weight_storage import store_weights_float16, stored_values
-from .widen_bfloat16 import widen_bfloat16
+from .widen_floats import BFLOAT16, NAMES as FLOAT_NAMES, types_to_widen, widen
 
 DTYPES = ("float32", "float16")
 TRANSFORM_PARAMS = "main_transform_params"
@@ -213,11 +213,14 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
         raise ValueError("templates: the fusion templates need dtype='float16'")
     tvm_target = make_target(tspec)
 
-    onnx_model, widened = widen_bfloat16(load_model(model))
+    onnx_model = load_model(model)
+    onnx_model, widened = widen(onnx_model, types_to_widen(onnx_model, dtype))
     if widened:
-        warnings.warn(f"model: its bfloat16 tensors are widened to float32 (TVM builds no bfloat16 LayerNorm) and "
-                      f"computed in {dtype}; a bfloat16 input is taken as float32, and its float outputs are not "
-                      f"bfloat16", stacklevel=2)
+        kinds = " and ".join(FLOAT_NAMES[t] for t in sorted(widened))
+        why = ("TVM builds no bfloat16 LayerNorm" if widened == {BFLOAT16} else
+               "to compute in dtype float32; dtype='float16' computes in 16 bits")
+        warnings.warn(f"model: its {kinds} tensors are widened to float32 ({why}) and computed in {dtype}; a "
+                      f"{kinds} input is taken as float32, and its float outputs are not {kinds}", stacklevel=2)
     mod, inputs, weights = import_onnx(onnx_model, batch, seq_len)
     outputs = _output_specs(mod["main"], output_names(onnx_model))
     # one form of every exporter's spelling; the folds TVM would build a kernel for each are done in numpy first.

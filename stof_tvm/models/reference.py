@@ -1,5 +1,6 @@
 """Reference outputs for a compiled model: the ONNX model itself, with the sparse mask applied, evaluated
-by ``onnx.reference.ReferenceEvaluator`` (numpy, in the model's own float types).
+by ``onnx.reference.ReferenceEvaluator`` (numpy, in the float types of the model it is given: ``run --check`` gives
+it 16-bit models widened to float32, :mod:`stof_tvm.compiler.widen_floats`).
 
 The mask is imposed where stof-tvm imposes it: on the input and output of every attention Softmax (a
 Softmax over the last axis of a rank-4 ``[B, H, Sq, Sk]`` tensor). Before it, masked scores are replaced by

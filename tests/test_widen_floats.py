@@ -1,14 +1,15 @@
-"""A model exported in bfloat16 is widened to float32 before import (stof_tvm/compiler/widen_bfloat16.py): every
-bfloat16 weight, constant, cast and declared type, in subgraphs too, and nothing else."""
+"""16-bit float models widened to float32 before import (stof_tvm/compiler/widen_floats.py): every weight, constant,
+cast and declared type of the widened types, in subgraphs too, and nothing else; bfloat16 always, float16 where the
+build computes in float32 and the model's float weights are all float16."""
 from __future__ import annotations
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from stof_tvm.compiler.widen_bfloat16 import widen_bfloat16
+from stof_tvm.compiler.widen_floats import float16_weights, reference_types, types_to_widen, widen
 
-BF16, F32 = TensorProto.BFLOAT16, TensorProto.FLOAT
+BF16, F16, F32 = TensorProto.BFLOAT16, TensorProto.FLOAT16, TensorProto.FLOAT
 
 
 def _bf16_tensor(name, values):
@@ -50,8 +51,9 @@ def _bfloat16_places(graph: onnx.GraphProto) -> int:
 def test_every_bfloat16_place_becomes_float32_with_its_values():
     model = _model()
     assert _bfloat16_places(model.graph) == 13
-    widened, changed = widen_bfloat16(model)
-    assert changed and _bfloat16_places(widened.graph) == 0
+    assert types_to_widen(model, "float16") == types_to_widen(model, "float32") == {BF16}
+    widened, found = widen(model, frozenset({BF16}))
+    assert found == {BF16} and _bfloat16_places(widened.graph) == 0
     assert _bfloat16_places(model.graph) == 13                      # the caller's model is left as it was
     weight = numpy_helper.to_array(widened.graph.initializer[0])
     assert weight.dtype == np.float32
@@ -68,4 +70,25 @@ def test_a_model_without_bfloat16_is_returned_as_it_is():
                               [helper.make_tensor_value_info("x", F32, [2])],
                               [helper.make_tensor_value_info("y", F32, [2])])
     model = helper.make_model(graph)
-    assert widen_bfloat16(model) == (model, False)
+    assert widen(model, frozenset({BF16, F16})) == (model, frozenset())
+
+
+def _weights_model(*dtypes) -> onnx.ModelProto:
+    """A graph with one [2] weight of each of ``dtypes``, added up."""
+    inits = [helper.make_tensor(f"w{i}", dtype, [2], [1.0, 2.0]) for i, dtype in enumerate(dtypes)]
+    nodes = [helper.make_node("Cast", [f"w{i}"], [f"c{i}"], to=F32) for i in range(len(dtypes))]
+    nodes.append(helper.make_node("Sum", [f"c{i}" for i in range(len(dtypes))], ["y"]))
+    graph = helper.make_graph(nodes, "g", [], [helper.make_tensor_value_info("y", F32, [2])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_float16_is_widened_only_for_a_float32_build_of_a_half_model():
+    """A half model (every float weight float16) is widened for ``dtype="float32"`` (and for ``run --check``'s
+    reference), kept for ``dtype="float16"``; a float32 model that holds a float16 weight on purpose is never."""
+    half, mixed = _weights_model(F16, F16), _weights_model(F32, F16)
+    assert float16_weights(half) and not float16_weights(mixed)
+    assert types_to_widen(half, "float32") == reference_types(half) == {BF16, F16}
+    assert types_to_widen(half, "float16") == {BF16}
+    assert types_to_widen(mixed, "float32") == {BF16}
+    widened, found = widen(half, types_to_widen(half, "float32"))
+    assert found == {F16} and {init.data_type for init in widened.graph.initializer} == {F32}
