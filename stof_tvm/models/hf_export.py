@@ -345,10 +345,10 @@ def cached_export(cache_dir, family: str, *, size: str = "tiny", attn: str = "ea
     transformers versions) is already there; returns the ONNX path. A failed export is not cached."""
     params = dict(family=family, size=size, attn=attn, exporter=exporter, opset=opset, batch=batch,
                   seq_len=seq_len, dynamic=dynamic, seed=seed)
+    tag = ""
     if dtype != "float32":          # float32 exports keep the keys they had before the parameter existed
-        params["dtype"] = dtype
-    stem = (f"{family}-{size}-{attn}-{exporter}{opset}-{'dyn' if dynamic else 'static'}"
-            f"{'-' + dtype if dtype != 'float32' else ''}-{export_key(**params)}")
+        params["dtype"], tag = dtype, f"-{dtype}"
+    stem = f"{family}-{size}-{attn}-{exporter}{opset}-{'dyn' if dynamic else 'static'}{tag}-{export_key(**params)}"
     path = os.path.join(os.fspath(cache_dir), stem, "model.onnx")
     if not os.path.isfile(path):
         tmp = os.path.join(os.fspath(cache_dir), stem + f".tmp{os.getpid()}", "model.onnx")
@@ -362,4 +362,5 @@ def cached_export(cache_dir, family: str, *, size: str = "tiny", attn: str = "ea
 
 
 __all__ = ["FAMILIES", "TINY_ONLY", "SIZES", "EXPORTERS", "EXPORT_DTYPES", "ATTENTIONS", "attention_kinds",
-           "make_config", "build_model", "example_inputs", "sequence_length", "torch_outputs", "export", "export_key", "cached_export"]
+           "make_config", "build_model", "example_inputs", "sequence_length", "torch_outputs", "export", "export_key",
+           "cached_export"]
