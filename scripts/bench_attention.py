@@ -121,6 +121,8 @@ def mask_groups(recipe: str, batch: int, heads: int) -> tuple[int, int]:
         return batch, heads
     if kind == "padding":
         return batch, 1
+    if kind == "head_blocks":
+        return 1, heads
     return 1, 1
 
 
@@ -128,8 +130,9 @@ def build_mask(recipe: str, batch: int, heads: int, seq: int, seed: int) -> np.n
     """Normalised boolean mask [Bm, Hm, S, S] of a recipe: a mask spec name, ``random:<density>``,
     ``random_empty:<density>`` (random plus whole empty query rows), ``padding`` (random valid lengths per
     batch, one batch of length 0), ``document`` (ragged packed sequences, causal within each, shared by the
-    batch: segment lengths drawn from S/16 .. S/4) or ``bigbird_causal`` (BigBird AND causal: what a GPT-2 compile
-    with the BigBird mask runs)."""
+    batch: segment lengths drawn from S/16 .. S/4), ``bigbird_causal`` (BigBird AND causal: what a GPT-2 compile
+    with the BigBird mask runs) or ``head_blocks:<density>`` (each head its own random 64 x 64 tiles, the share
+    ``density`` of them kept, shared by the batch)."""
     from stof_tvm.sparse_formats import normalize_mask
 
     rng = np.random.default_rng(seed)
@@ -146,6 +149,11 @@ def build_mask(recipe: str, batch: int, heads: int, seq: int, seed: int) -> np.n
         mask[dense] = True
         mask[(rng.random((batch, heads, seq)) < 0.1) & ~dense] = False
         return normalize_mask(mask, batch=batch, heads=heads, seq_q=seq)
+    if kind == "head_blocks":
+        tiles = -(-seq // 64)
+        keep = rng.random((1, heads, tiles, tiles)) < float(arg)
+        keep = keep.repeat(64, axis=2).repeat(64, axis=3)[:, :, :seq, :seq]
+        return normalize_mask(keep, batch=batch, heads=heads, seq_q=seq)
     if kind == "padding":
         lengths = rng.integers(1, seq + 1, size=batch)
         lengths[0] = 0
@@ -1343,6 +1351,38 @@ def plan_s32wait() -> list[dict]:
     return cases
 
 
+# issue 16's goal rows (mask, B, H, S, D), the head dims' rows after them
+S35_GOALS = (("causal", 16, 12, 4096, 64), ("causal", 4, 16, 8192, 128), ("dense", 16, 12, 4096, 64),
+             ("dense", 4, 16, 8192, 128), ("sliding", 16, 12, 4096, 64), ("longformer", 16, 12, 4096, 64),
+             ("bigbird", 16, 12, 4096, 64), ("document", 8, 12, 4096, 64), ("head_blocks:0.16", 8, 12, 4096, 64),
+             ("bigbird", 4, 16, 8192, 128))
+S35_HEAD_DIMS = tuple((recipe, *HEAD_DIM_SHAPES.get(d, HEAD_DIM_SHAPE), d)
+                      for d in (32, 80, 96, 256) for recipe in ("causal", "bigbird"))
+
+
+def plan_s35goals() -> list[dict]:
+    """Every goal row of issue 16 as a user gets it: the analytical model's automatic choice among the block-wise,
+    row-wise and wgmma kernels (what ``stof_tvm.AttentionPlan`` runs), each beside FlexAttention and SDPA, then
+    the head dims 32, 80, 96 and 256 on causal and BigBird. Checks first (S=1000, Q scaled by 8, outputs
+    poisoned) of every picked configuration on its mask."""
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile, decide_attention
+
+    cases, checks = [], []
+    for recipe, batch, heads, seq, head_dim in S35_GOALS + S35_HEAD_DIMS:
+        problem = AttentionProblem(batch=batch, heads=heads, head_dim=head_dim, dtype="float16",
+                                   mask=MaskProfile(build_mask(recipe, batch, heads, seq, 0)))
+        decision = decide_attention(problem, kinds=("block", "row", "wgmma"))
+        candidate = decision.best.candidate
+        kind = candidate.kind
+        config = (_wgmma_tuple(candidate.config) if kind == "wgmma" else
+                  _config_tuple(candidate.config) if kind == "block" else None)
+        pick = f"{candidate} ({decision.reason})"
+        cases.append(dict(_case("time", kind, recipe, batch, heads, seq, head_dim, "float16", config),
+                          model_pick=pick, baselines=True, predicted_ms=decision.best.time_s * 1e3))
+        checks.append(dict(_case("check", kind, recipe, 2, 3, 1000, head_dim, "float16", config), q_scale=8.0))
+    return list({_module_key(c): c for c in checks}.values()) + cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
@@ -1350,7 +1390,8 @@ PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan
          "s10dims": plan_s10dims, "s11gpt2": plan_s11gpt2, "s12bb": plan_s12bb,
          "s17model": plan_s17model, "s19knobs": plan_s19knobs,
          "s19gate": plan_s19gate, "s25short": plan_s25short, "s29short": plan_s29short,
-         "s30regs": plan_s30regs, "s32prof": plan_s32prof, "s32wait": plan_s32wait}
+         "s30regs": plan_s30regs, "s32prof": plan_s32prof, "s32wait": plan_s32wait,
+         "s35goals": plan_s35goals}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
