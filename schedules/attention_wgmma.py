@@ -106,7 +106,11 @@ SUPPORTED_DTYPES = tuple(PTX_TYPE)
 OUT_LAYOUTS = ("bhsd", "bshd")
 BLOCK_M = 128            # default tile rows: two consumer warpgroups x 64 query rows
 CONSUMER_CHOICES = (2, 3)
-BLOCK_N_CHOICES = (64, 128)
+# Keys per tile. 160 and 192 (two consumers; 192 only below head dim 128, where S, O and P fit the registers) are
+# FlashAttention-3's wider non-causal tiles, built clean here with TMA loads (nvcc 13.0: no spill, HGMMA; cp.async's
+# producer spills 4 bytes beside them) but not yet timed or checked on a GPU: the analytical model offers 64 and 128
+# only (bench_attention.py plan s36wide measures them)
+BLOCK_N_CHOICES = (64, 128, 160, 192)
 # How the producer fills shared memory: 16-byte cp.async from all its 128 threads, or TMA (one thread: tensor maps
 # encoded on the host at each call, cp.async.bulk for the bitmap words)
 LOAD_CHOICES = ("cp.async", "tma")
@@ -187,6 +191,9 @@ class WgmmaAttentionConfig:
         if self.pad_panels and (self.loads != "tma" or head_dim % PANEL_COLS_CHOICES[0] == 0):
             raise ValueError(f"pad_panels needs loads='tma' (its zero fill) and a head dim that is not a multiple of "
                              f"64, got loads={self.loads!r}, head_dim {head_dim}")
+        if self.loads == "cp.async" and self.block_n > 128:
+            raise ValueError(f"block_n {self.block_n} needs loads='tma' (ptxas spills cp.async's producer beside "
+                             f"160 and 192 keys)")
         if self.loads == "cp.async" and head_dim not in CP_ASYNC_HEAD_DIMS:
             raise ValueError(f"loads='cp.async' takes head dims {CP_ASYNC_HEAD_DIMS} (ptxas spills its producer at "
                              f"others), got {head_dim}; use loads='tma'")

@@ -1383,6 +1383,37 @@ def plan_s35goals() -> list[dict]:
     return list({_module_key(c): c for c in checks}.values()) + cases
 
 
+# s36wide: wider key tiles for dense rows (FlashAttention-3's non-causal tiles are wider than its causal ones): per
+# head dim, (label, wgmma configuration) timed; the first is the default
+S36_WIDE = {64: (("default", (128, 3, True, True, 3, "tma")), ("2 consumers", (128, 3, True, True, 2, "tma")),
+                 ("160 keys", (160, 3, True, True, 2, "tma")), ("192 keys", (192, 3, True, True, 2, "tma")),
+                 ("192 keys 4 stages", (192, 4, True, True, 2, "tma"))),
+            128: (("default", (128, 2, True, True, 2, "tma")), ("160 keys", (160, 2, True, True, 2, "tma")))}
+
+
+def plan_s36wide() -> list[dict]:
+    """Wider key tiles on the wgmma kernel (block_n 160 and 192, two consumers) against the default, on dense and
+    causal rows of issue 16's shapes (D64 B16 H12 S4096, D128 B4 H16 S8192), each shape's forms interleaved round by
+    round, the default's case with FlexAttention and SDPA. Checks first (S=1000, not a multiple of either width; Q
+    scaled by 8, outputs poisoned) of every wide form: dense, causal, per-head random masks with empty rows, the
+    device-side key padding, and bfloat16 document masks."""
+    cases = []
+    for head_dim, forms in S36_WIDE.items():
+        for _, config in forms[1:]:
+            for recipe, dtype, padding in (("dense", "float16", False), ("causal", "float16", False),
+                                           ("random_empty:0.05", "float16", False), ("causal", "float16", True),
+                                           ("document", "bfloat16", False)):
+                cases.append(dict(_case("check", "wgmma", recipe, 2, 3, 1000, head_dim, dtype, config,
+                                        padding=padding), q_scale=8.0))
+    for head_dim, forms in S36_WIDE.items():
+        batch, heads, seq = S8W_SHAPES[head_dim]
+        for recipe in ("dense", "causal"):
+            for i, (label, config) in enumerate(forms):
+                cases.append(dict(_case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16", config),
+                                  label=label, baselines=i == 0, interleave=f"{recipe} D{head_dim}"))
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
@@ -1391,7 +1422,7 @@ PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan
          "s17model": plan_s17model, "s19knobs": plan_s19knobs,
          "s19gate": plan_s19gate, "s25short": plan_s25short, "s29short": plan_s29short,
          "s30regs": plan_s30regs, "s32prof": plan_s32prof, "s32wait": plan_s32wait,
-         "s35goals": plan_s35goals}
+         "s35goals": plan_s35goals, "s36wide": plan_s36wide}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 

@@ -56,6 +56,9 @@ def test_default_configs_fit_and_follow_the_head_dim():
     (WgmmaAttentionConfig(consumers=4), "consumers"),
     (WgmmaAttentionConfig(consumers=True), "consumers"),
     (WgmmaAttentionConfig(consumers=3), "consumers=3"),                # at head_dim 128: no registers for it
+    (WgmmaAttentionConfig(block_n=192), "registers"),                  # at head_dim 128: S, O and P take 208
+    (WgmmaAttentionConfig(block_n=160, consumers=3), "consumers=3"),
+    (WgmmaAttentionConfig(block_n=160), "loads='tma'"),                # cp.async's producer spills beside them
     (WgmmaAttentionConfig(loads="bulk"), "loads"),
     (WgmmaAttentionConfig(loads=None), "loads"),
 ])
@@ -95,7 +98,7 @@ def test_parameters_are_the_blockwise_kernels(out_layout):
         assert ours.attrs["global_symbol"] == "wgmma_attention"
 
 
-@pytest.mark.parametrize("block_n, consumers", [(64, 2), (128, 2), (128, 3)])
+@pytest.mark.parametrize("block_n, consumers", [(64, 2), (128, 2), (128, 3), (160, 2), (192, 2)])
 def test_fragment_registers_read_the_bits_of_their_own_elements(block_n, consumers):
     """Every accumulator register of every consumer thread, through mask_word / mask_bit, reads exactly the bit
     the tiled format stored for its (row, column) of the tile."""
@@ -127,6 +130,8 @@ _CPU = {}
     ("causal", "float16", 64, 128, "bhsd", 2),
     ("random_empty", "bfloat16", 128, 64, "bshd", 2),
     ("random_empty", "float16", 64, 128, "bhsd", 3),
+    ("random_empty", "float16", 64, 192, "bhsd", 2),                   # the wider tiles: keys past S in a tile
+    ("causal", "bfloat16", 128, 160, "bshd", 2),
 ])
 def test_cpu_twin_computes_the_kernels_function(mask, dtype, head_dim, block_n, out_layout, consumers):
     config = WgmmaAttentionConfig(block_n=block_n, consumers=consumers)
@@ -239,6 +244,8 @@ def test_work_items_cover_every_tile_row_once_and_persistent_blocks_stay_balance
 TMA_CONFIGS = [
     (64, "float16", WgmmaAttentionConfig(block_n=128, stages=3, consumers=3, loads="tma"), "bhsd"),
     (128, "bfloat16", WgmmaAttentionConfig(block_n=128, stages=2, loads="tma"), "bshd"),
+    (128, "float16", WgmmaAttentionConfig(block_n=160, stages=2, persistent=True, loads="tma"), "bhsd"),   # wider
+    (64, "bfloat16", WgmmaAttentionConfig(block_n=192, stages=3, persistent=True, loads="tma"), "bshd"),
 ]
 
 
