@@ -1389,6 +1389,10 @@ S36_WIDE = {64: (("default", (128, 3, True, True, 3, "tma")), ("2 consumers", (1
                  ("160 keys", (160, 3, True, True, 2, "tma")), ("192 keys", (192, 3, True, True, 2, "tma")),
                  ("192 keys 4 stages", (192, 4, True, True, 2, "tma"))),
             128: (("default", (128, 2, True, True, 2, "tma")), ("160 keys", (160, 2, True, True, 2, "tma")))}
+# ... and the block-wise tiles around sliding's pick (issue 16's B16 H12 S4096 D64 row: 0.135 ms on the H200 in
+# sessions 9, 10 and 35 against the 0.133 goal), the pick first
+S36_SLIDING = ((32, 32, 1, 2, False), (32, 32, 1, 3, False), (32, 32, 1, 4, False), (32, 32, 2, 2, False),
+               (32, 64, 1, 2, False), (64, 32, 2, 2, False), (64, 64, 2, 2, False), (64, 32, 4, 2, False))
 
 
 def plan_s36wide() -> list[dict]:
@@ -1396,7 +1400,8 @@ def plan_s36wide() -> list[dict]:
     causal rows of issue 16's shapes (D64 B16 H12 S4096, D128 B4 H16 S8192), each shape's forms interleaved round by
     round, the default's case with FlexAttention and SDPA. Checks first (S=1000, not a multiple of either width; Q
     scaled by 8, outputs poisoned) of every wide form: dense, causal, per-head random masks with empty rows, the
-    device-side key padding, and bfloat16 document masks."""
+    device-side key padding, and bfloat16 document masks. Then the block-wise tiles of :data:`S36_SLIDING` on the
+    sliding window (B16 H12 S4096 D64), interleaved, the model's pick first with the baselines."""
     cases = []
     for head_dim, forms in S36_WIDE.items():
         for _, config in forms[1:]:
@@ -1411,6 +1416,9 @@ def plan_s36wide() -> list[dict]:
             for i, (label, config) in enumerate(forms):
                 cases.append(dict(_case("time", "wgmma", recipe, batch, heads, seq, head_dim, "float16", config),
                                   label=label, baselines=i == 0, interleave=f"{recipe} D{head_dim}"))
+    for i, config in enumerate(S36_SLIDING):
+        cases.append(dict(_case("time", "block", "sliding", 16, H_BENCH, 4096, 64, "float16", config),
+                          label="x".join(map(str, config)), baselines=i == 0, interleave="sliding D64"))
     return cases
 
 
