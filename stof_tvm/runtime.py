@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 
 import numpy as np
 import tvm
@@ -110,7 +111,9 @@ def load(path: str | os.PathLike, device=None, weights: dict | None = None,
 
 
 class CompiledModel:
-    """A loaded artifact. Call it with the model inputs by name; returns ``{output name: array}``.
+    """A loaded artifact. Call it with the model inputs by name (``model(input_ids=..., attention_mask=...)`` or
+    one dict), or by position in the model's input order as a Hugging Face model takes them (``model(ids, mask)``);
+    returns ``{output name: array}``.
 
     Inputs may be numpy arrays or torch tensors (passed through DLPack without a copy when they already live
     on the module's device); outputs come back as the same kind (torch if any input was torch).
@@ -231,8 +234,8 @@ class CompiledModel:
         """Run the module on prepared device tensors; returns the model's output tensors (TVM)."""
         return self._invoke(args)[:len(self.outputs)]
 
-    def __call__(self, inputs: dict | None = None, *, mask=None, **kwargs) -> dict:
-        given = kwargs if inputs is None else {**inputs, **kwargs} if kwargs else inputs
+    def __call__(self, *inputs, mask=None, **kwargs) -> dict:
+        given = self._given(inputs, kwargs) if inputs else kwargs
         bound = self._bind(given)
         # Torch tensors go in as they are: TVM's FFI launches on torch's current stream and returns torch tensors.
         out = self._main(*bound.args, *self.mask_tensors(mask, bound), *self._params)
@@ -254,6 +257,22 @@ class CompiledModel:
             results[name] = value if is_torch(value) else _torch_from_dlpack(value)
         return results
 
+
+    def _given(self, inputs: tuple, kwargs: dict) -> dict:
+        """A call's inputs by name, from a dict of them or from tensors in the model's input order (a Hugging Face
+        model's forward takes ``input_ids, attention_mask, ...`` by position too), and those given by keyword."""
+        names = self._binder.names
+        if len(inputs) == 1 and isinstance(inputs[0], Mapping):
+            return {**inputs[0], **kwargs} if kwargs else inputs[0]
+        if any(isinstance(value, Mapping) for value in inputs):
+            raise TypeError("inputs: give one dict of inputs by name, or tensors by position, not both")
+        if len(inputs) > len(names):
+            raise TypeError(f"inputs: {len(inputs)} given by position, but the model takes {len(names)}: {names}")
+        given = dict(zip(names, inputs))
+        twice = [name for name in given if name in kwargs]
+        if twice:
+            raise TypeError(f"inputs: {twice} given both by position and by name")
+        return {**given, **kwargs}
 
     def synchronize(self) -> None:
         """Wait for the value checks of every earlier call on device inputs; raises ``ValueError`` for the first

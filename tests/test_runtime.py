@@ -79,6 +79,25 @@ def test_missing_and_unknown_inputs(saved):
         model({**feeds, "input_ids": feeds["input_ids"].astype(np.float32)})
 
 
+def test_inputs_by_position_follow_the_models_input_order(saved):
+    """``model(ids, mask)`` as a Hugging Face model's forward takes them: the same outputs as by name; a dict
+    and keywords mix; what is given twice, too many or a dict among tensors is refused naming the inputs."""
+    path, feeds, expected = saved
+    model = runtime.load(path)
+    ids, mask = feeds["input_ids"], feeds["attention_mask"]
+    for call in (lambda: model(ids, mask), lambda: model(ids, attention_mask=mask),
+                 lambda: model({"input_ids": ids}, attention_mask=mask)):
+        np.testing.assert_array_equal(call()["last_hidden_state"], expected)
+    with pytest.raises(ValueError, match=r"missing \['attention_mask'\]"):
+        model(ids)
+    with pytest.raises(TypeError, match=r"\['input_ids'\] given both by position and by name"):
+        model(ids, mask, input_ids=ids)
+    with pytest.raises(TypeError, match=r"3 given by position, but the model takes 2: \['input_ids', "):
+        model(ids, mask, mask)
+    with pytest.raises(TypeError, match="one dict of inputs by name, or tensors by position"):
+        model(ids, {"attention_mask": mask})
+
+
 def test_mask_of_wrong_length_or_kind(saved):
     path, feeds, _ = saved
     model = runtime.load(path)
