@@ -110,10 +110,32 @@ def load(path: str | os.PathLike, device=None, weights: dict | None = None,
     return CompiledModel(module, manifest, arrays, device, weights or {}, check_values=check_values)
 
 
+class ModelOutputs(dict):
+    """A call's outputs by name, readable too as a Hugging Face model's are: ``outputs.last_hidden_state``,
+    ``outputs[0]`` and ``outputs.to_tuple()`` (the outputs in the model's order)."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"outputs: no {name!r}; the model gives {list(self)}") from None
+
+    def __getitem__(self, key):
+        if isinstance(key, int):
+            return self.to_tuple()[key]
+        return super().__getitem__(key)
+
+    def to_tuple(self) -> tuple:
+        return tuple(self.values())
+
+
 class CompiledModel:
     """A loaded artifact. Call it with the model inputs by name (``model(input_ids=..., attention_mask=...)`` or
     one dict), or by position in the model's input order as a Hugging Face model takes them (``model(ids, mask)``);
-    returns ``{output name: array}``.
+    returns ``{output name: array}`` (a :class:`ModelOutputs`: ``outputs.last_hidden_state`` and ``outputs[0]``
+    work too).
 
     Inputs may be numpy arrays or torch tensors (passed through DLPack without a copy when they already live
     on the module's device); outputs come back as the same kind (torch if any input was torch).
@@ -250,13 +272,12 @@ class CompiledModel:
                 self._pending_checks.record(out[self._checks_output], bound.on_device)
                 self._pending_checks.raise_arrived()
         if not bound.torch:
-            return {name: self._to_host(out[i]) for i, name in enumerate(self._output_names)}
-        results = {}
+            return ModelOutputs((name, self._to_host(out[i])) for i, name in enumerate(self._output_names))
+        results = ModelOutputs()
         for i, name in enumerate(self._output_names):
             value = out[i]
             results[name] = value if is_torch(value) else _torch_from_dlpack(value)
         return results
-
 
     def _given(self, inputs: tuple, kwargs: dict) -> dict:
         """A call's inputs by name, from a dict of them or from tensors in the model's input order (a Hugging Face

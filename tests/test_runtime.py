@@ -98,6 +98,18 @@ def test_inputs_by_position_follow_the_models_input_order(saved):
         model(ids, {"attention_mask": mask})
 
 
+def test_outputs_read_as_a_hugging_face_models_do(saved):
+    path, feeds, expected = saved
+    out = runtime.load(path)(feeds)
+    assert list(out) == ["last_hidden_state"] and isinstance(out, dict)
+    for value in (out["last_hidden_state"], out.last_hidden_state, out[0], out.to_tuple()[0]):
+        np.testing.assert_array_equal(value, expected)
+    with pytest.raises(AttributeError, match=r"no 'pooler_output'; the model gives \['last_hidden_state'\]"):
+        out.pooler_output
+    with pytest.raises(IndexError):
+        out[1]
+
+
 def test_mask_of_wrong_length_or_kind(saved):
     path, feeds, _ = saved
     model = runtime.load(path)
