@@ -140,6 +140,10 @@ def normalize_mask(mask, *, batch: int = 1, heads: int = 1, seq_q: int, seq_k: i
         array = _evaluate_callable(mask, batch, heads, seq_q, seq_k)
     else:
         array = np.asarray(mask)
+        if array.dtype == object:                        # None, a dict, ...: no array numpy could read
+            raise TypeError(f"mask: {type(mask).__name__} is not a mask; give a spec ('bigbird', 'sliding', ...; "
+                            f"'dense' keeps the model's own attention), a boolean array, a callable f(b, h, i, j) "
+                            f"or per-batch valid lengths")
         if array.ndim == 1:
             if array.shape[0] != batch:
                 raise ValueError(f"padding lengths must have one entry per batch ({batch}), got {array.shape[0]}")

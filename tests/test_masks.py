@@ -115,6 +115,9 @@ def test_bad_specs_raise_clear_errors(spec, error, words):
 def test_bad_mask_inputs_raise_clear_errors():
     with pytest.raises(TypeError, match="dtype bool"):
         normalize_mask(np.ones((4, 4), dtype=np.float32), seq_q=4)
+    for not_a_mask in (None, {"name": "bigbird"}):
+        with pytest.raises(TypeError, match=rf"mask: {type(not_a_mask).__name__} is not a mask; give a spec"):
+            normalize_mask(not_a_mask, seq_q=4)
     with pytest.raises(ValueError, match=r"last two dimensions must be \(4, 4\)"):
         normalize_mask(np.ones((5, 5), dtype=bool), seq_q=4)
     with pytest.raises(ValueError, match="rank"):
