@@ -67,3 +67,17 @@ def test_deberta_builds_for_cuda(hf_export):
     assert not fallbacks and art.manifest["attention"]["kernel"]["kind"] in ("block", "row")
     assert art.manifest["attention"]["kernel"]["bias"][:2] == [BATCH, 2]
     assert art.manifest["coverage"]["linear"]["accelerated"] >= LAYER_LINEARS
+
+
+def test_sites_found_but_not_taken_carry_the_fallbacks_reason(hf_export, monkeypatch):
+    """Attention sites the compile finds but cannot take (their masking, as an encoder-decoder's causal and cross
+    attention) are reported under that reason in the coverage, not as sites that are no attention at all."""
+    def refuse(func, sites):
+        raise ValueError("model: attention sites differ in their own masking")
+
+    monkeypatch.setattr(compiler, "plan_masks", refuse)
+    art, fallbacks = _compile(hf_export("bert", "eager", "torchscript", 17, False, BATCH, SEQ), target="llvm")
+    attention = art.manifest["coverage"]["attention"]
+    assert len(fallbacks) == 1 and attention["accelerated"] == 0
+    assert [(f["reason"].split(";")[0], f["count"]) for f in attention["fallback"]] == [
+        ("attention sites differ in their own masking", 2)]

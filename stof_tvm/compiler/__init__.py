@@ -263,8 +263,8 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
                   else "without stof-tvm's sparse attention kernels or fusion templates")
         warnings.warn(f"model: {reason}; compiling its attention through TVM's default pipeline (as the model "
                       f"computes it), {around}", stacklevel=2)
-        report = coverage(canonical, mod["main"], attention_kernel=None, attention_sites=0, attention_reason=reason,
-                          templates=None if templates else f"TVM's default pipeline ({reason})",
+        report = coverage(canonical, mod["main"], attention_kernel=None, attention_sites=len(sites),
+                          attention_reason=reason, templates=None if templates else f"TVM's default pipeline ({reason})",
                           template_entry=template_entry)
         checks = value_checks(inputs, onnx_model, None)
         mod, checks_output = add_value_checks(mod, checks, tspec["kind"])
