@@ -12,7 +12,7 @@ from stof_tvm.attention import AttentionPlan, decide_kernel
 from stof_tvm.compiler.kernels import choose_kernel
 from stof_tvm.cost_model import (DEFAULT_CALIBRATION, AttentionCandidate, AttentionProblem, attention_work,
                                  decide_attention, predict)
-from stof_tvm.cost_model.attention import wgmma_candidates
+from stof_tvm.cost_model.attention import attention_candidates, wgmma_candidates
 from stof_tvm.hardware import A100, H200
 from stof_tvm.schedules.attention_wgmma import WgmmaAttentionConfig, default_config
 from stof_tvm.sparse_formats import normalize_mask
@@ -34,7 +34,10 @@ def decide(spec, shape, dtype="float16", arch="sm_90", target_kind="cuda"):
 def test_causal_and_dense_masks_take_wgmma_on_hopper(spec, shape, dtype, arch):
     kind, config, reason = decide(spec, shape, dtype, arch)
     assert kind == "wgmma" and isinstance(config, WgmmaAttentionConfig), reason
-    assert config == default_config(shape["head_dim"])         # the measured-best configuration at both head dims
+    default = default_config(shape["head_dim"])
+    # the measured-best configuration at both head dims: the default, widened to 160 keys for dense head dim 128
+    wide = spec == "dense" and shape["head_dim"] == 128
+    assert config == (dataclasses.replace(default, block_n=160) if wide else default), config
     assert reason.startswith("analytical model: wgmma predicted faster") and "block BM=" in reason
 
 
@@ -181,6 +184,23 @@ def test_compile_path_keeps_biased_scores_off_wgmma_with_a_reason():
 def test_compile_path_refuses_wgmma_where_it_cannot_run(change, match):
     with pytest.raises(ValueError, match=match):
         _choose("wgmma", **change)
+
+
+@pytest.mark.parametrize("spec, shape, padding, offered", [
+    ("dense", D128, False, True),                       # measured 3.328 ms against the default's 3.808 (s36wide)
+    ("causal", D128, False, False),                     # measured 1.885 against 1.776: partial tiles on the diagonal
+    ("dense", dict(D128, seq=8000), False, False),      # an edge tile of the 128 x 128 grid is partial
+    ("dense", D128, True, False),                       # key padding: the wide form was not checked with it
+    ("dense", D64, False, False),                       # two consumers' 160 keys measured slower than three's 128
+])
+def test_wide_key_tiles_are_offered_only_where_measured_faster(spec, shape, padding, offered):
+    mask = normalize_mask(spec, seq_q=shape["seq"])
+    problem = AttentionProblem.build(mask, batch=shape["batch"], heads=shape["heads"], seq_len=shape["seq"],
+                                     head_dim=shape["head_dim"])
+    problem = dataclasses.replace(problem, padding=padding)
+    widths = {c.config.block_n for c in attention_candidates(problem, H200, kinds=("wgmma",))}
+    assert (160 in widths) == offered, widths
+    assert not any(c.config.block_n == 160 for c in attention_candidates(problem, A100, kinds=("wgmma",)))
 
 
 def test_attention_plan_auto_builds_wgmma_for_sm90a():

@@ -40,6 +40,7 @@ configuration from the work really done.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +77,7 @@ _MAX_SPLIT_ROWS = 4         # split-KV: heavy rows per (batch, head) split at mo
 _MERGE_CYCLES_PER_SLICE = 40   # split-KV merge: per output element and slice (two loads, exp2, fma)
 _WGMMA_STAGES = (2, 3, 4, 5)
 _WGMMA_SPACE_HEAD_DIMS = (64, 128)   # head dims where the wgmma knob space was timed (sessions 7-9)
+_WIDE_KEY_HEAD_DIM, _WIDE_KEY_TILE = 128, 160   # see _wide_key_candidates
 # Registers ptxas gives the block-wise kernel's heavy-first forms at head dim 64 with one m16 tile a warp on 16- or
 # 32-key tiles (2 or 4 warps), where the estimate (BlockConfig.registers: 104-116) runs above it: 96 without launch
 # bounds and without spills (nvcc 13.0, sm_90; 32x32x2x2, 64x32x4x2 and 32x16x2x2, with and without key padding,
@@ -278,8 +280,26 @@ def attention_candidates(problem: AttentionProblem, hw: HardwareProfile = H200,
     if "row" in kinds and problem.head_dim in ROW_HEAD_DIMS:
         out += row_candidates(problem.head_dim, problem.dtype, hw)
     if "wgmma" in kinds and problem.dtype in WGMMA_DTYPES:
-        out += wgmma_candidates(problem.head_dim, hw, problem.padding)
+        out += wgmma_candidates(problem.head_dim, hw, problem.padding) + _wide_key_candidates(problem, hw)
     return out
+
+
+def _wide_key_candidates(problem: AttentionProblem, hw: HardwareProfile) -> list[AttentionCandidate]:
+    """The default wgmma configuration at head dim 128 widened to 160-key tiles, offered where the mask has no
+    partial tile at the default's 128 x 128 grid (dense attention, masks aligned to 128) and no key padding.
+
+    Measured side by side (plan s36wide, session 36, an H100, B4 H16 S8192, interleaved, checks passed): dense 3.328
+    ms against the default's 3.808 (SDPA 3.808), but causal 1.885 against 1.776. The per-tile terms price the two
+    forms within 1% of each other on both masks (no constant of theirs fits both orders), so the wide form is a
+    candidate only on the masks where it was measured faster; the model then ranks it against the rest as usual
+    (FlashAttention-3's tile table makes the same split: wider key tiles for non-causal head dim 128)."""
+    if problem.head_dim != _WIDE_KEY_HEAD_DIM or problem.padding or not hw.compute_version.startswith("9."):
+        return []
+    partial = problem.mask.tile_counts(WgmmaAttentionConfig().block_m, WgmmaAttentionConfig().block_n)[1]
+    if partial.any():
+        return []
+    wide = dataclasses.replace(wgmma_default_config(problem.head_dim), block_n=_WIDE_KEY_TILE)
+    return [AttentionCandidate("wgmma", wide)] if wide.shared_bytes(problem.head_dim) <= hw.smem_per_block else []
 
 
 def _heavy_rows(mask: MaskProfile, block_m: int, block_n: int) -> np.ndarray:
