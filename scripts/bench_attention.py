@@ -1422,6 +1422,44 @@ def plan_s36wide() -> list[dict]:
     return cases
 
 
+# s36dims: the block-wise kernel's ranking at head dims 32, 80, 96 and 256 (BigBird, where the model's split-KV picks
+# ran 1.41-1.80x slower than predicted in session 35): its best S36_DIMS_TOP distinct tile shapes per head dim
+S36_DIMS_TOP = 8
+
+
+def plan_s36dims() -> list[dict]:
+    """The analytical model's :data:`S36_DIMS_TOP` best block-wise configurations (one per tile shape, warps,
+    stages and split-KV or not) on BigBird at head dims 32, 80, 96 and 256, each head dim's
+    forms interleaved round by round, the model's pick first with FlexAttention and SDPA; the measured order against
+    the predicted one is what ``calibrate_model.py`` refits from. Checks first (S=1000, Q scaled by 8, outputs
+    poisoned) of every form."""
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile, attention_candidates, rank_attention
+
+    cases, checks = [], []
+    for head_dim in (32, 80, 96, 256):
+        batch, heads, seq = HEAD_DIM_SHAPES.get(head_dim, HEAD_DIM_SHAPE)
+        problem = AttentionProblem(batch=batch, heads=heads, head_dim=head_dim, dtype="float16",
+                                   mask=MaskProfile(build_mask("bigbird", batch, heads, seq, 0)))
+        ranked = rank_attention(problem, candidates=attention_candidates(problem, kinds=("block",)))
+        chosen, shapes = [], set()
+        for r in ranked:
+            c = r.candidate.config
+            shape = (c.block_m, c.block_n, c.num_warps, c.stages, c.kv_splits > 1)
+            if shape not in shapes:
+                shapes.add(shape)
+                chosen.append(r)
+            if len(chosen) == S36_DIMS_TOP:
+                break
+        for i, r in enumerate(chosen):
+            config = _config_tuple(r.candidate.config)
+            cases.append(dict(_case("time", "block", "bigbird", batch, heads, seq, head_dim, "float16", config),
+                              label=str(r.candidate), baselines=i == 0, predicted_ms=r.time_s * 1e3,
+                              interleave=f"bigbird D{head_dim}"))
+            checks.append(dict(_case("check", "block", "bigbird", 2, 3, 1000, head_dim, "float16", config),
+                               q_scale=8.0))
+    return list({_module_key(c): c for c in checks}.values()) + cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
@@ -1430,7 +1468,7 @@ PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan
          "s17model": plan_s17model, "s19knobs": plan_s19knobs,
          "s19gate": plan_s19gate, "s25short": plan_s25short, "s29short": plan_s29short,
          "s30regs": plan_s30regs, "s32prof": plan_s32prof, "s32wait": plan_s32wait,
-         "s35goals": plan_s35goals, "s36wide": plan_s36wide}
+         "s35goals": plan_s35goals, "s36wide": plan_s36wide, "s36dims": plan_s36dims}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
