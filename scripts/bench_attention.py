@@ -1460,6 +1460,32 @@ def plan_s36dims() -> list[dict]:
     return list({_module_key(c): c for c in checks}.values()) + cases
 
 
+# s36kinds: block-wise against wgmma at head dims 32, 80, 96 and 256 on masks between sparse and causal, where the
+# block-wise kernel's timings ran 1.4-1.8x its predictions (session 35) and a truer price would flip the kind
+S36_KIND_MASKS = ("sliding", "document", "bigbird_causal", "head_blocks:0.4")
+
+
+def plan_s36kinds() -> list[dict]:
+    """Per head dim 32, 80, 96, 256 and mask of :data:`S36_KIND_MASKS`: the analytical model's best block-wise form
+    and its best wgmma form, interleaved round by round, without baselines (kind against kind is the question);
+    every timed output is checked against float32 after timing."""
+    from stof_tvm.cost_model import AttentionProblem, MaskProfile, attention_candidates, rank_attention
+
+    cases = []
+    for head_dim in (32, 80, 96, 256):
+        batch, heads, seq = HEAD_DIM_SHAPES.get(head_dim, HEAD_DIM_SHAPE)
+        for recipe in S36_KIND_MASKS:
+            problem = AttentionProblem(batch=batch, heads=heads, head_dim=head_dim, dtype="float16",
+                                       mask=MaskProfile(build_mask(recipe, batch, heads, seq, 0)))
+            for kind in ("block", "wgmma"):
+                best = rank_attention(problem, candidates=attention_candidates(problem, kinds=(kind,)))[0]
+                config = _wgmma_tuple(best.candidate.config) if kind == "wgmma" else _config_tuple(best.candidate.config)
+                cases.append(dict(_case("time", kind, recipe, batch, heads, seq, head_dim, "float16", config),
+                                  label=str(best.candidate), baselines=False, predicted_ms=best.time_s * 1e3,
+                                  interleave=f"{recipe} D{head_dim}"))
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
@@ -1468,7 +1494,8 @@ PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan
          "s17model": plan_s17model, "s19knobs": plan_s19knobs,
          "s19gate": plan_s19gate, "s25short": plan_s25short, "s29short": plan_s29short,
          "s30regs": plan_s30regs, "s32prof": plan_s32prof, "s32wait": plan_s32wait,
-         "s35goals": plan_s35goals, "s36wide": plan_s36wide, "s36dims": plan_s36dims}
+         "s35goals": plan_s35goals, "s36wide": plan_s36wide, "s36dims": plan_s36dims,
+         "s36kinds": plan_s36kinds}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
