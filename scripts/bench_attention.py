@@ -1454,7 +1454,7 @@ def plan_s36dims() -> list[dict]:
             config = _config_tuple(r.candidate.config)
             cases.append(dict(_case("time", "block", "bigbird", batch, heads, seq, head_dim, "float16", config),
                               label=str(r.candidate), baselines=i == 0, predicted_ms=r.time_s * 1e3,
-                              interleave=f"bigbird D{head_dim}"))
+                              model_pick=str(chosen[0].candidate), interleave=f"bigbird D{head_dim}"))
             checks.append(dict(_case("check", "block", "bigbird", 2, 3, 1000, head_dim, "float16", config),
                                q_scale=8.0))
     return list({_module_key(c): c for c in checks}.values()) + cases
@@ -1477,12 +1477,13 @@ def plan_s36kinds() -> list[dict]:
         for recipe in S36_KIND_MASKS:
             problem = AttentionProblem(batch=batch, heads=heads, head_dim=head_dim, dtype="float16",
                                        mask=MaskProfile(build_mask(recipe, batch, heads, seq, 0)))
+            pick = rank_attention(problem, candidates=attention_candidates(problem, kinds=("block", "wgmma")))[0]
             for kind in ("block", "wgmma"):
                 best = rank_attention(problem, candidates=attention_candidates(problem, kinds=(kind,)))[0]
                 config = _wgmma_tuple(best.candidate.config) if kind == "wgmma" else _config_tuple(best.candidate.config)
                 cases.append(dict(_case("time", kind, recipe, batch, heads, seq, head_dim, "float16", config),
                                   label=str(best.candidate), baselines=False, predicted_ms=best.time_s * 1e3,
-                                  interleave=f"{recipe} D{head_dim}"))
+                                  model_pick=str(pick.candidate), interleave=f"{recipe} D{head_dim}"))
     return cases
 
 
