@@ -534,6 +534,22 @@ def rank_attention(problem: AttentionProblem, hw: HardwareProfile = H200, cal: C
     if not keep_infeasible:
         ranked = [r for r in ranked if r.prediction.feasible]
     ranked.sort(key=lambda r: _rank_key(r, problem.padding))
+    return _more_warps_first(ranked)
+
+
+def _more_warps_first(ranked: list[RankedCandidate]) -> list[RankedCandidate]:
+    """The leading block-wise candidate's twin with twice the warps (each warp one m16 row of the tile instead of
+    two), moved to the front where the model prices the two the same (a bandwidth bound), whatever their SM terms:
+    measured faster each time (plan s36wide, session 36, an H100, sliding window B16 H12 S4096 D64, interleaved:
+    32x32 tiles with two warps 0.1464 ms median against one warp's 0.1512, whose fastest sample was 0.1491; session 9,
+    H200, BigBird: 0.196 against 0.240)."""
+    if not ranked or ranked[0].candidate.kind != "block":
+        return ranked
+    lead = ranked[0]
+    twin = dataclasses.replace(lead.candidate.config, num_warps=lead.candidate.config.num_warps * 2)
+    for i, r in enumerate(ranked[1:], start=1):
+        if r.candidate.kind == "block" and r.candidate.config == twin and r.time_s <= lead.time_s * (1 + 1e-9):
+            return [r] + ranked[:i] + ranked[i + 1:]
     return ranked
 
 
@@ -544,7 +560,8 @@ def _rank_key(ranked: RankedCandidate, padded: bool = False) -> tuple:
     two-warp ones 0.196). With a model's key padding (``padded``) the co-resident warps go before the SM term, which
     comes from a register estimate above what ptxas uses for two-warp tiles (116 vs 96: 8 resident blocks priced
     instead of 10): session 11 (call 7, s11gpt2) on GPT-2's BigBird AND causal mask with key padding, B16 H12 S2048
-    D64, measured 32x32 two-warp tiles 0.064 ms against the one-warp tiles the SM term ranked first, 0.075."""
+    D64, measured 32x32 two-warp tiles 0.064 ms against the one-warp tiles the SM term ranked first, 0.075. Unpadded,
+    :func:`_more_warps_first` then puts the leading tile's two-warp twin first where it ties."""
     terms = ranked.prediction.terms
     sm = terms.get("sm_s", 0.0)
     warps = -terms.get("resident", 0) * terms.get("threads", 0) / 32
