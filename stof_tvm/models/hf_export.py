@@ -24,8 +24,9 @@ position term computed from the attention mask), ``phi`` (head_dim 80 as in Phi-
 (head_dim 256, one key/value head), ``mistral`` (sliding-window causal attention, grouped keys/values),
 ``gptneox`` (Pythia: partial rotary, parallel residual), ``bart`` (BartModel's encoder), ``clip``
 (CLIPTextModel: causal attention and padding), ``modernbert`` (a global and a sliding-window layer: masks that
-differ between layers) and ``gemma2`` (logit soft-capping, a sliding-window and a global layer; it compiles
-through TVM's default pipeline, with a warning saying why). Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden
+differ between layers), ``gemma2`` (logit soft-capping, a sliding-window and a global layer; it compiles
+through TVM's default pipeline, with a warning saying why), ``qwen2`` (biased Q, K and V projections, one key/value
+head) and ``opt`` (ReLU, learned positions counted from the attention mask, pre-LayerNorm). Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden
 128, head_dim 64), ``tiny-d32`` (the same with 4 heads of 32), ``base`` (the published base model's shape:
 bert-base, roberta-base, distilbert-base, gpt2, vit-base, t5-base encoder, bigbird-roberta-base, longformer-base,
 deberta-v3-base) and ``large`` (bert-large). Attention ``sdpa`` exists where transformers implements it
@@ -43,9 +44,10 @@ import os
 import numpy as np
 
 FAMILIES = ("bert", "roberta", "distilbert", "gpt2", "vit", "t5", "bigbird", "bigbird-sparse", "longformer",
-            "deberta", "bloom", "phi", "gemma", "mistral", "gptneox", "bart", "clip", "modernbert", "gemma2")
+            "deberta", "bloom", "phi", "gemma", "mistral", "gptneox", "bart", "clip", "modernbert", "gemma2", "qwen2",
+            "opt")
 # families built at the tiny size only (the decoder-only ones' published sizes are billions of weights)
-TINY_ONLY = ("bloom", "phi", "gemma", "mistral", "gptneox", "bart", "clip", "modernbert", "gemma2")
+TINY_ONLY = ("bloom", "phi", "gemma", "mistral", "gptneox", "bart", "clip", "modernbert", "gemma2", "qwen2", "opt")
 SIZES = ("tiny", "tiny-d32", "tiny-w768", "base", "large")
 EXPORTERS = ("torchscript", "dynamo")
 ATTENTIONS = ("eager", "sdpa")
@@ -161,6 +163,12 @@ def _tiny_only_config(tf, family: str, hidden: int, layers: int, heads: int, ffn
     if family == "modernbert":   # layer 0 global, layer 1 local (a window of TINY_WINDOW tokens around each)
         return tf.ModernBertConfig(**llama_like, local_attention=TINY_WINDOW, cls_token_id=1, sep_token_id=2,
                                    layer_types=["full_attention", "sliding_attention"] * (layers // 2))
+    if family == "qwen2":        # Q, K and V projections with biases, grouped keys/values (one head)
+        return tf.Qwen2Config(**llama_like, num_key_value_heads=1)
+    if family == "opt":          # ReLU, learned positions from the attention mask's cumulative sum (offset 2)
+        return tf.OPTConfig(vocab_size=VOCAB_TINY, hidden_size=hidden, num_hidden_layers=layers, ffn_dim=ffn,
+                            num_attention_heads=heads, word_embed_proj_dim=hidden, max_position_embeddings=512,
+                            init_std=INIT_RANGE, attn_implementation=common["attn_implementation"], **special)
     if family == "bart":
         return tf.BartConfig(vocab_size=VOCAB_TINY, d_model=hidden, encoder_layers=layers, decoder_layers=1,
                              encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn,
@@ -179,7 +187,8 @@ def _model_class(family: str):
             "bigbird-sparse": tf.BigBirdModel, "longformer": tf.LongformerModel, "deberta": tf.DebertaV2Model,
             "bloom": tf.BloomModel, "phi": tf.PhiModel, "gemma": tf.GemmaModel, "mistral": tf.MistralModel,
             "gptneox": tf.GPTNeoXModel, "bart": _bart_encoder, "clip": tf.CLIPTextModel,
-            "modernbert": tf.ModernBertModel, "gemma2": tf.Gemma2Model}[family]
+            "modernbert": tf.ModernBertModel, "gemma2": tf.Gemma2Model, "qwen2": tf.Qwen2Model,
+            "opt": tf.OPTModel}[family]
 
 
 def _bart_encoder(config):
