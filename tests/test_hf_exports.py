@@ -4,7 +4,7 @@ checked against the torch model in float32 on inputs with a padded row.
 
 Every family (BERT, RoBERTa, DistilBERT, GPT-2, ViT, T5 encoder, BigBird original_full and block_sparse,
 Longformer, DeBERTa-v3; at the tiny size BLOOM, Phi, Gemma, Mistral, GPT-NeoX, the BART encoder, the CLIP text
-model, ModernBERT, Gemma 2, which falls back, Qwen2 and OPT) with every attention implementation transformers offers it (eager,
+model, ModernBERT, Gemma 2, which falls back, Qwen2, OPT and Llama) with every attention implementation transformers offers it (eager,
 sdpa), through both exporters at the opsets that spell the model differently: TorchScript at 17 (static axes)
 and 20 (the ``Gelu`` op; dynamic axes), dynamo at 18 (static; sdpa decomposed into split scales, boolean masks
 and NaN guards) and 23 (the ``Attention`` op; dynamic axes). Static exports are compiled at the shape they were
@@ -175,7 +175,8 @@ SPARSE_CASES = [("bert", "eager", "torchscript", 17, False), ("gpt2", "sdpa", "d
                 ("t5", "sdpa", "torchscript", 17, False), ("roberta", "sdpa", "dynamo", 23, True),
                 ("deberta", "eager", "dynamo", 18, False), ("bloom", "eager", "torchscript", 17, False),
                 ("phi", "sdpa", "dynamo", 23, True), ("modernbert", "sdpa", "torchscript", 17, False),
-                ("qwen2", "sdpa", "dynamo", 23, True), ("opt", "eager", "torchscript", 17, False)]
+                ("qwen2", "sdpa", "dynamo", 23, True), ("opt", "eager", "torchscript", 17, False),
+                ("llama", "sdpa", "dynamo", 18, False)]
 
 
 @pytest.mark.parametrize("case", SPARSE_CASES, ids=case_id)
