@@ -458,3 +458,28 @@ def test_soft_capped_scores_are_named_as_why_no_site():
         bb.emit(relax.op.nn.softmax(bb.emit(relax.op.matmul(q, bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2])))),
                                     axis=-1)), v))
     assert len(find_attention_sites(plain)) == 1 and unmatched_score_ops(plain) == []
+
+
+def _scaled_head_split(bb, x, w, b, linear=True):
+    """OPT's Q: ``q_proj(x) * scaling`` (or, with ``linear=False``, ``x * scaling``), then the head split."""
+    y = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, w)), b)) if linear else x
+    scaled = bb.emit(relax.op.multiply(y, relax.const(np.float32(D ** -0.5))))
+    return relax.op.permute_dims(bb.emit(relax.op.reshape(scaled, [B, S, H, D])), [0, 2, 1, 3])
+
+
+def test_a_scale_after_a_linear_moves_past_the_head_split():
+    """The scale ends after the permute: the head split reads the linear layer directly (what the QKV matcher
+    takes), and the result is unchanged."""
+    params = [_tensor("x", (B, S, H * D)), _tensor("w", (H * D, H * D)), _tensor("b", (H * D,))]
+    func = _function(params, _scaled_head_split)
+    out, applied = canonical.canonicalize_function(func, [layout.ScaleAfterHeadSplit()])
+    assert applied == {"scale_after_head_split": 1} and layout.ScaleAfterHeadSplit().apply(out) is None
+    assert _ops(out) == ["relax.matmul", "relax.add", "relax.reshape", "relax.permute_dims", "relax.multiply"]
+    args = _inputs(func)
+    np.testing.assert_allclose(_run(out, args), _run(func, args), rtol=1e-6, atol=1e-6)
+
+
+def test_a_scale_of_something_else_than_a_linear_stays():
+    params = [_tensor("x", (B, S, H * D)), _tensor("w", (H * D, H * D)), _tensor("b", (H * D,))]
+    func = _function(params, lambda bb, x, w, b: _scaled_head_split(bb, x, w, b, linear=False))
+    assert layout.ScaleAfterHeadSplit().apply(func) is None

@@ -85,8 +85,8 @@ def test_vit_qkv_into_heads_at_any_batch(hf_export, batch, qkv_template, rows):
         assert qkv["note"].startswith(f"rows padded {batch * 65} -> {rows}"), qkv["note"]
 
 
-@pytest.mark.parametrize("form", [("gpt2", "eager", "torchscript", 17), ("vit", "eager", "torchscript", 17)],
-                         ids=_form_id)
+@pytest.mark.parametrize("form", [("gpt2", "eager", "torchscript", 17), ("vit", "eager", "torchscript", 17),
+                                  ("opt", "eager", "torchscript", 17)], ids=_form_id)
 def test_templates_on_real_exports_match_torch(hf_export, form):
     """float16 on llvm with the templates' definitions (the same rewrite as for CUDA) against torch float32."""
     from stof_tvm.models import hf_export as hx
@@ -137,3 +137,19 @@ def test_deberta_qkv_one_projection_with_keys_permuted_twice(hf_export):
     kept = inputs["attention_mask"].astype(bool)
     assert np.isfinite(out).all()
     assert np.linalg.norm(out[kept] - expected[kept]) / np.linalg.norm(expected[kept]) < 5e-3
+
+
+@pytest.mark.parametrize("form", [("opt", "eager", "torchscript", 17), ("opt", "sdpa", "dynamo", 23)], ids=_form_id)
+def test_opts_scaled_query_still_makes_one_qkv_projection(hf_export, form):
+    """OPT scales Q right after its projection (``q_proj(h) * scaling``, before the head split): the scale is moved
+    past the head split onto the scores (canonical.layout.ScaleAfterHeadSplit), so Q, K and V are one projection
+    into heads; the FFN's ReLU rides its GEMM's epilogue."""
+    family, attn, exporter, opset = form
+    path = hf_export(family, attn, exporter, opset, False, BATCH, SEQ)
+    front = front_end(path, mask="bigbird", batch=BATCH, seq_len=SEQ, target="cuda", dtype="float16",
+                      schedule=False)
+    cov = front.coverage
+    assert cov["attention"]["accelerated"] == cov["attention"]["total"] == LAYERS
+    assert cov["qkv"] == {"total": LAYERS, "accelerated": LAYERS, "fallback": []}
+    assert cov["relu"]["accelerated"] == cov["relu"]["total"] == LAYERS
+    assert cov["linear"]["accelerated"] == cov["linear"]["total"] == 6 * LAYERS

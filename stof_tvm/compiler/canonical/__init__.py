@@ -29,12 +29,13 @@ from .activations import GeluErf, GeluTanh, IntegerPowers, NoOpCasts, RoundTripC
 from .attention import FiniteFill, NanGuard, SelectMask, SplitScale
 from .base import Rule
 from .constants import RepeatedConstant
-from .layout import FlatHeads, FlatLinear, PatchEmbedding, PermutePairs, SingleConcat, TransposeThrough3D
+from .layout import (FlatHeads, FlatLinear, PatchEmbedding, PermutePairs, ScaleAfterHeadSplit, SingleConcat,
+                     TransposeThrough3D)
 
 # Order matters only for speed (each rule runs until no rule changes anything): the casts and layout detours
 # first, so that the attention rules see adjacent operators.
 RULES: list[Rule] = [NoOpCasts(), RoundTripCasts(), SingleConcat(), TransposeThrough3D(), PermutePairs(), FlatHeads(),
-                     FlatLinear(), PatchEmbedding(),
+                     FlatLinear(), PatchEmbedding(), ScaleAfterHeadSplit(),
                      SplitScale(), SelectMask(), FiniteFill(), NanGuard(), GeluErf(), GeluTanh(), IntegerPowers(),
                      RepeatedConstant()]
 MAX_ROUNDS = 8

@@ -7,6 +7,9 @@
   ``permute_dims(x, [0, 1, 3, 2])`` (the dynamo exporter's K^T of SDPA's decomposition, over 3-D batches).
 - :class:`PermutePairs`: ``permute_dims(permute_dims(x, a), b)`` -> one permute (or ``x``), so that K's head split
   reads ``permute_dims(reshape(linear), [0, 2, 3, 1])``, the form the QKV projection matcher takes.
+- :class:`ScaleAfterHeadSplit`: ``head split(linear(x) * c)`` -> ``head split(linear(x)) * c`` for a scalar
+  constant ``c``: OPT scales Q right after its projection, which hid that projection from the QKV matcher; past the
+  head split the scale reaches the score product, where :class:`..attention.SplitScale` moves it onto the scores.
 - :class:`FlatLinear`: ``reshape(matmul(reshape(x, [M, K]), W) (+ b), [..., N])`` -> ``matmul(x', W) (+ b)`` with
   ``x'`` = ``x`` on the output's leading shape: HF's ``Conv1D`` (GPT-2) flattens its input to 2-D around
   ``addmm``; on the model's own shape the linear layer reads the LayerNorm (or the GELU reads the linear)
@@ -27,7 +30,7 @@ from tvm.ir.expr import Constant
 from tvm.relax.dpl import is_const, is_op, wildcard
 
 from ..layout import fold_permute_pairs
-from .base import Rule, op_name, resolve, rewrite_matches, tensor_shape
+from .base import Rule, op_name, resolve, rewrite_matches, scalar_constant, tensor_dtype, tensor_shape
 
 
 class SingleConcat(Rule):
@@ -191,6 +194,46 @@ class PermutePairs(Rule):
         if not pairs:
             return None
         return relax.analysis.remove_all_unused(fold_permute_pairs(func))
+
+
+class ScaleAfterHeadSplit(Rule):
+    """``reshape(linear * c)`` or ``permute_dims(linear * c)`` -> the same layout operator on the linear layer's
+    output, then ``* c`` (``c`` a scalar constant; a linear layer: a ``matmul``, or a ``matmul`` plus a bias). Exact:
+    a scalar multiply commutes with any layout operator. Applied twice, it moves OPT's ``q_proj(h) * scaling`` past
+    the reshape and the permute of Q's head split."""
+
+    name = "scale_after_head_split"
+    _x, _c = wildcard(), is_const()
+    _scaled = is_op("relax.multiply")(_x, _c) | is_op("relax.multiply")(_c, _x)
+    pattern = is_op("relax.reshape")(_scaled, wildcard()) | is_op("relax.permute_dims")(_scaled)
+
+    def apply(self, func):
+        var2val = relax.analysis.get_var2val(func)
+
+        def rewrite(expr, matches):
+            x, c = matches[self._x], matches[self._c]
+            scaled = resolve(expr.args[0], var2val)
+            if (scalar_constant(c) is None or tensor_dtype(x) != tensor_dtype(scaled)
+                    or tensor_shape(x) != tensor_shape(scaled) or not _is_linear(x, var2val)):
+                return None
+            if op_name(expr) == "relax.reshape":
+                moved = relax.op.reshape(x, expr.args[1])
+            else:
+                moved = relax.op.permute_dims(x, _axes(expr))
+            return relax.op.multiply(moved, c)
+
+        return rewrite_matches(self.pattern, rewrite, func)
+
+
+def _is_linear(expr, var2val) -> bool:
+    """Whether ``expr`` is a ``matmul``, a ``matmul`` plus a bias, or a layout operator of one (through bindings)."""
+    value = resolve(expr, var2val)
+    while op_name(value) in ("relax.reshape", "relax.permute_dims"):
+        value = resolve(value.args[0], var2val)
+    if op_name(value) == "relax.add":
+        value = next((resolve(a, var2val) for a in value.args if op_name(resolve(a, var2val)) == "relax.matmul"),
+                     None)
+    return op_name(value) == "relax.matmul"
 
 
 class FlatLinear(Rule):
