@@ -1480,7 +1480,8 @@ def plan_s36kinds() -> list[dict]:
             pick = rank_attention(problem, candidates=attention_candidates(problem, kinds=("block", "wgmma")))[0]
             for kind in ("block", "wgmma"):
                 best = rank_attention(problem, candidates=attention_candidates(problem, kinds=(kind,)))[0]
-                config = _wgmma_tuple(best.candidate.config) if kind == "wgmma" else _config_tuple(best.candidate.config)
+                as_tuple = _wgmma_tuple if kind == "wgmma" else _config_tuple
+                config = as_tuple(best.candidate.config)
                 cases.append(dict(_case("time", kind, recipe, batch, heads, seq, head_dim, "float16", config),
                                   label=str(best.candidate), baselines=False, predicted_ms=best.time_s * 1e3,
                                   model_pick=str(pick.candidate), interleave=f"{recipe} D{head_dim}"))

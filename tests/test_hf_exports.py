@@ -2,11 +2,11 @@
 far from uniform, :mod:`stof_tvm.models.hf_export`) exported by torch's own ONNX exporters, compiled for llvm and
 checked against the torch model in float32 on inputs with a padded row.
 
-Every family (BERT, RoBERTa, DistilBERT, GPT-2, ViT, T5 encoder, BigBird original_full and block_sparse,
-Longformer, DeBERTa-v3; at the tiny size BLOOM, Phi, Gemma, Mistral, GPT-NeoX, the BART encoder, the CLIP text
-model, ModernBERT, Gemma 2, which falls back, Qwen2, OPT and Llama) with every attention implementation transformers offers it (eager,
-sdpa), through both exporters at the opsets that spell the model differently: TorchScript at 17 (static axes)
-and 20 (the ``Gelu`` op; dynamic axes), dynamo at 18 (static; sdpa decomposed into split scales, boolean masks
+Every family (BERT, RoBERTa, DistilBERT, GPT-2, ViT, T5 encoder, BigBird original_full and block_sparse, Longformer,
+DeBERTa-v3; at the tiny size BLOOM, Phi, Gemma, Mistral, GPT-NeoX, the BART encoder, the CLIP text model,
+ModernBERT, Gemma 2, which falls back, Qwen2, OPT and Llama) with every attention implementation transformers offers
+it (eager, sdpa), through both exporters at the opsets that spell the model differently: TorchScript at 17 (static
+axes) and 20 (the ``Gelu`` op; dynamic axes), dynamo at 18 (static; sdpa decomposed into split scales, boolean masks
 and NaN guards) and 23 (the ``Attention`` op; dynamic axes). Static exports are compiled at the shape they were
 traced at, in float32 and float16 (dynamo 18: float32); dynamic ones at another batch and sequence length (batch 1,
 32 tokens instead of 2 x 64). One export per case per session (exports are cached on disk by

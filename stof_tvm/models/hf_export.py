@@ -21,15 +21,15 @@ Families (:data:`FAMILIES`): ``bert``, ``roberta``, ``distilbert``, ``gpt2``, ``
 ``bigbird`` (original_full attention), ``bigbird-sparse`` (block_sparse), ``longformer``, ``deberta`` (DeBERTa-v3:
 relative attention with both position terms); at size ``tiny`` only (:data:`TINY_ONLY`): ``bloom`` (ALiBi, the
 position term computed from the attention mask), ``phi`` (head_dim 80 as in Phi-2, partial rotary), ``gemma``
-(head_dim 256, one key/value head), ``mistral`` (sliding-window causal attention, grouped keys/values),
-``gptneox`` (Pythia: partial rotary, parallel residual), ``bart`` (BartModel's encoder), ``clip``
-(CLIPTextModel: causal attention and padding), ``modernbert`` (a global and a sliding-window layer: masks that
-differ between layers), ``gemma2`` (logit soft-capping, a sliding-window and a global layer; it compiles
-through TVM's default pipeline, with a warning saying why), ``qwen2`` (biased Q, K and V projections, one key/value
-head), ``opt`` (ReLU, learned positions counted from the attention mask, pre-LayerNorm) and ``llama`` (grouped
-keys/values: twice the heads of the tiny shape, 4 of 32, sharing 2 key/value heads). Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden
-128, head_dim 64), ``tiny-d32`` (the same with 4 heads of 32), ``base`` (the published base model's shape:
-bert-base, roberta-base, distilbert-base, gpt2, vit-base, t5-base encoder, bigbird-roberta-base, longformer-base,
+(head_dim 256, one key/value head), ``mistral`` (sliding-window causal attention, grouped keys/values), ``gptneox``
+(Pythia: partial rotary, parallel residual), ``bart`` (BartModel's encoder), ``clip`` (CLIPTextModel: causal
+attention and padding), ``modernbert`` (a global and a sliding-window layer: masks that differ between layers),
+``gemma2`` (logit soft-capping, a sliding-window and a global layer; it compiles through TVM's default pipeline,
+with a warning saying why), ``qwen2`` (biased Q, K and V projections, one key/value head), ``opt`` (ReLU, learned
+positions counted from the attention mask, pre-LayerNorm) and ``llama`` (grouped keys/values: twice the heads of the
+tiny shape, 4 of 32, sharing 2 key/value heads). Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden 128, head_dim
+64), ``tiny-d32`` (the same with 4 heads of 32), ``base`` (the published base model's shape: bert-base,
+roberta-base, distilbert-base, gpt2, vit-base, t5-base encoder, bigbird-roberta-base, longformer-base,
 deberta-v3-base) and ``large`` (bert-large). Attention ``sdpa`` exists where transformers implements it
 (:func:`attention_kinds`).
 

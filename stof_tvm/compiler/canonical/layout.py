@@ -199,8 +199,8 @@ class PermutePairs(Rule):
 class ScaleAfterHeadSplit(Rule):
     """``reshape(linear * c)`` or ``permute_dims(linear * c)`` -> the same layout operator on the linear layer's
     output, then ``* c`` (``c`` a scalar constant; a linear layer: a ``matmul``, or a ``matmul`` plus a bias). Exact:
-    a scalar multiply commutes with any layout operator. Applied twice, it moves OPT's ``q_proj(h) * scaling`` past
-    the reshape and the permute of Q's head split."""
+    a scalar multiply commutes with any layout operator. It moves OPT's ``q_proj(h) * scaling`` past both the
+    reshape and the permute of Q's head split (one pass: the rewrite matches its own result again)."""
 
     name = "scale_after_head_split"
     _x, _c = wildcard(), is_const()
