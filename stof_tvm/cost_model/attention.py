@@ -288,11 +288,13 @@ def _wide_key_candidates(problem: AttentionProblem, hw: HardwareProfile) -> list
     """The default wgmma configuration at head dim 128 widened to 160-key tiles, offered where the mask has no
     partial tile at the default's 128 x 128 grid (dense attention, masks aligned to 128) and no key padding.
 
-    Measured side by side (plan s36wide, session 36, an H100, B4 H16 S8192, interleaved, checks passed): dense 3.328
-    ms against the default's 3.808 (SDPA 3.808), but causal 1.885 against 1.776. The per-tile terms price the two
-    forms within 1% of each other on both masks (no constant of theirs fits both orders), so the wide form is a
-    candidate only on the masks where it was measured faster; the model then ranks it against the rest as usual
-    (FlashAttention-3's tile table makes the same split: wider key tiles for non-causal head dim 128)."""
+    Measured in one run (plan s36wide, session 36, an H100, B4 H16 S8192, checks passed), each form's median alone
+    and, in brackets, interleaved round by round with the other: dense 3.328 ms against the default's 3.808 (3.730
+    against 3.907), faster both ways; causal 1.885 against 1.776 (1.982 against 2.033), the two ways disagreeing.
+    The per-tile terms price the two forms within 1% of each other on both masks (no constant of theirs fits the
+    dense gain), so the wide form is a candidate only on the masks where it measured faster both ways; the model then
+    ranks it against the rest as usual (FlashAttention-3's tile table makes the same split: wider key tiles for
+    non-causal head dim 128)."""
     if problem.head_dim != _WIDE_KEY_HEAD_DIM or problem.padding or not hw.compute_version.startswith("9."):
         return []
     partial = problem.mask.tile_counts(WgmmaAttentionConfig().block_m, WgmmaAttentionConfig().block_n)[1]
