@@ -107,9 +107,9 @@ OUT_LAYOUTS = ("bhsd", "bshd")
 BLOCK_M = 128            # default tile rows: two consumer warpgroups x 64 query rows
 CONSUMER_CHOICES = (2, 3)
 # Keys per tile. 160 and 192 (two consumers; 192 only below head dim 128, where S, O and P fit the registers) are
-# FlashAttention-3's wider non-causal tiles, built clean here with TMA loads (nvcc 13.0: no spill, HGMMA; cp.async's
-# producer spills 4 bytes beside them) but not yet timed or checked on a GPU: the analytical model offers 64 and 128
-# only (bench_attention.py plan s36wide measures them)
+# FlashAttention-3's wider non-causal tiles, built clean with TMA loads (nvcc 13.0: no spill, HGMMA; cp.async's
+# producer spills 4 bytes beside them), checked and timed on an H100 (bench_attention.py plan s36wide, session 36):
+# the analytical model offers 160 at head dim 128 on dense masks only (cost_model.attention._wide_key_candidates)
 BLOCK_N_CHOICES = (64, 128, 160, 192)
 # How the producer fills shared memory: 16-byte cp.async from all its 128 threads, or TMA (one thread: tensor maps
 # encoded on the host at each call, cp.async.bulk for the bitmap words)

@@ -297,10 +297,10 @@ def _wide_key_candidates(problem: AttentionProblem, hw: HardwareProfile) -> list
     non-causal head dim 128)."""
     if problem.head_dim != _WIDE_KEY_HEAD_DIM or problem.padding or not hw.compute_version.startswith("9."):
         return []
-    partial = problem.mask.tile_counts(WgmmaAttentionConfig().block_m, WgmmaAttentionConfig().block_n)[1]
-    if partial.any():
+    default = wgmma_default_config(problem.head_dim)
+    if problem.mask.tile_counts(default.block_m, default.block_n)[1].any():
         return []
-    wide = dataclasses.replace(wgmma_default_config(problem.head_dim), block_n=_WIDE_KEY_TILE)
+    wide = dataclasses.replace(default, block_n=_WIDE_KEY_TILE)
     return [AttentionCandidate("wgmma", wide)] if wide.shared_bytes(problem.head_dim) <= hw.smem_per_block else []
 
 
