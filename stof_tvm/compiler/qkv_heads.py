@@ -21,12 +21,21 @@ from .linear_match import (ANY_LINEAR, LINEAR_BIAS, LINEAR_W, LINEAR_X, is_call,
 class _QKVGroup:
     """Three linear layers on one X whose outputs are split into heads (reshape + permute_dims). ``permutes`` and
     ``axes``: per linear, the permutes of its head split (one, or several where the graph permutes the same heads
-    for several readers: HF DeBERTa-v3's K for the scores and for the position-to-content product) and their axes."""
+    for several readers: HF DeBERTa-v3's K for the scores and for the position-to-content product) and their axes.
+    ``heads``: the query's; ``kv_heads``: the key's and value's, fewer where they are shared by groups of query heads
+    (grouped-query and multi-query attention: Llama, Qwen2, Mistral), else ``heads``."""
 
-    def __init__(self, x, linears: list, permutes: list, axes: list, heads: int, head_dim: int):
+    def __init__(self, x, linears: list, permutes: list, axes: list, heads: int, head_dim: int,
+                 kv_heads: int | None = None):
         self.x, self.linears, self.permutes, self.axes = x, linears, permutes, axes
         self.heads, self.head_dim = heads, head_dim
+        self.kv_heads = heads if kv_heads is None else kv_heads
+        self.widths = [n * head_dim for n in (heads, self.kv_heads, self.kv_heads)]   # output features per linear
         self.shape: dict = {}
+
+    @property
+    def grouped(self) -> bool:
+        return self.kv_heads != self.heads
 
 
 _HEAD_PERMS = {(0, 2, 1, 3): None, (0, 2, 3, 1): [0, 1, 3, 2]}   # Q/V form, K^T form (from [B, H, S, D])
@@ -65,16 +74,32 @@ def _find_qkv(func: relax.Function, users: dict) -> list[_QKVGroup]:
     for x, members in by_x:
         if len(members) != 3:
             continue
-        heads = {(s[2], s[3]) for s in members}
+        heads = _query_and_kv_heads([(m[2], m[3]) for m in members])
         last = max(order[m[0]] for m in members)
         # the permutes are replaced by the template's heads, emitted after the last linear (the reshapes die), so
         # nothing may read them before it
-        if len(heads) != 1 or not all(_read_after(permute, last, order, users) for m in members for permute in m[5]):
+        if heads is None or not all(_read_after(permute, last, order, users) for m in members for permute in m[5]):
             continue
-        h, d = heads.pop()
+        h, kv, d = heads
         groups.append(_QKVGroup(x, [(m[0], m[1]) for m in members], [m[5] for m in members],
-                                [m[6] for m in members], h, d))
+                                [m[6] for m in members], h, d, kv))
     return groups + fused
+
+
+def _query_and_kv_heads(splits: list) -> tuple[int, int, int] | None:
+    """(query heads, key/value heads, head_dim) of three head splits ((heads, head_dim) each, in program order):
+    all alike (multi-head attention), or one split with more heads than the other two, alike, that divide it
+    (grouped-query attention, whose K and V are narrower); else None. Q is the first of them in HF's exports; the
+    widths are taken in program order either way."""
+    if len({d for _, d in splits}) != 1:
+        return None
+    d = splits[0][1]
+    counts = sorted(h for h, _ in splits)
+    if counts[0] == counts[2]:
+        return counts[0], counts[0], d
+    if counts[0] == counts[1] < counts[2] and counts[2] % counts[0] == 0 and splits[0][0] == counts[2]:
+        return counts[2], counts[0], d
+    return None
 
 
 def _read_after(var, position: int, order: dict, users: dict) -> bool:
@@ -142,19 +167,21 @@ def _concat_weights(ws: list, axis: int) -> relax.Expr:
 def rewrite_qkv(t, func: relax.Function) -> relax.Function:
     """Replace every :class:`_QKVGroup` the QKV template fits by one template call and its heads (views or a
     split); ``t`` is the template adder of :func:`.downstream.use_templates` (its ``call``, ``record``,
-    ``gemm_stage``, ``gemm``, ``mod``). Three linears whose heads the template does not take (a head_dim not a
-    multiple of 16) become one GEMM on the concatenated weights, split into thirds before the graph's own head
-    splits."""
+    ``gemm_stage``, ``gemm``, ``mod``). Three linears whose heads the template does not take become one GEMM on
+    the concatenated weights, split into their parts before the graph's own head splits: a head_dim not a multiple of
+    16, heads narrower than X (Gemma), or K and V narrower than Q (grouped-query attention; the graph's own repeat of
+    the key/value heads stays)."""
     groups, gemms = [], []
     users = users_of(func)
     for group in _find_qkv(func, users):
         x_shape = static_shape(group.x)
-        if x_shape is None or len(x_shape) != 3 or x_shape[2] != group.heads * group.head_dim:
+        if x_shape is None or len(x_shape) != 3:
             continue
         group.shape = {"batch": x_shape[0], "seq": x_shape[1], "heads": group.heads, "head_dim": group.head_dim}
-        if _qkv_fits(group.shape, str(group.x.ty.dtype)):
+        square = x_shape[2] == group.heads * group.head_dim
+        if square and not group.grouped and _qkv_fits(group.shape, str(group.x.ty.dtype)):
             groups.append(group)
-        elif len(group.linears) == 3:
+        elif len(group.linears) == 3 and (square or group.grouped):
             gemms.append(group)
     if not groups and not gemms:
         return func
@@ -177,24 +204,36 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
             if binding.var in emit_at:
                 self._emit_group(emit_at[binding.var])
 
-        def _weights(self, group: _QKVGroup, dtype: str):
+        def _weights(self, group: _QKVGroup, dtype: str, bias_needed: bool = True):
+            """The concatenated weight and bias (zeros for a linear without one; None where none has one and
+            ``bias_needed`` is False)."""
             matches = [m for _, m in group.linears]
             w = _concat_weights([self.visit_expr(m[LINEAR_W]) for m in matches], 1)
+            if not bias_needed and not any(LINEAR_BIAS in m for m in matches):
+                return w, None
             bias = _concat_weights([m[LINEAR_BIAS] if LINEAR_BIAS in m else zero_bias(static_shape(m[LINEAR_W])[1], dtype)
                                     for m in matches], 0)
             return w, bias
 
         def _emit_gemm(self, group: _QKVGroup):
-            """The three linears as one GEMM at the first one's place; each linear's value becomes a third."""
+            """The three linears as one GEMM at the first one's place; each linear's value becomes its part."""
             dtype = str(group.x.ty.dtype)
-            b, s, hd = static_shape(group.x)
-            w, bias = self._weights(group, dtype)
-            x2d = relax.op.reshape(self.visit_expr(group.x), [b * s, hd])
-            call, stage, note = t.gemm_stage("none", x2d, w, bias, b * s, 3 * hd, hd, dtype)
-            why = f"no QKV heads template fits head_dim {group.head_dim}: one GEMM, the graph's head split"
+            b, s, k = static_shape(group.x)
+            n = sum(group.widths)
+            w, bias = self._weights(group, dtype, bias_needed=False)
+            x2d = relax.op.reshape(self.visit_expr(group.x), [b * s, k])
+            call, stage, note = t.gemm_stage("none", x2d, w, bias, b * s, n, k, dtype)
+            if group.grouped:
+                why = (f"{group.heads} query heads share {group.kv_heads} key/value heads: one GEMM, the graph's head "
+                       "splits and key/value repeat")
+            elif k != group.heads * group.head_dim:
+                why = f"{group.heads} heads of {group.head_dim} project from {k} features: one GEMM, the graph's head split"
+            else:
+                why = f"no QKV heads template fits head_dim {group.head_dim}: one GEMM, the graph's head split"
             t.record("qkv_gemm", [stage], why + (f"; {note}" if note else ""))
-            out = self.builder_.emit(relax.op.reshape(call, [b, s, 3 * hd]))
-            parts = self.builder_.emit(relax.op.split(out, 3, axis=2))
+            out = self.builder_.emit(relax.op.reshape(call, [b, s, n]))
+            cuts = [group.widths[0], group.widths[0] + group.widths[1]]
+            parts = self.builder_.emit(relax.op.split(out, cuts, axis=2))
             for i, (var, _) in enumerate(group.linears):
                 replace[var] = self.builder_.emit(relax.TupleGetItem(parts, i))
 
