@@ -41,7 +41,7 @@ from tvm.script import tirx as T
 
 from .mma import (CP_ASYNC_16, EX2, LD_SHARED_V4, LDMATRIX_X4, LDMATRIX_X4_TRANS, ST_GLOBAL_V4, chunk_offset,
                   chunk_stride, mma_m16n8k16, pack_f32x2)
-from .attention_rowwise import check_score_bias
+from .attention_rowwise import check_kv_heads, check_score_bias
 from .key_padding import bit_words
 
 __all__ = ["BlockConfig", "default_block_config", "blockwise_attention_primfunc", "SUPPORTED_DTYPES",
@@ -255,10 +255,10 @@ def blockwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: i
                                  mask_batch: int, mask_heads: int, scale: float | None = None,
                                  config: BlockConfig | None = None, target_kind: str = "cuda",
                                  out_layout: str = "bhsd", bias: tuple[int, int, str] | None = None,
-                                 padding: bool = False) -> tvm.tirx.PrimFunc:
+                                 padding: bool = False, kv_heads: int | None = None) -> tvm.tirx.PrimFunc:
     """The block-wise attention PrimFunc for one problem shape.
 
-    Parameters (in order): ``q[B,H,Sq,D], k[B,H,Sk,D], v[B,H,Sk,D], full_indptr[G*TR+1] int32,
+    Parameters (in order): ``q[B,H,Sq,D], k[B,Hkv,Sk,D], v[B,Hkv,Sk,D], full_indptr[G*TR+1] int32,
     full_indices[n_full] int32, part_indptr[G*TR+1] int32, part_indices[n_part] int32,
     part_bitmaps[n_part, BM/8, BN/8] uint64, out`` with ``G = mask_batch * mask_heads``,
     ``TR = ceil(Sq / BM)``; ``n_full`` and ``n_part`` are symbolic (>= 1: pad empty lists with one dummy entry).
@@ -279,6 +279,10 @@ def blockwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: i
     ``[lo, hi)`` whose bit is set (the bits are read only where ``holes``), at every query row (padded query rows
     too, as the model computes them). Key tiles wholly outside the range are neither loaded nor computed; the
     tiles that cross it, and every tile of a row with holes, are masked by a column predicate.
+
+    ``kv_heads`` (``Hkv``, default ``heads``; a divisor of it): grouped-query attention, query head ``h`` reading
+    key/value head ``h // (heads / kv_heads)`` (Llama, Qwen2, Mistral), so K and V are read as the projection wrote
+    them instead of repeated to every query head.
     """
     if out_layout not in OUT_LAYOUTS:
         raise ValueError(f"out_layout must be one of {OUT_LAYOUTS}, got {out_layout!r}")
@@ -304,7 +308,7 @@ def blockwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: i
     if padding not in (False, True) or (padding and seq_q != seq_k):
         raise ValueError(f"padding must be a bool and needs seq_q == seq_k, got {padding!r} ({seq_q} x {seq_k})")
     shape = _Shape(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, scale, config,
-                   out_layout == "bshd", bias, bool(padding))
+                   out_layout == "bshd", bias, bool(padding), check_kv_heads(kv_heads, heads))
     if target_kind == "cuda":
         return _cuda_kernel(shape)
     if target_kind == "llvm":
@@ -327,6 +331,16 @@ class _Shape:
     rows_then_heads: bool           # out_layout "bshd"
     bias: tuple | None = None       # (bias_batch, bias_heads, dtype) of the score bias input
     padding: bool = False           # pad_range / pad_bits inputs (key padding applied in the kernel)
+    kv_heads: int = 0               # key/value heads (0: as many as query heads)
+
+    @property
+    def kv_group(self) -> int:
+        """Query heads per key/value head: query head ``h`` reads key/value head ``h // kv_group``."""
+        return self.heads // self.kv_heads if self.kv_heads else 1
+
+    @property
+    def kv_shape(self) -> tuple:
+        return self.batch, self.heads // self.kv_group, self.seq_k, self.head_dim
 
     @property
     def bias_select(self) -> tuple[int, int]:
@@ -401,6 +415,7 @@ class _Padding:
 def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     cfg = p.config
     B, H, SQ, SK, D, DT = p.batch, p.heads, p.seq_q, p.seq_k, p.head_dim, p.dtype
+    KVG = p.kv_group
     BM, BN, ST, NT, MT = cfg.block_m, cfg.block_n, cfg.stages, cfg.threads, cfg.m_tiles_per_warp
     TR, NROWS = p.tile_rows, p.groups * p.tile_rows + 1
     GB, GH = p.group_strides
@@ -597,8 +612,8 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     fill: T.let = T.uint32(16) if KEYS_IN_RANGE else T.Cast("uint32", T.Select(
                         pad.loads(key, lo, hi), 16, 0))
                     src_key: T.let = key if KEYS_IN_RANGE else T.min(key, SK - 1)
-                    CP_ASYNC_16(k_base + dst, T.address_of(k[b, h, src_key, ((it * NT + tx) % CPR) * 8]), 16, fill)
-                    CP_ASYNC_16(v_base + dst, T.address_of(v[b, h, src_key, ((it * NT + tx) % CPR) * 8]), 16, fill)
+                    CP_ASYNC_16(k_base + dst, T.address_of(k[b, h // KVG, src_key, ((it * NT + tx) % CPR) * 8]), 16, fill)
+                    CP_ASYNC_16(v_base + dst, T.address_of(v[b, h // KVG, src_key, ((it * NT + tx) % CPR) * 8]), 16, fill)
             if tt < n_part_row:
                 for it in T.unroll(M_ITERS):
                     if it * NT + tx < MW_CHUNKS:
@@ -1009,6 +1024,7 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
 def _cpu_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
     cfg = p.config
     B, H, SQ, SK, D, DT = p.batch, p.heads, p.seq_q, p.seq_k, p.head_dim, p.dtype
+    KVG = p.kv_group
     BM, BN = cfg.block_m, cfg.block_n
     TR, NROWS = p.tile_rows, p.groups * p.tile_rows + 1
     GB, GH = p.group_strides
@@ -1061,7 +1077,7 @@ def _cpu_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                             if kept[0] != 0 and col * BN + c < SK:
                                 st[2] = T.float32(0)
                                 for d in range(D):
-                                    st[2] = st[2] + q_row[d] * T.Cast("float32", k[b, h, col * BN + c, d])
+                                    st[2] = st[2] + q_row[d] * T.Cast("float32", k[b, h // KVG, col * BN + c, d])
                                 if HAS_BIAS:     # the model's score bias, read at kept keys only
                                     st[2] = st[2] + T.Cast("float32", bias[b * BSB, h * BSH, tr * BM + a,
                                                                            col * BN + c])
@@ -1074,7 +1090,7 @@ def _cpu_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                                 st[4] = T.exp(st[2] - st[0])
                                 st[1] = st[1] + st[4]
                                 for d in range(D):
-                                    acc[d] = acc[d] + st[4] * T.Cast("float32", v[b, h, col * BN + c, d])
+                                    acc[d] = acc[d] + st[4] * T.Cast("float32", v[b, h // KVG, col * BN + c, d])
                     for d in range(D):
                         if BSHD:
                             out[b, tr * BM + a, h, d] = T.Cast(
@@ -1096,6 +1112,7 @@ def _entry(p: _Shape, kernel_body) -> tvm.tirx.PrimFunc:
     BB, BH, BIAS_DT = p.bias if p.bias is not None else (1, 1, "float32")
     KW = bit_words(SK)
     HAS_BIAS, PAD = p.bias is not None, p.padding
+    KV_SHAPE = p.kv_shape
 
     @T.prim_func
     def blockwise_attention(q_h: T.handle, k_h: T.handle, v_h: T.handle, full_indptr_h: T.handle,
@@ -1106,8 +1123,8 @@ def _entry(p: _Shape, kernel_body) -> tvm.tirx.PrimFunc:
         n_full = T.int32()
         n_part = T.int32()
         q = T.match_buffer(q_h, (B, H, SQ, D), DT, offset_factor=VIEW_ALIGN)
-        k = T.match_buffer(k_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
-        v = T.match_buffer(v_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
+        k = T.match_buffer(k_h, KV_SHAPE, DT, offset_factor=VIEW_ALIGN)
+        v = T.match_buffer(v_h, KV_SHAPE, DT, offset_factor=VIEW_ALIGN)
         full_indptr = T.match_buffer(full_indptr_h, (NROWS,), "int32")
         full_indices = T.match_buffer(full_indices_h, (n_full,), "int32")
         part_indptr = T.match_buffer(part_indptr_h, (NROWS,), "int32")

@@ -140,13 +140,24 @@ def check_score_bias(bias, batch: int, heads: int):
     return bias
 
 
+def check_kv_heads(kv_heads, heads: int) -> int:
+    """``kv_heads`` of a sparse kernel (None: ``heads``; else a positive divisor of ``heads``: grouped-query
+    attention, query head ``h`` reading key/value head ``h // (heads / kv_heads)``), checked; raises otherwise."""
+    if kv_heads is None:
+        return heads
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"kv_heads must be a positive divisor of heads ({heads}), got {kv_heads!r}")
+    return kv_heads
+
+
 def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: str,
                                mask_batch: int, mask_heads: int, scale: float, key_groups: int,
                                keys_per_step: int, bias: tuple[int, int, str] | None = None,
-                               padding: bool = False) -> tvm.tirx.PrimFunc:
+                               padding: bool = False, kv_heads: int | None = None) -> tvm.tirx.PrimFunc:
     """The unscheduled row-wise PrimFunc. ``nnz`` (length of ``indices``) is symbolic.
 
-    Params: ``q[B,H,Sq,D], k[B,H,Sk,D], v[B,H,Sk,D], indptr[G*Sq+1] int32, indices[nnz] int32, out[B,H,Sq,D]``.
+    Params: ``q[B,H,Sq,D], k[B,Hkv,Sk,D], v[B,Hkv,Sk,D], indptr[G*Sq+1] int32, indices[nnz] int32, out[B,H,Sq,D]``
+    (``Hkv = kv_heads``, default ``heads``: query head ``h`` reads key/value head ``h // (H / Hkv)``).
     ``bias = (bias_batch, bias_heads, dtype)`` adds a parameter ``bias[Bb, Hb, Sq, Sk]`` before ``out`` (Bb 1 or B,
     Hb 1 or H) that is added to each kept score after scaling, as models with a position bias (T5) add it to their
     scores; it is read only where the mask keeps a key.
@@ -167,10 +178,12 @@ def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int
     bias_b = 1 if BB > 1 else 0                            # the bias row of (b, h): [b * bias_b, h * bias_h]
     bias_h = 1 if BH > 1 else 0
     PAD, KW = padding, bit_words(seq_k)
+    HKV = check_kv_heads(kv_heads, heads)
+    KVG = H // HKV
 
     def row_reads(q, k, v, indptr, indices, bias_buf, pad_range, pad_bits, nnz, b, h, i):
         """What computing row (b, h, i) reads: its query, the format, K and V (and the bias row, the padding)."""
-        regions = [q[b, h, i, 0:D], indptr[0:G * Sq + 1], indices[0:nnz], k[b, h, 0:Sk, 0:D], v[b, h, 0:Sk, 0:D]]
+        regions = [q[b, h, i, 0:D], indptr[0:G * Sq + 1], indices[0:nnz], k[b, h // KVG, 0:Sk, 0:D], v[b, h // KVG, 0:Sk, 0:D]]
         if HAS_BIAS:
             regions.append(bias_buf[b * bias_b, h * bias_h, i, 0:Sk])
         if PAD:
@@ -235,7 +248,7 @@ def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int
                             for u, d in T.grid(U, D):
                                 with T.sblock("load_k"):
                                     vu, vd = T.axis.remap("SS", [u, d])
-                                    kk[vu, vd] = k[vb, vh, key[vu], vd]
+                                    kk[vu, vd] = k[vb, vh // KVG, key[vu], vd]
                             for u, d in T.grid(U, D):
                                 with T.sblock("dot"):
                                     vu, vd = T.axis.remap("SR", [u, d])
@@ -260,7 +273,7 @@ def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int
                             for u, d in T.grid(U, D):
                                 with T.sblock("load_v"):
                                     vu, vd = T.axis.remap("SS", [u, d])
-                                    vv[vu, vd] = v[vb, vh, key[vu], vd]
+                                    vv[vu, vd] = v[vb, vh // KVG, key[vu], vd]
                             for d, u in T.grid(D, U):
                                 with T.sblock("update"):
                                     vd, vu = T.axis.remap("SR", [d, u])
@@ -305,8 +318,8 @@ def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int
         T.func_attr({"tirx.noalias": True, "global_symbol": ROWWISE_SYMBOL})
         nnz = T.int32()
         q = T.match_buffer(q_h, (B, H, Sq, D), dtype)
-        k = T.match_buffer(k_h, (B, H, Sk, D), dtype)
-        v = T.match_buffer(v_h, (B, H, Sk, D), dtype)
+        k = T.match_buffer(k_h, (B, HKV, Sk, D), dtype)
+        v = T.match_buffer(v_h, (B, HKV, Sk, D), dtype)
         indptr = T.match_buffer(indptr_h, (G * Sq + 1,), "int32")
         indices = T.match_buffer(indices_h, (nnz,), "int32")
         pad_range = T.match_buffer(pad_range_h, (B, 3), "int32")
@@ -372,13 +385,14 @@ def schedule_rowwise(func: tvm.tirx.PrimFunc, *, head_dim: int, dtype: str, seq_
 def rowwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: str,
                                mask_batch: int, mask_heads: int, scale: float | None = None,
                                config: RowConfig | None = None, target_kind: str = "cuda",
-                               bias: tuple[int, int, str] | None = None, padding: bool = False) -> tvm.tirx.PrimFunc:
+                               bias: tuple[int, int, str] | None = None, padding: bool = False,
+                               kv_heads: int | None = None) -> tvm.tirx.PrimFunc:
     """The scheduled row-wise attention PrimFunc for ``target_kind`` ("cuda" or "llvm"), ready for tvm.compile.
 
     ``scale`` defaults to 1/sqrt(head_dim); ``config`` to :func:`default_row_config`. The function's symbol is
     :data:`ROWWISE_SYMBOL`; ``nnz`` is symbolic, so one build serves every mask of this shape and group layout.
     ``bias``: ``(bias_batch, bias_heads, dtype)`` of an additive score bias input (see the template);
-    ``padding``: the key padding inputs (see the template).
+    ``padding``: the key padding inputs (see the template); ``kv_heads``: grouped-query K and V (see the template).
     """
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     _check_problem(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, scale, target_kind)
@@ -388,6 +402,7 @@ def rowwise_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int
                                       dtype=dtype, mask_batch=mask_batch, mask_heads=mask_heads, scale=scale,
                                       key_groups=config.key_groups, keys_per_step=config.keys_per_step,
                                       bias=check_score_bias(bias, batch, heads),
-                                      padding=_check_padding(padding, seq_q, seq_k))
+                                      padding=_check_padding(padding, seq_q, seq_k),
+                                      kv_heads=check_kv_heads(kv_heads, heads))
     return schedule_rowwise(func, head_dim=head_dim, dtype=dtype, seq_q=seq_q, config=config,
                             target_kind=target_kind)

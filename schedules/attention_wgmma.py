@@ -88,6 +88,7 @@ import tvm
 from tvm.script import tirx as T
 
 from .attention_blockwise import BlockConfig, blockwise_attention_primfunc
+from .attention_rowwise import check_kv_heads
 from .key_padding import bit_words
 from .tensor_maps import encode_tensor_map, panel_map
 from .templates.wgmma_kernel import ALIGN, CONSUMER_REGS, PRODUCER_REGS, PTX_TYPE, wait_parity
@@ -299,7 +300,7 @@ def _scale(scale, head_dim) -> float:
 def cpu_twin_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: str,
                       mask_batch: int, mask_heads: int, scale: float | None = None,
                       config: WgmmaAttentionConfig | None = None, out_layout: str = "bhsd",
-                      padding: bool = False) -> tvm.tirx.PrimFunc:
+                      padding: bool = False, kv_heads: int | None = None) -> tvm.tirx.PrimFunc:
     """The llvm PrimFunc computing the same function with the same parameters (the block-wise kernel's CPU loop
     nest at this kernel's tile shape)."""
     config = default_config(head_dim) if config is None else config
@@ -307,20 +308,23 @@ def cpu_twin_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_di
         batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim, dtype=dtype, mask_batch=mask_batch,
         mask_heads=mask_heads, scale=scale,
         config=BlockConfig(block_m=config.block_m, block_n=config.block_n, num_warps=config.block_m // 32),
-        target_kind="llvm", out_layout=out_layout, padding=padding)
+        target_kind="llvm", out_layout=out_layout, padding=padding, kv_heads=kv_heads)
 
 
 def wgmma_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: str,
                              mask_batch: int, mask_heads: int, scale: float | None = None,
                              config: WgmmaAttentionConfig | None = None, out_layout: str = "bhsd",
-                             sm_count: int = PERSISTENT_GRID, padding: bool = False) -> tvm.tirx.PrimFunc:
+                             sm_count: int = PERSISTENT_GRID, padding: bool = False,
+                             kv_heads: int | None = None) -> tvm.tirx.PrimFunc:
     """The sm_90a PrimFunc ``wgmma_attention(q, k, v, full_indptr, full_indices, part_indptr, part_indices,
     part_bitmaps, out)``: the parameter list of the block-wise kernel without a score bias, the format built at
     ``config.block_m x config.block_n``. ``sm_count``: blocks of a persistent grid (the H200's 132 SMs).
     ``padding=True`` (self-attention, Sq == Sk) adds ``pad_range[B, 3] int32, pad_bits[B, ceil(Sk/32)] uint32``
     after the format arrays, as in the block-wise kernel: batch b keeps only the keys in ``[lo, hi)`` whose bit is
     set where the span has holes, at every query row; every listed tile is still loaded and computed (the
-    predicate masks the dropped keys of the tiles that reach them)."""
+    predicate masks the dropped keys of the tiles that reach them). ``kv_heads``: grouped-query K and V
+    ``[B, kv_heads, Sk, D]``, query head ``h`` reading key/value head ``h // (heads / kv_heads)`` (as in the block-wise
+    kernel)."""
     _check_problem(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, out_layout)
     if padding not in (False, True) or (padding and seq_q != seq_k):
         raise ValueError(f"padding must be a bool and needs seq_q == seq_k, got {padding!r} ({seq_q} x {seq_k})")
@@ -330,7 +334,7 @@ def wgmma_attention_primfunc(*, batch: int, heads: int, seq_q: int, seq_k: int, 
         raise TypeError(f"config must be a WgmmaAttentionConfig, got {type(config).__name__}")
     config.validate(head_dim)
     return _kernel(batch, heads, seq_q, seq_k, head_dim, dtype, mask_batch, mask_heads, scale, config,
-                   out_layout == "bshd", sm_count, bool(padding))
+                   out_layout == "bshd", sm_count, bool(padding), check_kv_heads(kv_heads, heads))
 
 
 def panel_cols(head_dim: int) -> int:
@@ -433,8 +437,10 @@ def block_work_item(bx, j, tile_rows: int, heads: int, grid: int, persistent: bo
 
 
 def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd: bool,
-            sm_count: int, PAD: bool = False) -> tvm.tirx.PrimFunc:
+            sm_count: int, PAD: bool = False, HKV: int | None = None) -> tvm.tirx.PrimFunc:
     BM, BN, ST, PP, NC = cfg.block_m, cfg.block_n, cfg.stages, cfg.pingpong, cfg.consumers
+    HKV = H if HKV is None else HKV
+    KVG = H // HKV                     # query heads per key/value head: head h reads K and V of head h // KVG
     THREADS = (NC + 1) * WG
     P_REGS, C_REGS = REGISTERS[NC]
     TR = -(-SQ // BM)
@@ -471,7 +477,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
     # arrive.expect_tx, the phase then waiting for the copies' transaction bytes too (TMA)
     FULL_ARRIVALS = 1 if TMA else WG
     Q_MAP, KV_MAP = ((panel_map(B * H, SQ, D, BM, DT, PC, cfg.pad_panels),
-                      panel_map(B * H, SK, D, BN, DT, PC, cfg.pad_panels)) if TMA else (None, None))
+                      panel_map(B * HKV, SK, D, BN, DT, PC, cfg.pad_panels)) if TMA else (None, None))
     TMA_3D = T.ptx["cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"]
     BULK = T.ptx["cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"]
     EXPECT_TX = T.ptx["mbarrier.arrive.expect_tx.shared::cta.b64"]
@@ -524,7 +530,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
         on ``bar``."""
         if TMA:
             tma_rows(src_map, base + T.Cast("uint32", dst_off + (gt % ST) * KV_BYTES), KV_PANEL, col * BN,
-                     b * H + h, bar)
+                     b * HKV + h // KVG, bar)
         else:
             for it in T.unroll(KV_ITERS):
                 row: T.let = (it * WG + wt) // CPR
@@ -532,7 +538,7 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
                 key: T.let = col * BN + row
                 CP_ASYNC_16(base + T.Cast("uint32", dst_off + (gt % ST) * KV_BYTES + (ch // CPP) * KV_PANEL
                                           + panel_offset(row, ch % CPP, RB)),
-                            T.address_of(src[b, h, T.min(key, SK - 1), ch * 8]), 16,
+                            T.address_of(src[b, h // KVG, T.min(key, SK - 1), ch * 8]), 16,
                             T.Cast("uint32", T.Select(key < SK, 16, 0)))
 
     @T.macro
@@ -877,8 +883,8 @@ def _kernel(B, H, SQ, SK, D, DT, MB, MH, scale, cfg: WgmmaAttentionConfig, bshd:
         n_full = T.int32()
         n_part = T.int32()
         q = T.match_buffer(q_h, (B, H, SQ, D), DT, offset_factor=VIEW_ALIGN)
-        k = T.match_buffer(k_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
-        v = T.match_buffer(v_h, (B, H, SK, D), DT, offset_factor=VIEW_ALIGN)
+        k = T.match_buffer(k_h, (B, HKV, SK, D), DT, offset_factor=VIEW_ALIGN)
+        v = T.match_buffer(v_h, (B, HKV, SK, D), DT, offset_factor=VIEW_ALIGN)
         full_indptr = T.match_buffer(full_indptr_h, (NROWS,), "int32")
         full_indices = T.match_buffer(full_indices_h, (n_full,), "int32")
         part_indptr = T.match_buffer(part_indptr_h, (NROWS,), "int32")
