@@ -79,7 +79,7 @@ def is_hopper(target_arch) -> bool:
 
 def decide_kernel(mask: np.ndarray, *, batch: int, heads: int, head_dim: int, dtype: str, target_kind: str,
                   target_arch: str | None = None, no_wgmma: str | None = None,
-                  padding: bool = False) -> tuple[str, object, str]:
+                  padding: bool = False, kv_heads: int = 0) -> tuple[str, object, str]:
     """``(kind, configuration, reason)`` for a normalised ``[Bm, Hm, Sq, Sk]`` mask.
 
     On CUDA this is the analytical model (:func:`stof_tvm.cost_model.decide_attention`, constants calibrated on
@@ -87,7 +87,8 @@ def decide_kernel(mask: np.ndarray, *, batch: int, heads: int, head_dim: int, dt
     present). The Hopper wgmma kernel is a candidate on sm_90 / sm_90a targets (``target_arch``) for the head
     dims and dtypes it takes, unless ``no_wgmma`` gives a reason it cannot serve this call (the compile path's
     score bias; ``padding``: the kernel will also apply a model's key padding, which narrows the wgmma
-    configurations); the reason says which kernel won and by how much. On the CPU, whose speed the model does not
+    configurations; ``kv_heads``: grouped-query K and V, read once per key/value head); the reason says which kernel
+    won and by how much. On the CPU, whose speed the model does not
     describe, STOF's rule (design.md 1A) picks the kind and the configuration is ``None`` (the kernel's default).
     float32 (CPU only) has only the row-wise kernel.
     """
@@ -100,7 +101,7 @@ def decide_kernel(mask: np.ndarray, *, batch: int, heads: int, head_dim: int, dt
     from stof_tvm.hardware import detect
 
     problem = AttentionProblem(batch=batch, heads=heads, head_dim=head_dim, dtype=dtype, mask=MaskProfile(mask),
-                               padding=padding)
+                               padding=padding, kv_heads=kv_heads)
     wgmma = is_hopper(target_arch) and no_wgmma is None
     decision = decide_attention(problem, detect(), kinds=("block", "row", "wgmma") if wgmma else ("block", "row"))
     reason = decision.reason

@@ -437,3 +437,18 @@ def test_key_padded_ties_go_to_more_co_resident_warps():
         assert ranked[0].time_s == ranked[1].time_s
         picks[padding] = ranked[0].candidate.config
     assert picks[True] == picks[False] == BlockConfig(32, 32, 2, 2)
+
+
+def test_grouped_query_attention_reads_each_key_value_head_once():
+    """kv_heads: K and V of a key/value head are read from DRAM once for the query heads that share it, so the
+    floor drops from Q, K, V and O of every head to Q and O of every head plus K and V of the key/value heads, and
+    a memory-bound sparse mask is predicted faster; a kv_heads that does not divide heads is refused."""
+    mask = MaskProfile.from_spec("sliding", seq_q=4096, batch=1, heads=1)
+    full = AttentionProblem(batch=4, heads=32, head_dim=128, dtype="float16", mask=mask)
+    grouped = AttentionProblem(batch=4, heads=32, head_dim=128, dtype="float16", mask=mask, kv_heads=8)
+    per_row = 4 * 128 * 2 * 4096
+    assert full.dram_floor_bytes() == per_row * 2 * (32 + 32)
+    assert grouped.dram_floor_bytes() == per_row * 2 * (32 + 8)
+    assert rank_attention(grouped)[0].time_s < rank_attention(full)[0].time_s
+    with pytest.raises(ValueError, match="kv_heads"):
+        AttentionProblem(batch=4, heads=32, head_dim=128, dtype="float16", mask=mask, kv_heads=5)

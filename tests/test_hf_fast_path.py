@@ -186,3 +186,52 @@ def test_grouped_query_projections_make_one_gemm(hf_export, form):
     kept = inputs["attention_mask"].astype(bool)
     assert np.isfinite(out).all()
     assert np.linalg.norm(out[kept] - expected[kept]) / np.linalg.norm(expected[kept]) < 5e-3
+
+
+def _attention_kv_shapes(mod) -> list:
+    """The shapes of K and V that each sparse attention kernel call of ``mod["main"]`` passes."""
+    found = []
+
+    def visit(expr):
+        if (isinstance(expr, relax.Call) and expr.op.same_as(tvm.ir.Op.get("relax.call_tir"))
+                and expr.args[0].name_hint.startswith("stof_attention_")):
+            found.append([tuple(int(x) for x in arg.ty.shape.values) for arg in expr.args[1].fields[1:3]])
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    return found
+
+
+@pytest.mark.parametrize("form, kv_heads, heads", [(("llama", "eager", "dynamo", 18), 2, 4),
+                                                   (("mistral", "sdpa", "torchscript", 17), 1, 2),
+                                                   (("qwen2", "sdpa", "dynamo", 18), 1, 2)], ids=str)
+@pytest.mark.parametrize("kernel", ["block", "row"])
+def test_grouped_query_attention_reads_unrepeated_kv_heads(hf_export, form, kv_heads, heads, kernel):
+    """The sparse kernels read grouped-query K and V as the projections wrote them ([B, Hkv, S, D]: the graph's
+    key/value repeat, canonical.layout.RepeatedKVHeads, is left out), and the model still matches torch float32 (the
+    kernel on every pair, float16 on llvm)."""
+    from stof_tvm.models import hf_export as hx
+
+    family, attn, exporter, opset = form
+    path = hf_export(family, attn, exporter, opset, False, BATCH, SEQ)
+    front = front_end(path, mask="dense", batch=BATCH, seq_len=SEQ, target="llvm", dtype="float16",
+                      kernel=kernel, schedule=False)
+    head_dim = front.sites[0].head_dim
+    assert front.sites[0].heads == heads and front.sites[0].kv_heads == kv_heads
+    assert _attention_kv_shapes(front.mod) == [[(BATCH, kv_heads, SEQ, head_dim)] * 2] * LAYERS
+    inputs = hx.example_inputs(family, BATCH, SEQ)
+    expected = hx.torch_outputs(hx.build_model(family, "tiny", attn), inputs)
+    art = stof_tvm.compile(path, mask="dense", batch=BATCH, seq_len=SEQ, target="llvm", dtype="float16",
+                           kernel=kernel)
+    out = art.load()(inputs)["last_hidden_state"]
+    kept = inputs["attention_mask"].astype(bool)
+    assert np.isfinite(out).all()
+    assert np.linalg.norm(out[kept] - expected[kept]) / np.linalg.norm(expected[kept]) < 5e-3
+
+
+def test_grouped_query_attention_on_wgmma_reads_unrepeated_kv_heads(hf_export):
+    """The same on the Hopper kernel, compiled for CUDA (front end: the kernel call and its K and V)."""
+    path = hf_export("llama", "eager", "dynamo", 18, False, BATCH, SEQ)
+    front = front_end(path, mask="causal", batch=BATCH, seq_len=SEQ, target="cuda", dtype="float16",
+                      kernel="wgmma", schedule=False)
+    assert front.choice.kind == "wgmma"
+    assert _attention_kv_shapes(front.mod) == [[(BATCH, 2, SEQ, 32)] * 2] * LAYERS

@@ -284,10 +284,13 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
         if all(narrows_exactly_enough(score_bias(s, plan.bias_terms, plan, i)[0], var2val)
                for i, s in enumerate(sites)):
             bias = score_bias(site, plan.bias_terms, plan, dtype=site.dtype)
+    # grouped-query attention: the kernel reads the key/value heads before the graph's repeat (all sites alike)
+    kv_heads = site.kv_heads if len({(s.grouped_kv is None, s.kv_heads) for s in sites}) == 1 else site.heads
     choice = choose_kernel(kernel, combined, batch=batch, heads=site.heads, head_dim=site.head_dim,
                            dtype=site.dtype, seq_q=site.seq_q, target_kind=tspec["kind"], mask_batch=mask_batch,
                            mask_heads=mask_heads, bias=bias[1] if bias else None, dense_only=plan.dense_only,
-                           database=database, target_arch=tspec.get("arch"), padding=plan.padding is not None)
+                           database=database, target_arch=tspec.get("arch"), padding=plan.padding is not None,
+                           kv_heads=kv_heads)
     if choice.kind == "wgmma" and tspec["arch"] != "sm_90a":   # wgmma exists on sm_90a only: the module is built so
         tspec = {**tspec, "arch": "sm_90a"}
         tvm_target = make_target(tspec)
@@ -304,11 +307,12 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     if choice.kind != "dense":
         primfunc = kernel_primfunc(choice, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k,
                                    head_dim=site.head_dim, dtype=site.dtype, scale=site.scale,
-                                   target_kind=tspec["kind"])
+                                   target_kind=tspec["kind"], kv_heads=kv_heads)
     for source in plan.runtime if choice.kind != "dense" else []:
         mod[source.name] = source.function
     mod, format_inputs = rewrite_attention(mod, sites, choice, primfunc, plan.bias_terms, plan=plan,
-                                           padding=plan.padding if choice.padding else None, target_kind=tspec["kind"])
+                                           padding=plan.padding if choice.padding else None, target_kind=tspec["kind"],
+                                           grouped_kv=kv_heads < site.heads)
     if fuse_relative_bias:
         tiled = (TiledAttention(*choice.tile, choice.mask_batch, choice.mask_heads) if choice.kind in TILED
                  else None)

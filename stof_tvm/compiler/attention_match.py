@@ -11,7 +11,9 @@ input we walk back through the forms exporters emit until the ``matmul(Q, K^T)``
 - ``astype`` casts (mixed precision puts the softmax in float32).
 
 The result lists, for each site, Q, K^T and V, the scale, and every mask term found on the way. What each
-term means (a mask or a real bias) is decided later by :mod:`stof_tvm.compiler.mask_sources`.
+term means (a mask or a real bias) is decided later by :mod:`stof_tvm.compiler.mask_sources`. Where K and V are
+key/value heads repeated for groups of query heads (grouped-query attention, canonically ``repeat(x, G, axis=1)``),
+the site also holds them unrepeated (:attr:`AttentionSite.grouped_kv`).
 """
 from __future__ import annotations
 
@@ -56,6 +58,12 @@ class AttentionSite:
     seq_k: int
     head_dim: int
     dtype: str
+    grouped_kv: tuple | None = None     # (K [B, Hkv, Sk, D], V [B, Hkv, Sk, D], Hkv) before their repeat to H heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads the kernel can read K and V from: fewer than ``heads`` under grouped-query attention."""
+        return self.heads if self.grouped_kv is None else self.grouped_kv[2]
 
     @property
     def shape_key(self) -> tuple[int, int, int, int]:
@@ -214,5 +222,33 @@ def find_attention_sites(func: relax.Function) -> list[AttentionSite]:
             if dk != d or sv != sk or dv != d or shapes[1][:2] != (b, h) or shapes[2][:2] != (b, h):
                 continue
             sites.append(AttentionSite(binding.var, q, k_t, v, chain.scale, chain.terms, b, h, sq, sk, d,
-                                       _dtype(q)))
+                                       _dtype(q), _grouped_kv(k_t, v, var2val)))
     return sites
+
+
+def _unrepeated(expr, var2val) -> tuple[relax.Expr, int] | None:
+    """(x, G) where ``expr`` is ``repeat(x, G, axis=1)`` of [B, Hkv, S, D] heads (through bindings; a cast of the
+    repeat becomes the same cast of ``x``); else None."""
+    value = resolve(expr, var2val)
+    if _op_name(value) == "relax.astype":
+        inner = _unrepeated(value.args[0], var2val)
+        return None if inner is None else (relax.op.astype(inner[0], value.attrs.dtype), inner[1])
+    if _op_name(value) != "relax.repeat" or value.attrs.axis is None or int(value.attrs.axis) not in (1, -3):
+        return None
+    shape = static_shape(value.args[0])
+    return (value.args[0], int(value.attrs.repeats)) if shape is not None and len(shape) == 4 else None
+
+
+def _grouped_kv(k_t, v, var2val) -> tuple | None:
+    """(K, V, Hkv) unrepeated where K^T is ``permute_dims(repeat(K, G, 1), [0, 1, 3, 2])`` and V is ``repeat(V', G, 1)``
+    with the same G (each query head reads the key/value head its group shares), casts kept; else None."""
+    permute, cast = resolve(k_t, var2val), None
+    if _op_name(permute) == "relax.astype":
+        permute, cast = resolve(permute.args[0], var2val), permute.attrs.dtype
+    if _op_name(permute) != "relax.permute_dims" or [int(a) for a in permute.attrs.axes or []] != [0, 1, 3, 2]:
+        return None
+    k, v = _unrepeated(permute.args[0], var2val), _unrepeated(v, var2val)
+    if k is None or v is None or k[1] != v[1]:
+        return None
+    k_heads = k[0] if cast is None else relax.op.astype(k[0], cast)
+    return k_heads, v[0], static_shape(permute)[1] // k[1]

@@ -170,7 +170,7 @@ def wgmma_unavailable(*, head_dim: int, dtype: str, target_kind: str, target_arc
 def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int, head_dim: int, dtype: str,
                   seq_q: int, target_kind: str, mask_batch: int, mask_heads: int, bias: tuple | None = None,
                   dense_only: bool = False, database: str | None = None, target_arch: str | None = None,
-                  padding: bool = False) -> KernelChoice:
+                  padding: bool = False, kv_heads: int = 0) -> KernelChoice:
     """Pick the kernel and its configuration for sites of this shape under the (combined) mask ``mask4d``.
 
     "auto" asks :func:`stof_tvm.attention.decide_kernel` (the one place the kernel-selection model lives; on
@@ -179,8 +179,8 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
     "auto", or when it is of the requested kind), except over a wgmma pick: the tuner measures the mma.sync
     kernels only. Otherwise the schedule's default configuration is used. ``bias``: ``(bias_batch, bias_heads,
     dtype)`` when the scores carry a real bias: the sparse kernel adds it (an input after the format arrays).
-    ``padding``: the sparse kernel will apply the model's key padding. ``dense_only``: the model masks in a way
-    only the dense form applies.
+    ``padding``: the sparse kernel will apply the model's key padding. ``kv_heads``: the kernel will read
+    grouped-query K and V (fewer heads). ``dense_only``: the model masks in a way only the dense form applies.
     """
     if requested not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS}, got {requested!r}")
@@ -211,7 +211,7 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
 
         kind, model_config, reason = decide_kernel(mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
                                                    target_kind=target_kind, target_arch=target_arch,
-                                                   no_wgmma=no_wgmma, padding=padding)
+                                                   no_wgmma=no_wgmma, padding=padding, kv_heads=kv_heads)
     tuned = tuned_choice(database, mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype) \
         if database is not None and kind != "wgmma" else None
     if tuned is not None and requested in ("auto", tuned["meta"]["kind"]):
@@ -226,13 +226,15 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
 
 
 def kernel_primfunc(choice: KernelChoice, *, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int,
-                    dtype: str, scale: float, target_kind: str):
+                    dtype: str, scale: float, target_kind: str, kv_heads: int | None = None):
     """The scheduled PrimFunc of a sparse ``choice`` for one site shape (params: q, k, v, format arrays, the key
-    padding summary where ``choice.padding``, the score bias where ``choice.bias``, out in ``choice.out_layout``)."""
+    padding summary where ``choice.padding``, the score bias where ``choice.bias``, out in ``choice.out_layout``).
+    ``kv_heads``: K and V with fewer heads than Q, each shared by a group of query heads (grouped-query attention)."""
     module = _schedule_module(choice.kind)
     config = config_object(choice.kind, choice.config)
     common = dict(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim, dtype=dtype,
-                  mask_batch=choice.mask_batch, mask_heads=choice.mask_heads, scale=scale, config=config)
+                  mask_batch=choice.mask_batch, mask_heads=choice.mask_heads, scale=scale, config=config,
+                  kv_heads=kv_heads)
     extra = {"bias": tuple(choice.bias)} if choice.bias is not None else {}
     if choice.padding:
         extra["padding"] = True

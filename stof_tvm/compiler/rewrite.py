@@ -77,12 +77,13 @@ def padding_summary_primfunc(mod: tvm.IRModule, padding: str, target_kind: str):
 
 def rewrite_attention(mod: tvm.IRModule, sites: list[AttentionSite], choice: KernelChoice, kernel,
                       bias_terms: list[int] = (), padding: str | None = None, target_kind: str = "cuda",
-                      plan=None) -> tuple:
+                      plan=None, grouped_kv: bool = False) -> tuple:
     """Rewrite ``mod["main"]``; ``kernel`` is the sparse PrimFunc (None for dense), added to the module.
     ``bias_terms``: the sites' real-bias terms, passed to a kernel that takes a bias (``choice.bias``), with each
     site's own mask term where the sites of ``plan`` (a :class:`~.mask_sources.MaskPlan`) mask differently.
     ``padding``: the input whose key padding the sparse kernel applies (``choice.padding``), summarised once by
-    the key padding kernel for ``target_kind``.
+    the key padding kernel for ``target_kind``. ``grouped_kv``: the kernel reads K and V as the sites'
+    :attr:`~.attention_match.AttentionSite.grouped_kv` (key/value heads before their repeat to every query head).
 
     Returns ``(new module, [FormatInput])`` with the format inputs in parameter order.
     """
@@ -111,13 +112,13 @@ def rewrite_attention(mod: tvm.IRModule, sites: list[AttentionSite], choice: Ker
         site = sites[index]
         if kernel is None:
             return _dense_replacement(expr, matches, params[0], params[1])
-        k = relax.op.permute_dims(site.k_t, [0, 1, 3, 2])
+        k, v = site.grouped_kv[:2] if grouped_kv else (relax.op.permute_dims(site.k_t, [0, 1, 3, 2]), site.v)
         rows_then_heads = choice.out_layout == "bshd"
         dims = [site.batch, site.seq_q, site.heads] if rows_then_heads else [site.batch, site.heads, site.seq_q]
         out_ty = relax.TensorType(dims + [site.head_dim], site.dtype)
         bias = ([score_bias(site, list(bias_terms), plan, index, choice.bias[2])[0]] if choice.bias is not None
                 else [])
-        out = relax.call_tir(kernel_gv, [site.q, k, site.v, *params, *pad_inputs, *bias], out_ty=out_ty)
+        out = relax.call_tir(kernel_gv, [site.q, k, v, *params, *pad_inputs, *bias], out_ty=out_ty)
         if rows_then_heads:         # the graph's transpose back to [B, S, H, D] folds with this one
             out = relax.op.permute_dims(out, [0, 2, 1, 3])
         if str(expr.ty.dtype) != site.dtype:

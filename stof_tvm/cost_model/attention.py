@@ -102,6 +102,7 @@ class AttentionProblem:
     dtype: str
     mask: MaskProfile
     padding: bool = False
+    kv_heads: int = 0       # key/value heads (grouped-query attention: fewer than heads); 0: as many as heads
 
     def __post_init__(self):
         for name in ("batch", "heads", "head_dim"):
@@ -115,6 +116,8 @@ class AttentionProblem:
         if self.mask.mask_batch not in (1, self.batch) or self.mask.mask_heads not in (1, self.heads):
             raise ValueError(f"mask groups [{self.mask.mask_batch}, {self.mask.mask_heads}] do not broadcast to "
                              f"batch={self.batch}, heads={self.heads}")
+        if self.kv_heads and (self.kv_heads < 0 or self.heads % self.kv_heads):
+            raise ValueError(f"AttentionProblem.kv_heads must divide heads ({self.heads}), got {self.kv_heads!r}")
 
     @classmethod
     def build(cls, mask, *, batch: int, heads: int, seq_len: int, head_dim: int = 64,
@@ -147,8 +150,11 @@ class AttentionProblem:
         return 4.0 * self.mask.kept * self.replicas * self.head_dim
 
     def dram_floor_bytes(self) -> float:
-        """Q, K, V read once and O written once."""
-        return float(self.batch * self.heads * self.head_dim * self.element_bytes * 2 * (self.seq_q + self.seq_k))
+        """Q, K, V read once and O written once (K and V of each key/value head once: the query heads sharing
+        one run one after another, so its tiles are read again from L2)."""
+        kv_heads = self.kv_heads or self.heads
+        return float(self.batch * self.head_dim * self.element_bytes * 2 * (self.heads * self.seq_q
+                                                                            + kv_heads * self.seq_k))
 
 
 @dataclass(frozen=True)

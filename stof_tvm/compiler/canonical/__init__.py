@@ -13,7 +13,8 @@ The canonical form (see each module for its rules and their exactness):
 - attention (:mod:`.attention`): ``softmax(where(keep, matmul(Q, K^T) * c, finite fill) + bias) @ V``, any of the
   scale, the ``where`` and the additive terms optional, no NaN guard;
 - layout (:mod:`.layout`): head splits as one ``permute_dims`` of a ``reshape``, attention's products on the heads
-  rather than on a [B*H, ...] view of them, no one-tensor ``concat``, linear
+  rather than on a [B*H, ...] view of them, no one-tensor ``concat``, grouped-query key/value heads as one
+  ``repeat``, linear
   layers on their input's own shape, a vision transformer's patch conv as a linear layer on the image's patches;
 - activations (:mod:`.activations`): ``nn.gelu`` (exact) and ``nn.gelu_tanh`` (tanh approximation) as operators,
   integer powers as products, no cast to the dtype a tensor already has nor a cast there and back through a wider
@@ -29,12 +30,13 @@ from .activations import GeluErf, GeluTanh, IntegerPowers, NoOpCasts, RoundTripC
 from .attention import FiniteFill, NanGuard, SelectMask, SplitScale
 from .base import Rule
 from .constants import RepeatedConstant
-from .layout import (FlatHeads, FlatLinear, PatchEmbedding, PermutePairs, ScaleAfterHeadSplit, SingleConcat,
-                     TransposeThrough3D)
+from .layout import (FlatHeads, FlatLinear, PatchEmbedding, PermutePairs, RepeatedKVHeads, ScaleAfterHeadSplit,
+                     SingleConcat, TransposeThrough3D)
 
 # Order matters only for speed (each rule runs until no rule changes anything): the casts and layout detours
 # first, so that the attention rules see adjacent operators.
-RULES: list[Rule] = [NoOpCasts(), RoundTripCasts(), SingleConcat(), TransposeThrough3D(), PermutePairs(), FlatHeads(),
+RULES: list[Rule] = [NoOpCasts(), RoundTripCasts(), SingleConcat(), RepeatedKVHeads(), TransposeThrough3D(),
+                     PermutePairs(), FlatHeads(),
                      FlatLinear(), PatchEmbedding(), ScaleAfterHeadSplit(),
                      SplitScale(), SelectMask(), FiniteFill(), NanGuard(), GeluErf(), GeluTanh(), IntegerPowers(),
                      RepeatedConstant()]

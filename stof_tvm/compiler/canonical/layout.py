@@ -19,6 +19,10 @@
   ``matmul(patches(x), W') (+ b)``, ``patches`` one reshape / permute / reshape of the image into ``[B, P, C*p*q]``
   rows and ``W'`` the ``[C*p*q, O]`` weight: a linear layer the GEMM templates take. TVM schedules the conv with
   its generic GPU rules: on the H200 ViT-Base's took 102 us of the 975 us forward at 8 images (session 16).
+- :class:`RepeatedKVHeads`: grouped-query attention's ``repeat_kv`` (HF Llama, Qwen2, Mistral, Gemma),
+  ``reshape(broadcast_to(expand_dims(x, 2), [B, Hkv, G, S, D]), [B, Hkv * G, S, D])`` (or onto ``[B * Hkv * G, S,
+  D]``, SDPA's flat batches) -> ``repeat(x, G, axis=1)`` (then the flat reshape): one operator the attention
+  matcher reads the key/value heads through, so the sparse kernels take K and V as the projection wrote them.
 """
 from __future__ import annotations
 
@@ -176,6 +180,41 @@ class FlatHeads(Rule):
             if any(arg is None for arg in args):
                 return None         # an operand that is not a view of the heads: left as it is
             return _BINARY[op_name(value)](*args)
+
+        return rewrite_matches(self.pattern, rewrite, func)
+
+
+class RepeatedKVHeads(Rule):
+    """``reshape(broadcast_to(expand_dims(x, 2), [B, Hkv, G, S, D]), [B, Hkv * G, S, D])`` -> ``repeat(x, G,
+    axis=1)``: each key/value head repeated for the G query heads that share it, consecutively (query head ``h``
+    reads key/value head ``h // G``); a reshape onto ``[B * Hkv * G, S, D]`` keeps a reshape of the repeat. Exact:
+    the same elements in the same order."""
+
+    name = "repeated_kv_heads"
+    _x = wildcard()
+    _spread = is_op("relax.broadcast_to")(is_op("relax.expand_dims")(_x), wildcard())
+    pattern = is_op("relax.reshape")(_spread, wildcard())
+
+    def apply(self, func):
+        var2val = relax.analysis.get_var2val(func)
+
+        def rewrite(expr, matches):
+            x, out = matches[self._x], tensor_shape(expr)
+            x_shape, spread = tensor_shape(x), tensor_shape(matches[self._spread])
+            expand = resolve(resolve(matches[self._spread], var2val).args[0], var2val)
+            axes = [int(a) for a in expand.attrs.axis]
+            if None in (x_shape, spread, out) or len(x_shape) != 4 or axes not in ([2], [-3]):
+                return None
+            b, kv, s, d = x_shape
+            group = spread[2]
+            if spread != (b, kv, group, s, d) or group < 2:
+                return None
+            repeated = relax.op.repeat(x, group, axis=1)
+            if out == (b, kv * group, s, d):
+                return repeated
+            if out == (b * kv * group, s, d):
+                return relax.op.reshape(repeated, out)
+            return None
 
         return rewrite_matches(self.pattern, rewrite, func)
 
