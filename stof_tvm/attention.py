@@ -58,6 +58,11 @@ class Problem:
     mask_batch: int
     mask_heads: int
     scale: float
+    kv_heads: int | None = None     # K and V heads where fewer than ``heads`` (grouped-query attention)
+
+    @property
+    def kv_shape(self) -> tuple:
+        return self.batch, self.kv_heads or self.heads, self.seq_k, self.head_dim
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -195,7 +200,8 @@ def _compiled_kernel(kernel: str, problem: Problem, config, target):
         p = problem
         func = wgmma_attention_primfunc(batch=p.batch, heads=p.heads, seq_q=p.seq_q, seq_k=p.seq_k,
                                         head_dim=p.head_dim, dtype=p.dtype, mask_batch=p.mask_batch,
-                                        mask_heads=p.mask_heads, scale=p.scale, config=config)
+                                        mask_heads=p.mask_heads, scale=p.scale, config=config,
+                                        kv_heads=p.kv_heads)
         _KERNEL_CACHE[key] = tvm.compile(func, target=target)
     if key not in _KERNEL_CACHE:
         if kernel == "row":
@@ -236,8 +242,7 @@ def _check_inputs(q, k, v, problem: Problem) -> None:
         raise TypeError("q, k and v must all be numpy arrays or all be torch tensors, got "
                         f"{type(q).__name__}, {type(k).__name__}, {type(v).__name__}")
     p = problem
-    want = {"q": (p.batch, p.heads, p.seq_q, p.head_dim), "k": (p.batch, p.heads, p.seq_k, p.head_dim),
-            "v": (p.batch, p.heads, p.seq_k, p.head_dim)}
+    want = {"q": (p.batch, p.heads, p.seq_q, p.head_dim), "k": p.kv_shape, "v": p.kv_shape}
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if tuple(tensor.shape) != want[name]:
             raise ValueError(f"{name} must have shape {want[name]} ([B, H, S, D]), got {tuple(tensor.shape)}")
@@ -272,6 +277,8 @@ class AttentionPlan:
         shape: the shape of q, ``(B, H, Sq, D)``.
         dtype: "float16" or "bfloat16" ("float32" too on the CPU); q, k, v and the output share it.
         seq_k: key/value length (default Sq).
+        kv_heads: key/value heads (default H): fewer for grouped-query attention, K and V then
+            ``[B, kv_heads, Sk, D]`` and query head ``h`` reading key/value head ``h // (H / kv_heads)``.
         kernel: "auto" (:func:`decide_kernel`: on CUDA sm_90 targets the Hopper wgmma kernel where the model
             predicts it faster), "row", "block" or "wgmma" (the block-wise kernel on Hopper wgmma,
             :mod:`stof_tvm.schedules.attention_wgmma`; CUDA sm_90 targets, built for sm_90a).
@@ -286,7 +293,8 @@ class AttentionPlan:
     loaded plans).
     """
 
-    def __init__(self, mask, shape, dtype, *, seq_k=None, kernel="auto", target=None, scale=None, config=None):
+    def __init__(self, mask, shape, dtype, *, seq_k=None, kernel="auto", target=None, scale=None, config=None,
+                 kv_heads=None):
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         if not isinstance(shape, (tuple, list)) or len(shape) != 4:
@@ -305,17 +313,21 @@ class AttentionPlan:
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+        if kv_heads is not None and (isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1
+                                     or heads % kv_heads):
+            raise ValueError(f"kv_heads must be a positive divisor of the {heads} heads, got {kv_heads!r}")
         if _is_torch(mask):
             mask = mask.detach().cpu().numpy()
         mask4 = np.ascontiguousarray(normalize_mask(mask, batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k))
         self.problem = Problem(batch, heads, seq_q, seq_k, head_dim, dtype, mask4.shape[0], mask4.shape[1],
-                               float(scale))
+                               float(scale), None if kv_heads in (None, heads) else kv_heads)
         chosen = None
         self.reason = "requested"
         if kernel == "auto":
             kernel, chosen, self.reason = decide_kernel(mask4, batch=batch, heads=heads, head_dim=head_dim,
                                                         dtype=dtype, target_kind=kind,
-                                                        target_arch=json.loads(str(resolved)).get("arch"))
+                                                        target_arch=json.loads(str(resolved)).get("arch"),
+                                                        kv_heads=self.problem.kv_heads or 0)
         if kernel in ("block", "wgmma") and dtype == "float32":
             raise TypeError(f"the {kernel} kernel supports float16 and bfloat16, not float32")
         if kernel == "wgmma":
@@ -452,12 +464,12 @@ _PLAN_CACHE: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 _PLAN_CACHE_SIZE = 16
 
 
-def _cached_plan(mask, shape, dtype, seq_k, kernel, target, scale) -> "AttentionPlan":
+def _cached_plan(mask, shape, dtype, seq_k, kernel, target, scale, kv_heads=None) -> "AttentionPlan":
     """The plan of these arguments, built once: a mask is keyed by its spec string or by the identity of the
     array / tensor / callable (a mask changed in place must be passed as a new object)."""
     mask_key = ("spec", mask) if isinstance(mask, str) else ("object", id(mask))
     target_key = json.dumps(target, sort_keys=True) if isinstance(target, dict) else str(target)
-    key = (mask_key, tuple(int(s) for s in shape), dtype, seq_k, kernel, target_key, scale)
+    key = (mask_key, tuple(int(s) for s in shape), dtype, seq_k, kernel, target_key, scale, kv_heads)
     entry = _PLAN_CACHE.get(key)
     if entry is not None and (mask_key[0] == "spec" or entry[0] is mask):
         _PLAN_CACHE.move_to_end(key)
@@ -465,7 +477,8 @@ def _cached_plan(mask, shape, dtype, seq_k, kernel, target, scale) -> "Attention
     resolved = resolve_target(target)
     if resolved.kind.name == "cuda" and not tvm.cuda(0).exist:
         raise ValueError(f"target: {resolved.kind.name} was asked for but no GPU is present on this machine")
-    plan = AttentionPlan(mask, shape, dtype, seq_k=seq_k, kernel=kernel, target=resolved, scale=scale)
+    plan = AttentionPlan(mask, shape, dtype, seq_k=seq_k, kernel=kernel, target=resolved, scale=scale,
+                         kv_heads=kv_heads)
     _PLAN_CACHE[key] = (mask, plan)
     while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
         _PLAN_CACHE.popitem(last=False)
@@ -479,7 +492,8 @@ def sparse_attention(q, k, v, mask, *, kernel="auto", target=None, scale=None):
     :func:`stof_tvm.normalize_mask` accepts. numpy in, numpy out; torch in, torch out (CUDA tensors without a
     copy). The plan (kernel choice, sparse format, compiled kernel) is built once per mask, shape, dtype and
     target and reused by later calls (the last 16 are kept; a mask array is recognised by identity, so pass a
-    new array after changing one in place); :class:`AttentionPlan` holds one explicitly.
+    new array after changing one in place); :class:`AttentionPlan` holds one explicitly. K and V with fewer heads
+    than Q (a divisor of them) are grouped-query attention: each key/value head serves ``H / Hkv`` query heads.
     """
     if not hasattr(q, "shape") or len(q.shape) != 4:
         raise ValueError(f"q must be a [B, H, S, D] array or tensor, got {getattr(q, 'shape', type(q).__name__)}")
@@ -487,5 +501,6 @@ def sparse_attention(q, k, v, mask, *, kernel="auto", target=None, scale=None):
         raise ValueError(f"k must be a [B, H, S, D] array or tensor, got {getattr(k, 'shape', type(k).__name__)}")
     if target is None and _is_torch(q):
         target = "cuda" if q.is_cuda else "llvm"
-    plan = _cached_plan(mask, tuple(q.shape), _dtype_name(q), int(k.shape[2]), kernel, target, scale)
+    kv_heads = int(k.shape[1]) if int(k.shape[1]) != int(q.shape[1]) else None
+    plan = _cached_plan(mask, tuple(q.shape), _dtype_name(q), int(k.shape[2]), kernel, target, scale, kv_heads)
     return plan.run(q, k, v)

@@ -161,7 +161,12 @@ def test_plan_runs_many_inputs_and_saves(tmp_path):
 def test_bad_inputs_raise_clear_errors():
     q, k, v = random_qkv(1, 2, 16, 16, 64, "float16")
     with pytest.raises(ValueError, match="k must have shape"):
+        sparse_attention(q, k[..., :32], v, "causal")
+    # K with fewer heads is grouped-query attention (V must then have as many), with heads it does not divide an error
+    with pytest.raises(ValueError, match=r"v must have shape \(1, 1, 16, 64\)"):
         sparse_attention(q, k[:, :1], v, "causal")
+    with pytest.raises(ValueError, match="kv_heads must be a positive divisor of the 2 heads, got 3"):
+        sparse_attention(q, np.concatenate([k, k[:, :1]], axis=1), v, "causal")
     with pytest.raises(ValueError, match="v must have shape"):
         sparse_attention(q, k, v[..., :32], "causal")
     with pytest.raises(TypeError, match="v must have dtype float16"):

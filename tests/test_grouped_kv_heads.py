@@ -109,3 +109,24 @@ def test_cuda_kernels_with_grouped_kv_heads_build_and_keep_their_default_form(tm
     assert _cuda(wgmma_attention_primfunc(**shape, **wgmma, kv_heads=4), "sm_90a") == \
         _cuda(wgmma_attention_primfunc(**shape, **wgmma), "sm_90a")
     sm90a_sass(source, tmp_path)
+
+
+@pytest.mark.parametrize("kernel", ["row", "block"])
+def test_sparse_attention_takes_kv_with_fewer_heads(kernel, tmp_path):
+    """The Python API: ``sparse_attention`` with K and V of fewer heads than Q plans grouped-query attention (kv
+    heads from K's shape); ``AttentionPlan(kv_heads=...)`` checks K and V against them and survives save / load."""
+    import stof_tvm
+
+    q, k, v, k_full, v_full = grouped_inputs(2, "float16", seed=4)
+    mask4 = normalize_mask("bigbird", batch=BATCH, heads=HEADS, seq_q=SEQ)
+    ref = reference_attention(q, k_full, v_full, mask4, 1 / math.sqrt(HEAD_DIM))
+    out = stof_tvm.sparse_attention(q, k, v, "bigbird", kernel=kernel, target="llvm")
+    assert_attention_close(out, ref, mask4, "float16")
+    plan = stof_tvm.AttentionPlan("bigbird", q.shape, "float16", kernel=kernel, target="llvm", kv_heads=2)
+    with pytest.raises(ValueError, match=r"k must have shape \(2, 2, 70, 32\)"):
+        plan.run(q, k_full, v_full)
+    loaded = stof_tvm.AttentionPlan.load(plan.save(tmp_path / "plan"))
+    assert loaded.problem.kv_heads == 2
+    np.testing.assert_array_equal(loaded.run(q, k, v), plan.run(q, k, v))
+    with pytest.raises(ValueError, match="kv_heads"):
+        stof_tvm.AttentionPlan("bigbird", q.shape, "float16", kernel=kernel, target="llvm", kv_heads=4)
