@@ -218,6 +218,7 @@ def test_grouped_query_attention_reads_unrepeated_kv_heads(hf_export, form, kv_h
     head_dim = front.sites[0].head_dim
     assert front.sites[0].heads == heads and front.sites[0].kv_heads == kv_heads
     assert _attention_kv_shapes(front.mod) == [[(BATCH, kv_heads, SEQ, head_dim)] * 2] * LAYERS
+    assert f"read from their {kv_heads} key/value heads" in front.choice.reason
     inputs = hx.example_inputs(family, BATCH, SEQ)
     expected = hx.torch_outputs(hx.build_model(family, "tiny", attn), inputs)
     art = stof_tvm.compile(path, mask="dense", batch=BATCH, seq_len=SEQ, target="llvm", dtype="float16",

@@ -303,6 +303,9 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
                                          reason=choice.reason + "; lean_padding")
     if attention_knobs and choice.kind != "dense":
         choice = _with_attention_knobs(choice, attention_knobs)
+    if choice.kind != "dense" and kv_heads < site.heads:
+        choice = dataclasses.replace(choice, reason=choice.reason + f"; K and V read from their {kv_heads} key/value "
+                                     f"heads (grouped-query attention, {site.heads // kv_heads} query heads each)")
     primfunc = None
     if choice.kind != "dense":
         primfunc = kernel_primfunc(choice, batch=batch, heads=site.heads, seq_q=site.seq_q, seq_k=site.seq_k,
