@@ -59,6 +59,11 @@ this tree's modules (merged)::
 
 and on the GPU machine (carry .devkit/runtime.tar.xz, .devkit/bootstrap.sh, out/s9sparse) ``run --out
 out/s9sparse`` with ``--only check`` then ``--only time --skip-failed-in`` as for s9attn (budgets 20 + 65 s).
+
+Plan ``s37gqa`` (:func:`plan_s37gqa`, 12 cases, 8 modules, 1.7 MB, built in ~15 s here: grouped-query attention,
+H32 over 8 key/value heads, D128, against the same problem on repeated K and V and the ``enable_gqa`` baselines):
+``build --plan s37gqa --out out/s37gqa``, then on the GPU machine ``run --out out/s37gqa --json $OUT/s37gqa.json
+--budget 120`` (carry .devkit/runtime.tar.xz, .devkit/bootstrap.sh, out/s37gqa); its table comes last.
 """
 from __future__ import annotations
 
@@ -1488,6 +1493,42 @@ def plan_s36kinds() -> list[dict]:
     return cases
 
 
+# s37gqa: grouped-query attention as Mistral 7B and Llama 3 8B run it (32 query heads over 8 key/value heads, D128):
+# (B, H, Hkv, S, D) shapes and the masks
+S37_SHAPES = ((4, 32, 8, 4096, 128), (16, 32, 8, 2048, 128))
+S37_MASKS = ("sliding", "causal", "bigbird_causal")
+
+
+def _decided_case(recipe, batch, heads, seq, head_dim, kv_heads) -> dict:
+    """A timed fp16 case of the kernel and configuration the compile path runs for this problem: the model's pick,
+    :func:`stof_tvm.attention.decide_kernel` on sm_90 (``kv_heads`` 0: K and V with every query head)."""
+    from stof_tvm.attention import decide_kernel
+
+    mask = build_mask(recipe, batch, heads, seq, 0)
+    kind, config, reason = decide_kernel(mask, batch=batch, heads=heads, head_dim=head_dim, dtype="float16",
+                                         target_kind="cuda", target_arch="sm_90", kv_heads=kv_heads)
+    as_tuple = {"block": _config_tuple, "wgmma": _wgmma_tuple}.get(kind)
+    case = _case("time", kind, recipe, batch, heads, seq, head_dim, "float16", as_tuple(config) if as_tuple else None)
+    return dict(case, model_pick=f"{kind}: {reason}")
+
+
+def plan_s37gqa() -> list[dict]:
+    """Grouped-query attention on our kernels (K and V of Hkv heads, query head h reading head h // (H / Hkv)) against
+    the path before it (the same problem on K and V repeated to every head, the repeat's copy timed apart), SDPA and
+    FlexAttention with ``enable_gqa``. Per shape of :data:`S37_SHAPES` and mask of :data:`S37_MASKS`: the model's
+    pick for the grouped problem (``gqa_form`` grouped: checked against float32 on the repeated K and V, with the
+    baselines) and its pick for the repeated one (``gqa_form`` repeated), the two interleaved round by round."""
+    cases = []
+    for batch, heads, kv_heads, seq, head_dim in S37_SHAPES:
+        for recipe in S37_MASKS:
+            group = f"{recipe} B{batch} S{seq}"
+            grouped = _decided_case(recipe, batch, heads, seq, head_dim, kv_heads)
+            repeated = _decided_case(recipe, batch, heads, seq, head_dim, 0)
+            cases += [dict(grouped, kv_heads=kv_heads, gqa_form="grouped", label="grouped", interleave=group),
+                      dict(repeated, gqa_form="repeated", label="repeated", baselines=False, interleave=group)]
+    return cases
+
+
 PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan_pick, "headdims": plan_headdims,
          "splitkv": plan_splitkv, "issue16": plan_issue16, "s7sparse": plan_s7sparse, "s7causal": plan_s7causal,
          "s8tma": plan_s8tma, "s8wgmma": plan_s8wgmma, "s9attn": plan_s9attn,
@@ -1497,7 +1538,7 @@ PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan
          "s19gate": plan_s19gate, "s25short": plan_s25short, "s29short": plan_s29short,
          "s30regs": plan_s30regs, "s32prof": plan_s32prof, "s32wait": plan_s32wait,
          "s35goals": plan_s35goals, "s36wide": plan_s36wide, "s36dims": plan_s36dims,
-         "s36kinds": plan_s36kinds}
+         "s36kinds": plan_s36kinds, "s37gqa": plan_s37gqa}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
@@ -1511,7 +1552,13 @@ def _module_key(case: dict) -> str:
     seq = f"s{case['seq']}" + (f"q{case['seq_q']}" if case.get("seq_q") is not None else "")
     return (f"{case['family']}_b{case['batch']}h{case['heads']}{seq}d{case['head_dim']}_"
             f"{case['dtype']}_g{mb}x{mh}_{cfg}" + ("_pad" if case.get("padding") else "")
-            + (f"_{case['variant']}" if case.get("variant") else ""))
+            + (f"_{case['variant']}" if case.get("variant") else "") + _kv_suffix(case))
+
+
+def _kv_suffix(case: dict) -> str:
+    """``_kv<Hkv>`` for a grouped-query case (K and V with ``kv_heads`` heads), empty otherwise: a grouped module
+    and names derived from it stay apart from the same configuration on K and V of every head."""
+    return f"_kv{case['kv_heads']}" if case.get("kv_heads") else ""
 
 
 def _primfunc(case: dict):
@@ -1520,6 +1567,8 @@ def _primfunc(case: dict):
                   seq_k=case["seq"], head_dim=case["head_dim"], dtype=case["dtype"], mask_batch=mb, mask_heads=mh,
                   scale=None,
                   target_kind="cuda")
+    if case.get("kv_heads"):            # only then: a --source-tree from before grouped K and V has no such argument
+        common["kv_heads"] = case["kv_heads"]
     if case["family"] == "wgmma":
         from stof_tvm.schedules.attention_wgmma import WgmmaAttentionConfig, wgmma_attention_primfunc
         del common["target_kind"]
@@ -1597,7 +1646,7 @@ def build(args) -> None:
         cfg = "x".join(map(str, case["config"])) if case["config"] else "default"
         modules[key] = {"library": f"{key}.so", "source": source_key(src), "symbol": SYMBOLS[case["family"]],
                         "kernel": f"{case['family']}_d{case['head_dim']}_{case['dtype']}_{cfg}"
-                        + (f"_{variant}" if variant else "")}
+                        + (f"_{variant}" if variant else "") + _kv_suffix(case)}
         sources.setdefault(source_key(src), src)
         arches[source_key(src)] = arch
         print(f"built {key} ({time.time() - t0:.0f} s)", flush=True)
@@ -1624,6 +1673,28 @@ def build(args) -> None:
 # ----------------------------------------------------------------------------------------------------------
 # run (GPU side)
 # ----------------------------------------------------------------------------------------------------------
+
+def repeat_kv(k, v, heads: int) -> tuple:
+    """K and V repeated along dim 1 to ``heads`` heads, query head h reading key/value head h // (heads / Hkv): what
+    a grouped-query model fed the kernels before they took grouped K and V. K and V of ``heads`` heads: as they are."""
+    group = heads // k.shape[1]
+    if group == 1:
+        return k, v
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
+def flex_block_mask(mask_t, seq: int):
+    """FlexAttention's BlockMask of the boolean ``[Bm, Hm, S, S]`` mask's first (batch, head) group, shared by every
+    batch and head (the masks with baselines are shared)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    dense_mask = mask_t[0, 0]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return dense_mask[q_idx, kv_idx]
+
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=seq, KV_LEN=seq, device="cuda")
+
 
 class Runner:
     """Holds loaded modules, compiled baselines and the results of one ``run``."""
@@ -1672,8 +1743,10 @@ class Runner:
         return shared
 
     def reference(self, q, k, v, mask_t, scale):
-        """float32 attention on the GPU, one (batch) at a time; rows with no kept key give 0."""
+        """float32 attention on the GPU, one (batch) at a time; rows with no kept key give 0. Grouped K and V (fewer
+        heads than Q) are repeated to every query head first."""
         torch = self.torch
+        k, v = repeat_kv(k, v, q.shape[1])
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         for b in range(q.shape[0]):
             m = mask_t[b if mask_t.shape[0] > 1 else 0]
@@ -1715,14 +1788,16 @@ class Runner:
         kept = int(keep4.sum(dtype=np.int64)) * (B // keep4.shape[0]) * (H // keep4.shape[1])
         flops = 4.0 * kept * D
         gen = torch.Generator(device="cuda").manual_seed(1234 + len(self.results))
+        shapes = [(B, H, S, D)] + [(B, case.get("kv_heads") or H, S, D)] * 2      # grouped K and V: Hkv heads
         if case.get("qkv_offset") is not None:
             # Q, K, V as views into one packed projection that starts qkv_offset elements into its allocation
-            n, off = B * H * S * D, case["qkv_offset"]
-            packed = torch.randn((off + 3 * n,), generator=gen, device="cuda", dtype=tdt)
-            q, k, v = (packed[off + i * n:off + (i + 1) * n].view(B, H, S, D) for i in range(3))
+            sizes = [math.prod(shape) for shape in shapes]
+            starts = np.cumsum([case["qkv_offset"]] + sizes).tolist()
+            packed = torch.randn((starts[-1],), generator=gen, device="cuda", dtype=tdt)
+            q, k, v = (packed[starts[i]:starts[i + 1]].view(shapes[i]) for i in range(3))
             q.mul_(case.get("q_scale", 1.0))
         else:
-            q, k, v = (torch.randn((B, H, S, D), generator=gen, device="cuda", dtype=tdt) for _ in range(3))
+            q, k, v = (torch.randn(shape, generator=gen, device="cuda", dtype=tdt) for shape in shapes)
             if case.get("q_scale", 1.0) != 1.0:       # larger scores: running maxima keep rising along a row
                 q = q * case["q_scale"]
         out = torch.full_like(q, float("nan"))
@@ -1764,8 +1839,10 @@ class Runner:
             row.update(ms=ms, tflops=flops / ms / 1e9)
             if parts:
                 row["parts_ms"] = {name: self.bench(part) for name, part in parts.items()}
-            row["baselines"] = self.baselines_for(case, q, k, v, mask_t, ref, flops) \
-                if case.get("baselines", True) else {}
+            if case.get("kv_heads"):      # what the path before grouped K and V paid on top of its kernel
+                row["repeat_kv_ms"] = self.bench(lambda: repeat_kv(k, v, H))
+            baselines = self.gqa_baselines if case.get("kv_heads") else self.baselines_for
+            row["baselines"] = baselines(case, q, k, v, mask_t, ref, flops) if case.get("baselines", True) else {}
             if case.get("interleave") and row["ok"]:     # kept alive (its tensors too) for time_interleaved
                 self.interleaved.setdefault(case["interleave"], {})[case.get("label", case["module"])] = call
         del q, k, v, out, ref
@@ -1847,18 +1924,11 @@ class Runner:
         key = (case["mask"], case["batch"], case["seq"], case["head_dim"], case["dtype"])
         if key in self.baselines:
             return self.baselines[key]
-        torch = self.torch
         import torch.nn.functional as F
-        from torch.nn.attention.flex_attention import create_block_mask
 
         dense_mask = mask_t[0, 0]
-        S = case["seq"]
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return dense_mask[q_idx, kv_idx]
-
         result = {}
-        block_mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=S, KV_LEN=S, device="cuda")
+        block_mask = flex_block_mask(mask_t, case["seq"])
         candidates = {
             "flex": (lambda: self.flex(q, k, v, block_mask=block_mask), True),
             "sdpa_mask": (lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask), True),
@@ -1878,6 +1948,34 @@ class Runner:
             except Exception as exc:  # a baseline that cannot run this shape is reported, not fatal
                 result[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
         self.baselines[key] = result
+        return result
+
+    def gqa_baselines(self, case, q, k, v, mask_t, ref, flops) -> dict:
+        """The baselines of a grouped-query case, each on the grouped K and V (``enable_gqa``): FlexAttention with
+        the mask's BlockMask (``flex_gqa``) and SDPA (``sdpa_gqa``) with the causal flag where the mask keeps no key
+        past its query, else dense (a boolean mask would leave SDPA's fused kernels). SDPA's form is the mask's
+        function only when the mask is all of it (checked then, ``exact``); otherwise it is the speed of ignoring
+        the sparsity (``form`` says which)."""
+        import torch.nn.functional as F
+
+        dense_mask = mask_t[0, 0]
+        lower = self.torch.ones_like(dense_mask).tril()
+        causal = not bool((dense_mask & ~lower).any())
+        sdpa_exact = bool((dense_mask == lower).all()) if causal else bool(dense_mask.all())
+        block_mask = flex_block_mask(mask_t, case["seq"])
+        candidates = {
+            "flex_gqa": (lambda: self.flex(q, k, v, block_mask=block_mask, enable_gqa=True), True, "mask"),
+            "sdpa_gqa": (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True),
+                         sdpa_exact, "causal" if causal else "dense"),
+        }
+        result = {}
+        for name, (fn, exact, form) in candidates.items():
+            try:
+                err = self.rel_err(fn(), ref) if exact else None
+                ms = self.bench(fn)
+                result[name] = {"ms": ms, "tflops": flops / ms / 1e9, "exact": exact, "rel_err": err, "form": form}
+            except Exception as exc:  # a baseline that cannot run this shape is reported, not fatal
+                result[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
         return result
 
     def save(self, extra: dict) -> None:
@@ -1911,7 +2009,8 @@ def print_details(timed: list[dict]) -> None:
         cfg = "x".join(str(x)[0] if isinstance(x, bool) else str(x) for x in r["config"]) if r["config"] else "-"
         print(f"{r['mask']:<10} {r['batch']:>2} {r['seq']:>5} {r['head_dim']:>4}  {r['family']:<5} {cfg:<20} "
               f"{r['ms']:9.4f} {r['tflops']:8.1f}  {'ok' if r['ok'] else 'FAIL'} {r['rel_err']:.1e}"
-              + (f"  ({r['variant']})" if r.get("variant") else ""))
+              + (f"  ({r['variant']})" if r.get("variant") else "")
+              + (f"  (K, V of {r['kv_heads']} heads)" if r.get("kv_heads") else ""))
 
 
 def print_variants(timed: list[dict]) -> None:
@@ -2164,6 +2263,58 @@ def print_labelled(timed: list[dict]) -> None:
               + (f"ok {r['rel_err']:.1e}" if r["ok"] else f"FAILED {r['rel_err']:.1e}"))
 
 
+def _gqa_pick(row: dict | None) -> str:
+    """The kernel and configuration of a grouped-query plan's case, short (``-``: the case did not run)."""
+    if row is None:
+        return "-"
+    return row["family"] + (" " + _cfg_text(row["config"]) if row["config"] else "")
+
+
+def gqa_rows(timed: list[dict]) -> list[dict]:
+    """One row per grouped case (``gqa_form``, plan s37gqa) beside the repeated case of its problem: each form's
+    kernel pick and ms, the repeat's copy of K and V, the GQA baselines (SDPA's form: causal or dense, and whether
+    it is the mask's function), ``x_best_baseline`` = grouped ms / the fastest exact baseline's (< 1: ours
+    faster) and the grouped kernel's largest error against float32 (before and after timing)."""
+    nan = float("nan")
+    repeated = {(r["mask"], r["batch"], r["heads"], r["seq"], r["head_dim"]): r for r in timed
+                if r.get("gqa_form") == "repeated"}
+    rows = []
+    for r in (r for r in timed if r.get("gqa_form") == "grouped"):
+        rep = repeated.get((r["mask"], r["batch"], r["heads"], r["seq"], r["head_dim"]))
+        base = r["baselines"]
+        exact = [b["ms"] for b in base.values() if b.get("exact") and "ms" in b]
+        sdpa = base.get("sdpa_gqa", {})
+        rows.append({
+            "mask": r["mask"], "shape": f"B{r['batch']} H{r['heads']}/{r['kv_heads']} S{r['seq']} D{r['head_dim']}",
+            "pick_grouped": _gqa_pick(r), "pick_repeated": _gqa_pick(rep),
+            "grouped_ms": r["ms"], "repeated_ms": rep["ms"] if rep else nan, "repeat_copy_ms": r["repeat_kv_ms"],
+            "sdpa_gqa_ms": sdpa.get("ms", nan), "sdpa_gqa_form": sdpa.get("form", "-"),
+            "sdpa_gqa_exact": bool(sdpa.get("exact")),
+            "flex_gqa_ms": base.get("flex_gqa", {}).get("ms", nan),
+            "x_best_baseline": r["ms"] / min(exact) if exact else nan,
+            "max_rel_err": max(r["rel_err"], r["rel_err_after_timing"]),
+            "repeated_rel_err": max(rep["rel_err"], rep["rel_err_after_timing"]) if rep else nan,
+            "all_ok": r["ok"] and (rep is None or rep["ok"])})
+    return rows
+
+
+def print_gqa(rows: list[dict]) -> None:
+    """The table of :func:`gqa_rows` (ms; the repeated form's kernel on K and V of every head, its copy apart)."""
+    if not rows:
+        return
+    print("\ngrouped-query attention: our kernel on grouped K and V vs on K and V repeated to every head (ms; copy = "
+          "repeat_interleave of K and V; SDPA with enable_gqa and the causal flag or dense, * = not the mask's "
+          "function; x best = grouped / the fastest exact baseline; err = the grouped kernel's max rel err)")
+    print(f"{'mask':<15} {'shape':<22} {'pick grouped':<24} {'pick repeated':<24} {'grouped':>8} {'repeated':>8} "
+          f"{'copy':>7} {'SDPA gqa':>15} {'Flex gqa':>8} {'x best':>6}  err")
+    for row in rows:
+        sdpa = f"{row['sdpa_gqa_ms']:.4f} {row['sdpa_gqa_form']}" + (" " if row["sdpa_gqa_exact"] else "*")
+        print(f"{row['mask']:<15} {row['shape']:<22} {row['pick_grouped']:<24} {row['pick_repeated']:<24} "
+              f"{row['grouped_ms']:8.4f} {row['repeated_ms']:8.4f} {row['repeat_copy_ms']:7.4f} {sdpa:>15} "
+              f"{row['flex_gqa_ms']:8.4f} {row['x_best_baseline']:6.3f}  {row['max_rel_err']:.1e}"
+              + ("" if row["all_ok"] else "  CHECK FAILED"))
+
+
 def time_groups(groups: dict, time_interleaved) -> dict:
     """Time each group's calls against each other round by round (``benchlib.time_interleaved``: the GPU's clock and
     temperature drift reaches every call alike; the same module timed one case after another has measured up to 5%
@@ -2183,7 +2334,8 @@ def time_groups(groups: dict, time_interleaved) -> dict:
 def _config_key(case: dict) -> tuple:
     """A case's kernel configuration (a split case's: both kernels'), for --skip-failed-in."""
     return (case["family"], case["head_dim"], str(case["config"])) + \
-        ((str(case["dense_config"]),) if case.get("dense_config") else ())
+        ((str(case["dense_config"]),) if case.get("dense_config") else ()) + \
+        ((case["kv_heads"],) if case.get("kv_heads") else ())
 
 
 def failed_configs(earlier: dict) -> set:
@@ -2267,6 +2419,8 @@ def run(args) -> None:
     print_split(timed)
     print_summary(timed)
     print_labelled(timed)
+    info["gqa"] = gqa_rows(timed)
+    print_gqa(info["gqa"])
     info["summary"] = summarize([r for r in runner.results if r["kind"] == "time" and "ms" in r])
     runner.save(info)
 
