@@ -71,6 +71,7 @@ from .linear_match import (ANY_LINEAR, LINEAR, LINEAR_BIAS, LINEAR_W, LINEAR_X, 
                            zero_bias)
 from .op_patterns import OPAQUE
 from .qkv_heads import rewrite_qkv
+from .sibling_linears import merge_sibling_linears
 from .rmsnorm_match import compute_dtype, rewrite_rmsnorms
 from .template_choice import KnobChoice, TemplateChooser
 
@@ -488,6 +489,7 @@ def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | 
                         lambda e, m: _rewrite_linear(t, "linear_gelu_tanh", "gelu_tanh", e, m, m[ANY_LINEAR]), func)
     func = rewrite_call(LINEAR_RELU, lambda e, m: _rewrite_linear(t, "linear_relu", "relu", e, m, m[ANY_LINEAR]),
                         func)
+    func = merge_sibling_linears(t, relax.analysis.remove_all_unused(func))   # a gated MLP's gate and up
     func = rewrite_call(LINEAR, lambda e, m: _rewrite_linear(t, "linear", "none", e, m, e), func)
     # after the biased pass: matched first, MATMUL would take the matmul out of a biased linear
     func = rewrite_call(MATMUL, lambda e, m: _rewrite_linear(t, "linear", "none", e, m, e), func)

@@ -1,0 +1,97 @@
+"""Linear layers that read the same input, as one GEMM: the gate and up projections of a gated MLP (HF Llama, Qwen2,
+Mistral and Gemma's SwiGLU / GeGLU: ``act(x W_gate) * (x W_up)``).
+
+Run after the chains that fuse a linear layer with what follows it (QKV into heads, GELU / ReLU epilogues, residual
++ LayerNorm): the linears left are plain ones. Two or more of them on one input, with constant weights of the same
+``K``, become one GEMM template call on the weights concatenated along ``N`` (and the biases, zeros for a layer
+without one, where any has one); each layer's value becomes a ``strided_slice`` of its columns, which TVM fuses
+into the elementwise kernel that reads it. Exact: each output column is the same dot product. One launch fewer
+per layer, and a GEMM twice as wide fills more of the GPU at small row counts.
+"""
+from __future__ import annotations
+
+import numpy as np
+from tvm import relax
+from tvm.ir.expr import Constant
+
+from .linear_match import ANY_LINEAR, LINEAR_BIAS, LINEAR_W, LINEAR_X, linear_dims, zero_bias
+
+
+class _Sibling:
+    """One linear layer of a group: its bound variable, matched parts and dims (x shape, m, n, k, dtype)."""
+
+    def __init__(self, var, matches, dims):
+        self.var, self.matches, self.dims = var, matches, dims
+
+    @property
+    def n(self) -> int:
+        return self.dims[2]
+
+
+def _find_siblings(func: relax.Function) -> list[list[_Sibling]]:
+    """Groups of two or more plain linear layers (constant weights) that read one input, in program order."""
+    var2val = relax.analysis.get_var2val(func)
+    groups: list[tuple] = []
+    bound = {}
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            bound[binding.value] = binding.var
+            matches = ANY_LINEAR.extract_matched_expr(binding.value, var2val)
+            if matches is None or not isinstance(matches[LINEAR_W], Constant):
+                continue
+            dims = linear_dims(matches, str(binding.value.ty.dtype))
+            if dims is None:
+                continue
+            x = bound.get(matches[LINEAR_X], matches[LINEAR_X])
+            key = (dims[0], dims[3], dims[4])          # x shape, k, dtype
+            group = next((g for g in groups if g[0].same_as(x) and g[1] == key), None)
+            if group is None:
+                groups.append((x, key, []))
+                group = groups[-1]
+            group[2].append(_Sibling(binding.var, matches, dims))
+    return [members for _, _, members in groups if len(members) >= 2]
+
+
+def merge_sibling_linears(t, func: relax.Function) -> relax.Function:
+    """``func`` with each group of :func:`_find_siblings` as one GEMM (``t``: the template adder of
+    :func:`.downstream.use_templates`, its ``gemm_stage`` and ``record``), emitted at the group's first layer."""
+    groups = _find_siblings(func)
+    if not groups:
+        return func
+    first = {group[0].var: group for group in groups}
+    replace: dict = {}
+
+    @relax.expr_functor.mutator
+    class Merge(relax.PyExprMutator):
+        def visit_var_binding_(self, binding):
+            if binding.var in first:
+                self._emit(first[binding.var])
+            if binding.var in replace:
+                self.set_var_remap(binding.var, replace[binding.var])
+                return
+            super().visit_var_binding_(binding)
+
+        def _emit(self, group: list[_Sibling]):
+            x_shape, m, _, k, dtype = group[0].dims
+            n = sum(member.n for member in group)
+            weight = relax.const(_concat([member.matches[LINEAR_W] for member in group], 1), dtype)
+            bias = None
+            if any(LINEAR_BIAS in member.matches for member in group):
+                bias = relax.const(_concat([member.matches[LINEAR_BIAS] if LINEAR_BIAS in member.matches
+                                            else zero_bias(member.n, dtype) for member in group], 0), dtype)
+            x2d = relax.op.reshape(self.visit_expr(group[0].matches[LINEAR_X]), [m, k])
+            call, stage, note = t.gemm_stage("none", x2d, weight, bias, m, n, k, dtype)
+            why = f"{len(group)} linear layers on one input as one GEMM"
+            t.record("linear", [stage], why + (f"; {note}" if note else ""))
+            out = self.builder_.emit(relax.op.reshape(call, list(x_shape[:-1]) + [n]))
+            start = 0
+            for member in group:
+                replace[member.var] = self.builder_.emit(
+                    relax.op.strided_slice(out, axes=[len(x_shape) - 1], begin=[start], end=[start + member.n]))
+                start += member.n
+
+    return Merge(t.mod).visit_expr(func)
+
+
+def _concat(constants: list, axis: int) -> np.ndarray:
+    return np.concatenate([c.value.numpy() for c in constants], axis=axis)
