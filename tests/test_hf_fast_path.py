@@ -163,8 +163,6 @@ def test_grouped_query_projections_make_one_gemm(hf_export, form):
     on the concatenated weights per layer (the graph's head splits, rotary embedding and key/value repeat after it);
     the report says why they are not one projection into heads; the MLP's gate and up projections are one GEMM
     too. On llvm through the templates' definitions the output matches torch."""
-    from stof_tvm.models import hf_export as hx
-
     family, attn, exporter, opset = form
     path = hf_export(family, attn, exporter, opset, False, BATCH, SEQ)
     front = front_end(path, mask="bigbird", batch=BATCH, seq_len=SEQ, target="cuda", dtype="float16",
@@ -180,10 +178,17 @@ def test_grouped_query_projections_make_one_gemm(hf_export, form):
     merged = [site for site in front.template_entry["sites"] if site.get("note", "").startswith("2 linear layers")]
     assert sum(site["count"] for site in merged) == LAYERS
 
+    _assert_llvm_float16_matches_torch(path, family, attn, templates=True)
+
+
+def _assert_llvm_float16_matches_torch(path, family: str, attn: str, **options) -> None:
+    """The export compiled for llvm in float16 (``options``: compile's knobs), called as users call it, against
+    the torch model in float32 on the kept positions."""
+    from stof_tvm.models import hf_export as hx
+
     inputs = hx.example_inputs(family, BATCH, SEQ)
     expected = hx.torch_outputs(hx.build_model(family, "tiny", attn), inputs)
-    art = stof_tvm.compile(path, mask="dense", batch=BATCH, seq_len=SEQ, target="llvm", dtype="float16",
-                           templates=True)
+    art = stof_tvm.compile(path, mask="dense", batch=BATCH, seq_len=SEQ, target="llvm", dtype="float16", **options)
     out = art.load()(inputs)["last_hidden_state"]
     kept = inputs["attention_mask"].astype(bool)
     assert np.isfinite(out).all()
@@ -211,8 +216,6 @@ def test_grouped_query_attention_reads_unrepeated_kv_heads(hf_export, form, kv_h
     """The sparse kernels read grouped-query K and V as the projections wrote them ([B, Hkv, S, D]: the graph's
     key/value repeat, canonical.layout.RepeatedKVHeads, is left out), and the model still matches torch float32 (the
     kernel on every pair, float16 on llvm)."""
-    from stof_tvm.models import hf_export as hx
-
     family, attn, exporter, opset = form
     path = hf_export(family, attn, exporter, opset, False, BATCH, SEQ)
     front = front_end(path, mask="dense", batch=BATCH, seq_len=SEQ, target="llvm", dtype="float16",
@@ -221,14 +224,7 @@ def test_grouped_query_attention_reads_unrepeated_kv_heads(hf_export, form, kv_h
     assert front.sites[0].heads == heads and front.sites[0].kv_heads == kv_heads
     assert _attention_kv_shapes(front.mod) == [[(BATCH, kv_heads, SEQ, head_dim)] * 2] * LAYERS
     assert f"read from their {kv_heads} key/value heads" in front.choice.reason
-    inputs = hx.example_inputs(family, BATCH, SEQ)
-    expected = hx.torch_outputs(hx.build_model(family, "tiny", attn), inputs)
-    art = stof_tvm.compile(path, mask="dense", batch=BATCH, seq_len=SEQ, target="llvm", dtype="float16",
-                           kernel=kernel)
-    out = art.load()(inputs)["last_hidden_state"]
-    kept = inputs["attention_mask"].astype(bool)
-    assert np.isfinite(out).all()
-    assert np.linalg.norm(out[kept] - expected[kept]) / np.linalg.norm(expected[kept]) < 5e-3
+    _assert_llvm_float16_matches_torch(path, family, attn, kernel=kernel)
 
 
 def test_grouped_query_attention_on_wgmma_reads_unrepeated_kv_heads(hf_export):
