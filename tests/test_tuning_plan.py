@@ -120,3 +120,16 @@ def test_wgmma_records_choose_the_compiled_knobs(tiny, tmp_path, monkeypatch):
     assert any(stage["knobs"] != get_template(stage["template"]).default_knobs(stage["shape"], stage["dtype"])
                for site in art.manifest["templates"]["sites"] for stage in site["stages"]
                if stage["template"].endswith("_wgmma"))
+
+
+def test_grouped_query_attention_is_tuned_on_its_key_value_heads(hf_export):
+    """A grouped-query export (the tiny Llama: 4 query heads on 2 key/value heads): the attention tasks build the
+    kernel the compile runs, K and V of 2 heads, under a group name of their own (records of the same shapes on
+    repeated K and V are not taken for it)."""
+    path = hf_export("llama", "eager", "dynamo", 18, False, 2, 64)
+    stage1 = plan(path, mask="bigbird", batch=2, seq_len=64, target="cuda", kernel="block", top_k=2)
+    attention = [t for t in stage1.tasks if t.group.startswith("attention:")]
+    assert attention and all("xH4xHkv2xSq64" in t.group for t in attention)
+    for task in attention:
+        assert [int(x) for x in task.func.params[1].shape] == [2, 2, 64, 32]
+        assert task.meta["problem"]["kv_heads"] == 2

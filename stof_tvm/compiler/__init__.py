@@ -33,7 +33,7 @@ from tvm import relax
 
 from stof_tvm.sparse_formats.masks import normalize_mask
 
-from .attention_match import find_attention_sites, unmatched_score_ops
+from .attention_match import find_attention_sites, shared_kv_heads, unmatched_score_ops
 from .bias_precision import NARROW_DTYPES, narrows_exactly_enough
 from .canonical import IntegerPowers, canonicalize
 from .coverage import coverage
@@ -284,8 +284,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
         if all(narrows_exactly_enough(score_bias(s, plan.bias_terms, plan, i)[0], var2val)
                for i, s in enumerate(sites)):
             bias = score_bias(site, plan.bias_terms, plan, dtype=site.dtype)
-    # grouped-query attention: the kernel reads the key/value heads before the graph's repeat (all sites alike)
-    kv_heads = site.kv_heads if len({(s.grouped_kv is None, s.kv_heads) for s in sites}) == 1 else site.heads
+    kv_heads = shared_kv_heads(sites)      # grouped-query attention: K and V before the graph's repeat
     choice = choose_kernel(kernel, combined, batch=batch, heads=site.heads, head_dim=site.head_dim,
                            dtype=site.dtype, seq_q=site.seq_q, target_kind=tspec["kind"], mask_batch=mask_batch,
                            mask_heads=mask_heads, bias=bias[1] if bias else None, dense_only=plan.dense_only,

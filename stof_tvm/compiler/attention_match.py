@@ -226,6 +226,13 @@ def find_attention_sites(func: relax.Function) -> list[AttentionSite]:
     return sites
 
 
+def shared_kv_heads(sites: list[AttentionSite]) -> int:
+    """The key/value heads a kernel serving every site reads K and V from: the sites' grouped key/value heads where
+    they all have the same, else their query heads (K and V repeated, as the graph computes them)."""
+    kinds = {(site.grouped_kv is None, site.kv_heads) for site in sites}
+    return sites[0].kv_heads if len(kinds) == 1 else sites[0].heads
+
+
 def _unrepeated(expr, var2val) -> tuple[relax.Expr, int] | None:
     """(x, G) where ``expr`` is ``repeat(x, G, axis=1)`` of [B, Hkv, S, D] heads (through bindings; a cast of the
     repeat becomes the same cast of ``x``); else None."""

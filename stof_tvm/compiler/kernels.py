@@ -132,7 +132,7 @@ def config_object(kind: str, config: dict):
 
 
 def tuned_choice(database: str, mask4d: np.ndarray, *, batch: int, heads: int, head_dim: int,
-                 dtype: str) -> dict | None:
+                 dtype: str, kv_heads: int = 0) -> dict | None:
     """The measured-best attention kernel for this problem in a tuning work dir (``stof-tvm tune``), or None.
 
     Returns the tuner's record for the problem's group: ``{"name", "best_s", "meta": {"kind", "config"}}``.
@@ -141,7 +141,7 @@ def tuned_choice(database: str, mask4d: np.ndarray, *, batch: int, heads: int, h
     from stof_tvm.records import attention_group, open_database
 
     problem = AttentionProblem.build(mask4d, batch=batch, heads=heads, seq_len=mask4d.shape[-1],
-                                     head_dim=head_dim, dtype=dtype)
+                                     head_dim=head_dim, dtype=dtype, kv_heads=kv_heads)
     return open_database(database).choice(attention_group(problem))
 
 
@@ -212,7 +212,8 @@ def choose_kernel(requested: str, mask4d: np.ndarray, *, batch: int, heads: int,
         kind, model_config, reason = decide_kernel(mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
                                                    target_kind=target_kind, target_arch=target_arch,
                                                    no_wgmma=no_wgmma, padding=padding, kv_heads=kv_heads)
-    tuned = tuned_choice(database, mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype) \
+    tuned = tuned_choice(database, mask4d, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
+                         kv_heads=kv_heads) \
         if database is not None and kind != "wgmma" else None
     if tuned is not None and requested in ("auto", tuned["meta"]["kind"]):
         meta = tuned["meta"]

@@ -121,11 +121,12 @@ class AttentionProblem:
 
     @classmethod
     def build(cls, mask, *, batch: int, heads: int, seq_len: int, head_dim: int = 64,
-              dtype: str = "float16") -> "AttentionProblem":
+              dtype: str = "float16", kv_heads: int = 0) -> "AttentionProblem":
         """Problem from any mask form (spec string, array, lengths, callable) at ``seq_len`` queries and keys."""
         profile = mask if isinstance(mask, MaskProfile) else MaskProfile.from_spec(
             mask, seq_q=seq_len, batch=batch, heads=heads)
-        return cls(batch=batch, heads=heads, head_dim=head_dim, dtype=dtype, mask=profile)
+        return cls(batch=batch, heads=heads, head_dim=head_dim, dtype=dtype, mask=profile,
+                   kv_heads=0 if kv_heads == heads else kv_heads)
 
     @property
     def seq_q(self) -> int:

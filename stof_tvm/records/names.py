@@ -37,9 +37,10 @@ def workload_key(func: tvm.tirx.PrimFunc) -> str:
 
 def attention_group(problem) -> str:
     """The group of an attention problem's alternatives (a :class:`stof_tvm.cost_model.AttentionProblem`):
-    shapes, dtype and the mask's content hash."""
-    return (f"{_ATTENTION}B{problem.batch}xH{problem.heads}xSq{problem.seq_q}xSk{problem.seq_k}xD{problem.head_dim}"
-            f":{problem.dtype}:mask{problem.mask.digest()}")
+    shapes (grouped-query key/value heads where fewer), dtype and the mask's content hash."""
+    kv = f"xHkv{problem.kv_heads}" if problem.kv_heads else ""
+    return (f"{_ATTENTION}B{problem.batch}xH{problem.heads}{kv}xSq{problem.seq_q}xSk{problem.seq_k}"
+            f"xD{problem.head_dim}:{problem.dtype}:mask{problem.mask.digest()}")
 
 
 def is_attention_group(job: str) -> bool:

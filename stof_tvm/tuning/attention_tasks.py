@@ -61,7 +61,8 @@ def attention_workload(problem: AttentionProblem, kind: str, config, target_kind
     """The static-shaped kernel of ``(kind, config)`` for ``problem`` and its format arrays by parameter index."""
     common = dict(batch=problem.batch, heads=problem.heads, seq_q=problem.seq_q, seq_k=problem.seq_k,
                   head_dim=problem.head_dim, dtype=problem.dtype, mask_batch=problem.mask.mask_batch,
-                  mask_heads=problem.mask.mask_heads, scale=scale, config=config, target_kind=target_kind)
+                  mask_heads=problem.mask.mask_heads, scale=scale, config=config, target_kind=target_kind,
+                  kv_heads=problem.kv_heads or None)
     mask = np.ascontiguousarray(problem.mask.mask)
     if kind == "block":
         from ..schedules.attention_blockwise import blockwise_attention_primfunc
@@ -147,7 +148,8 @@ def attention_tasks(problem: AttentionProblem, target, *, top_k: int = 8, hw: Ha
             meta={"kind": kind, "config": asdict(config), "predicted_s": entry.time_s,
                   "problem": {"batch": problem.batch, "heads": problem.heads, "seq_q": problem.seq_q,
                               "seq_k": problem.seq_k, "head_dim": problem.head_dim, "dtype": problem.dtype,
-                              "scale": scale if scale is not None else 1.0 / math.sqrt(problem.head_dim)},
+                              "scale": scale if scale is not None else 1.0 / math.sqrt(problem.head_dim),
+                              **({"kv_heads": problem.kv_heads} if problem.kv_heads else {})},
                   **({"untuned": True} if not tasks else {})})
         if task.key in seen:
             continue

@@ -122,6 +122,7 @@ def plan_model(model, *, batch: int, seq_len: int, mask, target, dtype: str = "f
     ``kernel="block"`` or ``"row"`` only that kind is tuned (the compile takes no other).
     """
     from ..compiler import front_end
+    from ..compiler.attention_match import shared_kv_heads
     from ..compiler.template_choice import TemplateChooser
     from ..schedules.templates import get_template
 
@@ -152,7 +153,8 @@ def plan_model(model, *, batch: int, seq_len: int, mask, target, dtype: str = "f
     else:
         site = front.sites[0]
         problem = AttentionProblem.build(front.combined, batch=batch, heads=site.heads, seq_len=site.seq_q,
-                                         head_dim=site.head_dim, dtype=site.dtype)
+                                         head_dim=site.head_dim, dtype=site.dtype,
+                                         kv_heads=shared_kv_heads(front.sites))
         plan.extend(plan_attention(problem, target, top_k=top_k, hw=hw, cal=cal,
                                    kinds=(kernel,) if kernel in ("block", "row") else kinds,
                                    weight=float(len(front.sites)), explain=explain,
@@ -165,13 +167,15 @@ def plan_model(model, *, batch: int, seq_len: int, mask, target, dtype: str = "f
 
 def _untuned_attention(front, kernel: str) -> AttentionCandidate:
     """The attention kernel and configuration a compile of ``front`` takes without records."""
+    from ..compiler.attention_match import shared_kv_heads
     from ..compiler.kernels import choose_kernel, config_object
 
     site = front.sites[0]
     choice = choose_kernel(kernel, front.combined, batch=site.batch,
                            heads=site.heads, head_dim=site.head_dim, dtype=site.dtype, seq_q=site.seq_q,
                            target_kind=front.tspec["kind"], mask_batch=front.choice.mask_batch,
-                           mask_heads=front.choice.mask_heads, target_arch=front.tspec.get("arch"))
+                           mask_heads=front.choice.mask_heads, target_arch=front.tspec.get("arch"),
+                           kv_heads=shared_kv_heads(front.sites))
     return AttentionCandidate(choice.kind, config_object(choice.kind, choice.config))
 
 
