@@ -173,6 +173,11 @@ def test_grouped_query_projections_make_one_gemm(hf_export, form):
     assert reason["count"] == LAYERS and "share" in reason["reason"] and "key/value heads" in reason["reason"]
     gemms = [site for site in front.template_entry["sites"] if site["chain"] == "qkv_gemm"]
     assert sum(site["count"] for site in gemms) == LAYERS
+    # the GEMM's parts are slices that fuse into their readers, not a split of its own
+    ops = []
+    relax.analysis.post_order_visit(front.mod["main"], lambda e: ops.append(e.op.name)
+                                    if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) else None)
+    assert "relax.split" not in ops and ops.count("relax.strided_slice") >= 5 * LAYERS
     # per layer one QKV GEMM, the output projection, the MLP's gate and up as one GEMM (sibling_linears), down
     assert sum(front.template_entry["calls"].values()) - cov["rmsnorm"]["total"] == 4 * LAYERS
     merged = [site for site in front.template_entry["sites"] if site.get("note", "").startswith("2 linear layers")]

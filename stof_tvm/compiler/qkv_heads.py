@@ -168,7 +168,7 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
     """Replace every :class:`_QKVGroup` the QKV template fits by one template call and its heads (views or a
     split); ``t`` is the template adder of :func:`.downstream.use_templates` (its ``call``, ``record``,
     ``gemm_stage``, ``gemm``, ``mod``). Three linears whose heads the template does not take become one GEMM on
-    the concatenated weights, split into their parts before the graph's own head splits: a head_dim not a multiple of
+    the concatenated weights, sliced into their parts before the graph's own head splits: a head_dim not a multiple of
     16, heads narrower than X (Gemma), or K and V narrower than Q (grouped-query attention; the graph's own repeat of
     the key/value heads stays)."""
     groups, gemms = [], []
@@ -232,10 +232,13 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
                 why = f"no QKV heads template fits head_dim {group.head_dim}: one GEMM, the graph's head split"
             t.record("qkv_gemm", [stage], why + (f"; {note}" if note else ""))
             out = self.builder_.emit(relax.op.reshape(call, [b, s, n]))
-            cuts = [group.widths[0], group.widths[0] + group.widths[1]]
-            parts = self.builder_.emit(relax.op.split(out, cuts, axis=2))
-            for i, (var, _) in enumerate(group.linears):
-                replace[var] = self.builder_.emit(relax.TupleGetItem(parts, i))
+            # each part a strided slice, which TVM fuses into the head split (and rotary embedding) that reads it:
+            # no kernel of its own, as a split's one kernel of three outputs would be
+            start = 0
+            for (var, _), width in zip(group.linears, group.widths):
+                replace[var] = self.builder_.emit(relax.op.strided_slice(out, axes=[2], begin=[start],
+                                                                         end=[start + width]))
+                start += width
 
         def _emit_group(self, group: _QKVGroup):
             dtype = str(group.x.ty.dtype)
