@@ -483,3 +483,28 @@ def test_a_scale_of_something_else_than_a_linear_stays():
     params = [_tensor("x", (B, S, H * D)), _tensor("w", (H * D, H * D)), _tensor("b", (H * D,))]
     func = _function(params, lambda bb, x, w, b: _scaled_head_split(bb, x, w, b, linear=False))
     assert layout.ScaleAfterHeadSplit().apply(func) is None
+
+
+def _repeat_kv(bb, x, out_shape):
+    """HF's ``repeat_kv`` as exporters write it: expand_dims at 2, broadcast over the group, reshape."""
+    b, kv, s, d = (int(n) for n in x.ty.shape.values)
+    spread = bb.emit(relax.op.broadcast_to(bb.emit(relax.op.expand_dims(x, 2)), [b, kv, 3, s, d]))
+    return relax.op.reshape(spread, out_shape)
+
+
+@pytest.mark.parametrize("out_shape", [(B, 6, S, D), (B * 6, S, D)], ids=["heads", "flat"])
+def test_repeated_kv_heads_become_one_repeat(out_shape):
+    """Two key/value heads each repeated for three query heads, onto [B, 6, S, D] or SDPA's flat [B * 6, S, D]:
+    one ``repeat`` along the heads (a reshape after it for the flat form), the same values."""
+    func = _function([_tensor("k", (B, 2, S, D))], lambda bb, k: _repeat_kv(bb, k, out_shape))
+    out = _check(layout.RepeatedKVHeads(), func, ["relax.repeat"], ["relax.broadcast_to", "relax.expand_dims"])
+    assert _ops(out) == ["relax.repeat"] + (["relax.reshape"] if len(out_shape) == 3 else [])
+
+
+def test_a_broadcast_that_is_not_a_head_repeat_stays():
+    """expand_dims at another axis: a different order of the elements, left as it is."""
+    def body(bb, k):
+        spread = bb.emit(relax.op.broadcast_to(bb.emit(relax.op.expand_dims(k, 1)), [B, 3, 2, S, D]))
+        return relax.op.reshape(spread, [B, 6, S, D])
+
+    assert layout.RepeatedKVHeads().apply(_function([_tensor("k", (B, 2, S, D))], body)) is None
