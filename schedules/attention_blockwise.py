@@ -612,8 +612,10 @@ def _cuda_kernel(p: _Shape) -> tvm.tirx.PrimFunc:
                     fill: T.let = T.uint32(16) if KEYS_IN_RANGE else T.Cast("uint32", T.Select(
                         pad.loads(key, lo, hi), 16, 0))
                     src_key: T.let = key if KEYS_IN_RANGE else T.min(key, SK - 1)
-                    CP_ASYNC_16(k_base + dst, T.address_of(k[b, h // KVG, src_key, ((it * NT + tx) % CPR) * 8]), 16, fill)
-                    CP_ASYNC_16(v_base + dst, T.address_of(v[b, h // KVG, src_key, ((it * NT + tx) % CPR) * 8]), 16, fill)
+                    CP_ASYNC_16(k_base + dst, T.address_of(k[b, h // KVG, src_key, ((it * NT + tx) % CPR) * 8]),
+                                16, fill)
+                    CP_ASYNC_16(v_base + dst, T.address_of(v[b, h // KVG, src_key, ((it * NT + tx) % CPR) * 8]),
+                                16, fill)
             if tt < n_part_row:
                 for it in T.unroll(M_ITERS):
                     if it * NT + tx < MW_CHUNKS:

@@ -183,7 +183,8 @@ def rowwise_attention_template(*, batch: int, heads: int, seq_q: int, seq_k: int
 
     def row_reads(q, k, v, indptr, indices, bias_buf, pad_range, pad_bits, nnz, b, h, i):
         """What computing row (b, h, i) reads: its query, the format, K and V (and the bias row, the padding)."""
-        regions = [q[b, h, i, 0:D], indptr[0:G * Sq + 1], indices[0:nnz], k[b, h // KVG, 0:Sk, 0:D], v[b, h // KVG, 0:Sk, 0:D]]
+        regions = [q[b, h, i, 0:D], indptr[0:G * Sq + 1], indices[0:nnz], k[b, h // KVG, 0:Sk, 0:D],
+                   v[b, h // KVG, 0:Sk, 0:D]]
         if HAS_BIAS:
             regions.append(bias_buf[b * bias_b, h * bias_h, i, 0:Sk])
         if PAD:

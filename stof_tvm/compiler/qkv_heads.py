@@ -227,7 +227,8 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
                 why = (f"{group.heads} query heads share {group.kv_heads} key/value heads: one GEMM, the graph's head "
                        "splits and key/value repeat")
             elif k != group.heads * group.head_dim:
-                why = f"{group.heads} heads of {group.head_dim} project from {k} features: one GEMM, the graph's head split"
+                why = (f"{group.heads} heads of {group.head_dim} project from {k} features: one GEMM, the graph's "
+                       "head split")
             else:
                 why = f"no QKV heads template fits head_dim {group.head_dim}: one GEMM, the graph's head split"
             t.record("qkv_gemm", [stage], why + (f"; {note}" if note else ""))
