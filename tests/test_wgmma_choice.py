@@ -269,3 +269,40 @@ def test_persistent_blocks_share_the_partial_tiles_evenly():
         return predict(attention_work(problem, AttentionCandidate("wgmma", config)), H200).time_s * 1e3
 
     assert ms(True) <= ms(False)
+
+
+def _document_mask(seq: int, seed: int = 0) -> np.ndarray:
+    """Ragged packed sequences (lengths S/16 .. S/4), causal within each: bench_attention.py's ``document``."""
+    rng = np.random.default_rng(seed)
+    ends = np.cumsum(rng.integers(seq // 16, seq // 4 + 1, size=seq))
+    segment = np.searchsorted(np.append(ends[ends < seq], seq), np.arange(seq), side="right")
+    rows = np.arange(seq)
+    return (segment[:, None] == segment[None, :]) & (rows[None, :] <= rows[:, None])
+
+
+def _head_blocks(heads: int, seq: int, density: float, seed: int = 0) -> np.ndarray:
+    """Each head its own random 64 x 64 tiles, the share ``density`` kept: bench_attention.py's ``head_blocks``."""
+    keep = np.random.default_rng(seed).random((1, heads, seq // 64, seq // 64)) < density
+    return keep.repeat(64, axis=2).repeat(64, axis=3)
+
+
+# session 37, plan s36kinds on an H100 (ms, the faster kind's / the other's): the kinds the block-wise correction at
+# head dims 32, 80, 96 and 256 (cost_model.attention._BLOCK_HEAD_DIM_FACTOR) picks
+S36_KINDS = [("document", 8, 12, 80, "wgmma"),        # 0.217 / 0.266
+             ("document", 8, 12, 96, "wgmma"),        # 0.235 / 0.272
+             ("document", 8, 12, 32, "block"),        # 0.152 / 0.161
+             ("head_blocks", 4, 8, 256, "wgmma"),     # 0.593 / 0.804
+             ("head_blocks", 8, 12, 80, "block"),     # 0.805 / 1.165
+             ("sliding", 4, 8, 256, "wgmma"),         # 0.119 / 0.125
+             ("sliding", 8, 12, 96, "block")]         # 0.146 / 0.181
+
+
+@pytest.mark.parametrize("mask, batch, heads, head_dim, faster", S36_KINDS)
+def test_block_wise_prices_at_unfitted_head_dims_pick_the_kind_measured_faster(mask, batch, heads, head_dim, faster):
+    seq = 4096
+    keep = {"document": lambda: _document_mask(seq), "head_blocks": lambda: _head_blocks(heads, seq, 0.4),
+            "sliding": lambda: "sliding"}[mask]()
+    profile = normalize_mask(keep, batch=batch, heads=heads, seq_q=seq)
+    problem = AttentionProblem.build(profile, batch=batch, heads=heads, seq_len=seq, head_dim=head_dim)
+    decision = decide_attention(problem, H200, DEFAULT_CALIBRATION, kinds=("block", "row", "wgmma"))
+    assert decision.best.candidate.kind == faster, decision.reason
