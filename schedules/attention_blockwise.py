@@ -340,7 +340,7 @@ class _Shape:
 
     @property
     def kv_shape(self) -> tuple:
-        return self.batch, self.heads // self.kv_group, self.seq_k, self.head_dim
+        return self.batch, self.kv_heads or self.heads, self.seq_k, self.head_dim
 
     @property
     def bias_select(self) -> tuple[int, int]:

@@ -81,6 +81,26 @@ def zero_bias(n: int, dtype: str) -> Constant:
     return relax.const(np.zeros(n, dtype), dtype)
 
 
+def concat_weights(ws: list, axis: int) -> relax.Expr:
+    """``ws`` concatenated along ``axis``: one constant where all are constants (folded here), else a concat."""
+    if len(ws) == 1:
+        return ws[0]
+    if all(isinstance(w, Constant) for w in ws):
+        return relax.const(np.concatenate([w.value.numpy() for w in ws], axis=axis), str(ws[0].ty.dtype))
+    return relax.op.concat(ws, axis=axis)
+
+
+def concatenated_linear(matches: list, dtype: str, visit=lambda expr: expr, bias_needed: bool = True) -> tuple:
+    """(weight, bias) of the matched linear layers as one: weights concatenated along N (each through ``visit``,
+    a mutator's remapping), biases too with zeros for a layer without one; bias None where no layer has one and
+    ``bias_needed`` is False."""
+    w = concat_weights([visit(m[LINEAR_W]) for m in matches], 1)
+    if not bias_needed and not any(LINEAR_BIAS in m for m in matches):
+        return w, None
+    return w, concat_weights([m[LINEAR_BIAS] if LINEAR_BIAS in m else zero_bias(static_shape(m[LINEAR_W])[1], dtype)
+                              for m in matches], 0)
+
+
 def linear_dims(matches, out_dtype: str):
     """(x shape, m, n, k, dtype) of a matched linear layer (with or without bias), or None when a template
     cannot take it."""

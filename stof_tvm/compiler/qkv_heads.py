@@ -9,14 +9,13 @@ kernels read becomes a view of its own. Any sequence length: the template's ``x`
 """
 from __future__ import annotations
 
-import numpy as np
 import tvm
 from tvm import relax
-from tvm.ir.expr import Constant
 
 from .attention_match import static_shape
-from .linear_match import (ANY_LINEAR, LINEAR_BIAS, LINEAR_W, LINEAR_X, is_call, linear_dims, padded_rows, transposed,
-                           users_of, wgmma_misfit, zero_bias)
+from .linear_match import (ANY_LINEAR, LINEAR_X, concatenated_linear, is_call, linear_dims, padded_rows, transposed,
+                           users_of, wgmma_misfit)
+from .sibling_linears import emit_one_gemm
 
 class _QKVGroup:
     """Three linear layers on one X whose outputs are split into heads (reshape + permute_dims). ``permutes`` and
@@ -154,16 +153,6 @@ def _head_split(var, users):
     return shape[2], shape[3], reshape.var, permutes, axes
 
 
-def _concat_weights(ws: list, axis: int) -> relax.Expr:
-    if len(ws) == 1:
-        return ws[0]
-    consts = [w if isinstance(w, Constant) else None for w in ws]
-    if all(c is not None for c in consts):
-        value = np.concatenate([c.value.numpy() for c in consts], axis=axis)
-        return relax.const(value, str(ws[0].ty.dtype))
-    return relax.op.concat(ws, axis=axis)
-
-
 def rewrite_qkv(t, func: relax.Function) -> relax.Function:
     """Replace every :class:`_QKVGroup` the QKV template fits by one template call and its heads (views or a
     split); ``t`` is the template adder of :func:`.downstream.use_templates` (its ``call``, ``record``,
@@ -204,25 +193,13 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
             if binding.var in emit_at:
                 self._emit_group(emit_at[binding.var])
 
-        def _weights(self, group: _QKVGroup, dtype: str, bias_needed: bool = True):
-            """The concatenated weight and bias (zeros for a linear without one; None where none has one and
-            ``bias_needed`` is False)."""
-            matches = [m for _, m in group.linears]
-            w = _concat_weights([self.visit_expr(m[LINEAR_W]) for m in matches], 1)
-            if not bias_needed and not any(LINEAR_BIAS in m for m in matches):
-                return w, None
-            bias = _concat_weights([m[LINEAR_BIAS] if LINEAR_BIAS in m else zero_bias(static_shape(m[LINEAR_W])[1], dtype)
-                                    for m in matches], 0)
-            return w, bias
-
         def _emit_gemm(self, group: _QKVGroup):
             """The three linears as one GEMM at the first one's place; each linear's value becomes its part."""
             dtype = str(group.x.ty.dtype)
-            b, s, k = static_shape(group.x)
-            n = sum(group.widths)
-            w, bias = self._weights(group, dtype, bias_needed=False)
-            x2d = relax.op.reshape(self.visit_expr(group.x), [b * s, k])
-            call, stage, note = t.gemm_stage("none", x2d, w, bias, b * s, n, k, dtype)
+            x_shape = static_shape(group.x)
+            k = x_shape[2]
+            matches = [m for _, m in group.linears]
+            w, bias = concatenated_linear(matches, dtype, self.visit_expr, bias_needed=False)
             if group.grouped:
                 why = (f"{group.heads} query heads share {group.kv_heads} key/value heads: one GEMM, the graph's head "
                        "splits and key/value repeat")
@@ -231,20 +208,16 @@ def rewrite_qkv(t, func: relax.Function) -> relax.Function:
                        "head split")
             else:
                 why = f"no QKV heads template fits head_dim {group.head_dim}: one GEMM, the graph's head split"
-            t.record("qkv_gemm", [stage], why + (f"; {note}" if note else ""))
-            out = self.builder_.emit(relax.op.reshape(call, [b, s, n]))
-            # each part a strided slice, which TVM fuses into the head split (and rotary embedding) that reads it:
-            # no kernel of its own, as a split's one kernel of three outputs would be
-            start = 0
-            for (var, _), width in zip(group.linears, group.widths):
-                replace[var] = self.builder_.emit(relax.op.strided_slice(out, axes=[2], begin=[start],
-                                                                         end=[start + width]))
-                start += width
+            # each part a strided slice, fused into the head split (and rotary embedding) that reads it
+            parts = emit_one_gemm(t, self.builder_, self.visit_expr(group.x), x_shape, w, bias, group.widths, dtype,
+                                  "qkv_gemm", why)
+            for (var, _), part in zip(group.linears, parts):
+                replace[var] = part
 
         def _emit_group(self, group: _QKVGroup):
             dtype = str(group.x.ty.dtype)
             b, s, h, d = (group.shape[key] for key in ("batch", "seq", "heads", "head_dim"))
-            w, bias = self._weights(group, dtype)
+            w, bias = concatenated_linear([m for _, m in group.linears], dtype, self.visit_expr)
             x2d = relax.op.reshape(self.visit_expr(group.x), [b * s, h * d])
             name, note = _qkv_template(b * s, h * d, t.gemm)
             rows = _template_rows(name, group.shape)

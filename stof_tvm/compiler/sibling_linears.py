@@ -14,7 +14,7 @@ import numpy as np
 from tvm import relax
 from tvm.ir.expr import Constant
 
-from .linear_match import ANY_LINEAR, LINEAR_BIAS, LINEAR_W, LINEAR_X, linear_dims, zero_bias
+from .linear_match import ANY_LINEAR, LINEAR_W, LINEAR_X, concatenated_linear, linear_dims
 
 
 class _Sibling:
@@ -72,26 +72,29 @@ def merge_sibling_linears(t, func: relax.Function) -> relax.Function:
             super().visit_var_binding_(binding)
 
         def _emit(self, group: list[_Sibling]):
-            x_shape, m, _, k, dtype = group[0].dims
-            n = sum(member.n for member in group)
-            weight = relax.const(_concat([member.matches[LINEAR_W] for member in group], 1), dtype)
-            bias = None
-            if any(LINEAR_BIAS in member.matches for member in group):
-                bias = relax.const(_concat([member.matches[LINEAR_BIAS] if LINEAR_BIAS in member.matches
-                                            else zero_bias(member.n, dtype) for member in group], 0), dtype)
-            x2d = relax.op.reshape(self.visit_expr(group[0].matches[LINEAR_X]), [m, k])
-            call, stage, note = t.gemm_stage("none", x2d, weight, bias, m, n, k, dtype)
-            why = f"{len(group)} linear layers on one input as one GEMM"
-            t.record("linear", [stage], why + (f"; {note}" if note else ""))
-            out = self.builder_.emit(relax.op.reshape(call, list(x_shape[:-1]) + [n]))
-            start = 0
-            for member in group:
-                replace[member.var] = self.builder_.emit(
-                    relax.op.strided_slice(out, axes=[len(x_shape) - 1], begin=[start], end=[start + member.n]))
-                start += member.n
+            x_shape, _, _, _, dtype = group[0].dims
+            weight, bias = concatenated_linear([member.matches for member in group], dtype, bias_needed=False)
+            parts = emit_one_gemm(t, self.builder_, self.visit_expr(group[0].matches[LINEAR_X]), x_shape, weight,
+                                  bias, [member.n for member in group], dtype, "linear",
+                                  f"{len(group)} linear layers on one input as one GEMM")
+            for member, part in zip(group, parts):
+                replace[member.var] = part
 
     return Merge(t.mod).visit_expr(func)
 
 
-def _concat(constants: list, axis: int) -> np.ndarray:
-    return np.concatenate([c.value.numpy() for c in constants], axis=axis)
+def emit_one_gemm(t, builder, x, x_shape, weight, bias, widths: list[int], dtype: str, chain: str, why: str) -> list:
+    """Emit one GEMM template call of ``x`` ([..., K], ``x_shape``) with the concatenated ``weight`` and ``bias``
+    (``t.gemm_stage``, recorded as ``chain`` with the note ``why``) and return one ``strided_slice`` of its output
+    per part of ``widths`` columns: TVM fuses a slice into the operator that reads it (a split would be a kernel of
+    its own)."""
+    m, k, n = int(np.prod(x_shape[:-1])), x_shape[-1], sum(widths)
+    call, stage, note = t.gemm_stage("none", relax.op.reshape(x, [m, k]), weight, bias, m, n, k, dtype)
+    t.record(chain, [stage], why + (f"; {note}" if note else ""))
+    out = builder.emit(relax.op.reshape(call, list(x_shape[:-1]) + [n]))
+    parts, start = [], 0
+    for width in widths:
+        parts.append(builder.emit(relax.op.strided_slice(out, axes=[len(x_shape) - 1], begin=[start],
+                                                         end=[start + width])))
+        start += width
+    return parts

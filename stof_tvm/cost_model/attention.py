@@ -128,6 +128,8 @@ class AttentionProblem:
                              f"batch={self.batch}, heads={self.heads}")
         if self.kv_heads and (self.kv_heads < 0 or self.heads % self.kv_heads):
             raise ValueError(f"AttentionProblem.kv_heads must divide heads ({self.heads}), got {self.kv_heads!r}")
+        if self.kv_heads == self.heads:     # one form of "no groups", so equal problems compare and name alike
+            object.__setattr__(self, "kv_heads", 0)
 
     @classmethod
     def build(cls, mask, *, batch: int, heads: int, seq_len: int, head_dim: int = 64,
@@ -135,8 +137,7 @@ class AttentionProblem:
         """Problem from any mask form (spec string, array, lengths, callable) at ``seq_len`` queries and keys."""
         profile = mask if isinstance(mask, MaskProfile) else MaskProfile.from_spec(
             mask, seq_q=seq_len, batch=batch, heads=heads)
-        return cls(batch=batch, heads=heads, head_dim=head_dim, dtype=dtype, mask=profile,
-                   kv_heads=0 if kv_heads == heads else kv_heads)
+        return cls(batch=batch, heads=heads, head_dim=head_dim, dtype=dtype, mask=profile, kv_heads=kv_heads)
 
     @property
     def seq_q(self) -> int:
