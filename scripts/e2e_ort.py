@@ -36,9 +36,13 @@ from collections import Counter
 
 import numpy as np
 
-# the optimizer's model_type per family (RoBERTa and ViT have BERT's encoder; GPT-2 and T5: their own fusions)
-MODEL_TYPES = {"bert": "bert", "roberta": "bert", "gpt2": "gpt2", "vit": "vit", "t5": "t5"}
+# the optimizer's model_type per family (RoBERTa and ViT have BERT's encoder; GPT-2 and T5: their own fusions;
+# Llama has none of its own: ORT's Llama export scripts optimise with GPT-2's, which fuse its RMSNorms here)
+MODEL_TYPES = {"bert": "bert", "roberta": "bert", "gpt2": "gpt2", "vit": "vit", "t5": "t5", "llama": "gpt2"}
 ATTENTION_OPS = ("Attention", "MultiHeadAttention")
+GROUPED_ATTENTION_FAMILIES = ("llama",)      # their attention would fuse as GroupQueryAttention
+RMS_NORM_FAMILIES = ("t5", "llama")          # their residual norms fuse as SkipSimplifiedLayerNormalization
+NO_GELU_FAMILIES = ("t5", "llama")           # ReLU (T5) and SwiGLU (Llama) feed-forwards
 GELU_OPS = ("BiasGelu", "FastGelu", "Gelu")
 GRAPH_LEVELS = ("ORT_ENABLE_ALL", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_BASIC", "ORT_DISABLE_ALL")
 FLOAT = 1                  # onnx TensorProto.FLOAT
@@ -47,10 +51,12 @@ FLOAT = 1                  # onnx TensorProto.FLOAT
 def expected_fusions(family: str, layers: int) -> dict[tuple[str, ...], int]:
     """The fused operators a fully optimised model of ``family`` with ``layers`` layers holds: ``{(op types that
     count, ...): how many}`` (one attention and one GELU per layer; two residual LayerNorms per layer, T5's
-    RMSNorm form). GELU counts only with its bias folded in (BiasGelu, or FastGelu which takes the bias)."""
-    norm = ("SkipSimplifiedLayerNormalization",) if family == "t5" else ("SkipLayerNormalization",)
-    expected = {ATTENTION_OPS: layers, norm: 2 * layers}
-    if family != "t5":                    # T5's feed-forward is ReLU
+    RMSNorm form for T5 and Llama). GELU counts only with its bias folded in (BiasGelu, or FastGelu which takes the
+    bias)."""
+    norm = ("SkipSimplifiedLayerNormalization",) if family in RMS_NORM_FAMILIES else ("SkipLayerNormalization",)
+    attention = ATTENTION_OPS + ("GroupQueryAttention",) if family in GROUPED_ATTENTION_FAMILIES else ATTENTION_OPS
+    expected = {attention: layers, norm: 2 * layers}
+    if family not in NO_GELU_FAMILIES:
         expected[GELU_OPS[:2]] = layers
     return expected
 

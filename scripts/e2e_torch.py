@@ -7,11 +7,11 @@ the stock ``"sdpa"``):
 
 - ``stof_masked_sdpa``: scaled-dot-product attention restricted to ``keep`` (the sparse mask, [S, S] bool) AND
   the model's own masking: the padding mask transformers builds (``sdpa_mask``, boolean), causality for causal
-  modules (GPT-2), T5's relative position bias added to the scores. The float32 reference of every
+  modules (GPT-2, Llama), T5's relative position bias added to the scores. The float32 reference of every
   sparse-masked result;
 - ``stof_flex``: ``torch.nn.attention.flex_attention`` with a ``BlockMask`` of the same keep-mask (and causality),
-  T5's bias through a ``score_mod``; no padding (transformers builds no mask for it: the benchmark's inputs are
-  unpadded, which :func:`check_unpadded` enforces).
+  T5's bias through a ``score_mod``, Llama's fewer key/value heads through ``enable_gqa``; no padding
+  (transformers builds no mask for it: the benchmark's inputs are unpadded, which :func:`check_unpadded` enforces).
 
 Both read the mask of the shape being run from :data:`MASKS` (set by :func:`set_mask`).
 
@@ -67,8 +67,14 @@ def masked_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
         attn_mask = keep
     else:
         attn_mask = torch.where(keep, bias.to(query.dtype), torch.finfo(query.dtype).min)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=0.0, scale=scaling)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=0.0, scale=scaling,
+                                         enable_gqa=_grouped(query, key))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _grouped(query, key) -> bool:
+    """Grouped-query attention (Llama): transformers hands K and V over with their own, fewer, heads."""
+    return query.shape[1] != key.shape[1]
 
 
 _FLEX = {}
@@ -92,7 +98,8 @@ def flex(module, query, key, value, attention_mask, dropout=0.0, scaling=None, p
             return score + bias[0 if one_batch else b, h, q_idx, kv_idx]
     if query.device.type == "cpu":      # inductor's CPU lowering of flex_attention (torch 2.13) rejects these
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()   # transposed views
-    out = _FLEX["compiled"](query, key, value, score_mod=score_mod, block_mask=MASKS["block"], scale=scaling)
+    out = _FLEX["compiled"](query, key, value, score_mod=score_mod, block_mask=MASKS["block"], scale=scaling,
+                            enable_gqa=_grouped(query, key))
     return out.transpose(1, 2).contiguous(), None
 
 

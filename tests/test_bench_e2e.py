@@ -139,10 +139,12 @@ def test_timeline_text_names_each_class_and_kernel():
 
 
 # ------------------------------------------------------------------------------------------ with torch
-def test_masked_attention_matches_the_exported_graph_under_the_same_mask(tmp_path):
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_masked_attention_matches_the_exported_graph_under_the_same_mask(tmp_path, name):
     """The harness's float32 reference (the HF model with ``stof_masked_sdpa``) computes what stof-tvm computes:
-    the exported graph with the sparse mask ANDed into its attention (GPT-2: causal AND BigBird), by onnx's
-    reference evaluator; and the mask changes the result (it is not dense at this length)."""
+    the exported graph with the sparse mask ANDed into its attention (GPT-2 and Llama: causal AND BigBird; Llama's
+    K and V with fewer heads than Q), by onnx's reference evaluator; and the mask changes the result (it is not
+    dense at this length)."""
     pytest.importorskip("transformers")
     import onnx
     import torch
@@ -151,10 +153,11 @@ def test_masked_attention_matches_the_exported_graph_under_the_same_mask(tmp_pat
     import stof_tvm
     from stof_tvm.models.reference import reference_outputs
 
-    model = e2e_models.spec("gpt2-tiny")
+    model = e2e_models.spec(name)
+    assert model.family in e2e_models.CAUSAL_FAMILIES
     feeds = e2e_models.inputs(model, 1, 256, seed=3)
     torch_model = e2e_models.build(model, "eager", seed=0)
-    path = e2e_models.export(torch_model, feeds, str(tmp_path / "gpt2.onnx"))
+    path = e2e_models.export(torch_model, feeds, str(tmp_path / f"{name}.onnx"))
     keep = np.asarray(stof_tvm.make_mask("bigbird", 256), bool)
     assert not keep.all()
     e2e_torch.register()
@@ -207,6 +210,23 @@ def test_benchmark_configs_use_published_init_and_hold_the_shape():
     with pytest.raises(ValueError, match="position embeddings"):
         e2e_models.check_length(tiny, e2e_models.config(tiny, "eager", 1024), 1024)
     e2e_models.check_length(tiny, e2e_models.config(tiny, "eager", 512), 512)
+
+
+def test_the_llama_row_is_smollm2_360m_and_its_size_is_llamas_only():
+    """``smollm2-360m``: a Llama decoder at SmolLM2-360M's published shape (15 query heads of 64 on 5 key/value
+    heads, 362M weights), causal; the size belongs to llama alone, and llama has no other large size."""
+    pytest.importorskip("transformers")
+    from stof_tvm.models import hf_export
+
+    model = e2e_models.spec("smollm2-360m")
+    assert model.family in e2e_models.CAUSAL_FAMILIES and model.name in e2e_models.GPU_MODELS
+    cfg = e2e_models.config(model, "sdpa", 2048)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.intermediate_size, cfg.vocab_size) == (960, 32, 15, 5, 2560, 49152)
+    assert cfg.initializer_range == 0.02 and cfg.max_position_embeddings >= 2048 and not cfg.use_cache
+    for family, size in (("bert", "360m"), ("llama", "base"), ("llama", "large"), ("qwen2", "360m")):
+        with pytest.raises(ValueError, match="size"):
+            hf_export.make_config(family, size)
 
 
 def test_tvm_default_pipeline_baseline_matches_torch(tmp_path):

@@ -21,6 +21,11 @@ def test_expected_and_missing_fusions_per_family():
                                                        ("BiasGelu", "FastGelu"): 12}
     assert ("SkipSimplifiedLayerNormalization",) in e2e_ort.expected_fusions("t5", 12)
     assert ("BiasGelu", "FastGelu") not in e2e_ort.expected_fusions("t5", 12)          # T5's FFN is ReLU
+    # Llama: GPT-2's fusions (RMSNorm form), grouped-query attention, a SwiGLU feed-forward (no GELU to fuse)
+    assert e2e_ort.expected_fusions("llama", 32) == {("Attention", "MultiHeadAttention", "GroupQueryAttention"): 32,
+                                                     ("SkipSimplifiedLayerNormalization",): 64}
+    assert e2e_ort.missing_fusions({"SkipSimplifiedLayerNormalization": 4}, "llama", 2) == [
+        "Attention|MultiHeadAttention|GroupQueryAttention 0/2"]
     full = {"Attention": 12, "BiasGelu": 12, "SkipLayerNormalization": 24}
     assert e2e_ort.missing_fusions(full, "bert", 12) == []
     # session 5's GPU counts (MatMul + Add folded into Gemm by ORT's level-1 pass before the fusions)

@@ -30,8 +30,8 @@ positions counted from the attention mask, pre-LayerNorm) and ``llama`` (grouped
 tiny shape, 4 of 32, sharing 2 key/value heads). Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden 128, head_dim
 64), ``tiny-d32`` (the same with 4 heads of 32), ``base`` (the published base model's shape: bert-base,
 roberta-base, distilbert-base, gpt2, vit-base, t5-base encoder, bigbird-roberta-base, longformer-base,
-deberta-v3-base) and ``large`` (bert-large). Attention ``sdpa`` exists where transformers implements it
-(:func:`attention_kinds`).
+deberta-v3-base), ``large`` (bert-large) and ``360m`` (llama only: SmolLM2-360M's published config). Attention
+``sdpa`` exists where transformers implements it (:func:`attention_kinds`).
 
 torch and transformers are imported when a function needs them: they are test extras, not stof-tvm
 dependencies.
@@ -50,7 +50,10 @@ FAMILIES = ("bert", "roberta", "distilbert", "gpt2", "vit", "t5", "bigbird", "bi
 # families built at the tiny size only (the decoder-only ones' published sizes are billions of weights)
 TINY_ONLY = ("bloom", "phi", "gemma", "mistral", "gptneox", "bart", "clip", "modernbert", "gemma2", "qwen2", "opt",
              "llama")
-SIZES = ("tiny", "tiny-d32", "tiny-w768", "base", "large")
+SIZES = ("tiny", "tiny-d32", "tiny-w768", "base", "large", "360m")
+# sizes one family has only: bert-large; SmolLM2-360M's shape for llama (the grouped-query decoder the end-to-end
+# benchmark times beside the encoders: 15 query heads of 64 on 5 key/value heads, hidden 960, 32 layers)
+FAMILY_SIZES = {"large": "bert", "360m": "llama"}
 EXPORTERS = ("torchscript", "dynamo")
 ATTENTIONS = ("eager", "sdpa")
 INIT_RANGE = 0.15                # standard deviation of the random weights (published models: 0.02)
@@ -87,10 +90,11 @@ def _check_family(family: str) -> None:
 def _check_size(family: str, size: str) -> None:
     if size not in SIZES:
         raise ValueError(f"size: expected one of {SIZES}, got {size!r}")
-    if size == "large" and family != "bert":
-        raise ValueError(f"size: 'large' exists for bert only (bert-large), not {family!r}")
-    if family in TINY_ONLY and size != "tiny":
-        raise ValueError(f"size: {family} exists at size 'tiny' only, not {size!r}")
+    if size in FAMILY_SIZES and family != FAMILY_SIZES[size]:
+        raise ValueError(f"size: {size!r} exists for {FAMILY_SIZES[size]} only, not {family!r}")
+    own = ("tiny",) + tuple(s for s, f in FAMILY_SIZES.items() if f == family)
+    if family in TINY_ONLY and size not in own:
+        raise ValueError(f"size: {family} exists at sizes {own} only, not {size!r}")
 
 
 def make_config(family: str, size: str = "tiny", attn: str = "eager"):
@@ -101,6 +105,8 @@ def make_config(family: str, size: str = "tiny", attn: str = "eager"):
     _check_size(family, size)
     if attn not in attention_kinds(family):
         raise ValueError(f"attn: {family} offers {attention_kinds(family)}, got {attn!r}")
+    if (family, size) == ("llama", "360m"):
+        return _smollm2_360m_config(tf, attn)
     hidden, layers, heads, ffn = _SHAPES[size]
     tiny = size.startswith("tiny")
     vocab = {"vocab_size": VOCAB_TINY} if tiny else {}
@@ -181,6 +187,17 @@ def _tiny_only_config(tf, family: str, hidden: int, layers: int, heads: int, ffn
     return tf.CLIPTextConfig(vocab_size=VOCAB_TINY, hidden_size=hidden, intermediate_size=ffn,
                              num_hidden_layers=layers, num_attention_heads=heads, max_position_embeddings=128,
                              **special, **common)
+
+
+def _smollm2_360m_config(tf, attn: str):
+    """SmolLM2-360M's published Llama config (hidden 960, 32 layers, 15 heads on 5 key/value heads, SwiGLU of
+    2560, RMSNorm eps 1e-5, rotary theta 100000, 49152 tokens), its ``initializer_range`` 0.02 kept: 362M weights,
+    a 1.45 GB float32 export, under protobuf's 2 GB."""
+    return tf.LlamaConfig(vocab_size=49152, hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
+                          num_attention_heads=15, num_key_value_heads=5, max_position_embeddings=8192,
+                          rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, initializer_range=0.02,
+                          pad_token_id=2, bos_token_id=1, eos_token_id=2, use_cache=False,
+                          attn_implementation=attn)
 
 
 def _model_class(family: str):
