@@ -153,13 +153,30 @@ def test_wgmma_build_carries_sm90a_cubins(tiny, tmp_path, monkeypatch):
     (4096, 768, 768, None), (16384, 128, 128, None), (8192, 128, 128, "64 wgmma tiles"),
     (128, 768, 128, "6 wgmma tiles fill too few SMs"), (4096, 768, 96, "k % 64"), (4096, 200, 768, "n % 128"),
     (128, 768, 768, None), (4000, 768, 768, None), (197, 2304, 768, None), (197, 768, 128, "12 wgmma tiles"),
+    (4096, 960, 2560, None), (4096, 1600, 960, "n % 128 == 0 or n % 192 == 0"),
 ])
 def test_small_gemms_stay_on_mma_sync(m, n, k, why):
     """wgmma only where its 128-row tiles (a partial last one counted whole), or its split-K blocks, fill enough of
     the GPU (measured: mma.sync was 1.35x faster for BERT at 128 tokens without split-K, wgmma 1.3x faster at 4096;
-    split-K 1.17x faster than mma.sync at 128 x 768 x 768) and the columns and k tile exactly; any m."""
+    split-K 1.17x faster than mma.sync at 128 x 768 x 768) and the columns (in 128- or 192-wide tiles: SmolLM2's
+    960) and k tile exactly; any m."""
     note = linear_match.wgmma_misfit(m, n, k)
     assert (note is None) if why is None else (why in note and note.endswith("mma.sync"))
+
+
+@pytest.mark.parametrize("gemm, m, n, k, columns", [
+    ("wgmma", 4096, 1600, 960, 1664),     # SmolLM2-360M's Q, K, V: 64 zero columns (4%) put it on wgmma
+    ("mma", 4096, 1600, 960, 1600),       # mma.sync tiles 1600 as it is
+    ("wgmma", 4096, 960, 960, 960),       # five 192-wide tiles: nothing to add
+    ("wgmma", 4096, 704, 576, 768),       # 9% more
+    ("wgmma", 4096, 320, 576, 320),       # 20% more: too many; mma.sync
+    ("wgmma", 128, 1600, 960, 1664),      # one row tile: split-K blocks fill the GPU once padded
+    ("wgmma", 128, 704, 576, 704),        # 6 tiles, 18 split-K blocks even padded: too few
+])
+def test_one_gemm_of_concatenated_weights_pads_its_columns_only_onto_wgmma(gemm, m, n, k, columns):
+    from stof_tvm.compiler.sibling_linears import wgmma_columns
+
+    assert wgmma_columns(gemm, m, n, k) == columns
 
 
 @pytest.mark.parametrize("m, gemm, rows", [

@@ -239,3 +239,34 @@ def test_grouped_query_attention_on_wgmma_reads_unrepeated_kv_heads(hf_export):
                       kernel="wgmma", schedule=False)
     assert front.choice.kind == "wgmma"
     assert _attention_kv_shapes(front.mod) == [[(BATCH, 2, SEQ, 32)] * 2] * LAYERS
+
+
+def test_grouped_qkv_gemm_gains_zero_columns_to_run_on_wgmma(tmp_path):
+    """A grouped-query model whose Q, K and V together are no whole number of wgmma tiles (9 query heads of 64 on
+    one key/value head: 704 columns, as SmolLM2-360M's 1600) still gets its one GEMM on wgmma: the weight gains 64
+    zero columns (768) and each part is sliced from the columns it had, so the extra ones are never read."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from stof_tvm.models import hf_export as hx
+
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=576, intermediate_size=384, num_hidden_layers=1,
+                                      num_attention_heads=9, num_key_value_heads=1, max_position_embeddings=1024,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = hx._wrapped(transformers.LlamaModel(config).eval(), "llama")
+    batch, seq = 2, 768                   # 1536 rows: 72 tiles of 128 x 128 once padded
+    path = hx.export(model, tmp_path / "llama9.onnx", batch=batch, seq_len=seq)
+    front = front_end(path, mask="bigbird", batch=batch, seq_len=seq, target="cuda", dtype="float16",
+                      schedule=False)
+    (site,) = [site for site in front.template_entry["sites"] if site["chain"] == "qkv_gemm"]
+    (stage,) = site["stages"]
+    assert stage["template"] == "gemm_wgmma" and stage["shape"] == {"m": batch * seq, "n": 768, "k": 576}
+    assert "64 zero columns let it run on wgmma" in site["note"]
+    slices = []
+    relax.analysis.post_order_visit(front.mod["main"], lambda e: slices.append(e) if isinstance(e, relax.Call)
+                                    and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.strided_slice"
+                                    and int(e.args[0].ty.shape[-1]) == 768 else None)
+    bounds = sorted((int(s.args[2][0]), int(s.args[3][0])) for s in slices)
+    assert bounds == [(0, 576), (576, 640), (640, 704)]          # Q, K, V: none reaches the zero columns

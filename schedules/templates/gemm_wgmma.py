@@ -213,10 +213,11 @@ class WgmmaKernelMixin:
 
     def _check_tiles(self, shape):
         _, n, k = self.gemm_dims(shape)   # any m: a partial last row tile
-        for key, size, tile in (("n", n, min(BLOCK_N_CHOICES)), ("k", k, BLOCK_K)):
-            if size % tile:
-                raise ValueError(f"{self.name}: the GEMM's {key} = {size} must be a multiple of {tile} "
-                                 f"(shape {shape})")
+        if not any(n % bn == 0 for bn in BLOCK_N_CHOICES):
+            raise ValueError(f"{self.name}: the GEMM's n = {n} must be a multiple of one of the tile widths "
+                             f"{BLOCK_N_CHOICES} (shape {shape})")
+        if k % BLOCK_K:
+            raise ValueError(f"{self.name}: the GEMM's k = {k} must be a multiple of {BLOCK_K} (shape {shape})")
 
     def config(self, knobs) -> WgmmaConfig:
         """The kernel configuration of ``knobs`` (ValueError naming a missing or bad knob)."""

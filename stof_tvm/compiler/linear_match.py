@@ -14,11 +14,15 @@ from tvm.ir.expr import Constant
 from tvm.relax.dpl import is_const, is_op, wildcard
 
 from ..schedules.templates.gemm_wgmma import space_rows, split_k_blocks
+from ..schedules.templates.wgmma_kernel import BLOCK_N_CHOICES as WGMMA_WIDTHS
 from .attention_match import static_shape
 
 TEMPLATE_DTYPES = ("float16", "bfloat16")
-# the wgmma kernels' tile granularity; rows need none: a partial last row tile loads zeros past m and stores none
+# the wgmma kernels' tile granularity (n: the narrowest width, the others in WGMMA_WIDTHS); rows need none: a partial
+# last row tile loads zeros past m and stores none
 WGMMA_TILES = {"m": 128, "n": 128, "k": 64}
+# the tile widths no narrower one divides (128, 192): n fits the kernel where one of them divides it
+BASE_WIDTHS = tuple(w for w in WGMMA_WIDTHS if not any(w % v == 0 for v in WGMMA_WIDTHS if v < w))
 # Fewest 128x128 output tiles for which a GEMM goes to wgmma: half the H200's SMs. Below that the wgmma kernel's
 # 128-row tiles leave most SMs idle; measured on the H200 (BENCHMARKS.md, end to end): BERT-Base at 1x128 tokens
 # ran 0.76 ms with mma.sync templates and 1.03 ms with wgmma, at 8x512 4.35 ms and 3.35 ms.
@@ -32,11 +36,15 @@ SPLIT_K_MIN_BLOCKS = 24
 
 
 def wgmma_misfit(m: int, n: int, k: int) -> str | None:
-    """Why a GEMM of [m, k] x [k, n] stays on mma.sync under ``gemm="wgmma"`` (None: it goes to wgmma)."""
-    shape = {"n": n, "k": k}
-    misfit = [key for key in shape if shape[key] % WGMMA_TILES[key]]
+    """Why a GEMM of [m, k] x [k, n] stays on mma.sync under ``gemm="wgmma"`` (None: it goes to wgmma). ``n`` must
+    be a whole number of some tile width of the kernel (128, 192 or 256 columns: SmolLM2-360M's hidden 960 is five
+    of 192), ``k`` of 64."""
+    misfit = [] if any(n % width == 0 for width in BASE_WIDTHS) else [
+        " or ".join(f"n % {width} == 0" for width in BASE_WIDTHS)]
+    if k % WGMMA_TILES["k"]:
+        misfit.append(f"k % {WGMMA_TILES['k']} == 0")
     if misfit:
-        return f"wgmma needs {', '.join(f'{key} % {WGMMA_TILES[key]} == 0' for key in misfit)}: mma.sync"
+        return f"wgmma needs {', '.join(misfit)}: mma.sync"
     tiles = (space_rows(m) // WGMMA_TILES["m"]) * (n // WGMMA_TILES["n"])   # a partial last row tile counts
     if tiles >= WGMMA_MIN_TILES or (SPLIT_K_GATE and split_k_blocks(m, n, k) >= SPLIT_K_MIN_BLOCKS):
         return None
