@@ -250,7 +250,7 @@ def test_grouped_qkv_gemm_gains_zero_columns_to_run_on_wgmma(tmp_path):
 
     from stof_tvm.models import hf_export as hx
 
-    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=576, intermediate_size=384, num_hidden_layers=1,
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=576, intermediate_size=512, num_hidden_layers=1,
                                       num_attention_heads=9, num_key_value_heads=1, max_position_embeddings=1024,
                                       pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False,
                                       attn_implementation="sdpa")
@@ -270,3 +270,34 @@ def test_grouped_qkv_gemm_gains_zero_columns_to_run_on_wgmma(tmp_path):
                                     and int(e.args[0].ty.shape[-1]) == 768 else None)
     bounds = sorted((int(s.args[2][0]), int(s.args[3][0])) for s in slices)
     assert bounds == [(0, 576), (576, 640), (640, 704)]          # Q, K, V: none reaches the zero columns
+
+
+def test_gate_and_up_weights_imported_as_parameters_still_make_one_gemm(tmp_path):
+    """Weights of 64K elements or more are imported as parameters, not constants (every real-size model's: HF Llama's
+    gate and up at hidden 256 and 512 features here), and a float16 compile casts the RMSNorm output once per
+    reader: gate and up are still one GEMM (the weights concatenated in the weight transform), and the model, called
+    as users call it on llvm through the templates' definitions, still matches torch float32."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from stof_tvm.models import hf_export as hx
+
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False,
+                                      initializer_range=hx.INIT_RANGE, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = hx._wrapped(transformers.LlamaModel(config).eval(), "llama")
+    path = hx.export(model, tmp_path / "llama256.onnx", batch=BATCH, seq_len=SEQ)
+    front = front_end(path, mask="dense", batch=BATCH, seq_len=SEQ, target="cuda", dtype="float16", schedule=False)
+    merged = [site for site in front.template_entry["sites"] if site.get("note", "").startswith("2 linear layers")]
+    assert [site["stages"][0]["shape"]["n"] for site in merged] == [2 * 512]
+    inputs = hx.example_inputs("llama", BATCH, SEQ)
+    expected = hx.torch_outputs(model, inputs)
+    art = stof_tvm.compile(path, mask="dense", batch=BATCH, seq_len=SEQ, target="llvm", dtype="float16",
+                           templates=True)
+    assert any(site.get("note", "").startswith("2 linear layers") for site in art.manifest["templates"]["sites"])
+    out = art.load()(inputs)["last_hidden_state"]
+    kept = inputs["attention_mask"].astype(bool)
+    assert np.isfinite(out).all()
+    assert np.linalg.norm(out[kept] - expected[kept]) / np.linalg.norm(expected[kept]) < 5e-3

@@ -16,7 +16,7 @@ import tvm
 from tvm import relax
 
 from .attention_match import resolve, static_shape
-from .linear_match import TEMPLATE_DTYPES
+from .linear_match import TEMPLATE_DTYPES, fixed_weights, is_weight
 from .rmsnorm_match import RMSNORM
 
 KINDS = ("attention", "qkv", "linear", "layernorm", "rmsnorm", "gelu", "relu")
@@ -28,14 +28,6 @@ def _op(value) -> str | None:
     if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
         return value.op.name
     return None
-
-
-def _is_weight(expr, var2val, weights) -> bool:
-    """A parameter that is a weight, or a constant, possibly cast (mixed precision) or transposed."""
-    value = resolve(expr, var2val)
-    while _op(value) in ("relax.astype", "relax.permute_dims"):
-        value = resolve(value.args[0], var2val)
-    return isinstance(value, tvm.ir.expr.Constant) or (isinstance(value, relax.Var) and value in weights)
 
 
 def _linear_reason(value, var2val) -> str:
@@ -67,8 +59,7 @@ def _layernorm_reason(value) -> str:
 def census(func: relax.Function) -> dict[str, list]:
     """``{kind: [bound value, ...]}`` of every operator of ``func`` that :data:`KINDS` counts."""
     var2val = relax.analysis.get_var2val(func)
-    num_input = int(func.attrs["num_input"]) if func.attrs is not None and "num_input" in func.attrs else 0
-    weights = set(func.params[num_input:])
+    weights = fixed_weights(func)
     found: dict[str, list] = {kind: [] for kind in KINDS}
     for block in func.body.blocks:
         for binding in block.bindings:
@@ -80,8 +71,8 @@ def census(func: relax.Function) -> dict[str, list]:
                 shape = static_shape(value)
                 if shape is not None and len(shape) == 4 and int(value.attrs.axis) in (-1, 3):
                     found["attention"].append(value)
-            elif name == "relax.matmul" and _is_weight(value.args[1], var2val, weights) \
-                    and not _is_weight(value.args[0], var2val, weights):
+            elif name == "relax.matmul" and is_weight(value.args[1], var2val, weights) \
+                    and not is_weight(value.args[0], var2val, weights):
                 found["linear"].append(value)
             elif name == "relax.multiply" and RMSNORM.extract_matched_expr(value, var2val) is not None:
                 found["rmsnorm"].append(value)

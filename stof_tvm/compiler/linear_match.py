@@ -15,7 +15,7 @@ from tvm.relax.dpl import is_const, is_op, wildcard
 
 from ..schedules.templates.gemm_wgmma import space_rows, split_k_blocks
 from ..schedules.templates.wgmma_kernel import BLOCK_N_CHOICES as WGMMA_WIDTHS
-from .attention_match import static_shape
+from .attention_match import resolve, static_shape
 
 TEMPLATE_DTYPES = ("float16", "bfloat16")
 # the wgmma kernels' tile granularity (n: the narrowest width, the others in WGMMA_WIDTHS); rows need none: a partial
@@ -70,6 +70,22 @@ LINEAR_X, LINEAR_W, LINEAR_BIAS = wildcard(), wildcard(), is_const()
 MATMUL = is_op("relax.astype")(is_op("relax.matmul")(LINEAR_X, LINEAR_W))      # a linear without bias (T5)
 LINEAR = is_op("relax.add")(MATMUL, LINEAR_BIAS) | is_op("relax.add")(LINEAR_BIAS, MATMUL)
 ANY_LINEAR = LINEAR | MATMUL                                           # the biased form first: it binds LINEAR_BIAS
+
+
+def fixed_weights(func: relax.Function) -> set:
+    """``func``'s weight parameters: those after its ``num_input`` model inputs (large initializers are imported as
+    parameters, :func:`.onnx_import.split_weights`, the rest folded into constants)."""
+    num_input = int(func.attrs["num_input"]) if func.attrs is not None and "num_input" in func.attrs else 0
+    return set(func.params[num_input:])
+
+
+def is_weight(expr, var2val, weights: set) -> bool:
+    """Whether ``expr`` is a weight: a parameter of ``weights`` or a constant, possibly cast (mixed precision) or
+    transposed, so that whatever a rewrite computes from it alone is lifted into the weight transform."""
+    value = resolve(expr, var2val)
+    while is_call(value, "relax.astype") or is_call(value, "relax.permute_dims"):
+        value = resolve(value.args[0], var2val)
+    return isinstance(value, Constant) or (isinstance(value, relax.Var) and value in weights)
 
 
 def transposed(w: relax.Expr) -> relax.Expr:

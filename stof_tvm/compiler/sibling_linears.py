@@ -2,20 +2,21 @@
 Mistral and Gemma's SwiGLU / GeGLU: ``act(x W_gate) * (x W_up)``).
 
 Run after the chains that fuse a linear layer with what follows it (QKV into heads, GELU / ReLU epilogues, residual
-+ LayerNorm): the linears left are plain ones. Two or more of them on one input, with constant weights of the same
-``K``, become one GEMM template call on the weights concatenated along ``N`` (and the biases, zeros for a layer
-without one, where any has one); each layer's value becomes a ``strided_slice`` of its columns, which TVM fuses
++ LayerNorm): the linears left are plain ones. Two or more of them on one input, with weights of the same ``K``
+(constants, or the parameters a real-size model's weights are), become one GEMM template call on the weights
+concatenated along ``N`` (a weight-only concatenation, lifted into the weight transform; the biases too, zeros for
+a layer without one, where any has one); each layer's value becomes a ``strided_slice`` of its columns, which TVM fuses
 into the elementwise kernel that reads it. Exact: each output column is the same dot product. One launch fewer
 per layer, and a GEMM twice as wide fills more of the GPU at small row counts.
 """
 from __future__ import annotations
 
 import numpy as np
+import tvm_ffi
 from tvm import relax
-from tvm.ir.expr import Constant
 
 from .linear_match import (ANY_LINEAR, LINEAR_W, LINEAR_X, WGMMA_TILES, concat_weights, concatenated_linear,
-                           linear_dims, wgmma_misfit, zero_bias)
+                           fixed_weights, is_weight, linear_dims, wgmma_misfit, zero_bias)
 
 
 class _Sibling:
@@ -30,27 +31,39 @@ class _Sibling:
 
 
 def _find_siblings(func: relax.Function) -> list[list[_Sibling]]:
-    """Groups of two or more plain linear layers (constant weights) that read one input, in program order."""
+    """Groups of two or more plain linear layers (weights: constants, or parameters as a real-size model's are,
+    possibly cast) that read one input, in program order. One input: the same variable, or bindings of the same
+    value (a float16 compile casts the RMSNorm's output once for each reader: HF Llama's gate and up)."""
     var2val = relax.analysis.get_var2val(func)
+    weights = fixed_weights(func)
     groups: list[tuple] = []
     bound = {}
     for block in func.body.blocks:
         for binding in block.bindings:
             bound[binding.value] = binding.var
             matches = ANY_LINEAR.extract_matched_expr(binding.value, var2val)
-            if matches is None or not isinstance(matches[LINEAR_W], Constant):
+            if matches is None or not is_weight(matches[LINEAR_W], var2val, weights):
                 continue
             dims = linear_dims(matches, str(binding.value.ty.dtype))
             if dims is None:
                 continue
             x = bound.get(matches[LINEAR_X], matches[LINEAR_X])
             key = (dims[0], dims[3], dims[4])          # x shape, k, dtype
-            group = next((g for g in groups if g[0].same_as(x) and g[1] == key), None)
+            group = next((g for g in groups if g[1] == key and _same_input(g[0], x, var2val)), None)
             if group is None:
                 groups.append((x, key, []))
                 group = groups[-1]
             group[2].append(_Sibling(binding.var, matches, dims))
     return [members for _, _, members in groups if len(members) >= 2]
+
+
+def _same_input(a, b, var2val) -> bool:
+    """Whether ``a`` and ``b`` hold the same tensor: one variable, or variables bound to structurally equal values
+    (calls on the same variables)."""
+    if a.same_as(b):
+        return True
+    va, vb = var2val.get(a, a), var2val.get(b, b)
+    return isinstance(va, relax.Call) and tvm_ffi.structural_equal(va, vb)
 
 
 def merge_sibling_linears(t, func: relax.Function) -> relax.Function:
@@ -74,7 +87,8 @@ def merge_sibling_linears(t, func: relax.Function) -> relax.Function:
 
         def _emit(self, group: list[_Sibling]):
             x_shape, _, _, _, dtype = group[0].dims
-            weight, bias = concatenated_linear([member.matches for member in group], dtype, bias_needed=False)
+            weight, bias = concatenated_linear([member.matches for member in group], dtype, self.visit_expr,
+                                               bias_needed=False)
             parts = emit_one_gemm(t, self.builder_, self.visit_expr(group[0].matches[LINEAR_X]), x_shape, weight,
                                   bias, [member.n for member in group], dtype, "linear",
                                   f"{len(group)} linear layers on one input as one GEMM")
