@@ -64,6 +64,9 @@ Plan ``s37gqa`` (:func:`plan_s37gqa`, 12 cases, 8 modules, 1.7 MB, built in ~15 
 H32 over 8 key/value heads, D128, against the same problem on repeated K and V and the ``enable_gqa`` baselines):
 ``build --plan s37gqa --out out/s37gqa``, then on the GPU machine ``run --out out/s37gqa --json $OUT/s37gqa.json
 --budget 120`` (carry .devkit/runtime.tar.xz, .devkit/bootstrap.sh, out/s37gqa); its table comes last.
+
+Plan ``s38kinds`` (:func:`plan_s38kinds`, 16 cases, 11 modules, 2.2 MB): s36kinds' block-wise against wgmma question
+at head dims 64 and 128 (the document mask of issue 16 among them), ``run ... --budget 90``.
 """
 from __future__ import annotations
 
@@ -1474,10 +1477,22 @@ def plan_s36kinds() -> list[dict]:
     """Per head dim 32, 80, 96, 256 and mask of :data:`S36_KIND_MASKS`: the analytical model's best block-wise form
     and its best wgmma form, interleaved round by round, without baselines (kind against kind is the question);
     every timed output is checked against float32 after timing."""
+    return _kind_against_kind((32, 80, 96, 256))
+
+
+def plan_s38kinds() -> list[dict]:
+    """:func:`plan_s36kinds` at the head dims the model was calibrated on, 64 and 128: whether the masks between
+    sparse and causal (the document mask of issue 16 above all, 1.82x FlexAttention on the block-wise pick) run
+    faster on wgmma there too, as they did at 80 and 96."""
+    return _kind_against_kind((64, 128))
+
+
+def _kind_against_kind(head_dims) -> list[dict]:
+    """The cases of :func:`plan_s36kinds` at ``head_dims``."""
     from stof_tvm.cost_model import AttentionProblem, MaskProfile, attention_candidates, rank_attention
 
     cases = []
-    for head_dim in (32, 80, 96, 256):
+    for head_dim in head_dims:
         batch, heads, seq = HEAD_DIM_SHAPES.get(head_dim, HEAD_DIM_SHAPE)
         for recipe in S36_KIND_MASKS:
             problem = AttentionProblem(batch=batch, heads=heads, head_dim=head_dim, dtype="float16",
@@ -1538,7 +1553,7 @@ PLANS = {"check": plan_check, "tune": plan_tune, "grid": plan_grid, "pick": plan
          "s19gate": plan_s19gate, "s25short": plan_s25short, "s29short": plan_s29short,
          "s30regs": plan_s30regs, "s32prof": plan_s32prof, "s32wait": plan_s32wait,
          "s35goals": plan_s35goals, "s36wide": plan_s36wide, "s36dims": plan_s36dims,
-         "s36kinds": plan_s36kinds, "s37gqa": plan_s37gqa}
+         "s36kinds": plan_s36kinds, "s37gqa": plan_s37gqa, "s38kinds": plan_s38kinds}
 SYMBOLS = {"block": "blockwise_attention", "row": "rowwise_attention", "wgmma": "wgmma_attention"}
 
 
