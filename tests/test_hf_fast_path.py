@@ -301,3 +301,30 @@ def test_gate_and_up_weights_imported_as_parameters_still_make_one_gemm(tmp_path
     kept = inputs["attention_mask"].astype(bool)
     assert np.isfinite(out).all()
     assert np.linalg.norm(out[kept] - expected[kept]) / np.linalg.norm(expected[kept]) < 5e-3
+
+
+@pytest.mark.parametrize("form", [("bert", "sdpa", "torchscript", 17), ("gpt2", "eager", "torchscript", 17),
+                                  ("t5", "eager", "torchscript", 17), ("deberta", "eager", "torchscript", 17),
+                                  ("llama", "eager", "dynamo", 18), ("qwen2", "sdpa", "torchscript", 17)],
+                         ids=_form_id)
+def test_weights_imported_as_parameters_take_the_same_templates_as_constants(hf_export, form, monkeypatch):
+    """A real-size model's weights are parameters (initializers of 64K elements or more), a tiny model's constants:
+    every rewrite must take both, or the tiny corpus hides what real models miss (it hid that gate and up stayed two
+    GEMMs). With the threshold at 4K elements the tiny models' weight matrices become parameters (biases, gammas and
+    tables stay constants, as at real size); the template calls and the coverage must not change."""
+    from stof_tvm.compiler import onnx_shapes
+
+    family, attn, exporter, opset = form
+    path = hf_export(family, attn, exporter, opset, False, BATCH, SEQ)
+
+    def templates_and_coverage():
+        front = front_end(path, mask="bigbird", batch=BATCH, seq_len=SEQ, target="cuda", dtype="float16",
+                          schedule=False)
+        params = len(front.mod["main"].params) - int(front.mod["main"].attrs["num_input"])
+        return dict(front.template_entry["calls"]), front.coverage, params
+
+    calls, coverage, constant_params = templates_and_coverage()
+    monkeypatch.setattr(onnx_shapes, "WEIGHT_MIN_ELEMENTS", 4096)
+    as_parameters = templates_and_coverage()
+    assert as_parameters[2] > constant_params          # the weight matrices did become parameters
+    assert as_parameters[:2] == (calls, coverage)

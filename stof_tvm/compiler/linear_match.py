@@ -80,10 +80,11 @@ def fixed_weights(func: relax.Function) -> set:
 
 
 def is_weight(expr, var2val, weights: set) -> bool:
-    """Whether ``expr`` is a weight: a parameter of ``weights`` or a constant, possibly cast (mixed precision) or
-    transposed, so that whatever a rewrite computes from it alone is lifted into the weight transform."""
+    """Whether ``expr`` is a weight: a parameter of ``weights`` or a constant, possibly cast (mixed precision),
+    transposed or reshaped (a patch embedding's convolution kernel as a linear weight), so that whatever a rewrite
+    computes from it alone is lifted into the weight transform."""
     value = resolve(expr, var2val)
-    while is_call(value, "relax.astype") or is_call(value, "relax.permute_dims"):
+    while any(is_call(value, op) for op in ("relax.astype", "relax.permute_dims", "relax.reshape")):
         value = resolve(value.args[0], var2val)
     return isinstance(value, Constant) or (isinstance(value, relax.Var) and value in weights)
 
