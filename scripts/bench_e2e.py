@@ -11,7 +11,7 @@ Per model and shape (each in a child process, so a crash or a sticky CUDA error 
    pipeline on the same ONNX file, not through stof-tvm's compiler (``scripts/e2e_tvm.py``: ``from_onnx``,
    ``ToMixedPrecision``, ``tvm.compile`` with dlight's default GPU rules; dense attention);
 3. float32 references on the device (TF32 off): the model with dense SDPA, and with the sparse mask (AND the
-   model's own: GPT-2's and Llama's causality, T5's position bias) through ``scripts/e2e_torch.py``; DeBERTa, which has no
+   model's own: the decoders' causality, T5's position bias) through ``scripts/e2e_torch.py``; DeBERTa, which has no
    SDPA form, with its own attention for both (the sparse mask ANDed into the mask it applies);
 4. time (CUDA events after warm-up, median of ``--samples`` samples of back-to-back calls, cycling
    ``--input-sets`` sets of fresh random inputs; ``scripts/benchlib.py``) and check against the matching
@@ -59,7 +59,7 @@ is skipped and reported, never cut off mid-write.
 
 ViT's sequence is its patch grid: ``vit-base`` 197 tokens, ``vit-base-384`` 577; a shape's batch applies, its
 length is replaced. Models: ``scripts/e2e_models.py`` (``bert-base roberta-base bert-large gpt2 vit-base
-vit-base-384 t5-base deberta-v3-base smollm2-360m``, and ``*-tiny`` for the CPU).
+vit-base-384 t5-base deberta-v3-base smollm2-360m qwen2.5-0.5b``, and ``*-tiny`` for the CPU).
 
 On the GPU machine (the lead's calls; the devkit's README: /work/shared/device/README.md). Here, once:
 ``../shared/device/pack`` and ``.venv/bin/python scripts/ort_parts.py prepare`` (parts of 24 + 32 + 7.7 MiB in

@@ -3,7 +3,8 @@ how much work one forward pass is (for the fraction of the hardware limit).
 
 Models come from :mod:`stof_tvm.models.hf_export` (config objects, seeded random weights, no downloads). A
 name is a family at a size (``bert-base``, ``gpt2``, ``t5-base`` = the T5-base encoder, ``deberta-v3-base``,
-``smollm2-360m`` = a Llama decoder with grouped-query attention at SmolLM2-360M's published shape, ``bert-tiny`` ...);
+``smollm2-360m`` and ``qwen2.5-0.5b`` = Llama and Qwen2 decoders with grouped-query attention at SmolLM2-360M's
+and Qwen2.5-0.5B's published shapes, ``bert-tiny`` ...);
 ViT's sequence is fixed by its image: ``vit-base`` is 224x224 in 16x16 patches (197 tokens), ``vit-base-384``
 384x384 (577 tokens); a benchmark shape's batch applies to them and its length is replaced by theirs.
 """
@@ -36,16 +37,16 @@ MODELS = {spec.name: spec for spec in (
     ModelSpec("bert-large", "bert", "large"), ModelSpec("gpt2", "gpt2", "base"),
     ModelSpec("vit-base", "vit", "base"), ModelSpec("vit-base-384", "vit", "base", image_size=384),
     ModelSpec("t5-base", "t5", "base"), ModelSpec("deberta-v3-base", "deberta", "base"),
-    ModelSpec("smollm2-360m", "llama", "360m"),
+    ModelSpec("smollm2-360m", "llama", "360m"), ModelSpec("qwen2.5-0.5b", "qwen2", "500m"),
     # tiny ones (2 layers, hidden 128) for the CPU check of the whole flow
     ModelSpec("bert-tiny", "bert", "tiny"), ModelSpec("roberta-tiny", "roberta", "tiny"),
     ModelSpec("gpt2-tiny", "gpt2", "tiny"), ModelSpec("vit-tiny", "vit", "tiny"), ModelSpec("t5-tiny", "t5", "tiny"),
     ModelSpec("deberta-tiny", "deberta", "tiny"), ModelSpec("llama-tiny", "llama", "tiny"),
 )}
 GPU_MODELS = ("bert-base", "roberta-base", "bert-large", "gpt2", "vit-base", "vit-base-384", "t5-base",
-              "deberta-v3-base", "smollm2-360m")
-# families whose attention is causal: the sparse mask is ANDed with causality (GPT-2; Llama's grouped-query decoder)
-CAUSAL_FAMILIES = ("gpt2", "llama")
+              "deberta-v3-base", "smollm2-360m", "qwen2.5-0.5b")
+# families whose attention is causal: the sparse mask is ANDed with causality (GPT-2; the grouped-query decoders)
+CAUSAL_FAMILIES = ("gpt2", "llama", "qwen2")
 
 
 def spec(name: str) -> ModelSpec:

@@ -37,12 +37,13 @@ from collections import Counter
 import numpy as np
 
 # the optimizer's model_type per family (RoBERTa and ViT have BERT's encoder; GPT-2 and T5: their own fusions;
-# Llama has none of its own: ORT's Llama export scripts optimise with GPT-2's, which fuse its RMSNorms here)
-MODEL_TYPES = {"bert": "bert", "roberta": "bert", "gpt2": "gpt2", "vit": "vit", "t5": "t5", "llama": "gpt2"}
+# Llama and Qwen2 have none of their own: ORT's Llama export scripts optimise with GPT-2's, which fuse their RMSNorms)
+MODEL_TYPES = {"bert": "bert", "roberta": "bert", "gpt2": "gpt2", "vit": "vit", "t5": "t5", "llama": "gpt2",
+               "qwen2": "gpt2"}
 ATTENTION_OPS = ("Attention", "MultiHeadAttention")
-GROUPED_ATTENTION_FAMILIES = ("llama",)      # their attention would fuse as GroupQueryAttention
-RMS_NORM_FAMILIES = ("t5", "llama")          # their residual norms fuse as SkipSimplifiedLayerNormalization
-NO_GELU_FAMILIES = ("t5", "llama")           # ReLU (T5) and SwiGLU (Llama) feed-forwards
+GROUPED_ATTENTION_FAMILIES = ("llama", "qwen2")   # their attention would fuse as GroupQueryAttention
+RMS_NORM_FAMILIES = ("t5", "llama", "qwen2")       # their residual norms fuse as SkipSimplifiedLayerNormalization
+NO_GELU_FAMILIES = ("t5", "llama", "qwen2")        # ReLU (T5) and SwiGLU (Llama, Qwen2) feed-forwards
 GELU_OPS = ("BiasGelu", "FastGelu", "Gelu")
 GRAPH_LEVELS = ("ORT_ENABLE_ALL", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_BASIC", "ORT_DISABLE_ALL")
 FLOAT = 1                  # onnx TensorProto.FLOAT

@@ -7,10 +7,10 @@ the stock ``"sdpa"``):
 
 - ``stof_masked_sdpa``: scaled-dot-product attention restricted to ``keep`` (the sparse mask, [S, S] bool) AND
   the model's own masking: the padding mask transformers builds (``sdpa_mask``, boolean), causality for causal
-  modules (GPT-2, Llama), T5's relative position bias added to the scores. The float32 reference of every
+  modules (GPT-2, Llama, Qwen2), T5's relative position bias added to the scores. The float32 reference of every
   sparse-masked result;
 - ``stof_flex``: ``torch.nn.attention.flex_attention`` with a ``BlockMask`` of the same keep-mask (and causality),
-  T5's bias through a ``score_mod``, Llama's fewer key/value heads through ``enable_gqa``; no padding
+  T5's bias through a ``score_mod``, the decoders' fewer key/value heads through ``enable_gqa``; no padding
   (transformers builds no mask for it: the benchmark's inputs are unpadded, which :func:`check_unpadded` enforces).
 
 Both read the mask of the shape being run from :data:`MASKS` (set by :func:`set_mask`).

@@ -212,9 +212,10 @@ def test_benchmark_configs_use_published_init_and_hold_the_shape():
     e2e_models.check_length(tiny, e2e_models.config(tiny, "eager", 512), 512)
 
 
-def test_the_llama_row_is_smollm2_360m_and_its_size_is_llamas_only():
+def test_the_decoder_rows_are_published_shapes_and_their_sizes_their_families_only():
     """``smollm2-360m``: a Llama decoder at SmolLM2-360M's published shape (15 query heads of 64 on 5 key/value
-    heads, 362M weights), causal; the size belongs to llama alone, and llama has no other large size."""
+    heads, 362M weights); ``qwen2.5-0.5b``: Qwen2 at Qwen2.5-0.5B's (14 on 2); both causal; each size belongs to its
+    family alone."""
     pytest.importorskip("transformers")
     from stof_tvm.models import hf_export
 
@@ -224,7 +225,13 @@ def test_the_llama_row_is_smollm2_360m_and_its_size_is_llamas_only():
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.intermediate_size, cfg.vocab_size) == (960, 32, 15, 5, 2560, 49152)
     assert cfg.initializer_range == 0.02 and cfg.max_position_embeddings >= 2048 and not cfg.use_cache
-    for family, size in (("bert", "360m"), ("llama", "base"), ("llama", "large"), ("qwen2", "360m")):
+    qwen = e2e_models.spec("qwen2.5-0.5b")
+    assert qwen.family in e2e_models.CAUSAL_FAMILIES and qwen.name in e2e_models.GPU_MODELS
+    cfg = e2e_models.config(qwen, "sdpa", 2048)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.intermediate_size, cfg.vocab_size) == (896, 24, 14, 2, 4864, 151936)
+    for family, size in (("bert", "360m"), ("llama", "base"), ("llama", "large"), ("qwen2", "360m"),
+                         ("llama", "500m")):
         with pytest.raises(ValueError, match="size"):
             hf_export.make_config(family, size)
 

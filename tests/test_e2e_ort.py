@@ -24,6 +24,8 @@ def test_expected_and_missing_fusions_per_family():
     # Llama: GPT-2's fusions (RMSNorm form), grouped-query attention, a SwiGLU feed-forward (no GELU to fuse)
     assert e2e_ort.expected_fusions("llama", 32) == {("Attention", "MultiHeadAttention", "GroupQueryAttention"): 32,
                                                      ("SkipSimplifiedLayerNormalization",): 64}
+    assert e2e_ort.expected_fusions("qwen2", 24) == {("Attention", "MultiHeadAttention", "GroupQueryAttention"): 24,
+                                                     ("SkipSimplifiedLayerNormalization",): 48}
     assert e2e_ort.missing_fusions({"SkipSimplifiedLayerNormalization": 4}, "llama", 2) == [
         "Attention|MultiHeadAttention|GroupQueryAttention 0/2"]
     full = {"Attention": 12, "BiasGelu": 12, "SkipLayerNormalization": 24}

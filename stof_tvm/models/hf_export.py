@@ -30,7 +30,8 @@ positions counted from the attention mask, pre-LayerNorm) and ``llama`` (grouped
 tiny shape, 4 of 32, sharing 2 key/value heads). Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden 128, head_dim
 64), ``tiny-d32`` (the same with 4 heads of 32), ``base`` (the published base model's shape: bert-base,
 roberta-base, distilbert-base, gpt2, vit-base, t5-base encoder, bigbird-roberta-base, longformer-base,
-deberta-v3-base), ``large`` (bert-large) and ``360m`` (llama only: SmolLM2-360M's published config). Attention
+deberta-v3-base), ``large`` (bert-large), ``360m`` (llama only: SmolLM2-360M's published config) and ``500m``
+(qwen2 only: Qwen2.5-0.5B's). Attention
 ``sdpa`` exists where transformers implements it (:func:`attention_kinds`).
 
 torch and transformers are imported when a function needs them: they are test extras, not stof-tvm
@@ -50,10 +51,11 @@ FAMILIES = ("bert", "roberta", "distilbert", "gpt2", "vit", "t5", "bigbird", "bi
 # families built at the tiny size only (the decoder-only ones' published sizes are billions of weights)
 TINY_ONLY = ("bloom", "phi", "gemma", "mistral", "gptneox", "bart", "clip", "modernbert", "gemma2", "qwen2", "opt",
              "llama")
-SIZES = ("tiny", "tiny-d32", "tiny-w768", "base", "large", "360m")
-# sizes one family has only: bert-large; SmolLM2-360M's shape for llama (the grouped-query decoder the end-to-end
-# benchmark times beside the encoders: 15 query heads of 64 on 5 key/value heads, hidden 960, 32 layers)
-FAMILY_SIZES = {"large": "bert", "360m": "llama"}
+SIZES = ("tiny", "tiny-d32", "tiny-w768", "base", "large", "360m", "500m")
+# sizes one family has only: bert-large; the grouped-query decoders the end-to-end benchmark times beside the
+# encoders, at published shapes: SmolLM2-360M for llama (15 query heads of 64 on 5 key/value heads, hidden 960, 32
+# layers) and Qwen2.5-0.5B for qwen2 (14 on 2, biased Q, K and V, hidden 896, 24 layers)
+FAMILY_SIZES = {"large": "bert", "360m": "llama", "500m": "qwen2"}
 EXPORTERS = ("torchscript", "dynamo")
 ATTENTIONS = ("eager", "sdpa")
 INIT_RANGE = 0.15                # standard deviation of the random weights (published models: 0.02)
@@ -107,6 +109,8 @@ def make_config(family: str, size: str = "tiny", attn: str = "eager"):
         raise ValueError(f"attn: {family} offers {attention_kinds(family)}, got {attn!r}")
     if (family, size) == ("llama", "360m"):
         return _smollm2_360m_config(tf, attn)
+    if (family, size) == ("qwen2", "500m"):
+        return _qwen25_05b_config(tf, attn)
     hidden, layers, heads, ffn = _SHAPES[size]
     tiny = size.startswith("tiny")
     vocab = {"vocab_size": VOCAB_TINY} if tiny else {}
@@ -197,6 +201,17 @@ def _smollm2_360m_config(tf, attn: str):
                           num_attention_heads=15, num_key_value_heads=5, max_position_embeddings=8192,
                           rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, initializer_range=0.02,
                           pad_token_id=2, bos_token_id=1, eos_token_id=2, use_cache=False,
+                          attn_implementation=attn)
+
+
+def _qwen25_05b_config(tf, attn: str):
+    """Qwen2.5-0.5B's published config (hidden 896, 24 layers, 14 heads on 2 key/value heads, Q/K/V biases, SwiGLU of
+    4864, RMSNorm eps 1e-6, rotary theta 1e6, 151936 tokens, embeddings tied), ``initializer_range`` 0.02: 494M
+    weights, a 1.98 GB float32 export, under protobuf's 2 GiB."""
+    return tf.Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                          rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False,
+                          initializer_range=0.02, pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False,
                           attn_implementation=attn)
 
 
