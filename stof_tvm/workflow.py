@@ -131,7 +131,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
             dependent_launch: bool | None = None, tune_trials: int = 0, database: str | None = None, top_k: int = 8,
             time_budget_s: float | None = None, rpc_tracker: str | None = None, rpc_key: str | None = None,
             progress=None, lean_padding: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False,
-            attention_knobs: dict | None = None, narrow_bias: bool = True, fuse_relative_bias: bool = True):
+            attention_knobs: dict | None = None, narrow_bias: bool = True, fuse_relative_bias: bool = True,
+            gated_epilogue: bool = False):
     """:func:`stof_tvm.compiler.compile` (same arguments, see there), tuning first when ``tune_trials`` > 0.
 
     ``tune_trials``: at most this many measurements per task, for every call the compile makes (stage 1 keeps
@@ -155,7 +156,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
                                     dependent_launch=dependent_launch, database=database, progress=progress,
                                     lean_padding=lean_padding, gemm_knobs=gemm_knobs, norm_fusion=norm_fusion,
                                     attention_knobs=attention_knobs, narrow_bias=narrow_bias,
-                                    fuse_relative_bias=fuse_relative_bias)
+                                    fuse_relative_bias=fuse_relative_bias, gated_epilogue=gated_epilogue)
     if tuned is not None:
         artifact.manifest["tuning"]["tuned"] = tuned
     return artifact

@@ -55,7 +55,7 @@ an H200 run of ``scripts/check_wgmma_gpu.py``).
 Builds must use :data:`.build.BUILD_CONFIG` (``tirx.use_async_copy``): :func:`.build.build`,
 :func:`.build.ms_builder` for MetaSchedule, or a PassContext with it around other compiles.
 """
-from . import ffn_wgmma, gemm, gemm_layernorm, gemm_wgmma, layernorm, qkv, rmsnorm  # noqa: F401  (registers them)
+from . import ffn_wgmma, gated_gemm, gemm, gemm_layernorm, gemm_wgmma, layernorm, qkv, rmsnorm  # noqa: F401
 from .build import BUILD_CONFIG, cuda_source, cuda_target, ms_builder
 from .chains import CHAINS, chain_stages
 from .registry import H200, TEMPLATES, Hardware, Template, get_template, register, template_of

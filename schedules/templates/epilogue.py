@@ -7,6 +7,9 @@ import numpy as np
 from tvm import tirx
 
 ACTIVATIONS = ("none", "relu", "gelu_erf", "gelu_tanh")
+# a gated linear unit's epilogue (SwiGLU: Llama, Qwen2, Mistral): the GEMM's columns interleave the gate and up
+# projections, and each pair (2j, 2j + 1) becomes output column j, silu(gate) * up (:mod:`.gated_gemm`)
+GATED_ACT = "silu_mul"
 LN_EPS = 1e-5
 
 

@@ -128,7 +128,7 @@ import tvm
 from tvm.script import tirx as T
 
 from ..tensor_maps import encode_tensor_map, matrix_map
-from .epilogue import activation, check_activation
+from .epilogue import GATED_ACT, activation, check_activation
 from .fast_gelu import (HALF_SIGN_BITS, check_fast_gelu, check_gelu_form, check_half_form, gelu_from_tail,
                         gelu_from_tanh, half_tail_words, tail_exponent, tanh_argument)
 
@@ -376,8 +376,13 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     ``batch * seq`` (rows zero-padded up to the tile: ViT's 197 tokens); the rows past it are not stored."""
     if dtype not in PTX_TYPE:
         raise ValueError(f"dtype must be one of {sorted(PTX_TYPE)}, got {dtype!r}")
-    check_activation(act)
+    GATED = act == GATED_ACT
+    if not GATED:
+        check_activation(act)
     config.validate()
+    if GATED and (heads is not None or norm_eps is not None or config.staged or config.split_k > 1):
+        raise ValueError(f"act={GATED_ACT!r} (gate and up columns interleaved, out[:, j] = silu(col 2j) * col 2j+1) "
+                         "stores from the accumulators: heads, norm_eps, staged and split_k > 1 do not apply")
     if config.fast_gelu:
         check_fast_gelu(act)
     if config.gelu_form == "half":
@@ -447,7 +452,7 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             raise ValueError(f"staged=True stores 8 columns at once: head_dim must be a multiple of 8, got {HD}")
         OUT_SHAPE = (3, HB, HH, HS, HD)
     else:
-        OUT_SHAPE = (m, n)
+        OUT_SHAPE = (m, n // 2) if GATED else (m, n)
     REAL_ROWS = m if heads is None else heads[0] * heads[1]
     PADDED = REAL_ROWS != row_tiles(m, TM) * TM    # rows past m or batch * seq: computed, never stored
     # ``acc + (-0.0)`` (exact for every value) as a *volatile* asm per accumulator after the final
@@ -501,6 +506,25 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
     def store_head(x, out, bias_buf, row, col):
         """The QKV projection's store of one output element (row, col) at its [3, B, H, S, D] place."""
         out[col // (HH * HD), row // HS, col % (HH * HD) // HD, row % HS, col % HD] = epilogue(x, col, bias_buf)
+
+    def gated(i, col, bias_buf, acc):
+        """``act="silu_mul"``: the output of the thread's column pair (``col`` even: a gate column, then its up
+        column) in float32, ``silu(gate) * up``."""
+        gate = biased(acc[i], col, bias_buf)
+        return gate / (T.float32(1) + T.exp(-gate)) * biased(acc[i + 1], col + 1, bias_buf)
+
+    @T.macro
+    def store_gated(acc, out, bias_buf, row0, col0, lane, first):
+        """``act="silu_mul"``: one output per accumulator pair, at column ``col // 2``."""
+        for j in T.unroll(BN // 8):
+            for h in T.unroll(2):
+                col: T.let = col0 + j * 8 + (lane % 4) * 2
+                row: T.let = row0 + lane // 4 + 8 * h
+                if PADDED:
+                    if row < REAL_ROWS:
+                        out[row, col // 2] = T.Cast(DT, gated(first + j * 4 + h * 2, col, bias_buf, acc))
+                else:
+                    out[row, col // 2] = T.Cast(DT, gated(first + j * 4 + h * 2, col, bias_buf, acc))
 
     @T.macro
     def store(acc, out, bias_buf, row0, col0, lane, first):
@@ -607,6 +631,8 @@ def wgmma_gemm_primfunc(m: int, n: int, k: int, dtype: str, *, bias: bool, act: 
             if config.staged:
                 store_staged(acc, out, bias_buf, row0 + q * 64 + (wt // 32) * 16, col0, wt % 32, q * NACC,
                              base + T.Cast("uint32", STAGING_OFF + warp * STAGED_WARP_BYTES), words)
+            elif GATED:
+                store_gated(acc, out, bias_buf, row0 + q * 64 + (wt // 32) * 16, col0, wt % 32, q * NACC)
             else:
                 store(acc, out, bias_buf, row0 + q * 64 + (wt // 32) * 16, col0, wt % 32, q * NACC)
 

@@ -196,7 +196,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
               database: str | None = None, schedule: bool = True, lean_padding: bool = True,
               gemm_knobs: dict | None = None, norm_fusion: bool = False,
               attention_knobs: dict | None = None, narrow_bias: bool = True,
-              fuse_relative_bias: bool = True) -> FrontEnd:
+              fuse_relative_bias: bool = True, gated_epilogue: bool = False) -> FrontEnd:
     """Steps 1-5 of :func:`compile` (same arguments): import, attention kernel choice and rewrite, templates.
 
     ``schedule=False`` leaves the template PrimFuncs unscheduled (the tuner only reads which calls are made)."""
@@ -257,7 +257,8 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
         template_entry = {}
         if templates:
             mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule,
-                                                gemm_knobs=gemm_knobs, norm_fusion=norm_fusion)
+                                                gemm_knobs=gemm_knobs, norm_fusion=norm_fusion,
+                                                gated_epilogue=gated_epilogue)
             mod["main"] = relax.analysis.remove_all_unused(mod["main"])
         around = ("the layers around it on stof-tvm's fusion templates" if templates
                   else "without stof-tvm's sparse attention kernels or fusion templates")
@@ -322,7 +323,7 @@ def front_end(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: st
     template_entry = {}
     if templates:
         mod, template_entry = use_templates(mod, tvm_target, database, gemm, schedule=schedule, gemm_knobs=gemm_knobs,
-                                            norm_fusion=norm_fusion)
+                                            norm_fusion=norm_fusion, gated_epilogue=gated_epilogue)
     mod["main"] = relax.analysis.remove_all_unused(fold_permute_pairs(mod["main"]))  # transposes around attention
     report = coverage(canonical, mod["main"], attention_kernel=choice.kind, attention_sites=len(sites),
                       attention_reason=f"dense kernel: {choice.reason}",
@@ -387,7 +388,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
             kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", cuda_graph: bool = False,
             dependent_launch: bool | None = None, database: str | None = None, progress=None,
             lean_padding: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False,
-            attention_knobs: dict | None = None, narrow_bias: bool = True, fuse_relative_bias: bool = True):
+            attention_knobs: dict | None = None, narrow_bias: bool = True, fuse_relative_bias: bool = True,
+            gated_epilogue: bool = False):
     """Compile an ONNX transformer for a sparse attention ``mask``; return an :class:`Artifact`.
 
     ``model``: path or ``onnx.ModelProto``. ``mask``: any form :func:`stof_tvm.make_mask` /
@@ -441,6 +443,9 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     visits (:mod:`.relative_bias_match`; checked against float32 at DeBERTa-v3-base's shapes and timed by
     ``scripts/check_relative_bias_gpu.py`` and ``scripts/bench_e2e.py``, BENCHMARKS.md session 31); ``False`` keeps
     the graph's product and gather kernels.
+    ``gated_epilogue`` (default off): under ``gemm="wgmma"``, a gated MLP's gate and up projections and their
+    ``silu(gate) * up`` run as one GEMM whose epilogue writes the product (:mod:`.gated_units`; HF Llama, Qwen2,
+    Mistral). Off until an H100 / H200 run of ``scripts/check_wgmma_gpu.py --suite gated`` has checked its kernel.
     """
     from stof_tvm.artifact import Artifact
     from stof_tvm.records import open_database, record_usage
@@ -450,7 +455,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
     if cuda_graph not in (False, True):
         raise TypeError(f"cuda_graph: expected a bool, got {cuda_graph!r}")
     for name, flag in (("lean_padding", lean_padding), ("norm_fusion", norm_fusion), ("narrow_bias", narrow_bias),
-                       ("fuse_relative_bias", fuse_relative_bias)):
+                       ("fuse_relative_bias", fuse_relative_bias), ("gated_epilogue", gated_epilogue)):
         if flag not in (False, True):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
     for name, knobs in (("gemm_knobs", gemm_knobs), ("attention_knobs", attention_knobs)):
@@ -468,7 +473,7 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
                           kernel=kernel, templates=templates, gemm=gemm, database=database,
                           lean_padding=lean_padding, gemm_knobs=gemm_knobs, norm_fusion=norm_fusion,
                           attention_knobs=attention_knobs, narrow_bias=narrow_bias,
-                          fuse_relative_bias=fuse_relative_bias)
+                          fuse_relative_bias=fuse_relative_bias, gated_epilogue=gated_epilogue)
         tspec, choice = front.tspec, front.choice
         report(f"building for {tspec['kind']}{' ' + tspec['arch'] if 'arch' in tspec else ''} "
                f"(attention kernel {choice.kind if choice else 'none: ' + front.fallback}, "

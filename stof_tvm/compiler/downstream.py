@@ -112,9 +112,11 @@ class _Templates:
     """Adds one PrimFunc per (template, shape, options) to the module and records every site."""
 
     def __init__(self, mod: tvm.IRModule, target: tvm.target.Target, database: str | None, gemm: str,
-                 schedule: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False):
+                 schedule: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False,
+                 gated_epilogue: bool = False):
         self.mod = mod
         self.norm_fusion = norm_fusion
+        self.gated_epilogue = gated_epilogue
         self.gemm_knobs = dict(gemm_knobs or {})
         self.target = target
         self.cuda = target.kind.name == "cuda"
@@ -460,18 +462,19 @@ def _simplify(func: relax.Function) -> relax.Function:
 
 
 def use_templates(mod: tvm.IRModule, target: tvm.target.Target, database: str | None = None, gemm: str = "mma",
-                  schedule: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False
-                  ) -> tuple[tvm.IRModule, dict]:
+                  schedule: bool = True, gemm_knobs: dict | None = None, norm_fusion: bool = False,
+                  gated_epilogue: bool = False) -> tuple[tvm.IRModule, dict]:
     """Rewrite ``main``'s downstream chains into template calls; returns the module and the manifest entry
     ``{"gemm", "calls": {template: count}, "sites": [...], "notes": [...]}``. Each site's stages name the
     template, shape, dtype (and ``eps`` where it is not the default) of one call: what the tuner plans.
     ``schedule=False``: leave every PrimFunc unscheduled (for planning only; the module is not for building).
     ``gemm_knobs``: knobs merged into every wgmma GEMM's chosen set (to measure a knob across a model).
     ``norm_fusion``: offer the wgmma GEMM + bias + residual + LayerNorm templates (default ``False``: the unfused
-    pair, measured faster)."""
+    pair, measured faster). ``gated_epilogue``: a gated MLP's gate, up and SiLU product as one wgmma GEMM
+    (:mod:`.gated_units`; default ``False``)."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm: expected one of {GEMMS}, got {gemm!r}")
-    t = _Templates(mod, target, database, gemm, schedule, gemm_knobs, norm_fusion)
+    t = _Templates(mod, target, database, gemm, schedule, gemm_knobs, norm_fusion, gated_epilogue)
     func = mod["main"]
     var2val = relax.analysis.get_var2val(func)
 

@@ -15,8 +15,9 @@ import numpy as np
 import tvm_ffi
 from tvm import relax
 
+from .gated_units import emit_gated, find_gated_unit, fits
 from .linear_match import (ANY_LINEAR, LINEAR_W, LINEAR_X, WGMMA_TILES, concat_weights, concatenated_linear,
-                           fixed_weights, is_weight, linear_dims, wgmma_misfit, zero_bias)
+                           fixed_weights, is_weight, linear_dims, users_of, wgmma_misfit, zero_bias)
 
 
 class _Sibling:
@@ -57,6 +58,21 @@ def _find_siblings(func: relax.Function) -> list[list[_Sibling]]:
     return [members for _, _, members in groups if len(members) >= 2]
 
 
+def _gated_units(t, func: relax.Function, groups: list[list[_Sibling]]) -> dict:
+    """The groups (by their first linear's variable) that become one gated GEMM (:mod:`.gated_units`): under
+    ``gemm="wgmma"`` with the compile option ``gated_epilogue``, where the template fits."""
+    if not (t.gated_epilogue and t.gemm == "wgmma"):
+        return {}
+    users = users_of(func)
+    units = {}
+    for group in groups:
+        _, m, n, k, _ = group[0].dims
+        unit = find_gated_unit(group, users)
+        if unit is not None and len({member.n for member in group}) == 1 and fits(m, n, k):
+            units[group[0].var] = unit
+    return units
+
+
 def _same_input(a, b, var2val) -> bool:
     """Whether ``a`` and ``b`` hold the same tensor: one variable, or variables bound to structurally equal values
     (calls on the same variables)."""
@@ -73,6 +89,8 @@ def merge_sibling_linears(t, func: relax.Function) -> relax.Function:
     if not groups:
         return func
     first = {group[0].var: group for group in groups}
+    units = _gated_units(t, func, groups)
+    dropped = {var for unit in units.values() for var in unit.dropped}
     replace: dict = {}
 
     @relax.expr_functor.mutator
@@ -83,10 +101,16 @@ def merge_sibling_linears(t, func: relax.Function) -> relax.Function:
             if binding.var in replace:
                 self.set_var_remap(binding.var, replace[binding.var])
                 return
-            super().visit_var_binding_(binding)
+            if binding.var not in dropped:
+                super().visit_var_binding_(binding)
 
         def _emit(self, group: list[_Sibling]):
             x_shape, _, _, _, dtype = group[0].dims
+            unit = units.get(group[0].var)
+            if unit is not None:
+                x = self.visit_expr(group[0].matches[LINEAR_X])
+                replace[unit.product] = emit_gated(t, self.builder_, unit, x, x_shape, dtype, self.visit_expr)
+                return
             weight, bias = concatenated_linear([member.matches for member in group], dtype, self.visit_expr,
                                                bias_needed=False)
             parts = emit_one_gemm(t, self.builder_, self.visit_expr(group[0].matches[LINEAR_X]), x_shape, weight,
