@@ -61,6 +61,16 @@ as ``--reps`` back-to-back calls per CUDA-event sample::
     run(command="source .devkit/bootstrap.sh && python3 -m pip install -q --no-deps --no-build-isolation "
                 "--no-index -e . && python3 scripts/check_wgmma_gpu.py run --suite norm",
         carry=[".devkit/runtime.tar.xz", ".devkit/bootstrap.sh", "out/norm_wgmma"], timeout_s=420)
+
+``--suite gated`` (both steps; artifacts in ``out/gated_wgmma``): the gated MLP GEMM ``silu(A Wg^T) * (A Wu^T)``
+(``gemm_silu_mul_wgmma``, the compile option ``gated_epilogue``) in its first knob sets against float32 torch, and
+timed beside the form the compile path runs without it (our wgmma GEMM on the concatenated weight, then the product)
+and eager torch; SmolLM2-360M's and Qwen2.5-0.5B's shapes::
+
+    .venv/bin/python scripts/check_wgmma_gpu.py build --suite gated
+    run(command="source .devkit/bootstrap.sh && python3 -m pip install -q --no-deps --no-build-isolation "
+                "--no-index -e . && python3 scripts/check_wgmma_gpu.py run --suite gated --iters 30",
+        carry=[".devkit/runtime.tar.xz", ".devkit/bootstrap.sh", "out/gated_wgmma"], timeout_s=300)
 """
 from __future__ import annotations
 
@@ -75,7 +85,8 @@ import benchlib as bl  # noqa: E402  (timing, hang guard, CUDA graphs, cubin key
 from benchlib import source_key  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-OUTS = {"gemm": ROOT / "out" / "wgmma", "ffn": ROOT / "out" / "ffn_wgmma", "norm": ROOT / "out" / "norm_wgmma"}
+OUTS = {"gemm": ROOT / "out" / "wgmma", "ffn": ROOT / "out" / "ffn_wgmma", "norm": ROOT / "out" / "norm_wgmma",
+        "gated": ROOT / "out" / "gated_wgmma"}
 OUT = OUTS["gemm"]   # the suite's artifact folder (main() sets it)
 
 # (template base name, m, n, k, dtype): base + "_wgmma" is the wgmma template, base alone the mma.sync one
@@ -113,6 +124,12 @@ NORM_CASES = [(m, 768, k, "float16") for m in (4096, 32768, 1576, 128) for k in 
 NORM_TEMPLATE = "gemm_bias_residual_layernorm_wgmma"
 NORM_WIDTHS = 2  # tile widths per case, in the space's order
 NORM_SETS = 2   # fused knob sets per tile width: the space's first two (staged, TMA, 4 and 3 stages)
+# gated MLP cases (m, n, k, dtype): SmolLM2-360M's gate and up at 4 x 2048 and 1 x 2048 tokens, Qwen2.5-0.5B's at
+# 4 x 2048, a partial last row tile (1000 rows), bfloat16
+GATED_CASES = [(8192, 2560, 960, "float16"), (2048, 2560, 960, "float16"), (8192, 4864, 896, "float16"),
+               (1000, 2560, 960, "float16"), (8192, 2560, 960, "bfloat16")]
+GATED_TEMPLATE = "gemm_silu_mul_wgmma"
+GATED_SETS = 3  # the gated template's first knob sets (the compile path's is the first)
 
 
 def median_ms(fn, iters, reps=1):
@@ -236,6 +253,33 @@ def build_norm(args) -> None:
     print(f"{len(manifest['modules'])} modules in {OUT} ({time.time() - t0:.0f} s)")
 
 
+def build_gated(args) -> None:
+    """The gated GEMM (``silu(A Wg^T) * (A Wu^T)`` on the interleaved weight) in its first knob sets, and the plain
+    wgmma GEMM on the concatenated weight that the compile path runs without it (default knobs), per case."""
+    from stof_tvm.schedules.templates import get_template
+    from stof_tvm.schedules.templates.gemm_wgmma import build_kernel
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    manifest = {"suite": "gated", "cases": [], "modules": {}}
+    t0 = time.time()
+    for m, n, k, dtype in GATED_CASES:
+        shape = {"m": m, "n": n, "k": k}
+        ckey = f"gated_{m}x{n}x{k}_{dtype}"
+        entry = {"key": ckey, "shape": shape, "dtype": dtype, "fused": []}
+        for kn in get_template(GATED_TEMPLATE).knob_space(shape, dtype)[:GATED_SETS]:
+            key = (f"{ckey}__fused_n{kn['block_n']}_s{kn['stages']}{'_p' if kn['persistent'] else ''}"
+                   f"{'_pp' if kn['pingpong'] else ''}")
+            _export(manifest, key, "wgmma", kn, build_kernel(GATED_TEMPLATE, shape, dtype, kn), "gemm_wgmma")
+            entry["fused"].append(key)
+        pair = {"m": m, "n": 2 * n, "k": k}
+        kn = get_template("gemm_wgmma").default_knobs(pair, dtype)
+        _export(manifest, f"{ckey}__gemm", "wgmma", kn, build_kernel("gemm_wgmma", pair, dtype, kn), "gemm_wgmma")
+        entry["gemm"] = f"{ckey}__gemm"
+        manifest["cases"].append(entry)
+    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    print(f"{len(manifest['modules'])} modules in {OUT} ({time.time() - t0:.0f} s)")
+
+
 def _cubin(src, path, kind, nvcc_cubin) -> dict:
     """sm_90a cubin for the wgmma kernels (nvcc_cubin), sm_90 for the mma.sync templates."""
     if kind == "wgmma":
@@ -277,10 +321,12 @@ def run(args) -> None:
             results.append(_run_ffn_case(case, manifest["modules"], torch, tvm, dev, args, results, misses))
         elif args.suite == "norm":
             results.append(_run_norm_case(case, manifest["modules"], torch, tvm, dev, args, results, misses))
+        elif args.suite == "gated":
+            results.append(_run_gated_case(case, manifest["modules"], torch, tvm, dev, args, results, misses))
         else:
             results.append(_run_case(case, manifest["modules"], torch, tvm, dev, args.iters, results, misses))
         (OUT / "results.json").write_text(json.dumps({"results": results, "cubin_misses": misses}, indent=1))
-    {"ffn": _ffn_table, "norm": _norm_table}.get(args.suite, _table)(results)
+    {"ffn": _ffn_table, "norm": _norm_table, "gated": _gated_table}.get(args.suite, _table)(results)
     print(f"cubins compiled on the GPU machine instead of prebuilt: {len(misses)}")
 
 
@@ -562,6 +608,75 @@ def _run_norm_case(case, modules, torch, tvm, dev, args, results, misses) -> dic
     return row
 
 
+def _run_gated_case(case, modules, torch, tvm, dev, args, results, misses) -> dict:
+    """The gated kernels against float32 torch, and the unfused form (our wgmma GEMM on the concatenated weight, then
+    torch's ``silu(gate) * up``) and eager torch (two ``F.linear`` calls and the product), timed alike."""
+    F = torch.nn.functional
+    m, n, k = (case["shape"][key] for key in ("m", "n", "k"))
+    dtype = case["dtype"]
+    tdt = getattr(torch, dtype)
+    gen = _case_generator(case, torch, dev)
+    a = torch.randn(m, k, device=dev, generator=gen).to(tdt)
+    w_gate, w_up = ((torch.randn(n, k, device=dev, generator=gen) * 2 / k ** 0.5).to(tdt) for _ in range(2))
+    w_pairs = torch.stack([w_gate, w_up], dim=1).reshape(2 * n, k).contiguous()    # gated_gemm.interleaved_rows
+    w_cat = torch.cat([w_gate, w_up]).contiguous()
+    ref = F.silu(a.float() @ w_gate.float().T) * (a.float() @ w_up.float().T)
+    row = {"case": case["key"], "shape": case["shape"], "dtype": dtype, "kernels": {}}
+    row["torch_ms"] = median_ms(lambda: F.silu(F.linear(a, w_gate)) * F.linear(a, w_up), args.iters, args.reps)
+    tv = lambda *ts: [tvm.runtime.from_dlpack(t) for t in ts]  # noqa: E731
+    nan = lambda *shape: torch.full(shape, float("nan"), device=dev, dtype=tdt)  # noqa: E731
+    pair_key = f"{case['key']}__unfused_pair"
+    for key, kind in [(key, "fused") for key in case["fused"]] + [(pair_key, "unfused")]:
+        print(f"{key}: launching", flush=True)
+        entry = {"kind": kind}
+        out = nan(m, n)
+        try:
+            if kind == "fused":
+                fused = tvm.runtime.load_module(str(OUT / modules[key]["library"]))["gemm_wgmma"]
+                entry.update(knobs=modules[key]["knobs"], registers=modules[key]["registers"])
+                targs = tv(a, w_pairs, out)
+                call = lambda fused=fused, targs=targs: fused(*targs)  # noqa: E731
+            else:
+                gemm = tvm.runtime.load_module(str(OUT / modules[case["gemm"]]["library"]))["gemm_wgmma"]
+                entry.update(knobs=modules[case["gemm"]]["knobs"])
+                mid = nan(m, 2 * n)
+                gemm_args = tv(a, w_cat, mid)
+
+                def call():
+                    gemm(*gemm_args)
+                    torch.mul(F.silu(mid[:, :n]), mid[:, n:], out=out)
+        except Exception as err:  # a failed load is a result to report, not a reason to stop the run
+            entry["error"] = f"load: {err}"[:300]
+            row["kernels"][key] = entry
+            continue
+        _check_and_time(torch, entry, call, out, ref, dtype, args,
+                        _hang_handler(row, key, results, misses, _gated_table))
+        row["kernels"][key] = entry
+        print(f"{key}: err {entry['rel_err']:.2e} max {entry['max_abs']:.2e} {'ok' if entry['correct'] else 'WRONG'}"
+              + (f", {entry['ms'] * 1e3:.1f} us" if entry["correct"] else ""), flush=True)
+    timed = [(e["ms"], key) for key, e in row["kernels"].items() if e["kind"] == "fused" and "ms" in e]
+    row["fused_best"] = min(timed) if timed else None
+    row["fused_first"] = row["kernels"][case["fused"][0]].get("ms")
+    row["unfused_ms"] = row["kernels"][pair_key].get("ms")
+    return row
+
+
+def _gated_table(results) -> None:
+    print(f"\n{'case':34s} {'torch us':>9s} {'pair us':>8s} {'first us':>9s} {'best us':>8s} {'pair/first':>10s} "
+          f"{'TFLOP/s':>8s}  best fused / wrong")
+    nan = float("nan")
+    for row in results:
+        best = row.get("fused_best")
+        m, n, k = (row["shape"][key] for key in ("m", "n", "k"))
+        pair, first = row.get("unfused_ms") or nan, row.get("fused_first") or nan
+        wrong = [key.split("__")[1] for key, e in row["kernels"].items() if not e.get("correct")]
+        print(f"{row['case']:34s} {row['torch_ms'] * 1e3:9.1f} {pair * 1e3:8.1f} {first * 1e3:9.1f} "
+              f"{(best[0] if best else nan) * 1e3:8.1f} {pair / first:10.2f} {4 * m * n * k / first / 1e9:8.0f}  "
+              f"{best[1].split('__')[1] if best else '-'} / {' '.join(wrong)}")
+    print("(torch = eager silu(F.linear) * F.linear; pair = our gemm_wgmma on the concatenated weight + torch's silu * "
+          "up; first = the gated template's first knob set (the compile path's); pair/first > 1: gated faster)")
+
+
 def _norm_table(results) -> None:
     print(f"\n{'case':30s} {'torch us':>9s} {'pair us':>8s} {'first us':>9s} {'best us':>8s} {'pair/best':>9s} "
           f"{'pair/first':>10s}  best fused / wrong")
@@ -595,13 +710,14 @@ def main(argv=None) -> None:
     for p in (b, r):
         p.add_argument("--suite", choices=sorted(OUTS), default="gemm",
                        help="gemm: the GEMM and QKV kernels; ffn: the fused FFN against its unfused forms; norm: the "
-                            "fused GEMM + bias + residual + LayerNorm against its unfused pair")
+                            "fused GEMM + bias + residual + LayerNorm against its unfused pair; gated: the gated "
+                            "MLP GEMM (silu(gate) * up) against the plain GEMM + the product")
         p.add_argument("--out", type=Path, default=None,
-                       help="artifact folder (default out/wgmma, out/ffn_wgmma, out/norm_wgmma by suite)")
+                       help="artifact folder (default out/wgmma, out/ffn_wgmma, out/norm_wgmma, out/gated_wgmma)")
     args = parser.parse_args(argv)
     OUT = OUTS[args.suite] if args.out is None else (args.out if args.out.is_absolute() else ROOT / args.out)
     if args.step == "build":
-        {"ffn": build_ffn, "norm": build_norm}.get(args.suite, build)(args)
+        {"ffn": build_ffn, "norm": build_norm, "gated": build_gated}.get(args.suite, build)(args)
     else:
         run(args)
 
