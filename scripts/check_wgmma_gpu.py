@@ -573,31 +573,40 @@ def _run_norm_case(case, modules, torch, tvm, dev, args, results, misses) -> dic
     row["torch_ms"] = median_ms(lambda: F.layer_norm(F.linear(a, w, bias) + residual, (n,), gamma, beta, 1e-5),
                                 args.iters, args.reps)
     tv = lambda *ts: [tvm.runtime.from_dlpack(t) for t in ts]  # noqa: E731
-    nan = lambda *shape: torch.full(shape, float("nan"), device=dev, dtype=tdt)  # noqa: E731
+
+    def make_call(key, kind, entry, out):
+        if kind == "fused":
+            fused = tvm.runtime.load_module(str(OUT / modules[key]["library"]))["gemm_wgmma"]
+            entry.update(knobs=modules[key]["knobs"], registers=modules[key]["registers"])
+            targs = tv(a, w, bias, residual, gamma, beta, out)
+            return lambda: fused(*targs)
+        gemm = tvm.runtime.load_module(str(OUT / modules[case["gemm"]]["library"]))["gemm_wgmma"]
+        norm = tvm.runtime.load_module(str(OUT / modules[case["layernorm"]]["library"]))["main"]
+        entry.update(knobs=modules[case["gemm"]]["knobs"])
+        mid = torch.full((m, n), float("nan"), device=dev, dtype=tdt)
+        gemm_args, norm_args = tv(a, w, mid), tv(mid, bias, residual, gamma, beta, out)
+        return lambda: (gemm(*gemm_args), norm(*norm_args))
+
+    return _fused_and_pair(torch, dev, case, row, make_call, (m, n), ref, args, results, misses, _norm_table)
+
+
+def _fused_and_pair(torch, dev, case, row, make_call, out_shape, ref, args, results, misses, table) -> dict:
+    """Check and time each fused module of ``case`` and its unfused pair into ``row``: ``make_call(key, kind, entry,
+    out)`` loads a module (``kind`` "fused" or "unfused"), records its knobs in ``entry`` and returns the call that
+    writes ``out`` (poisoned here). Adds ``fused_best``, ``fused_first`` and ``unfused_ms``."""
     pair_key = f"{case['key']}__unfused_pair"
     for key, kind in [(key, "fused") for key in case["fused"]] + [(pair_key, "unfused")]:
         print(f"{key}: launching", flush=True)
         entry = {"kind": kind}
-        out = nan(m, n)
+        out = torch.full(out_shape, float("nan"), device=dev, dtype=getattr(torch, case["dtype"]))
         try:
-            if kind == "fused":
-                fused = tvm.runtime.load_module(str(OUT / modules[key]["library"]))["gemm_wgmma"]
-                entry.update(knobs=modules[key]["knobs"], registers=modules[key]["registers"])
-                targs = tv(a, w, bias, residual, gamma, beta, out)
-                call = lambda fused=fused, targs=targs: fused(*targs)  # noqa: E731
-            else:
-                gemm = tvm.runtime.load_module(str(OUT / modules[case["gemm"]]["library"]))["gemm_wgmma"]
-                norm = tvm.runtime.load_module(str(OUT / modules[case["layernorm"]]["library"]))["main"]
-                entry.update(knobs=modules[case["gemm"]]["knobs"])
-                mid = nan(m, n)
-                gemm_args, norm_args = tv(a, w, mid), tv(mid, bias, residual, gamma, beta, out)
-                call = lambda: (gemm(*gemm_args), norm(*norm_args))  # noqa: E731
+            call = make_call(key, kind, entry, out)
         except Exception as err:  # a failed load is a result to report, not a reason to stop the run
             entry["error"] = f"load: {err}"[:300]
             row["kernels"][key] = entry
             continue
-        _check_and_time(torch, entry, call, out, ref, dtype, args,
-                        _hang_handler(row, key, results, misses, _norm_table))
+        _check_and_time(torch, entry, call, out, ref, case["dtype"], args,
+                        _hang_handler(row, key, results, misses, table))
         row["kernels"][key] = entry
         print(f"{key}: err {entry['rel_err']:.2e} max {entry['max_abs']:.2e} {'ok' if entry['correct'] else 'WRONG'}"
               + (f", {entry['ms'] * 1e3:.1f} us" if entry["correct"] else ""), flush=True)
@@ -624,41 +633,24 @@ def _run_gated_case(case, modules, torch, tvm, dev, args, results, misses) -> di
     row = {"case": case["key"], "shape": case["shape"], "dtype": dtype, "kernels": {}}
     row["torch_ms"] = median_ms(lambda: F.silu(F.linear(a, w_gate)) * F.linear(a, w_up), args.iters, args.reps)
     tv = lambda *ts: [tvm.runtime.from_dlpack(t) for t in ts]  # noqa: E731
-    nan = lambda *shape: torch.full(shape, float("nan"), device=dev, dtype=tdt)  # noqa: E731
-    pair_key = f"{case['key']}__unfused_pair"
-    for key, kind in [(key, "fused") for key in case["fused"]] + [(pair_key, "unfused")]:
-        print(f"{key}: launching", flush=True)
-        entry = {"kind": kind}
-        out = nan(m, n)
-        try:
-            if kind == "fused":
-                fused = tvm.runtime.load_module(str(OUT / modules[key]["library"]))["gemm_wgmma"]
-                entry.update(knobs=modules[key]["knobs"], registers=modules[key]["registers"])
-                targs = tv(a, w_pairs, out)
-                call = lambda fused=fused, targs=targs: fused(*targs)  # noqa: E731
-            else:
-                gemm = tvm.runtime.load_module(str(OUT / modules[case["gemm"]]["library"]))["gemm_wgmma"]
-                entry.update(knobs=modules[case["gemm"]]["knobs"])
-                mid = nan(m, 2 * n)
-                gemm_args = tv(a, w_cat, mid)
 
-                def call():
-                    gemm(*gemm_args)
-                    torch.mul(F.silu(mid[:, :n]), mid[:, n:], out=out)
-        except Exception as err:  # a failed load is a result to report, not a reason to stop the run
-            entry["error"] = f"load: {err}"[:300]
-            row["kernels"][key] = entry
-            continue
-        _check_and_time(torch, entry, call, out, ref, dtype, args,
-                        _hang_handler(row, key, results, misses, _gated_table))
-        row["kernels"][key] = entry
-        print(f"{key}: err {entry['rel_err']:.2e} max {entry['max_abs']:.2e} {'ok' if entry['correct'] else 'WRONG'}"
-              + (f", {entry['ms'] * 1e3:.1f} us" if entry["correct"] else ""), flush=True)
-    timed = [(e["ms"], key) for key, e in row["kernels"].items() if e["kind"] == "fused" and "ms" in e]
-    row["fused_best"] = min(timed) if timed else None
-    row["fused_first"] = row["kernels"][case["fused"][0]].get("ms")
-    row["unfused_ms"] = row["kernels"][pair_key].get("ms")
-    return row
+    def make_call(key, kind, entry, out):
+        if kind == "fused":
+            fused = tvm.runtime.load_module(str(OUT / modules[key]["library"]))["gemm_wgmma"]
+            entry.update(knobs=modules[key]["knobs"], registers=modules[key]["registers"])
+            targs = tv(a, w_pairs, out)
+            return lambda: fused(*targs)
+        gemm = tvm.runtime.load_module(str(OUT / modules[case["gemm"]]["library"]))["gemm_wgmma"]
+        entry.update(knobs=modules[case["gemm"]]["knobs"])
+        mid = torch.full((m, 2 * n), float("nan"), device=dev, dtype=tdt)
+        gemm_args = tv(a, w_cat, mid)
+
+        def call():
+            gemm(*gemm_args)
+            torch.mul(F.silu(mid[:, :n]), mid[:, n:], out=out)
+        return call
+
+    return _fused_and_pair(torch, dev, case, row, make_call, (m, n), ref, args, results, misses, _gated_table)
 
 
 def _gated_table(results) -> None:
