@@ -193,15 +193,25 @@ def _export(manifest, key, kind, knobs, ex, function) -> None:
           f"warnings {len(report['warnings'])}", flush=True)
 
 
+def _build_suite(suite: str, cases, add_case) -> None:
+    """Build a suite into OUT: ``add_case(manifest, case)`` exports one case's modules (:func:`_export`) and returns
+    its manifest entry; ``manifest.json`` lists them all."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    manifest = {"suite": suite, "cases": [], "modules": {}}
+    t0 = time.time()
+    for case in cases:
+        manifest["cases"].append(add_case(manifest, case))
+    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    print(f"{len(manifest['modules'])} modules in {OUT} ({time.time() - t0:.0f} s)")
+
+
 def build_ffn(args) -> None:
     """The fused FFN in every knob set, and the unfused wgmma pair with default knobs, per FFN case."""
     from stof_tvm.schedules.templates import get_template
     from stof_tvm.schedules.templates.gemm_wgmma import build_kernel
 
-    OUT.mkdir(parents=True, exist_ok=True)
-    manifest = {"suite": "ffn", "cases": [], "modules": {}}
-    t0 = time.time()
-    for m, h, f, dtype in FFN_CASES:
+    def add_case(manifest, case):
+        m, h, f, dtype = case
         shape = {"m": m, "hidden": h, "ffn": f}
         ckey = f"ffn_{m}x{h}x{f}_{dtype}"
         entry = {"key": ckey, "shape": shape, "dtype": dtype, "fused": []}
@@ -214,9 +224,9 @@ def build_ffn(args) -> None:
             kn = get_template(name).default_knobs(gemm, dtype)
             _export(manifest, f"{ckey}__{part}", "wgmma", kn, build_kernel(name, gemm, dtype, kn), "gemm_wgmma")
             entry[part] = f"{ckey}__{part}"
-        manifest["cases"].append(entry)
-    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    print(f"{len(manifest['modules'])} modules in {OUT} ({time.time() - t0:.0f} s)")
+        return entry
+
+    _build_suite("ffn", FFN_CASES, add_case)
 
 
 def build_norm(args) -> None:
@@ -226,10 +236,8 @@ def build_norm(args) -> None:
     from stof_tvm.schedules.templates.build import build as build_template
     from stof_tvm.schedules.templates.gemm_wgmma import build_kernel
 
-    OUT.mkdir(parents=True, exist_ok=True)
-    manifest = {"suite": "norm", "cases": [], "modules": {}}
-    t0 = time.time()
-    for m, n, k, dtype in NORM_CASES:
+    def add_case(manifest, case):
+        m, n, k, dtype = case
         shape = {"m": m, "n": n, "k": k}
         ckey = f"norm_{m}x{n}x{k}_{dtype}"
         entry = {"key": ckey, "shape": shape, "dtype": dtype, "fused": []}
@@ -240,17 +248,16 @@ def build_norm(args) -> None:
                        f"{'_tma' if kn['loads'] == 'tma' else ''}")
                 _export(manifest, key, "wgmma", kn, build_kernel(NORM_TEMPLATE, shape, dtype, kn), "gemm_wgmma")
                 entry["fused"].append(key)
-        gemm = get_template("gemm_wgmma")
-        kn = gemm.default_knobs(shape, dtype)
+        kn = get_template("gemm_wgmma").default_knobs(shape, dtype)
         _export(manifest, f"{ckey}__gemm", "wgmma", kn, build_kernel("gemm_wgmma", shape, dtype, kn), "gemm_wgmma")
         norm = get_template("bias_residual_layernorm")
         ln_shape = {"m": m, "n": n}
         _export(manifest, f"{ckey}__layernorm", "mma_sync", norm.default_knobs(ln_shape, dtype),
                 build_template(norm.schedule(ln_shape, dtype), cuda_target()), "main")
         entry.update(gemm=f"{ckey}__gemm", layernorm=f"{ckey}__layernorm")
-        manifest["cases"].append(entry)
-    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    print(f"{len(manifest['modules'])} modules in {OUT} ({time.time() - t0:.0f} s)")
+        return entry
+
+    _build_suite("norm", NORM_CASES, add_case)
 
 
 def build_gated(args) -> None:
@@ -259,10 +266,8 @@ def build_gated(args) -> None:
     from stof_tvm.schedules.templates import get_template
     from stof_tvm.schedules.templates.gemm_wgmma import build_kernel
 
-    OUT.mkdir(parents=True, exist_ok=True)
-    manifest = {"suite": "gated", "cases": [], "modules": {}}
-    t0 = time.time()
-    for m, n, k, dtype in GATED_CASES:
+    def add_case(manifest, case):
+        m, n, k, dtype = case
         shape = {"m": m, "n": n, "k": k}
         ckey = f"gated_{m}x{n}x{k}_{dtype}"
         entry = {"key": ckey, "shape": shape, "dtype": dtype, "fused": []}
@@ -275,9 +280,9 @@ def build_gated(args) -> None:
         kn = get_template("gemm_wgmma").default_knobs(pair, dtype)
         _export(manifest, f"{ckey}__gemm", "wgmma", kn, build_kernel("gemm_wgmma", pair, dtype, kn), "gemm_wgmma")
         entry["gemm"] = f"{ckey}__gemm"
-        manifest["cases"].append(entry)
-    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    print(f"{len(manifest['modules'])} modules in {OUT} ({time.time() - t0:.0f} s)")
+        return entry
+
+    _build_suite("gated", GATED_CASES, add_case)
 
 
 def _cubin(src, path, kind, nvcc_cubin) -> dict:
@@ -343,6 +348,13 @@ def _torch_epilogue(torch, base, y, bias):
     if base.endswith("gelu_tanh"):
         return torch.nn.functional.gelu(y, approximate="tanh")
     return y
+
+
+def _case_setup(case, torch, dev, keys):
+    """A case's dims (its shape's ``keys``), dtype, torch dtype and seeded generator (:func:`_case_generator`)."""
+    dtype = case["dtype"]
+    return (tuple(case["shape"][key] for key in keys), dtype, getattr(torch, dtype),
+            _case_generator(case, torch, dev))
 
 
 def _case_generator(case, torch, dev):
@@ -482,10 +494,7 @@ def _hang_handler(row, key, results, misses, table):
 
 def _run_ffn_case(case, modules, torch, tvm, dev, args, results, misses) -> dict:
     F = torch.nn.functional
-    m, h, f = (case["shape"][key] for key in ("m", "hidden", "ffn"))
-    dtype = case["dtype"]
-    tdt = getattr(torch, dtype)
-    gen = _case_generator(case, torch, dev)
+    (m, h, f), dtype, tdt, gen = _case_setup(case, torch, dev, ("m", "hidden", "ffn"))
     x = torch.randn(m, h, device=dev, generator=gen).to(tdt)
     w1 = (torch.randn(f, h, device=dev, generator=gen) / h ** 0.5).to(tdt)
     b1 = torch.randn(f, device=dev, generator=gen).to(tdt)
@@ -555,10 +564,7 @@ def _ffn_table(results) -> None:
 
 def _run_norm_case(case, modules, torch, tvm, dev, args, results, misses) -> dict:
     F = torch.nn.functional
-    m, n, k = (case["shape"][key] for key in ("m", "n", "k"))
-    dtype = case["dtype"]
-    tdt = getattr(torch, dtype)
-    gen = _case_generator(case, torch, dev)
+    (m, n, k), dtype, tdt, gen = _case_setup(case, torch, dev, ("m", "n", "k"))
     a = torch.randn(m, k, device=dev, generator=gen).to(tdt)
     w = (torch.randn(n, k, device=dev, generator=gen) / k ** 0.5).to(tdt)
     bias = torch.randn(n, device=dev, generator=gen).to(tdt)
@@ -621,10 +627,7 @@ def _run_gated_case(case, modules, torch, tvm, dev, args, results, misses) -> di
     """The gated kernels against float32 torch, and the unfused form (our wgmma GEMM on the concatenated weight, then
     torch's ``silu(gate) * up``) and eager torch (two ``F.linear`` calls and the product), timed alike."""
     F = torch.nn.functional
-    m, n, k = (case["shape"][key] for key in ("m", "n", "k"))
-    dtype = case["dtype"]
-    tdt = getattr(torch, dtype)
-    gen = _case_generator(case, torch, dev)
+    (m, n, k), dtype, tdt, gen = _case_setup(case, torch, dev, ("m", "n", "k"))
     a = torch.randn(m, k, device=dev, generator=gen).to(tdt)
     w_gate, w_up = ((torch.randn(n, k, device=dev, generator=gen) * 2 / k ** 0.5).to(tdt) for _ in range(2))
     w_pairs = torch.stack([w_gate, w_up], dim=1).reshape(2 * n, k).contiguous()    # gated_gemm.interleaved_rows
