@@ -81,7 +81,7 @@ def census_row(onnx_path: Path, batch: int, length: int, args) -> dict:
 
     start = time.time()
     front = front_end(str(onnx_path), mask=args.mask, batch=batch, seq_len=length, target=args.target,
-                      dtype=args.dtype, gemm=args.gemm)
+                      dtype=args.dtype, gemm=args.gemm, **args.options)
     optimized, executable = lower(front, None, args.cuda_graph)
     compile_s = time.time() - start
     grids = kernel_grids(optimized)
@@ -131,6 +131,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float16")
     p.add_argument("--gemm", default="auto")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false")
+    p.add_argument("--options", type=json.loads, default={}, metavar="JSON",
+                   help='front-end compile options, e.g. \'{"gated_epilogue": true}\'')
     p.add_argument("--onnx-dir", type=Path, default=ROOT / "out" / "onnx")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
