@@ -174,14 +174,17 @@ def test_masked_attention_matches_the_exported_graph_under_the_same_mask(tmp_pat
 
 
 @pytest.mark.slow
-def test_the_whole_flow_on_the_cpu(tmp_path):
-    """A CPU run of the harness (roberta-tiny, llvm, float32): ours (call path and module), TVM's default
-    pipeline and eager SDPA each checked against float32 and timed; the JSON has every figure (ours' coverage
-    from its manifest included), the table prints."""
+@pytest.mark.parametrize("model, linears, mask_applied", [("roberta-tiny", "0/12", "bigbird"),
+                                                          ("llama-tiny", "0/14", "bigbird AND causal")])
+def test_the_whole_flow_on_the_cpu(tmp_path, model, linears, mask_applied):
+    """A CPU run of the harness (llvm, float32): ours (call path and module), TVM's default pipeline and eager SDPA
+    each checked against float32 and timed; the JSON has every figure (ours' coverage from its manifest included),
+    the table prints. RoBERTa, and a grouped-query decoder (Llama: 4 query heads on 2 key/value heads, causal AND
+    the sparse mask; its reference reads K and V with their own heads)."""
     pytest.importorskip("transformers")
     out, work = tmp_path / "out", tmp_path / "work"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_e2e.py"), "--device", "cpu",
-                           "--models", "roberta-tiny", "--shapes", "2x256", "--skip", "torch-compile", "torch-flex",
+                           "--models", model, "--shapes", "2x256", "--skip", "torch-compile", "torch-flex",
                            "ort", "--samples", "3", "--warmup", "1", "--out", str(out), "--work", str(work)],
                           capture_output=True, text=True, timeout=1500, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -191,11 +194,11 @@ def test_the_whole_flow_on_the_cpu(tmp_path):
         assert row[f"{label}_ok"] and row[f"{label}_ms"] > 0, label
         assert row[f"{label}_err"]["rel"] < 1e-4, label
     assert row["ours_kernel"] in ("block", "row") and row["tvm-default_compile"]["seconds"]["compile"] > 0
-    assert row["ours_linears"] == "0/12"          # llvm: the templates are CUDA kernels; 2 layers x 6 linears
-    assert row["ours_attention_sites"] == "2/2"
+    assert row["ours_linears"] == linears         # llvm: the templates are CUDA kernels; 2 layers x 6 or 7 linears
+    assert row["ours_attention_sites"] == "2/2" and row["mask_applied"] == mask_applied
     assert row["torch-compile_skipped"] == "--skip"
     assert row["ours_vs_best"] > 0 and row["mask_density"] < 1
-    assert "roberta-tiny  2x256" in proc.stdout
+    assert f"{model}  2x256" in proc.stdout
 
 
 def test_benchmark_configs_use_published_init_and_hold_the_shape():
