@@ -5,9 +5,11 @@ Run after the chains that fuse a linear layer with what follows it (QKV into hea
 + LayerNorm): the linears left are plain ones. Two or more of them on one input, with weights of the same ``K``
 (constants, or the parameters a real-size model's weights are), become one GEMM template call on the weights
 concatenated along ``N`` (a weight-only concatenation, lifted into the weight transform; the biases too, zeros for
-a layer without one, where any has one); each layer's value becomes a ``strided_slice`` of its columns, which TVM fuses
-into the elementwise kernel that reads it. Exact: each output column is the same dot product. One launch fewer
-per layer, and a GEMM twice as wide fills more of the GPU at small row counts.
+a layer without one, where any has one); each layer's value becomes a ``strided_slice`` of its columns, which TVM
+fuses into the elementwise kernel that reads it. Exact: each output column is the same dot product. One launch
+fewer per layer, and a GEMM twice as wide fills more of the GPU at small row counts. With the compile option
+``gated_epilogue``, a pair that is a gated unit (``silu(gate) * up``) becomes one GEMM with the product in its
+epilogue instead (:mod:`.gated_units`).
 """
 from __future__ import annotations
 
