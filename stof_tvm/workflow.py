@@ -53,7 +53,8 @@ def tune_for_compile(model, *, mask, batch: int, seq_len: int, database: str, tr
                      dtype: str = "float16", kernel: str = "auto", templates: bool | None = None, gemm: str = "auto",
                      top_k: int = 8, time_budget_s: float | None = None, rpc_tracker: str | None = None,
                      rpc_key: str | None = None, report=None, progress_stream=sys.stderr,
-                     whole_model_check: bool = True, cuda_graph: bool = False) -> dict:
+                     whole_model_check: bool = True, cuda_graph: bool = False,
+                     gated_epilogue: bool = False) -> dict:
     """Stages 1 and 2 for the calls :func:`stof_tvm.compiler.compile` makes with these arguments, then stage 3;
     returns what the manifest records of it: ``{"trials", "top_k", "seconds", "stage1_s", "stage2_s", "measured",
     "tasks", "rounds", "stopped"}`` (``stage1_s``/``stage2_s``: seconds in each stage, over all rounds) and, where
@@ -80,7 +81,8 @@ def tune_for_compile(model, *, mask, batch: int, seq_len: int, database: str, tr
             planning = time.monotonic()
             try:
                 stage1 = plan(model, mask=mask, batch=batch, seq_len=seq_len, dtype=dtype, target=tuning_target(target),
-                              top_k=top_k, kernel=kernel, templates=templates, gemm=gemm, database=database)
+                              top_k=top_k, kernel=kernel, templates=templates, gemm=gemm, database=database,
+                              gated_epilogue=gated_epilogue)
             except NothingToTune as err:
                 say(f"stage 1: {err}; compiling without tuning")
                 summary["stopped"] = str(err)
@@ -119,7 +121,7 @@ def tune_for_compile(model, *, mask, batch: int, seq_len: int, database: str, tr
 
         verdict = stage3(model, database=database, tasks=stage1.tasks, report=say, compile_options={
             "mask": mask, "batch": batch, "seq_len": seq_len, "target": target, "dtype": dtype, "kernel": kernel,
-            "templates": templates, "gemm": gemm, "cuda_graph": cuda_graph})
+            "templates": templates, "gemm": gemm, "cuda_graph": cuda_graph, "gated_epilogue": gated_epilogue})
         if verdict is not None:
             summary["whole_model"] = verdict
     summary["seconds"] = time.monotonic() - started
@@ -150,7 +152,8 @@ def compile(model, *, mask, batch: int, seq_len: int, target="cuda", dtype: str 
         tuned = tune_for_compile(model, mask=mask, batch=batch, seq_len=seq_len, database=database,
                                  trials=tune_trials, target=target, dtype=dtype, kernel=kernel, templates=templates,
                                  gemm=gemm, top_k=top_k, time_budget_s=time_budget_s, rpc_tracker=rpc_tracker,
-                                 rpc_key=rpc_key, report=progress, cuda_graph=cuda_graph)
+                                 rpc_key=rpc_key, report=progress, cuda_graph=cuda_graph,
+                                 gated_epilogue=gated_epilogue)
     artifact = compile_with_records(model, mask=mask, batch=batch, seq_len=seq_len, target=target, dtype=dtype,
                                     kernel=kernel, templates=templates, gemm=gemm, cuda_graph=cuda_graph,
                                     dependent_launch=dependent_launch, database=database, progress=progress,

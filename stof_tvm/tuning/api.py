@@ -28,7 +28,7 @@ def plan(model=None, *, template=None, shape=None, mask="causal", batch: int = 1
          heads: int = 12, head_dim: int = 64, dtype: str = "float16", target="cuda", top_k: int = 8,
          hardware=None, calibration: Calibration | str | None = None, kinds=("block", "row"),
          kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", database: str | None = None,
-         explain: bool = False) -> TuningPlan:
+         explain: bool = False, gated_epilogue: bool = False) -> TuningPlan:
     """Stage 1 only: the tasks ``tune`` would measure (see :func:`tune` for the arguments)."""
     target = tuning_target(target)
     hw = resolve_hardware(hardware, target)
@@ -38,7 +38,7 @@ def plan(model=None, *, template=None, shape=None, mask="causal", batch: int = 1
     if model is not None:
         return plan_model(model, batch=batch, seq_len=seq_len, mask=mask, target=target, dtype=dtype, top_k=top_k,
                           hw=hw, cal=cal, kinds=kinds, kernel=kernel, templates=templates, gemm=gemm,
-                          database=database, explain=explain)
+                          database=database, explain=explain, gated_epilogue=gated_epilogue)
     if template is not None:
         from ..schedules.templates import get_template
 
@@ -56,7 +56,7 @@ def tune(model=None, *, template=None, shape=None, mask="causal", batch: int = 1
          rpc_tracker: str | None = None, rpc_key: str | None = None, hardware=None,
          calibration: Calibration | str | None = None, kinds=("block", "row"), build_workers: int | None = None,
          kernel: str = "auto", templates: bool | None = None, gemm: str = "auto",
-         progress: bool = True) -> TuningReport:
+         progress: bool = True, gated_epilogue: bool = False) -> TuningReport:
     """Tune ``model`` (built-in name, ONNX path or proto), or one ``template`` call at ``shape``, or (neither)
     one attention problem, and record the results in the ``database`` work directory.
 
@@ -65,9 +65,9 @@ def tune(model=None, *, template=None, shape=None, mask="causal", batch: int = 1
     already holds complete are not measured again; a stopped run resumes where it stopped. The report's
     ``plan`` attribute is the stage-1 plan.
 
-    For a model, ``dtype``, ``kernel``, ``templates`` and ``gemm`` are :func:`stof_tvm.compile`'s: the tasks are
-    exactly the calls that compile makes (its front end decides them), measured on the target it builds for,
-    so that compiling with the same arguments and ``database`` uses every record.
+    For a model, ``dtype``, ``kernel``, ``templates``, ``gemm`` and ``gated_epilogue`` are :func:`stof_tvm.compile`'s:
+    the tasks are exactly the calls that compile makes (its front end decides them), measured on the target it
+    builds for, so that compiling with the same arguments and ``database`` uses every record.
     """
     target = tuning_target(target)
     builder = BuildPool(build_workers)
@@ -76,7 +76,7 @@ def tune(model=None, *, template=None, shape=None, mask="causal", batch: int = 1
         stage1 = plan(model, template=template, shape=shape, mask=mask, batch=batch, seq_len=seq_len, heads=heads,
                       head_dim=head_dim, dtype=dtype, target=target, top_k=top_k, hardware=hardware,
                       calibration=calibration, kinds=kinds, kernel=kernel, templates=templates, gemm=gemm,
-                      database=database)
+                      database=database, gated_epilogue=gated_epilogue)
         if stage1.target is not None:
             target = tuning_target(stage1.target)
         report = tune_tasks(stage1.tasks, target, database, trials=trials, time_budget_s=time_budget_s,

@@ -108,10 +108,10 @@ def plan_template(template, shape: Mapping[str, int], target, *, dtype: str = "f
 def plan_model(model, *, batch: int, seq_len: int, mask, target, dtype: str = "float16", top_k: int = 8,
                hw: HardwareProfile = H200, cal: Calibration = DEFAULT_CALIBRATION, kinds=("block", "row"),
                kernel: str = "auto", templates: bool | None = None, gemm: str = "auto", database: str | None = None,
-               explain: bool = False) -> TuningPlan:
+               explain: bool = False, gated_epilogue: bool = False) -> TuningPlan:
     """Tasks for every distinct call a compile of ``model`` at ``batch x seq_len`` under ``mask`` makes.
 
-    ``dtype``, ``kernel``, ``templates``, ``gemm`` and ``database`` mean what they mean for
+    ``dtype``, ``kernel``, ``templates``, ``gemm``, ``database`` and ``gated_epilogue`` mean what they mean for
     :func:`stof_tvm.compile` (whose front end decides the calls: which chains run on which templates, wgmma or
     mma.sync, fused or unfused LayerNorm). Each distinct template call becomes one job weighted by its count;
     the attention problem (user mask combined with the model's own masking) one job weighted by the number of
@@ -130,7 +130,8 @@ def plan_model(model, *, batch: int, seq_len: int, mask, target, dtype: str = "f
     if database is not None and not os.path.isdir(database):
         database = None               # nothing recorded yet (and planning must not create the directory)
     front = front_end(_onnx_model(model), mask=mask, batch=batch, seq_len=seq_len, target=target_spec,
-                      dtype=dtype, kernel=kernel, templates=templates, gemm=gemm, database=database, schedule=False)
+                      dtype=dtype, kernel=kernel, templates=templates, gemm=gemm, database=database, schedule=False,
+                      gated_epilogue=gated_epilogue)
     untuned = TemplateChooser(front.target, None)
     plan = TuningPlan()
     for (name, shape, call_dtype, options), count in _template_calls(front.template_entry).items():
