@@ -66,3 +66,31 @@ def deberta_on_llvm(hf_export):
         return art.load()(inputs)["last_hidden_state"], inputs["attention_mask"].astype(bool), art
 
     return run
+
+
+@pytest.fixture
+def llama_export(tmp_path):
+    """``llama_export(hidden, heads, kv_heads, batch, seq_len, intermediate=512) -> (model, path)``: a one-layer HF
+    Llama of those widths (head_dim hidden / heads; SDPA attention, seeded weights as hf_export draws them) exported
+    by the TorchScript exporter into ``tmp_path``, for shapes the tiny corpus does not have (weights large enough to
+    be imported as parameters, widths no wgmma tile divides)."""
+    transformers = pytest.importorskip("transformers", reason="exports need transformers (pip install -e '.[test]')")
+    import torch
+
+    from stof_tvm.models import hf_export as hx
+
+    def export(hidden: int, heads: int, kv_heads: int, batch: int, seq_len: int, intermediate: int = 512):
+        config = transformers.LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=intermediate,
+                                          num_hidden_layers=1, num_attention_heads=heads,
+                                          num_key_value_heads=kv_heads, max_position_embeddings=max(512, seq_len),
+                                          pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False,
+                                          initializer_range=hx.INIT_RANGE, attn_implementation="sdpa")
+        torch.manual_seed(0)
+        model = hx._wrapped(transformers.LlamaModel(config).eval(), "llama")
+        with warnings.catch_warnings():                 # the exporter's tracer warnings
+            warnings.simplefilter("ignore")
+            path = hx.export(model, tmp_path / f"llama_{hidden}_{heads}_{kv_heads}.onnx", batch=batch,
+                             seq_len=seq_len)
+        return model, path
+
+    return export

@@ -142,25 +142,15 @@ def test_the_rewrite_computes_the_graphs_gated_unit(silu_form, constants, monkey
     assert np.abs(results[1] - results[0]).max() <= 0.02 * np.abs(expected).max()
 
 
-def test_tuning_plans_the_gated_gemm_when_the_compile_takes_it(tmp_path, monkeypatch):
+def test_tuning_plans_the_gated_gemm_when_the_compile_takes_it(llama_export, monkeypatch):
     """``gated_epilogue`` reaches stage 1 too: a plan for a Llama export (real-size weights: parameters) has a task
     for the gated template and none for a GEMM of the two weights concatenated, as the compile makes the calls."""
-    transformers = pytest.importorskip("transformers")
-    import torch
-
     from stof_tvm.compiler import gated_units, linear_match
-    from stof_tvm.models import hf_export as hx
     from stof_tvm.tuning import plan
 
     for module in (gated_units, linear_match):
         monkeypatch.setattr(module, "WGMMA_MIN_TILES", 1)
-    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                      pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False,
-                                      attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = hx._wrapped(transformers.LlamaModel(config).eval(), "llama")
-    path = hx.export(model, tmp_path / "llama256.onnx", batch=2, seq_len=64)
+    _, path = llama_export(256, 4, 2, 2, 64)
 
     def calls(gated):
         stage1 = plan(str(path), mask="bigbird", batch=2, seq_len=64, target="cuda", gemm="wgmma",

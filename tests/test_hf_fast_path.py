@@ -241,23 +241,12 @@ def test_grouped_query_attention_on_wgmma_reads_unrepeated_kv_heads(hf_export):
     assert _attention_kv_shapes(front.mod) == [[(BATCH, 2, SEQ, 32)] * 2] * LAYERS
 
 
-def test_grouped_qkv_gemm_gains_zero_columns_to_run_on_wgmma(tmp_path):
+def test_grouped_qkv_gemm_gains_zero_columns_to_run_on_wgmma(llama_export):
     """A grouped-query model whose Q, K and V together are no whole number of wgmma tiles (9 query heads of 64 on
     one key/value head: 704 columns, as SmolLM2-360M's 1600) still gets its one GEMM on wgmma: the weight gains 64
     zero columns (768) and each part is sliced from the columns it had, so the extra ones are never read."""
-    transformers = pytest.importorskip("transformers")
-    import torch
-
-    from stof_tvm.models import hf_export as hx
-
-    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=576, intermediate_size=512, num_hidden_layers=1,
-                                      num_attention_heads=9, num_key_value_heads=1, max_position_embeddings=1024,
-                                      pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False,
-                                      attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = hx._wrapped(transformers.LlamaModel(config).eval(), "llama")
     batch, seq = 2, 768                   # 1536 rows: 72 tiles of 128 x 128 once padded
-    path = hx.export(model, tmp_path / "llama9.onnx", batch=batch, seq_len=seq)
+    _, path = llama_export(576, 9, 1, batch, seq)
     front = front_end(path, mask="bigbird", batch=batch, seq_len=seq, target="cuda", dtype="float16",
                       schedule=False)
     (site,) = [site for site in front.template_entry["sites"] if site["chain"] == "qkv_gemm"]
@@ -272,23 +261,14 @@ def test_grouped_qkv_gemm_gains_zero_columns_to_run_on_wgmma(tmp_path):
     assert bounds == [(0, 576), (576, 640), (640, 704)]          # Q, K, V: none reaches the zero columns
 
 
-def test_gate_and_up_weights_imported_as_parameters_still_make_one_gemm(tmp_path):
+def test_gate_and_up_weights_imported_as_parameters_still_make_one_gemm(llama_export):
     """Weights of 64K elements or more are imported as parameters, not constants (every real-size model's: HF Llama's
     gate and up at hidden 256 and 512 features here), and a float16 compile casts the RMSNorm output once per
     reader: gate and up are still one GEMM (the weights concatenated in the weight transform), and the model, called
     as users call it on llvm through the templates' definitions, still matches torch float32."""
-    transformers = pytest.importorskip("transformers")
-    import torch
-
     from stof_tvm.models import hf_export as hx
 
-    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                      pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False,
-                                      initializer_range=hx.INIT_RANGE, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = hx._wrapped(transformers.LlamaModel(config).eval(), "llama")
-    path = hx.export(model, tmp_path / "llama256.onnx", batch=BATCH, seq_len=SEQ)
+    model, path = llama_export(256, 4, 2, BATCH, SEQ)
     front = front_end(path, mask="dense", batch=BATCH, seq_len=SEQ, target="cuda", dtype="float16", schedule=False)
     merged = [site for site in front.template_entry["sites"] if site.get("note", "").startswith("2 linear layers")]
     assert [site["stages"][0]["shape"]["n"] for site in merged] == [2 * 512]
