@@ -40,7 +40,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 FAMILIES = ("bert", "roberta", "distilbert", "gpt2", "vit", "t5", "deberta", "bloom", "phi", "gemma", "mistral",
-            "gptneox", "bart", "clip", "modernbert", "qwen2", "opt", "llama")
+            "gptneox", "bart", "clip", "modernbert", "qwen2", "opt", "llama", "phi3")
 SPARSE_MASK = "bigbird:window=8,globals=8,block=8,density=0.2"
 SEQ = 64
 TOLERANCE = 5e-3          # float16 against float32: the corpus's FP16_TOL

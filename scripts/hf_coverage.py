@@ -22,7 +22,7 @@ FORMS = ["bert:sdpa:torchscript:17", "bert:eager:dynamo:18", "roberta:eager:torc
          "gpt2:sdpa:dynamo:18", "vit:eager:torchscript:17", "vit:sdpa:dynamo:18", "t5:eager:torchscript:17",
          "t5:eager:dynamo:18", "bigbird:eager:torchscript:17", "bigbird:eager:dynamo:18",
          "deberta:eager:torchscript:17", "llama:eager:dynamo:18", "qwen2:sdpa:torchscript:17",
-         "mistral:sdpa:torchscript:17"]
+         "mistral:sdpa:torchscript:17", "phi3:sdpa:dynamo:18"]
 COLUMNS = [("attention", "attention"), ("linear", "linears"), ("qkv", "QKV fused"), ("act", "GELU/ReLU fused"),
            ("norm", "LN/RMSNorm")]
 

@@ -280,6 +280,20 @@ def test_single_concat_removed():
            ["relax.concat"])
 
 
+@pytest.mark.parametrize("others", [0, 1])
+def test_concat_parts_with_no_element_dropped(others):
+    """Phi-3's rotary embedding: ``concat([rotated, x[..., D:]])`` with an empty pass-through part (the whole head
+    rotates) -> the rotated part alone (or a concat of the parts left); the empty slice goes with it."""
+    def body(bb, x):
+        rotated = bb.emit(relax.op.negative(x))
+        empty = bb.emit(relax.op.strided_slice(x, axes=[3], begin=[D], end=[D]))
+        parts = [rotated, empty] + [x] * others
+        return relax.op.nn.softmax(bb.emit(relax.op.concat(parts, axis=-1)), axis=-1)
+
+    absent = ["relax.strided_slice"] + (["relax.concat"] if not others else [])
+    _check(layout.SingleConcat(), _function([_tensor("x", (B, H, S, D))], body), ["relax.nn.softmax"], absent)
+
+
 def test_transpose_through_3d_becomes_one_permute():
     """The dynamo exporter's K^T: reshape to [B*H, S, D], transpose, reshape to [B, H, D, S]."""
     def body(bb, k):

@@ -26,9 +26,10 @@ position term computed from the attention mask), ``phi`` (head_dim 80 as in Phi-
 attention and padding), ``modernbert`` (a global and a sliding-window layer: masks that differ between layers),
 ``gemma2`` (logit soft-capping, a sliding-window and a global layer; it compiles through TVM's default pipeline,
 with a warning saying why), ``qwen2`` (biased Q, K and V projections, one key/value head), ``opt`` (ReLU, learned
-positions counted from the attention mask, pre-LayerNorm) and ``llama`` (grouped keys/values: twice the heads of the
-tiny shape, 4 of 32, sharing 2 key/value heads). Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden 128, head_dim
-64), ``tiny-d32`` (the same with 4 heads of 32), ``base`` (the published base model's shape: bert-base,
+positions counted from the attention mask, pre-LayerNorm), ``llama`` (grouped keys/values: twice the heads of the
+tiny shape, 4 of 32, sharing 2 key/value heads) and ``phi3`` (the same heads through one fused QKV projection split
+unevenly, and one fused gate/up projection split in halves). Sizes (:data:`SIZES`): ``tiny`` (2 layers, hidden 128,
+head_dim 64), ``tiny-d32`` (the same with 4 heads of 32), ``base`` (the published base model's shape: bert-base,
 roberta-base, distilbert-base, gpt2, vit-base, t5-base encoder, bigbird-roberta-base, longformer-base,
 deberta-v3-base), ``large`` (bert-large), ``360m`` (llama only: SmolLM2-360M's published config) and ``500m``
 (qwen2 only: Qwen2.5-0.5B's). Attention
@@ -47,10 +48,10 @@ import numpy as np
 
 FAMILIES = ("bert", "roberta", "distilbert", "gpt2", "vit", "t5", "bigbird", "bigbird-sparse", "longformer",
             "deberta", "bloom", "phi", "gemma", "mistral", "gptneox", "bart", "clip", "modernbert", "gemma2", "qwen2",
-            "opt", "llama")
+            "opt", "llama", "phi3")
 # families built at the tiny size only (the decoder-only ones' published sizes are billions of weights)
 TINY_ONLY = ("bloom", "phi", "gemma", "mistral", "gptneox", "bart", "clip", "modernbert", "gemma2", "qwen2", "opt",
-             "llama")
+             "llama", "phi3")
 SIZES = ("tiny", "tiny-d32", "tiny-w768", "base", "large", "360m", "500m")
 # sizes one family has only: bert-large; the grouped-query decoders the end-to-end benchmark times beside the
 # encoders, at published shapes: SmolLM2-360M for llama (15 query heads of 64 on 5 key/value heads, hidden 960, 32
@@ -179,6 +180,8 @@ def _tiny_only_config(tf, family: str, hidden: int, layers: int, heads: int, ffn
         return tf.Qwen2Config(**llama_like, num_key_value_heads=1)
     if family == "llama":        # grouped-query attention with groups of two: 4 query heads of 32, 2 key/value heads
         return tf.LlamaConfig(**{**llama_like, "num_attention_heads": 2 * heads}, num_key_value_heads=heads)
+    if family == "phi3":         # one fused QKV projection split unevenly (grouped K and V), one fused gate_up split
+        return tf.Phi3Config(**{**llama_like, "num_attention_heads": 2 * heads}, num_key_value_heads=heads)
     if family == "opt":          # ReLU, learned positions from the attention mask's cumulative sum (offset 2)
         return tf.OPTConfig(vocab_size=VOCAB_TINY, hidden_size=hidden, num_hidden_layers=layers, ffn_dim=ffn,
                             num_attention_heads=heads, word_embed_proj_dim=hidden, max_position_embeddings=512,
@@ -224,7 +227,7 @@ def _model_class(family: str):
             "bloom": tf.BloomModel, "phi": tf.PhiModel, "gemma": tf.GemmaModel, "mistral": tf.MistralModel,
             "gptneox": tf.GPTNeoXModel, "bart": _bart_encoder, "clip": tf.CLIPTextModel,
             "modernbert": tf.ModernBertModel, "gemma2": tf.Gemma2Model, "qwen2": tf.Qwen2Model,
-            "opt": tf.OPTModel, "llama": tf.LlamaModel}[family]
+            "opt": tf.OPTModel, "llama": tf.LlamaModel, "phi3": tf.Phi3Model}[family]
 
 
 def _bart_encoder(config):

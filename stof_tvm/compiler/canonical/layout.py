@@ -1,8 +1,10 @@
 """Layout detours exporters take on the way into attention, removed.
 
-- :class:`SingleConcat`: ``concat((x,))`` -> ``x``. transformers 5's GPT-2 appends K and V to an empty cache
-  (``torch.cat([empty, k])``); the exporter drops the empty part and leaves a concat of one tensor between the
-  head split and the attention product.
+- :class:`SingleConcat`: ``concat((x,))`` -> ``x``, parts with no element dropped first. transformers 5's GPT-2
+  appends K and V to an empty cache (``torch.cat([empty, k])``); the exporter drops the empty part and leaves a
+  concat of one tensor between the head split and the attention product. Phi-3's rotary embedding concatenates the
+  rotated part of Q and K with the rest (``q[..., rotary_dim:]``), empty when the whole head rotates; TVM's GPU
+  schedules cannot take the zero-length loop that part would become.
 - :class:`TransposeThrough3D`: ``reshape(permute_dims(reshape(x, [B*H, S, D]), [0, 2, 1]), [B, H, D, S])`` ->
   ``permute_dims(x, [0, 1, 3, 2])`` (the dynamo exporter's K^T of SDPA's decomposition, over 3-D batches).
 - :class:`PermutePairs`: ``permute_dims(permute_dims(x, a), b)`` -> one permute (or ``x``), so that K's head split
@@ -38,7 +40,8 @@ from .base import Rule, op_name, resolve, rewrite_matches, scalar_constant, tens
 
 
 class SingleConcat(Rule):
-    """``concat((x,), axis)`` -> ``x``."""
+    """``concat((x,), axis)`` -> ``x``, after dropping the parts with no element along ``axis`` (a concat of the
+    others where more than one is left)."""
 
     name = "single_concat"
     pattern = is_op("relax.concat")(wildcard())
@@ -48,11 +51,23 @@ class SingleConcat(Rule):
 
         def rewrite(expr, matches):
             parts = resolve(expr.args[0], var2val)
-            if not isinstance(parts, relax.Tuple) or len(parts.fields) != 1:
+            if not isinstance(parts, relax.Tuple):
                 return None
-            return parts.fields[0]
+            axis = int(expr.attrs.axis)
+            kept = [part for part in parts.fields if not _empty_along(part, axis)]
+            if len(kept) == 1:
+                return kept[0]
+            if not kept or len(kept) == len(parts.fields):
+                return None
+            return relax.op.concat(kept, axis=axis)
 
         return rewrite_matches(self.pattern, rewrite, func)
+
+
+def _empty_along(expr, axis: int) -> bool:
+    """Whether ``expr``'s static shape has no element along ``axis``."""
+    shape = tensor_shape(expr)
+    return shape is not None and shape[axis] == 0
 
 
 def _axes(call) -> list[int] | None:
