@@ -95,12 +95,11 @@ def test_the_rewrite_computes_the_graphs_gated_unit(silu_form, constants, monkey
     gate, up, sigmoid and SiLU bindings are gone."""
     from tvm import relax
 
-    from stof_tvm.compiler import gated_units, linear_match
+    from stof_tvm.compiler import linear_match
     from stof_tvm.compiler.downstream import use_templates
     from stof_tvm.schedules.templates import cuda_target
 
-    for module in (gated_units, linear_match):          # a small GEMM still takes wgmma and the template
-        monkeypatch.setattr(module, "WGMMA_MIN_TILES", 1)
+    monkeypatch.setattr(linear_match, "WGMMA_MIN_TILES", 1)   # a small GEMM still takes wgmma and the template
     batch, seq, k, n = 2, 64, 128, 128
     rng = np.random.default_rng(7)
     values = [rng.standard_normal((batch, seq, k)).astype(np.float16)]
@@ -145,11 +144,10 @@ def test_the_rewrite_computes_the_graphs_gated_unit(silu_form, constants, monkey
 def test_tuning_plans_the_gated_gemm_when_the_compile_takes_it(llama_export, monkeypatch):
     """``gated_epilogue`` reaches stage 1 too: a plan for a Llama export (real-size weights: parameters) has a task
     for the gated template and none for a GEMM of the two weights concatenated, as the compile makes the calls."""
-    from stof_tvm.compiler import gated_units, linear_match
+    from stof_tvm.compiler import linear_match
     from stof_tvm.tuning import plan
 
-    for module in (gated_units, linear_match):
-        monkeypatch.setattr(module, "WGMMA_MIN_TILES", 1)
+    monkeypatch.setattr(linear_match, "WGMMA_MIN_TILES", 1)
     _, path = llama_export(256, 4, 2, 2, 64)
 
     def calls(gated):

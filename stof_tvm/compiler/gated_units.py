@@ -19,8 +19,7 @@ from tvm import relax
 from tvm.ir.expr import Constant
 
 from ..schedules.templates.gated_gemm import interleaved_rows
-from ..schedules.templates.gemm_wgmma import space_rows
-from .linear_match import LINEAR_BIAS, LINEAR_W, WGMMA_MIN_TILES, WGMMA_TILES, is_call, wgmma_misfit
+from .linear_match import LINEAR_BIAS, LINEAR_W, fills_gpu, is_call, wgmma_misfit
 
 TEMPLATE = "gemm_silu_mul_wgmma"
 
@@ -65,9 +64,11 @@ def _silu_of(gate, users) -> tuple[relax.Var, tuple] | None:
 
 
 def find_gated_unit(members, users) -> GatedUnit | None:
-    """The :class:`GatedUnit` of a sibling group (``members``: its two linears, ``.var`` and ``.matches``), or None:
-    bias-free, one of them read only through its SiLU, the other only by the product of that SiLU with it."""
-    if len(members) != 2 or any(LINEAR_BIAS in member.matches for member in members):
+    """The :class:`GatedUnit` of a sibling group (``members``: its two linears, ``.var``, ``.matches`` and ``.n``), or
+    None: bias-free, of one width, one of them read only through its SiLU, the other only by the product of that SiLU
+    with it."""
+    if (len(members) != 2 or any(LINEAR_BIAS in member.matches for member in members)
+            or members[0].n != members[1].n):
         return None
     for gate, up in (members, members[::-1]):
         silu = _silu_of(gate.var, users)
@@ -86,9 +87,7 @@ def find_gated_unit(members, users) -> GatedUnit | None:
 def fits(m: int, n: int, k: int) -> bool:
     """Whether the template takes an [m, k] input and two [k, n] weights: the 2n-column GEMM tiles on wgmma, and its
     128-row tiles fill the GPU without split-K (which the gated epilogue does not take)."""
-    columns = 2 * n
-    return (wgmma_misfit(m, columns, k) is None
-            and (space_rows(m) // WGMMA_TILES["m"]) * (columns // WGMMA_TILES["n"]) >= WGMMA_MIN_TILES)
+    return wgmma_misfit(m, 2 * n, k) is None and fills_gpu(m, 2 * n)
 
 
 def interleaved_weight(unit: GatedUnit, visit) -> relax.Expr:

@@ -45,10 +45,19 @@ def wgmma_misfit(m: int, n: int, k: int) -> str | None:
         misfit.append(f"k % {WGMMA_TILES['k']} == 0")
     if misfit:
         return f"wgmma needs {', '.join(misfit)}: mma.sync"
-    tiles = (space_rows(m) // WGMMA_TILES["m"]) * (n // WGMMA_TILES["n"])   # a partial last row tile counts
-    if tiles >= WGMMA_MIN_TILES or (SPLIT_K_GATE and split_k_blocks(m, n, k) >= SPLIT_K_MIN_BLOCKS):
+    if fills_gpu(m, n) or (SPLIT_K_GATE and split_k_blocks(m, n, k) >= SPLIT_K_MIN_BLOCKS):
         return None
-    return f"{tiles} wgmma tiles fill too few SMs (< {WGMMA_MIN_TILES}): mma.sync"
+    return f"{wgmma_tiles(m, n)} wgmma tiles fill too few SMs (< {WGMMA_MIN_TILES}): mma.sync"
+
+
+def wgmma_tiles(m: int, n: int) -> int:
+    """The 128 x 128 output tiles of an [m, n] GEMM output, a partial last row tile counted whole."""
+    return (space_rows(m) // WGMMA_TILES["m"]) * (n // WGMMA_TILES["n"])
+
+
+def fills_gpu(m: int, n: int) -> bool:
+    """Whether an [m, n] output's wgmma tiles fill enough of the GPU without split-K (:data:`WGMMA_MIN_TILES`)."""
+    return wgmma_tiles(m, n) >= WGMMA_MIN_TILES
 
 
 ROW_MULTIPLE = 16     # the mma.sync GEMM templates' row granularity

@@ -70,7 +70,7 @@ def _gated_units(t, func: relax.Function, groups: list[list[_Sibling]]) -> dict:
     for group in groups:
         _, m, n, k, _ = group[0].dims
         unit = find_gated_unit(group, users)
-        if unit is not None and len({member.n for member in group}) == 1 and fits(m, n, k):
+        if unit is not None and fits(m, n, k):
             units[group[0].var] = unit
     return units
 

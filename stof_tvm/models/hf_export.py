@@ -32,8 +32,7 @@ unevenly, and one fused gate/up projection split in halves). Sizes (:data:`SIZES
 head_dim 64), ``tiny-d32`` (the same with 4 heads of 32), ``base`` (the published base model's shape: bert-base,
 roberta-base, distilbert-base, gpt2, vit-base, t5-base encoder, bigbird-roberta-base, longformer-base,
 deberta-v3-base), ``large`` (bert-large), ``360m`` (llama only: SmolLM2-360M's published config) and ``500m``
-(qwen2 only: Qwen2.5-0.5B's). Attention
-``sdpa`` exists where transformers implements it (:func:`attention_kinds`).
+(qwen2 only: Qwen2.5-0.5B's). Attention ``sdpa`` exists where transformers implements it (:func:`attention_kinds`).
 
 torch and transformers are imported when a function needs them: they are test extras, not stof-tvm
 dependencies.
